@@ -1,0 +1,21 @@
+"""Errors Harmony raises to its users."""
+
+from __future__ import annotations
+
+
+class HarmonyError(Exception):
+    """Base of every error Harmony raises on purpose."""
+
+
+class InputError(HarmonyError, ValueError):
+    """An argument of harmony.train is wrong; raised before any worker starts, naming model and argument."""
+
+
+class ModelError(HarmonyError, RuntimeError):
+    """A model's own code (forward, loss or optimizer) raised while training; carries the original traceback."""
+
+    def __init__(self, model: int, message: str, traceback_text: str = "") -> None:
+        self.model = model
+        self.traceback_text = traceback_text
+        text = message if not traceback_text else f"{message}\n\nOriginal traceback:\n{traceback_text}"
+        super().__init__(text)

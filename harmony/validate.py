@@ -1,0 +1,236 @@
+"""Check and normalize harmony.train's arguments before anything starts; every error names model and argument."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from distributed import Client
+from torch import nn
+
+from harmony.errors import InputError
+from harmony.runtime.data import batch_size
+from harmony.runtime.devices import DeviceSpecError, parse_devices
+from harmony.sizes import parse_size
+
+
+@dataclass
+class Loader:
+    """A loader, the iterator its first batch came from, and that first batch."""
+
+    loader: Iterable[Any]
+    iterator: Iterator[Any]
+    first: tuple[Any, Any]
+
+
+@dataclass
+class Arguments:
+    """harmony.train's arguments, normalized to one entry per model."""
+
+    models: list[nn.Module]
+    loaders: list[Loader]
+    loader_of: list[int]
+    loss_fns: list[Callable[..., torch.Tensor]]
+    optimizers: list[Callable[..., torch.optim.Optimizer]]
+    epochs: int
+    steps: int | None
+    microbatches: int
+    devices: list[str]
+    device_memory: int | None
+    cluster: str | Client | None
+
+
+def model_label(index: int, model: nn.Module) -> str:
+    return f"model {index} ({type(model).__name__})"
+
+
+def _models(models: Any) -> list[nn.Module]:
+    if isinstance(models, nn.Module):
+        return [models]
+    if not isinstance(models, (list, tuple)):
+        raise InputError(f"models must be an nn.Module or a list of them, got {type(models).__name__}")
+    if not models:
+        raise InputError("models is empty: pass an nn.Module or a non-empty list of nn.Modules")
+    seen: dict[int, int] = {}
+    for index, model in enumerate(models):
+        if not isinstance(model, nn.Module):
+            raise InputError(f"models[{index}] is a {type(model).__name__}, not a torch.nn.Module")
+        if id(model) in seen:
+            raise InputError(
+                f"models[{index}] is the same module object as models[{seen[id(model)]}]; pass distinct "
+                "modules (copy.deepcopy one to train two copies)"
+            )
+        seen[id(model)] = index
+    return list(models)
+
+
+def _is_batch(value: Any) -> bool:
+    return isinstance(value, (tuple, list)) and len(value) == 2 and _has_tensor(value[0])
+
+
+def _has_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, (list, tuple)):
+        return any(_has_tensor(v) for v in value)
+    if isinstance(value, dict):
+        return any(_has_tensor(v) for v in value.values())
+    return False
+
+
+def _peek(loader: Any, label: str, passes: bool) -> Loader:
+    try:
+        iterator = iter(loader)
+    except TypeError:
+        raise InputError(f"{label} is a {type(loader).__name__}, which is not iterable; pass a DataLoader "
+                         "or any re-iterable of (inputs, targets) batches") from None
+    if passes and iterator is loader:
+        raise InputError(
+            f"{label} is an iterator that can be read only once, but training needs more than one pass; "
+            "pass a DataLoader or a list of batches"
+        )
+    try:
+        first = next(iterator)
+    except StopIteration:
+        raise InputError(f"{label} yields no batches") from None
+    if not _is_batch(first):
+        kind = type(first).__name__ + (f" of length {len(first)}" if isinstance(first, (tuple, list)) else "")
+        raise InputError(
+            f"{label} yields a {kind}; every batch must be an (inputs, targets) pair whose inputs hold tensors"
+        )
+    if batch_size(first[0]) < 1:
+        raise InputError(f"{label}: the inputs of a batch need a batch dimension (dim 0) of at least 1 sample")
+    return Loader(loader, iterator, (first[0], first[1]))
+
+
+def _loaders(loaders: Any, count: int, passes: bool) -> tuple[list[Loader], list[int]]:
+    per_model = isinstance(loaders, (list, tuple)) and not (loaders and _is_batch(loaders[0]))
+    if not per_model:
+        return [_peek(loaders, "loaders", passes)], [0] * count
+    if len(loaders) != count:
+        raise InputError(
+            f"got {len(loaders)} loaders for {count} models; pass one loader shared by all models or "
+            "a list with exactly one loader per model"
+        )
+    peeked: list[Loader] = []
+    loader_of = []
+    for index, loader in enumerate(loaders):
+        shared = next((i for i, known in enumerate(peeked) if known.loader is loader), None)
+        if shared is None:
+            peeked.append(_peek(loader, f"loaders[{index}] (for model {index})", passes))
+            shared = len(peeked) - 1
+        loader_of.append(shared)
+    return peeked, loader_of
+
+
+def _per_model(value: Any, count: int, argument: str) -> list[Any]:
+    if isinstance(value, (list, tuple)):
+        if len(value) != count:
+            raise InputError(f"got {len(value)} entries in {argument} for {count} models; pass one shared "
+                             f"{argument} or exactly one per model")
+        return list(value)
+    return [value] * count
+
+
+def _loss_fns(loss_fn: Any, models: list[nn.Module]) -> list[Callable[..., torch.Tensor]]:
+    if loss_fn is None:
+        raise InputError("loss_fn is required: a callable(output, target) -> scalar tensor, or one per model")
+    fns = _per_model(loss_fn, len(models), "loss_fn")
+    for index, fn in enumerate(fns):
+        if not callable(fn):
+            raise InputError(f"loss_fn for {model_label(index, models[index])} is a {type(fn).__name__}, "
+                             "not a callable(output, target) -> scalar tensor")
+    return fns
+
+
+def _optimizers(optimizer: Any, models: list[nn.Module]) -> list[Callable[..., torch.optim.Optimizer]]:
+    if optimizer is None:
+        raise InputError("optimizer is required: a factory such as lambda params: torch.optim.SGD(params, lr=0.1)")
+    factories = _per_model(optimizer, len(models), "optimizer")
+    for index, factory in enumerate(factories):
+        label = model_label(index, models[index])
+        if isinstance(factory, torch.optim.Optimizer):
+            raise InputError(
+                f"optimizer for {label} is an optimizer instance ({type(factory).__name__}); Harmony builds one "
+                f"optimizer per layer pack, so pass a factory instead, e.g. "
+                f"lambda params: torch.optim.{type(factory).__name__}(params, lr=...)"
+            )
+        if not callable(factory):
+            raise InputError(f"optimizer for {label} is a {type(factory).__name__}, not a factory "
+                             "callable(params) -> torch.optim.Optimizer")
+        probe = [nn.Parameter(torch.zeros(1))]
+        try:
+            built = factory(probe)
+        except Exception as error:
+            raise InputError(f"optimizer factory for {label} failed when called with a list of parameters: "
+                             f"{type(error).__name__}: {error}") from error
+        if not isinstance(built, torch.optim.Optimizer):
+            raise InputError(f"optimizer factory for {label} returned a {type(built).__name__}, "
+                             "not a torch.optim.Optimizer")
+    return factories
+
+
+def _positive_int(value: Any, argument: str, allow_none: bool = False) -> int | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InputError(f"{argument}={value!r} must be a positive integer")
+    return value
+
+
+def validate(
+    models: Any,
+    loaders: Any,
+    loss_fn: Any,
+    optimizer: Any,
+    epochs: Any,
+    steps: Any,
+    microbatches: Any,
+    devices: Any,
+    device_memory: Any,
+    cluster: Any,
+) -> Arguments:
+    """Normalize and check every argument; raises InputError before any work starts."""
+    model_list = _models(models)
+    epoch_count = _positive_int(epochs, "epochs")
+    step_count = _positive_int(steps, "steps", allow_none=True)
+    assert epoch_count is not None
+    micro = _positive_int(microbatches, "microbatches")
+    assert micro is not None
+    loss_fns = _loss_fns(loss_fn, model_list)
+    optimizers = _optimizers(optimizer, model_list)
+    passes = step_count is not None or epoch_count > 1
+    loader_list, loader_of = _loaders(loaders, len(model_list), passes)
+    for index, loader_index in enumerate(loader_of):
+        samples = batch_size(loader_list[loader_index].first[0])
+        if micro > samples:
+            raise InputError(
+                f"microbatches={micro} is larger than the first batch of {model_label(index, model_list[index])}'s "
+                f"loader ({samples} samples); use at most {samples} micro-batches or larger batches"
+            )
+    try:
+        device_list = parse_devices(devices)
+    except DeviceSpecError as error:
+        raise InputError(str(error)) from None
+    try:
+        budget = None if device_memory is None else parse_size(device_memory, "device_memory")
+    except ValueError as error:
+        raise InputError(str(error)) from None
+    if cluster is not None and not isinstance(cluster, (str, Client)):
+        raise InputError(f"cluster={cluster!r} must be None (an embedded cluster), a scheduler address such as "
+                         "'tcp://host:8786', or a distributed.Client")
+    return Arguments(
+        models=model_list,
+        loaders=loader_list,
+        loader_of=loader_of,
+        loss_fns=loss_fns,
+        optimizers=optimizers,
+        epochs=epoch_count,
+        steps=step_count,
+        microbatches=micro,
+        devices=device_list,
+        device_memory=budget,
+        cluster=cluster,
+    )

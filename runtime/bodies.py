@@ -1,0 +1,145 @@
+"""Task bodies that device workers run: fwd, bwd and upd of one pack of one model for one step.
+
+fwd runs every micro-batch of the step through the pack with its weights swapped in once, keeps
+nothing on the device and returns the outputs (the next pack's boundary inputs). bwd recomputes the
+pack from its boundary inputs and backpropagates each micro-batch, accumulating weight gradients on
+the device, and sends them to the host store once; the last pack's bwd runs forward, loss and
+backward together. upd steps the pack's optimizer on the host store. Packs are cut only where one
+tensor flows, so the boundary values between packs (and their gradients) are single tensors.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+from harmony.runtime.cache import BudgetExceeded
+from harmony.runtime.errors import ModelFailure
+from harmony.runtime.hoststore import tensors_at
+from harmony.runtime.spec import LOSS_BLOCK, losses_name
+from harmony.runtime.worker import RunContext, context
+from torch.func import functional_call
+
+Result = TypeVar("Result")
+
+
+def _seed(base: int, pack: int, step: int, microbatch: int) -> None:
+    """Seed the RNG so that a pack's recompute in bwd draws what its fwd drew (dropout masks)."""
+    torch.manual_seed((((base * 1_000_003 + step) * 1_009 + pack) * 65_537 + microbatch) % (2**63 - 1))
+
+
+def task_body(kind: str) -> Callable[[Callable[..., Result]], Callable[..., Result]]:
+    """Look the run up, give torch the device's threads, time the task, and report user errors by model."""
+
+    def decorate(body: Callable[..., Result]) -> Callable[..., Result]:
+        @functools.wraps(body)
+        def run(run_id: str, model: int, pack: int, step: int, *args: Any) -> Result:
+            ctx = context(run_id)
+            ctx.use_threads()
+            started = time.perf_counter_ns()
+            try:
+                return body(ctx, model, pack, step, *args)
+            except (BudgetExceeded, ModelFailure):
+                raise
+            except Exception as error:
+                where = f"{kind} of pack {pack} at step {step} on {ctx.device_spec.name}"
+                raise ModelFailure(model, where, f"{type(error).__name__}: {error}", traceback.format_exc()) from None
+            finally:
+                ctx.counters.add("busy_ns", time.perf_counter_ns() - started)
+                ctx.counters.add("tasks", 1)
+
+        return run
+
+    return decorate
+
+
+@task_body("fwd")
+def forward(ctx: RunContext, model: int, pack: int, step: int, inputs: list[Any]) -> list[Any]:
+    spec = ctx.spec.models[model]
+    runtime = spec.packs[pack]
+    module = ctx.module(model, pack)
+    host = ctx.host_weights(model, pack)
+    outputs = []
+    with ctx.cache.weights((model, pack), step, host) as weights:
+        tensors = tensors_at(weights, runtime.weights)
+        for index, microbatch in enumerate(inputs):
+            with ctx.cache.scratch(runtime.workspace, f"activations of pack {pack}"), torch.no_grad():
+                x = ctx.cache.copy_in(microbatch, "inputs" if pack == 0 else "activations")
+                _seed(spec.seed, pack, step, index)
+                y = functional_call(module, tensors, (x,))
+                outputs.append(ctx.cache.copy_out(y, "activations"))
+        if runtime.has_buffers:
+            ctx.cache.write_back(weights[runtime.buffers_offset :], host[runtime.buffers_offset :], "buffers")
+    return outputs
+
+
+@task_body("bwd")
+def backward(
+    ctx: RunContext,
+    model: int,
+    pack: int,
+    step: int,
+    inputs: list[Any],
+    gradients_or_targets: list[Any],
+    loss_weights: list[float],
+) -> list[Any] | None:
+    spec = ctx.spec.models[model]
+    runtime = spec.packs[pack]
+    last = pack == len(spec.packs) - 1
+    module = ctx.module(model, pack)
+    host = ctx.host_weights(model, pack)
+    input_grads = []
+    loss_total = 0.0
+    with (
+        ctx.cache.weights((model, pack), step, host) as weights,
+        ctx.cache.scratch(runtime.grads.nbytes, f"gradients of pack {pack}"),
+    ):
+        grad_bytes = torch.zeros(runtime.grads.nbytes, dtype=torch.uint8, device=ctx.device)
+        grads = tensors_at(grad_bytes, runtime.grads)
+        tensors = tensors_at(weights, runtime.weights)
+        saved_buffers = (
+            weights[runtime.buffers_offset :].clone() if runtime.has_buffers and not last else None
+        )
+        for index, microbatch in enumerate(inputs):
+            with ctx.cache.scratch(runtime.workspace, f"activations of pack {pack}"):
+                x = ctx.cache.copy_in(microbatch, "inputs" if pack == 0 else "activations")
+                if pack > 0:
+                    x.requires_grad_(x.is_floating_point())
+                leaves = {}
+                for name, grad in grads.items():
+                    leaf = tensors[name].detach().requires_grad_()
+                    leaf.grad = grad
+                    leaves[name] = leaf
+                _seed(spec.seed, pack, step, index)
+                with torch.enable_grad():
+                    y = functional_call(module, {**tensors, **leaves}, (x,))
+                    if last:
+                        target = ctx.cache.copy_in(gradients_or_targets[index], "inputs")
+                        loss = ctx.loss_fn(model)(y, target)
+                        loss_total += float(loss.detach()) * loss_weights[index]
+                        (loss * loss_weights[index]).backward()
+                    else:
+                        upstream = ctx.cache.copy_in(gradients_or_targets[index], "activations")
+                        if y.requires_grad:
+                            y.backward(upstream)
+                if pack > 0:
+                    grad = x.grad if x.grad is not None else torch.zeros_like(x)
+                    input_grads.append(ctx.cache.copy_out(grad, "activations"))
+                if saved_buffers is not None:
+                    weights[runtime.buffers_offset :].copy_(saved_buffers)
+        ctx.cache.write_back(grad_bytes, ctx.host_grads(model, pack), "grads")
+        if last and runtime.has_buffers:
+            ctx.cache.write_back(weights[runtime.buffers_offset :], host[runtime.buffers_offset :], "buffers")
+    if last:
+        block = ctx.store.attach(losses_name(model, step // LOSS_BLOCK), 8 * LOSS_BLOCK).view(torch.float64)
+        block[step % LOSS_BLOCK] = loss_total
+    return input_grads if pack > 0 else None
+
+
+@task_body("upd")
+def update(ctx: RunContext, model: int, pack: int, step: int) -> None:
+    ctx.optimizer(model, pack, step).step(step)

@@ -1,0 +1,110 @@
+"""Device specs: which devices a run uses, their byte budgets and the CPU threads each one gets."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+
+class DeviceSpecError(ValueError):
+    """A devices argument Harmony cannot turn into devices."""
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One device worker: its name (also the Dask worker name), torch device, budget and threads."""
+
+    name: str
+    torch_device: str
+    budget: int
+    threads: int
+
+    @property
+    def kind(self) -> str:
+        return self.torch_device.split(":")[0]
+
+
+def cpu_count() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+_DEVICE = re.compile(r"^(cpu|cuda)(?::(\d+))?$")
+
+
+def parse_devices(devices: int | str | list[str] | tuple[str, ...] | None) -> list[str]:
+    """Normalize the user's devices argument to torch device strings, one per device worker.
+
+    None: every CUDA GPU, else one CPU device. An int n: n devices of that kind. A list: those devices;
+    "cpu" may repeat (each is one CPU device worker), "cuda" without an index takes the next free GPU.
+    """
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if devices is None:
+        return [f"cuda:{i}" for i in range(gpus)] or ["cpu"]
+    if isinstance(devices, bool) or not isinstance(devices, (int, str, list, tuple)):
+        raise DeviceSpecError(
+            f"devices={devices!r} is not understood; pass None, a count such as 2, or a list such as "
+            "['cpu', 'cpu'] or ['cuda:0', 'cuda:1']"
+        )
+    if isinstance(devices, int):
+        if devices < 1:
+            raise DeviceSpecError(f"devices={devices} must be at least 1")
+        if gpus:
+            if devices > gpus:
+                raise DeviceSpecError(f"devices={devices} asks for more GPUs than the {gpus} this machine has")
+            return [f"cuda:{i}" for i in range(devices)]
+        return ["cpu"] * devices
+    names = [devices] if isinstance(devices, str) else list(devices)
+    if not names:
+        raise DeviceSpecError("devices=[] names no device; pass None to use every GPU (or the CPU)")
+    out: list[str] = []
+    next_gpu = 0
+    for position, name in enumerate(names):
+        match = _DEVICE.match(name.strip().lower()) if isinstance(name, str) else None
+        if match is None:
+            raise DeviceSpecError(
+                f"devices[{position}] = {name!r} is not a device Harmony knows; use 'cpu', 'cuda' or 'cuda:N'"
+            )
+        kind, index = match.group(1), match.group(2)
+        if kind == "cpu":
+            out.append("cpu")
+            continue
+        gpu = int(index) if index is not None else next_gpu
+        if gpu >= gpus:
+            raise DeviceSpecError(
+                f"devices[{position}] = {name!r}: this machine has {gpus} CUDA GPU{'s' if gpus != 1 else ''}"
+                + ("" if gpus else "; use 'cpu' devices instead")
+            )
+        next_gpu = gpu + 1
+        out.append(f"cuda:{gpu}")
+    duplicates = {d for d in out if d != "cpu" and out.count(d) > 1}
+    if duplicates:
+        raise DeviceSpecError(f"devices lists {sorted(duplicates)} more than once; each GPU is one device")
+    return out
+
+
+def capacity(torch_device: str, cpu_devices: int) -> int:
+    """Bytes a device has: its GPU memory, or an equal share of the host's memory for CPU devices."""
+    if torch_device.startswith("cuda"):
+        return torch.cuda.get_device_properties(torch.device(torch_device)).total_memory
+    return psutil.virtual_memory().total // max(cpu_devices, 1)
+
+
+def build_specs(torch_devices: list[str], budget: int | None) -> list[DeviceSpec]:
+    """Device specs with names cpu-0, cpu-1, cuda-0 ... and CPU threads split evenly among CPU devices."""
+    cpu_devices = sum(1 for d in torch_devices if d == "cpu")
+    threads = max(1, cpu_count() // max(cpu_devices, 1))
+    specs = []
+    cpu_index = 0
+    for device in torch_devices:
+        if device == "cpu":
+            name = f"cpu-{cpu_index}"
+            cpu_index += 1
+        else:
+            name = device.replace(":", "-")
+        limit = capacity(device, cpu_devices) if budget is None else budget
+        specs.append(DeviceSpec(name, device, limit, threads if device == "cpu" else 1))
+    return specs

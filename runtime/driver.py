@@ -1,0 +1,129 @@
+"""The driver: a client-side late-binding loop that keeps a few tasks in flight on every device.
+
+It carries out what the pure BindingState decides: fetch the batches it asks for, submit each bound
+task to Dask restricted to its device's worker (``fwd-m3-p2-s17-<run>`` keys, pure=False), and on
+every completion report back and drop the futures of values nobody will read again. Activations flow
+worker to worker as Dask results; nothing large passes through the driver.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from distributed import Client, Future, as_completed
+from harmony.runtime import bodies
+from harmony.runtime.data import SharedFeed, batch_size, split_tree
+from harmony.runtime.errors import ModelFailure
+from harmony.tasks.binding import BindingState
+from harmony.tasks.graph import BatchInput, BatchTargets, TaskId, Value, inputs
+from harmony.tasks.microbatch import loss_weights, split_sizes
+
+BODIES: dict[str, Callable[..., Any]] = {"fwd": bodies.forward, "bwd": bodies.backward, "upd": bodies.update}
+
+
+class Driver:
+    """Runs one training job to completion on a connected cluster."""
+
+    def __init__(
+        self,
+        client: Client,
+        run: str,
+        state: BindingState,
+        feeds: list[SharedFeed],
+        workers: dict[str, str],
+        microbatches: int,
+        on_batch: Callable[[int, int], None] | None = None,
+        on_progress: Callable[[BindingState, int], None] | None = None,
+    ) -> None:
+        self.client = client
+        self.run = run
+        self.state = state
+        self.feeds = feeds
+        self.workers = workers
+        self.microbatches = microbatches
+        self.on_batch = on_batch
+        self.on_progress = on_progress
+        self.values: dict[Value, Any] = {}
+        self.weights: dict[tuple[int, int], list[float]] = {}
+        self.in_flight: dict[str, TaskId] = {}
+        self.tasks_run = 0
+
+    def _fetch_batches(self) -> None:
+        for model, step in self.state.wanted_batches():
+            batch = self.feeds[model].get(step)
+            if batch is None:
+                self.state.end_of_data(model)
+                continue
+            inputs_, targets = batch
+            sizes = split_sizes(batch_size(inputs_), self.microbatches)
+            self.values[BatchInput(model, step)] = split_tree(inputs_, sizes)
+            self.values[BatchTargets(model, step)] = split_tree(targets, sizes)
+            self.weights[(model, step)] = loss_weights(sizes)
+            if self.on_batch is not None:
+                self.on_batch(model, step)
+            self.state.add_batch(model, step)
+
+    def _submit(self, task: TaskId, device: str) -> Future:
+        packs = self.state.models[task.model].packs
+        args: list[Any] = [self.values[value] for value in inputs(task, packs)]
+        if task.kind == "bwd":
+            last = task.pack == packs - 1
+            args.append(self.weights[(task.model, task.step)] if last else [])
+        future = self.client.submit(
+            BODIES[task.kind],
+            self.run,
+            task.model,
+            task.pack,
+            task.step,
+            *args,
+            key=task.key(self.run),
+            workers=[self.workers[device]],
+            allow_other_workers=False,
+            pure=False,
+        )
+        self.values[task] = future
+        self.in_flight[future.key] = task
+        return future
+
+    def _bind_all(self, pending: as_completed) -> None:
+        progress = True
+        while progress:
+            progress = False
+            for device in self.state.devices:
+                task = self.state.bind(device)
+                if task is not None:
+                    pending.add(self._submit(task, device))
+                    progress = True
+
+    def run_to_completion(self) -> None:
+        pending = as_completed()
+        self._fetch_batches()
+        self._bind_all(pending)
+        while not self.state.finished:
+            if not self.in_flight:
+                raise RuntimeError("harmony driver: no task in flight and none ready before training finished")
+            future = next(pending)
+            task = self.in_flight.pop(future.key)
+            if future.status == "error":
+                error = future.exception()
+                if isinstance(error, ModelFailure):
+                    raise error
+                raise error.with_traceback(future.traceback())
+            for value in self.state.complete(task):
+                self.values.pop(value, None)
+                if isinstance(value, BatchTargets):
+                    self.weights.pop((value.model, value.step), None)
+            self.tasks_run += 1
+            if self.on_progress is not None:
+                self.on_progress(self.state, self.tasks_run)
+            self._fetch_batches()
+            self._bind_all(pending)
+
+    def cancel(self) -> None:
+        """Cancel whatever is still in flight and drop every value."""
+        futures = [value for value in self.values.values() if isinstance(value, Future)]
+        if futures:
+            self.client.cancel(futures)
+        self.values.clear()
+        self.in_flight.clear()

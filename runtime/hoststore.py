@@ -1,0 +1,111 @@
+"""The host store: model state in shared-memory files that every process on the machine maps without copies.
+
+Each (model, pack) has a weights file (parameters and buffers), a gradients file and, after the first
+update, an optimizer-state file; devices have counter blocks and models a loss history. Files are named
+``harmony-<run>-<name>`` under /dev/shm, so the driver can remove all of a run's files at the end
+whatever happened, and a test can see that none are left.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from harmony.tasks.layout import BufferLayout, Slot
+
+PREFIX = "harmony-"
+
+
+def shm_directory() -> Path:
+    """Where shared-memory files live: /dev/shm on Linux, the temp directory elsewhere."""
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() else Path(tempfile.gettempdir())
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class HostStore:
+    """A run's shared-memory files, created by the driver and attached by workers on the same machine."""
+
+    def __init__(self, run: str, directory: Path | str | None = None) -> None:
+        self.run = run
+        self.directory = Path(directory) if directory is not None else shm_directory()
+        self._mapped: dict[str, torch.Tensor] = {}
+
+    def path(self, name: str) -> Path:
+        return self.directory / f"{PREFIX}{self.run}-{name}"
+
+    def create(self, name: str, nbytes: int) -> torch.Tensor:
+        """A new zero-filled shared buffer of nbytes bytes (uint8)."""
+        path = self.path(name)
+        with open(path, "wb") as handle:
+            handle.truncate(max(nbytes, 1))
+        return self.attach(name, nbytes)
+
+    def exists(self, name: str) -> bool:
+        return name in self._mapped or self.path(name).exists()
+
+    def attach(self, name: str, nbytes: int) -> torch.Tensor:
+        """Map an existing buffer; the mapping is shared, so writes are seen by every process."""
+        mapped = self._mapped.get(name)
+        if mapped is None:
+            mapped = torch.from_file(str(self.path(name)), shared=True, size=max(nbytes, 1), dtype=torch.uint8)
+            self._mapped[name] = mapped
+        return mapped[:nbytes]
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        """Replace a small file atomically (metadata that is rewritten rather than mapped)."""
+        path = self.path(name)
+        scratch = path.with_name(path.name + ".tmp")
+        scratch.write_bytes(data)
+        os.replace(scratch, path)
+
+    def read_bytes(self, name: str) -> bytes | None:
+        try:
+            return self.path(name).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def forget(self, name: str) -> None:
+        """Drop this process's mapping of one file."""
+        self._mapped.pop(name, None)
+
+    def close(self) -> None:
+        """Drop this process's mappings (the files stay until unlink_all)."""
+        self._mapped.clear()
+
+    def unlink_all(self) -> int:
+        """Remove every file of this run; returns how many were removed."""
+        self.close()
+        removed = 0
+        for path in self.directory.glob(f"{PREFIX}{self.run}-*"):
+            try:
+                os.unlink(path)
+                removed += 1
+            except FileNotFoundError:
+                pass
+        return removed
+
+
+def tensor_at(buffer: torch.Tensor, slot: Slot) -> torch.Tensor:
+    """A leaf tensor of slot's dtype and shape sharing buffer's bytes (a uint8 tensor) at slot's offset."""
+    dtype = torch_dtype(slot.spec.dtype)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    byte_offset = buffer.storage_offset() + slot.offset
+    assert byte_offset % itemsize == 0, "layouts align every tensor"
+    return torch.empty(0, dtype=dtype, device=buffer.device).set_(
+        buffer.untyped_storage(), byte_offset // itemsize, slot.spec.shape
+    )
+
+
+def tensors_at(buffer: torch.Tensor, layout: BufferLayout) -> dict[str, torch.Tensor]:
+    """Every tensor of layout, by name, as views into buffer."""
+    return {slot.spec.name: tensor_at(buffer, slot) for slot in layout.slots}

@@ -1,0 +1,244 @@
+"""One training job from start to finish: host store, cluster, worker plugin, driver, results, cleanup.
+
+Whatever happens (success, a model's exception, Ctrl-C) the job cancels its tasks, tears the plugin
+down on the workers, closes the cluster it started and removes every shared-memory file it created.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import cloudpickle
+import torch
+from distributed import Client
+from harmony.runtime.cluster import ClusterHandle, connect, start_embedded
+from harmony.runtime.counters import BLOCK_BYTES, Counters
+from harmony.runtime.data import SharedFeed
+from harmony.runtime.devices import DeviceSpec
+from harmony.runtime.driver import Driver
+from harmony.runtime.hoststore import HostStore, tensors_at
+from harmony.runtime.skeleton import dump_skeleton
+from harmony.runtime.spec import (
+    LOSS_BLOCK,
+    ModelRuntime,
+    PackRuntime,
+    RunSpec,
+    counters_name,
+    grads_name,
+    losses_name,
+    weights_name,
+)
+from harmony.runtime.worker import DevicePlugin
+from harmony.tasks.binding import BindingState, ModelWork
+from harmony.tasks.layout import lay_out
+from harmony.tasks.packing import PackPlan
+from torch import nn
+
+
+@dataclass
+class JobModel:
+    """A model ready to run: its chain of layers, its pack plan, its loss, optimizer factory and feed."""
+
+    module: nn.Module
+    layers: list[nn.Module]
+    plan: PackPlan
+    loss_fn: Callable[..., torch.Tensor]
+    optimizer: Callable[..., torch.optim.Optimizer]
+    feed: int
+    seed: int
+
+
+@dataclass
+class JobOutcome:
+    """What a finished job measured."""
+
+    history: list[list[float]]
+    counters: dict[str, dict[str, int]]
+    steps: list[int]
+    tasks: int
+    wall_seconds: float
+    dashboard_link: str | None
+    devices: list[DeviceSpec] = field(default_factory=list)
+
+
+def pack_module(layers: list[nn.Module], plan: PackPlan, pack: int) -> nn.Sequential:
+    spec = plan.packs[pack]
+    return nn.Sequential(*layers[spec.first : spec.stop])
+
+
+def _named_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {**dict(module.named_parameters()), **dict(module.named_buffers())}
+
+
+def _fill_store(store: HostStore, models: list[JobModel]) -> tuple[ModelRuntime, ...]:
+    """Create every pack's weight and gradient files, copy the models' weights in, describe the packs."""
+    runtimes = []
+    for m, job in enumerate(models):
+        packs = []
+        for p, pack in enumerate(job.plan.packs):
+            module = pack_module(job.layers, job.plan, p)
+            weights = lay_out(pack.weights)
+            grads = lay_out(pack.trainable)
+            host = store.create(weights_name(m, p), weights.nbytes)
+            store.create(grads_name(m, p), grads.nbytes)
+            state = _named_state(module)
+            with torch.no_grad():
+                for name, view in tensors_at(host, weights).items():
+                    view.copy_(state[name].detach().cpu())
+            buffer_names = {spec.name for spec in pack.buffers}
+            buffers_offset = min(
+                (slot.offset for slot in weights.slots if slot.spec.name in buffer_names), default=weights.nbytes
+            )
+            packs.append(
+                PackRuntime(
+                    skeleton=dump_skeleton(module),
+                    weights=weights,
+                    grads=grads,
+                    buffers_offset=buffers_offset,
+                    workspace=pack.cost.workspace,
+                )
+            )
+        runtimes.append(
+            ModelRuntime(
+                name=job.plan.model,
+                packs=tuple(packs),
+                loss_fn=cloudpickle.dumps(job.loss_fn),
+                optimizer=cloudpickle.dumps(job.optimizer),
+                seed=job.seed,
+            )
+        )
+    return tuple(runtimes)
+
+
+def _copy_back(store: HostStore, models: list[JobModel], spec: RunSpec) -> None:
+    """Write the trained weights (and buffers) from the host store into the user's modules, in place."""
+    with torch.no_grad():
+        for m, job in enumerate(models):
+            for p, runtime in enumerate(spec.models[m].packs):
+                state = _named_state(pack_module(job.layers, job.plan, p))
+                host = store.attach(weights_name(m, p), runtime.weights.nbytes)
+                for name, view in tensors_at(host, runtime.weights).items():
+                    state[name].copy_(view)
+
+
+def _external_devices(handle: ClusterHandle, budget: int | None) -> list[DeviceSpec]:
+    """Every worker of a user's cluster is one device: its first visible GPU if it has one, else its CPU."""
+
+    def probe() -> tuple[str, int]:
+        import torch as worker_torch
+        from harmony.runtime.devices import capacity
+
+        device = "cuda:0" if worker_torch.cuda.is_available() else "cpu"
+        return device, capacity(device, 1)
+
+    found = handle.client.run(probe)
+    by_address = {address: name for name, address in handle.workers.items()}
+    devices = []
+    for address, (device, limit) in sorted(found.items(), key=lambda item: by_address[item[0]]):
+        devices.append(DeviceSpec(by_address[address], device, budget if budget is not None else limit, 1))
+    return devices
+
+
+def _check_same_machine(handle: ClusterHandle, store: HostStore, probe_name: str) -> None:
+    path = str(store.path(probe_name))
+    seen = handle.client.run(os.path.exists, path)
+    remote = sorted(address for address, ok in seen.items() if not ok)
+    if remote:
+        raise RuntimeError(
+            f"workers {remote} cannot see this machine's host store ({path}); Harmony's host store is per "
+            "machine, so every worker must run on the machine that calls harmony.train"
+        )
+
+
+def run_job(
+    models: list[JobModel],
+    feeds: list[SharedFeed],
+    devices: list[DeviceSpec],
+    cluster: str | Client | None,
+    microbatches: int,
+    budget: int | None,
+    on_progress: Callable[[BindingState, int], None] | None = None,
+    on_ready: Callable[[str | None], None] | None = None,
+) -> JobOutcome:
+    """Train models to completion and return what was measured; cleans up whatever happens."""
+    run = secrets.token_hex(3)
+    store = HostStore(run)
+    handle: ClusterHandle | None = None
+    driver: Driver | None = None
+    plugin_name = f"harmony-{run}"
+    plugin_registered = False
+    started = time.perf_counter()
+    try:
+        runtimes = _fill_store(store, models)
+        if cluster is None:
+            handle = start_embedded(devices)
+        else:
+            handle = connect(cluster)
+            devices = _external_devices(handle, budget)
+            store.create("probe", 1)
+            _check_same_machine(handle, store, "probe")
+        if on_ready is not None:
+            on_ready(handle.dashboard_link)
+        for index in range(len(devices)):
+            store.create(counters_name(index), BLOCK_BYTES)
+        spec = RunSpec(run, str(store.directory), runtimes, tuple(devices))
+
+        def create_loss_block(model: int, step: int) -> None:
+            if step % LOSS_BLOCK == 0:
+                store.create(losses_name(model, step // LOSS_BLOCK), 8 * LOSS_BLOCK)
+
+        handle.client.register_plugin(DevicePlugin(spec), name=plugin_name)
+        plugin_registered = True
+        state = BindingState(
+            [ModelWork(tuple(pack.weight_bytes for pack in job.plan.packs)) for job in models],
+            {device.name: device.budget for device in devices},
+        )
+        driver = Driver(
+            handle.client,
+            run,
+            state,
+            [feeds[job.feed] for job in models],
+            handle.workers,
+            microbatches,
+            on_batch=create_loss_block,
+            on_progress=on_progress,
+        )
+        driver.run_to_completion()
+        steps = [state.steps_done[m] for m in range(len(models))]
+        history = []
+        for m, count in enumerate(steps):
+            losses: list[float] = []
+            for block in range(-(-count // LOSS_BLOCK)):
+                values = store.attach(losses_name(m, block), 8 * LOSS_BLOCK).view(torch.float64)
+                losses += values[: min(LOSS_BLOCK, count - block * LOSS_BLOCK)].tolist()
+            history.append(losses)
+        counters = {
+            device.name: Counters(store.attach(counters_name(i), BLOCK_BYTES)).read()
+            for i, device in enumerate(devices)
+        }
+        _copy_back(store, models, spec)
+        return JobOutcome(
+            history=history,
+            counters=counters,
+            steps=steps,
+            tasks=driver.tasks_run,
+            wall_seconds=time.perf_counter() - started,
+            dashboard_link=handle.dashboard_link,
+            devices=devices,
+        )
+    finally:
+        if driver is not None:
+            with contextlib.suppress(Exception):
+                driver.cancel()
+        if handle is not None:
+            if plugin_registered:
+                with contextlib.suppress(Exception):
+                    handle.client.unregister_worker_plugin(plugin_name)
+            handle.close()
+        store.unlink_all()
+

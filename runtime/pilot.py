@@ -1,0 +1,164 @@
+"""The pilot pass: decompose a model into a chain of layers and measure bytes and times on one micro-batch.
+
+A module is split into its children when it is an nn.Sequential, or when running its children one after
+another gives exactly what its own forward gives (so a plain ``fc1 -> act -> fc2`` module is a chain,
+while a residual block is not). Layers that share a parameter are merged into one layer, since a pack
+cut between them would hold the weight twice. The pass runs on the CPU in the driver before any worker
+starts; it leaves the model's buffers and the global RNG as it found them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from harmony.runtime.cache import tree_nbytes
+from harmony.runtime.hoststore import dtype_name
+from harmony.tasks.layout import TensorSpec
+from harmony.tasks.profile import LayerProfile, ModelProfile
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_leaves
+
+
+@dataclass
+class Decomposition:
+    """A model as a chain of layers, its profile, and the pilot micro-batch's output."""
+
+    layers: list[nn.Module]
+    profile: ModelProfile
+    output: Any
+
+
+@contextmanager
+def preserved_state(model: nn.Module) -> Iterator[None]:
+    """Run code on model without it changing the model's buffers or the CPU RNG."""
+    buffers = [(buffer, buffer.detach().clone()) for buffer in model.buffers()]
+    rng = torch.get_rng_state()
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+        torch.set_rng_state(rng)
+
+
+def trees_equal(a: Any, b: Any) -> bool:
+    leaves_a, spec_a = tree_flatten(a)
+    leaves_b, spec_b = tree_flatten(b)
+    if spec_a != spec_b:
+        return False
+    for x, y in zip(leaves_a, leaves_b):
+        if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
+            return False
+        if isinstance(x, torch.Tensor):
+            if x.shape != y.shape or x.dtype != y.dtype or not torch.equal(x, y):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+def _is_chain(module: nn.Module, x: Any) -> bool:
+    children = list(module.children())
+    if not children:
+        return False
+    if type(module).forward is nn.Sequential.forward:
+        return True
+    if any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False)):
+        return False
+    rng = torch.get_rng_state()
+    try:
+        with preserved_state(module):
+            expected = module(x)
+        torch.set_rng_state(rng)
+        with preserved_state(module):
+            y = x
+            for child in children:
+                y = child(y)
+    except Exception:
+        return False
+    finally:
+        torch.set_rng_state(rng)
+    return trees_equal(expected, y)
+
+
+def _flatten(module: nn.Module, x: Any, layers: list[nn.Module]) -> Any:
+    if _is_chain(module, x):
+        for child in module.children():
+            x = _flatten(child, x, layers)
+        return x
+    layers.append(module)
+    return module(x)
+
+
+def _merge_shared(layers: list[nn.Module]) -> list[nn.Module]:
+    """Merge every run of layers that share a parameter (or are the same module) into one layer."""
+    while True:
+        first_seen: dict[int, int] = {}
+        span = None
+        for index, layer in enumerate(layers):
+            for tensor in [*layer.parameters(), *layer.buffers()]:
+                owner = first_seen.setdefault(id(tensor), index)
+                if owner != index:
+                    span = (owner, index)
+                    break
+            if span:
+                break
+        if span is None:
+            return layers
+        first, last = span
+        merged = nn.Sequential(*layers[first : last + 1])
+        layers = [*layers[:first], merged, *layers[last + 1 :]]
+
+
+def _describe(layer: nn.Module) -> str:
+    text = repr(layer).replace("\n", " ")
+    return text if len(text) <= 80 else type(layer).__name__
+
+
+def _specs(named: Iterator[tuple[str, torch.Tensor]]) -> tuple[TensorSpec, ...]:
+    return tuple(TensorSpec(name, dtype_name(t.dtype), tuple(t.shape)) for name, t in named)
+
+
+def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 2) -> Decomposition:
+    """Decompose model into a chain and profile it on sample (one micro-batch of inputs)."""
+    samples = max(1, _batch_size(sample))
+    with preserved_state(model), torch.no_grad():
+        layers: list[nn.Module] = []
+        _flatten(model, sample, layers)
+        layers = _merge_shared(layers)
+    profiles = []
+    with preserved_state(model), torch.no_grad():
+        x = sample
+        for layer in layers:
+            started = time.perf_counter()
+            for _ in range(repeats):
+                with preserved_state(layer):
+                    y = layer(x)
+            seconds = (time.perf_counter() - started) / repeats
+            profiles.append(
+                LayerProfile(
+                    description=_describe(layer),
+                    params=_specs(layer.named_parameters()),
+                    buffers=_specs(layer.named_buffers()),
+                    frozen=frozenset(n for n, p in layer.named_parameters() if not p.requires_grad),
+                    input_bytes_per_sample=tree_nbytes(x) / samples,
+                    output_bytes_per_sample=tree_nbytes(y) / samples,
+                    forward_seconds_per_sample=seconds / samples,
+                    cut_before=isinstance(x, torch.Tensor),
+                )
+            )
+            x = layer(x)
+        output = x
+    profile = ModelProfile(name=name, layers=tuple(profiles), pilot_samples=samples)
+    return Decomposition(layers=layers, profile=profile, output=output)
+
+
+def _batch_size(tree: Any) -> int:
+    leaves = [leaf for leaf in tree_leaves(tree) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0]
+    return leaves[0].shape[0] if leaves else 1

@@ -1,0 +1,76 @@
+"""What a run tells its device workers: models, packs, layouts, user callables and the device of each worker."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from harmony.runtime.devices import DeviceSpec
+from harmony.tasks.layout import BufferLayout
+
+LOSS_BLOCK = 4096
+
+
+@dataclass(frozen=True)
+class PackRuntime:
+    """A pack as a worker runs it: its skeleton module, its weight and gradient layouts, its workspace."""
+
+    skeleton: bytes
+    weights: BufferLayout
+    grads: BufferLayout
+    buffers_offset: int
+    workspace: int
+
+    @property
+    def has_buffers(self) -> bool:
+        return self.buffers_offset < self.weights.nbytes
+
+
+@dataclass(frozen=True)
+class ModelRuntime:
+    """A model as workers see it: its packs, and its loss function and optimizer factory (cloudpickled)."""
+
+    name: str
+    packs: tuple[PackRuntime, ...]
+    loss_fn: bytes
+    optimizer: bytes
+    seed: int
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything a worker needs for one run; workers find their device by their Dask worker name."""
+
+    run: str
+    store_directory: str
+    models: tuple[ModelRuntime, ...]
+    devices: tuple[DeviceSpec, ...]
+
+    def device_index(self, worker_name: str) -> int:
+        for index, device in enumerate(self.devices):
+            if device.name == worker_name:
+                return index
+        raise KeyError(f"worker {worker_name!r} is not one of this run's devices")
+
+
+def weights_name(model: int, pack: int) -> str:
+    return f"m{model}-p{pack}-weights"
+
+
+def grads_name(model: int, pack: int) -> str:
+    return f"m{model}-p{pack}-grads"
+
+
+def optimizer_name(model: int, pack: int, generation: int) -> str:
+    return f"m{model}-p{pack}-optim{generation}"
+
+
+def optimizer_meta_name(model: int, pack: int) -> str:
+    return f"m{model}-p{pack}-optim-meta"
+
+
+def counters_name(device: int) -> str:
+    return f"device{device}-counters"
+
+
+def losses_name(model: int, block: int) -> str:
+    return f"m{model}-losses{block}"

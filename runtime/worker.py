@@ -1,0 +1,106 @@
+"""The device worker plugin: per run, the device cache, host store mappings, skeletons and optimizers.
+
+Registered by the driver for each run; on each worker it finds the worker's device by the worker's
+name, maps the device's counters from the host store and builds a DeviceCache with the device's budget.
+Task bodies look the run up by its id. Teardown drops everything the run held on the worker.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import cloudpickle
+import torch
+from distributed import WorkerPlugin
+from harmony.runtime import serialization  # noqa: F401  (tensor serializers on every worker)
+from harmony.runtime.cache import DeviceCache
+from harmony.runtime.counters import BLOCK_BYTES, Counters
+from harmony.runtime.hoststore import HostStore
+from harmony.runtime.optimizer import PackOptimizer
+from harmony.runtime.skeleton import load_skeleton
+from harmony.runtime.spec import RunSpec, counters_name, grads_name, weights_name
+from torch import nn
+
+RUNS: dict[str, RunContext] = {}
+
+
+class RunContext:
+    """One run's state on one device worker."""
+
+    def __init__(self, spec: RunSpec, worker_name: str) -> None:
+        self.spec = spec
+        self.device_index = spec.device_index(worker_name)
+        self.device_spec = spec.devices[self.device_index]
+        self.device = torch.device(self.device_spec.torch_device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.store = HostStore(spec.run, spec.store_directory)
+        counters = Counters(self.store.attach(counters_name(self.device_index), BLOCK_BYTES))
+        self.cache = DeviceCache(self.device_spec.name, self.device, self.device_spec.budget, counters)
+        self._modules: dict[tuple[int, int], nn.Module] = {}
+        self._loss_fns: dict[int, Any] = {}
+        self._optimizers: dict[tuple[int, int], PackOptimizer] = {}
+
+    @property
+    def counters(self) -> Counters:
+        return self.cache.counters
+
+    def use_threads(self) -> None:
+        """Give torch this device's share of the CPU cores, in the thread that runs the tasks."""
+        if torch.get_num_threads() != self.device_spec.threads:
+            torch.set_num_threads(self.device_spec.threads)
+
+    def module(self, model: int, pack: int) -> nn.Module:
+        key = (model, pack)
+        if key not in self._modules:
+            self._modules[key] = load_skeleton(self.spec.models[model].packs[pack].skeleton)
+        return self._modules[key]
+
+    def loss_fn(self, model: int) -> Any:
+        if model not in self._loss_fns:
+            self._loss_fns[model] = cloudpickle.loads(self.spec.models[model].loss_fn)
+        return self._loss_fns[model]
+
+    def host_weights(self, model: int, pack: int) -> torch.Tensor:
+        return self.store.attach(weights_name(model, pack), self.spec.models[model].packs[pack].weights.nbytes)
+
+    def host_grads(self, model: int, pack: int) -> torch.Tensor:
+        return self.store.attach(grads_name(model, pack), self.spec.models[model].packs[pack].grads.nbytes)
+
+    def optimizer(self, model: int, pack: int, step: int) -> PackOptimizer:
+        """The pack's optimizer ready for step; rebuilt from the host store if another worker stepped it."""
+        key = (model, pack)
+        cached = self._optimizers.get(key)
+        if cached is None or cached.last_step != step - 1:
+            factory = cloudpickle.loads(self.spec.models[model].optimizer)
+            cached = PackOptimizer(factory, self.store, model, pack, self.spec.models[model].packs[pack])
+            self._optimizers[key] = cached
+        return cached
+
+    def close(self) -> None:
+        self.cache.clear()
+        self._optimizers.clear()
+        self._modules.clear()
+        self.store.close()
+
+
+class DevicePlugin(WorkerPlugin):
+    """Sets up a run on every device worker and tears it down when the driver unregisters it."""
+
+    def __init__(self, spec: RunSpec) -> None:
+        self.spec = spec
+
+    def setup(self, worker: Any) -> None:
+        RUNS[self.spec.run] = RunContext(self.spec, str(worker.name))
+
+    def teardown(self, worker: Any) -> None:
+        context = RUNS.pop(self.spec.run, None)
+        if context is not None:
+            context.close()
+
+
+def context(run: str) -> RunContext:
+    try:
+        return RUNS[run]
+    except KeyError:
+        raise RuntimeError(f"harmony run {run} is not set up on this worker") from None

@@ -1,0 +1,1 @@
+"""Pure planning for Harmony: decomposition, packing, task graph and binding, with no Dask, devices or I/O."""

@@ -1,0 +1,164 @@
+"""Late binding as a state machine: which ready task a device with a free slot runs next. No I/O.
+
+The driver feeds it events (a batch arrived, a loader ran dry, a task finished) and asks it for
+bindings; it answers with task ids and with the values that nobody will read any more.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from harmony.tasks.graph import (
+    BatchInput,
+    BatchTargets,
+    TaskId,
+    Value,
+    consumers,
+    dependencies,
+    inputs,
+    step_tasks,
+)
+
+KIND_RANK = {"upd": 0, "bwd": 1, "fwd": 2}
+
+
+@dataclass(frozen=True)
+class ModelWork:
+    """What the binder needs to know of one model (or fused array): its packs and their weight bytes."""
+
+    pack_weight_bytes: tuple[int, ...]
+    steps: int | None = None
+
+    @property
+    def packs(self) -> int:
+        return len(self.pack_weight_bytes)
+
+
+@dataclass
+class DeviceState:
+    """The binder's view of one device: tasks bound to it and the packs it probably holds."""
+
+    budget: int
+    slots: int
+    bound: set[TaskId] = field(default_factory=set)
+    resident: OrderedDict[tuple[int, int], int] = field(default_factory=OrderedDict)
+
+    def touch(self, pack: tuple[int, int], nbytes: int) -> None:
+        self.resident.pop(pack, None)
+        self.resident[pack] = nbytes
+        while sum(self.resident.values()) > self.budget and len(self.resident) > 1:
+            self.resident.popitem(last=False)
+
+
+class BindingState:
+    """Ready tasks, bound tasks and finished tasks of every model; picks what a free device runs next."""
+
+    def __init__(self, models: list[ModelWork], budgets: dict[str, int], slots_per_device: int = 2) -> None:
+        self.models = models
+        self.devices = {name: DeviceState(budget, slots_per_device) for name, budget in budgets.items()}
+        self.total_steps: list[int | None] = [work.steps for work in models]
+        self.opened: list[int] = [0] * len(models)
+        self.pending: set[TaskId] = set()
+        self.done: set[TaskId] = set()
+        self.bound: dict[TaskId, str] = {}
+        self.readers: dict[Value, int] = {}
+        self.steps_done: list[int] = [0] * len(models)
+
+    def wanted_batches(self) -> list[tuple[int, int]]:
+        """(model, step) pairs whose mini-batch the driver should fetch now: the next step of each model
+        whose previous step's backward has finished, so that at most one step is read ahead."""
+        wanted = []
+        for m, opened in enumerate(self.opened):
+            total = self.total_steps[m]
+            if total is not None and opened >= total:
+                continue
+            if opened == 0 or TaskId("bwd", m, 0, opened - 1) in self.done:
+                wanted.append((m, opened))
+        return wanted
+
+    def add_batch(self, model: int, step: int) -> None:
+        """The mini-batch for (model, step) is available: its tasks become candidates."""
+        assert step == self.opened[model], f"batches arrive in order: expected {self.opened[model]}, got {step}"
+        packs = self.models[model].packs
+        for value in (BatchInput(model, step), BatchTargets(model, step)):
+            self.readers[value] = len(consumers(value, packs))
+        for task in step_tasks(model, packs, step):
+            self.pending.add(task)
+            self.readers[task] = len(consumers(task, packs))
+        self.opened[model] = step + 1
+
+    def end_of_data(self, model: int) -> None:
+        """The model's loader has no more batches: the steps opened so far are all it trains."""
+        self.total_steps[model] = self.opened[model]
+
+    @property
+    def finished(self) -> bool:
+        return all(
+            total is not None and self.steps_done[m] >= total for m, total in enumerate(self.total_steps)
+        )
+
+    def has_free_slot(self, device: str) -> bool:
+        state = self.devices[device]
+        return len(state.bound) < state.slots
+
+    def ready(self) -> list[TaskId]:
+        """Candidates whose dependencies have all finished."""
+        return [
+            task
+            for task in self.pending
+            if all(dep in self.done for dep in dependencies(task, self.models[task.model].packs))
+        ]
+
+    def score(self, task: TaskId, device: str) -> tuple[int, int, int, int, int, int]:
+        """Lower is better: updates first, then tasks whose pack is resident on device, backward before
+        forward, and the model that has made the least progress first."""
+        resident = (task.model, task.pack) in self.devices[device].resident and task.kind != "upd"
+        return (
+            KIND_RANK[task.kind] if task.kind == "upd" else 1,
+            0 if resident else 1,
+            KIND_RANK[task.kind],
+            self.steps_done[task.model],
+            task.model,
+            task.pack,
+        )
+
+    def bind(self, device: str) -> TaskId | None:
+        """Choose the ready task that device should run next, or None if there is none or no free slot."""
+        if not self.has_free_slot(device):
+            return None
+        candidates = self.ready()
+        if not candidates:
+            return None
+        task = min(candidates, key=lambda t: self.score(t, device))
+        self.pending.discard(task)
+        self.bound[task] = device
+        self.devices[device].bound.add(task)
+        return task
+
+    def complete(self, task: TaskId) -> list[Value]:
+        """Task finished: free its slot, update residency, and return the values nobody will read again."""
+        device = self.bound.pop(task)
+        self.devices[device].bound.discard(task)
+        self.done.add(task)
+        work = self.models[task.model]
+        pack = (task.model, task.pack)
+        if task.kind == "upd":
+            for state in self.devices.values():
+                state.resident.pop(pack, None)
+        else:
+            self.devices[device].touch(pack, work.pack_weight_bytes[task.pack])
+        if task.kind == "upd" and all(
+            TaskId("upd", task.model, p, task.step) in self.done for p in range(work.packs)
+        ):
+            self.steps_done[task.model] = task.step + 1
+        released = []
+        for value in inputs(task, work.packs):
+            self.readers[value] -= 1
+            if self.readers[value] == 0:
+                del self.readers[value]
+                released.append(value)
+        if self.readers.get(task) == 0:
+            del self.readers[task]
+            released.append(task)
+        return released

@@ -1,0 +1,21 @@
+"""Split a mini-batch of B samples into micro-batches, and the loss weight of each."""
+
+from __future__ import annotations
+
+
+def split_sizes(batch: int, microbatches: int) -> list[int]:
+    """Sizes of at most `microbatches` micro-batches covering batch samples, as even as possible.
+
+    A batch smaller than microbatches (the short last batch of an epoch) gives one sample per micro-batch.
+    """
+    if batch < 1:
+        raise ValueError(f"a batch needs at least one sample, got {batch}")
+    count = min(batch, microbatches)
+    base, extra = divmod(batch, count)
+    return [base + 1 if i < extra else base for i in range(count)]
+
+
+def loss_weights(sizes: list[int]) -> list[float]:
+    """Weight of each micro-batch's mean loss in the mini-batch's mean loss: b_i / B."""
+    total = sum(sizes)
+    return [size / total for size in sizes]

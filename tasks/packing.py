@@ -1,0 +1,222 @@
+"""Cut a model's layer chain into layer packs that fit a device budget, with balanced packs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from harmony.tasks.layout import TensorSpec
+from harmony.tasks.profile import LayerProfile, ModelProfile
+
+
+class LayerTooLarge(ValueError):
+    """A single layer (or a run of layers that cannot be cut) needs more bytes than the device budget."""
+
+    def __init__(self, first: int, stop: int, need: PackCost, budget: int, description: str) -> None:
+        self.first = first
+        self.stop = stop
+        self.need = need
+        self.budget = budget
+        self.description = description
+        super().__init__(
+            f"layer {first}{'' if stop == first + 1 else f'..{stop - 1}'} ({description}) needs "
+            f"{need.total:,} bytes on a device ({need.explain()}) but the device budget is {budget:,} bytes"
+        )
+
+
+@dataclass(frozen=True)
+class PackCost:
+    """Bytes a pack holds on a device while its backward runs on one micro-batch."""
+
+    weights: int
+    grads: int
+    workspace: int
+    prefetch: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.grads + self.workspace + self.prefetch
+
+    def explain(self) -> str:
+        return (
+            f"weights {self.weights:,} + gradients {self.grads:,} + activations {self.workspace:,} "
+            f"+ prefetch buffer {self.prefetch:,}"
+        )
+
+
+@dataclass(frozen=True)
+class Pack:
+    """Layers [first, stop) of a model's chain, run as one unit on one device."""
+
+    index: int
+    first: int
+    stop: int
+    weights: tuple[TensorSpec, ...]
+    trainable: tuple[TensorSpec, ...]
+    buffers: tuple[TensorSpec, ...]
+    cost: PackCost
+    forward_seconds_per_sample: float
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.cost.weights
+
+    @property
+    def grad_bytes(self) -> int:
+        return self.cost.grads
+
+
+@dataclass(frozen=True)
+class PackPlan:
+    """A model's packs and the budget they were cut for."""
+
+    model: str
+    packs: tuple[Pack, ...]
+    budget: int
+    microbatch_samples: int
+
+    def explain(self) -> str:
+        sizes = ", ".join(f"{pack.first}-{pack.stop - 1}" for pack in self.packs)
+        peak = max(pack.cost.total for pack in self.packs)
+        total = sum(pack.weight_bytes for pack in self.packs)
+        return (
+            f"{self.model}: {sum(p.stop - p.first for p in self.packs)} layers, {total:,} weight bytes -> "
+            f"{len(self.packs)} pack{'s' if len(self.packs) != 1 else ''} (layers {sizes}); "
+            f"peak need {peak:,} of {self.budget:,} bytes at micro-batch {self.microbatch_samples}"
+        )
+
+
+def workspace_bytes(layers: tuple[LayerProfile, ...] | list[LayerProfile], samples: int) -> int:
+    """Activation bytes of one micro-batch through layers while their backward runs.
+
+    The boundary input and its gradient, every layer's output and its gradient, and the largest
+    parameter's freshly computed gradient before it is accumulated.
+    """
+    if not layers:
+        return 0
+    inputs = 2 * layers[0].input_bytes_per_sample
+    outputs = 2 * sum(layer.output_bytes_per_sample for layer in layers)
+    largest_param = max(layer.largest_param_bytes for layer in layers)
+    return round((inputs + outputs) * samples) + largest_param
+
+
+def _prefixed(layers: list[LayerProfile], pick: str) -> tuple[TensorSpec, ...]:
+    """The layers' params or buffers, named as in nn.Sequential(*layers)."""
+    return tuple(
+        TensorSpec(f"{offset}.{spec.name}", spec.dtype, spec.shape)
+        for offset, layer in enumerate(layers)
+        for spec in getattr(layer, pick)
+    )
+
+
+def make_pack(profile: ModelProfile, index: int, first: int, stop: int, samples: int, prefetch: int) -> Pack:
+    """Describe layers [first, stop) as a pack, with tensor names as they appear in nn.Sequential(*layers)."""
+    layers = list(profile.layers[first:stop])
+    frozen = {f"{offset}.{name}" for offset, layer in enumerate(layers) for name in layer.frozen}
+    params = _prefixed(layers, "params")
+    buffers = _prefixed(layers, "buffers")
+    trainable = tuple(spec for spec in params if spec.name not in frozen)
+    cost = PackCost(
+        weights=sum(layer.weight_bytes for layer in layers),
+        grads=sum(layer.grad_bytes for layer in layers),
+        workspace=workspace_bytes(layers, samples),
+        prefetch=prefetch,
+    )
+    return Pack(
+        index=index,
+        first=first,
+        stop=stop,
+        weights=params + buffers,
+        trainable=trainable,
+        buffers=buffers,
+        cost=cost,
+        forward_seconds_per_sample=sum(layer.forward_seconds_per_sample for layer in layers),
+    )
+
+
+def _units(layers: tuple[LayerProfile, ...]) -> list[tuple[int, int]]:
+    """Runs of layers between the places where a pack may be cut."""
+    starts = [i for i, layer in enumerate(layers) if i == 0 or layer.cut_before]
+    return [(start, stop) for start, stop in zip(starts, [*starts[1:], len(layers)])]
+
+
+def _fixed_bytes(layers: tuple[LayerProfile, ...], first: int, stop: int, samples: int) -> int:
+    chunk = layers[first:stop]
+    return (
+        sum(layer.weight_bytes for layer in chunk)
+        + sum(layer.grad_bytes for layer in chunk)
+        + workspace_bytes(chunk, samples)
+    )
+
+
+def _greedy(
+    layers: tuple[LayerProfile, ...], units: list[tuple[int, int]], budget: int, cap: int, samples: int
+) -> list[tuple[int, int]] | None:
+    """Longest packs from the front whose weights stay within cap and that fit beside a cap-sized prefetch."""
+    bounds: list[tuple[int, int]] = []
+    first = units[0][0]
+    stop = first
+    for unit_first, unit_stop in units:
+        weights = sum(layer.weight_bytes for layer in layers[first:unit_stop])
+        if stop > first and (weights > cap or _fixed_bytes(layers, first, unit_stop, samples) + cap > budget):
+            bounds.append((first, stop))
+            first = unit_first
+        stop = unit_stop
+        alone = sum(layer.weight_bytes for layer in layers[first:stop])
+        if alone > cap or _fixed_bytes(layers, first, stop, samples) + cap > budget:
+            return None
+    bounds.append((first, stop))
+    return bounds
+
+
+def plan_packs(profile: ModelProfile, budget: int, samples: int) -> PackPlan:
+    """Cut profile's chain into the fewest packs that fit budget, preferring packs of similar compute.
+
+    Every pack's weights stay within a cap c, and every pack fits beside a prefetch buffer of c bytes
+    (the next pack's weights). Among caps giving the fewest packs, the one whose slowest pack is
+    fastest wins, which balances compute across packs.
+    """
+    layers = profile.layers
+    units = _units(layers)
+    largest_unit = max(units, key=lambda u: sum(layer.weight_bytes for layer in layers[u[0] : u[1]]))
+    floor = sum(layer.weight_bytes for layer in layers[largest_unit[0] : largest_unit[1]])
+    for unit_first, unit_stop in units:
+        need = _fixed_bytes(layers, unit_first, unit_stop, samples) + floor
+        if need > budget:
+            chunk = layers[unit_first:unit_stop]
+            cost = PackCost(
+                weights=sum(layer.weight_bytes for layer in chunk),
+                grads=sum(layer.grad_bytes for layer in chunk),
+                workspace=workspace_bytes(chunk, samples),
+                prefetch=floor,
+            )
+            raise LayerTooLarge(unit_first, unit_stop, cost, budget, chunk[0].description)
+    total = profile.weight_bytes
+    steps = 48
+    candidates = {floor, total}
+    candidates.update(floor + (total - floor) * k // steps for k in range(steps + 1))
+    candidates.update(sum(layer.weight_bytes for layer in layers[a:b]) for a, b in units)
+    best: tuple[tuple[int, float], list[tuple[int, int]], int] | None = None
+    for cap in sorted(c for c in candidates if floor <= c <= max(total, floor)):
+        bounds = _greedy(layers, units, budget, cap, samples)
+        if bounds is None:
+            continue
+        slowest = max(sum(layer.forward_seconds_per_sample for layer in layers[a:b]) for a, b in bounds)
+        score = (len(bounds), slowest)
+        if best is None or score < best[0]:
+            best = (score, bounds, cap)
+    assert best is not None, "the floor cap always fits once every unit fits"
+    _, bounds, cap = best
+    packs = tuple(
+        make_pack(profile, index, first, stop, samples, prefetch=_neighbour_weights(layers, bounds, index))
+        for index, (first, stop) in enumerate(bounds)
+    )
+    return PackPlan(profile.name, packs, budget, samples)
+
+
+def _neighbour_weights(layers: tuple[LayerProfile, ...], bounds: list[tuple[int, int]], index: int) -> int:
+    """Weights of the packs prefetched while this one runs: the next in forward, the previous in backward."""
+    neighbours = [i for i in (index - 1, index + 1) if 0 <= i < len(bounds)]
+    return max(
+        (sum(layer.weight_bytes for layer in layers[bounds[i][0] : bounds[i][1]]) for i in neighbours),
+        default=0,
+    )

@@ -1,0 +1,65 @@
+"""Profile data of a model's layer chain, as measured by the pilot pass: bytes per layer and times."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from harmony.tasks.layout import TensorSpec
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """One layer of a model's chain.
+
+    Byte counts of activations are per sample so that they scale with the micro-batch size.
+    ``cut_before`` says whether a pack may start at this layer: the value flowing into it is one
+    tensor and no parameter is shared with an earlier layer.
+    """
+
+    description: str
+    params: tuple[TensorSpec, ...]
+    buffers: tuple[TensorSpec, ...]
+    frozen: frozenset[str] = frozenset()
+    input_bytes_per_sample: float = 0.0
+    output_bytes_per_sample: float = 0.0
+    forward_seconds_per_sample: float = 0.0
+    cut_before: bool = True
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(spec.nbytes for spec in self.params)
+
+    @property
+    def buffer_bytes(self) -> int:
+        return sum(spec.nbytes for spec in self.buffers)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Everything that is swapped in for the layer to run: parameters and buffers."""
+        return self.param_bytes + self.buffer_bytes
+
+    @property
+    def grad_bytes(self) -> int:
+        return sum(spec.nbytes for spec in self.params if spec.name not in self.frozen)
+
+    @property
+    def largest_param_bytes(self) -> int:
+        return max((spec.nbytes for spec in self.params), default=0)
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """A model decomposed into a chain of layers, with the pilot micro-batch size it was measured at."""
+
+    name: str
+    layers: tuple[LayerProfile, ...]
+    pilot_samples: int = 1
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(layer.param_bytes for layer in self.layers)
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(layer.weight_bytes for layer in self.layers)
