@@ -17,27 +17,39 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
+from torch.func import functional_call
+
 from harmony.runtime.cache import BudgetExceeded
 from harmony.runtime.errors import ModelFailure
 from harmony.runtime.hoststore import tensors_at
 from harmony.runtime.spec import LOSS_BLOCK, losses_name
 from harmony.runtime.worker import RunContext, context
-from torch.func import functional_call
 
 Result = TypeVar("Result")
 
 
-def _seed(base: int, pack: int, step: int, microbatch: int) -> None:
-    """Seed the RNG so that a pack's recompute in bwd draws what its fwd drew (dropout masks)."""
-    torch.manual_seed((((base * 1_000_003 + step) * 1_009 + pack) * 65_537 + microbatch) % (2**63 - 1))
+def _seed(device: torch.device, base: int, pack: int, step: int, microbatch: int) -> None:
+    """Seed the device's RNG so that a pack's recompute in bwd draws what its fwd drew (dropout masks).
+
+    Only the device's own generator: torch.manual_seed also queues seeding of every accelerator
+    backend, which costs far more than a small pack's compute.
+    """
+    seed = (((base * 1_000_003 + step) * 1_009 + pack) * 65_537 + microbatch) % (2**63 - 1)
+    if device.type == "cuda":
+        torch.cuda.default_generators[device.index or 0].manual_seed(seed)
+    else:
+        torch.default_generator.manual_seed(seed)
 
 
 def task_body(kind: str) -> Callable[[Callable[..., Result]], Callable[..., Result]]:
-    """Look the run up, give torch the device's threads, time the task, and report user errors by model."""
+    """Look the run up, give torch the device's threads, time the task, and report user errors by model.
+
+    ``after`` holds the results of tasks that must finish first without being read (Dask waits for them).
+    """
 
     def decorate(body: Callable[..., Result]) -> Callable[..., Result]:
         @functools.wraps(body)
-        def run(run_id: str, model: int, pack: int, step: int, *args: Any) -> Result:
+        def run(run_id: str, model: int, pack: int, step: int, *args: Any, after: list[Any] | None = None) -> Result:
             ctx = context(run_id)
             ctx.use_threads()
             started = time.perf_counter_ns()
@@ -51,6 +63,7 @@ def task_body(kind: str) -> Callable[[Callable[..., Result]], Callable[..., Resu
             finally:
                 ctx.counters.add("busy_ns", time.perf_counter_ns() - started)
                 ctx.counters.add("tasks", 1)
+                ctx.counters.publish()
 
         return run
 
@@ -69,7 +82,7 @@ def forward(ctx: RunContext, model: int, pack: int, step: int, inputs: list[Any]
         for index, microbatch in enumerate(inputs):
             with ctx.cache.scratch(runtime.workspace, f"activations of pack {pack}"), torch.no_grad():
                 x = ctx.cache.copy_in(microbatch, "inputs" if pack == 0 else "activations")
-                _seed(spec.seed, pack, step, index)
+                _seed(ctx.device, spec.seed, pack, step, index)
                 y = functional_call(module, tensors, (x,))
                 outputs.append(ctx.cache.copy_out(y, "activations"))
         if runtime.has_buffers:
@@ -114,7 +127,7 @@ def backward(
                     leaf = tensors[name].detach().requires_grad_()
                     leaf.grad = grad
                     leaves[name] = leaf
-                _seed(spec.seed, pack, step, index)
+                _seed(ctx.device, spec.seed, pack, step, index)
                 with torch.enable_grad():
                     y = functional_call(module, {**tensors, **leaves}, (x,))
                     if last:

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from harmony.runtime.counters import Counters
 from torch.utils._pytree import tree_leaves, tree_map
+
+from harmony.runtime.counters import Counters
 
 
 class BudgetExceeded(RuntimeError):

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from distributed import Client, Scheduler
 from distributed.deploy.spec import ProcessInterface, SpecCluster
+
 from harmony.runtime.devices import DeviceSpec
 
 WORKER_START_TIMEOUT = 120

@@ -17,18 +17,26 @@ BLOCK_BYTES = 8 * len(NAMES)
 
 
 class Counters:
-    """Named int64 counters living in a shared buffer, written by one device worker, read by the driver."""
+    """Named int64 counters kept as Python ints by one device worker and published to a shared block.
+
+    The worker counts in plain ints (a tensor update per copy would cost more than a small copy) and
+    publishes all of them with one write at the end of every task; the driver reads the block.
+    """
 
     def __init__(self, block: torch.Tensor) -> None:
-        self.values = block.view(torch.int64)
+        self.shared = block.view(torch.int64)
+        self.values = dict(zip(NAMES, self.shared.tolist()))
 
     def add(self, name: str, amount: int) -> None:
-        self.values[NAMES.index(name)] += int(amount)
+        self.values[name] += int(amount)
 
     def raise_to(self, name: str, value: int) -> None:
-        index = NAMES.index(name)
-        if value > self.values[index]:
-            self.values[index] = int(value)
+        if value > self.values[name]:
+            self.values[name] = int(value)
+
+    def publish(self) -> None:
+        self.shared.copy_(torch.tensor([self.values[name] for name in NAMES], dtype=torch.int64))
 
     def read(self) -> dict[str, int]:
-        return {name: int(value) for name, value in zip(NAMES, self.values.tolist())}
+        """What was last published (by any process)."""
+        return dict(zip(NAMES, self.shared.tolist()))

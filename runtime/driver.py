@@ -2,7 +2,9 @@
 
 It carries out what the pure BindingState decides: fetch the batches it asks for, submit each bound
 task to Dask restricted to its device's worker (``fwd-m3-p2-s17-<run>`` keys, pure=False), and on
-every completion report back and drop the futures of values nobody will read again. Activations flow
+every completion report back and drop the futures of values nobody will read again. A task may be
+submitted while its dependencies still run; those it does not read (a pack's update before the next
+step's forward) are passed as ``after=`` futures so that Dask orders them too. Activations flow
 worker to worker as Dask results; nothing large passes through the driver.
 """
 
@@ -12,11 +14,12 @@ from collections.abc import Callable
 from typing import Any
 
 from distributed import Client, Future, as_completed
+
 from harmony.runtime import bodies
 from harmony.runtime.data import SharedFeed, batch_size, split_tree
 from harmony.runtime.errors import ModelFailure
 from harmony.tasks.binding import BindingState
-from harmony.tasks.graph import BatchInput, BatchTargets, TaskId, Value, inputs
+from harmony.tasks.graph import BatchInput, BatchTargets, TaskId, Value, dependencies, inputs
 from harmony.tasks.microbatch import loss_weights, split_sizes
 
 BODIES: dict[str, Callable[..., Any]] = {"fwd": bodies.forward, "bwd": bodies.backward, "upd": bodies.update}
@@ -70,6 +73,8 @@ class Driver:
         if task.kind == "bwd":
             last = task.pack == packs - 1
             args.append(self.weights[(task.model, task.step)] if last else [])
+        data = set(inputs(task, packs))
+        after = [self.values[dep] for dep in dependencies(task, packs) if dep not in data and dep in self.state.bound]
         future = self.client.submit(
             BODIES[task.kind],
             self.run,
@@ -77,6 +82,7 @@ class Driver:
             task.pack,
             task.step,
             *args,
+            after=after,
             key=task.key(self.run),
             workers=[self.workers[device]],
             allow_other_workers=False,

@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+
 from harmony.tasks.layout import BufferLayout, Slot
 
 PREFIX = "harmony-"

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 import cloudpickle
 import torch
 from distributed import Client
+from torch import nn
+
 from harmony.runtime.cluster import ClusterHandle, connect, start_embedded
 from harmony.runtime.counters import BLOCK_BYTES, Counters
 from harmony.runtime.data import SharedFeed
@@ -37,7 +39,6 @@ from harmony.runtime.worker import DevicePlugin
 from harmony.tasks.binding import BindingState, ModelWork
 from harmony.tasks.layout import lay_out
 from harmony.tasks.packing import PackPlan
-from torch import nn
 
 
 @dataclass
@@ -131,6 +132,7 @@ def _external_devices(handle: ClusterHandle, budget: int | None) -> list[DeviceS
 
     def probe() -> tuple[str, int]:
         import torch as worker_torch
+
         from harmony.runtime.devices import capacity
 
         device = "cuda:0" if worker_torch.cuda.is_available() else "cpu"

@@ -14,10 +14,11 @@ from typing import Any
 
 import msgpack
 import torch
+from torch import nn
+
 from harmony.runtime.hoststore import HostStore, dtype_name, tensor_at
 from harmony.runtime.spec import PackRuntime, grads_name, optimizer_meta_name, optimizer_name, weights_name
 from harmony.tasks.layout import Slot, TensorSpec, lay_out
-from torch import nn
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 

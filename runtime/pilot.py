@@ -16,12 +16,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_leaves
+
 from harmony.runtime.cache import tree_nbytes
 from harmony.runtime.hoststore import dtype_name
 from harmony.tasks.layout import TensorSpec
 from harmony.tasks.profile import LayerProfile, ModelProfile
-from torch import nn
-from torch.utils._pytree import tree_flatten, tree_leaves
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
 Registered by the driver for each run; on each worker it finds the worker's device by the worker's
 name, maps the device's counters from the host store and builds a DeviceCache with the device's budget.
-Task bodies look the run up by its id. Teardown drops everything the run held on the worker.
+Task bodies look the run up by its id and their worker's address (several workers may share
+a process). Teardown drops everything the run held on the worker.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from typing import Any
 
 import cloudpickle
 import torch
-from distributed import WorkerPlugin
+from distributed import WorkerPlugin, get_worker
+from torch import nn
+
 from harmony.runtime import serialization  # noqa: F401  (tensor serializers on every worker)
 from harmony.runtime.cache import DeviceCache
 from harmony.runtime.counters import BLOCK_BYTES, Counters
@@ -19,9 +22,8 @@ from harmony.runtime.hoststore import HostStore
 from harmony.runtime.optimizer import PackOptimizer
 from harmony.runtime.skeleton import load_skeleton
 from harmony.runtime.spec import RunSpec, counters_name, grads_name, weights_name
-from torch import nn
 
-RUNS: dict[str, RunContext] = {}
+RUNS: dict[tuple[str, str], RunContext] = {}
 
 
 class RunContext:
@@ -91,16 +93,17 @@ class DevicePlugin(WorkerPlugin):
         self.spec = spec
 
     def setup(self, worker: Any) -> None:
-        RUNS[self.spec.run] = RunContext(self.spec, str(worker.name))
+        RUNS[(self.spec.run, worker.address)] = RunContext(self.spec, str(worker.name))
 
     def teardown(self, worker: Any) -> None:
-        context = RUNS.pop(self.spec.run, None)
+        context = RUNS.pop((self.spec.run, worker.address), None)
         if context is not None:
             context.close()
 
 
 def context(run: str) -> RunContext:
+    """The run's context on the worker executing the calling task."""
     try:
-        return RUNS[run]
+        return RUNS[(run, get_worker().address)]
     except KeyError:
         raise RuntimeError(f"harmony run {run} is not set up on this worker") from None

@@ -103,18 +103,24 @@ class BindingState:
         return len(state.bound) < state.slots
 
     def ready(self) -> list[TaskId]:
-        """Candidates whose dependencies have all finished."""
+        """Candidates whose dependencies have all finished or are bound to a device already.
+
+        A task whose inputs are still being computed can be handed to Dask, which starts it the moment
+        they exist; queueing it on the device hides the round trip through the driver.
+        """
         return [
             task
             for task in self.pending
-            if all(dep in self.done for dep in dependencies(task, self.models[task.model].packs))
+            if all(dep in self.done or dep in self.bound for dep in dependencies(task, self.models[task.model].packs))
         ]
 
-    def score(self, task: TaskId, device: str) -> tuple[int, int, int, int, int, int]:
-        """Lower is better: updates first, then tasks whose pack is resident on device, backward before
-        forward, and the model that has made the least progress first."""
+    def score(self, task: TaskId, device: str) -> tuple[int, int, int, int, int, int, int]:
+        """Lower is better: tasks that can start now, updates first, then tasks whose pack is resident on
+        device, backward before forward, and the model that has made the least progress first."""
         resident = (task.model, task.pack) in self.devices[device].resident and task.kind != "upd"
+        waiting = any(dep in self.bound for dep in dependencies(task, self.models[task.model].packs))
         return (
+            1 if waiting else 0,
             KIND_RANK[task.kind] if task.kind == "upd" else 1,
             0 if resident else 1,
             KIND_RANK[task.kind],

@@ -179,17 +179,16 @@ def plan_packs(profile: ModelProfile, budget: int, samples: int) -> PackPlan:
     units = _units(layers)
     largest_unit = max(units, key=lambda u: sum(layer.weight_bytes for layer in layers[u[0] : u[1]]))
     floor = sum(layer.weight_bytes for layer in layers[largest_unit[0] : largest_unit[1]])
-    for unit_first, unit_stop in units:
-        need = _fixed_bytes(layers, unit_first, unit_stop, samples) + floor
-        if need > budget:
-            chunk = layers[unit_first:unit_stop]
-            cost = PackCost(
-                weights=sum(layer.weight_bytes for layer in chunk),
-                grads=sum(layer.grad_bytes for layer in chunk),
-                workspace=workspace_bytes(chunk, samples),
-                prefetch=floor,
-            )
-            raise LayerTooLarge(unit_first, unit_stop, cost, budget, chunk[0].description)
+    unit_first, unit_stop = max(units, key=lambda u: _fixed_bytes(layers, u[0], u[1], samples))
+    if _fixed_bytes(layers, unit_first, unit_stop, samples) + floor > budget:
+        chunk = layers[unit_first:unit_stop]
+        cost = PackCost(
+            weights=sum(layer.weight_bytes for layer in chunk),
+            grads=sum(layer.grad_bytes for layer in chunk),
+            workspace=workspace_bytes(chunk, samples),
+            prefetch=floor,
+        )
+        raise LayerTooLarge(unit_first, unit_stop, cost, budget, chunk[0].description)
     total = profile.weight_bytes
     steps = 48
     candidates = {floor, total}

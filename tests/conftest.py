@@ -1,0 +1,97 @@
+"""Shared helpers for the tests, and the suite-wide check that nothing Harmony started outlives it."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+
+import psutil
+import pytest
+import torch
+from torch import nn
+
+from harmony.runtime.hoststore import PREFIX, shm_directory
+
+
+def deep_mlp(width: int = 32, depth: int = 12, out: int = 4, seed: int = 0) -> nn.Sequential:
+    """A model of many small layers, so a budget under half its parameters still fits a layer."""
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.Tanh()]
+    layers.append(nn.Linear(width, out))
+    return nn.Sequential(*layers)
+
+
+def param_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def regression_batches(samples: int, batch: int, width: int = 32, out: int = 4, seed: int = 1) -> list:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(samples, width, generator=generator)
+    y = torch.randn(samples, out, generator=generator)
+    return [(x[i : i + batch], y[i : i + batch]) for i in range(0, samples, batch)]
+
+
+def train_plain(
+    model: nn.Module,
+    batches: list,
+    loss_fn: Callable[..., torch.Tensor],
+    factory: Callable[..., torch.optim.Optimizer],
+    epochs: int = 1,
+) -> list[float]:
+    """The plain PyTorch loop Harmony must match: one optimizer step per mini-batch."""
+    optimizer = factory(model.parameters())
+    losses = []
+    for _ in range(epochs):
+        for x, y in batches:
+            optimizer.zero_grad()
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+    return losses
+
+
+def assert_same_weights(trained: nn.Module, reference: nn.Module, rtol: float = 1e-5, atol: float = 1e-7) -> None:
+    for (name, a), (_, b) in zip(trained.state_dict().items(), reference.state_dict().items()):
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def clones(models: list[nn.Module]) -> list[nn.Module]:
+    return [copy.deepcopy(m) for m in models]
+
+
+def harmony_files() -> list[str]:
+    return sorted(p.name for p in shm_directory().glob(f"{PREFIX}*"))
+
+
+def worker_processes() -> list[psutil.Process]:
+    """Dask worker processes started by Harmony that are still alive, whoever their parent is now."""
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        cmdline = process.info.get("cmdline") or []
+        if any("distributed.cli.dask_spec" in part for part in cmdline):
+            found.append(process)
+    return found
+
+
+@pytest.fixture(autouse=True, scope="session")
+def nothing_outlives_the_suite() -> Iterator[None]:
+    """After every test has run, no shared-memory file of Harmony's and no device worker may remain."""
+    yield
+    leftover_files = harmony_files()
+    alive = [p for p in worker_processes() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not leftover_files, f"shared-memory files left behind: {leftover_files}"
+    assert not alive, f"worker processes left alive: {[p.pid for p in alive]}"
+
+
+@pytest.fixture
+def no_leaks() -> Iterator[None]:
+    """The same check around one test, so the test that leaks is the one that fails."""
+    before = set(harmony_files())
+    yield
+    assert set(harmony_files()) - before == set(), "this test left shared-memory files behind"
+    alive = [p for p in worker_processes() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"this test left worker processes alive: {[p.pid for p in alive]}"

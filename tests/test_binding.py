@@ -1,0 +1,86 @@
+"""Unit tests of the late-binding state machine, run without any cluster."""
+
+from __future__ import annotations
+
+from harmony.tasks.binding import BindingState, ModelWork
+from harmony.tasks.graph import BatchInput, TaskId
+
+
+def drive(state: BindingState, steps: dict[int, int], order: list[tuple[TaskId, str]]) -> None:
+    """Play the driver: feed batches, bind on every device, complete tasks in binding order."""
+    in_flight: list[TaskId] = []
+    while not state.finished:
+        for model, step in state.wanted_batches():
+            if step < steps[model]:
+                state.add_batch(model, step)
+            else:
+                state.end_of_data(model)
+        for device in state.devices:
+            while (task := state.bind(device)) is not None:
+                in_flight.append(task)
+                order.append((task, device))
+        if not in_flight and state.finished:
+            break
+        assert in_flight, "the binder stalled"
+        state.complete(in_flight.pop(0))
+
+
+def test_runs_every_task_once_in_dependency_order() -> None:
+    state = BindingState([ModelWork((100, 100, 100))], {"cpu-0": 10_000})
+    order: list[tuple[TaskId, str]] = []
+    drive(state, {0: 2}, order)
+    tasks = [task for task, _ in order]
+    assert len(tasks) == len(set(tasks)) == 2 * (2 + 3 + 3)
+    position = {task: i for i, task in enumerate(tasks)}
+    assert position[TaskId("bwd", 0, 2, 0)] > position[TaskId("fwd", 0, 1, 0)]
+    assert position[TaskId("fwd", 0, 0, 1)] > position[TaskId("upd", 0, 0, 0)]
+    assert state.steps_done == [2]
+
+
+def test_models_are_interleaved_not_run_one_after_another() -> None:
+    state = BindingState([ModelWork((10, 10)), ModelWork((10, 10))], {"cpu-0": 10_000}, slots_per_device=1)
+    order: list[tuple[TaskId, str]] = []
+    drive(state, {0: 3, 1: 3}, order)
+    first_of_model_1 = next(i for i, (task, _) in enumerate(order) if task.model == 1)
+    last_of_model_0 = max(i for i, (task, _) in enumerate(order) if task.model == 0)
+    assert first_of_model_1 < last_of_model_0 / 3
+
+
+def test_a_device_prefers_the_task_whose_pack_it_holds() -> None:
+    state = BindingState([ModelWork((10, 10)), ModelWork((10, 10))], {"a": 1000, "b": 1000}, slots_per_device=1)
+    state.add_batch(0, 0)
+    state.add_batch(1, 0)
+    first = state.bind("a")
+    assert first is not None
+    state.bind("b")
+    state.complete(first)
+    pack = (first.model, first.pack)
+    assert pack in state.devices["a"].resident
+    follow = state.bind("a")
+    assert follow is not None
+    assert (follow.model, follow.pack) == (first.model, first.pack + 1)
+
+
+def test_values_are_released_once_their_readers_finish() -> None:
+    state = BindingState([ModelWork((10, 10))], {"cpu-0": 1000}, slots_per_device=1)
+    state.add_batch(0, 0)
+    released = []
+    while True:
+        task = state.bind("cpu-0")
+        if task is None:
+            break
+        released += state.complete(task)
+    assert BatchInput(0, 0) in released
+    assert TaskId("fwd", 0, 0, 0) in released
+    assert not state.readers
+
+
+def test_steps_of_a_model_are_read_one_ahead_at_most() -> None:
+    state = BindingState([ModelWork((10,))], {"cpu-0": 1000})
+    assert state.wanted_batches() == [(0, 0)]
+    state.add_batch(0, 0)
+    assert state.wanted_batches() == []
+    bwd = state.bind("cpu-0")
+    assert bwd == TaskId("bwd", 0, 0, 0)
+    state.complete(bwd)
+    assert state.wanted_batches() == [(0, 1)]

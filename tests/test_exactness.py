@@ -1,0 +1,88 @@
+"""End to end through harmony.train: same weights and losses as plain PyTorch, within the device budget."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import harmony
+from tests.conftest import assert_same_weights, clones, deep_mlp, param_bytes, regression_batches, train_plain
+
+FACTORIES = [
+    lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+    lambda p: torch.optim.Adam(p, lr=1e-3, betas=(0.8, 0.99)),
+    lambda p: torch.optim.AdamW(p, lr=2e-3, weight_decay=0.1),
+]
+STEPS = 8
+MICROBATCHES = 4
+BUDGET = 24_000
+
+
+def three_models() -> list[nn.Module]:
+    return [deep_mlp(seed=seed) for seed in range(3)]
+
+
+def test_the_budget_is_under_half_a_model() -> None:
+    assert param_bytes(deep_mlp()) / 2 > BUDGET
+
+
+@pytest.mark.parametrize("devices", [["cpu"], ["cpu", "cpu"]], ids=["1-device", "2-devices"])
+def test_shared_loader_matches_plain_pytorch(devices: list[str], no_leaks: None) -> None:
+    models = three_models()
+    references = clones(models)
+    batches = regression_batches(samples=16 * STEPS, batch=16)
+    result = harmony.train(
+        models,
+        batches,
+        loss_fn=nn.functional.mse_loss,
+        optimizer=FACTORIES,
+        microbatches=MICROBATCHES,
+        devices=devices,
+        device_memory=BUDGET,
+        progress=False,
+    )
+    assert result.stats.steps == [STEPS] * 3
+    assert all(len(plan.packs) > 2 for plan in result.plans)
+    for index, (reference, factory) in enumerate(zip(references, FACTORIES)):
+        losses = train_plain(reference, batches, nn.functional.mse_loss, factory)
+        assert result.models[index] is models[index]
+        assert_same_weights(models[index], reference)
+        torch.testing.assert_close(torch.tensor(result.history[index]), torch.tensor(losses), rtol=1e-5, atol=1e-7)
+    assert set(result.stats.peak_device_bytes) == {f"cpu-{i}" for i in range(len(devices))}
+    for device, peak in result.stats.peak_device_bytes.items():
+        assert 0 < peak <= BUDGET, f"{device} peaked at {peak} bytes over its {BUDGET}-byte budget"
+    assert result.dashboard_link and result.dashboard_link.startswith("http")
+
+
+@pytest.mark.parametrize("devices", [["cpu"], ["cpu", "cpu"]], ids=["1-device", "2-devices"])
+def test_per_model_loaders_match_plain_pytorch(devices: list[str], no_leaks: None) -> None:
+    models = three_models()
+    references = clones(models)
+    loaders = []
+    for seed in range(3):
+        batches = regression_batches(samples=16 * STEPS // 2, batch=16, seed=10 + seed)
+        x = torch.cat([b[0] for b in batches])
+        y = torch.cat([b[1] for b in batches])
+        generator = torch.Generator().manual_seed(seed)
+        loaders.append(DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True, generator=generator))
+    result = harmony.train(
+        models,
+        loaders,
+        loss_fn=nn.functional.mse_loss,
+        optimizer=FACTORIES,
+        steps=STEPS,
+        microbatches=MICROBATCHES,
+        devices=devices,
+        device_memory=BUDGET,
+        progress=False,
+    )
+    assert result.stats.steps == [STEPS] * 3
+    for index, (reference, factory) in enumerate(zip(references, FACTORIES)):
+        loaders[index].generator.manual_seed(index)
+        losses = train_plain(reference, list(loaders[index]) + list(loaders[index]), nn.functional.mse_loss, factory)
+        assert_same_weights(models[index], reference)
+        torch.testing.assert_close(torch.tensor(result.history[index]), torch.tensor(losses), rtol=1e-5, atol=1e-7)
+    for peak in result.stats.peak_device_bytes.values():
+        assert 0 < peak <= BUDGET

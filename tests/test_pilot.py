@@ -1,0 +1,87 @@
+"""The pilot pass: decomposition into chains, profiling, and leaving the model as it was."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from harmony.runtime.pilot import decompose
+
+
+class Chain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 8)
+        self.act = nn.ReLU()
+        self.fc2 = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc(x)
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8, bias=False)
+        self.mid = nn.Tanh()
+        self.b = nn.Linear(8, 8, bias=False)
+        self.b.weight = self.a.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.mid(self.a(x)))
+
+
+def test_nested_sequentials_flatten_to_leaf_layers() -> None:
+    model = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.ReLU()), nn.Sequential(nn.Linear(8, 4)))
+    result = decompose(model, torch.randn(3, 8), "m")
+    assert [type(layer).__name__ for layer in result.layers] == ["Linear", "ReLU", "Linear"]
+    assert len(result.profile.layers) == 3
+
+
+def test_a_module_that_calls_its_children_in_order_is_a_chain() -> None:
+    result = decompose(Chain(), torch.randn(3, 8), "m")
+    assert [type(layer).__name__ for layer in result.layers] == ["Linear", "ReLU", "Linear"]
+
+
+def test_a_residual_block_stays_one_layer() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), Residual(), nn.Linear(8, 2))
+    result = decompose(model, torch.randn(3, 8), "m")
+    assert [type(layer).__name__ for layer in result.layers] == ["Linear", "Residual", "Linear"]
+
+
+def test_layers_sharing_a_weight_are_merged() -> None:
+    result = decompose(Tied(), torch.randn(3, 8), "m")
+    assert len(result.layers) == 1
+    assert result.profile.layers[0].param_bytes == 8 * 8 * 4
+
+
+def test_profile_measures_bytes_per_sample() -> None:
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    profile = decompose(model, torch.randn(4, 8), "m").profile
+    first = profile.layers[0]
+    assert first.param_bytes == (8 * 16 + 16) * 4
+    assert first.input_bytes_per_sample == 8 * 4
+    assert first.output_bytes_per_sample == 16 * 4
+    assert profile.pilot_samples == 4
+
+
+def test_pilot_leaves_buffers_and_rng_untouched() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 2))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    sample = torch.randn(4, 8)
+    torch.manual_seed(123)
+    expected_draw = torch.rand(3)
+    torch.manual_seed(123)
+    decompose(model, sample, "m")
+    assert torch.equal(torch.rand(3), expected_draw)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key

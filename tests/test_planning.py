@@ -1,0 +1,126 @@
+"""Unit tests of pure planning: layouts, micro-batches, packing, the task graph."""
+
+from __future__ import annotations
+
+import pytest
+
+from harmony.tasks.graph import BatchInput, BatchTargets, TaskId, consumers, dependencies, inputs, step_tasks
+from harmony.tasks.layout import TensorSpec, lay_out
+from harmony.tasks.microbatch import loss_weights, split_sizes
+from harmony.tasks.packing import LayerTooLarge, plan_packs
+from harmony.tasks.profile import LayerProfile, ModelProfile
+
+
+def linear(width: int, seconds: float = 1e-6, cut: bool = True) -> LayerProfile:
+    return LayerProfile(
+        description=f"Linear({width})",
+        params=(TensorSpec("weight", "float32", (width, width)), TensorSpec("bias", "float32", (width,))),
+        buffers=(),
+        input_bytes_per_sample=4 * width,
+        output_bytes_per_sample=4 * width,
+        forward_seconds_per_sample=seconds,
+        cut_before=cut,
+    )
+
+
+def test_layout_packs_tensors_at_natural_alignment_without_padding_between_same_dtypes() -> None:
+    layout = lay_out([TensorSpec("a", "float32", (3,)), TensorSpec("b", "float32", (2, 2))])
+    assert [slot.offset for slot in layout.slots] == [0, 12]
+    assert layout.nbytes == layout.payload_bytes == 28
+    mixed = lay_out([TensorSpec("x", "uint8", (3,)), TensorSpec("y", "float64", ())])
+    assert [slot.offset for slot in mixed.slots] == [0, 8]
+    assert mixed.nbytes == 16
+
+
+@pytest.mark.parametrize(
+    ("batch", "micro", "expected"), [(8, 4, [2, 2, 2, 2]), (10, 4, [3, 3, 2, 2]), (3, 4, [1, 1, 1])]
+)
+def test_split_sizes_are_even_and_cover_the_batch(batch: int, micro: int, expected: list[int]) -> None:
+    assert split_sizes(batch, micro) == expected
+    assert sum(loss_weights(expected)) == pytest.approx(1.0)
+
+
+def test_loss_weights_are_sample_fractions() -> None:
+    assert loss_weights([3, 1]) == [0.75, 0.25]
+
+
+def profile(layers: list[LayerProfile]) -> ModelProfile:
+    return ModelProfile("model 0 (Test)", tuple(layers))
+
+
+def test_everything_in_one_pack_when_the_budget_is_large() -> None:
+    plan = plan_packs(profile([linear(16)] * 4), budget=10**9, samples=8)
+    assert [(p.first, p.stop) for p in plan.packs] == [(0, 4)]
+
+
+def test_packs_fit_the_budget_with_their_prefetch_buffer() -> None:
+    layers = [linear(16)] * 10
+    budget = 6000
+    plan = plan_packs(profile(layers), budget=budget, samples=4)
+    assert len(plan.packs) > 1
+    assert plan.packs[0].first == 0 and plan.packs[-1].stop == 10
+    assert all(a.stop == b.first for a, b in zip(plan.packs, plan.packs[1:]))
+    for pack in plan.packs:
+        assert pack.cost.total <= budget
+        neighbours = [plan.packs[i].weight_bytes for i in (pack.index - 1, pack.index + 1) if 0 <= i < len(plan.packs)]
+        assert pack.cost.prefetch == max(neighbours, default=0)
+
+
+def test_packs_are_balanced_by_profiled_time() -> None:
+    slow, fast = linear(16, seconds=1e-3), linear(16, seconds=1e-6)
+    plan = plan_packs(profile([slow, fast, fast, fast, slow, fast]), budget=8000, samples=1)
+    times = [p.forward_seconds_per_sample for p in plan.packs]
+    assert max(times) < 2.5e-3
+
+
+def test_no_cut_where_a_layer_input_is_not_a_single_tensor() -> None:
+    layers = [linear(16), linear(16, cut=False), linear(16), linear(16, cut=False)]
+    plan = plan_packs(profile(layers), budget=9000, samples=1)
+    cuts = {p.first for p in plan.packs}
+    assert 1 not in cuts and 3 not in cuts
+
+
+def test_layer_too_large_says_how_many_bytes_it_needs() -> None:
+    with pytest.raises(LayerTooLarge) as raised:
+        plan_packs(profile([linear(16), linear(64)]), budget=20000, samples=8)
+    error = raised.value
+    assert error.first == 1
+    assert error.need.total > 20000
+    assert f"{error.need.total:,} bytes" in str(error)
+
+
+def test_pack_tensor_names_match_a_sequential_of_its_layers() -> None:
+    plan = plan_packs(profile([linear(4)] * 3), budget=10**9, samples=1)
+    names = [spec.name for spec in plan.packs[0].weights]
+    assert names == ["0.weight", "0.bias", "1.weight", "1.bias", "2.weight", "2.bias"]
+
+
+def test_step_tasks_and_dependencies() -> None:
+    tasks = step_tasks(model=3, packs=3, step=5)
+    assert [t.key("r") for t in tasks][:3] == ["fwd-m3-p0-s5-r", "fwd-m3-p1-s5-r", "bwd-m3-p2-s5-r"]
+    assert dependencies(TaskId("bwd", 3, 1, 5), 3) == [
+        TaskId("fwd", 3, 0, 5),
+        TaskId("bwd", 3, 2, 5),
+        TaskId("upd", 3, 1, 4),
+    ]
+    assert dependencies(TaskId("upd", 3, 0, 5), 3) == [TaskId("bwd", 3, 0, 5)]
+    assert inputs(TaskId("bwd", 3, 2, 5), 3) == (TaskId("fwd", 3, 1, 5), BatchTargets(3, 5))
+    assert inputs(TaskId("fwd", 3, 0, 5), 3) == (BatchInput(3, 5),)
+
+
+def test_every_value_is_read_by_exactly_its_consumers() -> None:
+    packs = 4
+    tasks = step_tasks(0, packs, 0)
+    reads: dict[object, list[TaskId]] = {}
+    for task in tasks:
+        for value in inputs(task, packs):
+            reads.setdefault(value, []).append(task)
+    for value, readers in reads.items():
+        assert sorted(readers) == sorted(consumers(value, packs))
+
+
+def test_dask_groups_keys_by_task_kind() -> None:
+    from dask.utils import key_split
+
+    assert key_split(TaskId("fwd", 3, 2, 17).key("a1b2c3")) == "fwd"
+    assert key_split(TaskId("upd", 0, 0, 0).key("abcdef")) == "upd"

@@ -1,0 +1,162 @@
+"""Runtime pieces without a cluster: host store, device cache accounting, pack optimizer, serialization."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from distributed.protocol import deserialize, serialize
+from torch import nn
+
+from harmony.runtime import serialization  # noqa: F401
+from harmony.runtime.cache import BudgetExceeded, DeviceCache
+from harmony.runtime.counters import BLOCK_BYTES, Counters
+from harmony.runtime.hoststore import HostStore, tensors_at
+from harmony.runtime.optimizer import PackOptimizer
+from harmony.runtime.skeleton import dump_skeleton, load_skeleton
+from harmony.runtime.spec import PackRuntime, grads_name, weights_name
+from harmony.tasks.layout import TensorSpec, lay_out
+
+
+@pytest.fixture
+def store():
+    host = HostStore("unittest")
+    yield host
+    host.unlink_all()
+
+
+class PublishingCounters(Counters):
+    """Counters that publish on every change, so tests can read the shared block at any point."""
+
+    def add(self, name: str, amount: int) -> None:
+        super().add(name, amount)
+        self.publish()
+
+    def raise_to(self, name: str, value: int) -> None:
+        super().raise_to(name, value)
+        self.publish()
+
+
+def make_cache(store: HostStore, budget: int) -> DeviceCache:
+    counters = PublishingCounters(store.create("counters", BLOCK_BYTES))
+    return DeviceCache("cpu-0", torch.device("cpu"), budget, counters)
+
+
+def test_host_store_buffers_are_shared_between_mappings(store: HostStore) -> None:
+    a = store.create("x", 16)
+    other = HostStore("unittest").attach("x", 16)
+    a[3] = 9
+    assert other[3] == 9
+    assert store.unlink_all() == 1
+    assert not store.path("x").exists()
+
+
+def test_cache_counts_every_byte_and_keeps_resident_weights(store: HostStore) -> None:
+    cache = make_cache(store, budget=1000)
+    host = store.create("w", 400)
+    with cache.weights("p0", 0, host) as device_bytes:
+        assert device_bytes.numel() == 400
+    with cache.weights("p0", 0, host):
+        pass
+    assert cache.counters.read()["in_weights"] == 400
+    with cache.weights("p0", 1, host):
+        pass
+    assert cache.counters.read()["in_weights"] == 800
+    assert cache.used == 400
+
+
+def test_cache_evicts_least_recently_used_and_tracks_the_peak(store: HostStore) -> None:
+    cache = make_cache(store, budget=1000)
+    hosts = [store.create(f"w{i}", 400) for i in range(3)]
+    for i, host in enumerate(hosts):
+        with cache.weights(f"p{i}", 0, host):
+            pass
+    assert list(cache.residents) == ["p1", "p2"]
+    assert cache.counters.read()["peak"] == 800
+    with cache.scratch(600, "activations"):
+        assert cache.used <= 1000
+    assert cache.counters.read()["peak"] <= 1000
+
+
+def test_cache_refuses_to_exceed_its_budget(store: HostStore) -> None:
+    cache = make_cache(store, budget=1000)
+    host = store.create("w", 600)
+    with (
+        cache.weights("p0", 0, host),
+        pytest.raises(BudgetExceeded, match="needs 500 bytes"),
+        cache.scratch(500, "activations"),
+    ):
+        pass
+    assert cache.used == 600
+
+
+def test_copies_are_counted_by_kind(store: HostStore) -> None:
+    cache = make_cache(store, budget=1000)
+    x = torch.zeros(4, 8)
+    y = cache.copy_in(x, "activations")
+    assert y.data_ptr() != x.data_ptr()
+    cache.copy_out({"a": y, "b": [y]}, "activations")
+    counts = cache.counters.read()
+    assert counts["in_activations"] == 128 and counts["out_activations"] == 256
+
+
+def _pack_runtime(module: nn.Module) -> PackRuntime:
+    weights = lay_out([TensorSpec(n, "float32", tuple(p.shape)) for n, p in module.named_parameters()])
+    return PackRuntime(dump_skeleton(module), weights, weights, weights.nbytes, 0)
+
+
+@pytest.mark.parametrize(
+    "factory",
+    [
+        lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+        lambda p: torch.optim.Adam(p, lr=0.01),
+        lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1),
+        lambda p: torch.optim.RMSprop(p, lr=0.01, momentum=0.5),
+        lambda p: torch.optim.Adagrad(p, lr=0.1),
+    ],
+)
+def test_pack_optimizer_state_lives_in_the_store_and_survives_a_rebuild(store: HostStore, factory) -> None:
+    module = nn.Sequential(nn.Linear(3, 2))
+    reference = copy.deepcopy(module)
+    runtime = _pack_runtime(module)
+    host_w = store.create(weights_name(0, 0), runtime.weights.nbytes)
+    host_g = store.create(grads_name(0, 0), runtime.grads.nbytes)
+    for name, view in tensors_at(host_w, runtime.weights).items():
+        view.copy_(dict(module.named_parameters())[name].detach())
+    ref_opt = factory(reference.parameters())
+    torch.manual_seed(0)
+    for step in range(4):
+        grads = [torch.randn_like(p) for p in reference.parameters()]
+        for p, g in zip(reference.parameters(), grads):
+            p.grad = g.clone()
+        ref_opt.step()
+        for view, g in zip(tensors_at(host_g, runtime.grads).values(), grads):
+            view.copy_(g)
+        optimizer = PackOptimizer(factory, store, 0, 0, runtime)
+        assert optimizer.last_step == step - 1
+        optimizer.step(step)
+    for (name, p) in reference.named_parameters():
+        torch.testing.assert_close(tensors_at(host_w, runtime.weights)[name], p.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_skeleton_carries_structure_without_weights() -> None:
+    module = nn.Sequential(nn.Linear(1000, 1000), nn.BatchNorm1d(1000))
+    data = dump_skeleton(module)
+    assert len(data) < 20_000
+    skeleton = load_skeleton(data)
+    assert skeleton[0].weight.device.type == "meta"
+    params = {k: v.detach() for k, v in module.state_dict().items()}
+    x = torch.randn(4, 1000)
+    out = torch.func.functional_call(skeleton, params, (x,))
+    torch.testing.assert_close(out, module(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64])
+def test_tensors_round_trip_through_dask_serialization(dtype: torch.dtype) -> None:
+    tensor = (torch.arange(12).reshape(3, 4) * 3).to(dtype)
+    header, frames = serialize(tensor)
+    back = deserialize(header, frames)
+    assert back.dtype == dtype and torch.equal(back, tensor)
+    sliced = tensor[1:]
+    assert torch.equal(deserialize(*serialize(sliced)), sliced)
