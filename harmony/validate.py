@@ -105,8 +105,20 @@ def _peek(loader: Any, label: str, passes: bool) -> Loader:
     return Loader(loader, iterator, (first[0], first[1]))
 
 
+def _looks_like_batch(value: Any) -> bool:
+    """A batch (maybe a malformed one) rather than a loader given as a list of batches.
+
+    A tuple holding tensors is a batch; so is a list whose first item is a tensor or a dict of them
+    (what a DataLoader yields). A list whose first item is a tuple is a loader: a list of batches.
+    """
+    if isinstance(value, tuple):
+        return _has_tensor(value)
+    return isinstance(value, list) and bool(value) and isinstance(value[0], (torch.Tensor, dict))
+
+
 def _loaders(loaders: Any, count: int, passes: bool) -> tuple[list[Loader], list[int]]:
-    per_model = isinstance(loaders, (list, tuple)) and not (loaders and _is_batch(loaders[0]))
+    """One loader shared by every model, or one per model; a list of batches is one loader."""
+    per_model = isinstance(loaders, (list, tuple)) and not (loaders and _looks_like_batch(loaders[0]))
     if not per_model:
         return [_peek(loaders, "loaders", passes)], [0] * count
     if len(loaders) != count:

@@ -1,10 +1,12 @@
 """The pilot pass: decompose a model into a chain of layers and measure bytes and times on one micro-batch.
 
-A module is split into its children when it is an nn.Sequential, or when running its children one after
-another gives exactly what its own forward gives (so a plain ``fc1 -> act -> fc2`` module is a chain,
-while a residual block is not). Layers that share a parameter are merged into one layer, since a pack
-cut between them would hold the weight twice. The pass runs on the CPU in the driver before any worker
-starts; it leaves the model's buffers and the global RNG as it found them.
+A module is split into its children when it is an nn.Sequential, or when torch.fx shows that its
+forward does nothing but call each child once, feeding each the previous one's output (so a plain
+``fc1 -> act -> fc2`` module is a chain, while a residual block, a forward with data-dependent
+branches or one that also calls functions between children is kept whole). Layers that share a
+parameter are merged into one layer, since a pack cut between them would hold the weight twice. The
+pass runs on the CPU in the driver before any worker starts; it leaves the model's buffers and the
+global RNG as it found them.
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
-from torch.utils._pytree import tree_flatten, tree_leaves
+from torch import fx, nn
+from torch.utils._pytree import tree_leaves
 
 from harmony.runtime.cache import tree_nbytes
 from harmony.runtime.hoststore import dtype_name
@@ -48,49 +50,49 @@ def preserved_state(model: nn.Module) -> Iterator[None]:
         torch.set_rng_state(rng)
 
 
-def trees_equal(a: Any, b: Any) -> bool:
-    leaves_a, spec_a = tree_flatten(a)
-    leaves_b, spec_b = tree_flatten(b)
-    if spec_a != spec_b:
-        return False
-    for x, y in zip(leaves_a, leaves_b):
-        if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
-            return False
-        if isinstance(x, torch.Tensor):
-            if x.shape != y.shape or x.dtype != y.dtype or not torch.equal(x, y):
-                return False
-        elif x != y:
-            return False
-    return True
+class _ChildrenAsLeaves(fx.Tracer):
+    """Traces one module's forward, treating each of its direct children as an opaque call."""
+
+    def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
+        return "." not in qualified_name
 
 
-def _is_chain(module: nn.Module, x: Any) -> bool:
-    children = list(module.children())
+def chain_order(module: nn.Module) -> list[nn.Module] | None:
+    """The children of module in the order its forward calls them, if that forward is exactly a chain.
+
+    None when it is not: the forward must take one input, call every child exactly once, each on the
+    previous call's output, and return the last output, with nothing else in between.
+    """
+    children = dict(module.named_children())
     if not children:
-        return False
+        return None
     if type(module).forward is nn.Sequential.forward:
-        return True
+        return list(children.values())
     if any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False)):
-        return False
-    rng = torch.get_rng_state()
+        return None
     try:
-        with preserved_state(module):
-            expected = module(x)
-        torch.set_rng_state(rng)
-        with preserved_state(module):
-            y = x
-            for child in children:
-                y = child(y)
+        graph = _ChildrenAsLeaves().trace(module)
     except Exception:
-        return False
-    finally:
-        torch.set_rng_state(rng)
-    return trees_equal(expected, y)
+        return None
+    nodes = list(graph.nodes)
+    if len(nodes) < 3 or nodes[0].op != "placeholder" or nodes[-1].op != "output":
+        return None
+    previous = nodes[0]
+    order = []
+    for node in nodes[1:-1]:
+        if node.op != "call_module" or node.args != (previous,) or node.kwargs:
+            return None
+        order.append(str(node.target))
+        previous = node
+    if nodes[-1].args != (previous,) or sorted(order) != sorted(children):
+        return None
+    return [children[name] for name in order]
 
 
 def _flatten(module: nn.Module, x: Any, layers: list[nn.Module]) -> Any:
-    if _is_chain(module, x):
-        for child in module.children():
+    order = chain_order(module)
+    if order is not None:
+        for child in order:
             x = _flatten(child, x, layers)
         return x
     layers.append(module)

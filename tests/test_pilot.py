@@ -40,6 +40,49 @@ class Tied(nn.Module):
         return self.b(self.mid(self.a(x)))
 
 
+class CalledOutOfOrder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.second = nn.Linear(8, 2)
+        self.first = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(self.first(x))
+
+
+class FunctionBetweenChildren(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+class DataDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum().item() > 1e9:
+            raise ValueError("never on the pilot batch")
+        return self.a(x)
+
+
+def test_children_are_taken_in_the_order_forward_calls_them() -> None:
+    model = CalledOutOfOrder()
+    result = decompose(model, torch.randn(3, 8), "m")
+    assert result.layers == [model.first, model.second]
+
+
+def test_a_forward_with_work_between_children_or_data_dependent_branches_stays_whole() -> None:
+    for model in (FunctionBetweenChildren(), DataDependent()):
+        result = decompose(model, torch.randn(3, 8), "m")
+        assert result.layers == [model]
+
+
 def test_nested_sequentials_flatten_to_leaf_layers() -> None:
     model = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.ReLU()), nn.Sequential(nn.Linear(8, 4)))
     result = decompose(model, torch.randn(3, 8), "m")

@@ -1,0 +1,139 @@
+"""Bad input gets a clear error naming the model and argument, raised before any worker starts."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+import harmony
+from harmony import InputError
+from tests.conftest import deep_mlp, regression_batches
+
+
+@pytest.fixture(autouse=True)
+def no_cluster_may_start(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Every test here must fail before a worker process exists, and in seconds."""
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a cluster was started before the bad input was reported")
+
+    monkeypatch.setattr("harmony.runtime.job.start_embedded", refuse)
+    started = time.perf_counter()
+    yield
+    assert time.perf_counter() - started < 10
+
+
+def sgd(params: object) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1)
+
+
+def call(**overrides: object) -> None:
+    arguments: dict[str, object] = {
+        "models": [deep_mlp(depth=2), deep_mlp(depth=2)],
+        "loaders": regression_batches(samples=32, batch=8),
+        "loss_fn": nn.functional.mse_loss,
+        "optimizer": sgd,
+        "progress": False,
+    }
+    arguments.update(overrides)
+    harmony.train(**arguments)
+
+
+def test_no_models() -> None:
+    with pytest.raises(InputError, match="models is empty"):
+        call(models=[])
+
+
+def test_a_model_that_is_not_a_module() -> None:
+    with pytest.raises(InputError, match=r"models\[1\] is a str, not a torch.nn.Module"):
+        call(models=[deep_mlp(depth=2), "resnet"])
+
+
+def test_wrong_number_of_loaders() -> None:
+    batches = regression_batches(samples=32, batch=8)
+    with pytest.raises(InputError, match="got 3 loaders for 2 models"):
+        call(loaders=[batches, batches, batches])
+
+
+def test_a_loader_that_yields_tensors_not_pairs() -> None:
+    tensors = [torch.randn(8, 32) for _ in range(4)]
+    with pytest.raises(InputError, match=r"loaders\[1\] \(for model 1\) yields a Tensor.*\(inputs, targets\) pair"):
+        call(loaders=[regression_batches(samples=32, batch=8), tensors])
+
+
+def test_a_loader_that_yields_triples() -> None:
+    triples = [(torch.randn(8, 32), torch.randn(8, 4), torch.zeros(8)) for _ in range(2)]
+    with pytest.raises(InputError, match="tuple of length 3"):
+        call(loaders=triples)
+
+
+def test_microbatches_larger_than_a_batch() -> None:
+    with pytest.raises(InputError, match=r"microbatches=16 is larger than the first batch of model 0 .* \(8 samples\)"):
+        call(microbatches=16)
+
+
+def test_budget_smaller_than_the_largest_layer_needs() -> None:
+    with pytest.raises(InputError) as raised:
+        call(device_memory="10kB")
+    message = str(raised.value)
+    assert "device_memory is too small for model 0 (Sequential)" in message
+    assert "Linear(in_features=32, out_features=32" in message
+    assert "Raise device_memory to at least" in message
+    needed = int(message.split("at least ")[1].split(" bytes")[0].replace(",", ""))
+    assert needed > 10_000
+
+
+def test_an_optimizer_instance_instead_of_a_factory() -> None:
+    model = deep_mlp(depth=2)
+    with pytest.raises(InputError, match=r"optimizer for model 0 .* is an optimizer instance \(Adam\).*factory"):
+        call(models=[model], optimizer=torch.optim.Adam(model.parameters()))
+
+
+def test_an_optimizer_that_is_not_callable() -> None:
+    with pytest.raises(InputError, match=r"optimizer for model 1 .* is a float, not a factory"):
+        call(optimizer=[sgd, 0.1])
+
+
+def test_unknown_device_strings() -> None:
+    with pytest.raises(InputError, match=r"devices\[1\] = 'tpu:0' is not a device Harmony knows"):
+        call(devices=["cpu", "tpu:0"])
+
+
+def test_cuda_devices_on_a_machine_without_them() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(InputError, match="this machine has 0 CUDA GPUs"):
+        call(devices=["cuda:0"])
+
+
+def test_a_size_that_cannot_be_read() -> None:
+    with pytest.raises(InputError, match="device_memory='lots' is not a size"):
+        call(device_memory="lots")
+
+
+def test_a_loss_that_is_not_a_scalar() -> None:
+    with pytest.raises(InputError, match=r"loss_fn for model 0 .* of shape \(8, 4\)"):
+        call(loss_fn=lambda output, target: (output - target) ** 2, microbatches=1)
+
+
+def test_a_forward_that_fails_in_the_pilot_pass_names_the_model() -> None:
+    class Broken(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError("shape mismatch in my layer")
+
+    with pytest.raises(harmony.ModelError, match="model 1 \\(Broken\\) raised RuntimeError: shape mismatch"):
+        call(models=[deep_mlp(depth=2), Broken()])
+
+
+def test_a_one_shot_iterator_with_several_epochs() -> None:
+    with pytest.raises(InputError, match="iterator that can be read only once"):
+        call(loaders=iter(regression_batches(samples=32, batch=8)), epochs=2)
+
+
+def test_an_unknown_cluster_argument() -> None:
+    with pytest.raises(InputError, match="cluster=42 must be None"):
+        call(cluster=42)

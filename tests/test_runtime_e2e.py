@@ -1,0 +1,120 @@
+"""The runtime end to end: user errors, measured swap volume, and a user's own cluster."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from distributed import Client, LocalCluster
+from torch import nn
+
+import harmony
+from tests.conftest import assert_same_weights, deep_mlp, harmony_files, param_bytes, regression_batches, train_plain
+
+SENTINEL = 1234.0
+
+
+class Fragile(nn.Module):
+    """Fails on the batch whose first value is SENTINEL, which the pilot pass never sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() and x.flatten()[0].item() == SENTINEL:
+            raise ValueError("bad batch marker reached the model")
+        return self.fc(x)
+
+
+def test_an_exception_in_forward_reaches_the_user_with_model_and_traceback(no_leaks: None) -> None:
+    batches = regression_batches(samples=32, batch=8)
+    poisoned = [(x.clone(), y) for x, y in batches]
+    poisoned[2][0][0, 0] = SENTINEL
+    with pytest.raises(harmony.ModelError) as raised:
+        harmony.train(
+            [deep_mlp(depth=2), Fragile()],
+            [batches, poisoned],
+            loss_fn=nn.functional.mse_loss,
+            optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+            progress=False,
+        )
+    error = raised.value
+    assert error.model == 1
+    assert "model 1 (Fragile) raised ValueError: bad batch marker reached the model" in str(error)
+    assert "step 2" in str(error)
+    assert 'raise ValueError("bad batch marker reached the model")' in error.traceback_text
+    assert "Original traceback" in str(error)
+
+
+def test_swap_volume_is_measured_for_a_model_that_fits(no_leaks: None) -> None:
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    weight_bytes = param_bytes(model)
+    steps = 3
+    batches = regression_batches(samples=8 * steps, batch=8, width=16)
+    result = harmony.train(
+        model, batches, loss_fn=nn.functional.mse_loss, optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+        microbatches=4, progress=False,
+    )
+    assert [len(plan.packs) for plan in result.plans] == [1]
+    # One pack: its backward swaps the weights in once per step (the update makes the device copy stale)
+    # and sends the gradients out once, whatever the number of micro-batches.
+    assert result.stats.bytes_in["weights"] == steps * weight_bytes == steps * 1360
+    assert result.stats.bytes_out["grads"] == steps * weight_bytes
+    assert result.stats.bytes_in["inputs"] == steps * 8 * (16 + 4) * 4
+    assert result.stats.bytes_in["activations"] == 0
+    assert result.stats.bytes_out["activations"] == 0
+
+
+def test_swap_volume_for_a_model_four_times_the_budget(no_leaks: None) -> None:
+    model = deep_mlp(width=32, depth=24)
+    weights = param_bytes(model)
+    budget = weights // 4
+    steps, batch, microbatches = 4, 16, 4
+    batches = regression_batches(samples=batch * steps, batch=batch)
+    reference = copy.deepcopy(model)
+    result = harmony.train(
+        model, batches, loss_fn=nn.functional.mse_loss, optimizer=lambda p: torch.optim.SGD(p, lr=0.05),
+        microbatches=microbatches, device_memory=budget, progress=False,
+    )
+    train_plain(reference, batches, nn.functional.mse_loss, lambda p: torch.optim.SGD(p, lr=0.05))
+    assert_same_weights(model, reference)
+    plan = result.plans[0]
+    assert len(plan.packs) >= 4
+    last = plan.packs[-1].weight_bytes
+    stats = result.stats
+    # Every gradient byte leaves the device exactly once per step.
+    assert stats.bytes_out["grads"] == steps * weights
+    # Weights cross at least once (updates make copies stale) and at most twice per step, whatever M is.
+    assert steps * weights <= stats.bytes_in["weights"] <= steps * (2 * weights - last)
+    # Activations between packs: forward sends each boundary out, backward sends its gradient out;
+    # boundaries come in for forward, for the recompute, and as upstream gradients, except that the
+    # last pack has no separate forward (it runs forward, loss and backward in one task).
+    one_boundary = batch * 32 * 4
+    boundaries = one_boundary * (len(plan.packs) - 1)
+    assert stats.bytes_out["activations"] == steps * 2 * boundaries
+    assert stats.bytes_in["activations"] == steps * (3 * boundaries - one_boundary)
+    assert max(stats.peak_device_bytes.values()) <= budget
+
+
+def test_training_on_a_users_cluster(no_leaks: None) -> None:
+    models = [deep_mlp(depth=3, seed=s) for s in range(2)]
+    references = [copy.deepcopy(m) for m in models]
+    batches = regression_batches(samples=48, batch=12)
+    factory = lambda p: torch.optim.Adam(p, lr=1e-2)  # noqa: E731
+    with (
+        LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
+        result = harmony.train(
+            models, batches, loss_fn=nn.functional.mse_loss, optimizer=factory, microbatches=3,
+            cluster=client, device_memory="30kB", progress=False,
+        )
+        assert client.status == "running", "harmony must not close a client it was given"
+        assert len(result.stats.peak_device_bytes) == 2
+    for model, reference in zip(models, references):
+        losses = train_plain(reference, batches, nn.functional.mse_loss, factory)
+        assert_same_weights(model, reference)
+    assert result.history[1] == pytest.approx(losses, rel=1e-5)
+    assert not harmony_files()

@@ -1,0 +1,90 @@
+"""harmony.train as users call it: a script with no __main__ guard, a notebook-like session, Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from tests.conftest import harmony_files, worker_processes
+
+SCRIPT = """
+import torch
+from torch import nn
+import harmony
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1))
+
+    def forward(self, x):
+        return self.body(x)
+
+torch.manual_seed(0)
+x = torch.randn(64, 8)
+y = x.sum(dim=1, keepdim=True)
+batches = [(x[i:i + 16], y[i:i + 16]) for i in range(0, 64, 16)]
+models = [Net() for _ in range(2)]
+result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss,
+                       optimizer=[lambda p: torch.optim.SGD(p, lr=0.05), lambda p: torch.optim.Adam(p, lr=0.01)],
+                       epochs={epochs}, microbatches=2, devices=["cpu", "cpu"], progress=False)
+print("TRAINED", [len(h) for h in result.history])
+"""
+
+
+def run_python(args: list[str], source: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, *args], input=source if args == ["-"] else None, text=True, capture_output=True,
+        cwd=cwd, timeout=180, env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
+
+
+def test_a_script_without_a_main_guard(tmp_path: Path, no_leaks: None) -> None:
+    script = tmp_path / "train_sweep.py"
+    script.write_text(SCRIPT.format(epochs=2))
+    done = run_python([str(script)], "", tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("TRAINED") == 1, "the script ran more than once: a worker re-imported __main__"
+    assert "TRAINED [8, 8]" in done.stdout
+
+
+def test_code_from_an_interactive_session(tmp_path: Path, no_leaks: None) -> None:
+    done = run_python(["-"], SCRIPT.format(epochs=1), tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "TRAINED [4, 4]" in done.stdout
+
+
+def test_ctrl_c_leaves_no_workers_and_no_shared_memory(tmp_path: Path) -> None:
+    script = tmp_path / "long_sweep.py"
+    script.write_text(SCRIPT.format(epochs=100_000))
+    before = set(harmony_files())
+    process = subprocess.Popen(
+        [sys.executable, str(script)], cwd=tmp_path, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
+    try:
+        deadline = time.monotonic() + 120
+        children: list[psutil.Process] = []
+        while time.monotonic() < deadline:
+            children = [p for p in worker_processes() if p.ppid() == process.pid]
+            if len(children) == 2 and set(harmony_files()) - before:
+                break
+            time.sleep(0.2)
+        assert len(children) == 2, "the workers never started"
+        time.sleep(2.0)
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode != 0
+    assert "KeyboardInterrupt" in stderr
+    assert not set(harmony_files()) - before
+    psutil.wait_procs(children, timeout=10)
+    assert not [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
