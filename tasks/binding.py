@@ -54,7 +54,7 @@ class DeviceState:
 class BindingState:
     """Ready tasks, bound tasks and finished tasks of every model; picks what a free device runs next."""
 
-    def __init__(self, models: list[ModelWork], budgets: dict[str, int], slots_per_device: int = 2) -> None:
+    def __init__(self, models: list[ModelWork], budgets: dict[str, int], slots_per_device: int = 4) -> None:
         self.models = models
         self.devices = {name: DeviceState(budget, slots_per_device) for name, budget in budgets.items()}
         self.total_steps: list[int | None] = [work.steps for work in models]
