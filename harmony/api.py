@@ -18,6 +18,7 @@ from harmony.runtime.devices import build_specs
 from harmony.runtime.errors import ModelFailure
 from harmony.runtime.job import JobModel, run_job
 from harmony.runtime.pilot import decompose
+from harmony.sizes import parse_bandwidths
 from harmony.tasks.microbatch import split_sizes
 from harmony.tasks.packing import LayerTooLarge, PackPlan, plan_packs
 from harmony.validate import Arguments, model_label, validate
@@ -94,16 +95,26 @@ def train(
     device_memory: int | str | None = None,
     cluster: Any = None,
     progress: bool | None = None,
+    link_bandwidth: Any = None,
+    prefetch: bool = True,
 ) -> TrainResult:
     """Train every model on its data through fine-grained tasks on Dask device workers.
 
     Gives the weights plain PyTorch training would give: one step is one mini-batch per model, split
     into `microbatches` micro-batches whose gradients are accumulated, with the loss the mean over the
     mini-batch. The user's modules are updated in place and also returned in result.models.
+
+    link_bandwidth ("12GB/s", bytes per second, or one per device) holds every host<->device copy to
+    that speed, a simulated link that makes swap costs visible on CPU devices. prefetch=False turns off
+    copying the next task's weights in while the current one computes.
     """
     args = validate(models, loaders, loss_fn, optimizer, epochs, steps, microbatches, devices,
                     device_memory, cluster)
-    specs = build_specs(args.devices, args.device_memory)
+    try:
+        links = parse_bandwidths(link_bandwidth, len(args.devices))
+    except ValueError as error:
+        raise InputError(str(error)) from None
+    specs = build_specs(args.devices, args.device_memory, links)
     budget = min(spec.budget for spec in specs)
     jobs, plans = _prepare(args, budget)
     feeds = []
@@ -120,6 +131,7 @@ def train(
             args.cluster,
             args.microbatches,
             args.device_memory,
+            prefetch=bool(prefetch),
             on_progress=line,
             on_ready=lambda link: logger.info("harmony: dashboard at %s", link),
         )
@@ -139,7 +151,13 @@ def train(
         tasks=outcome.tasks,
         wall_seconds=outcome.wall_seconds,
         busy_seconds={name: values["busy_ns"] / 1e9 for name, values in counters.items()},
+        idle_seconds={
+            name: max(0.0, outcome.run_seconds - values["busy_ns"] / 1e9) for name, values in counters.items()
+        },
+        bytes_p2p=sum(values["p2p"] for values in counters.values()),
+        bytes_prefetched=sum(values["prefetched"] for values in counters.values()),
         budgets={device.name: device.budget for device in outcome.devices},
+        schedule=outcome.schedule,
     )
     return TrainResult(
         models=args.models,

@@ -15,6 +15,10 @@ class Stats:
 
     bytes_in kinds (host to device): "weights", "activations", "inputs".
     bytes_out kinds (device to host): "grads", "activations", "buffers" (running statistics written back).
+    bytes_p2p: activation and gradient bytes a device received straight from another device's worker.
+    bytes_prefetched: the part of bytes_in["weights"] copied by the copy engine while a task computed.
+    busy_seconds / idle_seconds: per device, time running tasks and time without one, from the moment
+    the workers were ready; schedule: per device, the keys of the tasks in the order it ran them.
     """
 
     peak_device_bytes: dict[str, int]
@@ -24,7 +28,18 @@ class Stats:
     tasks: int
     wall_seconds: float
     busy_seconds: dict[str, float] = field(default_factory=dict)
+    idle_seconds: dict[str, float] = field(default_factory=dict)
+    bytes_p2p: int = 0
+    bytes_prefetched: int = 0
     budgets: dict[str, int] = field(default_factory=dict)
+    schedule: dict[str, list[str]] = field(default_factory=dict)
+
+    def utilization(self) -> dict[str, float]:
+        """Per device, the fraction of the training time it spent running tasks."""
+        return {
+            name: busy / (busy + self.idle_seconds.get(name, 0.0)) if busy else 0.0
+            for name, busy in self.busy_seconds.items()
+        }
 
 
 @dataclass

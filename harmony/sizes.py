@@ -24,3 +24,20 @@ def parse_size(value: int | float | str, argument: str) -> int:
     if size <= 0:
         raise ValueError(f"{argument}={value!r} must be a positive number of bytes")
     return size
+
+
+def parse_bandwidth(value: int | float | str, argument: str) -> float:
+    """Bytes per second from a number or a string such as "12GB/s" or "500 MiB/s"."""
+    text = value.strip().removesuffix("/s").removesuffix("ps") if isinstance(value, str) else value
+    return float(parse_size(text, argument))
+
+
+def parse_bandwidths(value: object, devices: int) -> list[float | None]:
+    """One link speed per device from None, one speed for all, or a list with one per device."""
+    if value is None:
+        return [None] * devices
+    if isinstance(value, (list, tuple)):
+        if len(value) != devices:
+            raise ValueError(f"link_bandwidth has {len(value)} entries for {devices} devices; give one per device")
+        return [None if v is None else parse_bandwidth(v, f"link_bandwidth[{i}]") for i, v in enumerate(value)]
+    return [parse_bandwidth(value, "link_bandwidth")] * devices  # type: ignore[arg-type]

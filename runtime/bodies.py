@@ -19,11 +19,12 @@ from typing import Any, TypeVar
 import torch
 from torch.func import functional_call
 
-from harmony.runtime.cache import BudgetExceeded
+from harmony.runtime.cache import BudgetExceeded, tree_nbytes
 from harmony.runtime.errors import ModelFailure
 from harmony.runtime.hoststore import tensors_at
 from harmony.runtime.spec import LOSS_BLOCK, losses_name
 from harmony.runtime.worker import RunContext, context
+from harmony.tasks.graph import TaskId
 
 Result = TypeVar("Result")
 
@@ -44,15 +45,29 @@ def _seed(device: torch.device, base: int, pack: int, step: int, microbatch: int
 def task_body(kind: str) -> Callable[[Callable[..., Result]], Callable[..., Result]]:
     """Look the run up, give torch the device's threads, time the task, and report user errors by model.
 
-    ``after`` holds the results of tasks that must finish first without being read (Dask waits for them).
+    ``after`` holds the results of tasks that must finish first without being read (Dask waits for them);
+    ``peers`` flags the arguments that another device produced, whose bytes count as device to device;
+    ``successor`` is the task that follows in the model's chain, whose weights the body may prefetch.
     """
 
     def decorate(body: Callable[..., Result]) -> Callable[..., Result]:
         @functools.wraps(body)
-        def run(run_id: str, model: int, pack: int, step: int, *args: Any, after: list[Any] | None = None) -> Result:
+        def run(
+            run_id: str,
+            model: int,
+            pack: int,
+            step: int,
+            *args: Any,
+            after: list[Any] | None = None,
+            peers: tuple[bool, ...] = (),
+            successor: TaskId | None = None,
+        ) -> Result:
             ctx = context(run_id)
+            ctx.successor = successor
             ctx.use_threads()
             started = time.perf_counter_ns()
+            ctx.executed.append(TaskId(kind, model, pack, step).key(run_id))  # type: ignore[arg-type]
+            ctx.counters.add("p2p", sum(tree_nbytes(arg) for arg, remote in zip(args, peers) if remote))
             try:
                 return body(ctx, model, pack, step, *args)
             except (BudgetExceeded, ModelFailure):
@@ -78,6 +93,7 @@ def forward(ctx: RunContext, model: int, pack: int, step: int, inputs: list[Any]
     host = ctx.host_weights(model, pack)
     outputs = []
     with ctx.cache.weights((model, pack), step, host) as weights:
+        ctx.prefetch_next(keep_free=runtime.workspace)
         tensors = tensors_at(weights, runtime.weights)
         for index, microbatch in enumerate(inputs):
             with ctx.cache.scratch(runtime.workspace, f"activations of pack {pack}"), torch.no_grad():
@@ -111,6 +127,7 @@ def backward(
         ctx.cache.weights((model, pack), step, host) as weights,
         ctx.cache.scratch(runtime.grads.nbytes, f"gradients of pack {pack}"),
     ):
+        ctx.prefetch_next(keep_free=runtime.workspace)
         grad_bytes = torch.zeros(runtime.grads.nbytes, dtype=torch.uint8, device=ctx.device)
         grads = tensors_at(grad_bytes, runtime.grads)
         tensors = tensors_at(weights, runtime.weights)
@@ -156,3 +173,4 @@ def backward(
 @task_body("upd")
 def update(ctx: RunContext, model: int, pack: int, step: int) -> None:
     ctx.optimizer(model, pack, step).step(step)
+    ctx.versions(model)[pack] = step + 1

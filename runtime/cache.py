@@ -1,18 +1,26 @@
 """A device's memory: resident pack weights and scratch reservations under a byte budget, exactly accounted.
 
-Every byte that enters or leaves the device goes through copy_in / copy_out / weights, which count it.
-What is on the device at any moment is the resident weight buffers plus the open reservations (gradient
-buffers and each micro-batch's activation workspace as the plan sized it); the cache refuses to go over
-budget, evicting least recently used weights that no running task holds, and raising BudgetExceeded
-when that is not enough.
+Every byte that enters or leaves the device goes through copy_in / copy_out / weights / prefetch,
+which count it. What is on the device at any moment is the resident weight buffers (prefetched ones
+included) plus the open reservations (gradient buffers and each micro-batch's activation workspace as
+the plan sized it); the cache refuses to go over budget, evicting least recently used weights that no
+running task holds, and raising BudgetExceeded when that is not enough.
+
+Copies between host and device can be held to a simulated link speed: each then takes at least
+bytes / bandwidth of wall time on the thread doing it, so that on CPU devices one can see whether
+swapping hides behind compute. Prefetches run on the device's copy engine (a thread for CPU devices)
+while the compute thread works.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,6 +40,7 @@ class Resident:
     buffer: torch.Tensor
     version: int
     pins: int = 0
+    arrived: threading.Event = field(default_factory=threading.Event)
 
     @property
     def nbytes(self) -> int:
@@ -43,36 +52,72 @@ def tree_nbytes(tree: Any) -> int:
 
 
 class DeviceCache:
-    """Budgeted, accounted memory of one device."""
+    """Budgeted, accounted memory of one device, with a copy engine for prefetches."""
 
-    def __init__(self, name: str, device: torch.device, budget: int, counters: Counters) -> None:
+    def __init__(
+        self, name: str, device: torch.device, budget: int, counters: Counters, link_bandwidth: float | None = None
+    ) -> None:
         self.name = name
         self.device = device
         self.budget = budget
         self.counters = counters
+        self.link_bandwidth = link_bandwidth
         self.used = 0
         self.residents: OrderedDict[Any, Resident] = OrderedDict()
+        self._lock = threading.RLock()
+        self._copy_engine: ThreadPoolExecutor | None = None
+
+    def _evictable(self) -> Any:
+        return next(
+            (key for key, entry in self.residents.items() if entry.pins == 0 and entry.arrived.is_set()), None
+        )
 
     def _charge(self, nbytes: int, what: str) -> None:
-        while self.used + nbytes > self.budget:
-            victim = next((key for key, entry in self.residents.items() if entry.pins == 0), None)
-            if victim is None:
-                raise BudgetExceeded(
-                    f"device {self.name}: {what} needs {nbytes:,} bytes but {self.used:,} of its "
-                    f"{self.budget:,}-byte budget are held by running tasks"
-                )
-            self.drop(victim)
-        self.used += nbytes
-        self.counters.raise_to("peak", self.used)
+        with self._lock:
+            while self.used + nbytes > self.budget:
+                victim = self._evictable()
+                if victim is None:
+                    raise BudgetExceeded(
+                        f"device {self.name}: {what} needs {nbytes:,} bytes but {self.used:,} of its "
+                        f"{self.budget:,}-byte budget are held by running tasks"
+                    )
+                self.drop(victim)
+            self.used += nbytes
+            self.counters.raise_to("peak", self.used)
+
+    def _release(self, nbytes: int) -> None:
+        with self._lock:
+            self.used -= nbytes
 
     def drop(self, key: Any) -> None:
-        entry = self.residents.pop(key, None)
-        if entry is not None:
-            self.used -= entry.nbytes
+        with self._lock:
+            entry = self.residents.pop(key, None)
+            if entry is not None:
+                self.used -= entry.nbytes
 
     def clear(self) -> None:
-        for key in list(self.residents):
-            self.drop(key)
+        if self._copy_engine is not None:
+            self._copy_engine.shutdown(wait=True)
+            self._copy_engine = None
+        with self._lock:
+            for key in list(self.residents):
+                self.drop(key)
+
+    def _over_link(self, nbytes: int, started: float) -> None:
+        """Hold a copy to the simulated link speed: it takes at least nbytes / bandwidth seconds."""
+        if self.link_bandwidth:
+            remaining = nbytes / self.link_bandwidth - (time.perf_counter() - started)
+            if remaining > 0:
+                time.sleep(remaining)
+
+    def _copy_weights(self, entry: Resident, host: torch.Tensor, prefetched: bool = False) -> None:
+        started = time.perf_counter()
+        entry.buffer.copy_(host)
+        self._over_link(host.numel(), started)
+        self.counters.add("in_weights", host.numel())
+        if prefetched:
+            self.counters.add("prefetched", host.numel())
+        entry.arrived.set()
 
     @contextmanager
     def scratch(self, nbytes: int, what: str) -> Iterator[None]:
@@ -81,44 +126,84 @@ class DeviceCache:
         try:
             yield
         finally:
-            self.used -= nbytes
+            self._release(nbytes)
 
     @contextmanager
     def weights(self, key: Any, version: int, host: torch.Tensor) -> Iterator[torch.Tensor]:
-        """The pack's weight bytes on the device at version, copied in from host unless already resident."""
-        entry = self.residents.get(key)
-        if entry is not None and entry.version != version and entry.pins == 0:
-            self.drop(key)
-            entry = None
-        if entry is None:
-            self._charge(host.numel(), f"weights of {key}")
-            buffer = torch.empty(host.numel(), dtype=torch.uint8, device=self.device)
-            buffer.copy_(host)
-            self.counters.add("in_weights", host.numel())
-            entry = Resident(buffer, version)
-            self.residents[key] = entry
-        self.residents.move_to_end(key)
-        entry.pins += 1
+        """The pack's weight bytes on the device at version, copied in from host unless already there.
+
+        A prefetch of the same weights still in flight is waited for rather than repeated.
+        """
+        with self._lock:
+            entry = self.residents.get(key)
+            if entry is not None and entry.version != version and entry.pins == 0 and entry.arrived.is_set():
+                self.drop(key)
+                entry = None
+            load = entry is None
+            if load:
+                self._charge(host.numel(), f"weights of {key}")
+                entry = Resident(torch.empty(host.numel(), dtype=torch.uint8, device=self.device), version)
+                self.residents[key] = entry
+            assert entry is not None
+            self.residents.move_to_end(key)
+            entry.pins += 1
         try:
+            if load:
+                self._copy_weights(entry, host)
+            entry.arrived.wait()
             yield entry.buffer
         finally:
-            entry.pins -= 1
+            with self._lock:
+                entry.pins -= 1
+
+    def prefetch(self, key: Any, version: int, host: torch.Tensor, keep_free: int) -> bool:
+        """Start copying a pack's weights in on the copy engine, if they fit beside keep_free bytes.
+
+        keep_free is what the running task will still reserve; a prefetch never takes that room and
+        never evicts weights a task holds. Returns whether a copy was started.
+        """
+        nbytes = host.numel()
+        with self._lock:
+            if key in self.residents:
+                return False
+            while self.used + nbytes + keep_free > self.budget:
+                victim = self._evictable()
+                if victim is None:
+                    return False
+                self.drop(victim)
+            self._charge(nbytes, f"prefetch of {key}")
+            entry = Resident(torch.empty(nbytes, dtype=torch.uint8, device=self.device), version)
+            self.residents[key] = entry
+        if self._copy_engine is None:
+            self._copy_engine = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"copy-{self.name}")
+        self._copy_engine.submit(self._copy_weights, entry, host, True)
+        return True
 
     def copy_in(self, tree: Any, kind: str) -> Any:
         """A device copy of every tensor in tree, counted as bytes_in[kind]."""
-        self.counters.add(f"in_{kind}", tree_nbytes(tree))
-        return tree_map(
+        started = time.perf_counter()
+        nbytes = tree_nbytes(tree)
+        copied = tree_map(
             lambda leaf: leaf.to(self.device, copy=True) if isinstance(leaf, torch.Tensor) else leaf, tree
         )
+        self._over_link(nbytes, started)
+        self.counters.add(f"in_{kind}", nbytes)
+        return copied
 
     def copy_out(self, tree: Any, kind: str) -> Any:
         """A host copy of every tensor in tree, counted as bytes_out[kind]."""
-        self.counters.add(f"out_{kind}", tree_nbytes(tree))
-        return tree_map(
+        started = time.perf_counter()
+        nbytes = tree_nbytes(tree)
+        copied = tree_map(
             lambda leaf: leaf.detach().to("cpu", copy=True) if isinstance(leaf, torch.Tensor) else leaf, tree
         )
+        self._over_link(nbytes, started)
+        self.counters.add(f"out_{kind}", nbytes)
+        return copied
 
     def write_back(self, device_bytes: torch.Tensor, host: torch.Tensor, kind: str) -> None:
         """Copy device bytes into a host store buffer, counted as bytes_out[kind]."""
+        started = time.perf_counter()
         host.copy_(device_bytes)
+        self._over_link(device_bytes.numel(), started)
         self.counters.add(f"out_{kind}", device_bytes.numel())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 IN_KINDS = ("weights", "activations", "inputs")
@@ -9,6 +11,8 @@ OUT_KINDS = ("grads", "activations", "buffers")
 NAMES = (
     *(f"in_{kind}" for kind in IN_KINDS),
     *(f"out_{kind}" for kind in OUT_KINDS),
+    "p2p",
+    "prefetched",
     "peak",
     "busy_ns",
     "tasks",
@@ -19,23 +23,29 @@ BLOCK_BYTES = 8 * len(NAMES)
 class Counters:
     """Named int64 counters kept as Python ints by one device worker and published to a shared block.
 
-    The worker counts in plain ints (a tensor update per copy would cost more than a small copy) and
-    publishes all of them with one write at the end of every task; the driver reads the block.
+    The worker counts in plain ints (a tensor update per copy would cost more than a small copy), from
+    its compute thread and its copy engine, and publishes all of them with one write at the end of
+    every task; the driver reads the block.
     """
 
     def __init__(self, block: torch.Tensor) -> None:
         self.shared = block.view(torch.int64)
         self.values = dict(zip(NAMES, self.shared.tolist()))
+        self._lock = threading.Lock()
 
     def add(self, name: str, amount: int) -> None:
-        self.values[name] += int(amount)
+        with self._lock:
+            self.values[name] += int(amount)
 
     def raise_to(self, name: str, value: int) -> None:
-        if value > self.values[name]:
-            self.values[name] = int(value)
+        with self._lock:
+            if value > self.values[name]:
+                self.values[name] = int(value)
 
     def publish(self) -> None:
-        self.shared.copy_(torch.tensor([self.values[name] for name in NAMES], dtype=torch.int64))
+        with self._lock:
+            snapshot = [self.values[name] for name in NAMES]
+        self.shared.copy_(torch.tensor(snapshot, dtype=torch.int64))
 
     def read(self) -> dict[str, int]:
         """What was last published (by any process)."""

@@ -22,6 +22,7 @@ class DeviceSpec:
     torch_device: str
     budget: int
     threads: int
+    link_bandwidth: float | None = None
 
     @property
     def kind(self) -> str:
@@ -93,18 +94,25 @@ def capacity(torch_device: str, cpu_devices: int) -> int:
     return psutil.virtual_memory().total // max(cpu_devices, 1)
 
 
-def build_specs(torch_devices: list[str], budget: int | None) -> list[DeviceSpec]:
-    """Device specs with names cpu-0, cpu-1, cuda-0 ... and CPU threads split evenly among CPU devices."""
+def build_specs(
+    torch_devices: list[str], budget: int | None, link_bandwidths: list[float | None] | None = None
+) -> list[DeviceSpec]:
+    """Device specs with names cpu-0, cpu-1, cuda-0 ... and CPU threads split evenly among CPU devices.
+
+    link_bandwidths, one per device, hold its host<->device copies to that many bytes per second
+    (a simulated link for CPU devices); None leaves copies at the machine's own speed.
+    """
+    links = link_bandwidths or [None] * len(torch_devices)
     cpu_devices = sum(1 for d in torch_devices if d == "cpu")
     threads = max(1, cpu_count() // max(cpu_devices, 1))
     specs = []
     cpu_index = 0
-    for device in torch_devices:
+    for device, link in zip(torch_devices, links):
         if device == "cpu":
             name = f"cpu-{cpu_index}"
             cpu_index += 1
         else:
             name = device.replace(":", "-")
         limit = capacity(device, cpu_devices) if budget is None else budget
-        specs.append(DeviceSpec(name, device, limit, threads if device == "cpu" else 1))
+        specs.append(DeviceSpec(name, device, limit, threads if device == "cpu" else 1, link))
     return specs

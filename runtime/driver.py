@@ -19,7 +19,7 @@ from harmony.runtime import bodies
 from harmony.runtime.data import SharedFeed, batch_size, split_tree
 from harmony.runtime.errors import ModelFailure
 from harmony.tasks.binding import BindingState
-from harmony.tasks.graph import BatchInput, BatchTargets, TaskId, Value, dependencies, inputs
+from harmony.tasks.graph import BatchInput, BatchTargets, TaskId, Value, dependencies, inputs, successor
 from harmony.tasks.microbatch import loss_weights, split_sizes
 
 BODIES: dict[str, Callable[..., Any]] = {"fwd": bodies.forward, "bwd": bodies.backward, "upd": bodies.update}
@@ -50,6 +50,7 @@ class Driver:
         self.values: dict[Value, Any] = {}
         self.weights: dict[tuple[int, int], list[float]] = {}
         self.in_flight: dict[str, TaskId] = {}
+        self.device_of: dict[TaskId, str] = {}
         self.tasks_run = 0
 
     def _fetch_batches(self) -> None:
@@ -69,7 +70,9 @@ class Driver:
 
     def _submit(self, task: TaskId, device: str) -> Future:
         packs = self.state.models[task.model].packs
-        args: list[Any] = [self.values[value] for value in inputs(task, packs)]
+        reads = inputs(task, packs)
+        args: list[Any] = [self.values[value] for value in reads]
+        peers = tuple(isinstance(value, TaskId) and self.device_of[value] != device for value in reads)
         if task.kind == "bwd":
             last = task.pack == packs - 1
             args.append(self.weights[(task.model, task.step)] if last else [])
@@ -83,12 +86,15 @@ class Driver:
             task.step,
             *args,
             after=after,
+            peers=peers,
+            successor=successor(task, packs),
             key=task.key(self.run),
             workers=[self.workers[device]],
             allow_other_workers=False,
             pure=False,
         )
         self.values[task] = future
+        self.device_of[task] = device
         self.in_flight[future.key] = task
         return future
 
@@ -118,6 +124,8 @@ class Driver:
                 raise error.with_traceback(future.traceback())
             for value in self.state.complete(task):
                 self.values.pop(value, None)
+                if isinstance(value, TaskId):
+                    self.device_of.pop(value, None)
                 if isinstance(value, BatchTargets):
                     self.weights.pop((value.model, value.step), None)
             self.tasks_run += 1

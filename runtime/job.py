@@ -12,6 +12,7 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import cloudpickle
 import torch
@@ -21,7 +22,7 @@ from torch import nn
 from harmony.runtime.cluster import ClusterHandle, connect, start_embedded
 from harmony.runtime.counters import BLOCK_BYTES, Counters
 from harmony.runtime.data import SharedFeed
-from harmony.runtime.devices import DeviceSpec
+from harmony.runtime.devices import DeviceSpec, capacity
 from harmony.runtime.driver import Driver
 from harmony.runtime.hoststore import HostStore, tensors_at
 from harmony.runtime.skeleton import dump_skeleton
@@ -33,9 +34,10 @@ from harmony.runtime.spec import (
     counters_name,
     grads_name,
     losses_name,
+    versions_name,
     weights_name,
 )
-from harmony.runtime.worker import DevicePlugin
+from harmony.runtime.worker import RUNS, DevicePlugin
 from harmony.tasks.binding import BindingState, ModelWork
 from harmony.tasks.layout import lay_out
 from harmony.tasks.packing import PackPlan
@@ -63,8 +65,10 @@ class JobOutcome:
     steps: list[int]
     tasks: int
     wall_seconds: float
+    run_seconds: float
     dashboard_link: str | None
     devices: list[DeviceSpec] = field(default_factory=list)
+    schedule: dict[str, list[str]] = field(default_factory=dict)
 
 
 def pack_module(layers: list[nn.Module], plan: PackPlan, pack: int) -> nn.Sequential:
@@ -127,18 +131,22 @@ def _copy_back(store: HostStore, models: list[JobModel], spec: RunSpec) -> None:
                     state[name].copy_(view)
 
 
+def _executed(run: str, dask_worker: Any) -> list[str]:
+    """On a worker (through client.run): the keys of this run's tasks in the order it ran them."""
+    context = RUNS.get((run, dask_worker.address))
+    return list(context.executed) if context is not None else []
+
+
+def _probe_device() -> tuple[str, int]:
+    """On a worker: the device it drives (its first visible GPU, else the CPU) and that device's bytes."""
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    return device, capacity(device, 1)
+
+
 def _external_devices(handle: ClusterHandle, budget: int | None) -> list[DeviceSpec]:
     """Every worker of a user's cluster is one device: its first visible GPU if it has one, else its CPU."""
 
-    def probe() -> tuple[str, int]:
-        import torch as worker_torch
-
-        from harmony.runtime.devices import capacity
-
-        device = "cuda:0" if worker_torch.cuda.is_available() else "cpu"
-        return device, capacity(device, 1)
-
-    found = handle.client.run(probe)
+    found = handle.client.run(_probe_device)
     by_address = {address: name for name, address in handle.workers.items()}
     devices = []
     for address, (device, limit) in sorted(found.items(), key=lambda item: by_address[item[0]]):
@@ -164,6 +172,7 @@ def run_job(
     cluster: str | Client | None,
     microbatches: int,
     budget: int | None,
+    prefetch: bool = True,
     on_progress: Callable[[BindingState, int], None] | None = None,
     on_ready: Callable[[str | None], None] | None = None,
 ) -> JobOutcome:
@@ -188,7 +197,9 @@ def run_job(
             on_ready(handle.dashboard_link)
         for index in range(len(devices)):
             store.create(counters_name(index), BLOCK_BYTES)
-        spec = RunSpec(run, str(store.directory), runtimes, tuple(devices))
+        for m, job in enumerate(models):
+            store.create(versions_name(m), 8 * len(job.plan.packs))
+        spec = RunSpec(run, str(store.directory), runtimes, tuple(devices), prefetch)
 
         def create_loss_block(model: int, step: int) -> None:
             if step % LOSS_BLOCK == 0:
@@ -210,7 +221,9 @@ def run_job(
             on_batch=create_loss_block,
             on_progress=on_progress,
         )
+        running = time.perf_counter()
         driver.run_to_completion()
+        run_seconds = time.perf_counter() - running
         steps = [state.steps_done[m] for m in range(len(models))]
         history = []
         for m, count in enumerate(steps):
@@ -224,14 +237,18 @@ def run_job(
             for i, device in enumerate(devices)
         }
         _copy_back(store, models, spec)
+        executed = handle.client.run(_executed, run)
+        names = {address: name for name, address in handle.workers.items()}
         return JobOutcome(
             history=history,
             counters=counters,
             steps=steps,
             tasks=driver.tasks_run,
             wall_seconds=time.perf_counter() - started,
+            run_seconds=run_seconds,
             dashboard_link=handle.dashboard_link,
             devices=devices,
+            schedule={names[address]: keys for address, keys in executed.items() if address in names},
         )
     finally:
         if driver is not None:

@@ -44,6 +44,7 @@ class RunSpec:
     store_directory: str
     models: tuple[ModelRuntime, ...]
     devices: tuple[DeviceSpec, ...]
+    prefetch: bool = True
 
     def device_index(self, worker_name: str) -> int:
         for index, device in enumerate(self.devices):
@@ -66,6 +67,11 @@ def optimizer_name(model: int, pack: int, generation: int) -> str:
 
 def optimizer_meta_name(model: int, pack: int) -> str:
     return f"m{model}-p{pack}-optim-meta"
+
+
+def versions_name(model: int) -> str:
+    """Per pack, how many updates the host store's weights have had (the step they are ready for)."""
+    return f"m{model}-versions"
 
 
 def counters_name(device: int) -> str:

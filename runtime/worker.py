@@ -21,7 +21,8 @@ from harmony.runtime.counters import BLOCK_BYTES, Counters
 from harmony.runtime.hoststore import HostStore
 from harmony.runtime.optimizer import PackOptimizer
 from harmony.runtime.skeleton import load_skeleton
-from harmony.runtime.spec import RunSpec, counters_name, grads_name, weights_name
+from harmony.runtime.spec import RunSpec, counters_name, grads_name, versions_name, weights_name
+from harmony.tasks.graph import TaskId, parse_key
 
 RUNS: dict[tuple[str, str], RunContext] = {}
 
@@ -38,7 +39,11 @@ class RunContext:
             torch.cuda.set_device(self.device)
         self.store = HostStore(spec.run, spec.store_directory)
         counters = Counters(self.store.attach(counters_name(self.device_index), BLOCK_BYTES))
-        self.cache = DeviceCache(self.device_spec.name, self.device, self.device_spec.budget, counters)
+        self.cache = DeviceCache(
+            self.device_spec.name, self.device, self.device_spec.budget, counters, self.device_spec.link_bandwidth
+        )
+        self.executed: list[str] = []
+        self.successor: TaskId | None = None
         self._modules: dict[tuple[int, int], nn.Module] = {}
         self._loss_fns: dict[int, Any] = {}
         self._optimizers: dict[tuple[int, int], PackOptimizer] = {}
@@ -68,6 +73,36 @@ class RunContext:
 
     def host_grads(self, model: int, pack: int) -> torch.Tensor:
         return self.store.attach(grads_name(model, pack), self.spec.models[model].packs[pack].grads.nbytes)
+
+    def versions(self, model: int) -> torch.Tensor:
+        """Per pack of model, the step the host store's weights are ready for."""
+        return self.store.attach(versions_name(model), 8 * len(self.spec.models[model].packs)).view(torch.int64)
+
+    def next_queued(self) -> TaskId | None:
+        """The fwd or bwd task of this run that this worker will run next, read off its task queue."""
+        queued = []
+        for state in list(get_worker().state.tasks.values()):
+            if state.state not in ("ready", "constrained", "waiting", "fetch", "flight"):
+                continue
+            parsed = parse_key(state.key) if isinstance(state.key, str) else None
+            if parsed is not None and parsed[1] == self.spec.run and parsed[0].kind != "upd":
+                queued.append((state.priority or (), parsed[0]))
+        return min(queued, key=lambda item: item[0])[1] if queued else None
+
+    def prefetch_next(self, keep_free: int) -> None:
+        """Copy the next task's weights in while this one computes, if the host store has their version.
+
+        The next task is the first one queued on this worker, else the running task's successor in its
+        model's chain (which Dask sends only once this task's output exists).
+        """
+        if not self.spec.prefetch:
+            return
+        task = self.next_queued() or self.successor
+        if task is None or int(self.versions(task.model)[task.pack]) != task.step:
+            return
+        self.cache.prefetch(
+            (task.model, task.pack), task.step, self.host_weights(task.model, task.pack), keep_free
+        )
 
     def optimizer(self, model: int, pack: int, step: int) -> PackOptimizer:
         """The pack's optimizer ready for step; rebuilt from the host store if another worker stepped it."""

@@ -18,6 +18,7 @@ from harmony.tasks.graph import (
     dependencies,
     inputs,
     step_tasks,
+    successor,
 )
 
 KIND_RANK = {"upd": 0, "bwd": 1, "fwd": 2}
@@ -140,6 +141,10 @@ class BindingState:
         self.pending.discard(task)
         self.bound[task] = device
         self.devices[device].bound.add(task)
+        work = self.models[task.model]
+        follower = successor(task, work.packs)
+        if follower is not None:
+            self.devices[device].touch((follower.model, follower.pack), work.pack_weight_bytes[follower.pack])
         return task
 
     def complete(self, task: TaskId) -> list[Value]:

@@ -46,12 +46,34 @@ class BatchTargets:
 Value = TaskId | BatchInput | BatchTargets
 
 
+def parse_key(key: str) -> tuple[TaskId, str] | None:
+    """The task and run of a key made by TaskId.key, or None for any other key."""
+    parts = key.split("-")
+    if len(parts) != 5 or parts[0] not in ("fwd", "bwd", "upd"):
+        return None
+    try:
+        model, pack, step = int(parts[1][1:]), int(parts[2][1:]), int(parts[3][1:])
+    except ValueError:
+        return None
+    return TaskId(parts[0], model, pack, step), parts[4]  # type: ignore[arg-type]
+
+
 def step_tasks(model: int, packs: int, step: int) -> list[TaskId]:
     """Every task of one model's step, in a valid execution order."""
     forward = [TaskId("fwd", model, p, step) for p in range(packs - 1)]
     backward = [TaskId("bwd", model, p, step) for p in reversed(range(packs))]
     update = [TaskId("upd", model, p, step) for p in reversed(range(packs))]
     return forward + backward + update
+
+
+def successor(task: TaskId, packs: int) -> TaskId | None:
+    """The compute task that follows task in its model's step: the one whose weights to prefetch."""
+    m, p, s = task.model, task.pack, task.step
+    if task.kind == "fwd":
+        return TaskId("fwd", m, p + 1, s) if p + 1 < packs - 1 else TaskId("bwd", m, packs - 1, s)
+    if task.kind == "bwd" and p > 0:
+        return TaskId("bwd", m, p - 1, s)
+    return None
 
 
 def dependencies(task: TaskId, packs: int) -> list[TaskId]:

@@ -1,0 +1,49 @@
+"""Scheduling features end to end: prefetch over a simulated link, device-to-device traffic, utilization."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import harmony
+from tests.conftest import assert_same_weights, clones, deep_mlp, param_bytes, regression_batches, train_plain
+
+
+@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "no-prefetch"])
+def test_prefetch_over_a_slow_link_is_exact_and_within_budget(prefetch: bool, no_leaks: None) -> None:
+    model = deep_mlp(depth=24)
+    reference = clones([model])[0]
+    budget = param_bytes(model) // 4
+    batches = regression_batches(samples=48, batch=16)
+    factory = lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)  # noqa: E731
+    result = harmony.train(model, batches, loss_fn=nn.functional.mse_loss, optimizer=factory, microbatches=4,
+                           device_memory=budget, link_bandwidth="200MB/s", prefetch=prefetch, progress=False)
+    train_plain(reference, batches, nn.functional.mse_loss, factory)
+    assert_same_weights(model, reference)
+    stats = result.stats
+    assert max(stats.peak_device_bytes.values()) <= budget
+    assert stats.bytes_in["weights"] <= 3 * (2 * param_bytes(model))
+    if prefetch:
+        assert 0 < stats.bytes_prefetched <= stats.bytes_in["weights"]
+    else:
+        assert stats.bytes_prefetched == 0
+
+
+def test_two_devices_pass_activations_directly_and_report_utilization(no_leaks: None) -> None:
+    models = [deep_mlp(seed=s) for s in range(2)]
+    references = clones(models)
+    batches = regression_batches(samples=64, batch=16)
+    factory = lambda p: torch.optim.Adam(p, lr=1e-3)  # noqa: E731
+    result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss, optimizer=factory, microbatches=2,
+                           devices=["cpu", "cpu"], device_memory=30_000, progress=False)
+    for model, reference in zip(models, references):
+        train_plain(reference, batches, nn.functional.mse_loss, factory)
+        assert_same_weights(model, reference)
+    stats = result.stats
+    assert stats.bytes_p2p > 0
+    assert stats.bytes_p2p <= stats.bytes_in["activations"]
+    assert set(stats.busy_seconds) == set(stats.idle_seconds) == {"cpu-0", "cpu-1"}
+    assert all(0 < u <= 1 for u in stats.utilization().values())
+    ran = sorted(key for keys in stats.schedule.values() for key in keys)
+    assert len(ran) == stats.tasks
