@@ -19,8 +19,11 @@ from harmony.runtime.errors import ModelFailure
 from harmony.runtime.job import JobModel, run_job
 from harmony.runtime.pilot import decompose
 from harmony.sizes import parse_bandwidths
+from harmony.tasks.binding import POLICIES
+from harmony.tasks.graph import TaskId
 from harmony.tasks.microbatch import split_sizes
 from harmony.tasks.packing import LayerTooLarge, PackPlan, plan_packs
+from harmony.tasks.simulator import Hardware, task_seconds
 from harmony.validate import Arguments, model_label, validate
 
 logger = logging.getLogger("harmony")
@@ -29,6 +32,27 @@ logger = logging.getLogger("harmony")
 def _model_device(model: nn.Module) -> torch.device:
     tensor = next(iter([*model.parameters(), *model.buffers()]), None)
     return tensor.device if tensor is not None else torch.device("cpu")
+
+
+def expected_steps(args: Arguments, model: int) -> int | None:
+    """How many steps a model will train, when its loader knows its length (or steps= says)."""
+    if args.steps is not None:
+        return args.steps
+    loader = args.loaders[args.loader_of[model]].loader
+    try:
+        return args.epochs * len(loader)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def simulator_step_seconds(plan: PackPlan, samples: int) -> float:
+    """Predicted compute seconds of one step of a model on this machine (for Sharded-LRTF)."""
+    hardware = Hardware()
+    return sum(
+        task_seconds(TaskId(kind, 0, pack, 0), plan, samples, hardware)
+        for pack in range(len(plan.packs))
+        for kind in ("fwd", "bwd", "upd")
+    )
 
 
 def _to_device(tree: Any, device: torch.device) -> Any:
@@ -78,6 +102,8 @@ def _prepare(args: Arguments, budget: int) -> tuple[list[JobModel], list[PackPla
                 optimizer=args.optimizers[index],
                 feed=args.loader_of[index],
                 seed=index,
+                expected_steps=expected_steps(args, index),
+                step_seconds=simulator_step_seconds(plan, sizes[0] * len(sizes)),
             )
         )
     return jobs, plans
@@ -97,6 +123,7 @@ def train(
     progress: bool | None = None,
     link_bandwidth: Any = None,
     prefetch: bool = True,
+    policy: str = "lrtf",
 ) -> TrainResult:
     """Train every model on its data through fine-grained tasks on Dask device workers.
 
@@ -106,7 +133,8 @@ def train(
 
     link_bandwidth ("12GB/s", bytes per second, or one per device) holds every host<->device copy to
     that speed, a simulated link that makes swap costs visible on CPU devices. prefetch=False turns off
-    copying the next task's weights in while the current one computes.
+    copying the next task's weights in while the current one computes. policy picks which model a
+    free device serves: "lrtf" (Sharded-LRTF, the longest remaining time first) or "round_robin".
     """
     args = validate(models, loaders, loss_fn, optimizer, epochs, steps, microbatches, devices,
                     device_memory, cluster)
@@ -116,6 +144,8 @@ def train(
         raise InputError(str(error)) from None
     specs = build_specs(args.devices, args.device_memory, links)
     budget = min(spec.budget for spec in specs)
+    if policy not in POLICIES:
+        raise InputError(f"policy={policy!r} is not a scheduling policy; use one of {POLICIES}")
     jobs, plans = _prepare(args, budget)
     feeds = []
     for index, loader in enumerate(args.loaders):
@@ -132,6 +162,7 @@ def train(
             args.microbatches,
             args.device_memory,
             prefetch=bool(prefetch),
+            policy=policy,
             on_progress=line,
             on_ready=lambda link: logger.info("harmony: dashboard at %s", link),
         )

@@ -54,6 +54,8 @@ class JobModel:
     optimizer: Callable[..., torch.optim.Optimizer]
     feed: int
     seed: int
+    expected_steps: int | None = None
+    step_seconds: float = 0.0
 
 
 @dataclass
@@ -173,6 +175,7 @@ def run_job(
     microbatches: int,
     budget: int | None,
     prefetch: bool = True,
+    policy: str = "lrtf",
     on_progress: Callable[[BindingState, int], None] | None = None,
     on_ready: Callable[[str | None], None] | None = None,
 ) -> JobOutcome:
@@ -208,8 +211,12 @@ def run_job(
         handle.client.register_plugin(DevicePlugin(spec), name=plugin_name)
         plugin_registered = True
         state = BindingState(
-            [ModelWork(tuple(pack.weight_bytes for pack in job.plan.packs)) for job in models],
+            [
+                ModelWork(tuple(pack.weight_bytes for pack in job.plan.packs), job.expected_steps, job.step_seconds)
+                for job in models
+            ],
             {device.name: device.budget for device in devices},
+            policy=policy,
         )
         driver = Driver(
             handle.client,

@@ -22,6 +22,7 @@ from harmony.tasks.graph import (
 )
 
 KIND_RANK = {"upd": 0, "bwd": 1, "fwd": 2}
+POLICIES = ("lrtf", "round_robin")
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class ModelWork:
 
     pack_weight_bytes: tuple[int, ...]
     steps: int | None = None
+    step_seconds: float = 0.0
 
     @property
     def packs(self) -> int:
@@ -55,7 +57,12 @@ class DeviceState:
 class BindingState:
     """Ready tasks, bound tasks and finished tasks of every model; picks what a free device runs next."""
 
-    def __init__(self, models: list[ModelWork], budgets: dict[str, int], slots_per_device: int = 4) -> None:
+    def __init__(
+        self, models: list[ModelWork], budgets: dict[str, int], slots_per_device: int = 4, policy: str = "lrtf"
+    ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"policy={policy!r}; use one of {POLICIES}")
+        self.policy = policy
         self.models = models
         self.devices = {name: DeviceState(budget, slots_per_device) for name, budget in budgets.items()}
         self.total_steps: list[int | None] = [work.steps for work in models]
@@ -115,9 +122,27 @@ class BindingState:
             if all(dep in self.done or dep in self.bound for dep in dependencies(task, self.models[task.model].packs))
         ]
 
-    def score(self, task: TaskId, device: str) -> tuple[int, int, int, int, int, int, int]:
+    def remaining_seconds(self, model: int) -> float:
+        """Predicted time the model still needs: its remaining steps times its step time (one second per
+        step when its step time is unknown, so that remaining steps decide)."""
+        work = self.models[model]
+        total = self.total_steps[model] if self.total_steps[model] is not None else work.steps
+        if total is None:
+            return float("inf")
+        return (total - self.steps_done[model]) * (work.step_seconds or 1.0)
+
+    def model_rank(self, model: int) -> tuple[float, int]:
+        """Which model a free device serves first: Sharded-LRTF gives it to the model with the longest
+        remaining time; round-robin (and LRTF between models of unknown length) to the model that has
+        made the least progress."""
+        progress = self.steps_done[model]
+        if self.policy == "lrtf":
+            return -self.remaining_seconds(model), progress
+        return 0.0, progress
+
+    def score(self, task: TaskId, device: str) -> tuple[float, ...]:
         """Lower is better: tasks that can start now, updates first, then tasks whose pack is resident on
-        device, backward before forward, and the model that has made the least progress first."""
+        device, backward before forward, then the model the policy ranks first."""
         resident = (task.model, task.pack) in self.devices[device].resident and task.kind != "upd"
         waiting = any(dep in self.bound for dep in dependencies(task, self.models[task.model].packs))
         return (
@@ -125,7 +150,7 @@ class BindingState:
             KIND_RANK[task.kind] if task.kind == "upd" else 1,
             0 if resident else 1,
             KIND_RANK[task.kind],
-            self.steps_done[task.model],
+            *self.model_rank(task.model),
             task.model,
             task.pack,
         )

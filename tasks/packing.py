@@ -55,6 +55,7 @@ class Pack:
     buffers: tuple[TensorSpec, ...]
     cost: PackCost
     forward_seconds_per_sample: float
+    input_bytes_per_sample: float = 0.0
 
     @property
     def weight_bytes(self) -> int:
@@ -130,6 +131,7 @@ def make_pack(profile: ModelProfile, index: int, first: int, stop: int, samples:
         buffers=buffers,
         cost=cost,
         forward_seconds_per_sample=sum(layer.forward_seconds_per_sample for layer in layers),
+        input_bytes_per_sample=layers[0].input_bytes_per_sample,
     )
 
 

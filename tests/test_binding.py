@@ -84,3 +84,32 @@ def test_steps_of_a_model_are_read_one_ahead_at_most() -> None:
     assert bwd == TaskId("bwd", 0, 0, 0)
     state.complete(bwd)
     assert state.wanted_batches() == [(0, 1)]
+
+
+def test_sharded_lrtf_serves_the_model_with_the_longest_remaining_time() -> None:
+    works = [ModelWork((10,), steps=4, step_seconds=1.0), ModelWork((10,), steps=4, step_seconds=5.0)]
+    state = BindingState(works, {"cpu-0": 1000}, slots_per_device=1, policy="lrtf")
+    state.add_batch(0, 0)
+    state.add_batch(1, 0)
+    assert state.bind("cpu-0") == TaskId("bwd", 1, 0, 0)
+    robin = BindingState(works, {"cpu-0": 1000}, slots_per_device=1, policy="round_robin")
+    robin.add_batch(0, 0)
+    robin.add_batch(1, 0)
+    assert robin.bind("cpu-0") == TaskId("bwd", 0, 0, 0)
+
+
+def test_lrtf_lets_all_models_finish_close_together() -> None:
+    """Three short models and one long one on two devices: LRTF starts the long one first and keeps it
+    going, so the spread of finishing times is smaller than under round-robin."""
+    from harmony.tasks.simulator import Hardware, simulate
+    from tests.test_simulator import chain_plan
+
+    plans = [chain_plan(layers=2, seconds=1e-3)] * 3 + [chain_plan(layers=2, seconds=4e-3)]
+    steps = [6, 6, 6, 6]
+    spreads = {}
+    for policy in ("lrtf", "round_robin"):
+        run = simulate(plans, steps, [8] * 4, {"a": 10**9, "b": 10**9}, Hardware(task_overhead=0.0), policy=policy)
+        finish = [max(end for task, (_, end) in run.times.items() if task.model == m) for m in range(4)]
+        spreads[policy] = (max(finish) - min(finish), max(finish))
+    assert spreads["lrtf"][1] <= spreads["round_robin"][1]
+    assert spreads["lrtf"][0] < spreads["round_robin"][0]

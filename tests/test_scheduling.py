@@ -47,3 +47,20 @@ def test_two_devices_pass_activations_directly_and_report_utilization(no_leaks: 
     assert all(0 < u <= 1 for u in stats.utilization().values())
     ran = sorted(key for keys in stats.schedule.values() for key in keys)
     assert len(ran) == stats.tasks
+
+
+@pytest.mark.parametrize("devices", [["cpu"], ["cpu", "cpu"]], ids=["1-device", "2-devices"])
+def test_runtime_peaks_and_swaps_match_the_simulator_for_the_same_schedule(devices: list[str], no_leaks: None) -> None:
+    from harmony.tasks.simulator import order_from_keys, replay_memory
+
+    models = [deep_mlp(depth=16, seed=s) for s in range(2)]
+    budget = param_bytes(models[0]) // 3
+    batches = regression_batches(samples=48, batch=16)
+    result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss,
+                           optimizer=lambda p: torch.optim.SGD(p, lr=0.05), microbatches=4, devices=devices,
+                           device_memory=budget, prefetch=False, progress=False)
+    order = order_from_keys(result.stats.schedule)
+    predicted = replay_memory(order, result.plans, result.stats.budgets)
+    assert predicted.peak == result.stats.peak_device_bytes
+    assert predicted.weights_in == result.stats.bytes_in["weights"]
+    assert predicted.grads_out == result.stats.bytes_out["grads"]

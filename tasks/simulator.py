@@ -1,0 +1,244 @@
+"""A simulator of schedules: memory replayed against device budgets, and time predicted for a hardware.
+
+replay_memory follows a per-device task order with the device cache's own rules (pack weights are
+resident until evicted least-recently-used, a copy is stale once its pack was updated, a running
+task's weights are pinned, gradients and each micro-batch's workspace are reserved while a task runs)
+and returns each device's peak bytes and the bytes swapped, or refuses the order with the task and the
+byte count at which a budget would be exceeded. simulate runs the same BindingState the driver uses
+against a clock, with task durations from the profile and a Hardware description, and returns the
+per-device order it would produce with predicted times.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from harmony.tasks.binding import BindingState, ModelWork
+from harmony.tasks.graph import TaskId, dependencies, parse_key
+from harmony.tasks.packing import PackPlan
+
+
+class ScheduleExceedsBudget(ValueError):
+    """Replaying a schedule would put more bytes on a device than its budget."""
+
+    def __init__(self, device: str, task: TaskId, need: int, held: int, budget: int) -> None:
+        self.device, self.task, self.need, self.held, self.budget = device, task, need, held, budget
+        super().__init__(
+            f"{task.key('…')} on {device} needs {need:,} more bytes while {held:,} of its {budget:,}-byte "
+            "budget are held by the running task"
+        )
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What a device can do: compute relative to the pilot machine, and link speeds in bytes per second.
+
+    compute_scale 1.0 means as fast as the machine that ran the pilot pass; host_link is host<->device
+    (None: copies cost nothing), peer_link device<->device; task_overhead is the runtime's fixed cost
+    per task (Dask's scheduling, about a millisecond on a server, a few on a small machine).
+    """
+
+    name: str = "this machine"
+    compute_scale: float = 1.0
+    host_link: float | None = None
+    peer_link: float | None = None
+    task_overhead: float = 0.003
+    optimizer_bytes_per_second: float = 5e9
+
+
+@dataclass
+class MemoryReport:
+    """What replaying a schedule found: per device peaks, and bytes swapped in total."""
+
+    peak: dict[str, int]
+    weights_in: int = 0
+    grads_out: int = 0
+
+
+@dataclass
+class _Entry:
+    nbytes: int
+    version: int
+
+
+class _DeviceMemory:
+    """The device cache's accounting rules, without bytes."""
+
+    def __init__(self, name: str, budget: int) -> None:
+        self.name = name
+        self.budget = budget
+        self.used = 0
+        self.peak = 0
+        self.residents: OrderedDict[tuple[int, int], _Entry] = OrderedDict()
+
+    def charge(self, nbytes: int, task: TaskId, pinned: tuple[int, int] | None) -> None:
+        while self.used + nbytes > self.budget:
+            victim = next((key for key in self.residents if key != pinned), None)
+            if victim is None:
+                raise ScheduleExceedsBudget(self.name, task, nbytes, self.used, self.budget)
+            self.used -= self.residents.pop(victim).nbytes
+        self.used += nbytes
+        self.peak = max(self.peak, self.used)
+
+    def weights(self, key: tuple[int, int], version: int, nbytes: int, task: TaskId) -> bool:
+        """Make key's weights resident at version; returns whether they had to be copied in."""
+        entry = self.residents.get(key)
+        if entry is not None and entry.version != version:
+            self.used -= self.residents.pop(key).nbytes
+            entry = None
+        loaded = entry is None
+        if loaded:
+            self.charge(nbytes, task, None)
+            self.residents[key] = _Entry(nbytes, version)
+        self.residents.move_to_end(key)
+        return loaded
+
+
+def replay_memory(
+    order: dict[str, list[TaskId]], plans: list[PackPlan], budgets: dict[str, int]
+) -> MemoryReport:
+    """Replay each device's task order against its budget, as the runtime's device cache accounts it."""
+    report = MemoryReport(peak={})
+    for device, tasks in order.items():
+        memory = _DeviceMemory(device, budgets[device])
+        for task in tasks:
+            if task.kind == "upd":
+                continue
+            pack = plans[task.model].packs[task.pack]
+            key = (task.model, task.pack)
+            if memory.weights(key, task.step, pack.weight_bytes, task):
+                report.weights_in += pack.weight_bytes
+            if task.kind == "bwd":
+                memory.charge(pack.grad_bytes, task, key)
+                report.grads_out += pack.grad_bytes
+            memory.charge(pack.cost.workspace, task, key)
+            memory.used -= pack.cost.workspace
+            if task.kind == "bwd":
+                memory.used -= pack.grad_bytes
+        report.peak[device] = memory.peak
+    return report
+
+
+def order_from_keys(schedule: dict[str, list[str]]) -> dict[str, list[TaskId]]:
+    """A per-device order of task ids from the keys a run recorded (result.stats.schedule)."""
+    order = {}
+    for device, keys in schedule.items():
+        parsed = [parse_key(key) for key in keys]
+        order[device] = [item[0] for item in parsed if item is not None]
+    return order
+
+
+def task_seconds(task: TaskId, plan: PackPlan, samples: int, hardware: Hardware) -> float:
+    """Predicted compute time of a task: forward once for fwd, forward three times' worth for bwd (the
+    recompute plus a backward that costs about two forwards), the optimizer's passes for upd."""
+    pack = plan.packs[task.pack]
+    forward = pack.forward_seconds_per_sample * samples / hardware.compute_scale
+    if task.kind == "fwd":
+        return forward
+    if task.kind == "bwd":
+        return 3 * forward
+    return 4 * pack.weight_bytes / hardware.optimizer_bytes_per_second
+
+
+def boundary_bytes(task: TaskId, plan: PackPlan, samples: int) -> int:
+    """Bytes of the activation that flows into the task's pack (0 for the first pack)."""
+    return 0 if task.pack == 0 else round(plan.packs[task.pack].input_bytes_per_sample * samples)
+
+
+@dataclass
+class Simulation:
+    """A predicted run: per device, its tasks in order with start and end times, and the totals."""
+
+    order: dict[str, list[TaskId]]
+    times: dict[TaskId, tuple[float, float]]
+    makespan: float
+    steps: list[int]
+    busy: dict[str, float] = field(default_factory=dict)
+
+    def step_seconds(self) -> float:
+        """Predicted time per step of the whole sweep: the makespan over the most steps any model ran."""
+        return self.makespan / max(max(self.steps), 1)
+
+
+def simulate(
+    plans: list[PackPlan],
+    steps: list[int],
+    samples: list[int],
+    budgets: dict[str, int],
+    hardware: Hardware,
+    prefetch: bool = True,
+    policy: str = "lrtf",
+) -> Simulation:
+    """Predict the schedule and its times: the driver's binder on a simulated clock.
+
+    Each device runs one task at a time; a task starts when its device is free and its inputs exist;
+    it takes the task overhead, its compute, and its copies (weights in when not resident, boundary
+    activations in and out), where with prefetch a weight copy overlaps the previous task's compute.
+    """
+    works = [
+        ModelWork(
+            tuple(p.weight_bytes for p in plan.packs),
+            steps=count,
+            step_seconds=sum(
+                task_seconds(TaskId(kind, 0, p, 0), plan, n, hardware)
+                for p in range(len(plan.packs))
+                for kind in ("fwd", "bwd")
+            ),
+        )
+        for plan, count, n in zip(plans, steps, samples)
+    ]
+    state = BindingState(works, budgets, slots_per_device=1, policy=policy)
+    for model in range(len(plans)):
+        for step in range(steps[model]):
+            if (model, step) in state.wanted_batches():
+                state.add_batch(model, step)
+    free_at = dict.fromkeys(budgets, 0.0)
+    last_compute = dict.fromkeys(budgets, 0.0)
+    times: dict[TaskId, tuple[float, float]] = {}
+    order: dict[str, list[TaskId]] = {name: [] for name in budgets}
+    resident: dict[str, set[tuple[int, int, int]]] = {name: set() for name in budgets}
+    busy = dict.fromkeys(budgets, 0.0)
+    events: list[tuple[float, int, TaskId]] = []
+    counter = 0
+    while not state.finished:
+        for device in budgets:
+            if state.has_free_slot(device):
+                task = state.bind(device)
+                if task is None:
+                    continue
+                plan = plans[task.model]
+                n = samples[task.model]
+                deps = [times[d][1] for d in dependencies(task, len(plan.packs)) if d in times]
+                start = max([free_at[device], *deps])
+                compute = task_seconds(task, plan, n, hardware)
+                copy = 0.0
+                link = hardware.host_link
+                if task.kind != "upd" and link:
+                    version = (task.model, task.pack, task.step)
+                    if version not in resident[device]:
+                        resident[device].add(version)
+                        weights = plan.packs[task.pack].weight_bytes / link
+                        copy += max(0.0, weights - last_compute[device]) if prefetch else weights
+                    boundary = boundary_bytes(task, plan, n)
+                    copy += (2 if task.kind == "fwd" else 3) * boundary / link
+                end = start + hardware.task_overhead + compute + copy
+                times[task] = (start, end)
+                order[device].append(task)
+                busy[device] += end - start
+                free_at[device] = end
+                last_compute[device] = compute
+                counter += 1
+                heapq.heappush(events, (end, counter, task))
+        if not events:
+            raise RuntimeError("simulation stalled: no task could be bound")
+        _, _, task = heapq.heappop(events)
+        state.complete(task)
+        for model, step in state.wanted_batches():
+            if step < steps[model]:
+                state.add_batch(model, step)
+            else:
+                state.end_of_data(model)
+    return Simulation(order, times, max(end for _, end in times.values()), steps, busy)
+

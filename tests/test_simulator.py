@@ -1,0 +1,53 @@
+"""The schedule simulator: memory replay with the device cache's rules, refusals, and time prediction."""
+
+from __future__ import annotations
+
+import pytest
+
+from harmony.tasks.graph import TaskId, step_tasks
+from harmony.tasks.layout import TensorSpec
+from harmony.tasks.packing import PackPlan, plan_packs
+from harmony.tasks.profile import LayerProfile, ModelProfile
+from harmony.tasks.simulator import Hardware, ScheduleExceedsBudget, replay_memory, simulate
+
+
+def chain_plan(layers: int = 4, width: int = 16, seconds: float = 1e-4, budget: int = 10**9) -> PackPlan:
+    layer = LayerProfile(
+        description="Linear",
+        params=(TensorSpec("weight", "float32", (width, width)),),
+        buffers=(),
+        input_bytes_per_sample=4 * width,
+        output_bytes_per_sample=4 * width,
+        forward_seconds_per_sample=seconds,
+    )
+    return plan_packs(ModelProfile("m", (layer,) * layers), budget, samples=4)
+
+
+def test_replay_counts_swaps_and_peaks_like_the_cache() -> None:
+    plan = chain_plan(layers=4, budget=6000)
+    assert len(plan.packs) == 4
+    order = {"d": [t for s in range(2) for t in step_tasks(0, 4, s)]}
+    report = replay_memory(order, [plan], {"d": 6000})
+    w = plan.packs[0].weight_bytes
+    assert report.grads_out == 2 * 4 * w
+    assert 2 * 4 * w <= report.weights_in <= 2 * 7 * w
+    assert report.peak["d"] <= 6000
+
+
+def test_replay_refuses_a_schedule_over_budget_naming_the_task_and_bytes() -> None:
+    plan = chain_plan(layers=2, budget=10**9)
+    with pytest.raises(ScheduleExceedsBudget) as raised:
+        replay_memory({"d": step_tasks(0, len(plan.packs), 0)}, [plan], {"d": 1000})
+    error = raised.value
+    assert error.task == TaskId("bwd", 0, 0, 0) and error.need == plan.packs[0].weight_bytes
+    assert "needs" in str(error) and "1,000-byte budget" in str(error)
+
+
+def test_simulation_runs_every_task_and_predicts_link_cost() -> None:
+    plan = chain_plan(layers=6, budget=7000)
+    fast = simulate([plan], [3], [8], {"d": 7000}, Hardware(task_overhead=0.0))
+    slow = simulate([plan], [3], [8], {"d": 7000}, Hardware(task_overhead=0.0, host_link=1e6), prefetch=False)
+    hidden = simulate([plan], [3], [8], {"d": 7000}, Hardware(task_overhead=0.0, host_link=1e6), prefetch=True)
+    assert sum(len(tasks) for tasks in fast.order.values()) == 3 * (3 * len(plan.packs) - 1)
+    assert fast.makespan < hidden.makespan <= slow.makespan
+    assert replay_memory(fast.order, [plan], {"d": 7000}).peak["d"] <= 7000
