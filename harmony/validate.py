@@ -203,17 +203,24 @@ def validate(
     devices: Any,
     device_memory: Any,
     cluster: Any,
+    for_training: bool = True,
 ) -> Arguments:
-    """Normalize and check every argument; raises InputError before any work starts."""
+    """Normalize and check every argument; raises InputError before any work starts.
+
+    Planning needs no loss or optimizer: with for_training=False they may be None.
+    """
     model_list = _models(models)
     epoch_count = _positive_int(epochs, "epochs")
     step_count = _positive_int(steps, "steps", allow_none=True)
     assert epoch_count is not None
     micro = _positive_int(microbatches, "microbatches")
     assert micro is not None
-    loss_fns = _loss_fns(loss_fn, model_list)
-    optimizers = _optimizers(optimizer, model_list)
-    passes = step_count is not None or epoch_count > 1
+    planning_only = not for_training
+    loss_fns = [None] * len(model_list) if planning_only and loss_fn is None else _loss_fns(loss_fn, model_list)
+    optimizers = (
+        [None] * len(model_list) if planning_only and optimizer is None else _optimizers(optimizer, model_list)
+    )
+    passes = step_count is None and epoch_count > 1
     loader_list, loader_of = _loaders(loaders, len(model_list), passes)
     for index, loader_index in enumerate(loader_of):
         samples = batch_size(loader_list[loader_index].first[0])
@@ -223,7 +230,7 @@ def validate(
                 f"loader ({samples} samples); use at most {samples} micro-batches or larger batches"
             )
     try:
-        device_list = parse_devices(devices)
+        device_list = parse_devices(devices) if for_training or not isinstance(devices, int) else ["cpu"] * devices
     except DeviceSpecError as error:
         raise InputError(str(error)) from None
     try:

@@ -51,7 +51,10 @@ class LoaderFeed:
                 return None
             if self.steps is not None and self._served == 0 and self._epoch > 0:
                 return None
-            self._iterator = iter(self.loader)
+            iterator = iter(self.loader)
+            if iterator is self.loader and self._epoch > 0:
+                return None
+            self._iterator = iterator
 
 
 class SharedFeed:

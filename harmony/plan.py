@@ -1,0 +1,130 @@
+"""harmony.plan: what a sweep would do and take, predicted by the simulator, without training anything."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from harmony.errors import InputError
+from harmony.prepare import expected_steps, prepare
+from harmony.runtime.data import batch_size
+from harmony.runtime.devices import build_specs
+from harmony.sizes import parse_size
+from harmony.tasks.binding import POLICIES
+from harmony.tasks.microbatch import split_sizes
+from harmony.tasks.packing import PackPlan
+from harmony.tasks.simulator import Hardware, MemoryReport, ScheduleExceedsBudget, Simulation, replay_memory, simulate
+from harmony.validate import validate
+
+
+@dataclass
+class Plan:
+    """Packs per model, device assignment, predicted peak bytes, step time and swap volume."""
+
+    plans: list[PackPlan]
+    budgets: dict[str, int]
+    hardware: Hardware
+    simulation: Simulation
+    memory: MemoryReport
+    steps: list[int]
+
+    @property
+    def step_seconds(self) -> float:
+        """Predicted seconds per step of the whole sweep (every model advancing one step)."""
+        return self.simulation.step_seconds()
+
+    @property
+    def total_seconds(self) -> float:
+        return self.simulation.makespan
+
+    @property
+    def peak_device_bytes(self) -> dict[str, int]:
+        return self.memory.peak
+
+    @property
+    def weights_in_per_step(self) -> float:
+        return self.memory.weights_in / max(sum(self.steps), 1)
+
+    @property
+    def grads_out_per_step(self) -> float:
+        return self.memory.grads_out / max(sum(self.steps), 1)
+
+    def devices_of(self, model: int) -> list[str]:
+        """The devices that run some task of model in the predicted schedule."""
+        return sorted(d for d, tasks in self.simulation.order.items() if any(t.model == model for t in tasks))
+
+    def __str__(self) -> str:
+        lines = [
+            f"Harmony plan on {len(self.budgets)} device{'s' if len(self.budgets) != 1 else ''} "
+            f"({self.hardware.name}), {sum(self.steps)} model-steps",
+        ]
+        for index, plan in enumerate(self.plans):
+            packs = " | ".join(f"{p.first}-{p.stop - 1}" for p in plan.packs)
+            weights = sum(p.weight_bytes for p in plan.packs)
+            lines.append(
+                f"  {plan.model}: {len(plan.packs)} packs [{packs}], {weights:,} weight bytes, "
+                f"{self.steps[index]} steps on {', '.join(self.devices_of(index))}"
+            )
+        lines.append("  device      budget         predicted peak")
+        for device, budget in self.budgets.items():
+            lines.append(f"  {device:<10}{budget:>14,}{self.memory.peak.get(device, 0):>20,}")
+        lines.append(
+            f"  predicted: {self.step_seconds * 1e3:.2f} ms per step, {self.total_seconds:.2f} s in all; "
+            f"per model-step {self.weights_in_per_step:,.0f} weight bytes in, "
+            f"{self.grads_out_per_step:,.0f} gradient bytes out"
+        )
+        return "\n".join(lines)
+
+
+def plan(
+    models: nn.Module | list[nn.Module],
+    loaders: Any,
+    loss_fn: Any = None,
+    optimizer: Any = None,
+    epochs: int = 1,
+    steps: int | None = None,
+    microbatches: int = 1,
+    devices: int | str | list[str] | None = None,
+    device_memory: int | str | None = None,
+    hardware: Hardware | None = None,
+    prefetch: bool = True,
+    policy: str = "lrtf",
+) -> Plan:
+    """Plan a sweep as harmony.train would run it and predict it with the simulator; trains nothing.
+
+    With a hardware description, devices is a count of such devices (which need not exist here) and
+    device_memory their budget: "what would this take on 4 GPUs on PCIe 4" is
+    ``harmony.plan(models, loader, devices=4, device_memory="40GB", hardware=Hardware(...))``.
+    """
+    if hardware is not None and not isinstance(devices, int):
+        raise InputError("with a hardware description, pass devices as a count, e.g. devices=4")
+    if hardware is not None and device_memory is None:
+        raise InputError("with a hardware description, pass device_memory: the budget of each device")
+    if policy not in POLICIES:
+        raise InputError(f"policy={policy!r} is not a scheduling policy; use one of {POLICIES}")
+    args = validate(models, loaders, loss_fn, optimizer, epochs, steps, microbatches, devices, device_memory,
+                    None, for_training=False)
+    if hardware is None:
+        budgets = {spec.name: spec.budget for spec in build_specs(args.devices, args.device_memory)}
+        hardware = Hardware()
+    else:
+        budget = parse_size(device_memory, "device_memory")  # type: ignore[arg-type]
+        budgets = {f"dev-{i}": budget for i in range(len(args.devices))}
+    _, plans = prepare(args, min(budgets.values()))
+    counts = []
+    samples = []
+    for index in range(len(args.models)):
+        count = expected_steps(args, index)
+        if count is None:
+            raise InputError(f"loaders for model {index} have no length; pass steps= to plan a fixed number of steps")
+        counts.append(count)
+        first = args.loaders[args.loader_of[index]].first[0]
+        samples.append(sum(split_sizes(batch_size(first), args.microbatches)))
+    simulation = simulate(plans, counts, samples, budgets, hardware, prefetch=prefetch, policy=policy)
+    try:
+        memory = replay_memory(simulation.order, plans, budgets)
+    except ScheduleExceedsBudget as error:
+        raise InputError(f"the planned schedule would not fit: {error}") from None
+    return Plan(plans, budgets, hardware, simulation, memory, counts)

@@ -1,0 +1,108 @@
+"""Shared by train and plan: profile every model with the pilot pass and cut it into packs."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from harmony.errors import InputError, ModelError
+from harmony.runtime.data import batch_size, split_tree
+from harmony.runtime.job import JobModel
+from harmony.runtime.pilot import decompose
+from harmony.tasks.graph import TaskId
+from harmony.tasks.microbatch import split_sizes
+from harmony.tasks.packing import LayerTooLarge, PackPlan, plan_packs
+from harmony.tasks.simulator import Hardware, task_seconds
+from harmony.validate import Arguments, model_label
+
+logger = logging.getLogger("harmony")
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    tensor = next(iter([*model.parameters(), *model.buffers()]), None)
+    return tensor.device if tensor is not None else torch.device("cpu")
+
+
+def expected_steps(args: Arguments, model: int) -> int | None:
+    """How many steps a model will train, when its loader knows its length (or steps= says)."""
+    if args.steps is not None:
+        return args.steps
+    loader = args.loaders[args.loader_of[model]].loader
+    try:
+        return args.epochs * len(loader)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def simulator_step_seconds(plan: PackPlan, samples: int) -> float:
+    """Predicted compute seconds of one step of a model on this machine (for Sharded-LRTF)."""
+    hardware = Hardware()
+    return sum(
+        task_seconds(TaskId(kind, 0, pack, 0), plan, samples, hardware)
+        for pack in range(len(plan.packs))
+        for kind in ("fwd", "bwd", "upd")
+    )
+
+
+def _to_device(tree: Any, device: torch.device) -> Any:
+    return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, tree)
+
+
+def _check_loss(args: Arguments, index: int, label: str, output: Any, target: Any) -> None:
+    """Call the model's loss once on the pilot output: it must work and return a scalar tensor."""
+    try:
+        loss = args.loss_fns[index](output, target)
+    except Exception as error:
+        raise InputError(f"loss_fn for {label} raised {type(error).__name__}: {error} when called "
+                         "as loss_fn(output, target) on the first micro-batch") from error
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shape = "" if not isinstance(loss, torch.Tensor) else f" of shape {tuple(loss.shape)}"
+        raise InputError(f"loss_fn for {label} returned {type(loss).__name__}{shape}; "
+                         "it must return a scalar tensor (the mean loss over the micro-batch)")
+
+
+def prepare(args: Arguments, budget: int) -> tuple[list[JobModel], list[PackPlan]]:
+    """Pilot-profile every model on its first micro-batch and cut it into packs that fit budget."""
+    jobs = []
+    plans = []
+    for index, model in enumerate(args.models):
+        label = model_label(index, model)
+        inputs, targets = args.loaders[args.loader_of[index]].first
+        sizes = split_sizes(batch_size(inputs), args.microbatches)
+        device = _model_device(model)
+        sample = _to_device(split_tree(inputs, sizes)[0], device)
+        target = _to_device(split_tree(targets, sizes)[0], device)
+        try:
+            decomposition = decompose(model, sample, label)
+        except Exception as error:
+            raise ModelError(index, f"{label} raised {type(error).__name__}: {error} in its forward "
+                             "during the pilot pass") from error
+        if args.loss_fns[index] is not None:
+            _check_loss(args, index, label, decomposition.output, target)
+        try:
+            plan = plan_packs(decomposition.profile, budget, sizes[0])
+        except LayerTooLarge as error:
+            raise InputError(
+                f"device_memory is too small for {label}: {error}. Raise device_memory to at least "
+                f"{error.need.total:,} bytes, or use more micro-batches to shrink the activations"
+            ) from None
+        logger.info("%s", plan.explain())
+        plans.append(plan)
+        jobs.append(
+            JobModel(
+                module=model,
+                layers=decomposition.layers,
+                plan=plan,
+                loss_fn=args.loss_fns[index],
+                optimizer=args.optimizers[index],
+                feed=args.loader_of[index],
+                seed=index,
+                expected_steps=expected_steps(args, index),
+                step_seconds=simulator_step_seconds(plan, sizes[0] * len(sizes)),
+            )
+        )
+    return jobs, plans

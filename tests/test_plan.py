@@ -1,0 +1,64 @@
+"""harmony.plan: the plan and its predictions, printed readably, with no worker started."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import harmony
+from tests.conftest import deep_mlp, param_bytes, regression_batches
+
+
+@pytest.fixture(autouse=True)
+def no_cluster_may_start(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("harmony.plan started a cluster")
+
+    monkeypatch.setattr("harmony.runtime.job.start_embedded", refuse)
+    yield
+
+
+def test_plan_on_this_machine_predicts_packs_peaks_and_swaps() -> None:
+    models = [deep_mlp(seed=s) for s in range(3)]
+    plan = harmony.plan(models, regression_batches(128, 16), microbatches=4, devices=2, device_memory=24_000)
+    assert [len(p.packs) for p in plan.plans] == [12, 12, 12]
+    assert set(plan.budgets) == {"cpu-0", "cpu-1"}
+    assert all(0 < peak <= 24_000 for peak in plan.peak_device_bytes.values())
+    weights = param_bytes(models[0])
+    assert plan.grads_out_per_step == weights
+    assert weights <= plan.weights_in_per_step <= 2 * weights
+    assert plan.step_seconds > 0
+    text = str(plan)
+    assert "model 0 (Sequential): 12 packs" in text and "predicted:" in text and "cpu-1" in text
+
+
+def test_plan_for_hardware_that_is_not_here() -> None:
+    gpus = harmony.Hardware("4 GPUs on PCIe 4", compute_scale=50, host_link=25e9, peer_link=25e9)
+    plan = harmony.plan([deep_mlp()], regression_batches(64, 16), microbatches=2, devices=4,
+                        device_memory="1MB", hardware=gpus)
+    assert list(plan.budgets) == ["dev-0", "dev-1", "dev-2", "dev-3"]
+    assert "4 GPUs on PCIe 4" in str(plan)
+    here = harmony.plan([deep_mlp()], regression_batches(64, 16), microbatches=2, devices=4, device_memory="1MB")
+    assert plan.step_seconds < here.step_seconds
+
+
+def test_plan_needs_a_count_and_a_budget_for_hypothetical_hardware() -> None:
+    with pytest.raises(harmony.InputError, match="devices as a count"):
+        harmony.plan([deep_mlp()], regression_batches(64, 16), devices=["cuda:0"], hardware=harmony.Hardware())
+    with pytest.raises(harmony.InputError, match="pass device_memory"):
+        harmony.plan([deep_mlp()], regression_batches(64, 16), devices=2, hardware=harmony.Hardware())
+
+
+def test_plan_refuses_a_budget_too_small() -> None:
+    with pytest.raises(harmony.InputError, match="device_memory is too small"):
+        harmony.plan([deep_mlp()], regression_batches(64, 16), device_memory="8kB")
+
+
+def test_plan_takes_a_loader_without_length_when_steps_are_given() -> None:
+    def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        yield from regression_batches(64, 16)
+
+    plan = harmony.plan([deep_mlp()], batches(), steps=3, device_memory=1_000_000)
+    assert plan.steps == [3]
