@@ -38,6 +38,7 @@ def train(
     link_bandwidth: Any = None,
     prefetch: bool = True,
     policy: str = "lrtf",
+    group: bool = True,
 ) -> TrainResult:
     """Train every model on its data through fine-grained tasks on Dask device workers.
 
@@ -49,6 +50,8 @@ def train(
     that speed, a simulated link that makes swap costs visible on CPU devices. prefetch=False turns off
     copying the next task's weights in while the current one computes. policy picks which model a
     free device serves: "lrtf" (Sharded-LRTF, the longest remaining time first) or "round_robin".
+    group=False swaps a pack's weights in again for every micro-batch, the per-micro-batch swapping
+    that Harmony's grouping avoids (a baseline for benchmarks; results are the same).
     """
     args = validate(models, loaders, loss_fn, optimizer, epochs, steps, microbatches, devices,
                     device_memory, cluster)
@@ -76,6 +79,7 @@ def train(
             args.microbatches,
             args.device_memory,
             prefetch=bool(prefetch),
+            group=bool(group),
             policy=policy,
             on_progress=line,
             on_ready=lambda link: logger.info("harmony: dashboard at %s", link),
@@ -103,6 +107,7 @@ def train(
         bytes_prefetched=sum(values["prefetched"] for values in counters.values()),
         budgets={device.name: device.budget for device in outcome.devices},
         schedule=outcome.schedule,
+        finish_seconds=outcome.finish_seconds,
     )
     return TrainResult(
         models=args.models,

@@ -18,7 +18,8 @@ class Stats:
     bytes_p2p: activation and gradient bytes a device received straight from another device's worker.
     bytes_prefetched: the part of bytes_in["weights"] copied by the copy engine while a task computed.
     busy_seconds / idle_seconds: per device, time running tasks and time without one, from the moment
-    the workers were ready; schedule: per device, the keys of the tasks in the order it ran them.
+    the workers were ready; schedule: per device, the keys of the tasks in the order it ran them;
+    finish_seconds: per model, when its last step finished, counted from the same moment.
     """
 
     peak_device_bytes: dict[str, int]
@@ -33,6 +34,7 @@ class Stats:
     bytes_prefetched: int = 0
     budgets: dict[str, int] = field(default_factory=dict)
     schedule: dict[str, list[str]] = field(default_factory=dict)
+    finish_seconds: list[float] = field(default_factory=list)
 
     def utilization(self) -> dict[str, float]:
         """Per device, the fraction of the training time it spent running tasks."""

@@ -96,6 +96,8 @@ def forward(ctx: RunContext, model: int, pack: int, step: int, inputs: list[Any]
         ctx.prefetch_next(keep_free=runtime.workspace)
         tensors = tensors_at(weights, runtime.weights)
         for index, microbatch in enumerate(inputs):
+            if index and not ctx.spec.group:
+                ctx.cache.reload((model, pack), host)
             with ctx.cache.scratch(runtime.workspace, f"activations of pack {pack}"), torch.no_grad():
                 x = ctx.cache.copy_in(microbatch, "inputs" if pack == 0 else "activations")
                 _seed(ctx.device, spec.seed, pack, step, index)
@@ -135,6 +137,8 @@ def backward(
             weights[runtime.buffers_offset :].clone() if runtime.has_buffers and not last else None
         )
         for index, microbatch in enumerate(inputs):
+            if index and not ctx.spec.group:
+                ctx.cache.reload((model, pack), host)
             with ctx.cache.scratch(runtime.workspace, f"activations of pack {pack}"):
                 x = ctx.cache.copy_in(microbatch, "inputs" if pack == 0 else "activations")
                 if pack > 0:

@@ -119,6 +119,15 @@ class DeviceCache:
             self.counters.add("prefetched", host.numel())
         entry.arrived.set()
 
+    def reload(self, key: Any, host: torch.Tensor) -> None:
+        """Copy a resident pack's weights in again: what swapping per micro-batch costs (a baseline)."""
+        with self._lock:
+            entry = self.residents[key]
+        started = time.perf_counter()
+        entry.buffer.copy_(host)
+        self._over_link(host.numel(), started)
+        self.counters.add("in_weights", host.numel())
+
     @contextmanager
     def scratch(self, nbytes: int, what: str) -> Iterator[None]:
         """Reserve nbytes for the duration of the block (activations, gradient buffers)."""

@@ -10,6 +10,7 @@ worker to worker as Dask results; nothing large passes through the driver.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -52,6 +53,8 @@ class Driver:
         self.in_flight: dict[str, TaskId] = {}
         self.device_of: dict[TaskId, str] = {}
         self.tasks_run = 0
+        self.started = time.perf_counter()
+        self.finish_seconds: dict[int, float] = {}
 
     def _fetch_batches(self) -> None:
         for model, step in self.state.wanted_batches():
@@ -129,6 +132,9 @@ class Driver:
                 if isinstance(value, BatchTargets):
                     self.weights.pop((value.model, value.step), None)
             self.tasks_run += 1
+            total = self.state.total_steps[task.model]
+            if total is not None and self.state.steps_done[task.model] >= total:
+                self.finish_seconds.setdefault(task.model, time.perf_counter() - self.started)
             if self.on_progress is not None:
                 self.on_progress(self.state, self.tasks_run)
             self._fetch_batches()

@@ -71,6 +71,7 @@ class JobOutcome:
     dashboard_link: str | None
     devices: list[DeviceSpec] = field(default_factory=list)
     schedule: dict[str, list[str]] = field(default_factory=dict)
+    finish_seconds: list[float] = field(default_factory=list)
 
 
 def pack_module(layers: list[nn.Module], plan: PackPlan, pack: int) -> nn.Sequential:
@@ -175,6 +176,7 @@ def run_job(
     microbatches: int,
     budget: int | None,
     prefetch: bool = True,
+    group: bool = True,
     policy: str = "lrtf",
     on_progress: Callable[[BindingState, int], None] | None = None,
     on_ready: Callable[[str | None], None] | None = None,
@@ -202,7 +204,7 @@ def run_job(
             store.create(counters_name(index), BLOCK_BYTES)
         for m, job in enumerate(models):
             store.create(versions_name(m), 8 * len(job.plan.packs))
-        spec = RunSpec(run, str(store.directory), runtimes, tuple(devices), prefetch)
+        spec = RunSpec(run, str(store.directory), runtimes, tuple(devices), prefetch, group)
 
         def create_loss_block(model: int, step: int) -> None:
             if step % LOSS_BLOCK == 0:
@@ -256,6 +258,7 @@ def run_job(
             dashboard_link=handle.dashboard_link,
             devices=devices,
             schedule={names[address]: keys for address, keys in executed.items() if address in names},
+            finish_seconds=[driver.finish_seconds.get(m, run_seconds) for m in range(len(models))],
         )
     finally:
         if driver is not None:

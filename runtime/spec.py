@@ -45,6 +45,7 @@ class RunSpec:
     models: tuple[ModelRuntime, ...]
     devices: tuple[DeviceSpec, ...]
     prefetch: bool = True
+    group: bool = True
 
     def device_index(self, worker_name: str) -> int:
         for index, device in enumerate(self.devices):

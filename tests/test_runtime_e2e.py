@@ -118,3 +118,24 @@ def test_training_on_a_users_cluster(no_leaks: None) -> None:
         assert_same_weights(model, reference)
     assert result.history[1] == pytest.approx(losses, rel=1e-5)
     assert not harmony_files()
+
+
+def test_per_microbatch_swapping_pays_m_times_the_weights_for_the_same_result(no_leaks: None) -> None:
+    steps, batch, microbatches = 2, 16, 4
+    batches = regression_batches(samples=batch * steps, batch=batch)
+    trained = {}
+    for group in (True, False):
+        model = deep_mlp(depth=24)
+        weights = param_bytes(model)
+        result = harmony.train(
+            model, batches, loss_fn=nn.functional.mse_loss, optimizer=lambda p: torch.optim.SGD(p, lr=0.05),
+            microbatches=microbatches, device_memory=weights // 4, group=group, progress=False,
+        )
+        trained[group] = (model, result)
+    assert_same_weights(trained[False][0], trained[True][0], rtol=0, atol=0)
+    grouped, ungrouped = trained[True][1].stats, trained[False][1].stats
+    last = trained[True][1].plans[0].packs[-1].weight_bytes
+    reloads = steps * (microbatches - 1) * (2 * weights - last)
+    assert grouped.bytes_in["weights"] <= steps * (2 * weights - last)
+    assert ungrouped.bytes_in["weights"] >= reloads + steps * weights
+    assert ungrouped.bytes_out["grads"] == grouped.bytes_out["grads"] == steps * weights
