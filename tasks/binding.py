@@ -74,14 +74,18 @@ class BindingState:
         self.steps_done: list[int] = [0] * len(models)
 
     def wanted_batches(self) -> list[tuple[int, int]]:
-        """(model, step) pairs whose mini-batch the driver should fetch now: the next step of each model
-        whose previous step's backward has finished, so that at most one step is read ahead."""
+        """(model, step) pairs whose mini-batch the driver should fetch now.
+
+        A model's next step opens once the step before the previous one has finished its backward, so
+        that at most two steps are open: the next step's tasks can be queued on a device (waiting on the
+        updates they depend on) before the current step ends, with no round trip through the driver.
+        """
         wanted = []
         for m, opened in enumerate(self.opened):
             total = self.total_steps[m]
             if total is not None and opened >= total:
                 continue
-            if opened == 0 or TaskId("bwd", m, 0, opened - 1) in self.done:
+            if opened < 2 or TaskId("bwd", m, 0, opened - 2) in self.done:
                 wanted.append((m, opened))
         return wanted
 

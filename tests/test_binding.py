@@ -75,15 +75,17 @@ def test_values_are_released_once_their_readers_finish() -> None:
     assert not state.readers
 
 
-def test_steps_of_a_model_are_read_one_ahead_at_most() -> None:
+def test_at_most_two_steps_of_a_model_are_open() -> None:
     state = BindingState([ModelWork((10,))], {"cpu-0": 1000})
     assert state.wanted_batches() == [(0, 0)]
     state.add_batch(0, 0)
+    assert state.wanted_batches() == [(0, 1)]
+    state.add_batch(0, 1)
     assert state.wanted_batches() == []
     bwd = state.bind("cpu-0")
     assert bwd == TaskId("bwd", 0, 0, 0)
     state.complete(bwd)
-    assert state.wanted_batches() == [(0, 1)]
+    assert state.wanted_batches() == [(0, 2)]
 
 
 def test_sharded_lrtf_serves_the_model_with_the_longest_remaining_time() -> None:

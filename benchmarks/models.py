@@ -1,0 +1,25 @@
+"""Models and data the benchmarks share."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def mlp(width: int, depth: int, inputs: int | None = None, outputs: int = 8, seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = [nn.Linear(inputs or width, width), nn.ReLU()]
+    for _ in range(depth - 1):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(width, outputs))
+
+
+def parameter_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def regression(steps: int, batch: int, width: int, outputs: int = 8, seed: int = 1) -> list:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(steps * batch, width, generator=generator)
+    y = torch.randn(steps * batch, outputs, generator=generator)
+    return [(x[i : i + batch], y[i : i + batch]) for i in range(0, steps * batch, batch)]
