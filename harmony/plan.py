@@ -11,6 +11,7 @@ from harmony.errors import InputError
 from harmony.prepare import expected_steps, prepare
 from harmony.runtime.data import batch_size
 from harmony.runtime.devices import build_specs
+from harmony.runtime.measure import this_machine
 from harmony.sizes import parse_size
 from harmony.tasks.binding import POLICIES
 from harmony.tasks.microbatch import split_sizes
@@ -108,7 +109,7 @@ def plan(
                     None, for_training=False)
     if hardware is None:
         budgets = {spec.name: spec.budget for spec in build_specs(args.devices, args.device_memory)}
-        hardware = Hardware()
+        hardware = this_machine()
     else:
         budget = parse_size(device_memory, "device_memory")  # type: ignore[arg-type]
         budgets = {f"dev-{i}": budget for i in range(len(args.devices))}

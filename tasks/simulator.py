@@ -223,6 +223,8 @@ def simulate(
                         copy += max(0.0, weights - last_compute[device]) if prefetch else weights
                     boundary = boundary_bytes(task, plan, n)
                     copy += (2 if task.kind == "fwd" else 3) * boundary / link
+                    if task.kind == "bwd":
+                        copy += plan.packs[task.pack].grad_bytes / link
                 end = start + hardware.task_overhead + compute + copy
                 times[task] = (start, end)
                 order[device].append(task)
