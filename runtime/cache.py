@@ -145,7 +145,12 @@ class DeviceCache:
         """
         with self._lock:
             entry = self.residents.get(key)
-            if entry is not None and entry.version != version and entry.pins == 0 and entry.arrived.is_set():
+            if entry is not None and entry.version != version:
+                if entry.pins or not entry.arrived.is_set():
+                    raise RuntimeError(
+                        f"device {self.name}: weights of {key} at version {entry.version} are in use or in "
+                        f"flight while version {version} is asked for"
+                    )
                 self.drop(key)
                 entry = None
             load = entry is None

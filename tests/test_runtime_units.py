@@ -160,3 +160,27 @@ def test_tensors_round_trip_through_dask_serialization(dtype: torch.dtype) -> No
     assert back.dtype == dtype and torch.equal(back, tensor)
     sliced = tensor[1:]
     assert torch.equal(deserialize(*serialize(sliced)), sliced)
+
+
+def test_cache_never_hands_out_stale_weights_that_are_in_use(store: HostStore) -> None:
+    cache = make_cache(store, budget=1000)
+    host = store.create("w", 100)
+    with (
+        cache.weights("p0", 0, host),
+        pytest.raises(RuntimeError, match="version 0 are in use"),
+        cache.weights("p0", 1, host),
+    ):
+        pass
+
+
+def test_prefetched_weights_are_used_without_a_second_copy(store: HostStore) -> None:
+    cache = make_cache(store, budget=1000)
+    host = store.create("w", 300)
+    host.fill_(7)
+    assert cache.prefetch("p0", 0, host, keep_free=200)
+    with cache.weights("p0", 0, host) as device_bytes:
+        assert int(device_bytes[0]) == 7
+    counts = cache.counters.read()
+    assert counts["in_weights"] == counts["prefetched"] == 300
+    assert not cache.prefetch("p1", 0, store.create("big", 900), keep_free=200)
+    cache.clear()
