@@ -8,7 +8,7 @@ from typing import Any
 from torch import nn
 
 from harmony.errors import InputError, ModelError
-from harmony.prepare import prepare
+from harmony.prepare import choose_mode, first_batch_samples, groups_for, prepare
 from harmony.progress import ProgressLine, wants_progress
 from harmony.result import Stats, TrainResult
 from harmony.runtime.counters import IN_KINDS, OUT_KINDS
@@ -16,8 +16,9 @@ from harmony.runtime.data import LoaderFeed, SharedFeed
 from harmony.runtime.devices import build_specs
 from harmony.runtime.errors import ModelFailure
 from harmony.runtime.job import run_job
+from harmony.runtime.measure import this_machine
 from harmony.sizes import parse_bandwidths
-from harmony.tasks.binding import POLICIES
+from harmony.tasks.binding import MODES, POLICIES
 from harmony.validate import model_label, validate
 
 logger = logging.getLogger("harmony")
@@ -39,6 +40,7 @@ def train(
     prefetch: bool = True,
     policy: str = "lrtf",
     group: bool = True,
+    mode: str = "auto",
 ) -> TrainResult:
     """Train every model on its data through fine-grained tasks on Dask device workers.
 
@@ -51,7 +53,10 @@ def train(
     copying the next task's weights in while the current one computes. policy picks which model a
     free device serves: "lrtf" (Sharded-LRTF, the longest remaining time first) or "round_robin".
     group=False swaps a pack's weights in again for every micro-batch, the per-micro-batch swapping
-    that Harmony's grouping avoids (a baseline for benchmarks; results are the same).
+    that Harmony's grouping avoids (a baseline for benchmarks; results are the same). mode places work
+    on several devices: "vpp" spreads packs over devices, "vdp" spreads micro-batch groups (each device
+    runs every pack, gradients are reduced before the update), "free" binds any task anywhere, and
+    "auto" runs the one the simulator predicts fastest.
     """
     args = validate(models, loaders, loss_fn, optimizer, epochs, steps, microbatches, devices,
                     device_memory, cluster)
@@ -63,7 +68,15 @@ def train(
     budget = min(spec.budget for spec in specs)
     if policy not in POLICIES:
         raise InputError(f"policy={policy!r} is not a scheduling policy; use one of {POLICIES}")
+    if mode not in ("auto", *MODES):
+        raise InputError(f"mode={mode!r} is not an execution mode; use 'auto', 'free', 'vpp' or 'vdp'")
     jobs, plans = prepare(args, budget)
+    budgets = {spec.name: spec.budget for spec in specs}
+    steps_known = [job.expected_steps or 1 for job in jobs]
+    chosen, _ = choose_mode(mode, plans, steps_known, first_batch_samples(args), budgets, args.microbatches,
+                            this_machine(), bool(prefetch), policy)
+    for job in jobs:
+        job.groups = groups_for(chosen, len(specs), args.microbatches)
     feeds = []
     for index, loader in enumerate(args.loaders):
         readers = args.loader_of.count(index)
@@ -81,6 +94,7 @@ def train(
             prefetch=bool(prefetch),
             group=bool(group),
             policy=policy,
+            mode=chosen,
             on_progress=line,
             on_ready=lambda link: logger.info("harmony: dashboard at %s", link),
         )
@@ -115,4 +129,5 @@ def train(
         stats=stats,
         dashboard_link=outcome.dashboard_link,
         plans=plans,
+        mode=chosen,
     )

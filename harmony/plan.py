@@ -8,12 +8,12 @@ from typing import Any
 from torch import nn
 
 from harmony.errors import InputError
-from harmony.prepare import expected_steps, prepare
+from harmony.prepare import choose_mode, expected_steps, groups_for, prepare
 from harmony.runtime.data import batch_size
 from harmony.runtime.devices import build_specs
 from harmony.runtime.measure import this_machine
 from harmony.sizes import parse_size
-from harmony.tasks.binding import POLICIES
+from harmony.tasks.binding import MODES, POLICIES
 from harmony.tasks.microbatch import split_sizes
 from harmony.tasks.packing import PackPlan
 from harmony.tasks.simulator import Hardware, MemoryReport, ScheduleExceedsBudget, Simulation, replay_memory, simulate
@@ -30,6 +30,8 @@ class Plan:
     simulation: Simulation
     memory: MemoryReport
     steps: list[int]
+    mode: str = "free"
+    predicted_modes: dict[str, float] | None = None
 
     @property
     def step_seconds(self) -> float:
@@ -59,8 +61,13 @@ class Plan:
     def __str__(self) -> str:
         lines = [
             f"Harmony plan on {len(self.budgets)} device{'s' if len(self.budgets) != 1 else ''} "
-            f"({self.hardware.name}), {sum(self.steps)} model-steps",
+            f"({self.hardware.name}), {sum(self.steps)} model-steps, mode {self.mode}",
         ]
+        if self.predicted_modes and len(self.predicted_modes) > 1:
+            lines.append(
+                "  modes (predicted per step): "
+                + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.predicted_modes.items())
+            )
         for index, plan in enumerate(self.plans):
             packs = " | ".join(f"{p.first}-{p.stop - 1}" for p in plan.packs)
             weights = sum(p.weight_bytes for p in plan.packs)
@@ -92,6 +99,7 @@ def plan(
     hardware: Hardware | None = None,
     prefetch: bool = True,
     policy: str = "lrtf",
+    mode: str = "auto",
 ) -> Plan:
     """Plan a sweep as harmony.train would run it and predict it with the simulator; trains nothing.
 
@@ -105,6 +113,8 @@ def plan(
         raise InputError("with a hardware description, pass device_memory: the budget of each device")
     if policy not in POLICIES:
         raise InputError(f"policy={policy!r} is not a scheduling policy; use one of {POLICIES}")
+    if mode not in ("auto", *MODES):
+        raise InputError(f"mode={mode!r} is not an execution mode; use 'auto', 'free', 'vpp' or 'vdp'")
     args = validate(models, loaders, loss_fn, optimizer, epochs, steps, microbatches, devices, device_memory,
                     None, for_training=False)
     if hardware is None:
@@ -123,9 +133,13 @@ def plan(
         counts.append(count)
         first = args.loaders[args.loader_of[index]].first[0]
         samples.append(sum(split_sizes(batch_size(first), args.microbatches)))
-    simulation = simulate(plans, counts, samples, budgets, hardware, prefetch=prefetch, policy=policy)
+    chosen, predicted = choose_mode(mode, plans, counts, samples, budgets, args.microbatches, hardware, prefetch,
+                                    policy)
+    groups = [groups_for(chosen, len(budgets), args.microbatches)] * len(plans)
+    simulation = simulate(plans, counts, samples, budgets, hardware, prefetch=prefetch, policy=policy, mode=chosen,
+                          groups=groups)
     try:
         memory = replay_memory(simulation.order, plans, budgets)
     except ScheduleExceedsBudget as error:
         raise InputError(f"the planned schedule would not fit: {error}") from None
-    return Plan(plans, budgets, hardware, simulation, memory, counts)
+    return Plan(plans, budgets, hardware, simulation, memory, counts, chosen, predicted)

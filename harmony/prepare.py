@@ -13,10 +13,11 @@ from harmony.errors import InputError, ModelError
 from harmony.runtime.data import batch_size, split_tree
 from harmony.runtime.job import JobModel
 from harmony.runtime.pilot import decompose
+from harmony.tasks.binding import MODES
 from harmony.tasks.graph import TaskId
 from harmony.tasks.microbatch import split_sizes
 from harmony.tasks.packing import LayerTooLarge, PackPlan, plan_packs
-from harmony.tasks.simulator import Hardware, task_seconds
+from harmony.tasks.simulator import Hardware, simulate, task_seconds
 from harmony.validate import Arguments, model_label
 
 logger = logging.getLogger("harmony")
@@ -106,3 +107,49 @@ def prepare(args: Arguments, budget: int) -> tuple[list[JobModel], list[PackPlan
             )
         )
     return jobs, plans
+
+
+RANKING_STEPS = 3
+
+
+def first_batch_samples(args: Arguments) -> list[int]:
+    """Per model, the samples in its loader's first batch (what one step is planned for)."""
+    return [batch_size(args.loaders[args.loader_of[m]].first[0]) for m in range(len(args.models))]
+
+
+def groups_for(mode: str, devices: int, microbatches: int) -> int:
+    """Micro-batch groups per step: one per device in vDP (at most one per micro-batch), else one."""
+    return max(1, min(devices, microbatches)) if mode == "vdp" else 1
+
+
+def choose_mode(
+    mode: str,
+    plans: list[PackPlan],
+    steps: list[int],
+    samples: list[int],
+    budgets: dict[str, int],
+    microbatches: int,
+    hardware: Hardware,
+    prefetch: bool,
+    policy: str,
+) -> tuple[str, dict[str, float]]:
+    """The execution mode to run: the one given, or with "auto" the one the simulator predicts fastest.
+
+    Modes are compared on a few steps (their ranking settles within two or three); returns the mode and
+    the predicted seconds per step of every mode it simulated.
+    """
+    candidates = MODES if mode == "auto" else (mode,)
+    if mode == "auto" and len(budgets) == 1:
+        candidates = ("free",)
+    sample_steps = [min(count, RANKING_STEPS) for count in steps]
+    predicted = {}
+    for candidate in candidates:
+        groups = [groups_for(candidate, len(budgets), microbatches)] * len(plans)
+        run = simulate(plans, sample_steps, samples, budgets, hardware, prefetch=prefetch, policy=policy,
+                       mode=candidate, groups=groups)
+        predicted[candidate] = run.step_seconds()
+    chosen = min(predicted, key=lambda name: predicted[name])
+    if mode == "auto":
+        logger.info("mode auto: predicted %s per step; running %s",
+                    ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in predicted.items()), chosen)
+    return chosen, predicted

@@ -53,3 +53,4 @@ class TrainResult:
     stats: Stats
     dashboard_link: str | None
     plans: list[PackPlan]
+    mode: str = "free"

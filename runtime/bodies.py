@@ -47,7 +47,8 @@ def task_body(kind: str) -> Callable[[Callable[..., Result]], Callable[..., Resu
 
     ``after`` holds the results of tasks that must finish first without being read (Dask waits for them);
     ``peers`` flags the arguments that another device produced, whose bytes count as device to device;
-    ``successor`` is the task that follows in the model's chain, whose weights the body may prefetch.
+    ``successor`` is the task that follows in the model's chain, whose weights the body may prefetch;
+    ``group`` is the micro-batch group (vDP) whose micro-batches the task runs.
     """
 
     def decorate(body: Callable[..., Result]) -> Callable[..., Result]:
@@ -61,15 +62,16 @@ def task_body(kind: str) -> Callable[[Callable[..., Result]], Callable[..., Resu
             after: list[Any] | None = None,
             peers: tuple[bool, ...] = (),
             successor: TaskId | None = None,
+            group: int = 0,
         ) -> Result:
             ctx = context(run_id)
             ctx.successor = successor
             ctx.use_threads()
             started = time.perf_counter_ns()
-            ctx.executed.append(TaskId(kind, model, pack, step).key(run_id))  # type: ignore[arg-type]
+            ctx.executed.append(TaskId(kind, model, pack, step, group).key(run_id))  # type: ignore[arg-type]
             ctx.counters.add("p2p", sum(tree_nbytes(arg) for arg, remote in zip(args, peers) if remote))
             try:
-                return body(ctx, model, pack, step, *args)
+                return body(ctx, model, pack, step, *args, group=group)
             except (BudgetExceeded, ModelFailure):
                 raise
             except Exception as error:
@@ -86,7 +88,7 @@ def task_body(kind: str) -> Callable[[Callable[..., Result]], Callable[..., Resu
 
 
 @task_body("fwd")
-def forward(ctx: RunContext, model: int, pack: int, step: int, inputs: list[Any]) -> list[Any]:
+def forward(ctx: RunContext, model: int, pack: int, step: int, inputs: list[Any], group: int = 0) -> list[Any]:
     spec = ctx.spec.models[model]
     runtime = spec.packs[pack]
     module = ctx.module(model, pack)
@@ -100,7 +102,7 @@ def forward(ctx: RunContext, model: int, pack: int, step: int, inputs: list[Any]
                 ctx.cache.reload((model, pack), host)
             with ctx.cache.scratch(runtime.workspace, f"activations of pack {pack}"), torch.no_grad():
                 x = ctx.cache.copy_in(microbatch, "inputs" if pack == 0 else "activations")
-                _seed(ctx.device, spec.seed, pack, step, index)
+                _seed(ctx.device, spec.seed, pack, step, group * 65_536 + index)
                 y = functional_call(module, tensors, (x,))
                 outputs.append(ctx.cache.copy_out(y, "activations"))
         if runtime.has_buffers:
@@ -117,6 +119,7 @@ def backward(
     inputs: list[Any],
     gradients_or_targets: list[Any],
     loss_weights: list[float],
+    group: int = 0,
 ) -> list[Any] | None:
     spec = ctx.spec.models[model]
     runtime = spec.packs[pack]
@@ -148,7 +151,7 @@ def backward(
                     leaf = tensors[name].detach().requires_grad_()
                     leaf.grad = grad
                     leaves[name] = leaf
-                _seed(ctx.device, spec.seed, pack, step, index)
+                _seed(ctx.device, spec.seed, pack, step, group * 65_536 + index)
                 with torch.enable_grad():
                     y = functional_call(module, {**tensors, **leaves}, (x,))
                     if last:
@@ -165,16 +168,17 @@ def backward(
                     input_grads.append(ctx.cache.copy_out(grad, "activations"))
                 if saved_buffers is not None:
                     weights[runtime.buffers_offset :].copy_(saved_buffers)
-        ctx.cache.write_back(grad_bytes, ctx.host_grads(model, pack), "grads")
+        ctx.cache.write_back(grad_bytes, ctx.host_grads(model, pack, group), "grads")
         if last and runtime.has_buffers:
             ctx.cache.write_back(weights[runtime.buffers_offset :], host[runtime.buffers_offset :], "buffers")
     if last:
-        block = ctx.store.attach(losses_name(model, step // LOSS_BLOCK), 8 * LOSS_BLOCK).view(torch.float64)
+        block = ctx.store.attach(losses_name(model, step // LOSS_BLOCK, group), 8 * LOSS_BLOCK).view(torch.float64)
         block[step % LOSS_BLOCK] = loss_total
     return input_grads if pack > 0 else None
 
 
 @task_body("upd")
-def update(ctx: RunContext, model: int, pack: int, step: int) -> None:
+def update(ctx: RunContext, model: int, pack: int, step: int, group: int = 0) -> None:
+    ctx.reduce_grads(model, pack)
     ctx.optimizer(model, pack, step).step(step)
     ctx.versions(model)[pack] = step + 1

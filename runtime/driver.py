@@ -20,8 +20,8 @@ from harmony.runtime import bodies
 from harmony.runtime.data import SharedFeed, batch_size, split_tree
 from harmony.runtime.errors import ModelFailure
 from harmony.tasks.binding import BindingState
-from harmony.tasks.graph import BatchInput, BatchTargets, TaskId, Value, dependencies, inputs, successor
-from harmony.tasks.microbatch import loss_weights, split_sizes
+from harmony.tasks.graph import BatchInput, BatchTargets, TaskId, Value, inputs, successor
+from harmony.tasks.microbatch import group_sizes, loss_weights, split_sizes
 
 BODIES: dict[str, Callable[..., Any]] = {"fwd": bodies.forward, "bwd": bodies.backward, "upd": bodies.update}
 
@@ -64,9 +64,16 @@ class Driver:
                 continue
             inputs_, targets = batch
             sizes = split_sizes(batch_size(inputs_), self.microbatches)
-            self.values[BatchInput(model, step)] = split_tree(inputs_, sizes)
-            self.values[BatchTargets(model, step)] = split_tree(targets, sizes)
-            self.weights[(model, step)] = loss_weights(sizes)
+            micro_inputs, micro_targets = split_tree(inputs_, sizes), split_tree(targets, sizes)
+            weights = loss_weights(sizes)
+            groups = self.state.models[model].groups
+            first = 0
+            for group, count in enumerate(group_sizes(len(sizes), groups)):
+                chunk = slice(first, first + count)
+                first += count
+                self.values[BatchInput(model, step, group)] = micro_inputs[chunk]
+                self.values[BatchTargets(model, step, group)] = micro_targets[chunk]
+                self.weights[(model, step, group)] = weights[chunk]
             if self.on_batch is not None:
                 self.on_batch(model, step)
             self.state.add_batch(model, step)
@@ -78,9 +85,10 @@ class Driver:
         peers = tuple(isinstance(value, TaskId) and self.device_of[value] != device for value in reads)
         if task.kind == "bwd":
             last = task.pack == packs - 1
-            args.append(self.weights[(task.model, task.step)] if last else [])
+            args.append(self.weights[(task.model, task.step, task.group)] if last else [])
         data = set(inputs(task, packs))
-        after = [self.values[dep] for dep in dependencies(task, packs) if dep not in data and dep in self.state.bound]
+        bound = self.state.bound
+        after = [self.values[dep] for dep in self.state.dependencies(task) if dep not in data and dep in bound]
         future = self.client.submit(
             BODIES[task.kind],
             self.run,
@@ -91,6 +99,7 @@ class Driver:
             after=after,
             peers=peers,
             successor=successor(task, packs),
+            group=task.group,
             key=task.key(self.run),
             workers=[self.workers[device]],
             allow_other_workers=False,
@@ -130,7 +139,7 @@ class Driver:
                 if isinstance(value, TaskId):
                     self.device_of.pop(value, None)
                 if isinstance(value, BatchTargets):
-                    self.weights.pop((value.model, value.step), None)
+                    self.weights.pop((value.model, value.step, value.group), None)
             self.tasks_run += 1
             total = self.state.total_steps[task.model]
             if total is not None and self.state.steps_done[task.model] >= total:

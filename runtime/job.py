@@ -56,6 +56,7 @@ class JobModel:
     seed: int
     expected_steps: int | None = None
     step_seconds: float = 0.0
+    groups: int = 1
 
 
 @dataclass
@@ -93,7 +94,8 @@ def _fill_store(store: HostStore, models: list[JobModel]) -> tuple[ModelRuntime,
             weights = lay_out(pack.weights)
             grads = lay_out(pack.trainable)
             host = store.create(weights_name(m, p), weights.nbytes)
-            store.create(grads_name(m, p), grads.nbytes)
+            for group in range(job.groups):
+                store.create(grads_name(m, p, group), grads.nbytes)
             state = _named_state(module)
             with torch.no_grad():
                 for name, view in tensors_at(host, weights).items():
@@ -118,6 +120,7 @@ def _fill_store(store: HostStore, models: list[JobModel]) -> tuple[ModelRuntime,
                 loss_fn=cloudpickle.dumps(job.loss_fn),
                 optimizer=cloudpickle.dumps(job.optimizer),
                 seed=job.seed,
+                groups=job.groups,
             )
         )
     return tuple(runtimes)
@@ -178,6 +181,7 @@ def run_job(
     prefetch: bool = True,
     group: bool = True,
     policy: str = "lrtf",
+    mode: str = "free",
     on_progress: Callable[[BindingState, int], None] | None = None,
     on_ready: Callable[[str | None], None] | None = None,
 ) -> JobOutcome:
@@ -208,17 +212,24 @@ def run_job(
 
         def create_loss_block(model: int, step: int) -> None:
             if step % LOSS_BLOCK == 0:
-                store.create(losses_name(model, step // LOSS_BLOCK), 8 * LOSS_BLOCK)
+                for group in range(models[model].groups):
+                    store.create(losses_name(model, step // LOSS_BLOCK, group), 8 * LOSS_BLOCK)
 
         handle.client.register_plugin(DevicePlugin(spec), name=plugin_name)
         plugin_registered = True
         state = BindingState(
             [
-                ModelWork(tuple(pack.weight_bytes for pack in job.plan.packs), job.expected_steps, job.step_seconds)
+                ModelWork(
+                    tuple(pack.weight_bytes for pack in job.plan.packs),
+                    job.expected_steps,
+                    job.step_seconds,
+                    job.groups,
+                )
                 for job in models
             ],
             {device.name: device.budget for device in devices},
             policy=policy,
+            mode=mode,
         )
         driver = Driver(
             handle.client,
@@ -238,8 +249,12 @@ def run_job(
         for m, count in enumerate(steps):
             losses: list[float] = []
             for block in range(-(-count // LOSS_BLOCK)):
-                values = store.attach(losses_name(m, block), 8 * LOSS_BLOCK).view(torch.float64)
-                losses += values[: min(LOSS_BLOCK, count - block * LOSS_BLOCK)].tolist()
+                size = min(LOSS_BLOCK, count - block * LOSS_BLOCK)
+                shares = [
+                    store.attach(losses_name(m, block, group), 8 * LOSS_BLOCK).view(torch.float64)[:size]
+                    for group in range(models[m].groups)
+                ]
+                losses += sum(shares[1:], shares[0].clone()).tolist()
             history.append(losses)
         counters = {
             device.name: Counters(store.attach(counters_name(i), BLOCK_BYTES)).read()

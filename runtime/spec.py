@@ -34,6 +34,7 @@ class ModelRuntime:
     loss_fn: bytes
     optimizer: bytes
     seed: int
+    groups: int = 1
 
 
 @dataclass(frozen=True)
@@ -58,8 +59,9 @@ def weights_name(model: int, pack: int) -> str:
     return f"m{model}-p{pack}-weights"
 
 
-def grads_name(model: int, pack: int) -> str:
-    return f"m{model}-p{pack}-grads"
+def grads_name(model: int, pack: int, group: int = 0) -> str:
+    """A pack's gradients from one micro-batch group (the update reduces the groups into group 0's)."""
+    return f"m{model}-p{pack}-grads" if group == 0 else f"m{model}-p{pack}-g{group}-grads"
 
 
 def optimizer_name(model: int, pack: int, generation: int) -> str:
@@ -79,5 +81,6 @@ def counters_name(device: int) -> str:
     return f"device{device}-counters"
 
 
-def losses_name(model: int, block: int) -> str:
-    return f"m{model}-losses{block}"
+def losses_name(model: int, block: int, group: int = 0) -> str:
+    """A block of LOSS_BLOCK steps of one micro-batch group's share of a model's mini-batch loss."""
+    return f"m{model}-losses{block}" if group == 0 else f"m{model}-g{group}-losses{block}"

@@ -18,7 +18,7 @@ from torch import nn
 from harmony.runtime import serialization  # noqa: F401  (tensor serializers on every worker)
 from harmony.runtime.cache import DeviceCache
 from harmony.runtime.counters import BLOCK_BYTES, Counters
-from harmony.runtime.hoststore import HostStore
+from harmony.runtime.hoststore import HostStore, tensors_at
 from harmony.runtime.optimizer import PackOptimizer
 from harmony.runtime.skeleton import load_skeleton
 from harmony.runtime.spec import RunSpec, counters_name, grads_name, versions_name, weights_name
@@ -71,8 +71,16 @@ class RunContext:
     def host_weights(self, model: int, pack: int) -> torch.Tensor:
         return self.store.attach(weights_name(model, pack), self.spec.models[model].packs[pack].weights.nbytes)
 
-    def host_grads(self, model: int, pack: int) -> torch.Tensor:
-        return self.store.attach(grads_name(model, pack), self.spec.models[model].packs[pack].grads.nbytes)
+    def host_grads(self, model: int, pack: int, group: int = 0) -> torch.Tensor:
+        return self.store.attach(grads_name(model, pack, group), self.spec.models[model].packs[pack].grads.nbytes)
+
+    def reduce_grads(self, model: int, pack: int) -> None:
+        """Add every other micro-batch group's gradients into group 0's, which the optimizer reads."""
+        layout = self.spec.models[model].packs[pack].grads
+        total = tensors_at(self.host_grads(model, pack), layout)
+        for group in range(1, self.spec.models[model].groups):
+            for name, grad in tensors_at(self.host_grads(model, pack, group), layout).items():
+                total[name].add_(grad)
 
     def versions(self, model: int) -> torch.Tensor:
         """Per pack of model, the step the host store's weights are ready for."""

@@ -23,6 +23,7 @@ from harmony.tasks.graph import (
 
 KIND_RANK = {"upd": 0, "bwd": 1, "fwd": 2}
 POLICIES = ("lrtf", "round_robin")
+MODES = ("free", "vpp", "vdp")
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class ModelWork:
     pack_weight_bytes: tuple[int, ...]
     steps: int | None = None
     step_seconds: float = 0.0
+    groups: int = 1
 
     @property
     def packs(self) -> int:
@@ -58,11 +60,20 @@ class BindingState:
     """Ready tasks, bound tasks and finished tasks of every model; picks what a free device runs next."""
 
     def __init__(
-        self, models: list[ModelWork], budgets: dict[str, int], slots_per_device: int = 4, policy: str = "lrtf"
+        self,
+        models: list[ModelWork],
+        budgets: dict[str, int],
+        slots_per_device: int = 4,
+        policy: str = "lrtf",
+        mode: str = "free",
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy={policy!r}; use one of {POLICIES}")
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r}; use one of {MODES}")
         self.policy = policy
+        self.mode = mode
+        self.device_names = list(budgets)
         self.models = models
         self.devices = {name: DeviceState(budget, slots_per_device) for name, budget in budgets.items()}
         self.total_steps: list[int | None] = [work.steps for work in models]
@@ -85,7 +96,8 @@ class BindingState:
             total = self.total_steps[m]
             if total is not None and opened >= total:
                 continue
-            if opened < 2 or TaskId("bwd", m, 0, opened - 2) in self.done:
+            groups = self.models[m].groups
+            if opened < 2 or all(TaskId("bwd", m, 0, opened - 2, g) in self.done for g in range(groups)):
                 wanted.append((m, opened))
         return wanted
 
@@ -93,9 +105,11 @@ class BindingState:
         """The mini-batch for (model, step) is available: its tasks become candidates."""
         assert step == self.opened[model], f"batches arrive in order: expected {self.opened[model]}, got {step}"
         packs = self.models[model].packs
-        for value in (BatchInput(model, step), BatchTargets(model, step)):
-            self.readers[value] = len(consumers(value, packs))
-        for task in step_tasks(model, packs, step):
+        groups = self.models[model].groups
+        for group in range(groups):
+            for value in (BatchInput(model, step, group), BatchTargets(model, step, group)):
+                self.readers[value] = len(consumers(value, packs))
+        for task in step_tasks(model, packs, step, groups):
             self.pending.add(task)
             self.readers[task] = len(consumers(task, packs))
         self.opened[model] = step + 1
@@ -114,8 +128,25 @@ class BindingState:
         state = self.devices[device]
         return len(state.bound) < state.slots
 
-    def ready(self) -> list[TaskId]:
-        """Candidates whose dependencies have all finished or are bound to a device already.
+    def dependencies(self, task: TaskId) -> list[TaskId]:
+        work = self.models[task.model]
+        return dependencies(task, work.packs, work.groups)
+
+    def placement(self, task: TaskId) -> str | None:
+        """The device a task must run on in this mode, or None where any device may take it.
+
+        vpp spreads packs round-robin over devices (pack p of model m on device (m + p) mod D), so that
+        activations flow device to device; vdp gives micro-batch group g to device g mod D, each device
+        running every pack for its group. Updates run on the host store and may go anywhere.
+        """
+        if self.mode == "free" or task.kind == "upd":
+            return None
+        count = len(self.device_names)
+        index = (task.model + task.pack) % count if self.mode == "vpp" else task.group % count
+        return self.device_names[index]
+
+    def ready(self, device: str | None = None) -> list[TaskId]:
+        """Candidates (for device, if given) whose dependencies have all finished or are bound already.
 
         A task whose inputs are still being computed can be handed to Dask, which starts it the moment
         they exist; queueing it on the device hides the round trip through the driver.
@@ -123,7 +154,8 @@ class BindingState:
         return [
             task
             for task in self.pending
-            if all(dep in self.done or dep in self.bound for dep in dependencies(task, self.models[task.model].packs))
+            if (device is None or self.placement(task) in (None, device))
+            and all(dep in self.done or dep in self.bound for dep in self.dependencies(task))
         ]
 
     def remaining_seconds(self, model: int) -> float:
@@ -148,7 +180,7 @@ class BindingState:
         """Lower is better: tasks that can start now, updates first, then tasks whose pack is resident on
         device, backward before forward, then the model the policy ranks first."""
         resident = (task.model, task.pack) in self.devices[device].resident and task.kind != "upd"
-        waiting = any(dep in self.bound for dep in dependencies(task, self.models[task.model].packs))
+        waiting = any(dep in self.bound for dep in self.dependencies(task))
         return (
             1 if waiting else 0,
             KIND_RANK[task.kind] if task.kind == "upd" else 1,
@@ -163,7 +195,7 @@ class BindingState:
         """Choose the ready task that device should run next, or None if there is none or no free slot."""
         if not self.has_free_slot(device):
             return None
-        candidates = self.ready()
+        candidates = self.ready(device)
         if not candidates:
             return None
         task = min(candidates, key=lambda t: self.score(t, device))

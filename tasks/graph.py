@@ -1,4 +1,9 @@
-"""The task graph of training: fwd, bwd and upd tasks per (model, pack, step), their dependencies and data edges."""
+"""The task graph of training: fwd, bwd and upd tasks per (model, pack, step, group), their dependencies and data edges.
+
+A step's micro-batches form one group, or in vDP mode one group per device: each group runs every
+pack forward and backward on its own micro-batches, and the pack's update waits for every group's
+gradients, which it reduces before stepping the optimizer.
+"""
 
 from __future__ import annotations
 
@@ -10,37 +15,42 @@ Kind = Literal["fwd", "bwd", "upd"]
 
 @dataclass(frozen=True, order=True)
 class TaskId:
-    """One task: kind, model index, pack index, step.
+    """One task: kind, model index, pack index, step, micro-batch group.
 
     fwd runs packs 0..P-2 forward, keeping nothing but their boundary inputs; bwd runs packs P-1..0,
     recomputing the pack from its boundary input (the last pack's bwd also runs its forward and the
-    loss, so the last pack is swapped in once); upd applies the optimizer to a pack in the host store.
+    loss, so the last pack is swapped in once); upd applies the optimizer to a pack in the host store
+    (its group is always 0).
     """
 
     kind: Kind
     model: int
     pack: int
     step: int
+    group: int = 0
 
     def key(self, run: str) -> str:
         """The Dask key: its prefix (the task kind) is what the dashboard groups by."""
-        return f"{self.kind}-m{self.model}-p{self.pack}-s{self.step}-{run}"
+        group = f"-g{self.group}" if self.group else ""
+        return f"{self.kind}-m{self.model}-p{self.pack}-s{self.step}{group}-{run}"
 
 
 @dataclass(frozen=True)
 class BatchInput:
-    """The inputs of a model's mini-batch for a step (the boundary input of pack 0)."""
+    """The inputs of a model's micro-batch group for a step (the boundary input of pack 0)."""
 
     model: int
     step: int
+    group: int = 0
 
 
 @dataclass(frozen=True)
 class BatchTargets:
-    """The targets of a model's mini-batch for a step (what the last pack's loss needs)."""
+    """The targets of a model's micro-batch group for a step (what the last pack's loss needs)."""
 
     model: int
     step: int
+    group: int = 0
 
 
 Value = TaskId | BatchInput | BatchTargets
@@ -49,43 +59,44 @@ Value = TaskId | BatchInput | BatchTargets
 def parse_key(key: str) -> tuple[TaskId, str] | None:
     """The task and run of a key made by TaskId.key, or None for any other key."""
     parts = key.split("-")
-    if len(parts) != 5 or parts[0] not in ("fwd", "bwd", "upd"):
+    if len(parts) not in (5, 6) or parts[0] not in ("fwd", "bwd", "upd"):
         return None
     try:
         model, pack, step = int(parts[1][1:]), int(parts[2][1:]), int(parts[3][1:])
+        group = int(parts[4][1:]) if len(parts) == 6 else 0
     except ValueError:
         return None
-    return TaskId(parts[0], model, pack, step), parts[4]  # type: ignore[arg-type]
+    return TaskId(parts[0], model, pack, step, group), parts[-1]  # type: ignore[arg-type]
 
 
-def step_tasks(model: int, packs: int, step: int) -> list[TaskId]:
+def step_tasks(model: int, packs: int, step: int, groups: int = 1) -> list[TaskId]:
     """Every task of one model's step, in a valid execution order."""
-    forward = [TaskId("fwd", model, p, step) for p in range(packs - 1)]
-    backward = [TaskId("bwd", model, p, step) for p in reversed(range(packs))]
+    forward = [TaskId("fwd", model, p, step, g) for g in range(groups) for p in range(packs - 1)]
+    backward = [TaskId("bwd", model, p, step, g) for g in range(groups) for p in reversed(range(packs))]
     update = [TaskId("upd", model, p, step) for p in reversed(range(packs))]
     return forward + backward + update
 
 
 def successor(task: TaskId, packs: int) -> TaskId | None:
-    """The compute task that follows task in its model's step: the one whose weights to prefetch."""
-    m, p, s = task.model, task.pack, task.step
+    """The compute task that follows task in its group's chain: the one whose weights to prefetch."""
+    m, p, s, g = task.model, task.pack, task.step, task.group
     if task.kind == "fwd":
-        return TaskId("fwd", m, p + 1, s) if p + 1 < packs - 1 else TaskId("bwd", m, packs - 1, s)
+        return TaskId("fwd", m, p + 1, s, g) if p + 1 < packs - 1 else TaskId("bwd", m, packs - 1, s, g)
     if task.kind == "bwd" and p > 0:
-        return TaskId("bwd", m, p - 1, s)
+        return TaskId("bwd", m, p - 1, s, g)
     return None
 
 
-def dependencies(task: TaskId, packs: int) -> list[TaskId]:
+def dependencies(task: TaskId, packs: int, groups: int = 1) -> list[TaskId]:
     """Tasks that must finish before task may run."""
-    m, p, s = task.model, task.pack, task.step
-    deps: list[TaskId] = []
+    m, p, s, g = task.model, task.pack, task.step, task.group
     if task.kind == "upd":
-        return [TaskId("bwd", m, p, s)]
+        return [TaskId("bwd", m, p, s, group) for group in range(groups)]
+    deps: list[TaskId] = []
     if p > 0:
-        deps.append(TaskId("fwd", m, p - 1, s))
+        deps.append(TaskId("fwd", m, p - 1, s, g))
     if task.kind == "bwd" and p < packs - 1:
-        deps.append(TaskId("bwd", m, p + 1, s))
+        deps.append(TaskId("bwd", m, p + 1, s, g))
     if s > 0:
         deps.append(TaskId("upd", m, p, s - 1))
     return deps
@@ -93,31 +104,31 @@ def dependencies(task: TaskId, packs: int) -> list[TaskId]:
 
 def inputs(task: TaskId, packs: int) -> tuple[Value, ...]:
     """The values a task reads: its boundary input, and for bwd the output gradient or the targets."""
-    m, p, s = task.model, task.pack, task.step
+    m, p, s, g = task.model, task.pack, task.step, task.group
     if task.kind == "upd":
         return ()
-    boundary: Value = TaskId("fwd", m, p - 1, s) if p > 0 else BatchInput(m, s)
+    boundary: Value = TaskId("fwd", m, p - 1, s, g) if p > 0 else BatchInput(m, s, g)
     if task.kind == "fwd":
         return (boundary,)
-    gradient: Value = TaskId("bwd", m, p + 1, s) if p < packs - 1 else BatchTargets(m, s)
+    gradient: Value = TaskId("bwd", m, p + 1, s, g) if p < packs - 1 else BatchTargets(m, s, g)
     return (boundary, gradient)
 
 
 def consumers(value: Value, packs: int) -> list[TaskId]:
     """Tasks that read value; once they have all finished, value can be dropped."""
     if isinstance(value, BatchInput):
-        readers = [TaskId("bwd", value.model, 0, value.step)]
+        readers = [TaskId("bwd", value.model, 0, value.step, value.group)]
         if packs > 1:
-            readers.append(TaskId("fwd", value.model, 0, value.step))
+            readers.append(TaskId("fwd", value.model, 0, value.step, value.group))
         return readers
     if isinstance(value, BatchTargets):
-        return [TaskId("bwd", value.model, packs - 1, value.step)]
-    m, p, s = value.model, value.pack, value.step
+        return [TaskId("bwd", value.model, packs - 1, value.step, value.group)]
+    m, p, s, g = value.model, value.pack, value.step, value.group
     if value.kind == "fwd":
-        readers = [TaskId("bwd", m, p + 1, s)]
+        readers = [TaskId("bwd", m, p + 1, s, g)]
         if p + 1 < packs - 1:
-            readers.append(TaskId("fwd", m, p + 1, s))
+            readers.append(TaskId("fwd", m, p + 1, s, g))
         return readers
     if value.kind == "bwd" and p > 0:
-        return [TaskId("bwd", m, p - 1, s)]
+        return [TaskId("bwd", m, p - 1, s, g)]
     return []

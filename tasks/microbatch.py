@@ -19,3 +19,12 @@ def loss_weights(sizes: list[int]) -> list[float]:
     """Weight of each micro-batch's mean loss in the mini-batch's mean loss: b_i / B."""
     total = sum(sizes)
     return [size / total for size in sizes]
+
+
+def group_sizes(microbatches: int, groups: int) -> list[int]:
+    """How many of a step's micro-batches each of groups micro-batch groups takes (vDP), in order.
+
+    Groups beyond the number of micro-batches (a short last batch) are empty.
+    """
+    base, extra = divmod(microbatches, groups)
+    return [base + 1 if g < extra else base for g in range(groups)]

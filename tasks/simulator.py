@@ -16,7 +16,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from harmony.tasks.binding import BindingState, ModelWork
-from harmony.tasks.graph import TaskId, dependencies, parse_key
+from harmony.tasks.graph import TaskId, parse_key
 from harmony.tasks.packing import PackPlan
 
 
@@ -170,13 +170,17 @@ def simulate(
     hardware: Hardware,
     prefetch: bool = True,
     policy: str = "lrtf",
+    mode: str = "free",
+    groups: list[int] | None = None,
 ) -> Simulation:
     """Predict the schedule and its times: the driver's binder on a simulated clock.
 
     Each device runs one task at a time; a task starts when its device is free and its inputs exist;
     it takes the task overhead, its compute, and its copies (weights in when not resident, boundary
     activations in and out), where with prefetch a weight copy overlaps the previous task's compute.
+    samples are per model and step; with groups (vDP) each group computes its share of them.
     """
+    groups = groups or [1] * len(plans)
     works = [
         ModelWork(
             tuple(p.weight_bytes for p in plan.packs),
@@ -186,10 +190,11 @@ def simulate(
                 for p in range(len(plan.packs))
                 for kind in ("fwd", "bwd")
             ),
+            groups=g,
         )
-        for plan, count, n in zip(plans, steps, samples)
+        for plan, count, n, g in zip(plans, steps, samples, groups)
     ]
-    state = BindingState(works, budgets, slots_per_device=1, policy=policy)
+    state = BindingState(works, budgets, slots_per_device=1, policy=policy, mode=mode)
     for model in range(len(plans)):
         for step in range(steps[model]):
             if (model, step) in state.wanted_batches():
@@ -209,8 +214,8 @@ def simulate(
                 if task is None:
                     continue
                 plan = plans[task.model]
-                n = samples[task.model]
-                deps = [times[d][1] for d in dependencies(task, len(plan.packs)) if d in times]
+                n = -(-samples[task.model] // groups[task.model])
+                deps = [times[d][1] for d in state.dependencies(task) if d in times]
                 start = max([free_at[device], *deps])
                 compute = task_seconds(task, plan, n, hardware)
                 copy = 0.0

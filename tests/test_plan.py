@@ -62,3 +62,15 @@ def test_plan_takes_a_loader_without_length_when_steps_are_given() -> None:
 
     plan = harmony.plan([deep_mlp()], batches(), steps=3, device_memory=1_000_000)
     assert plan.steps == [3]
+
+
+def test_auto_mode_simulates_every_mode_on_several_devices_and_picks_the_fastest() -> None:
+    plan = harmony.plan([deep_mlp(seed=s) for s in range(2)], regression_batches(64, 16), microbatches=4,
+                        devices=2, device_memory=24_000)
+    assert set(plan.predicted_modes) == {"free", "vpp", "vdp"}
+    assert plan.mode == min(plan.predicted_modes, key=plan.predicted_modes.get)
+    assert "modes (predicted per step):" in str(plan)
+    vdp = harmony.plan([deep_mlp()], regression_batches(64, 16), microbatches=4, devices=2, device_memory=24_000,
+                       mode="vdp")
+    assert vdp.mode == "vdp" and set(vdp.predicted_modes) == {"vdp"}
+    assert any(task.group == 1 for task in vdp.simulation.order["cpu-1"])

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import harmony
+from harmony.tasks.graph import parse_key
 from tests.conftest import assert_same_weights, clones, deep_mlp, param_bytes, regression_batches, train_plain
 
 
@@ -64,3 +65,28 @@ def test_runtime_peaks_and_swaps_match_the_simulator_for_the_same_schedule(devic
     assert predicted.peak == result.stats.peak_device_bytes
     assert predicted.weights_in == result.stats.bytes_in["weights"]
     assert predicted.grads_out == result.stats.bytes_out["grads"]
+
+
+@pytest.mark.parametrize("mode", ["vpp", "vdp", "free"])
+def test_every_mode_matches_plain_pytorch_on_two_devices(mode: str, no_leaks: None) -> None:
+    models = [deep_mlp(seed=s) for s in range(2)]
+    references = clones(models)
+    batches = regression_batches(samples=48, batch=16)
+    factories = [lambda p: torch.optim.Adam(p, lr=1e-3), lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)]
+    result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss, optimizer=factories, microbatches=4,
+                           devices=["cpu", "cpu"], device_memory=24_000, mode=mode, progress=False)
+    for index, (model, reference) in enumerate(zip(models, references)):
+        losses = train_plain(reference, batches, nn.functional.mse_loss, factories[index])
+        assert_same_weights(model, reference)
+        torch.testing.assert_close(torch.tensor(result.history[index]), torch.tensor(losses), rtol=1e-5, atol=1e-7)
+    assert max(result.stats.peak_device_bytes.values()) <= 24_000
+    ran = {device: keys for device, keys in result.stats.schedule.items()}
+    if mode == "vdp":
+        assert any("-g1-" in key for key in ran["cpu-1"]) and not any("-g1-" in key for key in ran["cpu-0"])
+    if mode == "vpp":
+        for device, keys in ran.items():
+            index = int(device.split("-")[1])
+            for key in keys:
+                task, _ = parse_key(key)
+                if task.kind != "upd":
+                    assert (task.model + task.pack) % 2 == index
