@@ -8,7 +8,7 @@ from typing import Any
 from torch import nn
 
 from harmony.errors import InputError, ModelError
-from harmony.prepare import choose_mode, first_batch_samples, groups_for, prepare
+from harmony.prepare import choose_mode, first_batch_samples, groups_for, prepare, settle_residency
 from harmony.progress import ProgressLine, wants_progress
 from harmony.result import Stats, TrainResult
 from harmony.runtime.counters import IN_KINDS, OUT_KINDS
@@ -41,6 +41,7 @@ def train(
     policy: str = "lrtf",
     group: bool = True,
     mode: str = "auto",
+    resident: bool = True,
 ) -> TrainResult:
     """Train every model on its data through fine-grained tasks on Dask device workers.
 
@@ -56,7 +57,9 @@ def train(
     that Harmony's grouping avoids (a baseline for benchmarks; results are the same). mode places work
     on several devices: "vpp" spreads packs over devices, "vdp" spreads micro-batch groups (each device
     runs every pack, gradients are reduced before the update), "free" binds any task anywhere, and
-    "auto" runs the one the simulator predicts fastest.
+    "auto" runs the one the simulator predicts fastest. resident=True keeps every model that fits a
+    device whole (weights, gradients, optimizer state) on a home device for the run, so its weights
+    cross to the device once and its gradients never leave; False swaps every model every step.
     """
     args = validate(models, loaders, loss_fn, optimizer, epochs, steps, microbatches, devices,
                     device_memory, cluster)
@@ -75,6 +78,8 @@ def train(
     steps_known = [job.expected_steps or 1 for job in jobs]
     chosen, _ = choose_mode(mode, plans, steps_known, first_batch_samples(args), budgets, args.microbatches,
                             this_machine(), bool(prefetch), policy)
+    homes = settle_residency(jobs, args, budgets) if resident and chosen != "vdp" else {}
+    plans = [job.plan for job in jobs]
     for job in jobs:
         job.groups = groups_for(chosen, len(specs), args.microbatches)
     feeds = []
@@ -130,4 +135,5 @@ def train(
         dashboard_link=outcome.dashboard_link,
         plans=plans,
         mode=chosen,
+        homes=homes,
     )

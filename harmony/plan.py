@@ -8,7 +8,7 @@ from typing import Any
 from torch import nn
 
 from harmony.errors import InputError
-from harmony.prepare import choose_mode, expected_steps, groups_for, prepare
+from harmony.prepare import choose_mode, expected_steps, groups_for, prepare, settle_residency
 from harmony.runtime.data import batch_size
 from harmony.runtime.devices import build_specs
 from harmony.runtime.measure import this_machine
@@ -100,6 +100,7 @@ def plan(
     prefetch: bool = True,
     policy: str = "lrtf",
     mode: str = "auto",
+    resident: bool = True,
 ) -> Plan:
     """Plan a sweep as harmony.train would run it and predict it with the simulator; trains nothing.
 
@@ -123,7 +124,7 @@ def plan(
     else:
         budget = parse_size(device_memory, "device_memory")  # type: ignore[arg-type]
         budgets = {f"dev-{i}": budget for i in range(len(args.devices))}
-    _, plans = prepare(args, min(budgets.values()))
+    jobs, plans = prepare(args, min(budgets.values()))
     counts = []
     samples = []
     for index in range(len(args.models)):
@@ -136,10 +137,12 @@ def plan(
     chosen, predicted = choose_mode(mode, plans, counts, samples, budgets, args.microbatches, hardware, prefetch,
                                     policy)
     groups = [groups_for(chosen, len(budgets), args.microbatches)] * len(plans)
+    homes = settle_residency(jobs, args, budgets) if resident and chosen != "vdp" else {}
+    plans = [job.plan for job in jobs]
     simulation = simulate(plans, counts, samples, budgets, hardware, prefetch=prefetch, policy=policy, mode=chosen,
-                          groups=groups)
+                          groups=groups, homes=homes)
     try:
-        memory = replay_memory(simulation.order, plans, budgets)
+        memory = replay_memory(simulation.order, plans, budgets, homes, args.optimizer_state_ratios)
     except ScheduleExceedsBudget as error:
         raise InputError(f"the planned schedule would not fit: {error}") from None
     return Plan(plans, budgets, hardware, simulation, memory, counts, chosen, predicted)

@@ -16,7 +16,8 @@ from harmony.runtime.pilot import decompose
 from harmony.tasks.binding import MODES
 from harmony.tasks.graph import TaskId
 from harmony.tasks.microbatch import split_sizes
-from harmony.tasks.packing import LayerTooLarge, PackPlan, plan_packs
+from harmony.tasks.packing import LayerTooLarge, PackPlan, minimal_budget, plan_packs
+from harmony.tasks.residency import choose_homes
 from harmony.tasks.simulator import Hardware, simulate, task_seconds
 from harmony.validate import Arguments, model_label
 
@@ -104,6 +105,8 @@ def prepare(args: Arguments, budget: int) -> tuple[list[JobModel], list[PackPlan
                 seed=index,
                 expected_steps=expected_steps(args, index),
                 step_seconds=simulator_step_seconds(plan, sizes[0] * len(sizes)),
+                profile=decomposition.profile,
+                samples=sizes[0],
             )
         )
     return jobs, plans
@@ -153,3 +156,20 @@ def choose_mode(
         logger.info("mode auto: predicted %s per step; running %s",
                     ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in predicted.items()), chosen)
     return chosen, predicted
+
+
+def settle_residency(jobs: list[JobModel], args: Arguments, budgets: dict[str, int]) -> dict[int, str]:
+    """Home every single-pack model that fits a device whole, and re-cut the others for the room left.
+
+    Returns model -> home device; the jobs' plans (and homes) are updated in place.
+    """
+    plans = [job.plan for job in jobs]
+    floors = [minimal_budget(job.profile, job.samples) if job.profile else 0 for job in jobs]
+    homes, room = choose_homes(plans, args.optimizer_state_ratios, budgets, floors)
+    left = min(room.values())
+    for index, job in enumerate(jobs):
+        job.home = homes.get(index)
+        if homes and job.home is None and job.profile is not None and left < min(budgets.values()):
+            job.plan = plan_packs(job.profile, left, job.samples)
+            logger.info("%s (re-cut beside resident models)", job.plan.explain())
+    return homes

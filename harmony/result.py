@@ -46,7 +46,11 @@ class Stats:
 
 @dataclass
 class TrainResult:
-    """The outcome of harmony.train."""
+    """The outcome of harmony.train.
+
+    mode is the execution mode that ran; homes maps each model that stayed resident for the whole run
+    to its device (its weights crossed once and its gradients never left it).
+    """
 
     models: list[nn.Module]
     history: list[list[float]]
@@ -54,3 +58,4 @@ class TrainResult:
     dashboard_link: str | None
     plans: list[PackPlan]
     mode: str = "free"
+    homes: dict[int, str] = field(default_factory=dict)

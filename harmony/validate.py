@@ -34,6 +34,7 @@ class Arguments:
     loader_of: list[int]
     loss_fns: list[Callable[..., torch.Tensor]]
     optimizers: list[Callable[..., torch.optim.Optimizer]]
+    optimizer_state_ratios: list[float]
     epochs: int
     steps: int | None
     microbatches: int
@@ -184,6 +185,20 @@ def _optimizers(optimizer: Any, models: list[nn.Module]) -> list[Callable[..., t
     return factories
 
 
+def optimizer_state_ratio(factory: Callable[..., torch.optim.Optimizer]) -> float:
+    """Bytes of optimizer state per parameter byte, from one step on a probe parameter (2.0 if unknown)."""
+    probe = nn.Parameter(torch.zeros(64))
+    probe.grad = torch.zeros(64)
+    try:
+        optimizer = factory([probe])
+        optimizer.step()
+    except Exception:
+        return 2.0
+    state = optimizer.state.get(probe, {})
+    per_element = sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
+    return per_element / (probe.numel() * probe.element_size())
+
+
 def _positive_int(value: Any, argument: str, allow_none: bool = False) -> int | None:
     if value is None and allow_none:
         return None
@@ -246,6 +261,7 @@ def validate(
         loader_of=loader_of,
         loss_fns=loss_fns,
         optimizers=optimizers,
+        optimizer_state_ratios=[2.0 if f is None else optimizer_state_ratio(f) for f in optimizers],
         epochs=epoch_count,
         steps=step_count,
         microbatches=micro,

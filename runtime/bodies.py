@@ -4,7 +4,8 @@ fwd runs every micro-batch of the step through the pack with its weights swapped
 nothing on the device and returns the outputs (the next pack's boundary inputs). bwd recomputes the
 pack from its boundary inputs and backpropagates each micro-batch, accumulating weight gradients on
 the device, and sends them to the host store once; the last pack's bwd runs forward, loss and
-backward together. upd steps the pack's optimizer on the host store. Packs are cut only where one
+backward together. upd steps the pack's optimizer on the host store, or, for a resident model, on
+its home device, where its weights, gradients and optimizer state stay for the whole run. Packs are cut only where one
 tensor flows, so the boundary values between packs (and their gradients) are single tensors.
 """
 
@@ -14,6 +15,7 @@ import functools
 import time
 import traceback
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any, TypeVar
 
 import torch
@@ -124,16 +126,21 @@ def backward(
     spec = ctx.spec.models[model]
     runtime = spec.packs[pack]
     last = pack == len(spec.packs) - 1
+    resident = spec.home is not None
     module = ctx.module(model, pack)
     host = ctx.host_weights(model, pack)
     input_grads = []
     loss_total = 0.0
     with (
         ctx.cache.weights((model, pack), step, host) as weights,
-        ctx.cache.scratch(runtime.grads.nbytes, f"gradients of pack {pack}"),
+        nullcontext() if resident else ctx.cache.scratch(runtime.grads.nbytes, f"gradients of pack {pack}"),
     ):
         ctx.prefetch_next(keep_free=runtime.workspace)
-        grad_bytes = torch.zeros(runtime.grads.nbytes, dtype=torch.uint8, device=ctx.device)
+        if resident:
+            grad_bytes = ctx.resident(model, weights).grad_bytes
+            grad_bytes.zero_()
+        else:
+            grad_bytes = torch.zeros(runtime.grads.nbytes, dtype=torch.uint8, device=ctx.device)
         grads = tensors_at(grad_bytes, runtime.grads)
         tensors = tensors_at(weights, runtime.weights)
         saved_buffers = (
@@ -168,8 +175,9 @@ def backward(
                     input_grads.append(ctx.cache.copy_out(grad, "activations"))
                 if saved_buffers is not None:
                     weights[runtime.buffers_offset :].copy_(saved_buffers)
-        ctx.cache.write_back(grad_bytes, ctx.host_grads(model, pack, group), "grads")
-        if last and runtime.has_buffers:
+        if not resident:
+            ctx.cache.write_back(grad_bytes, ctx.host_grads(model, pack, group), "grads")
+        if last and runtime.has_buffers and not resident:
             ctx.cache.write_back(weights[runtime.buffers_offset :], host[runtime.buffers_offset :], "buffers")
     if last:
         block = ctx.store.attach(losses_name(model, step // LOSS_BLOCK, group), 8 * LOSS_BLOCK).view(torch.float64)
@@ -179,6 +187,9 @@ def backward(
 
 @task_body("upd")
 def update(ctx: RunContext, model: int, pack: int, step: int, group: int = 0) -> None:
+    if ctx.spec.models[model].home is not None:
+        ctx.resident_step(model, step)
+        return
     ctx.reduce_grads(model, pack)
     ctx.optimizer(model, pack, step).step(step)
     ctx.versions(model)[pack] = step + 1

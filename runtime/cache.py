@@ -119,6 +119,25 @@ class DeviceCache:
             self.counters.add("prefetched", host.numel())
         entry.arrived.set()
 
+    def hold(self, key: Any) -> None:
+        """Pin a resident entry for the rest of the run: a resident model's master copy of its weights."""
+        with self._lock:
+            self.residents[key].pins += 1
+
+    def allocate(self, nbytes: int, what: str) -> torch.Tensor:
+        """Device bytes charged to the budget for the rest of the run (a resident model's gradients)."""
+        self._charge(nbytes, what)
+        return torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+
+    def charge(self, nbytes: int, what: str) -> None:
+        """Account nbytes held for the rest of the run (a resident model's optimizer state)."""
+        self._charge(nbytes, what)
+
+    def set_version(self, key: Any, version: int) -> None:
+        """The resident weights now hold version: they were updated on the device."""
+        with self._lock:
+            self.residents[key].version = version
+
     def reload(self, key: Any, host: torch.Tensor) -> None:
         """Copy a resident pack's weights in again: what swapping per micro-batch costs (a baseline)."""
         with self._lock:

@@ -41,6 +41,7 @@ from harmony.runtime.worker import RUNS, DevicePlugin
 from harmony.tasks.binding import BindingState, ModelWork
 from harmony.tasks.layout import lay_out
 from harmony.tasks.packing import PackPlan
+from harmony.tasks.profile import ModelProfile
 
 
 @dataclass
@@ -57,6 +58,9 @@ class JobModel:
     expected_steps: int | None = None
     step_seconds: float = 0.0
     groups: int = 1
+    home: str | None = None
+    profile: ModelProfile | None = None
+    samples: int = 1
 
 
 @dataclass
@@ -121,6 +125,7 @@ def _fill_store(store: HostStore, models: list[JobModel]) -> tuple[ModelRuntime,
                 optimizer=cloudpickle.dumps(job.optimizer),
                 seed=job.seed,
                 groups=job.groups,
+                home=job.home,
             )
         )
     return tuple(runtimes)
@@ -141,6 +146,13 @@ def _executed(run: str, dask_worker: Any) -> list[str]:
     """On a worker (through client.run): the keys of this run's tasks in the order it ran them."""
     context = RUNS.get((run, dask_worker.address))
     return list(context.executed) if context is not None else []
+
+
+def _flush_residents(run: str, dask_worker: Any) -> None:
+    """On a worker (through client.run): write its resident models' trained weights to the host store."""
+    context = RUNS.get((run, dask_worker.address))
+    if context is not None:
+        context.flush_residents()
 
 
 def _probe_device() -> tuple[str, int]:
@@ -230,6 +242,7 @@ def run_job(
             {device.name: device.budget for device in devices},
             policy=policy,
             mode=mode,
+            homes={m: job.home for m, job in enumerate(models) if job.home is not None},
         )
         driver = Driver(
             handle.client,
@@ -244,6 +257,7 @@ def run_job(
         running = time.perf_counter()
         driver.run_to_completion()
         run_seconds = time.perf_counter() - running
+        handle.client.run(_flush_residents, run)
         steps = [state.steps_done[m] for m in range(len(models))]
         history = []
         for m, count in enumerate(steps):

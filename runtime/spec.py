@@ -35,6 +35,7 @@ class ModelRuntime:
     optimizer: bytes
     seed: int
     groups: int = 1
+    home: str | None = None
 
 
 @dataclass(frozen=True)

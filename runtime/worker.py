@@ -20,6 +20,7 @@ from harmony.runtime.cache import DeviceCache
 from harmony.runtime.counters import BLOCK_BYTES, Counters
 from harmony.runtime.hoststore import HostStore, tensors_at
 from harmony.runtime.optimizer import PackOptimizer
+from harmony.runtime.resident import ResidentModel
 from harmony.runtime.skeleton import load_skeleton
 from harmony.runtime.spec import RunSpec, counters_name, grads_name, versions_name, weights_name
 from harmony.tasks.graph import TaskId, parse_key
@@ -44,6 +45,7 @@ class RunContext:
         )
         self.executed: list[str] = []
         self.successor: TaskId | None = None
+        self.residents: dict[int, ResidentModel] = {}
         self._modules: dict[tuple[int, int], nn.Module] = {}
         self._loss_fns: dict[int, Any] = {}
         self._optimizers: dict[tuple[int, int], PackOptimizer] = {}
@@ -81,6 +83,24 @@ class RunContext:
         for group in range(1, self.spec.models[model].groups):
             for name, grad in tensors_at(self.host_grads(model, pack, group), layout).items():
                 total[name].add_(grad)
+
+    def resident(self, model: int, weights: torch.Tensor) -> ResidentModel:
+        """The resident state of a model homed on this device, created when its weights first arrive."""
+        if model not in self.residents:
+            runtime = self.spec.models[model].packs[0]
+            self.residents[model] = ResidentModel(self.cache, model, runtime, weights)
+        return self.residents[model]
+
+    def resident_step(self, model: int, step: int) -> None:
+        """The update of a resident model, on the device."""
+        factory = cloudpickle.loads(self.spec.models[model].optimizer)
+        self.residents[model].step(factory, step)
+
+    def flush_residents(self) -> None:
+        """Write every resident model's trained weights to the host store (once, at the end of a run)."""
+        for model, state in self.residents.items():
+            self.cache.write_back(state.weights, self.host_weights(model, 0), "weights")
+        self.counters.publish()
 
     def versions(self, model: int) -> torch.Tensor:
         """Per pack of model, the step the host store's weights are ready for."""
@@ -123,6 +143,7 @@ class RunContext:
         return cached
 
     def close(self) -> None:
+        self.residents.clear()
         self.cache.clear()
         self._optimizers.clear()
         self._modules.clear()

@@ -66,6 +66,7 @@ class BindingState:
         slots_per_device: int = 4,
         policy: str = "lrtf",
         mode: str = "free",
+        homes: dict[int, str] | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy={policy!r}; use one of {POLICIES}")
@@ -73,6 +74,7 @@ class BindingState:
             raise ValueError(f"mode={mode!r}; use one of {MODES}")
         self.policy = policy
         self.mode = mode
+        self.homes = homes or {}
         self.device_names = list(budgets)
         self.models = models
         self.devices = {name: DeviceState(budget, slots_per_device) for name, budget in budgets.items()}
@@ -137,8 +139,11 @@ class BindingState:
 
         vpp spreads packs round-robin over devices (pack p of model m on device (m + p) mod D), so that
         activations flow device to device; vdp gives micro-batch group g to device g mod D, each device
-        running every pack for its group. Updates run on the host store and may go anywhere.
+        running every pack for its group. Updates run on the host store and may go anywhere. A resident
+        model runs everything, its updates included, on its home device.
         """
+        if task.model in self.homes:
+            return self.homes[task.model]
         if self.mode == "free" or task.kind == "upd":
             return None
         count = len(self.device_names)

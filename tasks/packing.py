@@ -221,3 +221,12 @@ def _neighbour_weights(layers: tuple[LayerProfile, ...], bounds: list[tuple[int,
         (sum(layer.weight_bytes for layer in layers[bounds[i][0] : bounds[i][1]]) for i in neighbours),
         default=0,
     )
+
+
+def minimal_budget(profile: ModelProfile, samples: int) -> int:
+    """The smallest budget plan_packs accepts for profile: what its largest layer needs."""
+    try:
+        plan_packs(profile, 0, samples)
+    except LayerTooLarge as error:
+        return error.need.total
+    return 0

@@ -55,6 +55,7 @@ class MemoryReport:
     peak: dict[str, int]
     weights_in: int = 0
     grads_out: int = 0
+    weights_out: int = 0
 
 
 @dataclass
@@ -72,10 +73,11 @@ class _DeviceMemory:
         self.used = 0
         self.peak = 0
         self.residents: OrderedDict[tuple[int, int], _Entry] = OrderedDict()
+        self.held: set[tuple[int, int]] = set()
 
     def charge(self, nbytes: int, task: TaskId, pinned: tuple[int, int] | None) -> None:
         while self.used + nbytes > self.budget:
-            victim = next((key for key in self.residents if key != pinned), None)
+            victim = next((key for key in self.residents if key != pinned and key not in self.held), None)
             if victim is None:
                 raise ScheduleExceedsBudget(self.name, task, nbytes, self.used, self.budget)
             self.used -= self.residents.pop(victim).nbytes
@@ -97,25 +99,47 @@ class _DeviceMemory:
 
 
 def replay_memory(
-    order: dict[str, list[TaskId]], plans: list[PackPlan], budgets: dict[str, int]
+    order: dict[str, list[TaskId]],
+    plans: list[PackPlan],
+    budgets: dict[str, int],
+    homes: dict[int, str] | None = None,
+    optimizer_state_ratios: list[float] | None = None,
 ) -> MemoryReport:
-    """Replay each device's task order against its budget, as the runtime's device cache accounts it."""
+    """Replay each device's task order against its budget, as the runtime's device cache accounts it.
+
+    Resident models (homes) load their weights once and hold them, with a gradient buffer, and after
+    their first update their optimizer state (optimizer_state_ratios bytes per gradient byte); their
+    weights are written back once at the end instead of gradients every step.
+    """
+    homes = homes or {}
+    ratios = optimizer_state_ratios or [2.0] * len(plans)
     report = MemoryReport(peak={})
     for device, tasks in order.items():
         memory = _DeviceMemory(device, budgets[device])
+        stateful: set[int] = set()
         for task in tasks:
-            if task.kind == "upd":
-                continue
             pack = plans[task.model].packs[task.pack]
             key = (task.model, task.pack)
+            resident = task.model in homes
+            if task.kind == "upd":
+                if resident:
+                    memory.residents[key].version = task.step + 1
+                    if task.model not in stateful:
+                        stateful.add(task.model)
+                        memory.charge(round(ratios[task.model] * pack.grad_bytes), task, key)
+                continue
             if memory.weights(key, task.step, pack.weight_bytes, task):
                 report.weights_in += pack.weight_bytes
-            if task.kind == "bwd":
+            if resident and key not in memory.held:
+                memory.held.add(key)
+                memory.charge(pack.grad_bytes, task, key)
+                report.weights_out += pack.weight_bytes
+            elif task.kind == "bwd" and not resident:
                 memory.charge(pack.grad_bytes, task, key)
                 report.grads_out += pack.grad_bytes
             memory.charge(pack.cost.workspace, task, key)
             memory.used -= pack.cost.workspace
-            if task.kind == "bwd":
+            if task.kind == "bwd" and not resident:
                 memory.used -= pack.grad_bytes
         report.peak[device] = memory.peak
     return report
@@ -172,6 +196,7 @@ def simulate(
     policy: str = "lrtf",
     mode: str = "free",
     groups: list[int] | None = None,
+    homes: dict[int, str] | None = None,
 ) -> Simulation:
     """Predict the schedule and its times: the driver's binder on a simulated clock.
 
@@ -194,7 +219,7 @@ def simulate(
         )
         for plan, count, n, g in zip(plans, steps, samples, groups)
     ]
-    state = BindingState(works, budgets, slots_per_device=1, policy=policy, mode=mode)
+    state = BindingState(works, budgets, slots_per_device=1, policy=policy, mode=mode, homes=homes)
     for model in range(len(plans)):
         for step in range(steps[model]):
             if (model, step) in state.wanted_batches():
@@ -218,17 +243,20 @@ def simulate(
                 deps = [times[d][1] for d in state.dependencies(task) if d in times]
                 start = max([free_at[device], *deps])
                 compute = task_seconds(task, plan, n, hardware)
+                if task.kind == "upd" and task.model in (homes or {}):
+                    compute = 0.0
                 copy = 0.0
                 link = hardware.host_link
+                homed = task.model in (homes or {})
                 if task.kind != "upd" and link:
-                    version = (task.model, task.pack, task.step)
+                    version = (task.model, task.pack, 0 if homed else task.step)
                     if version not in resident[device]:
                         resident[device].add(version)
                         weights = plan.packs[task.pack].weight_bytes / link
                         copy += max(0.0, weights - last_compute[device]) if prefetch else weights
                     boundary = boundary_bytes(task, plan, n)
                     copy += (2 if task.kind == "fwd" else 3) * boundary / link
-                    if task.kind == "bwd":
+                    if task.kind == "bwd" and not homed:
                         copy += plan.packs[task.pack].grad_bytes / link
                 end = start + hardware.task_overhead + compute + copy
                 times[task] = (start, end)

@@ -48,23 +48,34 @@ def test_an_exception_in_forward_reaches_the_user_with_model_and_traceback(no_le
     assert "Original traceback" in str(error)
 
 
-def test_swap_volume_is_measured_for_a_model_that_fits(no_leaks: None) -> None:
+@pytest.mark.parametrize("resident", [True, False], ids=["resident", "swapped"])
+def test_swap_volume_is_measured_for_a_model_that_fits(resident: bool, no_leaks: None) -> None:
     model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    reference = copy.deepcopy(model)
     weight_bytes = param_bytes(model)
     steps = 3
     batches = regression_batches(samples=8 * steps, batch=8, width=16)
-    result = harmony.train(
-        model, batches, loss_fn=nn.functional.mse_loss, optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
-        microbatches=4, progress=False,
-    )
+    factory = lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)  # noqa: E731
+    result = harmony.train(model, batches, loss_fn=nn.functional.mse_loss, optimizer=factory, microbatches=4,
+                           resident=resident, progress=False)
+    train_plain(reference, batches, nn.functional.mse_loss, factory)
+    assert_same_weights(model, reference)
     assert [len(plan.packs) for plan in result.plans] == [1]
-    # One pack: its backward swaps the weights in once per step (the update makes the device copy stale)
-    # and sends the gradients out once, whatever the number of micro-batches.
-    assert result.stats.bytes_in["weights"] == steps * weight_bytes == steps * 1360
-    assert result.stats.bytes_out["grads"] == steps * weight_bytes
-    assert result.stats.bytes_in["inputs"] == steps * 8 * (16 + 4) * 4
-    assert result.stats.bytes_in["activations"] == 0
-    assert result.stats.bytes_out["activations"] == 0
+    stats = result.stats
+    if resident:
+        # The model stays on its device: weights cross once, gradients never leave, the trained weights
+        # are written back once at the end.
+        assert stats.bytes_in["weights"] == weight_bytes == 1360
+        assert stats.bytes_out["grads"] == 0
+        assert stats.bytes_out["weights"] == weight_bytes
+    else:
+        # Swapped: the update on the host store makes the device copy stale, so each step's backward
+        # swaps the weights in once and sends the gradients out once, whatever the number of micro-batches.
+        assert stats.bytes_in["weights"] == steps * weight_bytes
+        assert stats.bytes_out["grads"] == steps * weight_bytes
+        assert stats.bytes_out["weights"] == 0
+    assert stats.bytes_in["inputs"] == steps * 8 * (16 + 4) * 4
+    assert stats.bytes_in["activations"] == stats.bytes_out["activations"] == 0
 
 
 def test_swap_volume_for_a_model_four_times_the_budget(no_leaks: None) -> None:

@@ -54,17 +54,21 @@ def test_two_devices_pass_activations_directly_and_report_utilization(no_leaks: 
 def test_runtime_peaks_and_swaps_match_the_simulator_for_the_same_schedule(devices: list[str], no_leaks: None) -> None:
     from harmony.tasks.simulator import order_from_keys, replay_memory
 
-    models = [deep_mlp(depth=16, seed=s) for s in range(2)]
-    budget = param_bytes(models[0]) // 3
+    swapped = [deep_mlp(depth=16, seed=s) for s in range(2)]
+    resident = deep_mlp(depth=1, seed=5)
+    budget = param_bytes(swapped[0]) // 3 + 5 * param_bytes(resident)
     batches = regression_batches(samples=48, batch=16)
-    result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss,
-                           optimizer=lambda p: torch.optim.SGD(p, lr=0.05), microbatches=4, devices=devices,
-                           device_memory=budget, prefetch=False, progress=False)
+    result = harmony.train([*swapped, resident], batches, loss_fn=nn.functional.mse_loss,
+                           optimizer=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), microbatches=4,
+                           devices=devices, device_memory=budget, prefetch=False, progress=False)
+    assert list(result.homes) == [2]
+    assert all(len(plan.packs) > 1 for plan in result.plans[:2])
     order = order_from_keys(result.stats.schedule)
-    predicted = replay_memory(order, result.plans, result.stats.budgets)
+    predicted = replay_memory(order, result.plans, result.stats.budgets, result.homes, [1.0, 1.0, 1.0])
     assert predicted.peak == result.stats.peak_device_bytes
     assert predicted.weights_in == result.stats.bytes_in["weights"]
     assert predicted.grads_out == result.stats.bytes_out["grads"]
+    assert predicted.weights_out == result.stats.bytes_out["weights"] == param_bytes(resident)
 
 
 @pytest.mark.parametrize("mode", ["vpp", "vdp", "free"])

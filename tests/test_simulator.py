@@ -51,3 +51,17 @@ def test_simulation_runs_every_task_and_predicts_link_cost() -> None:
     assert sum(len(tasks) for tasks in fast.order.values()) == 3 * (3 * len(plan.packs) - 1)
     assert fast.makespan < hidden.makespan <= slow.makespan
     assert replay_memory(fast.order, [plan], {"d": 7000}).peak["d"] <= 7000
+
+
+def test_single_pack_models_are_homed_where_their_whole_state_fits() -> None:
+    from harmony.tasks.residency import choose_homes, resident_bytes
+
+    small = chain_plan(layers=2)
+    split = chain_plan(layers=4, budget=6000)
+    need = resident_bytes(small, 2.0)
+    homes, room = choose_homes([small, small, split], [2.0, 2.0, 1.0], {"a": need + 10**4, "b": need + 10**4},
+                               floors=[0, 0, 6000])
+    assert set(homes) == {0, 1} and homes[0] != homes[1]
+    assert all(left >= 6000 for left in room.values())
+    assert choose_homes([small], [2.0], {"a": need - 1}, floors=[0]) == ({}, {"a": need - 1})
+    assert choose_homes([small, split], [2.0, 1.0], {"a": need + 100}, floors=[0, 6000])[0] == {}
