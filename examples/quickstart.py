@@ -52,7 +52,8 @@ result = harmony.train(
 )
 elapsed = time.perf_counter() - started
 
-print(f"\ntrained {len(models)} models in {elapsed:.1f}s; dashboard was at {result.dashboard_link}")
+print(f"\ntrained {len(models)} models in {elapsed:.1f}s (mode {result.mode})")
+print(f"dashboard was at {result.dashboard_link}")
 print(f"{'optimizer':<14}{'lr':>8}{'packs':>7}{'first loss':>12}{'last loss':>11}{'accuracy':>10}")
 with torch.no_grad():
     for (name, lr, _), model, plan, losses in zip(grid, result.models, result.plans, result.history):
