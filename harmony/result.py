@@ -14,7 +14,8 @@ class Stats:
     """Measured, not estimated: bytes are sums of what was actually copied, peaks what devices accounted.
 
     bytes_in kinds (host to device): "weights", "activations", "inputs".
-    bytes_out kinds (device to host): "grads", "activations", "buffers" (running statistics written back).
+    bytes_out kinds (device to host): "grads", "activations", "buffers" (running statistics written back),
+    "weights" (resident models' trained weights, written back once at the end).
     bytes_p2p: activation and gradient bytes a device received straight from another device's worker.
     bytes_prefetched: the part of bytes_in["weights"] copied by the copy engine while a task computed.
     busy_seconds / idle_seconds: per device, time running tasks and time without one, from the moment
