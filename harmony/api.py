@@ -8,7 +8,7 @@ from typing import Any
 from torch import nn
 
 from harmony.errors import InputError, ModelError
-from harmony.prepare import choose_mode, first_batch_samples, groups_for, prepare, settle_residency
+from harmony.prepare import arrange, prepare
 from harmony.progress import ProgressLine, wants_progress
 from harmony.result import Stats, TrainResult
 from harmony.runtime.counters import IN_KINDS, OUT_KINDS
@@ -18,8 +18,7 @@ from harmony.runtime.errors import ModelFailure
 from harmony.runtime.job import run_job
 from harmony.runtime.measure import this_machine
 from harmony.sizes import parse_bandwidths
-from harmony.tasks.binding import MODES, POLICIES
-from harmony.validate import model_label, validate
+from harmony.validate import check_scheduling, model_label, validate
 
 logger = logging.getLogger("harmony")
 
@@ -68,20 +67,13 @@ def train(
     except ValueError as error:
         raise InputError(str(error)) from None
     specs = build_specs(args.devices, args.device_memory, links)
-    budget = min(spec.budget for spec in specs)
-    if policy not in POLICIES:
-        raise InputError(f"policy={policy!r} is not a scheduling policy; use one of {POLICIES}")
-    if mode not in ("auto", *MODES):
-        raise InputError(f"mode={mode!r} is not an execution mode; use 'auto', 'free', 'vpp' or 'vdp'")
-    jobs, plans = prepare(args, budget)
+    check_scheduling(policy, mode)
     budgets = {spec.name: spec.budget for spec in specs}
-    steps_known = [job.expected_steps or 1 for job in jobs]
-    chosen, _ = choose_mode(mode, plans, steps_known, first_batch_samples(args), budgets, args.microbatches,
-                            this_machine(), bool(prefetch), policy)
-    homes = settle_residency(jobs, args, budgets) if resident and chosen != "vdp" else {}
+    jobs, _ = prepare(args, min(budgets.values()))
+    chosen, _ = arrange(jobs, args, budgets, [job.expected_steps or 1 for job in jobs], this_machine(), mode,
+                        bool(prefetch), policy, resident)
     plans = [job.plan for job in jobs]
-    for job in jobs:
-        job.groups = groups_for(chosen, len(specs), args.microbatches)
+    homes = {index: job.home for index, job in enumerate(jobs) if job.home is not None}
     feeds = []
     for index, loader in enumerate(args.loaders):
         readers = args.loader_of.count(index)

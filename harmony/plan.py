@@ -8,16 +8,13 @@ from typing import Any
 from torch import nn
 
 from harmony.errors import InputError
-from harmony.prepare import choose_mode, expected_steps, groups_for, prepare, settle_residency
-from harmony.runtime.data import batch_size
+from harmony.prepare import arrange, first_batch_samples, prepare
 from harmony.runtime.devices import build_specs
 from harmony.runtime.measure import this_machine
 from harmony.sizes import parse_size
-from harmony.tasks.binding import MODES, POLICIES
-from harmony.tasks.microbatch import split_sizes
 from harmony.tasks.packing import PackPlan
 from harmony.tasks.simulator import Hardware, MemoryReport, ScheduleExceedsBudget, Simulation, replay_memory, simulate
-from harmony.validate import validate
+from harmony.validate import check_scheduling, validate
 
 
 @dataclass
@@ -112,10 +109,7 @@ def plan(
         raise InputError("with a hardware description, pass devices as a count, e.g. devices=4")
     if hardware is not None and device_memory is None:
         raise InputError("with a hardware description, pass device_memory: the budget of each device")
-    if policy not in POLICIES:
-        raise InputError(f"policy={policy!r} is not a scheduling policy; use one of {POLICIES}")
-    if mode not in ("auto", *MODES):
-        raise InputError(f"mode={mode!r} is not an execution mode; use 'auto', 'free', 'vpp' or 'vdp'")
+    check_scheduling(policy, mode)
     args = validate(models, loaders, loss_fn, optimizer, epochs, steps, microbatches, devices, device_memory,
                     None, for_training=False)
     if hardware is None:
@@ -124,23 +118,17 @@ def plan(
     else:
         budget = parse_size(device_memory, "device_memory")  # type: ignore[arg-type]
         budgets = {f"dev-{i}": budget for i in range(len(args.devices))}
-    jobs, plans = prepare(args, min(budgets.values()))
+    jobs, _ = prepare(args, min(budgets.values()))
     counts = []
-    samples = []
-    for index in range(len(args.models)):
-        count = expected_steps(args, index)
-        if count is None:
+    for index, job in enumerate(jobs):
+        if job.expected_steps is None:
             raise InputError(f"loaders for model {index} have no length; pass steps= to plan a fixed number of steps")
-        counts.append(count)
-        first = args.loaders[args.loader_of[index]].first[0]
-        samples.append(sum(split_sizes(batch_size(first), args.microbatches)))
-    chosen, predicted = choose_mode(mode, plans, counts, samples, budgets, args.microbatches, hardware, prefetch,
-                                    policy)
-    groups = [groups_for(chosen, len(budgets), args.microbatches)] * len(plans)
-    homes = settle_residency(jobs, args, budgets) if resident and chosen != "vdp" else {}
+        counts.append(job.expected_steps)
+    chosen, predicted = arrange(jobs, args, budgets, counts, hardware, mode, prefetch, policy, resident)
     plans = [job.plan for job in jobs]
-    simulation = simulate(plans, counts, samples, budgets, hardware, prefetch=prefetch, policy=policy, mode=chosen,
-                          groups=groups, homes=homes)
+    homes = {index: job.home for index, job in enumerate(jobs) if job.home is not None}
+    simulation = simulate(plans, counts, first_batch_samples(args), budgets, hardware, prefetch=prefetch,
+                          policy=policy, mode=chosen, groups=[job.groups for job in jobs], homes=homes)
     try:
         memory = replay_memory(simulation.order, plans, budgets, homes, args.optimizer_state_ratios)
     except ScheduleExceedsBudget as error:

@@ -14,11 +14,10 @@ from harmony.runtime.data import batch_size, split_tree
 from harmony.runtime.job import JobModel
 from harmony.runtime.pilot import decompose
 from harmony.tasks.binding import MODES
-from harmony.tasks.graph import TaskId
 from harmony.tasks.microbatch import split_sizes
 from harmony.tasks.packing import LayerTooLarge, PackPlan, minimal_budget, plan_packs
 from harmony.tasks.residency import choose_homes
-from harmony.tasks.simulator import Hardware, simulate, task_seconds
+from harmony.tasks.simulator import Hardware, model_step_seconds, simulate
 from harmony.validate import Arguments, model_label
 
 logger = logging.getLogger("harmony")
@@ -38,16 +37,6 @@ def expected_steps(args: Arguments, model: int) -> int | None:
         return args.epochs * len(loader)  # type: ignore[arg-type]
     except TypeError:
         return None
-
-
-def simulator_step_seconds(plan: PackPlan, samples: int) -> float:
-    """Predicted compute seconds of one step of a model on this machine (for Sharded-LRTF)."""
-    hardware = Hardware()
-    return sum(
-        task_seconds(TaskId(kind, 0, pack, 0), plan, samples, hardware)
-        for pack in range(len(plan.packs))
-        for kind in ("fwd", "bwd", "upd")
-    )
 
 
 def _to_device(tree: Any, device: torch.device) -> Any:
@@ -104,7 +93,7 @@ def prepare(args: Arguments, budget: int) -> tuple[list[JobModel], list[PackPlan
                 feed=args.loader_of[index],
                 seed=index,
                 expected_steps=expected_steps(args, index),
-                step_seconds=simulator_step_seconds(plan, sizes[0] * len(sizes)),
+                step_seconds=model_step_seconds(plan, sizes[0] * len(sizes), Hardware()),
                 profile=decomposition.profile,
                 samples=sizes[0],
             )
@@ -158,10 +147,35 @@ def choose_mode(
     return chosen, predicted
 
 
-def settle_residency(jobs: list[JobModel], args: Arguments, budgets: dict[str, int]) -> dict[int, str]:
+def arrange(
+    jobs: list[JobModel],
+    args: Arguments,
+    budgets: dict[str, int],
+    steps: list[int],
+    hardware: Hardware,
+    mode: str,
+    prefetch: bool,
+    policy: str,
+    resident: bool,
+) -> tuple[str, dict[str, float]]:
+    """Choose the execution mode, home the models that stay resident and set every job's groups.
+
+    Returns the mode and what the simulator predicted for each mode it compared; jobs are updated in place.
+    """
+    plans = [job.plan for job in jobs]
+    chosen, predicted = choose_mode(mode, plans, steps, first_batch_samples(args), budgets, args.microbatches,
+                                    hardware, prefetch, policy)
+    if resident and chosen != "vdp":
+        settle_residency(jobs, args, budgets)
+    for job in jobs:
+        job.groups = groups_for(chosen, len(budgets), args.microbatches)
+    return chosen, predicted
+
+
+def settle_residency(jobs: list[JobModel], args: Arguments, budgets: dict[str, int]) -> None:
     """Home every single-pack model that fits a device whole, and re-cut the others for the room left.
 
-    Returns model -> home device; the jobs' plans (and homes) are updated in place.
+    The jobs' homes (and the re-cut jobs' plans) are updated in place.
     """
     plans = [job.plan for job in jobs]
     floors = [minimal_budget(job.profile, job.samples) if job.profile else 0 for job in jobs]
@@ -172,4 +186,3 @@ def settle_residency(jobs: list[JobModel], args: Arguments, budgets: dict[str, i
         if homes and job.home is None and job.profile is not None and left < min(budgets.values()):
             job.plan = plan_packs(job.profile, left, job.samples)
             logger.info("%s (re-cut beside resident models)", job.plan.explain())
-    return homes

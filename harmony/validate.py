@@ -14,6 +14,7 @@ from harmony.errors import InputError
 from harmony.runtime.data import batch_size
 from harmony.runtime.devices import DeviceSpecError, parse_devices
 from harmony.sizes import parse_size
+from harmony.tasks.binding import MODES, POLICIES
 
 
 @dataclass
@@ -205,6 +206,14 @@ def _positive_int(value: Any, argument: str, allow_none: bool = False) -> int | 
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise InputError(f"{argument}={value!r} must be a positive integer")
     return value
+
+
+def check_scheduling(policy: str, mode: str) -> None:
+    """policy and mode as train and plan take them."""
+    if policy not in POLICIES:
+        raise InputError(f"policy={policy!r} is not a scheduling policy; use one of {POLICIES}")
+    if mode not in ("auto", *MODES):
+        raise InputError(f"mode={mode!r} is not an execution mode; use 'auto', 'free', 'vpp' or 'vdp'")
 
 
 def validate(

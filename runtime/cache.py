@@ -111,6 +111,7 @@ class DeviceCache:
                 time.sleep(remaining)
 
     def _copy_weights(self, entry: Resident, host: torch.Tensor, prefetched: bool = False) -> None:
+        """Copy host weight bytes into entry over the link, count them, and mark them arrived."""
         started = time.perf_counter()
         entry.buffer.copy_(host)
         self._over_link(host.numel(), started)
@@ -142,10 +143,7 @@ class DeviceCache:
         """Copy a resident pack's weights in again: what swapping per micro-batch costs (a baseline)."""
         with self._lock:
             entry = self.residents[key]
-        started = time.perf_counter()
-        entry.buffer.copy_(host)
-        self._over_link(host.numel(), started)
-        self.counters.add("in_weights", host.numel())
+        self._copy_weights(entry, host)
 
     @contextmanager
     def scratch(self, nbytes: int, what: str) -> Iterator[None]:

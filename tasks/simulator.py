@@ -171,6 +171,24 @@ def boundary_bytes(task: TaskId, plan: PackPlan, samples: int) -> int:
     return 0 if task.pack == 0 else round(plan.packs[task.pack].input_bytes_per_sample * samples)
 
 
+def model_step_seconds(plan: PackPlan, samples: int, hardware: Hardware) -> float:
+    """Predicted compute seconds of one step of a model: every pack's fwd, bwd and upd."""
+    return sum(
+        task_seconds(TaskId(kind, 0, pack, 0), plan, samples, hardware)
+        for pack in range(len(plan.packs))
+        for kind in ("fwd", "bwd", "upd")
+    )
+
+
+def _feed(state: BindingState, steps: list[int]) -> None:
+    """Open every step the binder asks for, and end each model after its last step."""
+    for model, step in state.wanted_batches():
+        if step < steps[model]:
+            state.add_batch(model, step)
+        else:
+            state.end_of_data(model)
+
+
 @dataclass
 class Simulation:
     """A predicted run: per device, its tasks in order with start and end times, and the totals."""
@@ -210,20 +228,13 @@ def simulate(
         ModelWork(
             tuple(p.weight_bytes for p in plan.packs),
             steps=count,
-            step_seconds=sum(
-                task_seconds(TaskId(kind, 0, p, 0), plan, n, hardware)
-                for p in range(len(plan.packs))
-                for kind in ("fwd", "bwd")
-            ),
+            step_seconds=model_step_seconds(plan, n, hardware),
             groups=g,
         )
         for plan, count, n, g in zip(plans, steps, samples, groups)
     ]
     state = BindingState(works, budgets, slots_per_device=1, policy=policy, mode=mode, homes=homes)
-    for model in range(len(plans)):
-        for step in range(steps[model]):
-            if (model, step) in state.wanted_batches():
-                state.add_batch(model, step)
+    _feed(state, steps)
     free_at = dict.fromkeys(budgets, 0.0)
     last_compute = dict.fromkeys(budgets, 0.0)
     times: dict[TaskId, tuple[float, float]] = {}
@@ -270,10 +281,6 @@ def simulate(
             raise RuntimeError("simulation stalled: no task could be bound")
         _, _, task = heapq.heappop(events)
         state.complete(task)
-        for model, step in state.wanted_batches():
-            if step < steps[model]:
-                state.add_batch(model, step)
-            else:
-                state.end_of_data(model)
+        _feed(state, steps)
     return Simulation(order, times, max(end for _, end in times.values()), steps, busy)
 
