@@ -48,6 +48,7 @@ class RunContext:
         self.residents: dict[int, ResidentModel] = {}
         self._modules: dict[tuple[int, int], nn.Module] = {}
         self._loss_fns: dict[int, Any] = {}
+        self._factories: dict[int, Any] = {}
         self._optimizers: dict[tuple[int, int], PackOptimizer] = {}
 
     @property
@@ -69,6 +70,11 @@ class RunContext:
         if model not in self._loss_fns:
             self._loss_fns[model] = cloudpickle.loads(self.spec.models[model].loss_fn)
         return self._loss_fns[model]
+
+    def optimizer_factory(self, model: int) -> Any:
+        if model not in self._factories:
+            self._factories[model] = cloudpickle.loads(self.spec.models[model].optimizer)
+        return self._factories[model]
 
     def host_weights(self, model: int, pack: int) -> torch.Tensor:
         return self.store.attach(weights_name(model, pack), self.spec.models[model].packs[pack].weights.nbytes)
@@ -93,8 +99,7 @@ class RunContext:
 
     def resident_step(self, model: int, step: int) -> None:
         """The update of a resident model, on the device."""
-        factory = cloudpickle.loads(self.spec.models[model].optimizer)
-        self.residents[model].step(factory, step)
+        self.residents[model].step(self.optimizer_factory(model), step)
 
     def flush_residents(self) -> None:
         """Write every resident model's trained weights to the host store (once, at the end of a run)."""
@@ -137,8 +142,9 @@ class RunContext:
         key = (model, pack)
         cached = self._optimizers.get(key)
         if cached is None or cached.last_step != step - 1:
-            factory = cloudpickle.loads(self.spec.models[model].optimizer)
-            cached = PackOptimizer(factory, self.store, model, pack, self.spec.models[model].packs[pack])
+            cached = PackOptimizer(
+                self.optimizer_factory(model), self.store, model, pack, self.spec.models[model].packs[pack]
+            )
             self._optimizers[key] = cached
         return cached
 
