@@ -86,7 +86,7 @@ class Driver:
         if task.kind == "bwd":
             last = task.pack == packs - 1
             args.append(self.weights[(task.model, task.step, task.group)] if last else [])
-        data = set(inputs(task, packs))
+        data = set(reads)
         bound = self.state.bound
         after = [self.values[dep] for dep in self.state.dependencies(task) if dep not in data and dep in bound]
         future = self.client.submit(
