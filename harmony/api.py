@@ -8,6 +8,7 @@ from typing import Any
 from torch import nn
 
 from harmony.errors import InputError, ModelError
+from harmony.fusing import check_fuse, fuse_jobs
 from harmony.prepare import arrange, prepare
 from harmony.progress import ProgressLine, wants_progress
 from harmony.result import Stats, TrainResult
@@ -18,7 +19,7 @@ from harmony.runtime.errors import ModelFailure
 from harmony.runtime.job import run_job
 from harmony.runtime.measure import this_machine
 from harmony.sizes import parse_bandwidths
-from harmony.validate import check_scheduling, model_label, validate
+from harmony.validate import check_scheduling, validate
 
 logger = logging.getLogger("harmony")
 
@@ -41,6 +42,7 @@ def train(
     group: bool = True,
     mode: str = "auto",
     resident: bool = True,
+    fuse: bool | int | str = "auto",
 ) -> TrainResult:
     """Train every model on its data through fine-grained tasks on Dask device workers.
 
@@ -59,6 +61,10 @@ def train(
     "auto" runs the one the simulator predicts fastest. resident=True keeps every model that fits a
     device whole (weights, gradients, optimizer state) on a home device for the run, so its weights
     cross to the device once and its gradients never leave; False swaps every model every step.
+    fuse="auto" trains models of the same architecture that share a loader (and optimizer class) as fused
+    arrays, sized by the simulator's predicted throughput; True fuses each such group whole, an int caps
+    the sub-array size, False trains every model on its own. Every model keeps its own loss,
+    optimizer and hyperparameters, and gets the weights it would get alone.
     """
     args = validate(models, loaders, loss_fn, optimizer, epochs, steps, microbatches, devices,
                     device_memory, cluster)
@@ -68,15 +74,18 @@ def train(
         raise InputError(str(error)) from None
     specs = build_specs(args.devices, args.device_memory, links)
     check_scheduling(policy, mode)
+    check_fuse(fuse)
     budgets = {spec.name: spec.budget for spec in specs}
+    hardware = this_machine()
     jobs, _ = prepare(args, min(budgets.values()))
-    chosen, _ = arrange(jobs, args, budgets, [job.expected_steps or 1 for job in jobs], this_machine(), mode,
+    jobs, choices = fuse_jobs(jobs, args, budgets, hardware, bool(prefetch), policy, fuse)
+    chosen, _ = arrange(jobs, args, budgets, [job.expected_steps or 1 for job in jobs], hardware, mode,
                         bool(prefetch), policy, resident)
     plans = [job.plan for job in jobs]
-    homes = {index: job.home for index, job in enumerate(jobs) if job.home is not None}
+    homes = {model: job.home for job in jobs if job.home is not None for model in job.members}
     feeds = []
     for index, loader in enumerate(args.loaders):
-        readers = args.loader_of.count(index)
+        readers = sum(1 for job in jobs if job.feed == index)
         feed = LoaderFeed(loader.loader, loader.iterator, loader.first, args.epochs, args.steps)
         feeds.append(SharedFeed(feed, readers))
     line = ProgressLine() if wants_progress(progress) else None
@@ -96,18 +105,26 @@ def train(
             on_ready=lambda link: logger.info("harmony: dashboard at %s", link),
         )
     except ModelFailure as failure:
-        label = model_label(failure.model, args.models[failure.model])
-        raise ModelError(failure.model, f"{label} raised {failure.error} in {failure.where}",
+        job = jobs[failure.model]
+        raise ModelError(job.members[0], f"{job.label} raised {failure.error} in {failure.where}",
                          failure.traceback_text) from None
     finally:
         if line is not None:
             line.close()
     counters = outcome.counters
+    history: list[list[float]] = [[] for _ in args.models]
+    steps = [0] * len(args.models)
+    finish = [0.0] * len(args.models)
+    for index, job in enumerate(jobs):
+        for position, model in enumerate(job.members):
+            history[model] = outcome.history[index][position]
+            steps[model] = outcome.steps[index]
+            finish[model] = outcome.finish_seconds[index]
     stats = Stats(
         peak_device_bytes={name: values["peak"] for name, values in counters.items()},
         bytes_in={kind: sum(values[f"in_{kind}"] for values in counters.values()) for kind in IN_KINDS},
         bytes_out={kind: sum(values[f"out_{kind}"] for values in counters.values()) for kind in OUT_KINDS},
-        steps=outcome.steps,
+        steps=steps,
         tasks=outcome.tasks,
         wall_seconds=outcome.wall_seconds,
         busy_seconds={name: values["busy_ns"] / 1e9 for name, values in counters.items()},
@@ -118,14 +135,16 @@ def train(
         bytes_prefetched=sum(values["prefetched"] for values in counters.values()),
         budgets={device.name: device.budget for device in outcome.devices},
         schedule=outcome.schedule,
-        finish_seconds=outcome.finish_seconds,
+        finish_seconds=finish,
     )
     return TrainResult(
         models=args.models,
-        history=outcome.history,
+        history=history,
         stats=stats,
         dashboard_link=outcome.dashboard_link,
         plans=plans,
         mode=chosen,
         homes=homes,
+        arrays=[list(job.members) for job in jobs],
+        fusion=choices,
     )

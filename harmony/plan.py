@@ -127,10 +127,10 @@ def plan(
     chosen, predicted = arrange(jobs, args, budgets, counts, hardware, mode, prefetch, policy, resident)
     plans = [job.plan for job in jobs]
     homes = {index: job.home for index, job in enumerate(jobs) if job.home is not None}
-    simulation = simulate(plans, counts, first_batch_samples(args), budgets, hardware, prefetch=prefetch,
+    simulation = simulate(plans, counts, first_batch_samples(args, jobs), budgets, hardware, prefetch=prefetch,
                           policy=policy, mode=chosen, groups=[job.groups for job in jobs], homes=homes)
     try:
-        memory = replay_memory(simulation.order, plans, budgets, homes, args.optimizer_state_ratios)
+        memory = replay_memory(simulation.order, plans, budgets, homes, [job.state_ratio for job in jobs])
     except ScheduleExceedsBudget as error:
         raise InputError(f"the planned schedule would not fit: {error}") from None
     return Plan(plans, budgets, hardware, simulation, memory, counts, chosen, predicted)

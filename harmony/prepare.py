@@ -56,17 +56,21 @@ def _check_loss(args: Arguments, index: int, label: str, output: Any, target: An
                          "it must return a scalar tensor (the mean loss over the micro-batch)")
 
 
+def pilot_batch(args: Arguments, index: int) -> tuple[Any, Any, list[int]]:
+    """The first micro-batch of model index's loader (inputs, targets, on the model's device) and the sizes."""
+    inputs, targets = args.loaders[args.loader_of[index]].first
+    sizes = split_sizes(batch_size(inputs), args.microbatches)
+    device = _model_device(args.models[index])
+    return _to_device(split_tree(inputs, sizes)[0], device), _to_device(split_tree(targets, sizes)[0], device), sizes
+
+
 def prepare(args: Arguments, budget: int) -> tuple[list[JobModel], list[PackPlan]]:
     """Pilot-profile every model on its first micro-batch and cut it into packs that fit budget."""
     jobs = []
     plans = []
     for index, model in enumerate(args.models):
         label = model_label(index, model)
-        inputs, targets = args.loaders[args.loader_of[index]].first
-        sizes = split_sizes(batch_size(inputs), args.microbatches)
-        device = _model_device(model)
-        sample = _to_device(split_tree(inputs, sizes)[0], device)
-        target = _to_device(split_tree(targets, sizes)[0], device)
+        sample, target, sizes = pilot_batch(args, index)
         try:
             decomposition = decompose(model, sample, label)
         except Exception as error:
@@ -96,6 +100,9 @@ def prepare(args: Arguments, budget: int) -> tuple[list[JobModel], list[PackPlan
                 step_seconds=model_step_seconds(plan, sizes[0] * len(sizes), Hardware()),
                 profile=decomposition.profile,
                 samples=sizes[0],
+                members=(index,),
+                state_ratio=args.optimizer_state_ratios[index],
+                label=label,
             )
         )
     return jobs, plans
@@ -104,9 +111,9 @@ def prepare(args: Arguments, budget: int) -> tuple[list[JobModel], list[PackPlan
 RANKING_STEPS = 3
 
 
-def first_batch_samples(args: Arguments) -> list[int]:
-    """Per model, the samples in its loader's first batch (what one step is planned for)."""
-    return [batch_size(args.loaders[args.loader_of[m]].first[0]) for m in range(len(args.models))]
+def first_batch_samples(args: Arguments, jobs: list[JobModel]) -> list[int]:
+    """Per job, the samples in its loader's first batch (what one step is planned for)."""
+    return [batch_size(args.loaders[job.feed].first[0]) for job in jobs]
 
 
 def groups_for(mode: str, devices: int, microbatches: int) -> int:
@@ -163,7 +170,7 @@ def arrange(
     Returns the mode and what the simulator predicted for each mode it compared; jobs are updated in place.
     """
     plans = [job.plan for job in jobs]
-    chosen, predicted = choose_mode(mode, plans, steps, first_batch_samples(args), budgets, args.microbatches,
+    chosen, predicted = choose_mode(mode, plans, steps, first_batch_samples(args, jobs), budgets, args.microbatches,
                                     hardware, prefetch, policy)
     if resident and chosen != "vdp":
         settle_residency(jobs, args, budgets)
@@ -179,7 +186,7 @@ def settle_residency(jobs: list[JobModel], args: Arguments, budgets: dict[str, i
     """
     plans = [job.plan for job in jobs]
     floors = [minimal_budget(job.profile, job.samples) if job.profile else 0 for job in jobs]
-    homes, room = choose_homes(plans, args.optimizer_state_ratios, budgets, floors)
+    homes, room = choose_homes(plans, [job.state_ratio for job in jobs], budgets, floors)
     left = min(room.values())
     for index, job in enumerate(jobs):
         job.home = homes.get(index)

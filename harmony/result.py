@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from harmony.tasks.fusion import FusionChoice
 from harmony.tasks.packing import PackPlan
 
 
@@ -50,7 +51,9 @@ class TrainResult:
     """The outcome of harmony.train.
 
     mode is the execution mode that ran; homes maps each model that stayed resident for the whole run
-    to its device (its weights crossed once and its gradients never left it).
+    to its device (its weights crossed once and its gradients never left it). arrays lists the jobs that
+    ran, each as the models it trained (several for a fused array, in the order of plans and of the
+    ``m<job>`` in task keys); fusion says, per group of fusable models, which sub-array size was chosen and why.
     """
 
     models: list[nn.Module]
@@ -60,3 +63,5 @@ class TrainResult:
     plans: list[PackPlan]
     mode: str = "free"
     homes: dict[int, str] = field(default_factory=dict)
+    arrays: list[list[int]] = field(default_factory=list)
+    fusion: list[FusionChoice] = field(default_factory=list)

@@ -5,7 +5,8 @@ nothing on the device and returns the outputs (the next pack's boundary inputs).
 pack from its boundary inputs and backpropagates each micro-batch, accumulating weight gradients on
 the device, and sends them to the host store once; the last pack's bwd runs forward, loss and
 backward together. upd steps the pack's optimizer on the host store, or, for a resident model, on
-its home device, where its weights, gradients and optimizer state stay for the whole run. Packs are cut only where one
+its home device, where its weights, gradients and optimizer state stay for the whole run. A fused array is one model
+here whose loss is a vector (one per member). Packs are cut only where one
 tensor flows, so the boundary values between packs (and their gradients) are single tensors.
 """
 
@@ -130,7 +131,7 @@ def backward(
     module = ctx.module(model, pack)
     host = ctx.host_weights(model, pack)
     input_grads = []
-    loss_total = 0.0
+    loss_total = torch.zeros(spec.members, dtype=torch.float64)
     with (
         ctx.cache.weights((model, pack), step, host) as weights,
         nullcontext() if resident else ctx.cache.scratch(runtime.grads.nbytes, f"gradients of pack {pack}"),
@@ -163,9 +164,9 @@ def backward(
                     y = functional_call(module, {**tensors, **leaves}, (x,))
                     if last:
                         target = ctx.cache.copy_in(gradients_or_targets[index], "inputs")
-                        loss = ctx.loss_fn(model)(y, target)
-                        loss_total += float(loss.detach()) * loss_weights[index]
-                        (loss * loss_weights[index]).backward()
+                        losses = ctx.loss_fn(model)(y, target).reshape(-1)
+                        loss_total += losses.detach().to("cpu", torch.float64) * loss_weights[index]
+                        (losses.sum() * loss_weights[index]).backward()
                     else:
                         upstream = ctx.cache.copy_in(gradients_or_targets[index], "activations")
                         if y.requires_grad:
@@ -180,8 +181,9 @@ def backward(
         if last and runtime.has_buffers and not resident:
             ctx.cache.write_back(weights[runtime.buffers_offset :], host[runtime.buffers_offset :], "buffers")
     if last:
-        block = ctx.store.attach(losses_name(model, step // LOSS_BLOCK, group), 8 * LOSS_BLOCK).view(torch.float64)
-        block[step % LOSS_BLOCK] = loss_total
+        nbytes = 8 * LOSS_BLOCK * spec.members
+        block = ctx.store.attach(losses_name(model, step // LOSS_BLOCK, group), nbytes).view(torch.float64)
+        block.view(LOSS_BLOCK, spec.members)[step % LOSS_BLOCK] = loss_total
     return input_grads if pack > 0 else None
 
 

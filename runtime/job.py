@@ -46,7 +46,11 @@ from harmony.tasks.profile import ModelProfile
 
 @dataclass
 class JobModel:
-    """A model ready to run: its chain of layers, its pack plan, its loss, optimizer factory and feed."""
+    """A model, or a fused array of models, ready to run: its chain of layers, pack plan, loss, optimizer, feed.
+
+    members are the indices of the user's models it trains (one, or an array's); member_layers their own
+    chains of layers, into which a fused array's trained weights are copied back.
+    """
 
     module: nn.Module
     layers: list[nn.Module]
@@ -61,13 +65,22 @@ class JobModel:
     home: str | None = None
     profile: ModelProfile | None = None
     samples: int = 1
+    members: tuple[int, ...] = ()
+    member_layers: list[list[nn.Module]] = field(default_factory=list)
+    state_ratio: float = 2.0
+    label: str = ""
+
+    @property
+    def fused(self) -> bool:
+        """Whether this job is a fused array of several models (their layers are ArrayLayers)."""
+        return len(self.member_layers) > 1
 
 
 @dataclass
 class JobOutcome:
-    """What a finished job measured."""
+    """What a finished job measured; history is per job, then per member of the job, the loss of each step."""
 
-    history: list[list[float]]
+    history: list[list[list[float]]]
     counters: dict[str, dict[str, int]]
     steps: list[int]
     tasks: int
@@ -126,6 +139,7 @@ def _fill_store(store: HostStore, models: list[JobModel]) -> tuple[ModelRuntime,
                 seed=job.seed,
                 groups=job.groups,
                 home=job.home,
+                members=max(1, len(job.member_layers)),
             )
         )
     return tuple(runtimes)
@@ -140,6 +154,26 @@ def _copy_back(store: HostStore, models: list[JobModel], spec: RunSpec) -> None:
                 host = store.attach(weights_name(m, p), runtime.weights.nbytes)
                 for name, view in tensors_at(host, runtime.weights).items():
                     state[name].copy_(view)
+            if job.fused:
+                for index, layer in enumerate(job.layers):
+                    layer.unstack_into([layers[index] for layers in job.member_layers])
+
+
+def _history(store: HostStore, model: int, steps: int, groups: int, members: int) -> list[list[float]]:
+    """Per member of a job, the loss of every step: the sum over micro-batch groups of their shares."""
+    blocks = []
+    for block in range(-(-steps // LOSS_BLOCK)):
+        size = min(LOSS_BLOCK, steps - block * LOSS_BLOCK)
+        shares = [
+            store.attach(losses_name(model, block, group), 8 * LOSS_BLOCK * members)
+            .view(torch.float64)
+            .view(LOSS_BLOCK, members)[:size]
+            for group in range(groups)
+        ]
+        blocks.append(sum(shares[1:], shares[0].clone()))
+    if not blocks:
+        return [[] for _ in range(members)]
+    return torch.cat(blocks).T.tolist()
 
 
 def _executed(run: str, dask_worker: Any) -> list[str]:
@@ -225,7 +259,8 @@ def run_job(
         def create_loss_block(model: int, step: int) -> None:
             if step % LOSS_BLOCK == 0:
                 for group in range(models[model].groups):
-                    store.create(losses_name(model, step // LOSS_BLOCK, group), 8 * LOSS_BLOCK)
+                    nbytes = 8 * LOSS_BLOCK * runtimes[model].members
+                    store.create(losses_name(model, step // LOSS_BLOCK, group), nbytes)
 
         handle.client.register_plugin(DevicePlugin(spec), name=plugin_name)
         plugin_registered = True
@@ -259,17 +294,7 @@ def run_job(
         run_seconds = time.perf_counter() - running
         handle.client.run(_flush_residents, run)
         steps = [state.steps_done[m] for m in range(len(models))]
-        history = []
-        for m, count in enumerate(steps):
-            losses: list[float] = []
-            for block in range(-(-count // LOSS_BLOCK)):
-                size = min(LOSS_BLOCK, count - block * LOSS_BLOCK)
-                shares = [
-                    store.attach(losses_name(m, block, group), 8 * LOSS_BLOCK).view(torch.float64)[:size]
-                    for group in range(models[m].groups)
-                ]
-                losses += sum(shares[1:], shares[0].clone()).tolist()
-            history.append(losses)
+        history = [_history(store, m, count, models[m].groups, runtimes[m].members) for m, count in enumerate(steps)]
         counters = {
             device.name: Counters(store.attach(counters_name(i), BLOCK_BYTES)).read()
             for i, device in enumerate(devices)

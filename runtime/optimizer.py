@@ -16,6 +16,7 @@ import msgpack
 import torch
 from torch import nn
 
+from harmony.runtime.array_optimizer import optimizer_params
 from harmony.runtime.hoststore import HostStore, dtype_name, tensor_at
 from harmony.runtime.spec import PackRuntime, grads_name, optimizer_meta_name, optimizer_name, weights_name
 from harmony.tasks.layout import Slot, TensorSpec, lay_out
@@ -41,6 +42,7 @@ class PackOptimizer:
             param.grad = tensor_at(grads, grad_slot)
             self.params.append(param)
         self.optimizer = factory(self.params)
+        self.params = optimizer_params(self.optimizer)
         self.generation = -1
         self.last_step = -1
         self.layout: list[list[Any]] = []

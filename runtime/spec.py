@@ -27,7 +27,7 @@ class PackRuntime:
 
 @dataclass(frozen=True)
 class ModelRuntime:
-    """A model as workers see it: its packs, and its loss function and optimizer factory (cloudpickled)."""
+    """A model (or a fused array of `members` models) as workers see it: its packs, loss and optimizer factory."""
 
     name: str
     packs: tuple[PackRuntime, ...]
@@ -36,6 +36,7 @@ class ModelRuntime:
     seed: int
     groups: int = 1
     home: str | None = None
+    members: int = 1
 
 
 @dataclass(frozen=True)
@@ -83,5 +84,5 @@ def counters_name(device: int) -> str:
 
 
 def losses_name(model: int, block: int, group: int = 0) -> str:
-    """A block of LOSS_BLOCK steps of one micro-batch group's share of a model's mini-batch loss."""
+    """A block of LOSS_BLOCK steps of one micro-batch group's share of the mini-batch loss of each member."""
     return f"m{model}-losses{block}" if group == 0 else f"m{model}-g{group}-losses{block}"

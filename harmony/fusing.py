@@ -1,0 +1,177 @@
+"""Shared by train and plan: fuse models of one architecture on one loader into arrays of the best size."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+from torch import nn
+
+from harmony.errors import InputError, ModelError
+from harmony.prepare import RANKING_STEPS, first_batch_samples, pilot_batch
+from harmony.runtime.array import ArrayLayer, array_loss, layer_signature
+from harmony.runtime.array_optimizer import ArrayOptimizer
+from harmony.runtime.job import JobModel
+from harmony.runtime.pilot import decompose
+from harmony.tasks.fusion import FusionChoice, candidate_sizes, choose_size, fusion_groups, split
+from harmony.tasks.packing import LayerTooLarge, minimal_budget, plan_packs
+from harmony.tasks.residency import choose_homes
+from harmony.tasks.simulator import Hardware, model_step_seconds, simulate
+from harmony.validate import Arguments
+
+logger = logging.getLogger("harmony")
+
+
+def check_fuse(fuse: Any) -> None:
+    """fuse as train and plan take it: "auto", True (whole groups), False, or a largest sub-array size."""
+    if fuse in ("auto", True, False) or (isinstance(fuse, int) and not isinstance(fuse, bool) and fuse >= 1):
+        return
+    raise InputError(f"fuse={fuse!r} is not a fusion setting; use 'auto' (the default: the sub-array size with the "
+                     "best predicted throughput), True (fuse every group whole), False (no fusion), or a "
+                     "positive int (the largest sub-array size)")
+
+
+def _optimizer_class(factory: Any) -> type | None:
+    if factory is None:
+        return None
+    probe = nn.Parameter(torch.zeros(4))
+    try:
+        return type(factory([probe]))
+    except Exception:
+        return None
+
+
+def fusion_key(job: JobModel, args: Arguments) -> Hashable | None:
+    """What must agree for two models to be fused: loader, optimizer class and every layer's signature."""
+    index = job.members[0]
+    optimizer = _optimizer_class(args.optimizers[index])
+    if args.optimizers[index] is not None and optimizer is None:
+        return None
+    return (job.feed, optimizer, tuple(layer_signature(layer) for layer in job.layers))
+
+
+def _label(members: list[int], jobs: list[JobModel]) -> str:
+    names = sorted({jobs[m].module.__class__.__name__ for m in members})
+    return f"array of models {','.join(map(str, members))} ({'/'.join(names)})"
+
+
+def build_array(members: list[int], jobs: list[JobModel], args: Arguments, budget: int) -> JobModel:
+    """Stack the members' layers into ArrayLayers, pilot the array and cut it into packs for budget.
+
+    Raises LayerTooLarge when the array's largest layer does not fit budget.
+    """
+    member_jobs = [jobs[m] for m in members]
+    label = _label(members, jobs)
+    layers = [
+        ArrayLayer([job.layers[position] for job in member_jobs], shared_input=position == 0)
+        for position in range(len(member_jobs[0].layers))
+    ]
+    sample, target, sizes = pilot_batch(args, members[0])
+    try:
+        decomposition = decompose(nn.Sequential(*layers), sample, label)
+    except Exception as error:
+        raise ModelError(members[0], f"{label} raised {type(error).__name__}: {error} in its fused forward during "
+                         "the pilot pass; pass fuse=False to train these models unfused") from error
+    loss_fns = [args.loss_fns[m] for m in members]
+    loss = array_loss(loss_fns, decomposition.output, target) if all(fn is not None for fn in loss_fns) else None
+    factories = [args.optimizers[m] for m in members]
+    optimizer = ArrayOptimizer(factories) if all(f is not None for f in factories) else None
+    plan = plan_packs(decomposition.profile, budget, sizes[0])
+    return JobModel(
+        module=nn.Sequential(*decomposition.layers),
+        layers=decomposition.layers,
+        plan=plan,
+        loss_fn=loss,  # type: ignore[arg-type]
+        optimizer=optimizer,  # type: ignore[arg-type]
+        feed=member_jobs[0].feed,
+        seed=members[0],
+        expected_steps=member_jobs[0].expected_steps,
+        step_seconds=model_step_seconds(plan, sizes[0] * len(sizes), Hardware()),
+        profile=decomposition.profile,
+        samples=sizes[0],
+        members=tuple(members),
+        member_layers=[job.layers for job in member_jobs],
+        state_ratio=member_jobs[0].state_ratio,
+        label=label,
+    )
+
+
+def _predict(
+    arrays: list[JobModel],
+    args: Arguments,
+    budgets: dict[str, int],
+    hardware: Hardware,
+    prefetch: bool,
+    policy: str,
+) -> float:
+    """Predicted seconds for every array to advance one step, with the arrays that fit a device resident."""
+    plans = [array.plan for array in arrays]
+    floors = [minimal_budget(array.profile, array.samples) if array.profile else 0 for array in arrays]
+    homes, _ = choose_homes(plans, [array.state_ratio for array in arrays], budgets, floors)
+    run = simulate(plans, [RANKING_STEPS] * len(arrays), first_batch_samples(args, arrays), budgets, hardware,
+                   prefetch=prefetch, policy=policy, mode="free", groups=[1] * len(arrays), homes=homes)
+    return run.makespan / RANKING_STEPS
+
+
+def _choose(
+    group: list[int],
+    jobs: list[JobModel],
+    args: Arguments,
+    budgets: dict[str, int],
+    hardware: Hardware,
+    prefetch: bool,
+    policy: str,
+    fuse: Any,
+) -> FusionChoice:
+    budget = min(budgets.values())
+    sizes = candidate_sizes(len(group))
+    if fuse is True:
+        sizes = [len(group)]
+    elif fuse != "auto":
+        sizes = [size for size in sizes if size <= fuse] or [1]
+    predicted: dict[int, float | None] = {}
+    for size in sizes:
+        if size == 1:
+            arrays = [jobs[m] for m in group]
+        else:
+            try:
+                array = build_array(group[:size], jobs, args, budget)
+            except LayerTooLarge:
+                predicted[size] = None
+                continue
+            arrays = [array] * len(split(group, size))
+        predicted[size] = _predict(arrays, args, budgets, hardware, prefetch, policy)
+    return choose_size(group, predicted)
+
+
+def fuse_jobs(
+    jobs: list[JobModel],
+    args: Arguments,
+    budgets: dict[str, int],
+    hardware: Hardware,
+    prefetch: bool,
+    policy: str,
+    fuse: Any,
+) -> tuple[list[JobModel], list[FusionChoice]]:
+    """Replace every group of fusable models by arrays of the chosen size; models that are not fused stay."""
+    if fuse is False:
+        return jobs, []
+    groups = fusion_groups([fusion_key(job, args) for job in jobs])
+    choices = [_choose(group, jobs, args, budgets, hardware, prefetch, policy, fuse) for group in groups]
+    replaced: dict[int, list[JobModel]] = {}
+    for choice in choices:
+        logger.info("%s", choice.explain(jobs[choice.members[0]].module.__class__.__name__))
+        for array in choice.arrays:
+            job = jobs[array[0]] if len(array) == 1 else build_array(array, jobs, args, min(budgets.values()))
+            if len(array) > 1:
+                logger.info("%s", job.plan.explain())
+            replaced.setdefault(array[0], []).append(job)
+    fused = {m for choice in choices for array in choice.arrays if len(array) > 1 for m in array}
+    result = []
+    for index, job in enumerate(jobs):
+        result.extend(replaced.get(index, []))
+        if index not in replaced and index not in fused:
+            result.append(job)
+    return result, choices

@@ -1,0 +1,190 @@
+"""Fused arrays: one layer of N same-architecture models run as one computation, and their losses.
+
+An ArrayLayer holds every member's parameters and buffers stacked along a new leading dimension (member
+i's weight is ``stacked[i]``) and runs them at once: an nn.Linear as one batched matrix multiply
+(``baddbmm``), an elementwise activation or dropout directly on the stacked activations, and any other
+layer (Conv2d, BatchNorm with its running statistics per member, LayerNorm, Embedding, attention) through
+``torch.func.vmap`` over ``functional_call``, with random draws different per member. Activations
+between array layers carry the member dimension first; the first layer's input is the members' shared
+mini-batch.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call, vmap
+from torch.utils._pytree import tree_map
+
+ELEMENTWISE = (
+    nn.ReLU,
+    nn.ReLU6,
+    nn.GELU,
+    nn.Tanh,
+    nn.Sigmoid,
+    nn.SiLU,
+    nn.LeakyReLU,
+    nn.ELU,
+    nn.Softplus,
+    nn.Mish,
+    nn.Hardtanh,
+    nn.Identity,
+    nn.Dropout,
+)
+
+
+def stacked_name(name: str) -> str:
+    """The attribute name of a member tensor's stack (module attribute names may not contain dots)."""
+    return name.replace(".", ":")
+
+
+class ArrayLayer(nn.Module):
+    """One layer of every member of an array, its weights stacked, run as one fused computation."""
+
+    def __init__(self, members: Sequence[nn.Module], shared_input: bool) -> None:
+        super().__init__()
+        first = members[0]
+        self.size = len(members)
+        self.shared_input = shared_input
+        self.param_names = [name for name, _ in first.named_parameters()]
+        self.buffer_names = [name for name, _ in first.named_buffers()]
+        with torch.no_grad():
+            for name, param in first.named_parameters():
+                stack = torch.stack([member.get_parameter(name).detach() for member in members])
+                self.register_parameter(stacked_name(name), nn.Parameter(stack, requires_grad=param.requires_grad))
+            for name, _ in first.named_buffers():
+                stack = torch.stack([member.get_buffer(name).detach() for member in members])
+                self.register_buffer(stacked_name(name), stack)
+        template = copy.deepcopy(first).to("meta")
+        object.__setattr__(self, "template", template)
+        if isinstance(first, nn.Linear):
+            self.kind = "linear"
+        elif isinstance(first, ELEMENTWISE) and not shared_input:
+            self.kind = "elementwise"
+        else:
+            self.kind = "vmap"
+
+    def extra_repr(self) -> str:
+        return f"{self.size} x {self.template!r}, {self.kind}"
+
+    def forward(self, x: Any) -> Any:
+        template: nn.Module = self.template
+        template.train(self.training)
+        if self.kind == "elementwise":
+            return template(x)
+        params = {name: getattr(self, stacked_name(name)) for name in self.param_names}
+        buffers = {name: getattr(self, stacked_name(name)) for name in self.buffer_names}
+        if self.kind == "linear":
+            return self._linear(x, params["weight"], params.get("bias"))
+        shared = self.shared_input
+        if shared and not params and not buffers:
+            x = tree_map(lambda t: t.unsqueeze(0).expand(self.size, *t.shape), x)
+            shared = False
+
+        def member(member_params: dict[str, torch.Tensor], member_buffers: dict[str, torch.Tensor], value: Any) -> Any:
+            return functional_call(template, (member_params, member_buffers), (value,))
+
+        fused = vmap(member, in_dims=(0, 0, None if shared else 0), randomness="different")
+        return fused(params, buffers, x)
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        features = weight.shape[-1]
+        if self.shared_input:
+            rows = x.reshape(1, -1, features).expand(self.size, -1, -1)
+            leading = x.shape[:-1]
+        else:
+            rows = x.reshape(self.size, -1, features)
+            leading = x.shape[1:-1]
+        transposed = weight.transpose(1, 2)
+        out = torch.bmm(rows, transposed) if bias is None else torch.baddbmm(bias.unsqueeze(1), rows, transposed)
+        return out.reshape(self.size, *leading, weight.shape[1])
+
+    def unstack_into(self, members: Sequence[nn.Module]) -> None:
+        """Copy every member's slice of the stacked weights and buffers back into that member's layer."""
+        with torch.no_grad():
+            for index, member in enumerate(members):
+                for name in self.param_names:
+                    member.get_parameter(name).copy_(getattr(self, stacked_name(name))[index])
+                for name in self.buffer_names:
+                    member.get_buffer(name).copy_(getattr(self, stacked_name(name))[index])
+
+
+def simple_attributes(module: nn.Module) -> tuple[tuple[str, str], ...]:
+    """A module's plain configuration (numbers, strings, flags, tuples of them), what its forward may read."""
+    plain = (bool, int, float, str, type(None))
+    items = []
+    for name, value in sorted(vars(module).items()):
+        if name.startswith("_") or name == "training":
+            continue
+        if isinstance(value, plain) or (isinstance(value, tuple) and all(isinstance(v, plain) for v in value)):
+            items.append((name, repr(value)))
+    return tuple(items)
+
+
+def layer_signature(layer: nn.Module) -> tuple[Any, ...]:
+    """What must agree for layers of different models to be fused: types, configuration, shapes, dtypes."""
+    parts: list[Any] = []
+    for name, module in layer.named_modules():
+        parts.append((name, type(module).__qualname__, type(module).__module__, module.training,
+                      simple_attributes(module)))
+    for name, param in layer.named_parameters():
+        parts.append((name, tuple(param.shape), str(param.dtype), param.requires_grad, str(param.device)))
+    for name, buffer in layer.named_buffers():
+        parts.append((name, tuple(buffer.shape), str(buffer.dtype), str(buffer.device)))
+    return tuple(parts)
+
+
+def member_slice(tree: Any, index: int) -> Any:
+    return tree_map(lambda t: t[index] if isinstance(t, torch.Tensor) else t, tree)
+
+
+def same_callable(functions: Sequence[Callable[..., Any]]) -> bool:
+    """Whether every function computes the same thing: the same object, or loss modules of one configuration."""
+    first = functions[0]
+    if all(function is first for function in functions):
+        return True
+    if not isinstance(first, nn.Module):
+        return False
+    return all(
+        type(function) is type(first)
+        and simple_attributes(function) == simple_attributes(first)
+        and not any(True for _ in function.parameters())
+        and not any(True for _ in function.buffers())
+        for function in functions
+    )
+
+
+class ArrayLoss:
+    """The members' losses on the stacked output and the shared targets, as a vector (one per member).
+
+    When every member has the same loss it runs once, vmapped over the members; otherwise member by member.
+    """
+
+    def __init__(self, loss_fns: Sequence[Callable[..., torch.Tensor]], vectorized: bool) -> None:
+        self.loss_fns = list(loss_fns)
+        self.vectorized = vectorized
+
+    def __call__(self, output: Any, target: Any) -> torch.Tensor:
+        if self.vectorized:
+            return vmap(self.loss_fns[0], in_dims=(0, None))(output, target).reshape(len(self.loss_fns))
+        losses = [fn(member_slice(output, index), target) for index, fn in enumerate(self.loss_fns)]
+        return torch.stack([loss.reshape(()) for loss in losses])
+
+
+def array_loss(loss_fns: Sequence[Callable[..., torch.Tensor]], output: Any, target: Any) -> ArrayLoss:
+    """An ArrayLoss for the members, vectorized when their losses agree and vmap runs them on output."""
+    if same_callable(loss_fns):
+        candidate = ArrayLoss(loss_fns, vectorized=True)
+        try:
+            with torch.no_grad():
+                fused = candidate(output, target)
+                looped = ArrayLoss(loss_fns, vectorized=False)(output, target)
+            if torch.allclose(fused, looped, rtol=1e-5, atol=1e-6, equal_nan=True):
+                return candidate
+        except Exception:
+            pass
+    return ArrayLoss(loss_fns, vectorized=False)

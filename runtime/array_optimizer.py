@@ -1,0 +1,185 @@
+"""The optimizer of a fused array: every member's own optimizer and hyperparameters, over stacked weights.
+
+Each member's factory is called on that member's slices of the stacked parameters (views, so an update
+writes into the stack), which gives its optimizer class and hyperparameters exactly as the user wrote
+them. When every member uses plain SGD, Adam or AdamW, the array steps once over the stacked tensors
+with the members' hyperparameters as per-member columns (the same arithmetic as torch's single-tensor
+implementations, a few kernels per tensor instead of one call per member and tensor); otherwise the
+members' optimizers are merged into one torch optimizer over the slices, one param group per member's group.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+STACKABLE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+PER_MEMBER = {
+    torch.optim.SGD: ("lr", "momentum", "dampening", "weight_decay", "nesterov"),
+    torch.optim.Adam: ("lr", "beta1", "beta2", "eps", "weight_decay"),
+    torch.optim.AdamW: ("lr", "beta1", "beta2", "eps", "weight_decay"),
+}
+SHARED_FLAGS = ("maximize", "amsgrad", "capturable", "differentiable", "fused", "decoupled_weight_decay")
+
+
+def member_slices(params: Sequence[nn.Parameter], member: int) -> list[nn.Parameter]:
+    """Parameters viewing member's slice of each stacked parameter, with its slice of the gradient."""
+    slices = []
+    for param in params:
+        view = nn.Parameter(param.detach()[member], requires_grad=param.requires_grad)
+        if param.grad is not None:
+            view.grad = param.grad[member]
+        slices.append(view)
+    return slices
+
+
+class StackedOptimizer(torch.optim.Optimizer):
+    """SGD, Adam or AdamW over stacked parameters, each hyperparameter a list with one value per member."""
+
+    def __init__(self, algorithm: type[torch.optim.Optimizer], groups: list[dict[str, Any]]) -> None:
+        self.algorithm = algorithm
+        self.columns: dict[tuple[Any, ...], torch.Tensor] = {}
+        super().__init__(groups, {})
+
+    def _column(self, values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
+        """values as a tensor that broadcasts member by member against like (members first)."""
+        key = (tuple(values), like.dim(), like.dtype, like.device)
+        column = self.columns.get(key)
+        if column is None:
+            column = torch.tensor(values, dtype=like.dtype, device=like.device).reshape(-1, *[1] * (like.dim() - 1))
+            self.columns[key] = column
+        return column
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                grad = -param.grad if group["maximize"] else param.grad
+                if self.algorithm is torch.optim.SGD:
+                    self._sgd(param, grad, group)
+                else:
+                    self._adam(param, grad, group)
+
+    def _sgd(self, param: torch.Tensor, grad: torch.Tensor, group: dict[str, Any]) -> None:
+        if any(group["weight_decay"]):
+            grad = grad.add(param * self._column(group["weight_decay"], param))
+        momentum = group["momentum"]
+        if any(momentum):
+            state = self.state[param]
+            buffer = state.get("momentum_buffer")
+            if buffer is None:
+                buffer = torch.clone(grad).detach()
+                state["momentum_buffer"] = buffer
+            else:
+                kept = [1 - d if m != 0 else 1.0 for m, d in zip(momentum, group["dampening"])]
+                buffer.mul_(self._column(momentum, param)).add_(grad * self._column(kept, param))
+            if any(group["nesterov"]):
+                nesterov = grad.add(buffer * self._column(momentum, param))
+                chosen = [bool(n) for n in group["nesterov"]]
+                uses_buffer = [m != 0 for m in momentum]
+                grad = torch.where(self._column(chosen, param).bool(), nesterov,
+                                   torch.where(self._column(uses_buffer, param).bool(), buffer, grad))
+            elif all(m != 0 for m in momentum):
+                grad = buffer
+            else:
+                grad = torch.where(self._column([m != 0 for m in momentum], param).bool(), buffer, grad)
+        param.add_(grad * self._column([-lr for lr in group["lr"]], param))
+
+    def _adam(self, param: torch.Tensor, grad: torch.Tensor, group: dict[str, Any]) -> None:
+        state = self.state[param]
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        state["step"] += 1
+        step = float(state["step"])
+        decay = group["weight_decay"]
+        if any(decay):
+            if group["decoupled_weight_decay"]:
+                param.mul_(self._column([1 - lr * wd for lr, wd in zip(group["lr"], decay)], param))
+            else:
+                grad = grad.add(param * self._column(decay, param))
+        beta1, beta2 = group["beta1"], group["beta2"]
+        state["exp_avg"].lerp_(grad, self._column([1 - b for b in beta1], param))
+        kept = self._column([1 - b for b in beta2], param)
+        state["exp_avg_sq"].mul_(self._column(beta2, param)).add_(kept * grad * grad)
+        step_size = [lr / (1 - b1**step) for lr, b1 in zip(group["lr"], beta1)]
+        correction = [math.sqrt(1 - b2**step) for b2 in beta2]
+        denom = (state["exp_avg_sq"].sqrt() / self._column(correction, param)).add_(self._column(group["eps"], param))
+        param.add_(self._column([-s for s in step_size], param) * (state["exp_avg"] / denom))
+
+
+def _stacked_groups(
+    members: list[torch.optim.Optimizer], params: Sequence[nn.Parameter], slices: list[list[nn.Parameter]]
+) -> list[dict[str, Any]] | None:
+    """The stacked optimizer's param groups, or None when the members cannot be stepped as one."""
+    algorithm = type(members[0])
+    if algorithm not in STACKABLE or any(type(member) is not algorithm for member in members):
+        return None
+    layouts = []
+    for member, views in zip(members, slices):
+        position = {id(view): index for index, view in enumerate(views)}
+        layout = []
+        for group in member.param_groups:
+            if any(id(p) not in position for p in group["params"]):
+                return None
+            layout.append(tuple(position[id(p)] for p in group["params"]))
+        layouts.append(tuple(layout))
+    if any(layout != layouts[0] for layout in layouts):
+        return None
+    groups = []
+    for index, positions in enumerate(layouts[0]):
+        per_member = [member.param_groups[index] for member in members]
+        group: dict[str, Any] = {"params": [params[p] for p in positions]}
+        for flag in SHARED_FLAGS:
+            values = {bool(g.get(flag) or False) for g in per_member}
+            if len(values) != 1 or (flag not in ("maximize", "decoupled_weight_decay") and values != {False}):
+                return None
+            group[flag] = values.pop()
+        for g in per_member:
+            if isinstance(g["lr"], torch.Tensor):
+                return None
+            if "betas" in g:
+                g = {**g, "beta1": g["betas"][0], "beta2": g["betas"][1]}
+            for name in PER_MEMBER[algorithm]:
+                value = g[name]
+                if isinstance(value, torch.Tensor):
+                    return None
+                group.setdefault(name, []).append(float(value))
+        if algorithm is torch.optim.AdamW:
+            group["decoupled_weight_decay"] = True
+        groups.append(group)
+    return groups
+
+
+class ArrayOptimizer:
+    """The optimizer factory of an array: builds each member's optimizer on its slices and steps them as one."""
+
+    def __init__(self, factories: Sequence[OptimizerFactory], stack: bool = True) -> None:
+        self.factories = list(factories)
+        self.stack = stack
+
+    def __call__(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        slices = [member_slices(params, member) for member in range(len(self.factories))]
+        members = [factory(views) for factory, views in zip(self.factories, slices)]
+        groups = _stacked_groups(members, params, slices) if self.stack else None
+        if groups is not None:
+            return StackedOptimizer(type(members[0]), groups)
+        merged = members[0]
+        for member in members[1:]:
+            for group in member.param_groups:
+                merged.add_param_group(group)
+        return merged
+
+
+def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every parameter an optimizer steps, in a fixed order (what its persisted state is indexed by)."""
+    return [param for group in optimizer.param_groups for param in group["params"]]

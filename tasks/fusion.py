@@ -1,0 +1,79 @@
+"""The fusion plan (pure): which models form arrays, how to split them into sub-arrays, which size wins.
+
+Models whose keys are equal (same architecture layer by layer, same loader, same optimizer class; the
+caller computes the key) and not None can be fused. A group of n such models runs as sub-arrays of a
+chosen size s: ceil(n / s) arrays with sizes as even as possible. The size is chosen by predicted
+throughput, which the caller obtains from the simulator for every candidate size whose packs fit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+
+def fusion_groups(keys: Sequence[Hashable | None]) -> list[list[int]]:
+    """Indices of models sharing a key, in order of first appearance; only groups of two or more."""
+    groups: dict[Hashable, list[int]] = {}
+    for index, key in enumerate(keys):
+        if key is not None:
+            groups.setdefault(key, []).append(index)
+    return [members for members in groups.values() if len(members) > 1]
+
+
+def candidate_sizes(members: int) -> list[int]:
+    """Sub-array sizes worth predicting for a group: the powers of two below its size, and its size."""
+    sizes = []
+    size = 1
+    while size < members:
+        sizes.append(size)
+        size *= 2
+    sizes.append(members)
+    return sizes
+
+
+def split(members: Sequence[int], size: int) -> list[list[int]]:
+    """members in consecutive sub-arrays of at most size models, as even as possible."""
+    count = -(-len(members) // size)
+    base, extra = divmod(len(members), count)
+    arrays = []
+    first = 0
+    for index in range(count):
+        stop = first + base + (1 if index < extra else 0)
+        arrays.append(list(members[first:stop]))
+        first = stop
+    return arrays
+
+
+@dataclass(frozen=True)
+class FusionChoice:
+    """The sub-array size chosen for one group of fusable models, and why.
+
+    predicted maps every candidate size to the predicted seconds for the whole group to advance one step
+    (None where the size's packs do not fit the budget).
+    """
+
+    members: tuple[int, ...]
+    predicted: dict[int, float | None]
+    size: int
+
+    @property
+    def arrays(self) -> list[list[int]]:
+        return split(self.members, self.size)
+
+    def explain(self, name: str) -> str:
+        tried = ", ".join(
+            f"{size}: {'does not fit' if seconds is None else f'{len(self.members) / seconds:,.0f} model-steps/s'}"
+            for size, seconds in self.predicted.items()
+        )
+        arrays = " + ".join(str(len(array)) for array in self.arrays)
+        return f"{len(self.members)} x {name} fused as {arrays} (sub-array size {self.size}; predicted {tried})"
+
+
+def choose_size(members: Sequence[int], predicted: dict[int, float | None]) -> FusionChoice:
+    """The size with the best predicted throughput (ties go to the larger size); 1 when none fits."""
+    fitting = {size: seconds for size, seconds in predicted.items() if seconds is not None}
+    if not fitting:
+        return FusionChoice(tuple(members), dict(predicted), 1)
+    best = min(fitting, key=lambda size: (fitting[size], -size))
+    return FusionChoice(tuple(members), dict(predicted), best)
