@@ -62,8 +62,9 @@ def train(
     device whole (weights, gradients, optimizer state) on a home device for the run, so its weights
     cross to the device once and its gradients never leave; False swaps every model every step.
     fuse="auto" trains models of the same architecture that share a loader (and optimizer class) as fused
-    arrays, sized by the simulator's predicted throughput; True fuses each such group whole, an int caps
-    the sub-array size, False trains every model on its own. Every model keeps its own loss,
+    arrays, sized by the simulator's predicted throughput; True uses the largest sub-arrays whose layers
+    fit the budget (the whole group when it fits), an int k the largest that fit up to k, and False trains
+    every model on its own. Every model keeps its own loss,
     optimizer and hyperparameters, and gets the weights it would get alone.
     """
     args = validate(models, loaders, loss_fn, optimizer, epochs, steps, microbatches, devices,

@@ -25,12 +25,12 @@ logger = logging.getLogger("harmony")
 
 
 def check_fuse(fuse: Any) -> None:
-    """fuse as train and plan take it: "auto", True (whole groups), False, or a largest sub-array size."""
+    """fuse as train and plan take it: "auto", True (as many as fit), False, or a largest sub-array size."""
     if fuse in ("auto", True, False) or (isinstance(fuse, int) and not isinstance(fuse, bool) and fuse >= 1):
         return
     raise InputError(f"fuse={fuse!r} is not a fusion setting; use 'auto' (the default: the sub-array size with the "
-                     "best predicted throughput), True (fuse every group whole), False (no fusion), or a "
-                     "positive int (the largest sub-array size)")
+                     "best predicted throughput), True (the largest sub-arrays that fit), False (no fusion), or a "
+                     "positive int (the largest sub-array size to use)")
 
 
 def _optimizer_class(factory: Any) -> type | None:
@@ -127,10 +127,9 @@ def _choose(
 ) -> FusionChoice:
     budget = min(budgets.values())
     sizes = candidate_sizes(len(group))
-    if fuse is True:
-        sizes = [len(group)]
-    elif fuse != "auto":
-        sizes = [size for size in sizes if size <= fuse] or [1]
+    if fuse != "auto":
+        cap = len(group) if fuse is True else min(fuse, len(group))
+        sizes = sorted({size for size in sizes if size < cap} | {cap}, reverse=True)
     predicted: dict[int, float | None] = {}
     for size in sizes:
         if size == 1:
@@ -143,6 +142,8 @@ def _choose(
                 continue
             arrays = [array] * len(split(group, size))
         predicted[size] = _predict(arrays, args, budgets, hardware, prefetch, policy)
+        if fuse != "auto":
+            return FusionChoice(tuple(group), predicted, size)
     return choose_size(group, predicted)
 
 
@@ -162,7 +163,7 @@ def fuse_jobs(
     choices = [_choose(group, jobs, args, budgets, hardware, prefetch, policy, fuse) for group in groups]
     replaced: dict[int, list[JobModel]] = {}
     for choice in choices:
-        logger.info("%s", choice.explain(jobs[choice.members[0]].module.__class__.__name__))
+        logger.info("%s", choice.explain(type(args.models[choice.members[0]]).__name__))
         for array in choice.arrays:
             job = jobs[array[0]] if len(array) == 1 else build_array(array, jobs, args, min(budgets.values()))
             if len(array) > 1:

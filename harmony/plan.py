@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 
 from harmony.errors import InputError
+from harmony.fusing import check_fuse, fuse_jobs
 from harmony.prepare import arrange, first_batch_samples, prepare
 from harmony.runtime.devices import build_specs
 from harmony.runtime.measure import this_machine
 from harmony.sizes import parse_size
+from harmony.tasks.fusion import FusionChoice
 from harmony.tasks.packing import PackPlan
 from harmony.tasks.simulator import Hardware, MemoryReport, ScheduleExceedsBudget, Simulation, replay_memory, simulate
 from harmony.validate import check_scheduling, validate
@@ -19,7 +21,11 @@ from harmony.validate import check_scheduling, validate
 
 @dataclass
 class Plan:
-    """Packs per model, device assignment, predicted peak bytes, step time and swap volume."""
+    """Packs per job, device assignment, predicted peak bytes, step time and swap volume.
+
+    A job is one model or a fused array: arrays lists the models of each job (in the order of plans),
+    fusion the sub-array size chosen for each group of fusable models and the throughput predicted per size.
+    """
 
     plans: list[PackPlan]
     budgets: dict[str, int]
@@ -29,6 +35,9 @@ class Plan:
     steps: list[int]
     mode: str = "free"
     predicted_modes: dict[str, float] | None = None
+    arrays: list[list[int]] = field(default_factory=list)
+    fusion: list[FusionChoice] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
 
     @property
     def step_seconds(self) -> float:
@@ -65,6 +74,8 @@ class Plan:
                 "  modes (predicted per step): "
                 + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.predicted_modes.items())
             )
+        for choice in self.fusion:
+            lines.append(f"  {choice.explain(self.names[choice.members[0]])}")
         for index, plan in enumerate(self.plans):
             packs = " | ".join(f"{p.first}-{p.stop - 1}" for p in plan.packs)
             weights = sum(p.weight_bytes for p in plan.packs)
@@ -98,6 +109,7 @@ def plan(
     policy: str = "lrtf",
     mode: str = "auto",
     resident: bool = True,
+    fuse: bool | int | str = "auto",
 ) -> Plan:
     """Plan a sweep as harmony.train would run it and predict it with the simulator; trains nothing.
 
@@ -110,6 +122,7 @@ def plan(
     if hardware is not None and device_memory is None:
         raise InputError("with a hardware description, pass device_memory: the budget of each device")
     check_scheduling(policy, mode)
+    check_fuse(fuse)
     args = validate(models, loaders, loss_fn, optimizer, epochs, steps, microbatches, devices, device_memory,
                     None, for_training=False)
     if hardware is None:
@@ -119,11 +132,11 @@ def plan(
         budget = parse_size(device_memory, "device_memory")  # type: ignore[arg-type]
         budgets = {f"dev-{i}": budget for i in range(len(args.devices))}
     jobs, _ = prepare(args, min(budgets.values()))
-    counts = []
     for index, job in enumerate(jobs):
         if job.expected_steps is None:
             raise InputError(f"loaders for model {index} have no length; pass steps= to plan a fixed number of steps")
-        counts.append(job.expected_steps)
+    jobs, choices = fuse_jobs(jobs, args, budgets, hardware, prefetch, policy, fuse)
+    counts = [job.expected_steps or 0 for job in jobs]
     chosen, predicted = arrange(jobs, args, budgets, counts, hardware, mode, prefetch, policy, resident)
     plans = [job.plan for job in jobs]
     homes = {index: job.home for index, job in enumerate(jobs) if job.home is not None}
@@ -133,4 +146,6 @@ def plan(
         memory = replay_memory(simulation.order, plans, budgets, homes, [job.state_ratio for job in jobs])
     except ScheduleExceedsBudget as error:
         raise InputError(f"the planned schedule would not fit: {error}") from None
-    return Plan(plans, budgets, hardware, simulation, memory, counts, chosen, predicted)
+    return Plan(plans, budgets, hardware, simulation, memory, counts, chosen, predicted,
+                arrays=[list(job.members) for job in jobs], fusion=choices,
+                names=[type(model).__name__ for model in args.models])

@@ -1,0 +1,151 @@
+"""Fused arrays end to end: the same weights, losses and running statistics as plain PyTorch, within budget."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+import harmony
+from tests.conftest import assert_same_weights, clones, deep_mlp, regression_batches, train_plain
+
+Factory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+SWEEP: list[Factory] = [
+    lambda p: torch.optim.SGD(p, lr=0.05),
+    lambda p: torch.optim.SGD(p, lr=0.02, momentum=0.9, weight_decay=1e-3),
+    lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.8, nesterov=True),
+    lambda p: torch.optim.Adam(p, lr=1e-3),
+    lambda p: torch.optim.Adam(p, lr=3e-3, betas=(0.8, 0.99), weight_decay=1e-2),
+    lambda p: torch.optim.Adam(p, lr=2e-3, eps=1e-6),
+    lambda p: torch.optim.AdamW(p, lr=1e-3),
+    lambda p: torch.optim.AdamW(p, lr=4e-3, weight_decay=0.1),
+    lambda p: torch.optim.AdamW(p, lr=2e-3, betas=(0.85, 0.995)),
+]
+
+
+def batchnorm_mlp(seed: int, width: int = 32, hidden: int = 48, depth: int = 1) -> nn.Sequential:
+    """BatchNorm after the activation: right after a Linear it zeroes the bias gradient, which Adam would turn
+    into updates of pure rounding noise (no two correct implementations agree on those)."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(width, hidden), nn.ReLU(), nn.BatchNorm1d(hidden),
+        *[module for _ in range(depth) for module in (nn.Linear(hidden, hidden), nn.GELU())],
+        nn.Linear(hidden, 4),
+    )
+
+
+def small_cnn(seed: int) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Conv2d(3, 6, 3, padding=1), nn.ReLU(), nn.BatchNorm2d(6),
+        nn.Conv2d(6, 6, 3, stride=2), nn.ReLU(),
+        nn.Flatten(), nn.Linear(6 * 3 * 3, 5),
+    )
+
+
+def image_batches(steps: int, batch: int) -> list:
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(steps * batch, 3, 8, 8, generator=generator)
+    y = torch.randint(0, 5, (steps * batch,), generator=generator)
+    return [(x[i : i + batch], y[i : i + batch]) for i in range(0, steps * batch, batch)]
+
+
+def check_against_plain(
+    result: harmony.TrainResult,
+    models: list[nn.Module],
+    references: list[nn.Module],
+    batches: list,
+    loss_fns: list[Callable[..., torch.Tensor]],
+    factories: list[Factory],
+) -> None:
+    for index, (reference, loss_fn, factory) in enumerate(zip(references, loss_fns, factories)):
+        losses = train_plain(reference, batches, loss_fn, factory)
+        assert result.models[index] is models[index]
+        assert_same_weights(models[index], reference, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(torch.tensor(result.history[index]), torch.tensor(losses), rtol=1e-5, atol=1e-6)
+
+
+def test_a_fused_sweep_matches_plain_pytorch_and_the_unfused_run(no_leaks: None) -> None:
+    batches = regression_batches(samples=16 * 6, batch=16)
+    runs = {}
+    for fuse in ("auto", False):
+        models = [batchnorm_mlp(seed) for seed in range(len(SWEEP))]
+        references = clones(models)
+        result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss, optimizer=SWEEP, fuse=fuse,
+                               devices=["cpu"], device_memory="2MB", progress=False)
+        check_against_plain(result, models, references, batches, [nn.functional.mse_loss] * len(SWEEP), SWEEP)
+        runs[fuse] = (result, models)
+    fused, unfused = runs["auto"][0], runs[False][0]
+    assert [sorted(array) for array in fused.arrays if len(array) > 1] == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    assert all(len(array) == 1 for array in unfused.arrays)
+    assert [choice.size for choice in fused.fusion] == [3, 3, 3]
+    for a, b in zip(runs["auto"][1], runs[False][1]):
+        assert_same_weights(a, b, rtol=1e-5, atol=1e-6)
+    assert fused.stats.tasks < unfused.stats.tasks
+
+
+def test_an_array_that_does_not_fit_is_cut_into_sub_arrays_and_packs_within_budget(no_leaks: None) -> None:
+    factories = [(lambda lr: (lambda p: torch.optim.SGD(p, lr=lr, momentum=0.9)))(0.01 * (i + 1)) for i in range(4)]
+    models = [deep_mlp(seed=seed) for seed in range(4)]
+    references = clones(models)
+    budget = 60_000  # an array of two needs 39,000 bytes for its largest layer, an array of four twice that
+    batches = regression_batches(samples=16 * 5, batch=16)
+    result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss, optimizer=factories, fuse=True,
+                           microbatches=2, devices=["cpu"], device_memory=budget, resident=False, progress=False)
+    check_against_plain(result, models, references, batches, [nn.functional.mse_loss] * 4, factories)
+    (choice,) = result.fusion
+    assert choice.predicted[4] is None, "an array of all four models must not fit this budget"
+    assert choice.size == 2
+    assert sorted(map(len, result.arrays)) == [2, 2]
+    assert any(len(plan.packs) > 1 for plan in result.plans), "the arrays must be swapped pack by pack"
+    assert 0 < result.stats.peak_device_bytes["cpu-0"] <= budget
+
+
+def test_cnns_with_different_losses_fuse_while_other_models_run_beside_them(no_leaks: None) -> None:
+    batches = image_batches(steps=5, batch=8)
+    cnns = [small_cnn(seed) for seed in range(3)]
+    other_architecture = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 5))
+    own_loader_cnn = small_cnn(7)
+    models = [*cnns, other_architecture, own_loader_cnn]
+    references = clones(models)
+    loss_fns = [nn.CrossEntropyLoss(), nn.CrossEntropyLoss(label_smoothing=0.1), nn.functional.cross_entropy,
+                nn.CrossEntropyLoss(), nn.CrossEntropyLoss()]
+    factories: list[Factory] = [(lambda lr: (lambda p: torch.optim.Adam(p, lr=lr)))(1e-3 * (i + 1)) for i in range(5)]
+    other_batches = image_batches(steps=5, batch=8)[::-1]
+    result = harmony.train(models, [batches, batches, batches, batches, other_batches], loss_fn=loss_fns,
+                           optimizer=factories, devices=["cpu", "cpu"], progress=False)
+    assert sorted(map(sorted, result.arrays)) == [[0, 1, 2], [3], [4]]
+    check_against_plain(result, models[:4], references[:4], batches, loss_fns[:4], factories[:4])
+    losses = train_plain(references[4], other_batches, loss_fns[4], factories[4])
+    assert_same_weights(models[4], references[4], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(result.history[4]), torch.tensor(losses), rtol=1e-5, atol=1e-6)
+
+
+def test_fused_dropout_draws_its_own_masks_for_every_member(no_leaks: None) -> None:
+    def dropout_mlp() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Dropout(0.5), nn.Linear(64, 4))
+
+    models = [dropout_mlp() for _ in range(3)]
+    batches = regression_batches(samples=16 * 4, batch=16)
+    result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss,
+                           optimizer=lambda p: torch.optim.SGD(p, lr=0.05), devices=["cpu"], progress=False)
+    assert result.arrays == [[0, 1, 2]]
+    assert len({round(history[0], 6) for history in result.history}) == 3
+    assert not torch.equal(models[0][0].weight, models[1][0].weight)
+
+
+def test_plan_shows_the_arrays_and_the_sizes_it_compared() -> None:
+    models = [batchnorm_mlp(seed) for seed in range(4)]
+    batches = regression_batches(samples=16 * 3, batch=16)
+    plan = harmony.plan(models, batches, loss_fn=nn.functional.mse_loss,
+                        optimizer=lambda p: torch.optim.SGD(p, lr=0.1), devices=["cpu"], device_memory="4MB")
+    text = str(plan)
+    assert plan.arrays == [[0, 1, 2, 3]] or sum(map(len, plan.arrays)) == 4
+    assert "4 x Sequential fused as" in text and "sub-array size" in text
+    assert "model-steps/s" in text
+    unfused = harmony.plan(models, batches, loss_fn=nn.functional.mse_loss,
+                           optimizer=lambda p: torch.optim.SGD(p, lr=0.1), devices=["cpu"], fuse=False)
+    assert unfused.arrays == [[0], [1], [2], [3]] and "fused" not in str(unfused)
