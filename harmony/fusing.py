@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from harmony.errors import InputError, ModelError
+from harmony.errors import ModelError
 from harmony.prepare import RANKING_STEPS, first_batch_samples, pilot_batch
 from harmony.runtime.array import ArrayLayer, array_loss, layer_signature
 from harmony.runtime.array_optimizer import ArrayOptimizer
@@ -22,15 +22,6 @@ from harmony.tasks.simulator import Hardware, model_step_seconds, simulate
 from harmony.validate import Arguments
 
 logger = logging.getLogger("harmony")
-
-
-def check_fuse(fuse: Any) -> None:
-    """fuse as train and plan take it: "auto", True (as many as fit), False, or a largest sub-array size."""
-    if fuse in ("auto", True, False) or (isinstance(fuse, int) and not isinstance(fuse, bool) and fuse >= 1):
-        return
-    raise InputError(f"fuse={fuse!r} is not a fusion setting; use 'auto' (the default: the sub-array size with the "
-                     "best predicted throughput), True (the largest sub-arrays that fit), False (no fusion), or a "
-                     "positive int (the largest sub-array size to use)")
 
 
 def _optimizer_class(factory: Any) -> type | None:

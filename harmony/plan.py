@@ -8,7 +8,7 @@ from typing import Any
 from torch import nn
 
 from harmony.errors import InputError
-from harmony.fusing import check_fuse, fuse_jobs
+from harmony.fusing import fuse_jobs
 from harmony.prepare import arrange, first_batch_samples, prepare
 from harmony.runtime.devices import build_specs
 from harmony.runtime.measure import this_machine
@@ -16,7 +16,7 @@ from harmony.sizes import parse_size
 from harmony.tasks.fusion import FusionChoice
 from harmony.tasks.packing import PackPlan
 from harmony.tasks.simulator import Hardware, MemoryReport, ScheduleExceedsBudget, Simulation, replay_memory, simulate
-from harmony.validate import check_scheduling, validate
+from harmony.validate import check_fuse, check_scheduling, validate
 
 
 @dataclass

@@ -10,9 +10,11 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from harmony.errors import InputError, ModelError
+from harmony.runtime.cache import tree_nbytes
 from harmony.runtime.data import batch_size, split_tree
 from harmony.runtime.job import JobModel
 from harmony.runtime.pilot import decompose
+from harmony.tasks.amortize import steps_per_task
 from harmony.tasks.binding import MODES
 from harmony.tasks.microbatch import split_sizes
 from harmony.tasks.packing import LayerTooLarge, PackPlan, minimal_budget, plan_packs
@@ -164,8 +166,10 @@ def arrange(
     prefetch: bool,
     policy: str,
     resident: bool,
+    depth: int | str = "auto",
 ) -> tuple[str, dict[str, float]]:
-    """Choose the execution mode, home the models that stay resident and set every job's groups.
+    """Choose the execution mode, home the models that stay resident and set every job's groups, and the
+    steps per task of resident single-pack jobs (depth, or with "auto" chosen from their step time).
 
     Returns the mode and what the simulator predicted for each mode it compared; jobs are updated in place.
     """
@@ -176,6 +180,11 @@ def arrange(
         settle_residency(jobs, args, budgets)
     for job in jobs:
         job.groups = groups_for(chosen, len(budgets), args.microbatches)
+        if job.home is not None and len(job.plan.packs) == 1 and job.groups == 1:
+            batch = args.loaders[job.feed].first
+            job.depth = depth if isinstance(depth, int) else steps_per_task(
+                job.step_seconds, hardware.task_overhead, tree_nbytes(batch), job.expected_steps
+            )
     return chosen, predicted
 
 

@@ -278,3 +278,24 @@ def validate(
         device_memory=budget,
         cluster=cluster,
     )
+
+
+def check_fuse(fuse: Any) -> None:
+    """fuse as train and plan take it: "auto", True (as many as fit), False, or a largest sub-array size."""
+    if fuse is True or fuse is False or fuse == "auto" or (
+        isinstance(fuse, int) and not isinstance(fuse, bool) and fuse >= 1
+    ):
+        return
+    raise InputError(f"fuse={fuse!r} is not a fusion setting; use 'auto' (the default: the sub-array size with the "
+                     "best predicted throughput), True (the largest sub-arrays that fit), False (no fusion), or a "
+                     "positive int (the largest sub-array size to use)")
+
+
+def check_steps_per_task(steps_per_task: Any) -> None:
+    """steps_per_task as train takes it: "auto" or a positive int."""
+    if steps_per_task == "auto" or (
+        isinstance(steps_per_task, int) and not isinstance(steps_per_task, bool) and steps_per_task >= 1
+    ):
+        return
+    raise InputError(f"steps_per_task={steps_per_task!r} must be 'auto' (chosen from the measured step time) or a "
+                     "positive int (how many consecutive steps one task of a resident model runs)")

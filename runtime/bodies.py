@@ -51,7 +51,8 @@ def task_body(kind: str) -> Callable[[Callable[..., Result]], Callable[..., Resu
     ``after`` holds the results of tasks that must finish first without being read (Dask waits for them);
     ``peers`` flags the arguments that another device produced, whose bytes count as device to device;
     ``successor`` is the task that follows in the model's chain, whose weights the body may prefetch;
-    ``group`` is the micro-batch group (vDP) whose micro-batches the task runs.
+    ``group`` is the micro-batch group (vDP) whose micro-batches the task runs; other keywords (a
+    multi-step task's ``span``) go to the body.
     """
 
     def decorate(body: Callable[..., Result]) -> Callable[..., Result]:
@@ -66,6 +67,7 @@ def task_body(kind: str) -> Callable[[Callable[..., Result]], Callable[..., Resu
             peers: tuple[bool, ...] = (),
             successor: TaskId | None = None,
             group: int = 0,
+            **extra: Any,
         ) -> Result:
             ctx = context(run_id)
             ctx.successor = successor
@@ -74,7 +76,7 @@ def task_body(kind: str) -> Callable[[Callable[..., Result]], Callable[..., Resu
             ctx.executed.append(TaskId(kind, model, pack, step, group).key(run_id))  # type: ignore[arg-type]
             ctx.counters.add("p2p", sum(tree_nbytes(arg) for arg, remote in zip(args, peers) if remote))
             try:
-                return body(ctx, model, pack, step, *args, group=group)
+                return body(ctx, model, pack, step, *args, group=group, **extra)
             except (BudgetExceeded, ModelFailure):
                 raise
             except Exception as error:
@@ -121,76 +123,111 @@ def backward(
     step: int,
     inputs: list[Any],
     gradients_or_targets: list[Any],
-    loss_weights: list[float],
+    loss_weights: list[Any],
     group: int = 0,
+    span: tuple[int, int] | None = None,
 ) -> list[Any] | None:
+    """Backward of one pack for one step, or, with span=(first, count), of a resident model's last (only) pack
+    for count consecutive steps from first, inputs, targets and loss weights given per step; the updates
+    between those steps run here on the device, the last one is the upd task's."""
     spec = ctx.spec.models[model]
     runtime = spec.packs[pack]
-    last = pack == len(spec.packs) - 1
     resident = spec.home is not None
-    module = ctx.module(model, pack)
+    first, count = span if span is not None else (step, 1)
+    per_step = list(zip(inputs, gradients_or_targets, loss_weights)) if span is not None else [
+        (inputs, gradients_or_targets, loss_weights)
+    ]
     host = ctx.host_weights(model, pack)
-    input_grads = []
-    loss_total = torch.zeros(spec.members, dtype=torch.float64)
+    input_grads: list[Any] = []
     with (
-        ctx.cache.weights((model, pack), step, host) as weights,
+        ctx.cache.weights((model, pack), first, host) as weights,
         nullcontext() if resident else ctx.cache.scratch(runtime.grads.nbytes, f"gradients of pack {pack}"),
     ):
         ctx.prefetch_next(keep_free=runtime.workspace)
         if resident:
             grad_bytes = ctx.resident(model, weights).grad_bytes
-            grad_bytes.zero_()
         else:
             grad_bytes = torch.zeros(runtime.grads.nbytes, dtype=torch.uint8, device=ctx.device)
-        grads = tensors_at(grad_bytes, runtime.grads)
-        tensors = tensors_at(weights, runtime.weights)
-        saved_buffers = (
-            weights[runtime.buffers_offset :].clone() if runtime.has_buffers and not last else None
-        )
-        for index, microbatch in enumerate(inputs):
-            if index and not ctx.spec.group:
-                ctx.cache.reload((model, pack), host)
-            with ctx.cache.scratch(runtime.workspace, f"activations of pack {pack}"):
-                x = ctx.cache.copy_in(microbatch, "inputs" if pack == 0 else "activations")
-                if pack > 0:
-                    x.requires_grad_(x.is_floating_point())
-                leaves = {}
-                for name, grad in grads.items():
-                    leaf = tensors[name].detach().requires_grad_()
-                    leaf.grad = grad
-                    leaves[name] = leaf
-                _seed(ctx.device, spec.seed, pack, step, group * 65_536 + index)
-                with torch.enable_grad():
-                    y = functional_call(module, {**tensors, **leaves}, (x,))
-                    if last:
-                        target = ctx.cache.copy_in(gradients_or_targets[index], "inputs")
-                        losses = ctx.loss_fn(model)(y, target).reshape(-1)
-                        loss_total += losses.detach().to("cpu", torch.float64) * loss_weights[index]
-                        (losses.sum() * loss_weights[index]).backward()
-                    else:
-                        upstream = ctx.cache.copy_in(gradients_or_targets[index], "activations")
-                        if y.requires_grad:
-                            y.backward(upstream)
-                if pack > 0:
-                    grad = x.grad if x.grad is not None else torch.zeros_like(x)
-                    input_grads.append(ctx.cache.copy_out(grad, "activations"))
-                if saved_buffers is not None:
-                    weights[runtime.buffers_offset :].copy_(saved_buffers)
+        for index, (step_inputs, step_targets, step_weights) in enumerate(per_step):
+            if index:
+                ctx.resident_step(model, first + index - 1)
+            if resident:
+                grad_bytes.zero_()
+            input_grads = _backward_step(ctx, model, pack, first + index, weights, grad_bytes, step_inputs,
+                                         step_targets, step_weights, group)
         if not resident:
             ctx.cache.write_back(grad_bytes, ctx.host_grads(model, pack, group), "grads")
-        if last and runtime.has_buffers and not resident:
+        if pack == len(spec.packs) - 1 and runtime.has_buffers and not resident:
             ctx.cache.write_back(weights[runtime.buffers_offset :], host[runtime.buffers_offset :], "buffers")
+    assert len(per_step) == count, f"span {span} but {len(per_step)} steps of data"
+    return input_grads if pack > 0 else None
+
+
+def _backward_step(
+    ctx: RunContext,
+    model: int,
+    pack: int,
+    step: int,
+    weights: torch.Tensor,
+    grad_bytes: torch.Tensor,
+    inputs: list[Any],
+    gradients_or_targets: list[Any],
+    loss_weights: list[float],
+    group: int,
+) -> list[Any]:
+    """One step's micro-batches through a pack's backward, accumulating into grad_bytes; records the losses."""
+    spec = ctx.spec.models[model]
+    runtime = spec.packs[pack]
+    last = pack == len(spec.packs) - 1
+    module = ctx.module(model, pack)
+    input_grads = []
+    loss_total = torch.zeros(spec.members, dtype=torch.float64)
+    grads = tensors_at(grad_bytes, runtime.grads)
+    tensors = tensors_at(weights, runtime.weights)
+    saved_buffers = weights[runtime.buffers_offset :].clone() if runtime.has_buffers and not last else None
+    for index, microbatch in enumerate(inputs):
+        if index and not ctx.spec.group:
+            ctx.cache.reload((model, pack), ctx.host_weights(model, pack))
+        with ctx.cache.scratch(runtime.workspace, f"activations of pack {pack}"):
+            x = ctx.cache.copy_in(microbatch, "inputs" if pack == 0 else "activations")
+            if pack > 0:
+                x.requires_grad_(x.is_floating_point())
+            leaves = {}
+            for name, grad in grads.items():
+                leaf = tensors[name].detach().requires_grad_()
+                leaf.grad = grad
+                leaves[name] = leaf
+            _seed(ctx.device, spec.seed, pack, step, group * 65_536 + index)
+            with torch.enable_grad():
+                y = functional_call(module, {**tensors, **leaves}, (x,))
+                if last:
+                    target = ctx.cache.copy_in(gradients_or_targets[index], "inputs")
+                    losses = ctx.loss_fn(model)(y, target).reshape(-1)
+                    loss_total += losses.detach().to("cpu", torch.float64) * loss_weights[index]
+                    (losses.sum() * loss_weights[index]).backward()
+                else:
+                    upstream = ctx.cache.copy_in(gradients_or_targets[index], "activations")
+                    if y.requires_grad:
+                        y.backward(upstream)
+            if pack > 0:
+                grad = x.grad if x.grad is not None else torch.zeros_like(x)
+                input_grads.append(ctx.cache.copy_out(grad, "activations"))
+            if saved_buffers is not None:
+                weights[runtime.buffers_offset :].copy_(saved_buffers)
     if last:
         nbytes = 8 * LOSS_BLOCK * spec.members
         block = ctx.store.attach(losses_name(model, step // LOSS_BLOCK, group), nbytes).view(torch.float64)
         block.view(LOSS_BLOCK, spec.members)[step % LOSS_BLOCK] = loss_total
-    return input_grads if pack > 0 else None
+    return input_grads
 
 
 @task_body("upd")
-def update(ctx: RunContext, model: int, pack: int, step: int, group: int = 0) -> None:
+def update(
+    ctx: RunContext, model: int, pack: int, step: int, group: int = 0, span: tuple[int, int] | None = None
+) -> None:
     if ctx.spec.models[model].home is not None:
-        ctx.resident_step(model, step)
+        first, count = span if span is not None else (step, 1)
+        ctx.resident_step(model, first + count - 1)
         return
     ctx.reduce_grads(model, pack)
     ctx.optimizer(model, pack, step).step(step)

@@ -55,28 +55,60 @@ class Driver:
         self.tasks_run = 0
         self.started = time.perf_counter()
         self.finish_seconds: dict[int, float] = {}
+        self.spans: dict[tuple[int, int], tuple[int, int]] = {}
+        self.steps_fetched = [0] * len(feeds)
 
     def _fetch_batches(self) -> None:
         for model, step in self.state.wanted_batches():
-            batch = self.feeds[model].get(step)
-            if batch is None:
-                self.state.end_of_data(model)
+            depth = self.state.models[model].depth
+            if depth == 1:
+                if not self._fetch_step(model, step):
+                    self.state.end_of_data(model)
+                    continue
+                self.state.add_batch(model, step)
                 continue
-            inputs_, targets = batch
-            sizes = split_sizes(batch_size(inputs_), self.microbatches)
-            micro_inputs, micro_targets = split_tree(inputs_, sizes), split_tree(targets, sizes)
-            weights = loss_weights(sizes)
-            groups = self.state.models[model].groups
-            first = 0
-            for group, count in enumerate(group_sizes(len(sizes), groups)):
-                chunk = slice(first, first + count)
-                first += count
-                self.values[BatchInput(model, step, group)] = micro_inputs[chunk]
-                self.values[BatchTargets(model, step, group)] = micro_targets[chunk]
-                self.weights[(model, step, group)] = weights[chunk]
-            if self.on_batch is not None:
-                self.on_batch(model, step)
-            self.state.add_batch(model, step)
+            self._fetch_span(model, step, depth)
+
+    def _fetch_step(self, model: int, step: int) -> bool:
+        """Split one step's mini-batch into its micro-batch groups; False when the loader has run dry."""
+        batch = self.feeds[model].get(step)
+        if batch is None:
+            return False
+        inputs_, targets = batch
+        sizes = split_sizes(batch_size(inputs_), self.microbatches)
+        micro_inputs, micro_targets = split_tree(inputs_, sizes), split_tree(targets, sizes)
+        weights = loss_weights(sizes)
+        groups = self.state.models[model].groups
+        first = 0
+        for group, count in enumerate(group_sizes(len(sizes), groups)):
+            chunk = slice(first, first + count)
+            first += count
+            self.values[BatchInput(model, step, group)] = micro_inputs[chunk]
+            self.values[BatchTargets(model, step, group)] = micro_targets[chunk]
+            self.weights[(model, step, group)] = weights[chunk]
+        if self.on_batch is not None:
+            self.on_batch(model, step)
+        self.steps_fetched[model] += 1
+        return True
+
+    def _fetch_span(self, model: int, span: int, depth: int) -> None:
+        """The mini-batches of depth consecutive steps, for one multi-step task of a resident model."""
+        first = span * depth
+        steps = []
+        for step in range(first, first + depth):
+            if not self._fetch_step(model, step):
+                break
+            steps.append(step)
+        if not steps:
+            self.state.end_of_data(model)
+            return
+        for kind in (BatchInput, BatchTargets):
+            self.values[kind(model, span)] = [self.values.pop(kind(model, step)) for step in steps]
+        self.weights[(model, span, 0)] = [self.weights.pop((model, step, 0)) for step in steps]
+        self.spans[(model, span)] = (first, len(steps))
+        self.state.add_batch(model, span)
+        if len(steps) < depth:
+            self.state.end_of_data(model)
 
     def _submit(self, task: TaskId, device: str) -> Future:
         packs = self.state.models[task.model].packs
@@ -89,6 +121,8 @@ class Driver:
         data = set(reads)
         bound = self.state.bound
         after = [self.values[dep] for dep in self.state.dependencies(task) if dep not in data and dep in bound]
+        span = self.spans.get((task.model, task.step))
+        extra = {"span": span} if span is not None else {}
         future = self.client.submit(
             BODIES[task.kind],
             self.run,
@@ -104,6 +138,7 @@ class Driver:
             workers=[self.workers[device]],
             allow_other_workers=False,
             pure=False,
+            **extra,
         )
         self.values[task] = future
         self.device_of[task] = device
@@ -140,6 +175,8 @@ class Driver:
                     self.device_of.pop(value, None)
                 if isinstance(value, BatchTargets):
                     self.weights.pop((value.model, value.step, value.group), None)
+            if task.kind == "upd":
+                self.spans.pop((task.model, task.step), None)
             self.tasks_run += 1
             total = self.state.total_steps[task.model]
             if total is not None and self.state.steps_done[task.model] >= total:

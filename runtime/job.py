@@ -49,7 +49,8 @@ class JobModel:
     """A model, or a fused array of models, ready to run: its chain of layers, pack plan, loss, optimizer, feed.
 
     members are the indices of the user's models it trains (one, or an array's); member_layers their own
-    chains of layers, into which a fused array's trained weights are copied back.
+    chains of layers, into which a fused array's trained weights are copied back. depth is how many
+    consecutive steps each of its tasks runs (more than one only for a resident single-pack job).
     """
 
     module: nn.Module
@@ -69,6 +70,7 @@ class JobModel:
     member_layers: list[list[nn.Module]] = field(default_factory=list)
     state_ratio: float = 2.0
     label: str = ""
+    depth: int = 1
 
     @property
     def fused(self) -> bool:
@@ -268,9 +270,10 @@ def run_job(
             [
                 ModelWork(
                     tuple(pack.weight_bytes for pack in job.plan.packs),
-                    job.expected_steps,
-                    job.step_seconds,
+                    None if job.expected_steps is None else -(-job.expected_steps // job.depth),
+                    job.step_seconds * job.depth,
                     job.groups,
+                    job.depth,
                 )
                 for job in models
             ],
@@ -293,7 +296,7 @@ def run_job(
         driver.run_to_completion()
         run_seconds = time.perf_counter() - running
         handle.client.run(_flush_residents, run)
-        steps = [state.steps_done[m] for m in range(len(models))]
+        steps = list(driver.steps_fetched)
         history = [_history(store, m, count, models[m].groups, runtimes[m].members) for m, count in enumerate(steps)]
         counters = {
             device.name: Counters(store.attach(counters_name(i), BLOCK_BYTES)).read()

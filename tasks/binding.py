@@ -28,12 +28,17 @@ MODES = ("free", "vpp", "vdp")
 
 @dataclass(frozen=True)
 class ModelWork:
-    """What the binder needs to know of one model (or fused array): its packs and their weight bytes."""
+    """What the binder needs to know of one model (or fused array): its packs and their weight bytes.
+
+    depth is how many training steps one of its steps here stands for (a resident model whose tasks each
+    run several steps); steps and step_seconds count in those units.
+    """
 
     pack_weight_bytes: tuple[int, ...]
     steps: int | None = None
     step_seconds: float = 0.0
     groups: int = 1
+    depth: int = 1
 
     @property
     def packs(self) -> int:

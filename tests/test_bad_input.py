@@ -137,3 +137,15 @@ def test_a_one_shot_iterator_with_several_epochs() -> None:
 def test_an_unknown_cluster_argument() -> None:
     with pytest.raises(InputError, match="cluster=42 must be None"):
         call(cluster=42)
+
+
+@pytest.mark.parametrize("fuse", ["yes", 0, -2, 1.5])
+def test_an_unknown_fusion_setting(fuse: object) -> None:
+    with pytest.raises(InputError, match=r"fuse=.* is not a fusion setting; use 'auto'"):
+        call(fuse=fuse)
+
+
+@pytest.mark.parametrize("steps", [0, "many", True])
+def test_an_unknown_steps_per_task(steps: object) -> None:
+    with pytest.raises(InputError, match=r"steps_per_task=.* must be 'auto'"):
+        call(steps_per_task=steps)

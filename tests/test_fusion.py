@@ -70,18 +70,18 @@ def check_against_plain(
 def test_a_fused_sweep_matches_plain_pytorch_and_the_unfused_run(no_leaks: None) -> None:
     batches = regression_batches(samples=16 * 6, batch=16)
     runs = {}
-    for fuse in ("auto", False):
+    for fuse in (True, False):
         models = [batchnorm_mlp(seed) for seed in range(len(SWEEP))]
         references = clones(models)
         result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss, optimizer=SWEEP, fuse=fuse,
                                devices=["cpu"], device_memory="2MB", progress=False)
         check_against_plain(result, models, references, batches, [nn.functional.mse_loss] * len(SWEEP), SWEEP)
         runs[fuse] = (result, models)
-    fused, unfused = runs["auto"][0], runs[False][0]
+    fused, unfused = runs[True][0], runs[False][0]
     assert [sorted(array) for array in fused.arrays if len(array) > 1] == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
     assert all(len(array) == 1 for array in unfused.arrays)
     assert [choice.size for choice in fused.fusion] == [3, 3, 3]
-    for a, b in zip(runs["auto"][1], runs[False][1]):
+    for a, b in zip(runs[True][1], runs[False][1]):
         assert_same_weights(a, b, rtol=1e-5, atol=1e-6)
     assert fused.stats.tasks < unfused.stats.tasks
 
@@ -115,7 +115,7 @@ def test_cnns_with_different_losses_fuse_while_other_models_run_beside_them(no_l
     factories: list[Factory] = [(lambda lr: (lambda p: torch.optim.Adam(p, lr=lr)))(1e-3 * (i + 1)) for i in range(5)]
     other_batches = image_batches(steps=5, batch=8)[::-1]
     result = harmony.train(models, [batches, batches, batches, batches, other_batches], loss_fn=loss_fns,
-                           optimizer=factories, devices=["cpu", "cpu"], progress=False)
+                           optimizer=factories, fuse=True, devices=["cpu", "cpu"], progress=False)
     assert sorted(map(sorted, result.arrays)) == [[0, 1, 2], [3], [4]]
     check_against_plain(result, models[:4], references[:4], batches, loss_fns[:4], factories[:4])
     losses = train_plain(references[4], other_batches, loss_fns[4], factories[4])
@@ -149,3 +149,21 @@ def test_plan_shows_the_arrays_and_the_sizes_it_compared() -> None:
     unfused = harmony.plan(models, batches, loss_fn=nn.functional.mse_loss,
                            optimizer=lambda p: torch.optim.SGD(p, lr=0.1), devices=["cpu"], fuse=False)
     assert unfused.arrays == [[0], [1], [2], [3]] and "fused" not in str(unfused)
+
+
+def test_resident_arrays_run_several_steps_per_task_and_still_match_plain_pytorch(no_leaks: None) -> None:
+    factories: list[Factory] = [(lambda lr: (lambda p: torch.optim.Adam(p, lr=lr)))(1e-3 * (i + 1)) for i in range(4)]
+    batches = regression_batches(samples=16 * 30, batch=16)
+    for steps_per_task, spans in ((8, 4), ("auto", None)):
+        models = [deep_mlp(depth=2, seed=seed) for seed in range(4)]
+        references = clones(models)
+        result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss, optimizer=factories,
+                               steps_per_task=steps_per_task, devices=["cpu"], progress=False)
+        assert result.arrays == [[0, 1, 2, 3]] and result.homes == dict.fromkeys(range(4), "cpu-0")
+        assert result.stats.steps == [30] * 4
+        if spans is not None:
+            assert result.stats.tasks == 2 * spans, "8 + 8 + 8 + 6 steps: one bwd and one upd task per span"
+            assert sorted(result.stats.schedule["cpu-0"])[0].startswith("bwd-m0-p0-s0-")
+        else:
+            assert result.stats.tasks < 2 * 30, "tiny resident steps must be grouped over time"
+        check_against_plain(result, models, references, batches, [nn.functional.mse_loss] * 4, factories)

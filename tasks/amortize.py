@@ -1,0 +1,37 @@
+"""How many consecutive training steps one task of a resident model runs, so Dask's cost per task amortizes.
+
+A resident single-pack model (or fused array) needs two tasks per step (its backward, which also runs
+the forward and the loss, and its update). When a step takes about as long as scheduling a task, most
+of the time is scheduling; one task that runs several steps, with the data for all of them shipped
+with it, divides that cost. The depth comes from the step time the pilot pass measured.
+"""
+
+from __future__ import annotations
+
+import math
+
+TASKS_PER_STEP = 2
+OVERHEAD_SHARE = 0.02
+MAX_DEPTH = 64
+MAX_SHIPPED_BYTES = 64 * 2**20
+
+
+def steps_per_task(
+    step_seconds: float,
+    task_overhead: float,
+    batch_bytes: int,
+    steps: int | None,
+    share: float = OVERHEAD_SHARE,
+) -> int:
+    """The fewest steps per task that keep scheduling under share of the work, within the limits.
+
+    At most MAX_DEPTH steps, at most MAX_SHIPPED_BYTES of batches shipped with one task, and at most a
+    quarter of the run's steps (when known), so that progress and finishing times stay fine-grained.
+    """
+    if step_seconds <= 0 or task_overhead <= 0:
+        return 1
+    depth = math.ceil(TASKS_PER_STEP * task_overhead / (share * step_seconds))
+    depth = min(depth, MAX_DEPTH, max(1, MAX_SHIPPED_BYTES // max(batch_bytes, 1)))
+    if steps is not None:
+        depth = min(depth, max(1, steps // 4))
+    return max(1, depth)
