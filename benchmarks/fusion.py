@@ -1,0 +1,199 @@
+"""Fusion benchmark: a 16-model learning-rate sweep of a small MLP and of a small CNN on one shared loader.
+
+Compared in one run, on one CPU device (all cores), on the same data and learning rates:
+  plain sequential  - a plain PyTorch loop training each model in turn;
+  plain lockstep    - a plain loop stepping all 16 models on each batch;
+  hand-fused        - stacked weights run with baddbmm / grouped convolutions, SGD on the stacks (the ceiling);
+  harmony fuse=False, harmony fuse=True (one array of all 16), harmony fuse="auto" (the size it chooses).
+Harmony's steady state is the difference between a long and a short run's finishing times per step
+(cluster start-up and the first steps cancel out); "end-to-end" is everything train() does, start-up
+included. Plain and hand-fused loops are timed twice and the faster counts. Throughput is samples per
+second per model. Goals: auto >= 3x the plain loop (the faster of
+the two) and >= 90% of the hand-fused ceiling, in steady state.
+
+    python -m benchmarks.fusion [--quick]
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+import harmony
+from benchmarks.report import arguments, report
+
+MODELS = 16
+BATCH = 32
+CLASSES = 10
+LEARNING_RATES = [0.01 * (1 + i) / MODELS for i in range(MODELS)]
+REPEATS = 2
+
+
+def small_mlp(seed: int, width: int = 128) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+                         nn.Linear(width, CLASSES))
+
+
+def small_cnn(seed: int) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, stride=2, padding=1),
+                         nn.ReLU(), nn.Flatten(), nn.Linear(32 * 8 * 8, CLASSES))
+
+
+def classification(steps: int, shape: tuple[int, ...], seed: int = 1) -> list:
+    """Inputs with labels from a fixed random linear teacher, so the task is learnable."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(steps * BATCH, *shape, generator=generator)
+    teacher = torch.randn(x[0].numel(), CLASSES, generator=generator)
+    y = (x.flatten(1) @ teacher).argmax(1)
+    return [(x[i : i + BATCH], y[i : i + BATCH]) for i in range(0, steps * BATCH, BATCH)]
+
+
+def sgd(lr: float) -> Callable[[list[nn.Parameter]], torch.optim.Optimizer]:
+    return lambda params: torch.optim.SGD(params, lr=lr)
+
+
+def plain_sequential(models: list[nn.Module], data: list) -> float:
+    started = time.perf_counter()
+    for model, lr in zip(models, LEARNING_RATES):
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+        for x, y in data:
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+    return time.perf_counter() - started
+
+
+def plain_lockstep(models: list[nn.Module], data: list) -> float:
+    optimizers = [torch.optim.SGD(model.parameters(), lr=lr) for model, lr in zip(models, LEARNING_RATES)]
+    started = time.perf_counter()
+    for x, y in data:
+        for model, optimizer in zip(models, optimizers):
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+    return time.perf_counter() - started
+
+
+def _stack(models: list[nn.Module], index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    weight = torch.stack([model[index].weight.detach() for model in models]).requires_grad_()
+    bias = torch.stack([model[index].bias.detach() for model in models]).requires_grad_()
+    return weight, bias
+
+
+def _fused_sgd_loop(params: list[torch.Tensor], forward: Callable[[torch.Tensor], torch.Tensor], data: list) -> float:
+    rates = torch.tensor(LEARNING_RATES)
+    columns = [rates.repeat_interleave(p.shape[0] // MODELS).reshape(-1, *[1] * (p.dim() - 1)) for p in params]
+    started = time.perf_counter()
+    for x, y in data:
+        logits = forward(x)
+        loss = nn.functional.cross_entropy(logits.reshape(-1, CLASSES), y.repeat(MODELS), reduction="sum") / BATCH
+        grads = torch.autograd.grad(loss, params)
+        with torch.no_grad():
+            for param, grad, column in zip(params, grads, columns):
+                param.sub_(grad * column)
+    return time.perf_counter() - started
+
+
+def hand_fused_mlp(models: list[nn.Module], data: list) -> float:
+    stacks = [_stack(models, index) for index in (0, 2, 4)]
+    weights = [w.detach().transpose(1, 2).contiguous().requires_grad_() for w, _ in stacks]
+    biases = [b.detach().unsqueeze(1).requires_grad_() for _, b in stacks]
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        h = x.expand(MODELS, *x.shape)
+        for layer, (weight, bias) in enumerate(zip(weights, biases)):
+            h = torch.baddbmm(bias, h, weight)
+            if layer < 2:
+                h = torch.relu(h)
+        return h
+
+    return _fused_sgd_loop([*weights, *biases], forward, data)
+
+
+def hand_fused_cnn(models: list[nn.Module], data: list) -> float:
+    (w1, b1), (w2, b2), (w3, b3) = (_stack(models, index) for index in (0, 2, 5))
+    conv1 = w1.detach().reshape(MODELS * 16, 3, 3, 3).requires_grad_()
+    conv2 = w2.detach().reshape(MODELS * 32, 16, 3, 3).requires_grad_()
+    bias1, bias2 = b1.detach().reshape(-1).requires_grad_(), b2.detach().reshape(-1).requires_grad_()
+    linear, bias3 = w3.detach().transpose(1, 2).contiguous().requires_grad_(), b3.detach().unsqueeze(1).requires_grad_()
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(nn.functional.conv2d(x, conv1, bias1, padding=1))
+        h = torch.relu(nn.functional.conv2d(h, conv2, bias2, stride=2, padding=1, groups=MODELS))
+        h = h.reshape(x.shape[0], MODELS, -1).transpose(0, 1)
+        return torch.baddbmm(bias3, h, linear)
+
+    return _fused_sgd_loop([conv1, conv2, bias1, bias2, linear, bias3], forward, data)
+
+
+def harmony_steady(make: Callable[[int], nn.Module], data: list, short: int, fuse: object) -> dict[str, object]:
+    """Seconds per step (all models advancing one step) in steady state, and end to end."""
+    runs = {}
+    for steps in (short, len(data)):
+        models = [make(seed) for seed in range(MODELS)]
+        started = time.perf_counter()
+        result = harmony.train(models, data[:steps], loss_fn=nn.functional.cross_entropy,
+                               optimizer=[sgd(lr) for lr in LEARNING_RATES], devices=["cpu"], fuse=fuse,
+                               progress=False)
+        runs[steps] = (result, time.perf_counter() - started)
+    (short_run, _), (long_run, end_to_end) = runs[short], runs[len(data)]
+    steady = (max(long_run.stats.finish_seconds) - max(short_run.stats.finish_seconds)) / (len(data) - short)
+    return {
+        "steady": steady,
+        "end_to_end": end_to_end / len(data),
+        "arrays": "+".join(str(len(array)) for array in long_run.arrays),
+        "tasks/step": long_run.stats.tasks / len(data),
+    }
+
+
+def main() -> None:
+    args = arguments(__doc__.splitlines()[0])
+    logging.getLogger("distributed").setLevel(logging.ERROR)
+    steps, short = (60, 20) if args.quick else (400, 100)
+    rows = []
+    sweeps = (
+        ("MLP 3x128", small_mlp, classification(steps, (128,)), hand_fused_mlp),
+        ("CNN 2 conv", small_cnn, classification(steps, (3, 16, 16)), hand_fused_cnn),
+    )
+    for name, make, data, hand in sweeps:
+        base = [make(seed) for seed in range(MODELS)]
+        loops = {"plain sequential": plain_sequential, "plain lockstep": plain_lockstep, "hand-fused": hand}
+        seconds = {
+            label: min(loop(copy.deepcopy(base), data) for _ in range(REPEATS)) / len(data)
+            for label, loop in loops.items()
+        }
+        details: dict[str, dict[str, object]] = {}
+        for fuse in (False, True, "auto"):
+            measured = harmony_steady(make, data, short, fuse)
+            label = f"harmony fuse={fuse}"
+            seconds[label] = float(measured["steady"])  # type: ignore[arg-type]
+            details[label] = measured
+        plain = min(seconds["plain sequential"], seconds["plain lockstep"])
+        for label, per_step in seconds.items():
+            detail = details.get(label, {})
+            rows.append({
+                "sweep": name,
+                "way": label,
+                "ms/step (16 models)": per_step * 1e3,
+                "samples/s per model": BATCH / per_step,
+                "x plain loop": plain / per_step,
+                "% of hand-fused": 100 * seconds["hand-fused"] / per_step,
+                "end-to-end ms/step": float(detail["end_to_end"]) * 1e3 if detail else per_step * 1e3,  # type: ignore[arg-type]
+                "arrays": detail.get("arrays", "-"),
+                "tasks/step": detail.get("tasks/step", "-"),
+            })
+    report("fusion", f"Fusion: {MODELS} models, batch {BATCH}, SGD with {MODELS} learning rates, 1 CPU device", rows,
+           args.out, notes="x plain loop: against the faster of the two plain loops; steady state for Harmony "
+           "(long minus short run); end-to-end includes cluster start-up and planning, per step of the long run. "
+           "Goals: harmony fuse=auto >= 3x plain loop and >= 90% of hand-fused.")
+
+
+if __name__ == "__main__":
+    main()
