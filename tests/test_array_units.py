@@ -32,6 +32,8 @@ LAYERS: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor]]] = 
     "conv-batchnorm": (lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()),
                        lambda: torch.randn(4, 3, 7, 7)),
     "batchnorm1d": (lambda: nn.BatchNorm1d(6), lambda: torch.randn(4, 6)),
+    "batchnorm2d-no-affine": (lambda: nn.BatchNorm2d(3, affine=False, momentum=0.3), lambda: torch.randn(4, 3, 5, 5)),
+    "batchnorm1d-eval": (lambda: nn.BatchNorm1d(6).eval(), lambda: torch.randn(4, 6, 2)),
     "embedding-layernorm": (lambda: nn.Sequential(nn.Embedding(10, 8), nn.LayerNorm(8)),
                             lambda: torch.randint(0, 10, (4, 5))),
     "attention-block": (Block, lambda: torch.randn(4, 5, 8)),
@@ -74,6 +76,8 @@ def test_an_array_layer_computes_each_members_forward_and_backward(name: str, sh
 
 def test_linear_layers_run_as_one_batched_matmul_and_dropout_draws_per_member() -> None:
     assert ArrayLayer([nn.Linear(3, 3) for _ in range(2)], shared_input=True).kind == "linear"
+    assert ArrayLayer([nn.BatchNorm2d(3) for _ in range(2)], shared_input=False).kind == "batchnorm"
+    assert ArrayLayer([nn.BatchNorm2d(3, momentum=None) for _ in range(2)], shared_input=False).kind == "vmap"
     dropout = ArrayLayer([nn.Dropout(0.5) for _ in range(4)], shared_input=False)
     masks = dropout(torch.ones(4, 1000)) == 0
     assert all(not torch.equal(masks[0], masks[index]) for index in range(1, 4))
@@ -94,7 +98,13 @@ def test_array_losses_are_per_member_and_vectorized_only_when_the_losses_agree()
     same = array_loss([nn.CrossEntropyLoss()] * 3, output, target)
     mixed = array_loss([nn.CrossEntropyLoss(), nn.CrossEntropyLoss(label_smoothing=0.1), nn.CrossEntropyLoss()],
                        output, target)
-    assert same.vectorized and not mixed.vectorized
+    assert same.mode == "cross_entropy" and mixed.mode == "loop"
+    regression, goal = torch.randn(3, 4, 2), torch.randn(4, 2)
+    for losses, mode in (([nn.functional.mse_loss] * 3, "mse"), ([nn.SmoothL1Loss()] * 3, "vmap")):
+        chosen = array_loss(losses, regression, goal)
+        assert chosen.mode == mode
+        torch.testing.assert_close(chosen(regression, goal),
+                                   torch.stack([losses[0](regression[i], goal) for i in range(3)]))
     expected = torch.stack([nn.functional.cross_entropy(output[i], target) for i in range(3)])
     torch.testing.assert_close(same(output, target), expected)
     assert mixed(output, target)[1] != expected[1]
