@@ -1,8 +1,9 @@
 """Quickstart: a small hyperparameter grid trained at once on two CPU devices with a tight memory budget.
 
 The data is generated here: points on two interleaved spirals, labelled by spiral. Six MLPs (two
-optimizers x three learning rates) train concurrently; each device may hold only part of a model at a
-time, so Harmony cuts every model into layer packs and swaps them through the host store.
+optimizers x three learning rates) train concurrently; the three models of each optimizer class are
+fused into an array (one stacked computation for all three); each device may hold only part of an
+array at a time, so Harmony cuts it into layer packs and swaps them through the host store.
 
     python examples/quickstart.py
 """
@@ -48,19 +49,22 @@ result = harmony.train(
     epochs=4,
     microbatches=4,
     devices=["cpu", "cpu"],
-    device_memory="120kB",
+    device_memory="300kB",
 )
 elapsed = time.perf_counter() - started
 
 print(f"\ntrained {len(models)} models in {elapsed:.1f}s (mode {result.mode})")
 print(f"dashboard was at {result.dashboard_link}")
-print(f"{'optimizer':<14}{'lr':>8}{'packs':>7}{'first loss':>12}{'last loss':>11}{'accuracy':>10}")
+print(f"{'optimizer':<14}{'lr':>8}{'array':>7}{'packs':>7}{'first loss':>12}{'last loss':>11}{'accuracy':>10}")
 with torch.no_grad():
-    for (name, lr, _), model, plan, losses in zip(grid, result.models, result.plans, result.history):
+    for index, ((name, lr, _), model, losses) in enumerate(zip(grid, result.models, result.history)):
         accuracy = (model(x).argmax(dim=1) == y).float().mean().item()
-        print(f"{name:<14}{lr:>8g}{len(plan.packs):>7}{losses[0]:>12.4f}{losses[-1]:>11.4f}{accuracy:>10.1%}")
+        job, packs = result.job_of(index), len(result.plan_of(index).packs)
+        print(f"{name:<14}{lr:>8g}{job:>7}{packs:>7}{losses[0]:>12.4f}{losses[-1]:>11.4f}{accuracy:>10.1%}")
+for choice in result.fusion:
+    print(choice.explain("MLP"))
 stats = result.stats
 print(
-    f"\npeak device bytes {stats.peak_device_bytes} (budget 120kB each); weights swapped in "
+    f"\npeak device bytes {stats.peak_device_bytes} (budget 300kB each); weights swapped in "
     f"{stats.bytes_in['weights']:,} B, gradients out {stats.bytes_out['grads']:,} B over {sum(stats.steps)} steps"
 )

@@ -65,3 +65,11 @@ class TrainResult:
     homes: dict[int, str] = field(default_factory=dict)
     arrays: list[list[int]] = field(default_factory=list)
     fusion: list[FusionChoice] = field(default_factory=list)
+
+    def job_of(self, model: int) -> int:
+        """The index of the job (in plans and arrays, and the m<job> of task keys) that trained model."""
+        return next(job for job, members in enumerate(self.arrays) if model in members)
+
+    def plan_of(self, model: int) -> PackPlan:
+        """The pack plan model ran under: its own, or its array's."""
+        return self.plans[self.job_of(model)]

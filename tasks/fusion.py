@@ -66,6 +66,8 @@ class FusionChoice:
             f"{size}: {'does not fit' if seconds is None else f'{len(self.members) / seconds:,.0f} model-steps/s'}"
             for size, seconds in self.predicted.items()
         )
+        if self.size == 1:
+            return f"{len(self.members)} x {name} trained unfused (predicted {tried})"
         arrays = " + ".join(str(len(array)) for array in self.arrays)
         return f"{len(self.members)} x {name} fused as {arrays} (sub-array size {self.size}; predicted {tried})"
 
