@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from torch import nn
@@ -12,6 +14,7 @@ from harmony.fusing import fuse_jobs
 from harmony.prepare import arrange, prepare
 from harmony.progress import ProgressLine, wants_progress
 from harmony.result import Stats, TrainResult
+from harmony.runtime.cluster import ClusterHandle, connect, external_devices
 from harmony.runtime.counters import IN_KINDS, OUT_KINDS
 from harmony.runtime.data import LoaderFeed, SharedFeed
 from harmony.runtime.devices import build_specs
@@ -22,6 +25,19 @@ from harmony.sizes import parse_bandwidths
 from harmony.validate import check_fuse, check_scheduling, check_steps_per_task, validate
 
 logger = logging.getLogger("harmony")
+
+
+@contextmanager
+def user_cluster(cluster: Any) -> Iterator[ClusterHandle | None]:
+    """A connection to the user's cluster for the whole run (its workers are the devices), or None."""
+    if cluster is None:
+        yield None
+        return
+    handle = connect(cluster)
+    try:
+        yield handle
+    finally:
+        handle.close()
 
 
 def train(
@@ -76,80 +92,82 @@ def train(
         links = parse_bandwidths(link_bandwidth, len(args.devices))
     except ValueError as error:
         raise InputError(str(error)) from None
-    specs = build_specs(args.devices, args.device_memory, links)
     check_scheduling(policy, mode)
     check_fuse(fuse)
     check_steps_per_task(steps_per_task)
-    budgets = {spec.name: spec.budget for spec in specs}
-    hardware = this_machine()
-    jobs, _ = prepare(args, min(budgets.values()))
-    jobs, choices = fuse_jobs(jobs, args, budgets, hardware, bool(prefetch), policy, fuse)
-    chosen, _ = arrange(jobs, args, budgets, [job.expected_steps or 1 for job in jobs], hardware, mode,
-                        bool(prefetch), policy, resident, steps_per_task)
-    plans = [job.plan for job in jobs]
-    homes = {model: job.home for job in jobs if job.home is not None for model in job.members}
-    feeds = []
-    for index, loader in enumerate(args.loaders):
-        readers = sum(1 for job in jobs if job.feed == index)
-        feed = LoaderFeed(loader.loader, loader.iterator, loader.first, args.epochs, args.steps)
-        feeds.append(SharedFeed(feed, readers))
-    line = ProgressLine() if wants_progress(progress) else None
-    try:
-        outcome = run_job(
-            jobs,
-            feeds,
-            specs,
-            args.cluster,
-            args.microbatches,
-            args.device_memory,
-            prefetch=bool(prefetch),
-            group=bool(group),
-            policy=policy,
-            mode=chosen,
-            on_progress=line,
-            on_ready=lambda link: logger.info("harmony: dashboard at %s", link),
+    with user_cluster(args.cluster) as handle:
+        specs = build_specs(args.devices, args.device_memory, links) if handle is None else external_devices(
+            handle, args.device_memory
         )
-    except ModelFailure as failure:
-        job = jobs[failure.model]
-        raise ModelError(job.members[0], f"{job.label} raised {failure.error} in {failure.where}",
-                         failure.traceback_text) from None
-    finally:
-        if line is not None:
-            line.close()
-    counters = outcome.counters
-    history: list[list[float]] = [[] for _ in args.models]
-    steps = [0] * len(args.models)
-    finish = [0.0] * len(args.models)
-    for index, job in enumerate(jobs):
-        for position, model in enumerate(job.members):
-            history[model] = outcome.history[index][position]
-            steps[model] = outcome.steps[index]
-            finish[model] = outcome.finish_seconds[index]
-    stats = Stats(
-        peak_device_bytes={name: values["peak"] for name, values in counters.items()},
-        bytes_in={kind: sum(values[f"in_{kind}"] for values in counters.values()) for kind in IN_KINDS},
-        bytes_out={kind: sum(values[f"out_{kind}"] for values in counters.values()) for kind in OUT_KINDS},
-        steps=steps,
-        tasks=outcome.tasks,
-        wall_seconds=outcome.wall_seconds,
-        busy_seconds={name: values["busy_ns"] / 1e9 for name, values in counters.items()},
-        idle_seconds={
-            name: max(0.0, outcome.run_seconds - values["busy_ns"] / 1e9) for name, values in counters.items()
-        },
-        bytes_p2p=sum(values["p2p"] for values in counters.values()),
-        bytes_prefetched=sum(values["prefetched"] for values in counters.values()),
-        budgets={device.name: device.budget for device in outcome.devices},
-        schedule=outcome.schedule,
-        finish_seconds=finish,
-    )
-    return TrainResult(
-        models=args.models,
-        history=history,
-        stats=stats,
-        dashboard_link=outcome.dashboard_link,
-        plans=plans,
-        mode=chosen,
-        homes=homes,
-        arrays=[list(job.members) for job in jobs],
-        fusion=choices,
-    )
+        budgets = {spec.name: spec.budget for spec in specs}
+        hardware = this_machine()
+        jobs, _ = prepare(args, min(budgets.values()))
+        jobs, choices = fuse_jobs(jobs, args, budgets, hardware, bool(prefetch), policy, fuse)
+        chosen, _ = arrange(jobs, args, budgets, [job.expected_steps or 1 for job in jobs], hardware, mode,
+                            bool(prefetch), policy, resident, steps_per_task)
+        plans = [job.plan for job in jobs]
+        homes = {model: job.home for job in jobs if job.home is not None for model in job.members}
+        feeds = []
+        for index, loader in enumerate(args.loaders):
+            readers = sum(1 for job in jobs if job.feed == index)
+            feed = LoaderFeed(loader.loader, loader.iterator, loader.first, args.epochs, args.steps)
+            feeds.append(SharedFeed(feed, readers))
+        line = ProgressLine() if wants_progress(progress) else None
+        try:
+            outcome = run_job(
+                jobs,
+                feeds,
+                specs,
+                handle,
+                args.microbatches,
+                prefetch=bool(prefetch),
+                group=bool(group),
+                policy=policy,
+                mode=chosen,
+                on_progress=line,
+                on_ready=lambda link: logger.info("harmony: dashboard at %s", link),
+            )
+        except ModelFailure as failure:
+            job = jobs[failure.model]
+            raise ModelError(job.members[0], f"{job.label} raised {failure.error} in {failure.where}",
+                             failure.traceback_text) from None
+        finally:
+            if line is not None:
+                line.close()
+        counters = outcome.counters
+        history: list[list[float]] = [[] for _ in args.models]
+        steps = [0] * len(args.models)
+        finish = [0.0] * len(args.models)
+        for index, job in enumerate(jobs):
+            for position, model in enumerate(job.members):
+                history[model] = outcome.history[index][position]
+                steps[model] = outcome.steps[index]
+                finish[model] = outcome.finish_seconds[index]
+        stats = Stats(
+            peak_device_bytes={name: values["peak"] for name, values in counters.items()},
+            bytes_in={kind: sum(values[f"in_{kind}"] for values in counters.values()) for kind in IN_KINDS},
+            bytes_out={kind: sum(values[f"out_{kind}"] for values in counters.values()) for kind in OUT_KINDS},
+            steps=steps,
+            tasks=outcome.tasks,
+            wall_seconds=outcome.wall_seconds,
+            busy_seconds={name: values["busy_ns"] / 1e9 for name, values in counters.items()},
+            idle_seconds={
+                name: max(0.0, outcome.run_seconds - values["busy_ns"] / 1e9) for name, values in counters.items()
+            },
+            bytes_p2p=sum(values["p2p"] for values in counters.values()),
+            bytes_prefetched=sum(values["prefetched"] for values in counters.values()),
+            budgets={device.name: device.budget for device in outcome.devices},
+            schedule=outcome.schedule,
+            finish_seconds=finish,
+        )
+        return TrainResult(
+            models=args.models,
+            history=history,
+            stats=stats,
+            dashboard_link=outcome.dashboard_link,
+            plans=plans,
+            mode=chosen,
+            homes=homes,
+            arrays=[list(job.members) for job in jobs],
+            fusion=choices,
+        )

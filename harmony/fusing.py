@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Hashable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -89,34 +90,31 @@ def build_array(members: list[int], jobs: list[JobModel], args: Arguments, budge
     )
 
 
-def _predict(
-    arrays: list[JobModel],
-    args: Arguments,
-    budgets: dict[str, int],
-    hardware: Hardware,
-    prefetch: bool,
-    policy: str,
-) -> float:
+@dataclass(frozen=True)
+class Sizing:
+    """What choosing a sub-array size needs: the arguments, the devices' budgets and the simulator's settings."""
+
+    args: Arguments
+    budgets: dict[str, int]
+    hardware: Hardware
+    prefetch: bool
+    policy: str
+
+
+def _predict(arrays: list[JobModel], sizing: Sizing) -> float:
     """Predicted seconds for every array to advance one step, with the arrays that fit a device resident."""
     plans = [array.plan for array in arrays]
     floors = [minimal_budget(array.profile, array.samples) if array.profile else 0 for array in arrays]
-    homes, _ = choose_homes(plans, [array.state_ratio for array in arrays], budgets, floors)
-    run = simulate(plans, [RANKING_STEPS] * len(arrays), first_batch_samples(args, arrays), budgets, hardware,
-                   prefetch=prefetch, policy=policy, mode="free", groups=[1] * len(arrays), homes=homes)
+    homes, _ = choose_homes(plans, [array.state_ratio for array in arrays], sizing.budgets, floors)
+    run = simulate(plans, [RANKING_STEPS] * len(arrays), first_batch_samples(sizing.args, arrays), sizing.budgets,
+                   sizing.hardware, prefetch=sizing.prefetch, policy=sizing.policy, mode="free",
+                   groups=[1] * len(arrays), homes=homes)
     return run.makespan / RANKING_STEPS
 
 
-def _choose(
-    group: list[int],
-    jobs: list[JobModel],
-    args: Arguments,
-    budgets: dict[str, int],
-    hardware: Hardware,
-    prefetch: bool,
-    policy: str,
-    fuse: Any,
-) -> FusionChoice:
-    budget = min(budgets.values())
+def _choose(group: list[int], jobs: list[JobModel], sizing: Sizing, fuse: Any) -> FusionChoice:
+    """The sub-array size for one group: the best predicted ("auto"), or the largest that fits up to a cap."""
+    budget = min(sizing.budgets.values())
     sizes = candidate_sizes(len(group))
     if fuse != "auto":
         cap = len(group) if fuse is True else min(fuse, len(group))
@@ -127,12 +125,12 @@ def _choose(
             arrays = [jobs[m] for m in group]
         else:
             try:
-                array = build_array(group[:size], jobs, args, budget)
+                array = build_array(group[:size], jobs, sizing.args, budget)
             except LayerTooLarge:
                 predicted[size] = None
                 continue
             arrays = [array] * len(split(group, size))
-        predicted[size] = _predict(arrays, args, budgets, hardware, prefetch, policy)
+        predicted[size] = _predict(arrays, sizing)
         if fuse != "auto":
             return FusionChoice(tuple(group), predicted, size)
     return choose_size(group, predicted)
@@ -151,7 +149,8 @@ def fuse_jobs(
     if fuse is False:
         return jobs, []
     groups = fusion_groups([fusion_key(job, args) for job in jobs])
-    choices = [_choose(group, jobs, args, budgets, hardware, prefetch, policy, fuse) for group in groups]
+    sizing = Sizing(args, budgets, hardware, prefetch, policy)
+    choices = [_choose(group, jobs, sizing, fuse) for group in groups]
     replaced: dict[int, list[JobModel]] = {}
     for choice in choices:
         logger.info("%s", choice.explain(type(args.models[choice.members[0]]).__name__))

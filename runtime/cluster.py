@@ -17,10 +17,11 @@ import os
 import sys
 from dataclasses import dataclass, field
 
+import torch
 from distributed import Client, Scheduler
 from distributed.deploy.spec import ProcessInterface, SpecCluster
 
-from harmony.runtime.devices import DeviceSpec
+from harmony.runtime.devices import DeviceSpec, capacity
 
 WORKER_START_TIMEOUT = 120
 
@@ -130,3 +131,20 @@ def connect(cluster: str | Client) -> ClusterHandle:
 def worker_addresses(client: Client) -> dict[str, str]:
     """Worker name -> address, for every worker the scheduler knows."""
     return {str(info["name"]): address for address, info in client.scheduler_info()["workers"].items()}
+
+
+def _probe_device() -> tuple[str, int]:
+    """On a worker: the device it drives (its first visible GPU, else the CPU) and that device's bytes."""
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    return device, capacity(device, 1)
+
+
+def external_devices(handle: ClusterHandle, budget: int | None) -> list[DeviceSpec]:
+    """Every worker of a user's cluster is one device: its first visible GPU if it has one, else its CPU."""
+
+    found = handle.client.run(_probe_device)
+    by_address = {address: name for name, address in handle.workers.items()}
+    devices = []
+    for address, (device, limit) in sorted(found.items(), key=lambda item: by_address[item[0]]):
+        devices.append(DeviceSpec(by_address[address], device, budget if budget is not None else limit, 1))
+    return devices

@@ -16,13 +16,12 @@ from typing import Any
 
 import cloudpickle
 import torch
-from distributed import Client
 from torch import nn
 
-from harmony.runtime.cluster import ClusterHandle, connect, start_embedded
+from harmony.runtime.cluster import ClusterHandle, start_embedded
 from harmony.runtime.counters import BLOCK_BYTES, Counters
 from harmony.runtime.data import SharedFeed
-from harmony.runtime.devices import DeviceSpec, capacity
+from harmony.runtime.devices import DeviceSpec
 from harmony.runtime.driver import Driver
 from harmony.runtime.hoststore import HostStore, tensors_at
 from harmony.runtime.skeleton import dump_skeleton
@@ -191,23 +190,6 @@ def _flush_residents(run: str, dask_worker: Any) -> None:
         context.flush_residents()
 
 
-def _probe_device() -> tuple[str, int]:
-    """On a worker: the device it drives (its first visible GPU, else the CPU) and that device's bytes."""
-    device = "cuda:0" if torch.cuda.is_available() else "cpu"
-    return device, capacity(device, 1)
-
-
-def _external_devices(handle: ClusterHandle, budget: int | None) -> list[DeviceSpec]:
-    """Every worker of a user's cluster is one device: its first visible GPU if it has one, else its CPU."""
-
-    found = handle.client.run(_probe_device)
-    by_address = {address: name for name, address in handle.workers.items()}
-    devices = []
-    for address, (device, limit) in sorted(found.items(), key=lambda item: by_address[item[0]]):
-        devices.append(DeviceSpec(by_address[address], device, budget if budget is not None else limit, 1))
-    return devices
-
-
 def _check_same_machine(handle: ClusterHandle, store: HostStore, probe_name: str) -> None:
     path = str(store.path(probe_name))
     seen = handle.client.run(os.path.exists, path)
@@ -223,9 +205,8 @@ def run_job(
     models: list[JobModel],
     feeds: list[SharedFeed],
     devices: list[DeviceSpec],
-    cluster: str | Client | None,
+    cluster: ClusterHandle | None,
     microbatches: int,
-    budget: int | None,
     prefetch: bool = True,
     group: bool = True,
     policy: str = "lrtf",
@@ -233,7 +214,11 @@ def run_job(
     on_progress: Callable[[BindingState, int], None] | None = None,
     on_ready: Callable[[str | None], None] | None = None,
 ) -> JobOutcome:
-    """Train models to completion and return what was measured; cleans up whatever happens."""
+    """Train models to completion and return what was measured; cleans up whatever happens.
+
+    cluster is a connected user cluster whose workers are devices (the caller closes it), or None to start
+    the embedded cluster with one worker process per device (closed here).
+    """
     run = secrets.token_hex(3)
     store = HostStore(run)
     handle: ClusterHandle | None = None
@@ -246,8 +231,7 @@ def run_job(
         if cluster is None:
             handle = start_embedded(devices)
         else:
-            handle = connect(cluster)
-            devices = _external_devices(handle, budget)
+            handle = cluster
             store.create("probe", 1)
             _check_same_machine(handle, store, "probe")
         if on_ready is not None:
@@ -325,6 +309,7 @@ def run_job(
             if plugin_registered:
                 with contextlib.suppress(Exception):
                     handle.client.unregister_worker_plugin(plugin_name)
-            handle.close()
+            if cluster is None:
+                handle.close()
         store.unlink_all()
 

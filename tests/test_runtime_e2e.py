@@ -131,6 +131,28 @@ def test_training_on_a_users_cluster(no_leaks: None) -> None:
     assert not harmony_files()
 
 
+def test_fused_resident_arrays_on_a_users_cluster_use_its_worker_names(no_leaks: None) -> None:
+    models = [deep_mlp(depth=3, seed=s) for s in range(3)]
+    references = [copy.deepcopy(m) for m in models]
+    batches = regression_batches(samples=12 * 10, batch=12)
+    factories = [(lambda lr: (lambda p: torch.optim.Adam(p, lr=lr)))(lr) for lr in (1e-3, 3e-3, 1e-2)]
+    with (
+        LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
+        names = {str(info["name"]) for info in client.scheduler_info()["workers"].values()}
+        result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss, optimizer=factories,
+                               fuse=True, cluster=client, progress=False)
+        assert client.status == "running"
+    assert result.arrays == [[0, 1, 2]]
+    assert set(result.homes) == {0, 1, 2} and set(result.homes.values()) <= names
+    assert set(result.stats.peak_device_bytes) == names
+    for model, reference, factory, history in zip(models, references, factories, result.history):
+        losses = train_plain(reference, batches, nn.functional.mse_loss, factory)
+        assert_same_weights(model, reference, atol=1e-6)
+        assert history == pytest.approx(losses, rel=1e-5)
+
+
 def test_per_microbatch_swapping_pays_m_times_the_weights_for_the_same_result(no_leaks: None) -> None:
     steps, batch, microbatches = 2, 16, 4
     batches = regression_batches(samples=batch * steps, batch=batch)
