@@ -148,12 +148,14 @@ def backward(
             grad_bytes = ctx.resident(model, weights).grad_bytes
         else:
             grad_bytes = torch.zeros(runtime.grads.nbytes, dtype=torch.uint8, device=ctx.device)
+        tensors = tensors_at(weights, runtime.weights)
+        grads = tensors_at(grad_bytes, runtime.grads)
         for index, (step_inputs, step_targets, step_weights) in enumerate(per_step):
             if index:
                 ctx.resident_step(model, first + index - 1)
             if resident:
                 grad_bytes.zero_()
-            input_grads = _backward_step(ctx, model, pack, first + index, weights, grad_bytes, step_inputs,
+            input_grads = _backward_step(ctx, model, pack, first + index, weights, tensors, grads, step_inputs,
                                          step_targets, step_weights, group)
         if not resident:
             ctx.cache.write_back(grad_bytes, ctx.host_grads(model, pack, group), "grads")
@@ -169,21 +171,21 @@ def _backward_step(
     pack: int,
     step: int,
     weights: torch.Tensor,
-    grad_bytes: torch.Tensor,
+    tensors: dict[str, torch.Tensor],
+    grads: dict[str, torch.Tensor],
     inputs: list[Any],
     gradients_or_targets: list[Any],
     loss_weights: list[float],
     group: int,
 ) -> list[Any]:
-    """One step's micro-batches through a pack's backward, accumulating into grad_bytes; records the losses."""
+    """One step's micro-batches through a pack's backward, accumulating into grads (views of the gradient
+    buffer; tensors are views of weights); records the losses."""
     spec = ctx.spec.models[model]
     runtime = spec.packs[pack]
     last = pack == len(spec.packs) - 1
     module = ctx.module(model, pack)
     input_grads = []
     loss_total = torch.zeros(spec.members, dtype=torch.float64)
-    grads = tensors_at(grad_bytes, runtime.grads)
-    tensors = tensors_at(weights, runtime.weights)
     saved_buffers = weights[runtime.buffers_offset :].clone() if runtime.has_buffers and not last else None
     for index, microbatch in enumerate(inputs):
         if index and not ctx.spec.group:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -135,7 +136,7 @@ def test_fused_resident_arrays_on_a_users_cluster_use_its_worker_names(no_leaks:
     models = [deep_mlp(depth=3, seed=s) for s in range(3)]
     references = [copy.deepcopy(m) for m in models]
     batches = regression_batches(samples=12 * 10, batch=12)
-    factories = [(lambda lr: (lambda p: torch.optim.Adam(p, lr=lr)))(lr) for lr in (1e-3, 3e-3, 1e-2)]
+    factories = [functools.partial(torch.optim.Adam, lr=lr) for lr in (1e-3, 3e-3, 1e-2)]
     with (
         LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster,
         Client(cluster) as client,
