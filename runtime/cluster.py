@@ -39,7 +39,13 @@ class DeviceWorkerProcess(ProcessInterface):
     async def start(self) -> None:
         spec = {
             "cls": "distributed.Worker",
-            "opts": {"name": self.name, "nthreads": 1, "memory_limit": 0, "death_timeout": 60},
+            "opts": {
+                "name": self.name,
+                "nthreads": 1,
+                "memory_limit": 0,
+                "death_timeout": 60,
+                "preload": ["harmony.runtime.warmup"],
+            },
         }
         paths = [path for path in sys.path if path and os.path.isdir(path)]
         env = {
