@@ -7,7 +7,7 @@ Compared in one run, on one CPU device (all cores), on the same data and learnin
   harmony fuse=False, harmony fuse=True (one array of all 16), harmony fuse="auto" (the size it chooses).
 Harmony's steady state is the difference between a long and a short run's finishing times per step
 (cluster start-up and the first steps cancel out); "end-to-end" is everything train() does, start-up
-included. Plain and hand-fused loops are timed twice and the faster counts. Throughput is samples per
+included. Every way is measured twice and the faster counts. Throughput is samples per
 second per model. Goals: auto >= 3x the plain loop (the faster of
 the two) and >= 90% of the hand-fused ceiling, in steady state.
 
@@ -134,29 +134,34 @@ def hand_fused_cnn(models: list[nn.Module], data: list) -> float:
 
 
 def harmony_steady(make: Callable[[int], nn.Module], data: list, short: int, fuse: object) -> dict[str, object]:
-    """Seconds per step (all models advancing one step) in steady state, and end to end."""
-    runs = {}
-    for steps in (short, len(data)):
-        models = [make(seed) for seed in range(MODELS)]
-        started = time.perf_counter()
-        result = harmony.train(models, data[:steps], loss_fn=nn.functional.cross_entropy,
-                               optimizer=[sgd(lr) for lr in LEARNING_RATES], devices=["cpu"], fuse=fuse,
-                               progress=False)
-        runs[steps] = (result, time.perf_counter() - started)
-    (short_run, _), (long_run, end_to_end) = runs[short], runs[len(data)]
-    steady = (max(long_run.stats.finish_seconds) - max(short_run.stats.finish_seconds)) / (len(data) - short)
-    return {
-        "steady": steady,
-        "end_to_end": end_to_end / len(data),
-        "arrays": "+".join(str(len(array)) for array in long_run.arrays),
-        "tasks/step": long_run.stats.tasks / len(data),
-    }
+    """Seconds per step (all models advancing one step) in steady state, and end to end; the faster of
+    REPEATS long/short pairs, since one pair on a small shared machine can be off by half."""
+    best: dict[str, object] = {}
+    for _ in range(REPEATS):
+        runs = {}
+        for steps in (short, len(data)):
+            models = [make(seed) for seed in range(MODELS)]
+            started = time.perf_counter()
+            result = harmony.train(models, data[:steps], loss_fn=nn.functional.cross_entropy,
+                                   optimizer=[sgd(lr) for lr in LEARNING_RATES], devices=["cpu"], fuse=fuse,
+                                   progress=False)
+            runs[steps] = (result, time.perf_counter() - started)
+        (short_run, _), (long_run, end_to_end) = runs[short], runs[len(data)]
+        steady = (max(long_run.stats.finish_seconds) - max(short_run.stats.finish_seconds)) / (len(data) - short)
+        if not best or steady < float(best["steady"]):  # type: ignore[arg-type]
+            best = {
+                "steady": steady,
+                "end_to_end": end_to_end / len(data),
+                "arrays": "+".join(str(len(array)) for array in long_run.arrays),
+                "tasks/step": long_run.stats.tasks / len(data),
+            }
+    return best
 
 
 def main() -> None:
     args = arguments(__doc__.splitlines()[0])
     logging.getLogger("distributed").setLevel(logging.ERROR)
-    steps, short = (60, 20) if args.quick else (400, 100)
+    steps, short = (60, 20) if args.quick else (300, 100)
     rows = []
     sweeps = (
         ("MLP 3x128", small_mlp, classification(steps, (128,)), hand_fused_mlp),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -167,3 +168,33 @@ def test_resident_arrays_run_several_steps_per_task_and_still_match_plain_pytorc
         else:
             assert result.stats.tasks < 2 * 30, "tiny resident steps must be grouped over time"
         check_against_plain(result, models, references, batches, [nn.functional.mse_loss] * 4, factories)
+
+
+class TokenClassifier(nn.Module):
+    """Embedding, a transformer encoder layer (attention, LayerNorm, GELU, dropout off) and a linear head."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(20, 16)
+        self.block = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, activation="gelu", batch_first=True)
+        self.pool = nn.Flatten()
+        self.head = nn.Linear(16 * 6, 3)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.pool(self.block(self.embed(tokens))))
+
+
+def test_fused_transformers_match_plain_pytorch(no_leaks: None) -> None:
+    generator = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, 20, (8 * 4, 6), generator=generator)
+    labels = torch.randint(0, 3, (8 * 4,), generator=generator)
+    batches = [(tokens[i : i + 8], labels[i : i + 8]) for i in range(0, len(tokens), 8)]
+    models = [TokenClassifier(seed) for seed in range(3)]
+    references = clones(models)
+    # SGD: attention's key bias has an exactly-zero gradient, whose rounding noise Adam would scale up to full steps
+    factories: list[Factory] = [functools.partial(torch.optim.SGD, lr=0.05 * (i + 1), momentum=0.9) for i in range(3)]
+    result = harmony.train(models, batches, loss_fn=nn.functional.cross_entropy, optimizer=factories, fuse=True,
+                           devices=["cpu"], progress=False)
+    assert result.arrays == [[0, 1, 2]]
+    check_against_plain(result, models, references, batches, [nn.functional.cross_entropy] * 3, factories)
