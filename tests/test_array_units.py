@@ -174,3 +174,4 @@ def test_fusion_groups_sizes_and_splits() -> None:
     assert choose_size(range(4), {1: 4.0, 2: None, 4: None}).size == 1
     assert choose_size(range(4), {2: None, 4: None}).size == 1
     assert "does not fit" in choose_size(range(4), {1: 4.0, 2: None}).explain("MLP")
+

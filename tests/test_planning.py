@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from harmony.tasks.amortize import MAX_DEPTH, MAX_SHIPPED_BYTES, steps_per_task
 from harmony.tasks.graph import BatchInput, BatchTargets, TaskId, consumers, dependencies, inputs, step_tasks
 from harmony.tasks.layout import TensorSpec, lay_out
 from harmony.tasks.microbatch import loss_weights, split_sizes
@@ -124,3 +125,13 @@ def test_dask_groups_keys_by_task_kind() -> None:
 
     assert key_split(TaskId("fwd", 3, 2, 17).key("a1b2c3")) == "fwd"
     assert key_split(TaskId("upd", 0, 0, 0).key("abcdef")) == "upd"
+
+
+def test_steps_per_task_keeps_scheduling_near_two_percent_within_its_limits() -> None:
+    assert steps_per_task(0.5, 0.003, 1_000, None) == 1, "long steps need no grouping"
+    assert steps_per_task(0.010, 0.003, 1_000, None) == 30, "2 tasks x 3 ms over 2% of 10 ms"
+    assert steps_per_task(0.0001, 0.003, 1_000, None) == MAX_DEPTH
+    assert steps_per_task(0.0001, 0.003, MAX_SHIPPED_BYTES // 4, None) == 4, "at most 64 MiB of batches per task"
+    assert steps_per_task(0.0001, 0.003, 1_000, 40) == 10, "at most a quarter of the run"
+    assert steps_per_task(0.0001, 0.003, 1_000, 3) == 1
+    assert steps_per_task(0.0, 0.003, 1_000, None) == 1, "an unknown step time groups nothing"
