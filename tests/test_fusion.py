@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+import pytest
 import torch
 from torch import nn
 
@@ -198,3 +199,17 @@ def test_fused_transformers_match_plain_pytorch(no_leaks: None) -> None:
                            devices=["cpu"], progress=False)
     assert result.arrays == [[0, 1, 2]]
     check_against_plain(result, models, references, batches, [nn.functional.cross_entropy] * 3, factories)
+
+
+@pytest.mark.parametrize("mode", ["vdp", "vpp"])
+def test_swapped_arrays_in_both_harmony_modes_match_plain_pytorch(mode: str, no_leaks: None) -> None:
+    models = [deep_mlp(depth=4, seed=seed) for seed in range(4)]
+    references = clones(models)
+    factories: list[Factory] = [functools.partial(torch.optim.Adam, lr=1e-3 * (i + 1)) for i in range(4)]
+    batches = regression_batches(samples=16 * 5, batch=16)
+    result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss, optimizer=factories, microbatches=4,
+                           devices=["cpu", "cpu"], device_memory=60_000, fuse=True, mode=mode, progress=False)
+    assert result.mode == mode and sorted(map(len, result.arrays)) == [2, 2]
+    assert all(len(plan.packs) > 1 for plan in result.plans)
+    assert max(result.stats.peak_device_bytes.values()) <= 60_000
+    check_against_plain(result, models, references, batches, [nn.functional.mse_loss] * 4, factories)
