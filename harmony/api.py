@@ -134,40 +134,40 @@ def train(
         finally:
             if line is not None:
                 line.close()
-        counters = outcome.counters
-        history: list[list[float]] = [[] for _ in args.models]
-        steps = [0] * len(args.models)
-        finish = [0.0] * len(args.models)
-        for index, job in enumerate(jobs):
-            for position, model in enumerate(job.members):
-                history[model] = outcome.history[index][position]
-                steps[model] = outcome.steps[index]
-                finish[model] = outcome.finish_seconds[index]
-        stats = Stats(
-            peak_device_bytes={name: values["peak"] for name, values in counters.items()},
-            bytes_in={kind: sum(values[f"in_{kind}"] for values in counters.values()) for kind in IN_KINDS},
-            bytes_out={kind: sum(values[f"out_{kind}"] for values in counters.values()) for kind in OUT_KINDS},
-            steps=steps,
-            tasks=outcome.tasks,
-            wall_seconds=outcome.wall_seconds,
-            busy_seconds={name: values["busy_ns"] / 1e9 for name, values in counters.items()},
-            idle_seconds={
-                name: max(0.0, outcome.run_seconds - values["busy_ns"] / 1e9) for name, values in counters.items()
-            },
-            bytes_p2p=sum(values["p2p"] for values in counters.values()),
-            bytes_prefetched=sum(values["prefetched"] for values in counters.values()),
-            budgets={device.name: device.budget for device in outcome.devices},
-            schedule=outcome.schedule,
-            finish_seconds=finish,
-        )
-        return TrainResult(
-            models=args.models,
-            history=history,
-            stats=stats,
-            dashboard_link=outcome.dashboard_link,
-            plans=plans,
-            mode=chosen,
-            homes=homes,
-            arrays=[list(job.members) for job in jobs],
-            fusion=choices,
-        )
+    counters = outcome.counters
+    history: list[list[float]] = [[] for _ in args.models]
+    steps = [0] * len(args.models)
+    finish = [0.0] * len(args.models)
+    for index, job in enumerate(jobs):
+        for position, model in enumerate(job.members):
+            history[model] = outcome.history[index][position]
+            steps[model] = outcome.steps[index]
+            finish[model] = outcome.finish_seconds[index]
+    stats = Stats(
+        peak_device_bytes={name: values["peak"] for name, values in counters.items()},
+        bytes_in={kind: sum(values[f"in_{kind}"] for values in counters.values()) for kind in IN_KINDS},
+        bytes_out={kind: sum(values[f"out_{kind}"] for values in counters.values()) for kind in OUT_KINDS},
+        steps=steps,
+        tasks=outcome.tasks,
+        wall_seconds=outcome.wall_seconds,
+        busy_seconds={name: values["busy_ns"] / 1e9 for name, values in counters.items()},
+        idle_seconds={
+            name: max(0.0, outcome.run_seconds - values["busy_ns"] / 1e9) for name, values in counters.items()
+        },
+        bytes_p2p=sum(values["p2p"] for values in counters.values()),
+        bytes_prefetched=sum(values["prefetched"] for values in counters.values()),
+        budgets={device.name: device.budget for device in outcome.devices},
+        schedule=outcome.schedule,
+        finish_seconds=finish,
+    )
+    return TrainResult(
+        models=args.models,
+        history=history,
+        stats=stats,
+        dashboard_link=outcome.dashboard_link,
+        plans=plans,
+        mode=chosen,
+        homes=homes,
+        arrays=[list(job.members) for job in jobs],
+        fusion=choices,
+    )

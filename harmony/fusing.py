@@ -7,7 +7,6 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 
 from harmony.errors import ModelError
@@ -25,23 +24,10 @@ from harmony.validate import Arguments
 logger = logging.getLogger("harmony")
 
 
-def _optimizer_class(factory: Any) -> type | None:
-    if factory is None:
-        return None
-    probe = nn.Parameter(torch.zeros(4))
-    try:
-        return type(factory([probe]))
-    except Exception:
-        return None
-
-
-def fusion_key(job: JobModel, args: Arguments) -> Hashable | None:
+def fusion_key(job: JobModel, args: Arguments) -> Hashable:
     """What must agree for two models to be fused: loader, optimizer class and every layer's signature."""
     index = job.members[0]
-    optimizer = _optimizer_class(args.optimizers[index])
-    if args.optimizers[index] is not None and optimizer is None:
-        return None
-    return (job.feed, optimizer, tuple(layer_signature(layer) for layer in job.layers))
+    return (job.feed, args.optimizer_classes[index], tuple(layer_signature(layer) for layer in job.layers))
 
 
 def _label(members: list[int], jobs: list[JobModel]) -> str:
@@ -60,9 +46,10 @@ def build_array(members: list[int], jobs: list[JobModel], args: Arguments, budge
         ArrayLayer([job.layers[position] for job in member_jobs], shared_input=position == 0)
         for position in range(len(member_jobs[0].layers))
     ]
+    array = nn.Sequential(*layers)
     sample, target, sizes = pilot_batch(args, members[0])
     try:
-        decomposition = decompose(nn.Sequential(*layers), sample, label)
+        decomposition = decompose(array, sample, label)
     except Exception as error:
         raise ModelError(members[0], f"{label} raised {type(error).__name__}: {error} in its fused forward during "
                          "the pilot pass; pass fuse=False to train these models unfused") from error
@@ -72,7 +59,7 @@ def build_array(members: list[int], jobs: list[JobModel], args: Arguments, budge
     optimizer = ArrayOptimizer(factories) if all(f is not None for f in factories) else None
     plan = plan_packs(decomposition.profile, budget, sizes[0])
     return JobModel(
-        module=nn.Sequential(*decomposition.layers),
+        module=array,
         layers=decomposition.layers,
         plan=plan,
         loss_fn=loss,  # type: ignore[arg-type]
@@ -112,8 +99,13 @@ def _predict(arrays: list[JobModel], sizing: Sizing) -> float:
     return run.makespan / RANKING_STEPS
 
 
-def _choose(group: list[int], jobs: list[JobModel], sizing: Sizing, fuse: Any) -> FusionChoice:
-    """The sub-array size for one group: the best predicted ("auto"), or the largest that fits up to a cap."""
+def _choose(
+    group: list[int], jobs: list[JobModel], sizing: Sizing, fuse: Any, built: dict[tuple[int, ...], JobModel]
+) -> FusionChoice:
+    """The sub-array size for one group: the best predicted ("auto"), or the largest that fits up to a cap.
+
+    Every array it builds to predict with is left in built, keyed by its members, for reuse.
+    """
     budget = min(sizing.budgets.values())
     sizes = candidate_sizes(len(group))
     if fuse != "auto":
@@ -129,6 +121,7 @@ def _choose(group: list[int], jobs: list[JobModel], sizing: Sizing, fuse: Any) -
             except LayerTooLarge:
                 predicted[size] = None
                 continue
+            built[tuple(group[:size])] = array
             arrays = [array] * len(split(group, size))
         predicted[size] = _predict(arrays, sizing)
         if fuse != "auto":
@@ -145,24 +138,26 @@ def fuse_jobs(
     policy: str,
     fuse: Any,
 ) -> tuple[list[JobModel], list[FusionChoice]]:
-    """Replace every group of fusable models by arrays of the chosen size; models that are not fused stay."""
+    """Replace every group of fusable models by arrays of the chosen size; models that are not fused stay.
+
+    Each array takes the place of its first member, so jobs keep the order of the models.
+    """
     if fuse is False:
         return jobs, []
     groups = fusion_groups([fusion_key(job, args) for job in jobs])
     sizing = Sizing(args, budgets, hardware, prefetch, policy)
-    choices = [_choose(group, jobs, sizing, fuse) for group in groups]
-    replaced: dict[int, list[JobModel]] = {}
+    built: dict[tuple[int, ...], JobModel] = {}
+    choices = [_choose(group, jobs, sizing, fuse, built) for group in groups]
+    first_of: dict[int, JobModel] = {}
     for choice in choices:
         logger.info("%s", choice.explain(type(args.models[choice.members[0]]).__name__))
         for array in choice.arrays:
-            job = jobs[array[0]] if len(array) == 1 else build_array(array, jobs, args, min(budgets.values()))
-            if len(array) > 1:
-                logger.info("%s", job.plan.explain())
-            replaced.setdefault(array[0], []).append(job)
-    fused = {m for choice in choices for array in choice.arrays if len(array) > 1 for m in array}
-    result = []
-    for index, job in enumerate(jobs):
-        result.extend(replaced.get(index, []))
-        if index not in replaced and index not in fused:
-            result.append(job)
-    return result, choices
+            if len(array) == 1:
+                first_of[array[0]] = jobs[array[0]]
+                continue
+            job = built.get(tuple(array)) or build_array(array, jobs, args, min(budgets.values()))
+            logger.info("%s", job.plan.explain())
+            first_of[array[0]] = job
+    grouped = {model for choice in choices for model in choice.members}
+    kept = [first_of.get(index, job) for index, job in enumerate(jobs) if index in first_of or index not in grouped]
+    return kept, choices

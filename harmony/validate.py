@@ -35,6 +35,7 @@ class Arguments:
     loader_of: list[int]
     loss_fns: list[Callable[..., torch.Tensor]]
     optimizers: list[Callable[..., torch.optim.Optimizer]]
+    optimizer_classes: list[type[torch.optim.Optimizer] | None]
     optimizer_state_ratios: list[float]
     epochs: int
     steps: int | None
@@ -159,10 +160,14 @@ def _loss_fns(loss_fn: Any, models: list[nn.Module]) -> list[Callable[..., torch
     return fns
 
 
-def _optimizers(optimizer: Any, models: list[nn.Module]) -> list[Callable[..., torch.optim.Optimizer]]:
+def _optimizers(
+    optimizer: Any, models: list[nn.Module]
+) -> tuple[list[Callable[..., torch.optim.Optimizer]], list[type[torch.optim.Optimizer] | None]]:
+    """The optimizer factory of every model, and the class of optimizer each builds (from one probe call)."""
     if optimizer is None:
         raise InputError("optimizer is required: a factory such as lambda params: torch.optim.SGD(params, lr=0.1)")
     factories = _per_model(optimizer, len(models), "optimizer")
+    classes: list[type[torch.optim.Optimizer] | None] = []
     for index, factory in enumerate(factories):
         label = model_label(index, models[index])
         if isinstance(factory, torch.optim.Optimizer):
@@ -183,7 +188,8 @@ def _optimizers(optimizer: Any, models: list[nn.Module]) -> list[Callable[..., t
         if not isinstance(built, torch.optim.Optimizer):
             raise InputError(f"optimizer factory for {label} returned a {type(built).__name__}, "
                              "not a torch.optim.Optimizer")
-    return factories
+        classes.append(type(built))
+    return factories, classes
 
 
 def optimizer_state_ratio(factory: Callable[..., torch.optim.Optimizer]) -> float:
@@ -241,8 +247,10 @@ def validate(
     assert micro is not None
     planning_only = not for_training
     loss_fns = [None] * len(model_list) if planning_only and loss_fn is None else _loss_fns(loss_fn, model_list)
-    optimizers = (
-        [None] * len(model_list) if planning_only and optimizer is None else _optimizers(optimizer, model_list)
+    optimizers, optimizer_classes = (
+        ([None] * len(model_list), [None] * len(model_list))
+        if planning_only and optimizer is None
+        else _optimizers(optimizer, model_list)
     )
     passes = step_count is None and epoch_count > 1
     loader_list, loader_of = _loaders(loaders, len(model_list), passes)
@@ -270,6 +278,7 @@ def validate(
         loader_of=loader_of,
         loss_fns=loss_fns,
         optimizers=optimizers,
+        optimizer_classes=optimizer_classes,
         optimizer_state_ratios=[2.0 if f is None else optimizer_state_ratio(f) for f in optimizers],
         epochs=epoch_count,
         steps=step_count,

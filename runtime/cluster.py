@@ -147,7 +147,6 @@ def _probe_device() -> tuple[str, int]:
 
 def external_devices(handle: ClusterHandle, budget: int | None) -> list[DeviceSpec]:
     """Every worker of a user's cluster is one device: its first visible GPU if it has one, else its CPU."""
-
     found = handle.client.run(_probe_device)
     by_address = {address: name for name, address in handle.workers.items()}
     devices = []
