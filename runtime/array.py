@@ -38,44 +38,63 @@ ELEMENTWISE = (
 )
 
 
+TRANSPOSED = "^T"
+LINEAR_TYPES = (nn.Linear, nn.modules.linear.NonDynamicallyQuantizableLinear)
+
+
 def stacked_name(name: str) -> str:
     """The attribute name of a member tensor's stack (module attribute names may not contain dots)."""
     return name.replace(".", ":")
 
 
+def is_transposed(name: str) -> bool:
+    """Whether a stacked parameter (by its name in any module) holds each member's matrix transposed."""
+    return name.endswith(TRANSPOSED)
+
+
 class ArrayLayer(nn.Module):
-    """One layer of every member of an array, its weights stacked, run as one fused computation."""
+    """One layer of every member of an array, its weights stacked, run as one fused computation.
+
+    A linear layer's weights are stacked transposed, members x in x out, under the name ``weight^T``, so that
+    the batched matrix multiply reads them contiguously forwards and accumulates their gradients contiguously
+    backwards (a quarter faster than multiplying by a transposed view for small layers).
+    """
 
     def __init__(self, members: Sequence[nn.Module], shared_input: bool) -> None:
         super().__init__()
         first = members[0]
         self.size = len(members)
         self.shared_input = shared_input
+        self.kind = _kind(first, shared_input)
         self.param_names = [name for name, _ in first.named_parameters()]
         self.buffer_names = [name for name, _ in first.named_buffers()]
         with torch.no_grad():
             for name, param in first.named_parameters():
                 stack = torch.stack([member.get_parameter(name).detach() for member in members])
-                self.register_parameter(stacked_name(name), nn.Parameter(stack, requires_grad=param.requires_grad))
+                if self._transposes(name):
+                    stack = stack.transpose(1, 2).contiguous()
+                self.register_parameter(self._attribute(name), nn.Parameter(stack, requires_grad=param.requires_grad))
             for name, _ in first.named_buffers():
                 stack = torch.stack([member.get_buffer(name).detach() for member in members])
                 self.register_buffer(stacked_name(name), stack)
         template = copy.deepcopy(first).to("meta")
         object.__setattr__(self, "template", template)
         self.train(first.training)  # the template keeps each submodule's own mode, as the members have it
-        if isinstance(first, nn.Linear):
-            self.kind = "linear"
-        elif (
-            type(first) in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
-            and first.track_running_stats
-            and first.momentum is not None
-            and not shared_input
-        ):
-            self.kind = "batchnorm"
-        elif isinstance(first, ELEMENTWISE) and not shared_input:
-            self.kind = "elementwise"
-        else:
-            self.kind = "vmap"
+
+    def _transposes(self, name: str) -> bool:
+        return self.kind == "linear" and name == "weight"
+
+    def _attribute(self, name: str) -> str:
+        """The attribute holding the stack of the members' tensor called name."""
+        return name + TRANSPOSED if self._transposes(name) else stacked_name(name)
+
+    def stacked(self, name: str, grad: bool = False) -> torch.Tensor:
+        """The members' tensor called name (or its gradient) stacked along the first dimension (member i's is
+        ``[i]``)."""
+        stack = getattr(self, self._attribute(name))
+        if grad:
+            stack = stack.grad
+        return stack.transpose(1, 2) if self._transposes(name) else stack
 
     def extra_repr(self) -> str:
         return f"{self.size} x {self.template!r}, {self.kind}"
@@ -84,10 +103,10 @@ class ArrayLayer(nn.Module):
         template: nn.Module = self.template
         if self.kind == "elementwise":
             return template(x)
+        if self.kind == "linear":
+            return self._linear(x, getattr(self, "weight" + TRANSPOSED), getattr(self, "bias", None))
         params = {name: getattr(self, stacked_name(name)) for name in self.param_names}
         buffers = {name: getattr(self, stacked_name(name)) for name in self.buffer_names}
-        if self.kind == "linear":
-            return self._linear(x, params["weight"], params.get("bias"))
         if self.kind == "batchnorm" and all(t.is_contiguous() for t in [*params.values(), *buffers.values()]):
             return self._batchnorm(x, params, buffers)
         shared = self.shared_input
@@ -101,17 +120,17 @@ class ArrayLayer(nn.Module):
         fused = vmap(member, in_dims=(0, 0, None if shared else 0), randomness="different")
         return fused(params, buffers, x)
 
-    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        features = weight.shape[-1]
+    def _linear(self, x: torch.Tensor, transposed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ weight.T + bias for every member at once; transposed is the members' weights, members x in x out."""
+        features = transposed.shape[1]
         if self.shared_input:
             rows = x.reshape(1, -1, features).expand(self.size, -1, -1)
             leading = x.shape[:-1]
         else:
             rows = x.reshape(self.size, -1, features)
             leading = x.shape[1:-1]
-        transposed = weight.transpose(1, 2)
         out = torch.bmm(rows, transposed) if bias is None else torch.baddbmm(bias.unsqueeze(1), rows, transposed)
-        return out.reshape(self.size, *leading, weight.shape[1])
+        return out.reshape(self.size, *leading, transposed.shape[2])
 
     def _batchnorm(self, x: torch.Tensor, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> Any:
         """Every member's BatchNorm as one over members x channels: the members move into the channel dimension,
@@ -139,9 +158,25 @@ class ArrayLayer(nn.Module):
         with torch.no_grad():
             for index, member in enumerate(members):
                 for name in self.param_names:
-                    member.get_parameter(name).copy_(getattr(self, stacked_name(name))[index])
+                    member.get_parameter(name).copy_(self.stacked(name)[index])
                 for name in self.buffer_names:
                     member.get_buffer(name).copy_(getattr(self, stacked_name(name))[index])
+
+
+def _kind(first: nn.Module, shared_input: bool) -> str:
+    """How an array of layers like first runs: linear, batchnorm, elementwise or vmap (see ArrayLayer)."""
+    if type(first) in LINEAR_TYPES:
+        return "linear"
+    if (
+        type(first) in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+        and first.track_running_stats
+        and first.momentum is not None
+        and not shared_input
+    ):
+        return "batchnorm"
+    if isinstance(first, ELEMENTWISE) and not shared_input:
+        return "elementwise"
+    return "vmap"
 
 
 def simple_attributes(module: nn.Module) -> tuple[tuple[str, str], ...]:

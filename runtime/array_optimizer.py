@@ -1,7 +1,8 @@
 """The optimizer of a fused array: every member's own optimizer and hyperparameters, over stacked weights.
 
 Each member's factory is called on that member's slices of the stacked parameters (views, so an update
-writes into the stack), which gives its optimizer class and hyperparameters exactly as the user wrote
+writes into the stack; shaped as the member's own parameters, also where the array stores them transposed), which
+gives its optimizer class and hyperparameters exactly as the user wrote
 them. When every member uses plain SGD, Adam or AdamW, the array steps once over the stacked tensors
 with the members' hyperparameters as per-member columns (the same arithmetic as torch's single-tensor
 implementations, a few kernels per tensor instead of one call per member and tensor); otherwise the
@@ -17,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from harmony.runtime.array import is_transposed
+
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 STACKABLE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
@@ -28,13 +31,15 @@ PER_MEMBER = {
 SHARED_FLAGS = ("maximize", "amsgrad", "capturable", "differentiable", "fused", "decoupled_weight_decay")
 
 
-def member_slices(params: Sequence[nn.Parameter], member: int) -> list[nn.Parameter]:
-    """Parameters viewing member's slice of each stacked parameter, with its slice of the gradient."""
+def member_slices(params: Sequence[nn.Parameter], member: int, transposed: Sequence[bool]) -> list[nn.Parameter]:
+    """Parameters viewing member's slice of each stacked parameter, with its slice of the gradient; a slice of
+    a stack held transposed is viewed transposed back, so that it has the member's own shape."""
     slices = []
-    for param in params:
-        view = nn.Parameter(param.detach()[member], requires_grad=param.requires_grad)
+    for param, flip in zip(params, transposed):
+        data = param.detach()[member]
+        view = nn.Parameter(data.t() if flip else data, requires_grad=param.requires_grad)
         if param.grad is not None:
-            view.grad = param.grad[member]
+            view.grad = param.grad[member].t() if flip else param.grad[member]
         slices.append(view)
     return slices
 
@@ -168,7 +173,12 @@ class ArrayOptimizer:
         self.stack = stack
 
     def __call__(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
-        slices = [member_slices(params, member) for member in range(len(self.factories))]
+        return self.build(params, [""] * len(params))
+
+    def build(self, params: list[nn.Parameter], names: Sequence[str]) -> torch.optim.Optimizer:
+        """The array's optimizer over params, called names in the array's module (which tells transposed stacks)."""
+        transposed = [is_transposed(name) for name in names]
+        slices = [member_slices(params, member, transposed) for member in range(len(self.factories))]
         members = [factory(views) for factory, views in zip(self.factories, slices)]
         groups = _stacked_groups(members, params, slices) if self.stack else None
         if groups is not None:
@@ -178,6 +188,15 @@ class ArrayOptimizer:
             for group in member.param_groups:
                 merged.add_param_group(group)
         return merged
+
+
+def build_optimizer(
+    factory: OptimizerFactory, params: list[nn.Parameter], names: Sequence[str]
+) -> torch.optim.Optimizer:
+    """factory's optimizer over params; an array's is also told the parameters' names."""
+    if isinstance(factory, ArrayOptimizer):
+        return factory.build(params, names)
+    return factory(params)
 
 
 def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

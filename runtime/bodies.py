@@ -145,9 +145,12 @@ def backward(
     ):
         ctx.prefetch_next(keep_free=runtime.workspace)
         if resident:
-            grad_bytes = ctx.resident(model, weights).grad_bytes
+            state = ctx.resident(model, weights)
+            grad_bytes = state.grad_bytes
+            bound: Callable[[Any], Any] | None = state.module
         else:
             grad_bytes = torch.zeros(runtime.grads.nbytes, dtype=torch.uint8, device=ctx.device)
+            bound = None
         tensors = tensors_at(weights, runtime.weights)
         grads = tensors_at(grad_bytes, runtime.grads)
         for index, (step_inputs, step_targets, step_weights) in enumerate(per_step):
@@ -156,7 +159,7 @@ def backward(
             if resident:
                 grad_bytes.zero_()
             input_grads = _backward_step(ctx, model, pack, first + index, weights, tensors, grads, step_inputs,
-                                         step_targets, step_weights, group)
+                                         step_targets, step_weights, group, bound)
         if not resident:
             ctx.cache.write_back(grad_bytes, ctx.host_grads(model, pack, group), "grads")
         if pack == len(spec.packs) - 1 and runtime.has_buffers and not resident:
@@ -177,9 +180,11 @@ def _backward_step(
     gradients_or_targets: list[Any],
     loss_weights: list[float],
     group: int,
+    bound: Callable[[Any], Any] | None = None,
 ) -> list[Any]:
     """One step's micro-batches through a pack's backward, accumulating into grads (views of the gradient
-    buffer; tensors are views of weights); records the losses."""
+    buffer; tensors are views of weights); records the losses. bound is a resident model's module, whose
+    parameters already are those views (with those gradients): it runs directly, with nothing to rebind."""
     spec = ctx.spec.models[model]
     runtime = spec.packs[pack]
     last = pack == len(spec.packs) - 1
@@ -194,14 +199,12 @@ def _backward_step(
             x = ctx.cache.copy_in(microbatch, "inputs" if pack == 0 else "activations")
             if pack > 0:
                 x.requires_grad_(x.is_floating_point())
-            leaves = {}
-            for name, grad in grads.items():
-                leaf = tensors[name].detach().requires_grad_()
-                leaf.grad = grad
-                leaves[name] = leaf
             _seed(ctx.device, spec.seed, pack, step, group * 65_536 + index)
             with torch.enable_grad():
-                y = functional_call(module, {**tensors, **leaves}, (x,))
+                if bound is not None:
+                    y = bound(x)
+                else:
+                    y = functional_call(module, {**tensors, **_leaves(tensors, grads)}, (x,))
                 if last:
                     target = ctx.cache.copy_in(gradients_or_targets[index], "inputs")
                     losses = ctx.loss_fn(model)(y, target).reshape(-1)
@@ -221,6 +224,16 @@ def _backward_step(
         block = ctx.store.attach(losses_name(model, step // LOSS_BLOCK, group), nbytes).view(torch.float64)
         block.view(LOSS_BLOCK, spec.members)[step % LOSS_BLOCK] = loss_total
     return input_grads
+
+
+def _leaves(tensors: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Trainable weights as autograd leaves whose gradients accumulate into grads."""
+    leaves = {}
+    for name, grad in grads.items():
+        leaf = tensors[name].detach().requires_grad_()
+        leaf.grad = grad
+        leaves[name] = leaf
+    return leaves
 
 
 @task_body("upd")

@@ -16,7 +16,7 @@ import msgpack
 import torch
 from torch import nn
 
-from harmony.runtime.array_optimizer import optimizer_params
+from harmony.runtime.array_optimizer import build_optimizer, optimizer_params
 from harmony.runtime.hoststore import HostStore, dtype_name, tensor_at
 from harmony.runtime.spec import PackRuntime, grads_name, optimizer_meta_name, optimizer_name, weights_name
 from harmony.tasks.layout import Slot, TensorSpec, lay_out
@@ -41,7 +41,7 @@ class PackOptimizer:
             param = nn.Parameter(tensor_at(weights, by_name[grad_slot.spec.name]))
             param.grad = tensor_at(grads, grad_slot)
             self.params.append(param)
-        self.optimizer = factory(self.params)
+        self.optimizer = build_optimizer(factory, self.params, [slot.spec.name for slot in runtime.grads.slots])
         self.params = optimizer_params(self.optimizer)
         self.generation = -1
         self.last_step = -1

@@ -94,7 +94,7 @@ class RunContext:
         """The resident state of a model homed on this device, created when its weights first arrive."""
         if model not in self.residents:
             runtime = self.spec.models[model].packs[0]
-            self.residents[model] = ResidentModel(self.cache, model, runtime, weights)
+            self.residents[model] = ResidentModel(self.cache, model, runtime, weights, load_skeleton(runtime.skeleton))
         return self.residents[model]
 
     def resident_step(self, model: int, step: int) -> None:

@@ -64,10 +64,9 @@ def test_an_array_layer_computes_each_members_forward_and_backward(name: str, sh
         expected.pow(2).sum().backward()
         torch.testing.assert_close(out[index], expected, rtol=1e-5, atol=1e-6)
         for param_name, param in reference.named_parameters():
-            stacked = getattr(array, param_name.replace(".", ":"))
-            torch.testing.assert_close(stacked.grad[index], param.grad, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(array.stacked(param_name, grad=True)[index], param.grad, rtol=1e-4, atol=1e-4)
         for buffer_name, buffer in reference.named_buffers():
-            torch.testing.assert_close(getattr(array, buffer_name.replace(".", ":"))[index], buffer)
+            torch.testing.assert_close(array.stacked(buffer_name)[index], buffer)
     array.unstack_into(members)
     for member, reference in zip(members, references):
         for (_, got), (_, want) in zip(member.state_dict().items(), reference.state_dict().items()):
@@ -160,6 +159,39 @@ def test_an_array_optimizer_steps_every_member_as_its_own_optimizer_would(name: 
         for index, params in enumerate(members):
             for param, stack in zip(params, stacked):
                 torch.testing.assert_close(stack.detach()[index], param.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_an_array_optimizer_gives_each_factory_its_members_own_shapes_for_transposed_stacks() -> None:
+    """An array stores linear weights transposed (members x in x out); a factory that groups parameters by
+    shape still sees each member's (out x in) weight, and the update lands in the right elements."""
+    torch.manual_seed(0)
+    weights = [nn.Parameter(torch.randn(3, 5)) for _ in range(2)]
+    biases = [nn.Parameter(torch.randn(3)) for _ in range(2)]
+
+    def factory(lr: float) -> Callable[[list[nn.Parameter]], torch.optim.Optimizer]:
+        def build(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+            assert [tuple(p.shape) for p in params] == [(3, 5), (3,)]
+            return torch.optim.SGD([{"params": [p for p in params if p.dim() == 2], "weight_decay": 0.1},
+                                    {"params": [p for p in params if p.dim() == 1]}], lr=lr, momentum=0.9)
+        return build
+
+    factories = [factory(0.1), factory(0.3)]
+    members = [factory_(list(params)) for factory_, params in zip(factories, zip(weights, biases))]
+    stacked_weight = nn.Parameter(torch.stack([w.detach().t() for w in weights]).contiguous())
+    stacked_bias = nn.Parameter(torch.stack([b.detach() for b in biases]))
+    stacked_weight.grad, stacked_bias.grad = torch.zeros_like(stacked_weight), torch.zeros_like(stacked_bias)
+    array = ArrayOptimizer(factories).build([stacked_weight, stacked_bias], ["0.weight^T", "0.bias"])
+    for _ in range(3):
+        for index in range(2):
+            weights[index].grad, biases[index].grad = torch.randn(3, 5), torch.randn(3)
+            stacked_weight.grad[index].copy_(weights[index].grad.t())
+            stacked_bias.grad[index].copy_(biases[index].grad)
+        array.step()
+        for member in members:
+            member.step()
+    for index in range(2):
+        torch.testing.assert_close(stacked_weight.detach()[index].t(), weights[index].detach())
+        torch.testing.assert_close(stacked_bias.detach()[index], biases[index].detach())
 
 
 def test_fusion_groups_sizes_and_splits() -> None:

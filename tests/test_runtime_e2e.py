@@ -173,3 +173,35 @@ def test_per_microbatch_swapping_pays_m_times_the_weights_for_the_same_result(no
     assert grouped.bytes_in["weights"] <= steps * (2 * weights - last)
     assert ungrouped.bytes_in["weights"] >= reloads + steps * weights
     assert ungrouped.bytes_out["grads"] == grouped.bytes_out["grads"] == steps * weights
+
+
+class TiedClassifier(nn.Module):
+    """Token embeddings shared with the output projection (tied weights), and a BatchNorm with running stats."""
+
+    def __init__(self, vocabulary: int = 20, width: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocabulary, width)
+        self.norm = nn.BatchNorm1d(width)
+        self.project = nn.Linear(width, vocabulary, bias=False)
+        self.project.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.project(self.norm(self.embed(tokens).mean(1)))
+
+
+@pytest.mark.parametrize("resident", [True, False], ids=["resident", "swapped"])
+def test_tied_weights_train_as_in_plain_pytorch(resident: bool, no_leaks: None) -> None:
+    torch.manual_seed(0)
+    model = TiedClassifier()
+    reference = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(3)
+    batches = [(torch.randint(0, 20, (8, 5), generator=generator), torch.randint(0, 20, (8,), generator=generator))
+               for _ in range(6)]
+    factory = lambda p: torch.optim.SGD(p, lr=0.2, momentum=0.9)  # noqa: E731
+    result = harmony.train(model, batches, loss_fn=nn.functional.cross_entropy, optimizer=factory,
+                           resident=resident, steps_per_task=3, progress=False)
+    losses = train_plain(reference, batches, nn.functional.cross_entropy, factory)
+    assert model.project.weight is model.embed.weight
+    assert_same_weights(model, reference)
+    assert result.history[0] == pytest.approx(losses, rel=1e-5)
+    assert bool(result.homes) == resident
