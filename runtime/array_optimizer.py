@@ -11,7 +11,6 @@ members' optimizers are merged into one torch optimizer over the slices, one par
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -44,82 +43,128 @@ def member_slices(params: Sequence[nn.Parameter], member: int, transposed: Seque
     return slices
 
 
+Columns = dict[str, Any]
+
+
 class StackedOptimizer(torch.optim.Optimizer):
-    """SGD, Adam or AdamW over stacked parameters, each hyperparameter a list with one value per member."""
+    """SGD, Adam or AdamW over stacked parameters, each hyperparameter a list with one value per member.
+
+    The hyperparameters become columns (one value per member, broadcasting against a stack) built once per
+    group and stack shape and rebuilt only if a group's values change; Adam's bias corrections are computed
+    once per step for all of a group's stacks, in double precision as torch does, then rounded once.
+    """
 
     def __init__(self, algorithm: type[torch.optim.Optimizer], groups: list[dict[str, Any]]) -> None:
         self.algorithm = algorithm
-        self.columns: dict[tuple[Any, ...], torch.Tensor] = {}
+        self.columns: dict[tuple[Any, ...], tuple[list[Any], Columns]] = {}
+        self.corrections: dict[tuple[Any, ...], tuple[float, Columns]] = {}
         super().__init__(groups, {})
-
-    def _column(self, values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
-        """values as a tensor that broadcasts member by member against like (members first)."""
-        key = (tuple(values), like.dim(), like.dtype, like.device)
-        column = self.columns.get(key)
-        if column is None:
-            column = torch.tensor(values, dtype=like.dtype, device=like.device).reshape(-1, *[1] * (like.dim() - 1))
-            self.columns[key] = column
-        return column
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
-        for group in self.param_groups:
+        for index, group in enumerate(self.param_groups):
             for param in group["params"]:
                 if param.grad is None:
                     continue
                 grad = -param.grad if group["maximize"] else param.grad
+                columns = self._columns(index, group, param)
                 if self.algorithm is torch.optim.SGD:
-                    self._sgd(param, grad, group)
+                    self._sgd(param, grad, columns)
                 else:
-                    self._adam(param, grad, group)
+                    self._adam(index, param, grad, columns)
 
-    def _sgd(self, param: torch.Tensor, grad: torch.Tensor, group: dict[str, Any]) -> None:
-        if any(group["weight_decay"]):
-            grad = grad.add(param * self._column(group["weight_decay"], param))
-        momentum = group["momentum"]
-        if any(momentum):
+    def _columns(self, index: int, group: dict[str, Any], like: torch.Tensor) -> Columns:
+        """The group's hyperparameter columns shaped to broadcast against like (members first)."""
+        key = (index, like.dim(), like.dtype, like.device)
+        values = [group[name] for name in PER_MEMBER[self.algorithm]]
+        cached = self.columns.get(key)
+        if cached is None or cached[0] != values:
+            cached = ([list(v) for v in values], self._build_columns(group, like))
+            self.columns[key] = cached
+        return cached[1]
+
+    def _build_columns(self, group: dict[str, Any], like: torch.Tensor) -> Columns:
+        shape = (-1, *[1] * (like.dim() - 1))
+
+        def column(values: Sequence[float], dtype: torch.dtype = like.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=like.device).reshape(shape)
+
+        if self.algorithm is torch.optim.SGD:
+            momentum, nesterov = group["momentum"], group["nesterov"]
+            uses_buffer = [m != 0 for m in momentum]
+            return {
+                "weight_decay": column(group["weight_decay"]) if any(group["weight_decay"]) else None,
+                "momentum": column(momentum) if any(momentum) else None,
+                "kept": column([1 - d if m != 0 else 1.0 for m, d in zip(momentum, group["dampening"])]),
+                "nesterov": column([bool(n) for n in nesterov], torch.bool) if any(nesterov) else None,
+                "uses_buffer": None if all(uses_buffer) else column(uses_buffer, torch.bool),
+                "negative_lr": column([-lr for lr in group["lr"]]),
+            }
+        decay = group["weight_decay"]
+        decoupled = group["decoupled_weight_decay"]
+        return {
+            "decay": column([1 - lr * wd for lr, wd in zip(group["lr"], decay)]) if any(decay) and decoupled else None,
+            "weight_decay": column(decay) if any(decay) and not decoupled else None,
+            "first_kept": column([1 - b for b in group["beta1"]]),
+            "beta2": column(group["beta2"]),
+            "second_kept": column([1 - b for b in group["beta2"]]),
+            "eps": column(group["eps"]),
+            "lr64": column(group["lr"], torch.float64),
+            "beta1_64": column(group["beta1"], torch.float64),
+            "beta2_64": column(group["beta2"], torch.float64),
+        }
+
+    def _sgd(self, param: torch.Tensor, grad: torch.Tensor, columns: Columns) -> None:
+        if columns["weight_decay"] is not None:
+            grad = grad.add(param * columns["weight_decay"])
+        momentum = columns["momentum"]
+        if momentum is not None:
             state = self.state[param]
             buffer = state.get("momentum_buffer")
             if buffer is None:
                 buffer = torch.clone(grad).detach()
                 state["momentum_buffer"] = buffer
             else:
-                kept = [1 - d if m != 0 else 1.0 for m, d in zip(momentum, group["dampening"])]
-                buffer.mul_(self._column(momentum, param)).add_(grad * self._column(kept, param))
-            if any(group["nesterov"]):
-                nesterov = grad.add(buffer * self._column(momentum, param))
-                chosen = [bool(n) for n in group["nesterov"]]
-                uses_buffer = [m != 0 for m in momentum]
-                grad = torch.where(self._column(chosen, param).bool(), nesterov,
-                                   torch.where(self._column(uses_buffer, param).bool(), buffer, grad))
-            elif all(m != 0 for m in momentum):
+                buffer.mul_(momentum).add_(grad * columns["kept"])
+            uses_buffer = columns["uses_buffer"]
+            if columns["nesterov"] is not None:
+                nesterov = grad.add(buffer * momentum)
+                grad = torch.where(columns["nesterov"], nesterov,
+                                   buffer if uses_buffer is None else torch.where(uses_buffer, buffer, grad))
+            elif uses_buffer is None:
                 grad = buffer
             else:
-                grad = torch.where(self._column([m != 0 for m in momentum], param).bool(), buffer, grad)
-        param.add_(grad * self._column([-lr for lr in group["lr"]], param))
+                grad = torch.where(uses_buffer, buffer, grad)
+        param.addcmul_(grad, columns["negative_lr"])
 
-    def _adam(self, param: torch.Tensor, grad: torch.Tensor, group: dict[str, Any]) -> None:
+    def _corrections(self, index: int, like: torch.Tensor, step: float, columns: Columns) -> Columns:
+        """Adam's step-dependent columns: minus the step size, and the second moment's correction."""
+        key = (index, like.dim(), like.dtype, like.device)
+        cached = self.corrections.get(key)
+        if cached is None or cached[0] != step:
+            step_size = columns["lr64"] / (1 - columns["beta1_64"] ** step)
+            correction = (1 - columns["beta2_64"] ** step).sqrt()
+            cached = (step, {"negative_step_size": (-step_size).to(like.dtype),
+                             "correction": correction.to(like.dtype)})
+            self.corrections[key] = cached
+        return cached[1]
+
+    def _adam(self, index: int, param: torch.Tensor, grad: torch.Tensor, columns: Columns) -> None:
         state = self.state[param]
         if not state:
             state["step"] = torch.tensor(0.0)
             state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
         state["step"] += 1
-        step = float(state["step"])
-        decay = group["weight_decay"]
-        if any(decay):
-            if group["decoupled_weight_decay"]:
-                param.mul_(self._column([1 - lr * wd for lr, wd in zip(group["lr"], decay)], param))
-            else:
-                grad = grad.add(param * self._column(decay, param))
-        beta1, beta2 = group["beta1"], group["beta2"]
-        state["exp_avg"].lerp_(grad, self._column([1 - b for b in beta1], param))
-        kept = self._column([1 - b for b in beta2], param)
-        state["exp_avg_sq"].mul_(self._column(beta2, param)).add_(kept * grad * grad)
-        step_size = [lr / (1 - b1**step) for lr, b1 in zip(group["lr"], beta1)]
-        correction = [math.sqrt(1 - b2**step) for b2 in beta2]
-        denom = (state["exp_avg_sq"].sqrt() / self._column(correction, param)).add_(self._column(group["eps"], param))
-        param.add_(self._column([-s for s in step_size], param) * (state["exp_avg"] / denom))
+        if columns["decay"] is not None:
+            param.mul_(columns["decay"])
+        elif columns["weight_decay"] is not None:
+            grad = grad.add(param * columns["weight_decay"])
+        corrections = self._corrections(index, param, float(state["step"]), columns)
+        state["exp_avg"].lerp_(grad, columns["first_kept"])
+        state["exp_avg_sq"].mul_(columns["beta2"]).add_(columns["second_kept"] * grad * grad)
+        denom = (state["exp_avg_sq"].sqrt() / corrections["correction"]).add_(columns["eps"])
+        param.add_(corrections["negative_step_size"] * (state["exp_avg"] / denom))
 
 
 def _stacked_groups(

@@ -25,6 +25,7 @@ from torch.func import functional_call
 from harmony.runtime.cache import BudgetExceeded, tree_nbytes
 from harmony.runtime.errors import ModelFailure
 from harmony.runtime.hoststore import tensors_at
+from harmony.runtime.shipping import unship
 from harmony.runtime.spec import LOSS_BLOCK, losses_name
 from harmony.runtime.worker import RunContext, context
 from harmony.tasks.graph import TaskId
@@ -76,7 +77,7 @@ def task_body(kind: str) -> Callable[[Callable[..., Result]], Callable[..., Resu
             ctx.executed.append(TaskId(kind, model, pack, step, group).key(run_id))  # type: ignore[arg-type]
             ctx.counters.add("p2p", sum(tree_nbytes(arg) for arg, remote in zip(args, peers) if remote))
             try:
-                return body(ctx, model, pack, step, *args, group=group, **extra)
+                return body(ctx, model, pack, step, *map(unship, args), group=group, **extra)
             except (BudgetExceeded, ModelFailure):
                 raise
             except Exception as error:

@@ -5,7 +5,8 @@ task to Dask restricted to its device's worker (``fwd-m3-p2-s17-<run>`` keys, pu
 every completion report back and drop the futures of values nobody will read again. A task may be
 submitted while its dependencies still run; those it does not read (a pack's update before the next
 step's forward) are passed as ``after=`` futures so that Dask orders them too. Activations flow
-worker to worker as Dask results; nothing large passes through the driver.
+worker to worker as Dask results; nothing large passes through the driver. Mini-batches travel with their
+tasks, packed into one raw buffer per argument (see shipping).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from distributed import Client, Future, as_completed
 from harmony.runtime import bodies
 from harmony.runtime.data import SharedFeed, batch_size, split_tree
 from harmony.runtime.errors import ModelFailure
+from harmony.runtime.shipping import ship
 from harmony.tasks.binding import BindingState
 from harmony.tasks.graph import BatchInput, BatchTargets, TaskId, Value, inputs, successor
 from harmony.tasks.microbatch import group_sizes, loss_weights, split_sizes
@@ -113,7 +115,8 @@ class Driver:
     def _submit(self, task: TaskId, device: str) -> Future:
         packs = self.state.models[task.model].packs
         reads = inputs(task, packs)
-        args: list[Any] = [self.values[value] for value in reads]
+        args: list[Any] = [self.values[value] if isinstance(value, TaskId) else ship(self.values[value])
+                           for value in reads]
         peers = tuple(isinstance(value, TaskId) and self.device_of[value] != device for value in reads)
         if task.kind == "bwd":
             last = task.pack == packs - 1

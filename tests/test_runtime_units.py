@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import copy
+import pickle
 
 import pytest
 import torch
 from distributed.protocol import deserialize, serialize
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from harmony.runtime import serialization  # noqa: F401
 from harmony.runtime.cache import BudgetExceeded, DeviceCache
 from harmony.runtime.counters import BLOCK_BYTES, Counters
 from harmony.runtime.hoststore import HostStore, tensors_at
 from harmony.runtime.optimizer import PackOptimizer
+from harmony.runtime.shipping import ShippedTensors, ship, unship
 from harmony.runtime.skeleton import dump_skeleton, load_skeleton
 from harmony.runtime.spec import PackRuntime, grads_name, weights_name
 from harmony.tasks.layout import TensorSpec, lay_out
@@ -160,6 +163,25 @@ def test_tensors_round_trip_through_dask_serialization(dtype: torch.dtype) -> No
     assert back.dtype == dtype and torch.equal(back, tensor)
     sliced = tensor[1:]
     assert torch.equal(deserialize(*serialize(sliced)), sliced)
+
+
+def test_shipped_task_arguments_pickle_their_tensors_as_one_out_of_band_buffer() -> None:
+    tree = [
+        (torch.randn(3, 5), {"ids": torch.arange(7), "mask": torch.tensor([True, False, True])}),
+        (torch.randn(2, 2, dtype=torch.bfloat16), torch.empty(0, 4), "label", 3),
+    ]
+    shipped = ship(tree)
+    assert isinstance(shipped, ShippedTensors) and ship([1.0, 0.5]) == [1.0, 0.5] and unship([1.0]) == [1.0]
+    frames: list[pickle.PickleBuffer] = []
+    data = pickle.dumps(shipped, protocol=5, buffer_callback=frames.append)
+    assert len(frames) == 1 and len(data) < 2_000
+    back = unship(pickle.loads(data, buffers=frames))
+    again = unship(pickle.loads(pickle.dumps(pickle.loads(data, buffers=frames))))
+    for got in (back, again):
+        assert got[0][1]["mask"].dtype == torch.bool and got[1][2:] == ("label", 3)
+        for original, copied in zip(tree_flatten(tree)[0], tree_flatten(got)[0]):
+            if isinstance(original, torch.Tensor):
+                assert copied.dtype == original.dtype and torch.equal(copied, original)
 
 
 def test_cache_never_hands_out_stale_weights_that_are_in_use(store: HostStore) -> None:
