@@ -42,7 +42,8 @@ def expected_steps(args: Arguments, model: int) -> int | None:
 
 
 def _to_device(tree: Any, device: torch.device) -> Any:
-    return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, tree)
+    """A copy of tree's tensors on device (a copy, so that the pilot pass cannot alter the user's batch)."""
+    return tree_map(lambda t: t.to(device, copy=True) if isinstance(t, torch.Tensor) else t, tree)
 
 
 def _check_loss(args: Arguments, index: int, label: str, output: Any, target: Any) -> None:

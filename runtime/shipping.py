@@ -31,7 +31,7 @@ class TensorSlot:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
     def view(self, buffer: torch.Tensor) -> torch.Tensor:
         tensor = buffer[self.offset : self.offset + self.nbytes].view(self.dtype).view(self.shape)
