@@ -138,11 +138,13 @@ def train(
     history: list[list[float]] = [[] for _ in args.models]
     steps = [0] * len(args.models)
     finish = [0.0] * len(args.models)
+    step_seconds: list[list[float]] = [[] for _ in args.models]
     for index, job in enumerate(jobs):
         for position, model in enumerate(job.members):
             history[model] = outcome.history[index][position]
             steps[model] = outcome.steps[index]
             finish[model] = outcome.finish_seconds[index]
+            step_seconds[model] = list(outcome.step_seconds[index])
     stats = Stats(
         peak_device_bytes={name: values["peak"] for name, values in counters.items()},
         bytes_in={kind: sum(values[f"in_{kind}"] for values in counters.values()) for kind in IN_KINDS},
@@ -159,6 +161,7 @@ def train(
         budgets={device.name: device.budget for device in outcome.devices},
         schedule=outcome.schedule,
         finish_seconds=finish,
+        step_seconds=step_seconds,
     )
     return TrainResult(
         models=args.models,

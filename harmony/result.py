@@ -21,7 +21,9 @@ class Stats:
     bytes_prefetched: the part of bytes_in["weights"] copied by the copy engine while a task computed.
     busy_seconds / idle_seconds: per device, time running tasks and time without one, from the moment
     the workers were ready; schedule: per device, the keys of the tasks in the order it ran them;
-    finish_seconds: per model, when its last step finished, counted from the same moment.
+    finish_seconds: per model, when its last step finished, counted from the same moment;
+    step_seconds: per model, when each of its steps finished (its update applied), from the same moment
+    (the steps of a multi-step task finish together).
     """
 
     peak_device_bytes: dict[str, int]
@@ -37,6 +39,20 @@ class Stats:
     budgets: dict[str, int] = field(default_factory=dict)
     schedule: dict[str, list[str]] = field(default_factory=dict)
     finish_seconds: list[float] = field(default_factory=list)
+    step_seconds: list[list[float]] = field(default_factory=list)
+
+    def steady_seconds_per_step(self, model: int = 0, skip: float = 0.2) -> float:
+        """Seconds per step of model once running: the time between the step that ends the first skip share of
+        its steps (start-up, the first task's warm-up) and its last step, over the steps in between."""
+        times = self.step_seconds[model]
+        last = len(times) - 1
+        first = max(0, int(len(times) * skip) - 1)
+        while first < last and times[first + 1] == times[first]:
+            first += 1  # to the last of the steps that finished together (one multi-step task)
+        if first >= last:
+            raise ValueError(f"model {model}: its {len(times)} steps did not finish at two different times after "
+                             f"the first {skip:.0%}; a steady rate needs more steps (or fewer steps per task)")
+        return (times[last] - times[first]) / (last - first)
 
     def utilization(self) -> dict[str, float]:
         """Per device, the fraction of the training time it spent running tasks."""

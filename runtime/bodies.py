@@ -4,10 +4,11 @@ fwd runs every micro-batch of the step through the pack with its weights swapped
 nothing on the device and returns the outputs (the next pack's boundary inputs). bwd recomputes the
 pack from its boundary inputs and backpropagates each micro-batch, accumulating weight gradients on
 the device, and sends them to the host store once; the last pack's bwd runs forward, loss and
-backward together. upd steps the pack's optimizer on the host store, or, for a resident model, on
-its home device, where its weights, gradients and optimizer state stay for the whole run. A fused array is one model
-here whose loss is a vector (one per member). Packs are cut only where one
-tensor flows, so the boundary values between packs (and their gradients) are single tensors.
+backward together. upd steps the pack's optimizer on the host store. A resident model's weights, gradients
+and optimizer state stay on its home device for the whole run, and its bwd applies its updates there
+(its upd only marks the step done). A fused array is one model here whose loss is a vector (one per member).
+Packs are cut only where one tensor flows, so the boundary values between packs (and their gradients) are
+single tensors.
 """
 
 from __future__ import annotations
@@ -129,8 +130,9 @@ def backward(
     span: tuple[int, int] | None = None,
 ) -> list[Any] | None:
     """Backward of one pack for one step, or, with span=(first, count), of a resident model's last (only) pack
-    for count consecutive steps from first, inputs, targets and loss weights given per step; the updates
-    between those steps run here on the device, the last one is the upd task's."""
+    for count consecutive steps from first, inputs, targets and loss weights given per step. A resident
+    model's updates all run here, on its device, after each step's backward (its upd task only marks the
+    steps done)."""
     spec = ctx.spec.models[model]
     runtime = spec.packs[pack]
     resident = spec.home is not None
@@ -161,7 +163,9 @@ def backward(
                 grad_bytes.zero_()
             input_grads = _backward_step(ctx, model, pack, first + index, weights, tensors, grads, step_inputs,
                                          step_targets, step_weights, group, bound)
-        if not resident:
+        if resident:
+            ctx.resident_step(model, first + count - 1)
+        else:
             ctx.cache.write_back(grad_bytes, ctx.host_grads(model, pack, group), "grads")
         if pack == len(spec.packs) - 1 and runtime.has_buffers and not resident:
             ctx.cache.write_back(weights[runtime.buffers_offset :], host[runtime.buffers_offset :], "buffers")
@@ -242,8 +246,6 @@ def update(
     ctx: RunContext, model: int, pack: int, step: int, group: int = 0, span: tuple[int, int] | None = None
 ) -> None:
     if ctx.spec.models[model].home is not None:
-        first, count = span if span is not None else (step, 1)
-        ctx.resident_step(model, first + count - 1)
         return
     ctx.reduce_grads(model, pack)
     ctx.optimizer(model, pack, step).step(step)

@@ -57,6 +57,7 @@ class Driver:
         self.tasks_run = 0
         self.started = time.perf_counter()
         self.finish_seconds: dict[int, float] = {}
+        self.step_seconds: list[list[float]] = [[] for _ in feeds]
         self.spans: dict[tuple[int, int], tuple[int, int]] = {}
         self.steps_fetched = [0] * len(feeds)
 
@@ -172,18 +173,23 @@ class Driver:
                 if isinstance(error, ModelFailure):
                     raise error
                 raise error.with_traceback(future.traceback())
+            done_before = self.state.steps_done[task.model]
             for value in self.state.complete(task):
                 self.values.pop(value, None)
                 if isinstance(value, TaskId):
                     self.device_of.pop(value, None)
                 if isinstance(value, BatchTargets):
                     self.weights.pop((value.model, value.step, value.group), None)
+            now = time.perf_counter() - self.started
+            if self.state.steps_done[task.model] > done_before:
+                _, count = self.spans.get((task.model, task.step), (task.step, 1))
+                self.step_seconds[task.model].extend([now] * count)
             if task.kind == "upd":
                 self.spans.pop((task.model, task.step), None)
             self.tasks_run += 1
             total = self.state.total_steps[task.model]
             if total is not None and self.state.steps_done[task.model] >= total:
-                self.finish_seconds.setdefault(task.model, time.perf_counter() - self.started)
+                self.finish_seconds.setdefault(task.model, now)
             if self.on_progress is not None:
                 self.on_progress(self.state, self.tasks_run)
             self._fetch_batches()

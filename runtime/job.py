@@ -91,6 +91,7 @@ class JobOutcome:
     devices: list[DeviceSpec] = field(default_factory=list)
     schedule: dict[str, list[str]] = field(default_factory=dict)
     finish_seconds: list[float] = field(default_factory=list)
+    step_seconds: list[list[float]] = field(default_factory=list)
 
 
 def pack_module(layers: list[nn.Module], plan: PackPlan, pack: int) -> nn.Sequential:
@@ -300,6 +301,7 @@ def run_job(
             devices=devices,
             schedule={names[address]: keys for address, keys in executed.items() if address in names},
             finish_seconds=[driver.finish_seconds.get(m, run_seconds) for m in range(len(models))],
+            step_seconds=driver.step_seconds,
         )
     finally:
         if driver is not None:

@@ -2,7 +2,8 @@
 
 The first torch optimizer a process builds imports torch._dynamo, which takes a second or two; started
 when the worker process starts, the import overlaps with the worker joining the scheduler and the driver
-setting up, instead of stalling the run's first update.
+setting up. A run's setup on the worker waits for it to finish (``wait``), so that it never competes with
+the run's first tasks for the interpreter.
 """
 
 from __future__ import annotations
@@ -15,4 +16,10 @@ def _import_optimizer_machinery() -> None:
     importlib.import_module("torch._dynamo")
 
 
-threading.Thread(target=_import_optimizer_machinery, name="harmony-warmup", daemon=True).start()
+WARMUP = threading.Thread(target=_import_optimizer_machinery, name="harmony-warmup", daemon=True)
+WARMUP.start()
+
+
+def wait() -> None:
+    """Return once the background import is done (at once in a process that did not preload this module)."""
+    WARMUP.join()

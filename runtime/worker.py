@@ -8,6 +8,7 @@ a process). Teardown drops everything the run held on the worker.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import cloudpickle
@@ -163,6 +164,9 @@ class DevicePlugin(WorkerPlugin):
         self.spec = spec
 
     def setup(self, worker: Any) -> None:
+        warmup = sys.modules.get("harmony.runtime.warmup")
+        if warmup is not None:
+            warmup.wait()
         RUNS[(self.spec.run, worker.address)] = RunContext(self.spec, str(worker.name))
 
     def teardown(self, worker: Any) -> None:

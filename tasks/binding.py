@@ -137,7 +137,8 @@ class BindingState:
 
     def dependencies(self, task: TaskId) -> list[TaskId]:
         work = self.models[task.model]
-        return dependencies(task, work.packs, work.groups)
+        resident = task.model in self.homes and work.packs == 1 and work.groups == 1
+        return dependencies(task, work.packs, work.groups, updates_in_backward=resident)
 
     def placement(self, task: TaskId) -> str | None:
         """The device a task must run on in this mode, or None where any device may take it.

@@ -87,8 +87,13 @@ def successor(task: TaskId, packs: int) -> TaskId | None:
     return None
 
 
-def dependencies(task: TaskId, packs: int, groups: int = 1) -> list[TaskId]:
-    """Tasks that must finish before task may run."""
+def dependencies(task: TaskId, packs: int, groups: int = 1, updates_in_backward: bool = False) -> list[TaskId]:
+    """Tasks that must finish before task may run.
+
+    updates_in_backward: the model is resident and single-pack, its bwd applies the step's update itself (its
+    upd only records that the step is done), so the next step's bwd waits for that bwd, not for the upd: one
+    round trip through the scheduler per step instead of two.
+    """
     m, p, s, g = task.model, task.pack, task.step, task.group
     if task.kind == "upd":
         return [TaskId("bwd", m, p, s, group) for group in range(groups)]
@@ -98,7 +103,7 @@ def dependencies(task: TaskId, packs: int, groups: int = 1) -> list[TaskId]:
     if task.kind == "bwd" and p < packs - 1:
         deps.append(TaskId("bwd", m, p + 1, s, g))
     if s > 0:
-        deps.append(TaskId("upd", m, p, s - 1))
+        deps.append(TaskId("bwd", m, p, s - 1, g) if updates_in_backward else TaskId("upd", m, p, s - 1))
     return deps
 
 

@@ -108,8 +108,8 @@ def replay_memory(
     """Replay each device's task order against its budget, as the runtime's device cache accounts it.
 
     Resident models (homes) load their weights once and hold them, with a gradient buffer, and after
-    their first update their optimizer state (optimizer_state_ratios bytes per gradient byte); their
-    weights are written back once at the end instead of gradients every step.
+    their first update (which their bwd applies) their optimizer state (optimizer_state_ratios bytes per
+    gradient byte); their weights are written back once at the end instead of gradients every step.
     """
     homes = homes or {}
     ratios = optimizer_state_ratios or [2.0] * len(plans)
@@ -122,11 +122,6 @@ def replay_memory(
             key = (task.model, task.pack)
             resident = task.model in homes
             if task.kind == "upd":
-                if resident:
-                    memory.residents[key].version = task.step + 1
-                    if task.model not in stateful:
-                        stateful.add(task.model)
-                        memory.charge(round(ratios[task.model] * pack.grad_bytes), task, key)
                 continue
             if memory.weights(key, task.step, pack.weight_bytes, task):
                 report.weights_in += pack.weight_bytes
@@ -141,6 +136,11 @@ def replay_memory(
             memory.used -= pack.cost.workspace
             if task.kind == "bwd" and not resident:
                 memory.used -= pack.grad_bytes
+            if task.kind == "bwd" and resident:
+                memory.residents[key].version = task.step + 1
+                if task.model not in stateful:
+                    stateful.add(task.model)
+                    memory.charge(round(ratios[task.model] * pack.grad_bytes), task, key)
         report.peak[device] = memory.peak
     return report
 

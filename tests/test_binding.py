@@ -37,6 +37,20 @@ def test_runs_every_task_once_in_dependency_order() -> None:
     assert state.steps_done == [2]
 
 
+def test_a_resident_models_next_backward_waits_for_its_backward_not_its_update() -> None:
+    """A resident single-pack model updates inside its bwd; the next step's bwd depends on that bwd only, so
+    each step costs one round trip through the scheduler; a swapped model's still waits for the update."""
+    state = BindingState([ModelWork((100,)), ModelWork((100,))], {"cpu-0": 10_000}, homes={0: "cpu-0"})
+    assert state.dependencies(TaskId("bwd", 0, 0, 3)) == [TaskId("bwd", 0, 0, 2)]
+    assert state.dependencies(TaskId("bwd", 1, 0, 3)) == [TaskId("upd", 1, 0, 2)]
+    assert state.dependencies(TaskId("upd", 0, 0, 3)) == [TaskId("bwd", 0, 0, 3)]
+    order: list[tuple[TaskId, str]] = []
+    drive(state, {0: 3, 1: 3}, order)
+    assert state.steps_done == [3, 3]
+    position = {task: i for i, (task, _) in enumerate(order)}
+    assert all(position[TaskId("bwd", 0, 0, s + 1)] > position[TaskId("bwd", 0, 0, s)] for s in range(2))
+
+
 def test_models_are_interleaved_not_run_one_after_another() -> None:
     state = BindingState([ModelWork((10, 10)), ModelWork((10, 10))], {"cpu-0": 10_000}, slots_per_device=1)
     order: list[tuple[TaskId, str]] = []

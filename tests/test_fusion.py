@@ -166,6 +166,10 @@ def test_resident_arrays_run_several_steps_per_task_and_still_match_plain_pytorc
         if spans is not None:
             assert result.stats.tasks == 2 * spans, "8 + 8 + 8 + 6 steps: one bwd and one upd task per span"
             assert sorted(result.stats.schedule["cpu-0"])[0].startswith("bwd-m0-p0-s0-")
+            times = result.stats.step_seconds[2]
+            assert len(times) == 30 and times == sorted(times) and times[-1] == result.stats.finish_seconds[2]
+            assert [len(set(times[i : i + 8])) for i in range(0, 30, 8)] == [1, 1, 1, 1] and len(set(times)) == 4
+            assert result.stats.steady_seconds_per_step(2) == pytest.approx((times[-1] - times[7]) / 22)
         else:
             assert result.stats.tasks < 2 * 30, "tiny resident steps must be grouped over time"
         check_against_plain(result, models, references, batches, [nn.functional.mse_loss] * 4, factories)
