@@ -149,18 +149,19 @@ def backward(
         ctx.prefetch_next(keep_free=runtime.workspace)
         if resident:
             state = ctx.resident(model, weights)
-            grad_bytes = state.grad_bytes
             bound: Callable[[Any], Any] | None = state.module
+            tensors: dict[str, torch.Tensor] = {}
+            grads: dict[str, torch.Tensor] = {}
         else:
             grad_bytes = torch.zeros(runtime.grads.nbytes, dtype=torch.uint8, device=ctx.device)
             bound = None
-        tensors = tensors_at(weights, runtime.weights)
-        grads = tensors_at(grad_bytes, runtime.grads)
+            tensors = tensors_at(weights, runtime.weights)
+            grads = tensors_at(grad_bytes, runtime.grads)
         for index, (step_inputs, step_targets, step_weights) in enumerate(per_step):
             if index:
                 ctx.resident_step(model, first + index - 1)
             if resident:
-                grad_bytes.zero_()
+                state.clear_grads()
             input_grads = _backward_step(ctx, model, pack, first + index, weights, tensors, grads, step_inputs,
                                          step_targets, step_weights, group, bound)
         if resident:

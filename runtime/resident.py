@@ -1,10 +1,9 @@
 """A resident model on its home device: master weights, a gradient buffer and the optimizer, all on the device.
 
 Its weights are copied in once and pinned; its module is bound to them once (parameters that view the
-device weights, with gradients that view a device gradient buffer which backward accumulates into), so
-that every step runs the module directly, as a plain PyTorch loop would; the update steps a torch
-optimizer over the same parameters, whose state is charged to the device budget after its first step;
-the trained weights go to the host store once, at the end of the run.
+device weights), so that every step runs the module directly, as a plain PyTorch loop would; the update
+steps the optimizer over the same parameters, whose state is charged to the device budget after its first
+step; the trained weights go to the host store once, at the end of the run.
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from harmony.runtime.array_optimizer import build_optimizer
+from harmony.runtime.array_optimizer import build_optimizer, optimizer_params
 from harmony.runtime.cache import DeviceCache
 from harmony.runtime.hoststore import tensors_at
 from harmony.runtime.spec import PackRuntime
@@ -34,18 +33,30 @@ def bind(module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
 
 
 class ResidentModel:
-    """One resident single-pack model's state on its device."""
+    """One resident single-pack model's state on its device.
+
+    Gradients: when the optimizer steps the bound parameters themselves (a torch optimizer, or an array's
+    stacked one), each step starts with no gradients and backward hands its fresh gradient tensors to the
+    parameters, as ``zero_grad(set_to_none=True)`` does in a plain loop (no zeroing, no accumulation pass);
+    the budget is charged for them all the same. An optimizer over other tensors (an array's members merged
+    into one torch optimizer steps views of the stacked gradients) gets a gradient buffer zeroed every step.
+    """
 
     def __init__(
-        self, cache: DeviceCache, model: int, runtime: PackRuntime, weights: torch.Tensor, module: nn.Module
+        self,
+        cache: DeviceCache,
+        model: int,
+        runtime: PackRuntime,
+        weights: torch.Tensor,
+        module: nn.Module,
+        factory: Callable[..., torch.optim.Optimizer],
     ) -> None:
         self.cache = cache
         self.model = model
-        self.runtime = runtime
         self.weights = weights
         cache.hold((model, 0))
-        self.grad_bytes = cache.allocate(runtime.grads.nbytes, f"resident gradients of model {model}")
-        grads = tensors_at(self.grad_bytes, runtime.grads)
+        buffer: torch.Tensor | None = cache.allocate(runtime.grads.nbytes, f"resident gradients of model {model}")
+        grads = tensors_at(buffer, runtime.grads)
         parameter_names = {name for name, _ in module.named_parameters()}
         bound: dict[str, torch.Tensor] = {}
         for name, view in tensors_at(weights, runtime.weights).items():
@@ -57,15 +68,25 @@ class ResidentModel:
                 bound[name] = view
         bind(module, bound)
         self.module = module
-        self.names = [slot.spec.name for slot in runtime.grads.slots]
-        self.params = [bound[name] for name in self.names]
-        self.optimizer: torch.optim.Optimizer | None = None
+        names = [slot.spec.name for slot in runtime.grads.slots]
+        self.params = [bound[name] for name in names]
+        self.optimizer = build_optimizer(factory, self.params, names)  # type: ignore[arg-type]
+        self.fresh_grads = {id(p) for p in optimizer_params(self.optimizer)} == {id(p) for p in self.params}
+        if self.fresh_grads:
+            buffer = None  # the bytes stay charged; backward allocates the gradients
+        self.grad_buffer = buffer
         self.state_bytes = 0
 
-    def step(self, factory: Callable[..., torch.optim.Optimizer], step: int) -> None:
+    def clear_grads(self) -> None:
+        """Before a step's first backward: no gradients yet (or a zeroed buffer, see the class)."""
+        if self.grad_buffer is not None:
+            self.grad_buffer.zero_()
+            return
+        for param in self.params:
+            param.grad = None
+
+    def step(self, step: int) -> None:
         """Apply the update on the device; the device weights become version step + 1."""
-        if self.optimizer is None:
-            self.optimizer = build_optimizer(factory, self.params, self.names)  # type: ignore[arg-type]
         self.optimizer.step()
         held = sum(
             value.numel() * value.element_size()

@@ -95,12 +95,13 @@ class RunContext:
         """The resident state of a model homed on this device, created when its weights first arrive."""
         if model not in self.residents:
             runtime = self.spec.models[model].packs[0]
-            self.residents[model] = ResidentModel(self.cache, model, runtime, weights, load_skeleton(runtime.skeleton))
+            self.residents[model] = ResidentModel(self.cache, model, runtime, weights, load_skeleton(runtime.skeleton),
+                                                  self.optimizer_factory(model))
         return self.residents[model]
 
     def resident_step(self, model: int, step: int) -> None:
         """The update of a resident model, on the device."""
-        self.residents[model].step(self.optimizer_factory(model), step)
+        self.residents[model].step(step)
 
     def flush_residents(self) -> None:
         """Write every resident model's trained weights to the host store (once, at the end of a run)."""

@@ -217,3 +217,20 @@ def test_swapped_arrays_in_both_harmony_modes_match_plain_pytorch(mode: str, no_
     assert all(len(plan.packs) > 1 for plan in result.plans)
     assert max(result.stats.peak_device_bytes.values()) <= 60_000
     check_against_plain(result, models, references, batches, [nn.functional.mse_loss] * 4, factories)
+
+
+def test_a_resident_array_of_members_with_a_merged_optimizer_matches_plain_pytorch(no_leaks: None) -> None:
+    """RMSprop has no stacked form: the members' optimizers are merged into one over views of the stacks, and
+    the array keeps a gradient buffer for those views, over multi-step tasks and micro-batches."""
+    factories: list[Factory] = [
+        lambda p: torch.optim.RMSprop(p, lr=1e-3),
+        lambda p: torch.optim.RMSprop(p, lr=3e-3, momentum=0.5),
+        lambda p: torch.optim.RMSprop(p, lr=2e-3, alpha=0.9, weight_decay=0.01),
+    ]
+    batches = regression_batches(samples=16 * 8, batch=16)
+    models = [deep_mlp(depth=2, seed=seed) for seed in range(3)]
+    references = clones(models)
+    result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss, optimizer=factories, fuse=True,
+                           microbatches=2, steps_per_task=3, devices=["cpu"], progress=False)
+    assert result.arrays == [[0, 1, 2]] and set(result.homes) == {0, 1, 2}
+    check_against_plain(result, models, references, batches, [nn.functional.mse_loss] * 3, factories)
