@@ -2,7 +2,8 @@
 
 It carries out what the pure BindingState decides: fetch the batches it asks for, submit each bound
 task to Dask restricted to its device's worker (``fwd-m3-p2-s17-<run>`` keys, pure=False), and on
-every completion report back and drop the futures of values nobody will read again. A task may be
+every completion report back and drop the futures of values nobody will read again. Updates go before
+other ready tasks on a worker (Dask priority), since the next step waits for them. A task may be
 submitted while its dependencies still run; those it does not read (a pack's update before the next
 step's forward) are passed as ``after=`` futures so that Dask orders them too. Activations flow
 worker to worker as Dask results; nothing large passes through the driver. Mini-batches travel with their
@@ -142,6 +143,7 @@ class Driver:
             workers=[self.workers[device]],
             allow_other_workers=False,
             pure=False,
+            priority=1 if task.kind == "upd" else 0,
             **extra,
         )
         self.values[task] = future
