@@ -148,7 +148,8 @@ def in_device_worker(loop: Callable[[list[nn.Module], list], float], models: lis
     handle = start_embedded([DeviceSpec("cpu-0", "cpu", 0, cpu_count())], dashboard_address=":0")
     try:
         worker = list(handle.workers.values())
-        return handle.client.submit(_best_of, loop, models, data, workers=worker, pure=False).result()
+        batches = [(x.clone(), y.clone()) for x, y in data]  # own storage: a pickled view carries its whole base
+        return handle.client.submit(_best_of, loop, models, batches, workers=worker, pure=False).result()
     finally:
         handle.close()
 
