@@ -9,7 +9,7 @@ Compared in one run, on one CPU device (all cores), on the same data and learnin
   harmony fuse=False, harmony fuse=True (one array of all 16), harmony fuse="auto" (the size it chooses).
 Harmony's steady state is its time per step after the first fifth of the steps (stats.steady_seconds_per_step:
 cluster start-up and the first task's warm-up excluded); "end-to-end" is everything train() does, start-up
-included. Every way is measured twice and the faster counts. Throughput is samples per
+included. Every way is measured REPEATS (3) times and the fastest counts. Throughput is samples per
 second per model. Goals: auto >= 3x the plain loop (the faster of
 the two) and >= 90% of the hand-fused ceiling, in steady state.
 

@@ -190,7 +190,8 @@ def _backward_step(
 ) -> list[Any]:
     """One step's micro-batches through a pack's backward, accumulating into grads (views of the gradient
     buffer; tensors are views of weights); records the losses. bound is a resident model's module, whose
-    parameters already are those views (with those gradients): it runs directly, with nothing to rebind."""
+    parameters already are the device weights and hold their own gradients: it runs directly, with nothing
+    to rebind (tensors and grads are then unused)."""
     spec = ctx.spec.models[model]
     runtime = spec.packs[pack]
     last = pack == len(spec.packs) - 1

@@ -7,7 +7,7 @@ other ready tasks on a worker (Dask priority), since the next step waits for the
 submitted while its dependencies still run; those it does not read (a pack's update before the next
 step's forward) are passed as ``after=`` futures so that Dask orders them too. Activations flow
 worker to worker as Dask results; nothing large passes through the driver. Mini-batches travel with their
-tasks, packed into one raw buffer per argument (see shipping).
+tasks, each step's (or span's) packed once into one raw buffer (see shipping).
 """
 
 from __future__ import annotations
@@ -69,9 +69,16 @@ class Driver:
                 if not self._fetch_step(model, step):
                     self.state.end_of_data(model)
                     continue
+                self._ship(model, step, self.state.models[model].groups)
                 self.state.add_batch(model, step)
                 continue
             self._fetch_span(model, step, depth)
+
+    def _ship(self, model: int, step: int, groups: int) -> None:
+        """Pack a step's (or a span's) batches for their tasks once, however many tasks read them."""
+        for group in range(groups):
+            for kind in (BatchInput, BatchTargets):
+                self.values[kind(model, step, group)] = ship(self.values[kind(model, step, group)])
 
     def _fetch_step(self, model: int, step: int) -> bool:
         """Split one step's mini-batch into its micro-batch groups; False when the loader has run dry."""
@@ -110,6 +117,7 @@ class Driver:
             self.values[kind(model, span)] = [self.values.pop(kind(model, step)) for step in steps]
         self.weights[(model, span, 0)] = [self.weights.pop((model, step, 0)) for step in steps]
         self.spans[(model, span)] = (first, len(steps))
+        self._ship(model, span, 1)
         self.state.add_batch(model, span)
         if len(steps) < depth:
             self.state.end_of_data(model)
@@ -117,8 +125,7 @@ class Driver:
     def _submit(self, task: TaskId, device: str) -> Future:
         packs = self.state.models[task.model].packs
         reads = inputs(task, packs)
-        args: list[Any] = [self.values[value] if isinstance(value, TaskId) else ship(self.values[value])
-                           for value in reads]
+        args: list[Any] = [self.values[value] for value in reads]
         peers = tuple(isinstance(value, TaskId) and self.device_of[value] != device for value in reads)
         if task.kind == "bwd":
             last = task.pack == packs - 1
