@@ -8,8 +8,8 @@ running task holds, and raising BudgetExceeded when that is not enough.
 
 Copies between host and device can be held to a simulated link speed: each then takes at least
 bytes / bandwidth of wall time on the thread doing it, so that on CPU devices one can see whether
-swapping hides behind compute. Prefetches run on the device's copy engine (a thread for CPU devices)
-while the compute thread works.
+swapping hides behind compute. Prefetches run on the device's copy engine (stream.py: a thread for CPU
+devices, a copy stream and events on CUDA) while the compute thread works.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +26,7 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
 from harmony.runtime.counters import Counters
+from harmony.runtime.stream import CopyEngine
 
 
 class BudgetExceeded(RuntimeError):
@@ -41,6 +41,8 @@ class Resident:
     version: int
     pins: int = 0
     arrived: threading.Event = field(default_factory=threading.Event)
+    done: torch.cuda.Event | None = None
+    failed: BaseException | None = None
 
     @property
     def nbytes(self) -> int:
@@ -65,7 +67,7 @@ class DeviceCache:
         self.used = 0
         self.residents: OrderedDict[Any, Resident] = OrderedDict()
         self._lock = threading.RLock()
-        self._copy_engine: ThreadPoolExecutor | None = None
+        self.engine = CopyEngine(name, device)
 
     def _evictable(self) -> Any:
         return next(
@@ -96,9 +98,7 @@ class DeviceCache:
                 self.used -= entry.nbytes
 
     def clear(self) -> None:
-        if self._copy_engine is not None:
-            self._copy_engine.shutdown(wait=True)
-            self._copy_engine = None
+        self.engine.shutdown()
         with self._lock:
             for key in list(self.residents):
                 self.drop(key)
@@ -111,14 +111,33 @@ class DeviceCache:
                 time.sleep(remaining)
 
     def _copy_weights(self, entry: Resident, host: torch.Tensor, prefetched: bool = False) -> None:
-        """Copy host weight bytes into entry over the link, count them, and mark them arrived."""
+        """Copy host weight bytes into entry over the link, count them, and mark them arrived.
+
+        On CUDA the copy is only enqueued: entry.done marks its end for the stream that reads the weights.
+        A copy that fails marks the entry arrived with its error, so that a task waiting for it raises.
+        """
         started = time.perf_counter()
-        entry.buffer.copy_(host)
-        self._over_link(host.numel(), started)
-        self.counters.add("in_weights", host.numel())
-        if prefetched:
-            self.counters.add("prefetched", host.numel())
-        entry.arrived.set()
+        try:
+            entry.done = self.engine.copy(entry.buffer, host)
+            self._over_link(host.numel(), started)
+            self.counters.add("in_weights", host.numel())
+            if prefetched:
+                self.counters.add("prefetched", host.numel())
+        except BaseException as error:
+            entry.failed = error
+            raise
+        finally:
+            entry.arrived.set()
+
+    def _wait_arrived(self, key: Any, entry: Resident) -> None:
+        """Block until entry's copy was issued, and order the current stream after it."""
+        entry.arrived.wait()
+        if entry.failed is not None:
+            with self._lock:
+                if self.residents.get(key) is entry:
+                    self.drop(key)
+            raise RuntimeError(f"device {self.name}: copying the weights of {key} in failed") from entry.failed
+        self.engine.wait(entry.done)
 
     def hold(self, key: Any) -> None:
         """Pin a resident entry for the rest of the run: a resident model's master copy of its weights."""
@@ -144,6 +163,7 @@ class DeviceCache:
         with self._lock:
             entry = self.residents[key]
         self._copy_weights(entry, host)
+        self._wait_arrived(key, entry)
 
     @contextmanager
     def scratch(self, nbytes: int, what: str) -> Iterator[None]:
@@ -181,7 +201,7 @@ class DeviceCache:
         try:
             if load:
                 self._copy_weights(entry, host)
-            entry.arrived.wait()
+            self._wait_arrived(key, entry)
             yield entry.buffer
         finally:
             with self._lock:
@@ -205,9 +225,7 @@ class DeviceCache:
             self._charge(nbytes, f"prefetch of {key}")
             entry = Resident(torch.empty(nbytes, dtype=torch.uint8, device=self.device), version)
             self.residents[key] = entry
-        if self._copy_engine is None:
-            self._copy_engine = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"copy-{self.name}")
-        self._copy_engine.submit(self._copy_weights, entry, host, True)
+        self.engine.submit(self._copy_weights, entry, host, True)
         return True
 
     def copy_in(self, tree: Any, kind: str) -> Any:

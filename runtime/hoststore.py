@@ -3,7 +3,8 @@
 Each (model, pack) has a weights file (parameters and buffers), a gradients file and, after the first
 update, an optimizer-state file; devices have counter blocks and models a loss history. Files are named
 ``harmony-<run>-<name>`` under /dev/shm, so the driver can remove all of a run's files at the end
-whatever happened, and a test can see that none are left.
+whatever happened, and a test can see that none are left. A store that serves a GPU pins its mappings
+(cudaHostRegister), so that copies between them and the GPU are asynchronous and run at the link's speed.
 """
 
 from __future__ import annotations
@@ -36,10 +37,12 @@ def dtype_name(dtype: torch.dtype) -> str:
 class HostStore:
     """A run's shared-memory files, created by the driver and attached by workers on the same machine."""
 
-    def __init__(self, run: str, directory: Path | str | None = None) -> None:
+    def __init__(self, run: str, directory: Path | str | None = None, pin: bool = False) -> None:
         self.run = run
         self.directory = Path(directory) if directory is not None else shm_directory()
+        self.pin = pin
         self._mapped: dict[str, torch.Tensor] = {}
+        self._pinned: set[str] = set()
 
     def path(self, name: str) -> Path:
         return self.directory / f"{PREFIX}{self.run}-{name}"
@@ -60,7 +63,29 @@ class HostStore:
         if mapped is None:
             mapped = torch.from_file(str(self.path(name)), shared=True, size=max(nbytes, 1), dtype=torch.uint8)
             self._mapped[name] = mapped
+            if self.pin:
+                self._register(name, mapped)
         return mapped[:nbytes]
+
+    def _register(self, name: str, mapped: torch.Tensor) -> None:
+        """Page-lock a mapping for CUDA (as PyTorch's own host allocator does, a refusal is an error)."""
+        cudart = torch.cuda.cudart()
+        error = cudart.cudaHostRegister(mapped.data_ptr(), mapped.numel(), 0)
+        if error != cudart.cudaError.success:
+            raise RuntimeError(
+                f"could not pin host store file {self.path(name)} ({mapped.numel():,} bytes) for the GPU: "
+                f"{cudart.cudaGetErrorString(error)}; Harmony copies between GPUs and page-locked shared memory"
+            )
+        self._pinned.add(name)
+
+    def _unregister(self, name: str) -> None:
+        if name in self._pinned:
+            self._pinned.discard(name)
+            torch.cuda.cudart().cudaHostUnregister(self._mapped[name].data_ptr())
+
+    def pinned(self, name: str) -> bool:
+        """Whether this process has the file page-locked for the GPU."""
+        return name in self._pinned
 
     def write_bytes(self, name: str, data: bytes) -> None:
         """Replace a small file atomically (metadata that is rewritten rather than mapped)."""
@@ -77,10 +102,14 @@ class HostStore:
 
     def forget(self, name: str) -> None:
         """Drop this process's mapping of one file."""
+        if name in self._mapped:
+            self._unregister(name)
         self._mapped.pop(name, None)
 
     def close(self) -> None:
         """Drop this process's mappings (the files stay until unlink_all)."""
+        for name in list(self._pinned):
+            self._unregister(name)
         self._mapped.clear()
 
     def unlink_all(self) -> int:

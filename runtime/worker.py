@@ -39,7 +39,7 @@ class RunContext:
         self.device = torch.device(self.device_spec.torch_device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.store = HostStore(spec.run, spec.store_directory)
+        self.store = HostStore(spec.run, spec.store_directory, pin=self.device.type == "cuda")
         counters = Counters(self.store.attach(counters_name(self.device_index), BLOCK_BYTES))
         self.cache = DeviceCache(
             self.device_spec.name, self.device, self.device_spec.budget, counters, self.device_spec.link_bandwidth

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+from typing import Any
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from harmony.runtime.optimizer import PackOptimizer
 from harmony.runtime.shipping import ShippedTensors, ship, unship
 from harmony.runtime.skeleton import dump_skeleton, load_skeleton
 from harmony.runtime.spec import PackRuntime, grads_name, weights_name
+from harmony.runtime.stream import CopyEngine
 from harmony.tasks.layout import TensorSpec, lay_out
 
 
@@ -205,4 +207,49 @@ def test_prefetched_weights_are_used_without_a_second_copy(store: HostStore) -> 
     counts = cache.counters.read()
     assert counts["in_weights"] == counts["prefetched"] == 300
     assert not cache.prefetch("p1", 0, store.create("big", 900), keep_free=200)
+    cache.clear()
+
+
+def test_a_failed_prefetch_raises_in_the_task_that_waits_for_it(store: HostStore) -> None:
+    cache = make_cache(store, budget=1000)
+    host = store.create("w", 300)
+
+    def broken_copy(target: torch.Tensor, source: torch.Tensor) -> None:
+        raise OSError("link down")
+
+    cache.engine.copy = broken_copy  # type: ignore[method-assign]
+    assert cache.prefetch("p0", 0, host, keep_free=0)
+    with pytest.raises(RuntimeError, match="copying the weights of p0 in failed"), cache.weights("p0", 0, host):
+        pass
+    assert cache.used == 0 and "p0" not in cache.residents
+    cache.clear()
+
+
+class EventRecordingEngine(CopyEngine):
+    """A copy engine that ends each copy with a token, as a CUDA engine ends it with an event, and logs waits."""
+
+    def __init__(self) -> None:
+        super().__init__("cpu-0", torch.device("cpu"))
+        self.log: list[str] = []
+
+    def copy(self, target: torch.Tensor, source: torch.Tensor) -> Any:
+        target.copy_(source)
+        self.log.append(f"copy {len(self.log)}")
+        return self.log[-1]
+
+    def wait(self, done: Any) -> None:
+        self.log.append(f"wait {done}")
+
+
+def test_weights_are_read_only_after_the_stream_waits_for_their_copy(store: HostStore) -> None:
+    cache = make_cache(store, budget=1000)
+    cache.engine = engine = EventRecordingEngine()
+    host = store.create("w", 300)
+    assert cache.prefetch("p0", 0, host, keep_free=0)
+    with cache.weights("p0", 0, host):
+        assert engine.log == ["copy 0", "wait copy 0"], "a prefetched pack is read before its copy has ended"
+    with cache.weights("p1", 0, store.create("v", 200)):
+        assert engine.log[2:] == ["copy 2", "wait copy 2"], "a pack copied on demand is read before it arrived"
+        cache.reload("p1", store.create("v", 200))
+        assert engine.log[4:] == ["copy 4", "wait copy 4"], "a reloaded pack is read before it arrived"
     cache.clear()

@@ -39,9 +39,10 @@ print("TRAINED", [len(h) for h in result.history])
 
 
 def run_python(args: list[str], source: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    path = os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))
     return subprocess.run(
         [sys.executable, *args], input=source if args == ["-"] else None, text=True, capture_output=True,
-        cwd=cwd, timeout=180, env={**os.environ, "PYTHONPATH": os.getcwd()},
+        cwd=cwd, timeout=180, env={**os.environ, "PYTHONPATH": path},
     )
 
 
@@ -66,7 +67,7 @@ def test_ctrl_c_leaves_no_workers_and_no_shared_memory(tmp_path: Path) -> None:
     before = set(harmony_files())
     process = subprocess.Popen(
         [sys.executable, str(script)], cwd=tmp_path, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        env={**os.environ, "PYTHONPATH": os.getcwd()},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))},
     )
     try:
         deadline = time.monotonic() + 120

@@ -1,0 +1,143 @@
+"""Benchmark 6: swapping on a real GPU: one model four times the device budget, prefetch on the copy stream.
+
+On one CUDA device, an MLP whose weights are four times the budget Harmony is given trains with SGD,
+beside two plain-PyTorch ways of doing the same work in the same run: the model resident on the GPU
+(it fits the real card: the compute floor) and a hand-written loop that swaps each layer in before its
+forward and again before its backward, takes its gradients out and steps SGD on the host (synchronous
+copies from pinned memory: the same 2W in and 1W out per step as Harmony). Harmony runs with prefetch
+(next pack copied on the copy stream while this one computes) and without. Each row: steady seconds per
+step, weight bytes in per step, and the ideal max(compute, copy) at the measured pinned copy speed.
+
+    python -m benchmarks.gpu_swap
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from torch import nn
+
+import harmony
+from benchmarks.models import mlp, parameter_bytes, regression
+from benchmarks.report import arguments, report
+
+LR = 1e-3
+
+
+def pinned_bandwidth(device: torch.device, nbytes: int = 256 << 20) -> tuple[float, float]:
+    """Measured host-to-device and device-to-host bytes per second between pinned host memory and device."""
+    host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    card = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    speeds = []
+    for target, source in ((card, host), (host, card)):
+        target.copy_(source)
+        torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        for _ in range(5):
+            target.copy_(source, non_blocking=True)
+        torch.cuda.synchronize(device)
+        speeds.append(5 * nbytes / (time.perf_counter() - started))
+    return speeds[0], speeds[1]
+
+
+def steady(timings: list[float], skip: int = 2) -> float:
+    return sum(timings[skip:]) / len(timings[skip:])
+
+
+def plain_resident(model: nn.Module, data: list, device: torch.device) -> float:
+    """Seconds per step of a plain loop with the whole model on the GPU."""
+    model = model.to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    timings = []
+    for x, y in data:
+        started = time.perf_counter()
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x.to(device)), y.to(device)).backward()
+        optimizer.step()
+        torch.cuda.synchronize(device)
+        timings.append(time.perf_counter() - started)
+    return steady(timings)
+
+
+def plain_swapping(model: nn.Module, data: list, device: torch.device) -> tuple[float, int]:
+    """Seconds per step and weight bytes in per step of a hand-written layer-swapping loop."""
+    layers = list(model)
+    for parameter in model.parameters():
+        parameter.data = parameter.data.pin_memory()
+    timings, moved = [], 0
+    for x, y in data:
+        started = time.perf_counter()
+        moved = 0
+        boundaries = [x.to(device)]
+        with torch.no_grad():
+            for layer in layers:
+                on_card = {name: p.to(device) for name, p in layer.named_parameters()}
+                moved += sum(p.nbytes for p in on_card.values())
+                boundaries.append(torch.func.functional_call(layer, on_card, (boundaries[-1],)))
+        upstream = None
+        for index in reversed(range(len(layers))):
+            layer = layers[index]
+            on_card = {name: p.to(device).requires_grad_() for name, p in layer.named_parameters()}
+            moved += sum(p.nbytes for p in on_card.values())
+            inputs = boundaries[index].requires_grad_()
+            output = torch.func.functional_call(layer, on_card, (inputs,))
+            if upstream is None:
+                nn.functional.mse_loss(output, y.to(device)).backward()
+            else:
+                output.backward(upstream)
+            upstream = inputs.grad
+            with torch.no_grad():
+                for name, parameter in layer.named_parameters():
+                    parameter.add_(on_card[name].grad.to("cpu"), alpha=-LR)
+        torch.cuda.synchronize(device)
+        timings.append(time.perf_counter() - started)
+    return steady(timings), moved
+
+
+def harmony_run(model: nn.Module, data: list, budget: int, prefetch: bool) -> harmony.TrainResult:
+    """Harmony on the GPU under budget, in micro-batches of 512 samples (the activations must fit beside a pack)."""
+    return harmony.train(model, data, loss_fn=nn.functional.mse_loss, optimizer=lambda p: torch.optim.SGD(p, lr=LR),
+                         microbatches=max(1, len(data[0][0]) // 512), devices=["cuda:0"], device_memory=budget,
+                         prefetch=prefetch, fuse=False, progress=False)
+
+
+def main() -> None:
+    args = arguments(__doc__.splitlines()[0])
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks.gpu_swap needs a CUDA GPU")
+    logging.getLogger("distributed").setLevel(logging.ERROR)
+    device = torch.device("cuda:0")
+    width, depth, steps = (1024, 16, 6) if args.quick else (4096, 16, 10)
+    host_to_device, device_to_host = pinned_bandwidth(device)
+    weights = parameter_bytes(mlp(width, depth))
+    budget = weights // 4
+    rows = []
+    for batch in ((512, 2048) if args.quick else (1024, 8192)):
+        data = regression(steps, batch, width)
+        resident = plain_resident(mlp(width, depth), data, device)
+        swapping, moved = plain_swapping(mlp(width, depth), data, device)
+        copy = 2 * weights / host_to_device + weights / device_to_host
+        common = {"batch": batch, "compute s": resident, "copy s": copy, "ideal max": max(resident, copy)}
+        rows.append({"way": "plain, resident on the GPU", **common, "step s": resident, "weights in/step": 0})
+        rows.append({"way": "plain, swapping layers", **common, "step s": swapping, "weights in/step": moved})
+        for prefetch in (False, True):
+            result = harmony_run(mlp(width, depth), data, budget, prefetch)
+            rows.append({
+                "way": f"harmony, prefetch={prefetch}", **common, "step s": result.stats.steady_seconds_per_step(0),
+                "weights in/step": result.stats.bytes_in["weights"] // steps,
+                "prefetched %": 100 * result.stats.bytes_prefetched / max(result.stats.bytes_in["weights"], 1),
+                "peak": max(result.stats.peak_device_bytes.values()), "budget": budget,
+            })
+    for row in rows:
+        row.setdefault("prefetched %", 0.0)
+        row.setdefault("peak", 0)
+        row.setdefault("budget", budget)
+    report("gpu_swap", f"Swapping on {torch.cuda.get_device_name(device)}: one MLP of {weights:,} B, budget "
+           f"{budget:,} B; pinned copies {host_to_device / 1e9:.1f} GB/s in, {device_to_host / 1e9:.1f} GB/s out",
+           rows, args.out, notes="compute s: the resident plain loop; copy s: 2W in + 1W out at the measured speed")
+
+
+if __name__ == "__main__":
+    main()
