@@ -158,6 +158,7 @@ def train(
         },
         bytes_p2p=sum(values["p2p"] for values in counters.values()),
         bytes_prefetched=sum(values["prefetched"] for values in counters.values()),
+        bytes_kept=sum(values["kept"] for values in counters.values()),
         budgets={device.name: device.budget for device in outcome.devices},
         schedule=outcome.schedule,
         finish_seconds=finish,

@@ -14,6 +14,7 @@ from harmony.runtime.devices import build_specs
 from harmony.runtime.measure import this_machine
 from harmony.sizes import parse_size
 from harmony.tasks.fusion import FusionChoice
+from harmony.tasks.microbatch import split_sizes
 from harmony.tasks.packing import PackPlan
 from harmony.tasks.simulator import Hardware, MemoryReport, ScheduleExceedsBudget, Simulation, replay_memory, simulate
 from harmony.validate import check_fuse, check_scheduling, validate
@@ -143,7 +144,8 @@ def plan(
     simulation = simulate(plans, counts, first_batch_samples(args, jobs), budgets, hardware, prefetch=prefetch,
                           policy=policy, mode=chosen, groups=[job.groups for job in jobs], homes=homes)
     try:
-        memory = replay_memory(simulation.order, plans, budgets, homes, [job.state_ratio for job in jobs])
+        memory = replay_memory(simulation.order, plans, budgets, homes, [job.state_ratio for job in jobs],
+                               [split_sizes(n, args.microbatches) for n in first_batch_samples(args, jobs)])
     except ScheduleExceedsBudget as error:
         raise InputError(f"the planned schedule would not fit: {error}") from None
     return Plan(plans, budgets, hardware, simulation, memory, counts, chosen, predicted,

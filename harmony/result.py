@@ -19,6 +19,8 @@ class Stats:
     "weights" (resident models' trained weights, written back once at the end).
     bytes_p2p: activation and gradient bytes a device received straight from another device's worker.
     bytes_prefetched: the part of bytes_in["weights"] copied by the copy engine while a task computed.
+    bytes_kept: boundary activations and gradients that stayed on their device for the task that read them
+    next, instead of being copied in again from their host copy (not part of bytes_in).
     busy_seconds / idle_seconds: per device, time running tasks and time without one, from the moment
     the workers were ready; schedule: per device, the keys of the tasks in the order it ran them;
     finish_seconds: per model, when its last step finished, counted from the same moment;
@@ -36,6 +38,7 @@ class Stats:
     idle_seconds: dict[str, float] = field(default_factory=dict)
     bytes_p2p: int = 0
     bytes_prefetched: int = 0
+    bytes_kept: int = 0
     budgets: dict[str, int] = field(default_factory=dict)
     schedule: dict[str, list[str]] = field(default_factory=dict)
     finish_seconds: list[float] = field(default_factory=list)

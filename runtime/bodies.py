@@ -1,7 +1,9 @@
 """Task bodies that device workers run: fwd, bwd and upd of one pack of one model for one step.
 
-fwd runs every micro-batch of the step through the pack with its weights swapped in once, keeps
-nothing on the device and returns the outputs (the next pack's boundary inputs). bwd recomputes the
+fwd runs every micro-batch of the step through the pack with its weights swapped in once and returns the
+outputs (the next pack's boundary inputs) as host copies. A boundary value (an output, or an input's
+gradient in bwd) also stays on the device, where it fits, for the task that reads it next: if that task
+starts there next it takes it instead of copying the host copy in; any other task drops it. bwd recomputes the
 pack from its boundary inputs and backpropagates each micro-batch, accumulating weight gradients on
 the device, and sends them to the host store once; the last pack's bwd runs forward, loss and
 backward together. upd steps the pack's optimizer on the host store. A resident model's weights, gradients
@@ -101,17 +103,22 @@ def forward(ctx: RunContext, model: int, pack: int, step: int, inputs: list[Any]
     module = ctx.module(model, pack)
     host = ctx.host_weights(model, pack)
     outputs = []
+    this = TaskId("fwd", model, pack, step, group)
+    ctx.cache.drop_boundaries(this)
     with ctx.cache.weights((model, pack), step, host) as weights:
         ctx.prefetch_next(keep_free=runtime.workspace)
         tensors = tensors_at(weights, runtime.weights)
         for index, microbatch in enumerate(inputs):
             if index and not ctx.spec.group:
                 ctx.cache.reload((model, pack), host)
+            kept = ctx.cache.claim(this, index)
             with ctx.cache.scratch(runtime.workspace, f"activations of pack {pack}"), torch.no_grad():
-                x = ctx.cache.copy_in(microbatch, "inputs" if pack == 0 else "activations")
+                x = kept if kept is not None else ctx.cache.copy_in(microbatch, "activations" if pack else "inputs")
                 _seed(ctx.device, spec.seed, pack, step, group * 65_536 + index)
                 y = functional_call(module, tensors, (x,))
                 outputs.append(ctx.cache.copy_out(y, "activations"))
+            if ctx.successor is not None:
+                ctx.cache.keep(ctx.successor, index, y)
         if runtime.has_buffers:
             ctx.cache.write_back(weights[runtime.buffers_offset :], host[runtime.buffers_offset :], "buffers")
     return outputs
@@ -142,6 +149,7 @@ def backward(
     ]
     host = ctx.host_weights(model, pack)
     input_grads: list[Any] = []
+    ctx.cache.drop_boundaries(TaskId("bwd", model, pack, first, group))
     with (
         ctx.cache.weights((model, pack), first, host) as weights,
         nullcontext() if resident else ctx.cache.scratch(runtime.grads.nbytes, f"gradients of pack {pack}"),
@@ -197,13 +205,17 @@ def _backward_step(
     last = pack == len(spec.packs) - 1
     module = ctx.module(model, pack)
     input_grads = []
+    this = TaskId("bwd", model, pack, step, group)
     loss_total = torch.zeros(spec.members, dtype=torch.float64)
     saved_buffers = weights[runtime.buffers_offset :].clone() if runtime.has_buffers and not last else None
     for index, microbatch in enumerate(inputs):
         if index and not ctx.spec.group:
             ctx.cache.reload((model, pack), ctx.host_weights(model, pack))
+        kept = ctx.cache.claim(this, index)  # the last pack's input from the last fwd, else the upstream gradient
+        kept_input, kept_grad = (kept, None) if last else (None, kept)
         with ctx.cache.scratch(runtime.workspace, f"activations of pack {pack}"):
-            x = ctx.cache.copy_in(microbatch, "inputs" if pack == 0 else "activations")
+            x = kept_input if kept_input is not None else ctx.cache.copy_in(
+                microbatch, "inputs" if pack == 0 else "activations")
             if pack > 0:
                 x.requires_grad_(x.is_floating_point())
             _seed(ctx.device, spec.seed, pack, step, group * 65_536 + index)
@@ -218,7 +230,8 @@ def _backward_step(
                     loss_total += losses.detach().to("cpu", torch.float64) * loss_weights[index]
                     (losses.sum() * loss_weights[index]).backward()
                 else:
-                    upstream = ctx.cache.copy_in(gradients_or_targets[index], "activations")
+                    upstream = kept_grad if kept_grad is not None else ctx.cache.copy_in(
+                        gradients_or_targets[index], "activations")
                     if y.requires_grad:
                         y.backward(upstream)
             if pack > 0:
@@ -226,6 +239,8 @@ def _backward_step(
                 input_grads.append(ctx.cache.copy_out(grad, "activations"))
             if saved_buffers is not None:
                 weights[runtime.buffers_offset :].copy_(saved_buffers)
+        if pack > 0:
+            ctx.cache.keep(TaskId("bwd", model, pack - 1, step, group), index, grad)
     if last:
         nbytes = 8 * LOSS_BLOCK * spec.members
         block = ctx.store.attach(losses_name(model, step // LOSS_BLOCK, group), nbytes).view(torch.float64)

@@ -2,9 +2,10 @@
 
 Every byte that enters or leaves the device goes through copy_in / copy_out / weights / prefetch,
 which count it. What is on the device at any moment is the resident weight buffers (prefetched ones
-included) plus the open reservations (gradient buffers and each micro-batch's activation workspace as
-the plan sized it); the cache refuses to go over budget, evicting least recently used weights that no
-running task holds, and raising BudgetExceeded when that is not enough.
+included), the boundary values kept for the next task (see keep), plus the open reservations (gradient
+buffers and each micro-batch's activation workspace as the plan sized it); the cache refuses to go over
+budget, evicting least recently used weights (and kept boundary values) that no running task holds, and
+raising BudgetExceeded when that is not enough.
 
 Copies between host and device can be held to a simulated link speed: each then takes at least
 bytes / bandwidth of wall time on the thread doing it, so that on CPU devices one can see whether
@@ -49,6 +50,27 @@ class Resident:
         return self.buffer.numel()
 
 
+def _arrived() -> threading.Event:
+    event = threading.Event()
+    event.set()
+    return event
+
+
+@dataclass
+class Boundary:
+    """A pack's output (or its input's gradient) kept on the device for the task that reads it."""
+
+    value: Any
+    nbytes: int
+    pins: int = 0
+    arrived: threading.Event = field(default_factory=_arrived)
+
+
+def boundary_key(consumer: Any, microbatch: int) -> tuple[str, Any, int]:
+    """Where a boundary value for consumer's micro-batch is kept in the cache."""
+    return ("boundary", consumer, microbatch)
+
+
 def tree_nbytes(tree: Any) -> int:
     return sum(leaf.nbytes for leaf in tree_leaves(tree) if isinstance(leaf, torch.Tensor))
 
@@ -65,7 +87,7 @@ class DeviceCache:
         self.counters = counters
         self.link_bandwidth = link_bandwidth
         self.used = 0
-        self.residents: OrderedDict[Any, Resident] = OrderedDict()
+        self.residents: OrderedDict[Any, Resident | Boundary] = OrderedDict()
         self._lock = threading.RLock()
         self.engine = CopyEngine(name, device)
 
@@ -227,6 +249,37 @@ class DeviceCache:
             self.residents[key] = entry
         self.engine.submit(self._copy_weights, entry, host, True)
         return True
+
+    def keep(self, consumer: Any, microbatch: int, value: Any) -> bool:
+        """Keep a boundary value on the device for consumer, if it fits without evicting anything.
+
+        It stays evictable (its host copy exists), least recently used first like weights, and any task
+        other than consumer drops it when it starts (drop_boundaries). Returns whether it was kept.
+        """
+        nbytes = tree_nbytes(value)
+        with self._lock:
+            if self.used + nbytes > self.budget:
+                return False
+            self.used += nbytes
+            self.counters.raise_to("peak", self.used)
+            self.residents[boundary_key(consumer, microbatch)] = Boundary(value, nbytes)
+        return True
+
+    def claim(self, consumer: Any, microbatch: int) -> Any | None:
+        """The boundary value kept for consumer's micro-batch (now the task's own), or None if it is not here."""
+        with self._lock:
+            entry = self.residents.get(boundary_key(consumer, microbatch))
+            if not isinstance(entry, Boundary):
+                return None
+            self.drop(boundary_key(consumer, microbatch))
+            self.counters.add("kept", entry.nbytes)
+        return entry.value
+
+    def drop_boundaries(self, running: Any) -> None:
+        """Drop every kept boundary value that is not for the task now starting."""
+        with self._lock:
+            for key in [k for k, e in self.residents.items() if isinstance(e, Boundary) and k[1] != running]:
+                self.drop(key)
 
     def copy_in(self, tree: Any, kind: str) -> Any:
         """A device copy of every tensor in tree, counted as bytes_in[kind]."""

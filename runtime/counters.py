@@ -13,6 +13,7 @@ NAMES = (
     *(f"out_{kind}" for kind in OUT_KINDS),
     "p2p",
     "prefetched",
+    "kept",
     "peak",
     "busy_ns",
     "tasks",

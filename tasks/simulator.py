@@ -2,8 +2,9 @@
 
 replay_memory follows a per-device task order with the device cache's own rules (pack weights are
 resident until evicted least-recently-used, a copy is stale once its pack was updated, a running
-task's weights are pinned, gradients and each micro-batch's workspace are reserved while a task runs)
-and returns each device's peak bytes and the bytes swapped, or refuses the order with the task and the
+task's weights are pinned, gradients and each micro-batch's workspace are reserved while a task runs,
+a boundary value is kept for the task that reads it when it fits, until another task starts) and
+returns each device's peak bytes and the bytes swapped, or refuses the order with the task and the
 byte count at which a budget would be exceeded. simulate runs the same BindingState the driver uses
 against a clock, with task durations from the profile and a Hardware description, and returns the
 per-device order it would produce with predicted times.
@@ -16,7 +17,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from harmony.tasks.binding import BindingState, ModelWork
-from harmony.tasks.graph import TaskId, parse_key
+from harmony.tasks.graph import TaskId, parse_key, successor
+from harmony.tasks.microbatch import group_sizes
 from harmony.tasks.packing import PackPlan
 
 
@@ -56,6 +58,7 @@ class MemoryReport:
     weights_in: int = 0
     grads_out: int = 0
     weights_out: int = 0
+    kept: int = 0
 
 
 @dataclass
@@ -72,7 +75,7 @@ class _DeviceMemory:
         self.budget = budget
         self.used = 0
         self.peak = 0
-        self.residents: OrderedDict[tuple[int, int], _Entry] = OrderedDict()
+        self.residents: OrderedDict[tuple, _Entry] = OrderedDict()
         self.held: set[tuple[int, int]] = set()
 
     def charge(self, nbytes: int, task: TaskId, pinned: tuple[int, int] | None) -> None:
@@ -83,6 +86,25 @@ class _DeviceMemory:
             self.used -= self.residents.pop(victim).nbytes
         self.used += nbytes
         self.peak = max(self.peak, self.used)
+
+    def keep(self, consumer: TaskId, microbatch: int, nbytes: int) -> None:
+        """A boundary value kept for consumer if it fits without evicting anything."""
+        if self.used + nbytes <= self.budget:
+            self.used += nbytes
+            self.peak = max(self.peak, self.used)
+            self.residents[("boundary", consumer, microbatch)] = _Entry(nbytes, -1)
+
+    def claim(self, consumer: TaskId, microbatch: int) -> int:
+        """Bytes of the boundary value kept for consumer's micro-batch (released), or 0 if none is left."""
+        entry = self.residents.pop(("boundary", consumer, microbatch), None)
+        if entry is None:
+            return 0
+        self.used -= entry.nbytes
+        return entry.nbytes
+
+    def drop_boundaries(self, running: TaskId) -> None:
+        for key in [k for k in self.residents if k[0] == "boundary" and k[1] != running]:
+            self.used -= self.residents.pop(key).nbytes
 
     def weights(self, key: tuple[int, int], version: int, nbytes: int, task: TaskId) -> bool:
         """Make key's weights resident at version; returns whether they had to be copied in."""
@@ -104,15 +126,21 @@ def replay_memory(
     budgets: dict[str, int],
     homes: dict[int, str] | None = None,
     optimizer_state_ratios: list[float] | None = None,
+    microbatch_samples: list[list[int]] | None = None,
 ) -> MemoryReport:
     """Replay each device's task order against its budget, as the runtime's device cache accounts it.
 
     Resident models (homes) load their weights once and hold them, with a gradient buffer, and after
     their first update (which their bwd applies) their optimizer state (optimizer_state_ratios bytes per
     gradient byte); their weights are written back once at the end instead of gradients every step.
+    microbatch_samples gives per model the samples of each micro-batch of a step (split among its groups
+    in order); with it, the boundary values that producers keep on the device for their consumers are
+    replayed too (kept: the bytes consumers then took there instead of copying them in).
     """
     homes = homes or {}
     ratios = optimizer_state_ratios or [2.0] * len(plans)
+    groups = [1 + max((t.group for ts in order.values() for t in ts if t.model == m), default=0)
+              for m in range(len(plans))]
     report = MemoryReport(peak={})
     for device, tasks in order.items():
         memory = _DeviceMemory(device, budgets[device])
@@ -123,6 +151,7 @@ def replay_memory(
             resident = task.model in homes
             if task.kind == "upd":
                 continue
+            memory.drop_boundaries(task)
             if memory.weights(key, task.step, pack.weight_bytes, task):
                 report.weights_in += pack.weight_bytes
             if resident and key not in memory.held:
@@ -132,8 +161,16 @@ def replay_memory(
             elif task.kind == "bwd" and not resident:
                 memory.charge(pack.grad_bytes, task, key)
                 report.grads_out += pack.grad_bytes
-            memory.charge(pack.cost.workspace, task, key)
-            memory.used -= pack.cost.workspace
+            if microbatch_samples is None:
+                memory.charge(pack.cost.workspace, task, key)
+                memory.used -= pack.cost.workspace
+            else:
+                sizes = _group_microbatches(microbatch_samples[task.model], groups[task.model], task.group)
+                for index, samples in enumerate(sizes):
+                    report.kept += memory.claim(task, index)
+                    memory.charge(pack.cost.workspace, task, key)
+                    memory.used -= pack.cost.workspace
+                    _keep_boundary(memory, task, plans[task.model], index, samples)
             if task.kind == "bwd" and not resident:
                 memory.used -= pack.grad_bytes
             if task.kind == "bwd" and resident:
@@ -143,6 +180,37 @@ def replay_memory(
                     memory.charge(round(ratios[task.model] * pack.grad_bytes), task, key)
         report.peak[device] = memory.peak
     return report
+
+
+def _group_microbatches(sizes: list[int], groups: int, group: int) -> list[int]:
+    """The sample counts of one micro-batch group's micro-batches."""
+    counts = group_sizes(len(sizes), groups)
+    start = sum(counts[:group])
+    return sizes[start : start + counts[group]]
+
+
+def _keep_boundary(memory: _DeviceMemory, task: TaskId, plan: PackPlan, microbatch: int, samples: int) -> None:
+    """What a task leaves on the device for its consumer: fwd its output, bwd its input's gradient."""
+    packs = len(plan.packs)
+    if task.kind == "fwd":
+        consumer = successor(task, packs)
+        reads = task.pack + 1
+    elif task.kind == "bwd" and task.pack > 0:
+        consumer = TaskId("bwd", task.model, task.pack - 1, task.step, task.group)
+        reads = task.pack
+    else:
+        return
+    if consumer is not None:
+        memory.keep(consumer, microbatch, round(plan.packs[reads].input_bytes_per_sample * samples))
+
+
+def _kept_reads(before: TaskId | None, task: TaskId, plan: PackPlan) -> int:
+    """Boundary reads of task that the task run just before it on its device left there (0 or 1)."""
+    if before is None or before.model != task.model or before.step != task.step or before.group != task.group:
+        return 0
+    if before.kind == "fwd":
+        return int(successor(before, len(plan.packs)) == task)
+    return int(before.kind == task.kind == "bwd" and before.pack == task.pack + 1)
 
 
 def order_from_keys(schedule: dict[str, list[str]]) -> dict[str, list[TaskId]]:
@@ -220,7 +288,8 @@ def simulate(
 
     Each device runs one task at a time; a task starts when its device is free and its inputs exist;
     it takes the task overhead, its compute, and its copies (weights in when not resident, boundary
-    activations in and out), where with prefetch a weight copy overlaps the previous task's compute.
+    activations in and out, less the one its producer left on the device when it ran just before),
+    where with prefetch a weight copy overlaps the previous task's compute.
     samples are per model and step; with groups (vDP) each group computes its share of them.
     """
     groups = groups or [1] * len(plans)
@@ -241,6 +310,7 @@ def simulate(
     order: dict[str, list[TaskId]] = {name: [] for name in budgets}
     resident: dict[str, set[tuple[int, int, int]]] = {name: set() for name in budgets}
     busy = dict.fromkeys(budgets, 0.0)
+    previous: dict[str, TaskId] = {}
     events: list[tuple[float, int, TaskId]] = []
     counter = 0
     while not state.finished:
@@ -266,12 +336,15 @@ def simulate(
                         weights = plan.packs[task.pack].weight_bytes / link
                         copy += max(0.0, weights - last_compute[device]) if prefetch else weights
                     boundary = boundary_bytes(task, plan, n)
-                    copy += (2 if task.kind == "fwd" else 3) * boundary / link
+                    crossings = (2 if task.kind == "fwd" else 3) - _kept_reads(previous.get(device), task, plan)
+                    copy += crossings * boundary / link
                     if task.kind == "bwd" and not homed:
                         copy += plan.packs[task.pack].grad_bytes / link
                 end = start + hardware.task_overhead + compute + copy
                 times[task] = (start, end)
                 order[device].append(task)
+                if task.kind != "upd":
+                    previous[device] = task
                 busy[device] += end - start
                 free_at[device] = end
                 last_compute[device] = compute

@@ -253,3 +253,25 @@ def test_weights_are_read_only_after_the_stream_waits_for_their_copy(store: Host
         cache.reload("p1", store.create("v", 200))
         assert engine.log[4:] == ["copy 4", "wait copy 4"], "a reloaded pack is read before it arrived"
     cache.clear()
+
+
+def test_a_kept_boundary_goes_to_its_consumer_only_and_never_takes_room_from_weights(store: HostStore) -> None:
+    cache = make_cache(store, budget=1000)
+    value = torch.arange(50, dtype=torch.float32)  # 200 bytes
+    assert cache.keep("next", 0, value)
+    assert cache.used == 200 and cache.counters.read()["peak"] == 200
+    cache.drop_boundaries("next")
+    assert cache.claim("other", 0) is None
+    assert cache.claim("next", 0) is value and cache.used == 0
+    assert cache.counters.read()["kept"] == 200
+    assert cache.keep("next", 1, value)
+    cache.drop_boundaries("another task")
+    assert cache.used == 0 and cache.claim("next", 1) is None
+    with cache.weights("p0", 0, store.create("w", 900)):
+        assert not cache.keep("next", 0, value), "kept a boundary by going over budget"
+    assert not cache.keep("next", 0, value), "kept a boundary by evicting resident weights"
+    cache.drop("p0")
+    assert cache.keep("next", 0, value)
+    with cache.weights("p1", 0, store.create("v", 900)):
+        assert cache.claim("next", 0) is None, "a kept boundary was not evicted for weights"
+    cache.clear()

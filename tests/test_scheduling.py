@@ -64,10 +64,12 @@ def test_runtime_peaks_and_swaps_match_the_simulator_for_the_same_schedule(devic
     assert list(result.homes) == [2]
     assert all(len(plan.packs) > 1 for plan in result.plans[:2])
     order = order_from_keys(result.stats.schedule)
-    predicted = replay_memory(order, result.plans, result.stats.budgets, result.homes, [1.0, 1.0, 1.0])
+    predicted = replay_memory(order, result.plans, result.stats.budgets, result.homes, [1.0, 1.0, 1.0],
+                              microbatch_samples=[[4, 4, 4, 4]] * 3)
     assert predicted.peak == result.stats.peak_device_bytes
     assert predicted.weights_in == result.stats.bytes_in["weights"]
     assert predicted.grads_out == result.stats.bytes_out["grads"]
+    assert predicted.kept == result.stats.bytes_kept > 0
     assert predicted.weights_out == result.stats.bytes_out["weights"] == param_bytes(resident)
 
 

@@ -65,3 +65,18 @@ def test_single_pack_models_are_homed_where_their_whole_state_fits() -> None:
     assert all(left >= 6000 for left in room.values())
     assert choose_homes([small], [2.0], {"a": need - 1}, floors=[0]) == ({}, {"a": need - 1})
     assert choose_homes([small, split], [2.0, 1.0], {"a": need + 100}, floors=[0, 6000])[0] == {}
+
+
+def test_replay_keeps_a_boundary_for_the_task_that_reads_it_next_where_it_fits() -> None:
+    plan = chain_plan(layers=4, budget=6000)
+    order = {"d": step_tasks(0, 4, 0)}
+    boundary = plan.packs[1].input_bytes_per_sample * 2
+    roomy = replay_memory(order, [plan], {"d": 10**6}, microbatch_samples=[[2, 2]])
+    # fwd 0 -> fwd 1 -> fwd 2 -> bwd 3 hand over outputs; bwd 3 -> bwd 2 -> bwd 1 -> bwd 0 hand over gradients.
+    assert roomy.kept == 2 * (3 + 3) * boundary
+    assert roomy.peak["d"] > replay_memory(order, [plan], {"d": 10**6}).peak["d"]
+    interleaved = {"d": [t for pair in zip(step_tasks(0, 4, 0), step_tasks(1, 4, 0)) for t in pair]}
+    assert replay_memory(interleaved, [plan, plan], {"d": 10**6}, microbatch_samples=[[2, 2]] * 2).kept == 0, (
+        "a boundary outlived a task that was not its consumer")
+    tight = replay_memory(order, [plan], {"d": 6000}, microbatch_samples=[[2, 2]])
+    assert tight.peak["d"] <= 6000
