@@ -61,6 +61,8 @@ def main() -> None:
                 "serial sum": compute + copy,
                 "predicted s": simulated.step_seconds,
                 "prefetched %": 100 * result.stats.bytes_prefetched / max(result.stats.bytes_in["weights"], 1),
+                "activations in/step": result.stats.bytes_in["activations"] // steps,
+                "kept/step": result.stats.bytes_kept // steps,
                 "peak": max(result.stats.peak_device_bytes.values()),
                 "predicted peak": max(predicted.peak_device_bytes.values()),
                 "budget": budget,
