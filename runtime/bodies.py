@@ -239,8 +239,8 @@ def _backward_step(
                 input_grads.append(ctx.cache.copy_out(grad, "activations"))
             if saved_buffers is not None:
                 weights[runtime.buffers_offset :].copy_(saved_buffers)
-        if pack > 0:
-            ctx.cache.keep(TaskId("bwd", model, pack - 1, step, group), index, grad)
+        if pack > 0 and ctx.successor is not None:
+            ctx.cache.keep(ctx.successor, index, grad)
     if last:
         nbytes = 8 * LOSS_BLOCK * spec.members
         block = ctx.store.attach(losses_name(model, step // LOSS_BLOCK, group), nbytes).view(torch.float64)

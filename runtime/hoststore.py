@@ -102,8 +102,7 @@ class HostStore:
 
     def forget(self, name: str) -> None:
         """Drop this process's mapping of one file."""
-        if name in self._mapped:
-            self._unregister(name)
+        self._unregister(name)
         self._mapped.pop(name, None)
 
     def close(self) -> None:

@@ -78,7 +78,8 @@ def step_tasks(model: int, packs: int, step: int, groups: int = 1) -> list[TaskI
 
 
 def successor(task: TaskId, packs: int) -> TaskId | None:
-    """The compute task that follows task in its group's chain: the one whose weights to prefetch."""
+    """The compute task that follows task in its group's chain: the one whose weights to prefetch, and the one
+    that reads the boundary value task produces (a fwd's output, a bwd's input gradient)."""
     m, p, s, g = task.model, task.pack, task.step, task.group
     if task.kind == "fwd":
         return TaskId("fwd", m, p + 1, s, g) if p + 1 < packs - 1 else TaskId("bwd", m, packs - 1, s, g)

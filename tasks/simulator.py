@@ -139,8 +139,9 @@ def replay_memory(
     """
     homes = homes or {}
     ratios = optimizer_state_ratios or [2.0] * len(plans)
-    groups = [1 + max((t.group for ts in order.values() for t in ts if t.model == m), default=0)
-              for m in range(len(plans))]
+    groups = [1] * len(plans)
+    for task in (task for tasks in order.values() for task in tasks):
+        groups[task.model] = max(groups[task.model], task.group + 1)
     report = MemoryReport(peak={})
     for device, tasks in order.items():
         memory = _DeviceMemory(device, budgets[device])
@@ -190,27 +191,12 @@ def _group_microbatches(sizes: list[int], groups: int, group: int) -> list[int]:
 
 
 def _keep_boundary(memory: _DeviceMemory, task: TaskId, plan: PackPlan, microbatch: int, samples: int) -> None:
-    """What a task leaves on the device for its consumer: fwd its output, bwd its input's gradient."""
-    packs = len(plan.packs)
-    if task.kind == "fwd":
-        consumer = successor(task, packs)
-        reads = task.pack + 1
-    elif task.kind == "bwd" and task.pack > 0:
-        consumer = TaskId("bwd", task.model, task.pack - 1, task.step, task.group)
-        reads = task.pack
-    else:
-        return
+    """What a task leaves on the device for its successor: fwd its output (the next pack's input), bwd its
+    input's gradient (the previous pack's upstream gradient, shaped like this pack's input)."""
+    consumer = successor(task, len(plan.packs))
     if consumer is not None:
+        reads = task.pack + 1 if task.kind == "fwd" else task.pack
         memory.keep(consumer, microbatch, round(plan.packs[reads].input_bytes_per_sample * samples))
-
-
-def _kept_reads(before: TaskId | None, task: TaskId, plan: PackPlan) -> int:
-    """Boundary reads of task that the task run just before it on its device left there (0 or 1)."""
-    if before is None or before.model != task.model or before.step != task.step or before.group != task.group:
-        return 0
-    if before.kind == "fwd":
-        return int(successor(before, len(plan.packs)) == task)
-    return int(before.kind == task.kind == "bwd" and before.pack == task.pack + 1)
 
 
 def order_from_keys(schedule: dict[str, list[str]]) -> dict[str, list[TaskId]]:
@@ -336,7 +322,8 @@ def simulate(
                         weights = plan.packs[task.pack].weight_bytes / link
                         copy += max(0.0, weights - last_compute[device]) if prefetch else weights
                     boundary = boundary_bytes(task, plan, n)
-                    crossings = (2 if task.kind == "fwd" else 3) - _kept_reads(previous.get(device), task, plan)
+                    kept = previous.get(device) is not None and successor(previous[device], len(plan.packs)) == task
+                    crossings = (2 if task.kind == "fwd" else 3) - kept
                     copy += crossings * boundary / link
                     if task.kind == "bwd" and not homed:
                         copy += plan.packs[task.pack].grad_bytes / link
