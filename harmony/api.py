@@ -14,15 +14,15 @@ from harmony.fusing import fuse_jobs
 from harmony.prepare import arrange, prepare
 from harmony.progress import ProgressLine, wants_progress
 from harmony.result import Stats, TrainResult
-from harmony.runtime.cluster import ClusterHandle, connect, external_devices
+from harmony.runtime.calibrate import measured_hardware
+from harmony.runtime.cluster import ClusterHandle, connect, external_devices, start_embedded
 from harmony.runtime.counters import IN_KINDS, OUT_KINDS
 from harmony.runtime.data import LoaderFeed, SharedFeed
-from harmony.runtime.devices import build_specs
+from harmony.runtime.devices import DeviceSpec, build_specs
 from harmony.runtime.errors import ModelFailure
-from harmony.runtime.job import run_job
-from harmony.runtime.measure import this_machine
+from harmony.runtime.job import JobModel, JobOutcome, run_job
 from harmony.sizes import parse_bandwidths
-from harmony.validate import check_fuse, check_scheduling, check_steps_per_task, validate
+from harmony.validate import Arguments, check_fuse, check_scheduling, check_steps_per_task, validate
 
 logger = logging.getLogger("harmony")
 
@@ -38,6 +38,46 @@ def user_cluster(cluster: Any) -> Iterator[ClusterHandle | None]:
         yield handle
     finally:
         handle.close()
+
+
+@contextmanager
+def device_cluster(user: ClusterHandle | None, specs: list[DeviceSpec]) -> Iterator[ClusterHandle]:
+    """The cluster the run's tasks go to: the user's, or an embedded one with a worker per device (closed after)."""
+    if user is not None:
+        yield user
+        return
+    handle = start_embedded(specs)
+    try:
+        yield handle
+    finally:
+        handle.close()
+
+
+def _run(
+    jobs: list[JobModel],
+    args: Arguments,
+    specs: list[DeviceSpec],
+    handle: ClusterHandle,
+    progress: bool | None,
+    **options: Any,
+) -> JobOutcome:
+    """Run the arranged jobs on the cluster, with a progress line when wanted; a model's failure is a ModelError."""
+    feeds = []
+    for index, loader in enumerate(args.loaders):
+        readers = sum(1 for job in jobs if job.feed == index)
+        feed = LoaderFeed(loader.loader, loader.iterator, loader.first, args.epochs, args.steps)
+        feeds.append(SharedFeed(feed, readers))
+    line = ProgressLine() if wants_progress(progress) else None
+    try:
+        return run_job(jobs, feeds, specs, handle, args.microbatches, on_progress=line,
+                       on_ready=lambda link: logger.info("harmony: dashboard at %s", link), **options)
+    except ModelFailure as failure:
+        job = jobs[failure.model]
+        raise ModelError(job.members[0], f"{job.label} raised {failure.error} in {failure.where}",
+                         failure.traceback_text) from None
+    finally:
+        if line is not None:
+            line.close()
 
 
 def train(
@@ -83,8 +123,8 @@ def train(
     fit the budget (the whole group when it fits), an int k the largest that fit up to k, and False trains
     every model on its own. steps_per_task is how many consecutive steps one task of a resident
     single-pack model or array runs (its batches shipped with the task): "auto" picks enough to keep
-    Dask's per-task cost near 2% of the measured step time. Every model keeps its own loss,
-    optimizer and hyperparameters, and gets the weights it would get alone.
+    Dask's per-task cost (measured on the cluster before the run) near 2% of the measured step time.
+    Every model keeps its own loss, optimizer and hyperparameters, and gets the weights it would get alone.
     """
     args = validate(models, loaders, loss_fn, optimizer, epochs, steps, microbatches, devices,
                     device_memory, cluster)
@@ -95,56 +135,34 @@ def train(
     check_scheduling(policy, mode)
     check_fuse(fuse)
     check_steps_per_task(steps_per_task)
-    with user_cluster(args.cluster) as handle:
-        specs = build_specs(args.devices, args.device_memory, links) if handle is None else external_devices(
-            handle, args.device_memory
+    with user_cluster(args.cluster) as user:
+        specs = build_specs(args.devices, args.device_memory, links) if user is None else external_devices(
+            user, args.device_memory
         )
         budgets = {spec.name: spec.budget for spec in specs}
-        hardware = this_machine()
         jobs, _ = prepare(args, min(budgets.values()))
-        jobs, choices = fuse_jobs(jobs, args, budgets, hardware, bool(prefetch), policy, fuse)
-        chosen, _ = arrange(jobs, args, budgets, [job.expected_steps or 1 for job in jobs], hardware, mode,
-                            bool(prefetch), policy, resident, steps_per_task)
-        plans = [job.plan for job in jobs]
-        homes = {model: job.home for job in jobs if job.home is not None for model in job.members}
-        feeds = []
-        for index, loader in enumerate(args.loaders):
-            readers = sum(1 for job in jobs if job.feed == index)
-            feed = LoaderFeed(loader.loader, loader.iterator, loader.first, args.epochs, args.steps)
-            feeds.append(SharedFeed(feed, readers))
-        line = ProgressLine() if wants_progress(progress) else None
-        try:
-            outcome = run_job(
-                jobs,
-                feeds,
-                specs,
-                handle,
-                args.microbatches,
-                prefetch=bool(prefetch),
-                group=bool(group),
-                policy=policy,
-                mode=chosen,
-                on_progress=line,
-                on_ready=lambda link: logger.info("harmony: dashboard at %s", link),
-            )
-        except ModelFailure as failure:
-            job = jobs[failure.model]
-            raise ModelError(job.members[0], f"{job.label} raised {failure.error} in {failure.where}",
-                             failure.traceback_text) from None
-        finally:
-            if line is not None:
-                line.close()
+        with device_cluster(user, specs) as handle:
+            hardware = measured_hardware(handle.client, handle.workers)
+            jobs, choices = fuse_jobs(jobs, args, budgets, hardware, bool(prefetch), policy, fuse)
+            chosen, _ = arrange(jobs, args, budgets, [job.expected_steps or 1 for job in jobs], hardware, mode,
+                                bool(prefetch), policy, resident, steps_per_task)
+            outcome = _run(jobs, args, specs, handle, progress, prefetch=bool(prefetch), group=bool(group),
+                           policy=policy, mode=chosen)
+    plans = [job.plan for job in jobs]
+    homes = {model: job.home for job in jobs if job.home is not None for model in job.members}
     counters = outcome.counters
     history: list[list[float]] = [[] for _ in args.models]
     steps = [0] * len(args.models)
     finish = [0.0] * len(args.models)
     step_seconds: list[list[float]] = [[] for _ in args.models]
+    depths = [1] * len(args.models)
     for index, job in enumerate(jobs):
         for position, model in enumerate(job.members):
             history[model] = outcome.history[index][position]
             steps[model] = outcome.steps[index]
             finish[model] = outcome.finish_seconds[index]
             step_seconds[model] = list(outcome.step_seconds[index])
+            depths[model] = job.depth
     stats = Stats(
         peak_device_bytes={name: values["peak"] for name, values in counters.items()},
         bytes_in={kind: sum(values[f"in_{kind}"] for values in counters.values()) for kind in IN_KINDS},
@@ -163,6 +181,8 @@ def train(
         schedule=outcome.schedule,
         finish_seconds=finish,
         step_seconds=step_seconds,
+        steps_per_task=depths,
+        task_seconds=hardware.task_overhead,
     )
     return TrainResult(
         models=args.models,

@@ -25,7 +25,9 @@ class Stats:
     the workers were ready; schedule: per device, the keys of the tasks in the order it ran them;
     finish_seconds: per model, when its last step finished, counted from the same moment;
     step_seconds: per model, when each of its steps finished (its update applied), from the same moment
-    (the steps of a multi-step task finish together).
+    (the steps of a multi-step task finish together); steps_per_task: per model, how many consecutive
+    steps one of its tasks ran; task_seconds: what one task cost on this cluster, measured before the run
+    (an empty task's round trip from the driver), from which steps_per_task="auto" chose those depths.
     """
 
     peak_device_bytes: dict[str, int]
@@ -43,6 +45,8 @@ class Stats:
     schedule: dict[str, list[str]] = field(default_factory=dict)
     finish_seconds: list[float] = field(default_factory=list)
     step_seconds: list[list[float]] = field(default_factory=list)
+    steps_per_task: list[int] = field(default_factory=list)
+    task_seconds: float = 0.0
 
     def steady_seconds_per_step(self, model: int = 0, skip: float = 0.2) -> float:
         """Seconds per step of model once running: the time between the step that ends the first skip share of

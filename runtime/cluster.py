@@ -90,6 +90,11 @@ class ClusterHandle:
     workers: dict[str, str] = field(default_factory=dict)
 
     @property
+    def embedded(self) -> bool:
+        """Whether the workers are this run's own (started by start_embedded), to be stopped when it ends."""
+        return self.cluster is not None
+
+    @property
     def dashboard_link(self) -> str | None:
         try:
             return self.client.dashboard_link

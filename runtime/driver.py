@@ -16,12 +16,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import dask.config
 from distributed import Client, Future, as_completed
 
 from harmony.runtime import bodies
 from harmony.runtime.data import SharedFeed, batch_size, split_tree
 from harmony.runtime.errors import ModelFailure
 from harmony.runtime.shipping import ship
+from harmony.tasks.amortize import MAX_SHIPPED_BYTES
 from harmony.tasks.binding import BindingState
 from harmony.tasks.graph import BatchInput, BatchTargets, TaskId, Value, inputs, successor
 from harmony.tasks.microbatch import group_sizes, loss_weights, split_sizes
@@ -169,6 +171,16 @@ class Driver:
                     progress = True
 
     def run_to_completion(self) -> None:
+        """Bind, submit and complete tasks until every model has trained all its steps.
+
+        A multi-step task carries its steps' batches (up to amortize.MAX_SHIPPED_BYTES) by design, so
+        Dask's warning about large graphs is raised above that for the run.
+        """
+        threshold = {"distributed.admin.large-graph-warning-threshold": 2 * MAX_SHIPPED_BYTES}
+        with dask.config.set(threshold):
+            self._run()
+
+    def _run(self) -> None:
         pending = as_completed()
         self._fetch_batches()
         self._bind_all(pending)

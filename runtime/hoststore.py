@@ -58,9 +58,15 @@ class HostStore:
         return name in self._mapped or self.path(name).exists()
 
     def attach(self, name: str, nbytes: int) -> torch.Tensor:
-        """Map an existing buffer; the mapping is shared, so writes are seen by every process."""
+        """Map an existing buffer; the mapping is shared, so writes are seen by every process.
+
+        A missing file is an error rather than a new file (which torch.from_file would make): a task that
+        outlives its run must not leave a file behind after the run removed its own.
+        """
         mapped = self._mapped.get(name)
         if mapped is None:
+            if not self.path(name).exists():
+                raise FileNotFoundError(f"host store file {self.path(name)} is gone: its run has ended")
             mapped = torch.from_file(str(self.path(name)), shared=True, size=max(nbytes, 1), dtype=torch.uint8)
             self._mapped[name] = mapped
             if self.pin:

@@ -217,8 +217,9 @@ def run_job(
 ) -> JobOutcome:
     """Train models to completion and return what was measured; cleans up whatever happens.
 
-    cluster is a connected user cluster whose workers are devices (the caller closes it), or None to start
-    the embedded cluster with one worker process per device (closed here).
+    cluster is a connected cluster whose workers are devices, or None to start the embedded cluster with one
+    worker process per device. An embedded cluster's workers are stopped here, before the run's host store
+    files are removed, so that no task of theirs can outlive the files; a user's cluster stays open.
     """
     run = secrets.token_hex(3)
     store = HostStore(run)
@@ -311,7 +312,7 @@ def run_job(
             if plugin_registered:
                 with contextlib.suppress(Exception):
                     handle.client.unregister_worker_plugin(plugin_name)
-            if cluster is None:
+            if handle.embedded:
                 handle.close()
         store.unlink_all()
 

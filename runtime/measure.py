@@ -11,7 +11,7 @@ from harmony.tasks.simulator import Hardware
 
 
 @functools.cache
-def this_machine(task_overhead: float = 0.003) -> Hardware:
+def this_machine() -> Hardware:
     """This machine as the simulator sees it: pilot-pass compute, and host copies at measured memcpy speed."""
     source = torch.empty(32 * 2**20, dtype=torch.uint8)
     target = torch.empty_like(source)
@@ -21,4 +21,4 @@ def this_machine(task_overhead: float = 0.003) -> Hardware:
     for _ in range(repeats):
         target.copy_(source)
     bandwidth = repeats * source.numel() / (time.perf_counter() - started)
-    return Hardware("this machine", host_link=bandwidth, task_overhead=task_overhead)
+    return Hardware("this machine", host_link=bandwidth)

@@ -3,7 +3,8 @@
 A resident single-pack model (or fused array) needs two tasks per step (its backward, which also runs
 the forward and the loss, and its update). When a step takes about as long as scheduling a task, most
 of the time is scheduling; one task that runs several steps, with the data for all of them shipped
-with it, divides that cost. The depth comes from the step time the pilot pass measured.
+with it, divides that cost. The depth comes from the step time the pilot pass measured and the task
+cost measured on the live cluster the run uses (runtime.calibrate).
 """
 
 from __future__ import annotations

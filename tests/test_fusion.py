@@ -165,13 +165,17 @@ def test_resident_arrays_run_several_steps_per_task_and_still_match_plain_pytorc
         assert result.stats.steps == [30] * 4
         if spans is not None:
             assert result.stats.tasks == 2 * spans, "8 + 8 + 8 + 6 steps: one bwd and one upd task per span"
+            assert result.stats.steps_per_task == [8] * 4
             assert sorted(result.stats.schedule["cpu-0"])[0].startswith("bwd-m0-p0-s0-")
             times = result.stats.step_seconds[2]
             assert len(times) == 30 and times == sorted(times) and times[-1] == result.stats.finish_seconds[2]
             assert [len(set(times[i : i + 8])) for i in range(0, 30, 8)] == [1, 1, 1, 1] and len(set(times)) == 4
             assert result.stats.steady_seconds_per_step(2) == pytest.approx((times[-1] - times[7]) / 22)
         else:
-            assert result.stats.tasks < 2 * 30, "tiny resident steps must be grouped over time"
+            depth = result.stats.steps_per_task[0]
+            assert 0 < result.stats.task_seconds < 1.0, "the task cost is measured on the cluster"
+            assert result.stats.steps_per_task == [depth] * 4 and depth > 1, "tiny resident steps are grouped"
+            assert result.stats.tasks == 2 * -(-30 // depth), "one bwd and one upd task per span of depth steps"
         check_against_plain(result, models, references, batches, [nn.functional.mse_loss] * 4, factories)
 
 
