@@ -4,6 +4,7 @@ Runs a model that fits, one four times the budget, and the same over a slow link
 harmony.plan predicts for each beside what harmony.train measured (steady state: the difference
 between a long and a short run, so that start-up cancels out). Peaks are predicted for the
 simulated schedule; the runtime's peaks for its own schedule are checked exactly in the test suite.
+The prediction uses the task cost the run measured on its cluster (stats.task_seconds).
 
     python -m benchmarks.simulator_check
 """
@@ -42,14 +43,17 @@ def main() -> None:
         warmup = train(data[:short], budget, link)
         steady = (result.stats.finish_seconds[0] - warmup.stats.finish_seconds[0]) / (steps - short)
         here = this_machine()
-        hardware = harmony.Hardware("this machine", host_link=link or here.host_link)
-        plan = harmony.plan(mlp(width, depth), data, microbatches=2, devices=1,
+        hardware = harmony.Hardware("this machine", host_link=link or here.host_link,
+                                    task_overhead=result.stats.task_seconds)
+        plan = harmony.plan(mlp(width, depth), data, loss_fn=nn.functional.mse_loss,
+                            optimizer=lambda p: torch.optim.SGD(p, lr=1e-3), microbatches=2, devices=1,
                             device_memory=budget or result.stats.budgets["cpu-0"], hardware=hardware, prefetch=False)
         replayed = replay_memory(order_from_keys(result.stats.schedule), result.plans, result.stats.budgets)
         rows.append({
             "case": label,
             "measured step s": steady,
             "predicted step s": plan.step_seconds,
+            "task cost ms": result.stats.task_seconds * 1e3,
             "measured peak": result.stats.peak_device_bytes["cpu-0"],
             "predicted peak": plan.peak_device_bytes["dev-0"],
             "replayed peak": replayed.peak["cpu-0"],

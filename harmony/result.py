@@ -27,7 +27,8 @@ class Stats:
     step_seconds: per model, when each of its steps finished (its update applied), from the same moment
     (the steps of a multi-step task finish together); steps_per_task: per model, how many consecutive
     steps one of its tasks ran; task_seconds: what one task cost on this cluster, measured before the run
-    (an empty task's round trip from the driver), from which steps_per_task="auto" chose those depths.
+    (a chain of dependent empty tasks per device worker), from which steps_per_task="auto" chose those
+    depths and the simulator predicted.
     """
 
     peak_device_bytes: dict[str, int]
