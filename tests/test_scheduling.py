@@ -60,7 +60,8 @@ def test_runtime_peaks_and_swaps_match_the_simulator_for_the_same_schedule(devic
     batches = regression_batches(samples=48, batch=16)
     result = harmony.train([*swapped, resident], batches, loss_fn=nn.functional.mse_loss,
                            optimizer=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), microbatches=4,
-                           devices=devices, device_memory=budget, prefetch=False, progress=False, fuse=False)
+                           devices=devices, device_memory=budget, prefetch=False, progress=False, fuse=False,
+                           mode="free")
     assert list(result.homes) == [2]
     assert all(len(plan.packs) > 1 for plan in result.plans[:2])
     order = order_from_keys(result.stats.schedule)
