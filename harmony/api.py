@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -42,7 +43,10 @@ def user_cluster(cluster: Any) -> Iterator[ClusterHandle | None]:
 
 @contextmanager
 def device_cluster(user: ClusterHandle | None, specs: list[DeviceSpec]) -> Iterator[ClusterHandle]:
-    """The cluster the run's tasks go to: the user's, or an embedded one with a worker per device (closed after)."""
+    """The cluster the run's tasks go to: the user's, or an embedded one with a worker per device.
+
+    run_job stops an embedded cluster itself before removing the run's files; closing it here as well
+    covers a failure before the run starts (closing twice is harmless)."""
     if user is not None:
         yield user
         return
@@ -141,6 +145,7 @@ def train(
         )
         budgets = {spec.name: spec.budget for spec in specs}
         jobs, _ = prepare(args, min(budgets.values()))
+        started = time.perf_counter()
         with device_cluster(user, specs) as handle:
             hardware = measured_hardware(handle.client, handle.workers)
             jobs, choices = fuse_jobs(jobs, args, budgets, hardware, bool(prefetch), policy, fuse)
@@ -148,6 +153,7 @@ def train(
                                 bool(prefetch), policy, resident, steps_per_task)
             outcome = _run(jobs, args, specs, handle, progress, prefetch=bool(prefetch), group=bool(group),
                            policy=policy, mode=chosen)
+            wall_seconds = time.perf_counter() - started
     plans = [job.plan for job in jobs]
     homes = {model: job.home for job in jobs if job.home is not None for model in job.members}
     counters = outcome.counters
@@ -169,7 +175,7 @@ def train(
         bytes_out={kind: sum(values[f"out_{kind}"] for values in counters.values()) for kind in OUT_KINDS},
         steps=steps,
         tasks=outcome.tasks,
-        wall_seconds=outcome.wall_seconds,
+        wall_seconds=wall_seconds,
         busy_seconds={name: values["busy_ns"] / 1e9 for name, values in counters.items()},
         idle_seconds={
             name: max(0.0, outcome.run_seconds - values["busy_ns"] / 1e9) for name, values in counters.items()

@@ -4,24 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import sys
 import time
 
 from distributed import Client
 
 from harmony.runtime.measure import this_machine
+from harmony.runtime.worker import wait_for_warmup
 from harmony.tasks.simulator import Hardware
 
 logger = logging.getLogger("harmony")
 
 CHAIN = 24
-
-
-def _settle() -> None:
-    """On a worker: wait until its background imports are done, so they do not disturb what is measured."""
-    warmup = sys.modules.get("harmony.runtime.warmup")
-    if warmup is not None:
-        warmup.wait()
 
 
 def _nothing(index: int, previous: int | None = None) -> int:
@@ -37,15 +30,14 @@ def task_cost(client: Client, workers: dict[str, str], chain: int = CHAIN) -> fl
     after task; on a 2-core machine about 6 ms, against about 11 ms for one task's round trip from the
     driver and 1.6 ms per task when the tasks are independent (they are not, in a training step).
     """
-    client.run(_settle)
+    client.run(wait_for_warmup)
     costs = []
     for address in workers.values():
         for measured in (False, True):
             started = time.perf_counter()
-            future = None
-            for index in range(chain):
+            future = client.submit(_nothing, 0, workers=[address], pure=False)
+            for index in range(1, chain):
                 future = client.submit(_nothing, index, future, workers=[address], pure=False)
-            assert future is not None
             future.result()
             if measured:
                 costs.append((time.perf_counter() - started) / chain)

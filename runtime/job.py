@@ -1,7 +1,7 @@
 """One training job from start to finish: host store, cluster, worker plugin, driver, results, cleanup.
 
 Whatever happens (success, a model's exception, Ctrl-C) the job cancels its tasks, tears the plugin
-down on the workers, closes the cluster it started and removes every shared-memory file it created.
+down on the workers, stops an embedded cluster's workers and removes every shared-memory file it created.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import cloudpickle
 import torch
 from torch import nn
 
-from harmony.runtime.cluster import ClusterHandle, start_embedded
+from harmony.runtime.cluster import ClusterHandle
 from harmony.runtime.counters import BLOCK_BYTES, Counters
 from harmony.runtime.data import SharedFeed
 from harmony.runtime.devices import DeviceSpec
@@ -85,7 +85,6 @@ class JobOutcome:
     counters: dict[str, dict[str, int]]
     steps: list[int]
     tasks: int
-    wall_seconds: float
     run_seconds: float
     dashboard_link: str | None
     devices: list[DeviceSpec] = field(default_factory=list)
@@ -206,7 +205,7 @@ def run_job(
     models: list[JobModel],
     feeds: list[SharedFeed],
     devices: list[DeviceSpec],
-    cluster: ClusterHandle | None,
+    handle: ClusterHandle,
     microbatches: int,
     prefetch: bool = True,
     group: bool = True,
@@ -217,23 +216,18 @@ def run_job(
 ) -> JobOutcome:
     """Train models to completion and return what was measured; cleans up whatever happens.
 
-    cluster is a connected cluster whose workers are devices, or None to start the embedded cluster with one
-    worker process per device. An embedded cluster's workers are stopped here, before the run's host store
-    files are removed, so that no task of theirs can outlive the files; a user's cluster stays open.
+    handle is a connected cluster whose workers are the devices. An embedded cluster's workers are stopped
+    here, before the run's host store files are removed, so that no task of theirs can outlive the files; a
+    user's cluster stays open, and its workers are first checked to see this machine's host store.
     """
     run = secrets.token_hex(3)
     store = HostStore(run)
-    handle: ClusterHandle | None = None
     driver: Driver | None = None
     plugin_name = f"harmony-{run}"
     plugin_registered = False
-    started = time.perf_counter()
     try:
         runtimes = _fill_store(store, models)
-        if cluster is None:
-            handle = start_embedded(devices)
-        else:
-            handle = cluster
+        if not handle.embedded:
             store.create("probe", 1)
             _check_same_machine(handle, store, "probe")
         if on_ready is not None:
@@ -296,7 +290,6 @@ def run_job(
             counters=counters,
             steps=steps,
             tasks=driver.tasks_run,
-            wall_seconds=time.perf_counter() - started,
             run_seconds=run_seconds,
             dashboard_link=handle.dashboard_link,
             devices=devices,
@@ -308,11 +301,10 @@ def run_job(
         if driver is not None:
             with contextlib.suppress(Exception):
                 driver.cancel()
-        if handle is not None:
-            if plugin_registered:
-                with contextlib.suppress(Exception):
-                    handle.client.unregister_worker_plugin(plugin_name)
-            if handle.embedded:
-                handle.close()
+        if plugin_registered:
+            with contextlib.suppress(Exception):
+                handle.client.unregister_worker_plugin(plugin_name)
+        if handle.embedded:
+            handle.close()
         store.unlink_all()
 

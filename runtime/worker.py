@@ -158,6 +158,13 @@ class RunContext:
         self.store.close()
 
 
+def wait_for_warmup() -> None:
+    """On a worker: return once its preloaded background imports are done, so they compete with nothing."""
+    warmup = sys.modules.get("harmony.runtime.warmup")
+    if warmup is not None:
+        warmup.wait()
+
+
 class DevicePlugin(WorkerPlugin):
     """Sets up a run on every device worker and tears it down when the driver unregisters it."""
 
@@ -165,9 +172,7 @@ class DevicePlugin(WorkerPlugin):
         self.spec = spec
 
     def setup(self, worker: Any) -> None:
-        warmup = sys.modules.get("harmony.runtime.warmup")
-        if warmup is not None:
-            warmup.wait()
+        wait_for_warmup()
         RUNS[(self.spec.run, worker.address)] = RunContext(self.spec, str(worker.name))
 
     def teardown(self, worker: Any) -> None:

@@ -21,7 +21,7 @@ def no_cluster_may_start(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("a cluster was started before the bad input was reported")
 
-    monkeypatch.setattr("harmony.runtime.job.start_embedded", refuse)
+    monkeypatch.setattr("harmony.api.start_embedded", refuse)
     started = time.perf_counter()
     yield
     assert time.perf_counter() - started < 10
