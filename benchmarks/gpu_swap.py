@@ -79,7 +79,7 @@ def plain_swapping(model: nn.Module, data: list, device: torch.device) -> tuple[
         upstream = None
         for index in reversed(range(len(layers))):
             layer = layers[index]
-            on_card = {name: p.to(device).requires_grad_() for name, p in layer.named_parameters()}
+            on_card = {name: p.detach().to(device).requires_grad_() for name, p in layer.named_parameters()}
             moved += sum(p.nbytes for p in on_card.values())
             inputs = boundaries[index].requires_grad_()
             output = torch.func.functional_call(layer, on_card, (inputs,))
@@ -109,7 +109,7 @@ def main() -> None:
         raise SystemExit("benchmarks.gpu_swap needs a CUDA GPU")
     logging.getLogger("distributed").setLevel(logging.ERROR)
     device = torch.device("cuda:0")
-    width, depth, steps = (1024, 16, 6) if args.quick else (4096, 16, 10)
+    width, depth, steps = (1024, 32, 6) if args.quick else (4096, 32, 10)
     host_to_device, device_to_host = pinned_bandwidth(device)
     weights = parameter_bytes(mlp(width, depth))
     budget = weights // 4

@@ -47,6 +47,7 @@ def test_prefetch_copies_on_the_copy_stream_and_the_compute_stream_waits_for_it(
         assert entry.done is not None, "a CUDA copy ends with an event"
         assert cache.engine.stream is not None and cache.engine.stream != torch.cuda.current_stream(device)
         assert int(device_bytes.to(torch.int64).sum()) == expected
+    cache.counters.publish()
     assert cache.counters.read()["prefetched"] == nbytes
     cache.clear()
 
