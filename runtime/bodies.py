@@ -80,7 +80,9 @@ def task_body(kind: str) -> Callable[[Callable[..., Result]], Callable[..., Resu
             ctx.executed.append(TaskId(kind, model, pack, step, group).key(run_id))  # type: ignore[arg-type]
             ctx.counters.add("p2p", sum(tree_nbytes(arg) for arg, remote in zip(args, peers) if remote))
             try:
-                return body(ctx, model, pack, step, *map(unship, args), group=group, **extra)
+                result = body(ctx, model, pack, step, *map(unship, args), group=group, **extra)
+                ctx.cache.settle()
+                return result
             except (BudgetExceeded, ModelFailure):
                 raise
             except Exception as error:
@@ -206,7 +208,7 @@ def _backward_step(
     module = ctx.module(model, pack)
     input_grads = []
     this = TaskId("bwd", model, pack, step, group)
-    loss_total = torch.zeros(spec.members, dtype=torch.float64)
+    loss_total = torch.zeros(spec.members, dtype=torch.float64, device=ctx.device)
     saved_buffers = weights[runtime.buffers_offset :].clone() if runtime.has_buffers and not last else None
     for index, microbatch in enumerate(inputs):
         if index and not ctx.spec.group:
@@ -227,7 +229,7 @@ def _backward_step(
                 if last:
                     target = ctx.cache.copy_in(gradients_or_targets[index], "inputs")
                     losses = ctx.loss_fn(model)(y, target).reshape(-1)
-                    loss_total += losses.detach().to("cpu", torch.float64) * loss_weights[index]
+                    loss_total += losses.detach().to(torch.float64) * loss_weights[index]
                     (losses.sum() * loss_weights[index]).backward()
                 else:
                     upstream = kept_grad if kept_grad is not None else ctx.cache.copy_in(
@@ -244,7 +246,7 @@ def _backward_step(
     if last:
         nbytes = 8 * LOSS_BLOCK * spec.members
         block = ctx.store.attach(losses_name(model, step // LOSS_BLOCK, group), nbytes).view(torch.float64)
-        block.view(LOSS_BLOCK, spec.members)[step % LOSS_BLOCK] = loss_total
+        block.view(LOSS_BLOCK, spec.members)[step % LOSS_BLOCK] = loss_total.cpu()
     return input_grads
 
 

@@ -90,6 +90,7 @@ class DeviceCache:
         self.residents: OrderedDict[Any, Resident | Boundary] = OrderedDict()
         self._lock = threading.RLock()
         self.engine = CopyEngine(name, device)
+        self._unsettled = False
 
     def _evictable(self) -> Any:
         return next(
@@ -282,26 +283,50 @@ class DeviceCache:
                 self.drop(key)
 
     def copy_in(self, tree: Any, kind: str) -> Any:
-        """A device copy of every tensor in tree, counted as bytes_in[kind]."""
+        """A device copy of every tensor in tree, counted as bytes_in[kind].
+
+        On CUDA the copy is enqueued on the compute stream (asynchronous from page-locked host memory, which
+        copy_out gives), so the kernels that read it are ordered after it without the host waiting.
+        """
         started = time.perf_counter()
         nbytes = tree_nbytes(tree)
+        asynchronous = self.device.type == "cuda"
         copied = tree_map(
-            lambda leaf: leaf.to(self.device, copy=True) if isinstance(leaf, torch.Tensor) else leaf, tree
+            lambda leaf: leaf.to(self.device, copy=True, non_blocking=asynchronous)
+            if isinstance(leaf, torch.Tensor)
+            else leaf,
+            tree,
         )
         self._over_link(nbytes, started)
         self.counters.add(f"in_{kind}", nbytes)
         return copied
 
     def copy_out(self, tree: Any, kind: str) -> Any:
-        """A host copy of every tensor in tree, counted as bytes_out[kind]."""
+        """A host copy of every tensor in tree, counted as bytes_out[kind].
+
+        On CUDA the copy goes into page-locked memory from PyTorch's caching host allocator and is only
+        enqueued: the host bytes are valid once settle() has run, which the task does before it returns them.
+        """
         started = time.perf_counter()
         nbytes = tree_nbytes(tree)
-        copied = tree_map(
-            lambda leaf: leaf.detach().to("cpu", copy=True) if isinstance(leaf, torch.Tensor) else leaf, tree
-        )
+        copied = tree_map(lambda leaf: self._host_copy(leaf) if isinstance(leaf, torch.Tensor) else leaf, tree)
         self._over_link(nbytes, started)
         self.counters.add(f"out_{kind}", nbytes)
         return copied
+
+    def _host_copy(self, leaf: torch.Tensor) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return leaf.detach().to("cpu", copy=True)
+        host = torch.empty(leaf.shape, dtype=leaf.dtype, pin_memory=True)
+        host.copy_(leaf.detach(), non_blocking=True)
+        self._unsettled = True
+        return host
+
+    def settle(self) -> None:
+        """Wait until the host copies copy_out enqueued on the compute stream have landed (CUDA only)."""
+        if self._unsettled:
+            self._unsettled = False
+            torch.cuda.current_stream(self.device).synchronize()
 
     def write_back(self, device_bytes: torch.Tensor, host: torch.Tensor, kind: str) -> None:
         """Copy device bytes into a host store buffer, counted as bytes_out[kind]."""
