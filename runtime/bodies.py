@@ -120,7 +120,7 @@ def forward(ctx: RunContext, model: int, pack: int, step: int, inputs: list[Any]
                 y = functional_call(module, tensors, (x,))
                 outputs.append(ctx.cache.copy_out(y, "activations"))
             if ctx.successor is not None:
-                ctx.cache.keep(ctx.successor, index, y)
+                ctx.cache.keep(ctx.successor, index, y, keep_free=runtime.workspace if index + 1 < len(inputs) else 0)
         if runtime.has_buffers:
             ctx.cache.write_back(weights[runtime.buffers_offset :], host[runtime.buffers_offset :], "buffers")
     return outputs
@@ -242,7 +242,7 @@ def _backward_step(
             if saved_buffers is not None:
                 weights[runtime.buffers_offset :].copy_(saved_buffers)
         if pack > 0 and ctx.successor is not None:
-            ctx.cache.keep(ctx.successor, index, grad)
+            ctx.cache.keep(ctx.successor, index, grad, keep_free=runtime.workspace if index + 1 < len(inputs) else 0)
     if last:
         nbytes = 8 * LOSS_BLOCK * spec.members
         block = ctx.store.attach(losses_name(model, step // LOSS_BLOCK, group), nbytes).view(torch.float64)
@@ -266,6 +266,7 @@ def update(
 ) -> None:
     if ctx.spec.models[model].home is not None:
         return
-    ctx.reduce_grads(model, pack)
-    ctx.optimizer(model, pack, step).step(step)
+    if ctx.spec.models[model].packs[pack].grads.slots:  # a pack of activations or frozen layers has nothing to step
+        ctx.reduce_grads(model, pack)
+        ctx.optimizer(model, pack, step).step(step)
     ctx.versions(model)[pack] = step + 1

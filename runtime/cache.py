@@ -251,15 +251,18 @@ class DeviceCache:
         self.engine.submit(self._copy_weights, entry, host, True)
         return True
 
-    def keep(self, consumer: Any, microbatch: int, value: Any) -> bool:
-        """Keep a boundary value on the device for consumer, if it fits without evicting anything.
+    def keep(self, consumer: Any, microbatch: int, value: Any, keep_free: int = 0) -> bool:
+        """Keep a boundary value on the device for consumer, if it fits beside keep_free bytes without evicting.
 
-        It stays evictable (its host copy exists), least recently used first like weights, and any task
-        other than consumer drops it when it starts (drop_boundaries). Returns whether it was kept.
+        keep_free is what the running task will still reserve (the next micro-batch's workspace): a value
+        kept in that room would push out what the cache holds when the reservation comes, weights
+        prefetched for the next task first, and they would be copied in again. It stays evictable (its
+        host copy exists), least recently used first like weights, and any task other than consumer drops
+        it when it starts (drop_boundaries). Returns whether it was kept.
         """
         nbytes = tree_nbytes(value)
         with self._lock:
-            if self.used + nbytes > self.budget:
+            if self.used + nbytes + keep_free > self.budget:
                 return False
             self.used += nbytes
             self.counters.raise_to("peak", self.used)

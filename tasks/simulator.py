@@ -87,9 +87,9 @@ class _DeviceMemory:
         self.used += nbytes
         self.peak = max(self.peak, self.used)
 
-    def keep(self, consumer: TaskId, microbatch: int, nbytes: int) -> None:
-        """A boundary value kept for consumer if it fits without evicting anything."""
-        if self.used + nbytes <= self.budget:
+    def keep(self, consumer: TaskId, microbatch: int, nbytes: int, keep_free: int) -> None:
+        """A boundary value kept for consumer if it fits beside keep_free bytes without evicting anything."""
+        if self.used + nbytes + keep_free <= self.budget:
             self.used += nbytes
             self.peak = max(self.peak, self.used)
             self.residents[("boundary", consumer, microbatch)] = _Entry(nbytes, -1)
@@ -171,7 +171,8 @@ def replay_memory(
                     report.kept += memory.claim(task, index)
                     memory.charge(pack.cost.workspace, task, key)
                     memory.used -= pack.cost.workspace
-                    _keep_boundary(memory, task, plans[task.model], index, samples)
+                    later = pack.cost.workspace if index + 1 < len(sizes) else 0
+                    _keep_boundary(memory, task, plans[task.model], index, samples, later)
             if task.kind == "bwd" and not resident:
                 memory.used -= pack.grad_bytes
             if task.kind == "bwd" and resident:
@@ -190,13 +191,16 @@ def _group_microbatches(sizes: list[int], groups: int, group: int) -> list[int]:
     return sizes[start : start + counts[group]]
 
 
-def _keep_boundary(memory: _DeviceMemory, task: TaskId, plan: PackPlan, microbatch: int, samples: int) -> None:
+def _keep_boundary(
+    memory: _DeviceMemory, task: TaskId, plan: PackPlan, microbatch: int, samples: int, keep_free: int
+) -> None:
     """What a task leaves on the device for its successor: fwd its output (the next pack's input), bwd its
-    input's gradient (the previous pack's upstream gradient, shaped like this pack's input)."""
+    input's gradient (the previous pack's upstream gradient, shaped like this pack's input), beside the
+    workspace the task still reserves (keep_free)."""
     consumer = successor(task, len(plan.packs))
     if consumer is not None:
         reads = task.pack + 1 if task.kind == "fwd" else task.pack
-        memory.keep(consumer, microbatch, round(plan.packs[reads].input_bytes_per_sample * samples))
+        memory.keep(consumer, microbatch, round(plan.packs[reads].input_bytes_per_sample * samples), keep_free)
 
 
 def order_from_keys(schedule: dict[str, list[str]]) -> dict[str, list[TaskId]]:

@@ -79,11 +79,16 @@ def test_swap_volume_is_measured_for_a_model_that_fits(resident: bool, no_leaks:
     assert stats.bytes_in["activations"] == stats.bytes_out["activations"] == 0
 
 
-def test_swap_volume_for_a_model_four_times_the_budget(no_leaks: None) -> None:
+@pytest.mark.parametrize("batch", [16, 32, 64], ids=["small-activations", "activations-quarter-a-layer",
+                                                    "single-layer-packs"])
+def test_swap_volume_for_a_model_four_times_the_budget(batch: int, no_leaks: None) -> None:
+    """With prefetch on (the default), as activations grow: a prefetched pack must not be pushed out by
+    boundary values kept for later micro-batches (batch 32 copied packs in up to three times a step), and
+    packs of a lone activation layer (batch 64) have nothing for their optimizer to step."""
     model = deep_mlp(width=32, depth=24)
     weights = param_bytes(model)
     budget = weights // 4
-    steps, batch, microbatches = 4, 16, 4
+    steps, microbatches = 4, 4
     batches = regression_batches(samples=batch * steps, batch=batch)
     reference = copy.deepcopy(model)
     result = harmony.train(

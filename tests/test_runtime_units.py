@@ -271,6 +271,15 @@ def test_a_kept_boundary_goes_to_its_consumer_only_and_never_takes_room_from_wei
         assert not cache.keep("next", 0, value), "kept a boundary by going over budget"
     assert not cache.keep("next", 0, value), "kept a boundary by evicting resident weights"
     cache.drop("p0")
+    prefetched = store.create("u", 500)
+    copied = cache.counters.values["in_weights"]
+    assert cache.prefetch("p2", 0, prefetched, keep_free=300)
+    assert not cache.keep("next", 0, value, keep_free=400), "kept a boundary in the room the task still reserves"
+    with cache.scratch(400, "the next micro-batch's workspace"):
+        assert "p2" in cache.residents, "the prefetched weights were pushed out"
+    with cache.weights("p2", 0, prefetched):
+        assert cache.counters.values["in_weights"] == copied + 500, "the prefetched weights were copied in twice"
+    cache.drop("p2")
     assert cache.keep("next", 0, value)
     with cache.weights("p1", 0, store.create("v", 900)):
         assert cache.claim("next", 0) is None, "a kept boundary was not evicted for weights"
