@@ -6,11 +6,11 @@ gradient in bwd) also stays on the device, where it fits, for the task that read
 starts there next it takes it instead of copying the host copy in; any other task drops it. bwd recomputes the
 pack from its boundary inputs and backpropagates each micro-batch, accumulating weight gradients on
 the device, and sends them to the host store once; the last pack's bwd runs forward, loss and
-backward together. upd steps the pack's optimizer on the host store. A resident model's weights, gradients
-and optimizer state stay on its home device for the whole run, and its bwd applies its updates there
-(its upd only marks the step done). A fused array is one model here whose loss is a vector (one per member).
-Packs are cut only where one tensor flows, so the boundary values between packs (and their gradients) are
-single tensors.
+backward together, and with one micro-batch group a bwd then steps the pack's optimizer on the host store;
+with several (vDP) an upd task reduces the groups' gradients and steps it. A resident model's weights,
+gradients and optimizer state stay on its home device for the whole run, and its bwd applies its updates
+there. A fused array is one model here whose loss is a vector (one per member). Packs are cut only where
+one tensor flows, so the boundary values between packs (and their gradients) are single tensors.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from harmony.runtime.hoststore import tensors_at
 from harmony.runtime.shipping import unship
 from harmony.runtime.spec import LOSS_BLOCK, losses_name
 from harmony.runtime.worker import RunContext, context
-from harmony.tasks.graph import TaskId
+from harmony.tasks.graph import TaskId, updates_in_backward
 
 Result = TypeVar("Result")
 
@@ -140,8 +140,8 @@ def backward(
 ) -> list[Any] | None:
     """Backward of one pack for one step, or, with span=(first, count), of a resident model's last (only) pack
     for count consecutive steps from first, inputs, targets and loss weights given per step. A resident
-    model's updates all run here, on its device, after each step's backward (its upd task only marks the
-    steps done)."""
+    model's updates all run here, on its device, after each step's backward; a swapped model's with one group
+    run here too, on the host store, once its gradients are out."""
     spec = ctx.spec.models[model]
     runtime = spec.packs[pack]
     resident = spec.home is not None
@@ -181,6 +181,8 @@ def backward(
         if pack == len(spec.packs) - 1 and runtime.has_buffers and not resident:
             ctx.cache.write_back(weights[runtime.buffers_offset :], host[runtime.buffers_offset :], "buffers")
     assert len(per_step) == count, f"span {span} but {len(per_step)} steps of data"
+    if not resident and updates_in_backward(spec.groups):
+        _apply_update(ctx, model, pack, step)
     return input_grads if pack > 0 else None
 
 
@@ -264,9 +266,19 @@ def _leaves(tensors: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) ->
 def update(
     ctx: RunContext, model: int, pack: int, step: int, group: int = 0, span: tuple[int, int] | None = None
 ) -> None:
-    if ctx.spec.models[model].home is not None:
+    """vDP's update: reduce the groups' gradients into group 0's, then step the pack's optimizer."""
+    ctx.reduce_grads(model, pack)
+    _apply_update(ctx, model, pack, step)
+
+
+def _apply_update(ctx: RunContext, model: int, pack: int, step: int) -> None:
+    """Step the pack's optimizer on the host store, once: the host weights become version step + 1.
+
+    A task run again (its worker died after the update) finds the version already advanced and leaves it.
+    """
+    versions = ctx.versions(model)
+    if int(versions[pack]) != step:
         return
     if ctx.spec.models[model].packs[pack].grads.slots:  # a pack of activations or frozen layers has nothing to step
-        ctx.reduce_grads(model, pack)
         ctx.optimizer(model, pack, step).step(step)
-    ctx.versions(model)[pack] = step + 1
+    versions[pack] = step + 1

@@ -2,10 +2,10 @@
 
 It carries out what the pure BindingState decides: fetch the batches it asks for, submit each bound
 task to Dask restricted to its device's worker (``fwd-m3-p2-s17-<run>`` keys, pure=False), and on
-every completion report back and drop the futures of values nobody will read again. Updates go before
-other ready tasks on a worker (Dask priority), since the next step waits for them. A task may be
-submitted while its dependencies still run; those it does not read (a pack's update before the next
-step's forward) are passed as ``after=`` futures so that Dask orders them too. Activations flow
+every completion report back and drop the futures of values nobody will read again. vDP's upd tasks go
+before other ready tasks on a worker (Dask priority), since the next step waits for them. A task may be
+submitted while its dependencies still run; those it does not read (the task that updated a pack, before
+the next step's forward of it) are passed as ``after=`` futures so that Dask orders them too. Activations flow
 worker to worker as Dask results; nothing large passes through the driver. Mini-batches travel with their
 tasks, each step's (or span's) packed once into one raw buffer (see shipping).
 """
@@ -203,10 +203,8 @@ class Driver:
                     self.weights.pop((value.model, value.step, value.group), None)
             now = time.perf_counter() - self.started
             if self.state.steps_done[task.model] > done_before:
-                _, count = self.spans.get((task.model, task.step), (task.step, 1))
+                _, count = self.spans.pop((task.model, task.step), (task.step, 1))
                 self.step_seconds[task.model].extend([now] * count)
-            if task.kind == "upd":
-                self.spans.pop((task.model, task.step), None)
             self.tasks_run += 1
             total = self.state.total_steps[task.model]
             if total is not None and self.state.steps_done[task.model] >= total:

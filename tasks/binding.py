@@ -19,6 +19,7 @@ from harmony.tasks.graph import (
     inputs,
     step_tasks,
     successor,
+    updater,
 )
 
 KIND_RANK = {"upd": 0, "bwd": 1, "fwd": 2}
@@ -137,15 +138,14 @@ class BindingState:
 
     def dependencies(self, task: TaskId) -> list[TaskId]:
         work = self.models[task.model]
-        resident = task.model in self.homes and work.packs == 1 and work.groups == 1
-        return dependencies(task, work.packs, work.groups, updates_in_backward=resident)
+        return dependencies(task, work.packs, work.groups)
 
     def placement(self, task: TaskId) -> str | None:
         """The device a task must run on in this mode, or None where any device may take it.
 
         vpp spreads packs round-robin over devices (pack p of model m on device (m + p) mod D), so that
         activations flow device to device; vdp gives micro-batch group g to device g mod D, each device
-        running every pack for its group. Updates run on the host store and may go anywhere. A resident
+        running every pack for its group. vdp's upd tasks run on the host store and may go anywhere. A resident
         model runs everything, its updates included, on its home device.
         """
         if task.model in self.homes:
@@ -226,13 +226,14 @@ class BindingState:
         self.done.add(task)
         work = self.models[task.model]
         pack = (task.model, task.pack)
-        if task.kind == "upd":
-            for state in self.devices.values():
+        applied = task == updater(task.model, task.pack, task.step, work.groups)
+        if applied and task.model not in self.homes:
+            for state in self.devices.values():  # the update made every device's copy of the pack stale
                 state.resident.pop(pack, None)
-        else:
+        elif task.kind != "upd":
             self.devices[device].touch(pack, work.pack_weight_bytes[task.pack])
-        if task.kind == "upd" and all(
-            TaskId("upd", task.model, p, task.step) in self.done for p in range(work.packs)
+        if applied and all(
+            updater(task.model, p, task.step, work.groups) in self.done for p in range(work.packs)
         ):
             self.steps_done[task.model] = task.step + 1
         released = []

@@ -1,8 +1,10 @@
 """The task graph of training: fwd, bwd and upd tasks per (model, pack, step, group), their dependencies and data edges.
 
 A step's micro-batches form one group, or in vDP mode one group per device: each group runs every
-pack forward and backward on its own micro-batches, and the pack's update waits for every group's
-gradients, which it reduces before stepping the optimizer.
+pack forward and backward on its own micro-batches. With one group, a pack's bwd applies the pack's
+update itself as soon as its gradients are out, so the step has no upd tasks (one task fewer per pack on
+the chain through the scheduler); with several, the pack's upd waits for every group's gradients, which it
+reduces before stepping the optimizer.
 """
 
 from __future__ import annotations
@@ -69,10 +71,17 @@ def parse_key(key: str) -> tuple[TaskId, str] | None:
     return TaskId(parts[0], model, pack, step, group), parts[-1]  # type: ignore[arg-type]
 
 
+def updates_in_backward(groups: int) -> bool:
+    """Whether a model's bwd tasks apply its updates (one micro-batch group: nothing to reduce first)."""
+    return groups == 1
+
+
 def step_tasks(model: int, packs: int, step: int, groups: int = 1) -> list[TaskId]:
     """Every task of one model's step, in a valid execution order."""
     forward = [TaskId("fwd", model, p, step, g) for g in range(groups) for p in range(packs - 1)]
     backward = [TaskId("bwd", model, p, step, g) for g in range(groups) for p in reversed(range(packs))]
+    if updates_in_backward(groups):
+        return forward + backward
     update = [TaskId("upd", model, p, step) for p in reversed(range(packs))]
     return forward + backward + update
 
@@ -88,13 +97,13 @@ def successor(task: TaskId, packs: int) -> TaskId | None:
     return None
 
 
-def dependencies(task: TaskId, packs: int, groups: int = 1, updates_in_backward: bool = False) -> list[TaskId]:
-    """Tasks that must finish before task may run.
+def updater(model: int, pack: int, step: int, groups: int = 1) -> TaskId:
+    """The task that applies a pack's update for step: its bwd with one group, else its upd."""
+    return TaskId("bwd", model, pack, step) if updates_in_backward(groups) else TaskId("upd", model, pack, step)
 
-    updates_in_backward: the model is resident and single-pack, its bwd applies the step's update itself (its
-    upd only records that the step is done), so the next step's bwd waits for that bwd, not for the upd: one
-    round trip through the scheduler per step instead of two.
-    """
+
+def dependencies(task: TaskId, packs: int, groups: int = 1) -> list[TaskId]:
+    """Tasks that must finish before task may run: the pack's previous update, and its inputs' producers."""
     m, p, s, g = task.model, task.pack, task.step, task.group
     if task.kind == "upd":
         return [TaskId("bwd", m, p, s, group) for group in range(groups)]
@@ -104,7 +113,7 @@ def dependencies(task: TaskId, packs: int, groups: int = 1, updates_in_backward:
     if task.kind == "bwd" and p < packs - 1:
         deps.append(TaskId("bwd", m, p + 1, s, g))
     if s > 0:
-        deps.append(TaskId("bwd", m, p, s - 1, g) if updates_in_backward else TaskId("upd", m, p, s - 1))
+        deps.append(updater(m, p, s - 1, groups))
     return deps
 
 

@@ -17,7 +17,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from harmony.tasks.binding import BindingState, ModelWork
-from harmony.tasks.graph import TaskId, parse_key, successor
+from harmony.tasks.graph import TaskId, parse_key, successor, updates_in_backward
 from harmony.tasks.microbatch import group_sizes
 from harmony.tasks.packing import PackPlan
 
@@ -221,7 +221,12 @@ def task_seconds(task: TaskId, plan: PackPlan, samples: int, hardware: Hardware)
         return forward
     if task.kind == "bwd":
         return 3 * forward
-    return 4 * pack.weight_bytes / hardware.optimizer_bytes_per_second
+    return update_seconds(plan, task.pack, hardware)
+
+
+def update_seconds(plan: PackPlan, pack: int, hardware: Hardware) -> float:
+    """Predicted time of a pack's optimizer step on the host store: a few passes over its weights."""
+    return 4 * plan.packs[pack].weight_bytes / hardware.optimizer_bytes_per_second
 
 
 def boundary_bytes(task: TaskId, plan: PackPlan, samples: int) -> int:
@@ -314,11 +319,11 @@ def simulate(
                 deps = [times[d][1] for d in state.dependencies(task) if d in times]
                 start = max([free_at[device], *deps])
                 compute = task_seconds(task, plan, n, hardware)
-                if task.kind == "upd" and task.model in (homes or {}):
-                    compute = 0.0
+                homed = task.model in (homes or {})
+                if task.kind == "bwd" and not homed and updates_in_backward(groups[task.model]):
+                    compute += update_seconds(plan, task.pack, hardware)
                 copy = 0.0
                 link = hardware.host_link
-                homed = task.model in (homes or {})
                 if task.kind != "upd" and link:
                     version = (task.model, task.pack, 0 if homed else task.step)
                     if version not in resident[device]:

@@ -30,25 +30,31 @@ def test_runs_every_task_once_in_dependency_order() -> None:
     order: list[tuple[TaskId, str]] = []
     drive(state, {0: 2}, order)
     tasks = [task for task, _ in order]
-    assert len(tasks) == len(set(tasks)) == 2 * (2 + 3 + 3)
+    assert len(tasks) == len(set(tasks)) == 2 * (2 + 3), "one group: each bwd applies its pack's update"
     position = {task: i for i, task in enumerate(tasks)}
     assert position[TaskId("bwd", 0, 2, 0)] > position[TaskId("fwd", 0, 1, 0)]
-    assert position[TaskId("fwd", 0, 0, 1)] > position[TaskId("upd", 0, 0, 0)]
+    assert position[TaskId("fwd", 0, 0, 1)] > position[TaskId("bwd", 0, 0, 0)]
     assert state.steps_done == [2]
 
 
-def test_a_resident_models_next_backward_waits_for_its_backward_not_its_update() -> None:
-    """A resident single-pack model updates inside its bwd; the next step's bwd depends on that bwd only, so
-    each step costs one round trip through the scheduler; a swapped model's still waits for the update."""
-    state = BindingState([ModelWork((100,)), ModelWork((100,))], {"cpu-0": 10_000}, homes={0: "cpu-0"})
+def test_with_one_group_the_next_step_waits_for_the_backward_that_updated_the_pack() -> None:
+    """A model with one micro-batch group, resident or swapped, updates inside its bwd: the next step's tasks
+    of a pack depend on that bwd, and a step has no upd tasks; with vDP groups an upd reduces them first."""
+    works = [ModelWork((100,)), ModelWork((100, 100)), ModelWork((100, 100), groups=2)]
+    state = BindingState(works, {"cpu-0": 10_000, "cpu-1": 10_000}, homes={0: "cpu-0"})
     assert state.dependencies(TaskId("bwd", 0, 0, 3)) == [TaskId("bwd", 0, 0, 2)]
-    assert state.dependencies(TaskId("bwd", 1, 0, 3)) == [TaskId("upd", 1, 0, 2)]
-    assert state.dependencies(TaskId("upd", 0, 0, 3)) == [TaskId("bwd", 0, 0, 3)]
+    assert state.dependencies(TaskId("fwd", 1, 0, 3)) == [TaskId("bwd", 1, 0, 2)]
+    assert state.dependencies(TaskId("bwd", 1, 1, 3)) == [TaskId("fwd", 1, 0, 3), TaskId("bwd", 1, 1, 2)]
+    assert state.dependencies(TaskId("fwd", 2, 0, 3, 1)) == [TaskId("upd", 2, 0, 2)]
+    assert state.dependencies(TaskId("upd", 2, 1, 3)) == [TaskId("bwd", 2, 1, 3, 0), TaskId("bwd", 2, 1, 3, 1)]
     order: list[tuple[TaskId, str]] = []
-    drive(state, {0: 3, 1: 3}, order)
-    assert state.steps_done == [3, 3]
+    drive(state, {0: 3, 1: 3, 2: 3}, order)
+    assert state.steps_done == [3, 3, 3]
+    kinds = {model: sorted({task.kind for task, _ in order if task.model == model}) for model in range(3)}
+    assert kinds == {0: ["bwd"], 1: ["bwd", "fwd"], 2: ["bwd", "fwd", "upd"]}
     position = {task: i for i, (task, _) in enumerate(order)}
     assert all(position[TaskId("bwd", 0, 0, s + 1)] > position[TaskId("bwd", 0, 0, s)] for s in range(2))
+    assert all(position[TaskId("fwd", 1, 0, s + 1)] > position[TaskId("bwd", 1, 0, s)] for s in range(2))
 
 
 def test_models_are_interleaved_not_run_one_after_another() -> None:

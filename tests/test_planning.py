@@ -99,12 +99,15 @@ def test_pack_tensor_names_match_a_sequential_of_its_layers() -> None:
 def test_step_tasks_and_dependencies() -> None:
     tasks = step_tasks(model=3, packs=3, step=5)
     assert [t.key("r") for t in tasks][:3] == ["fwd-m3-p0-s5-r", "fwd-m3-p1-s5-r", "bwd-m3-p2-s5-r"]
+    assert [t.kind for t in tasks] == ["fwd", "fwd", "bwd", "bwd", "bwd"], "one group: bwd applies the update"
     assert dependencies(TaskId("bwd", 3, 1, 5), 3) == [
         TaskId("fwd", 3, 0, 5),
         TaskId("bwd", 3, 2, 5),
-        TaskId("upd", 3, 1, 4),
+        TaskId("bwd", 3, 1, 4),
     ]
-    assert dependencies(TaskId("upd", 3, 0, 5), 3) == [TaskId("bwd", 3, 0, 5)]
+    assert dependencies(TaskId("bwd", 3, 1, 5, 1), 3, groups=2)[-1] == TaskId("upd", 3, 1, 4)
+    assert dependencies(TaskId("upd", 3, 0, 5), 3, groups=2) == [TaskId("bwd", 3, 0, 5, 0), TaskId("bwd", 3, 0, 5, 1)]
+    assert [t.kind for t in step_tasks(3, 3, 5, groups=2)].count("upd") == 3
     assert inputs(TaskId("bwd", 3, 2, 5), 3) == (TaskId("fwd", 3, 1, 5), BatchTargets(3, 5))
     assert inputs(TaskId("fwd", 3, 0, 5), 3) == (BatchInput(3, 5),)
 
