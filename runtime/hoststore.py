@@ -43,12 +43,20 @@ class HostStore:
         self.pin = pin
         self._mapped: dict[str, torch.Tensor] = {}
         self._pinned: set[str] = set()
+        self._closed = False
 
     def path(self, name: str) -> Path:
         return self.directory / f"{PREFIX}{self.run}-{name}"
 
+    def _check_open(self, name: str) -> None:
+        """Refuse to touch files once closed: a task still running when its run ended (on a user's cluster,
+        whose workers outlive the run) must not leave a file behind after the run removed its own."""
+        if self._closed:
+            raise RuntimeError(f"host store of run {self.run} is closed: {name} is not touched")
+
     def create(self, name: str, nbytes: int) -> torch.Tensor:
         """A new zero-filled shared buffer of nbytes bytes (uint8)."""
+        self._check_open(name)
         path = self.path(name)
         with open(path, "wb") as handle:
             handle.truncate(max(nbytes, 1))
@@ -63,6 +71,7 @@ class HostStore:
         A missing file is an error rather than a new file (which torch.from_file would make): a task that
         outlives its run must not leave a file behind after the run removed its own.
         """
+        self._check_open(name)
         mapped = self._mapped.get(name)
         if mapped is None:
             if not self.path(name).exists():
@@ -95,6 +104,7 @@ class HostStore:
 
     def write_bytes(self, name: str, data: bytes) -> None:
         """Replace a small file atomically (metadata that is rewritten rather than mapped)."""
+        self._check_open(name)
         path = self.path(name)
         scratch = path.with_name(path.name + ".tmp")
         scratch.write_bytes(data)
@@ -112,7 +122,8 @@ class HostStore:
         self._mapped.pop(name, None)
 
     def close(self) -> None:
-        """Drop this process's mappings (the files stay until unlink_all)."""
+        """Drop this process's mappings (the files stay until unlink_all); the store creates nothing after."""
+        self._closed = True
         for name in list(self._pinned):
             self._unregister(name)
         self._mapped.clear()

@@ -57,6 +57,17 @@ def test_host_store_buffers_are_shared_between_mappings(store: HostStore) -> Non
     assert not store.path("x").exists()
 
 
+def test_a_closed_host_store_creates_no_file(store: HostStore) -> None:
+    """What a worker's store does once its run is torn down: a late task fails instead of leaving a file."""
+    late = HostStore("unittest")
+    late.create("kept", 8)
+    late.close()
+    for touch in (lambda: late.create("new", 8), lambda: late.attach("kept", 8), lambda: late.write_bytes("m", b"")):
+        with pytest.raises(RuntimeError, match="closed"):
+            touch()
+    assert sorted(path.name for path in late.directory.glob("harmony-unittest-*")) == ["harmony-unittest-kept"]
+
+
 def test_cache_counts_every_byte_and_keeps_resident_weights(store: HostStore) -> None:
     cache = make_cache(store, budget=1000)
     host = store.create("w", 400)
