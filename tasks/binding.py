@@ -91,6 +91,10 @@ class BindingState:
         self.bound: dict[TaskId, str] = {}
         self.readers: dict[Value, int] = {}
         self.steps_done: list[int] = [0] * len(models)
+        self._deps: dict[TaskId, list[TaskId]] = {}
+        self._unmet: dict[TaskId, set[TaskId]] = {}
+        self._dependents: dict[TaskId, list[TaskId]] = {}
+        self._ready: set[TaskId] = set()
 
     def wanted_batches(self) -> list[tuple[int, int]]:
         """(model, step) pairs whose mini-batch the driver should fetch now.
@@ -120,6 +124,14 @@ class BindingState:
         for task in step_tasks(model, packs, step, groups):
             self.pending.add(task)
             self.readers[task] = len(consumers(task, packs))
+            deps = self._deps[task] = dependencies(task, packs, groups)
+            unmet = {dep for dep in deps if dep not in self.done and dep not in self.bound}
+            for dep in unmet:
+                self._dependents.setdefault(dep, []).append(task)
+            if unmet:
+                self._unmet[task] = unmet
+            else:
+                self._ready.add(task)
         self.opened[model] = step + 1
 
     def end_of_data(self, model: int) -> None:
@@ -137,6 +149,10 @@ class BindingState:
         return len(state.bound) < state.slots
 
     def dependencies(self, task: TaskId) -> list[TaskId]:
+        """Tasks that must finish before task may run (kept from when its step opened until it completes)."""
+        cached = self._deps.get(task)
+        if cached is not None:
+            return cached
         work = self.models[task.model]
         return dependencies(task, work.packs, work.groups)
 
@@ -160,14 +176,20 @@ class BindingState:
         """Candidates (for device, if given) whose dependencies have all finished or are bound already.
 
         A task whose inputs are still being computed can be handed to Dask, which starts it the moment
-        they exist; queueing it on the device hides the round trip through the driver.
+        they exist; queueing it on the device hides the round trip through the driver. Readiness is kept
+        up to date as tasks are bound (see _satisfy), so that asking costs nothing per waiting task: the
+        driver asks after every completion, in the process that also runs an embedded scheduler.
         """
-        return [
-            task
-            for task in self.pending
-            if (device is None or self.placement(task) in (None, device))
-            and all(dep in self.done or dep in self.bound for dep in self.dependencies(task))
-        ]
+        return [task for task in self._ready if device is None or self.placement(task) in (None, device)]
+
+    def _satisfy(self, task: TaskId) -> None:
+        """task was bound: the tasks that waited for it alone become ready."""
+        for dependent in self._dependents.pop(task, ()):
+            unmet = self._unmet[dependent]
+            unmet.discard(task)
+            if not unmet:
+                del self._unmet[dependent]
+                self._ready.add(dependent)
 
     def remaining_seconds(self, model: int) -> float:
         """Predicted time the model still needs: its remaining steps times its step time (one second per
@@ -200,6 +222,8 @@ class BindingState:
             *self.model_rank(task.model),
             task.model,
             task.pack,
+            task.step,
+            task.group,
         )
 
     def bind(self, device: str) -> TaskId | None:
@@ -211,7 +235,9 @@ class BindingState:
             return None
         task = min(candidates, key=lambda t: self.score(t, device))
         self.pending.discard(task)
+        self._ready.discard(task)
         self.bound[task] = device
+        self._satisfy(task)
         self.devices[device].bound.add(task)
         work = self.models[task.model]
         follower = successor(task, work.packs)
@@ -224,6 +250,7 @@ class BindingState:
         device = self.bound.pop(task)
         self.devices[device].bound.discard(task)
         self.done.add(task)
+        del self._deps[task]
         work = self.models[task.model]
         pack = (task.model, task.pack)
         applied = task == updater(task.model, task.pack, task.step, work.groups)
