@@ -15,6 +15,7 @@ from harmony.fusing import fuse_jobs
 from harmony.prepare import arrange, prepare
 from harmony.progress import ProgressLine, wants_progress
 from harmony.result import Stats, TrainResult
+from harmony.runtime.batching import unbatched
 from harmony.runtime.calibrate import measured_hardware
 from harmony.runtime.cluster import ClusterHandle, connect, external_devices, start_embedded
 from harmony.runtime.counters import IN_KINDS, OUT_KINDS
@@ -146,7 +147,10 @@ def train(
         budgets = {spec.name: spec.budget for spec in specs}
         jobs, _ = prepare(args, min(budgets.values()))
         started = time.perf_counter()
-        with device_cluster(user, specs) as handle:
+        with (
+            device_cluster(user, specs) as handle,
+            unbatched(handle.client, list(handle.workers.values()), restore=not handle.embedded),
+        ):
             hardware = measured_hardware(handle.client, handle.workers)
             jobs, choices = fuse_jobs(jobs, args, budgets, hardware, bool(prefetch), policy, fuse)
             chosen, _ = arrange(jobs, args, budgets, [job.expected_steps or 1 for job in jobs], hardware, mode,
