@@ -21,30 +21,27 @@ from distributed import Client
 UNBATCHED = 0.0
 
 
-def _swap_worker_interval(dask_worker: Any, seconds: float) -> float | None:
-    """On a worker: set its stream to the scheduler to send every seconds; returns the interval it had."""
-    stream = getattr(dask_worker, "batched_stream", None)
+def _swap(stream: Any, seconds: float) -> float | None:
+    """Set a batched stream's send interval; returns the one it had (None where there is no such stream)."""
     if stream is None or not hasattr(stream, "interval"):
         return None
     previous, stream.interval = stream.interval, seconds
     return previous
+
+
+def _swap_worker_interval(dask_worker: Any, seconds: float) -> float | None:
+    """On a worker: its stream to the scheduler."""
+    return _swap(getattr(dask_worker, "batched_stream", None), seconds)
 
 
 def _swap_scheduler_intervals(dask_scheduler: Any, intervals: dict[str, float]) -> dict[str, float]:
-    """On the scheduler: set the streams to the named workers and clients; returns the intervals they had."""
+    """On the scheduler: its streams to the named workers and clients; returns the intervals they had."""
     previous = {}
     for address, seconds in intervals.items():
         stream = dask_scheduler.stream_comms.get(address) or dask_scheduler.client_comms.get(address)
-        if stream is not None and hasattr(stream, "interval"):
-            previous[address], stream.interval = stream.interval, seconds
-    return previous
-
-
-def _swap_client_interval(client: Client, seconds: float) -> float | None:
-    stream = getattr(client, "scheduler_comm", None)
-    if stream is None or not hasattr(stream, "interval"):
-        return None
-    previous, stream.interval = stream.interval, seconds
+        had = _swap(stream, seconds)
+        if had is not None:
+            previous[address] = had
     return previous
 
 
@@ -56,7 +53,7 @@ def unbatched(client: Client, workers: list[str], restore: bool) -> Iterator[Non
     on_scheduler = client.run_on_scheduler(
         _swap_scheduler_intervals, intervals=dict.fromkeys([*workers, client.id], UNBATCHED)
     )
-    on_client = _swap_client_interval(client, UNBATCHED)
+    on_client = _swap(getattr(client, "scheduler_comm", None), UNBATCHED)
     try:
         yield
     finally:
@@ -67,4 +64,4 @@ def unbatched(client: Client, workers: list[str], restore: bool) -> Iterator[Non
                         client.run(_swap_worker_interval, seconds=seconds, workers=[address])
                 client.run_on_scheduler(_swap_scheduler_intervals, intervals=on_scheduler)
                 if on_client is not None:
-                    _swap_client_interval(client, on_client)
+                    _swap(client.scheduler_comm, on_client)
