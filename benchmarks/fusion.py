@@ -222,7 +222,7 @@ def main() -> None:
             })
     report("fusion", f"Fusion: {MODELS} models, batch {BATCH}, SGD with {MODELS} learning rates, 1 CPU device", rows,
            args.out, notes="x plain loop: against the faster of the two plain loops; steady state for Harmony "
-           "(after the first fifth of the steps); end-to-end includes cluster start-up and planning, per step. "
+           "(from a fifth of all models' steps to the last); end-to-end includes start-up and planning. "
            "Goals: harmony fuse=auto >= 3x plain loop and >= 90% of hand-fused.")
 
 
