@@ -129,14 +129,21 @@ def main() -> None:
                 "weights in/step": result.stats.bytes_in["weights"] // steps,
                 "prefetched %": 100 * result.stats.bytes_prefetched / max(result.stats.bytes_in["weights"], 1),
                 "peak": max(result.stats.peak_device_bytes.values()), "budget": budget,
+                "packs": len(result.plans[0].packs), "tasks/step": result.stats.tasks / steps,
+                "busy s/step": sum(result.stats.busy_seconds.values()) / steps,
+                "activations in+out/step": (result.stats.bytes_in["activations"]
+                                            + result.stats.bytes_out["activations"]) // steps,
             })
     for row in rows:
         row.setdefault("prefetched %", 0.0)
         row.setdefault("peak", 0)
         row.setdefault("budget", budget)
+        for column in ("packs", "tasks/step", "busy s/step", "activations in+out/step"):
+            row.setdefault(column, 0)
     report("gpu_swap", f"Swapping on {torch.cuda.get_device_name(device)}: one MLP of {weights:,} B, budget "
            f"{budget:,} B; pinned copies {host_to_device / 1e9:.1f} GB/s in, {device_to_host / 1e9:.1f} GB/s out",
-           rows, args.out, notes="compute s: the resident plain loop; copy s: 2W in + 1W out at the measured speed")
+           rows, args.out, notes="compute s: the resident plain loop; copy s: 2W in + 1W out at the measured speed; "
+           "busy: time inside Harmony's task bodies; activations: boundary bytes between host and GPU")
 
 
 if __name__ == "__main__":

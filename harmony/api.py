@@ -127,7 +127,7 @@ def train(
     arrays, sized by the simulator's predicted throughput; True uses the largest sub-arrays whose layers
     fit the budget (the whole group when it fits), an int k the largest that fit up to k, and False trains
     every model on its own. steps_per_task is how many consecutive steps one task of a resident
-    single-pack model or array runs (its batches shipped with the task): "auto" picks enough to keep
+    single-pack model or array runs (all their batches in one file): "auto" picks enough to keep
     Dask's per-task cost (measured on the cluster before the run) near 2% of the measured step time.
     Every model keeps its own loss, optimizer and hyperparameters, and gets the weights it would get alone.
     """

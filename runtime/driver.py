@@ -6,8 +6,9 @@ every completion report back and drop the futures of values nobody will read aga
 before other ready tasks on a worker (Dask priority), since the next step waits for them. A task may be
 submitted while its dependencies still run; those it does not read (the task that updated a pack, before
 the next step's forward of it) are passed as ``after=`` futures so that Dask orders them too. Activations flow
-worker to worker as Dask results; nothing large passes through the driver. Mini-batches travel with their
-tasks, each step's (or span's) packed once into one raw buffer (see shipping).
+worker to worker as Dask results; nothing large passes through the driver. Each step's (or span's)
+mini-batch is written once into a host-store file that its tasks name (see shipping), and the file is
+removed when its last reader has finished.
 """
 
 from __future__ import annotations
@@ -16,14 +17,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import dask.config
 from distributed import Client, Future, as_completed
 
 from harmony.runtime import bodies
 from harmony.runtime.data import SharedFeed, batch_size, split_tree
 from harmony.runtime.errors import ModelFailure
-from harmony.runtime.shipping import ship
-from harmony.tasks.amortize import MAX_SHIPPED_BYTES
+from harmony.runtime.hoststore import HostStore
+from harmony.runtime.shipping import discard, ship
 from harmony.tasks.binding import BindingState
 from harmony.tasks.graph import BatchInput, BatchTargets, TaskId, Value, inputs, successor
 from harmony.tasks.microbatch import group_sizes, loss_weights, split_sizes
@@ -38,6 +38,7 @@ class Driver:
         self,
         client: Client,
         run: str,
+        store: HostStore,
         state: BindingState,
         feeds: list[SharedFeed],
         workers: dict[str, str],
@@ -47,6 +48,7 @@ class Driver:
     ) -> None:
         self.client = client
         self.run = run
+        self.store = store
         self.state = state
         self.feeds = feeds
         self.workers = workers
@@ -80,7 +82,9 @@ class Driver:
         """Pack a step's (or a span's) batches for their tasks once, however many tasks read them."""
         for group in range(groups):
             for kind in (BatchInput, BatchTargets):
-                self.values[kind(model, step, group)] = ship(self.values[kind(model, step, group)])
+                value = kind(model, step, group)
+                name = f"batch-m{model}-s{step}-g{group}-{kind.__name__}"
+                self.values[value] = ship(self.values[value], self.store, name)
 
     def _fetch_step(self, model: int, step: int) -> bool:
         """Split one step's mini-batch into its micro-batch groups; False when the loader has run dry."""
@@ -171,16 +175,7 @@ class Driver:
                     progress = True
 
     def run_to_completion(self) -> None:
-        """Bind, submit and complete tasks until every model has trained all its steps.
-
-        A multi-step task carries its steps' batches (up to amortize.MAX_SHIPPED_BYTES) by design, so
-        Dask's warning about large graphs is raised above that for the run.
-        """
-        threshold = {"distributed.admin.large-graph-warning-threshold": 2 * MAX_SHIPPED_BYTES}
-        with dask.config.set(threshold):
-            self._run()
-
-    def _run(self) -> None:
+        """Bind, submit and complete tasks until every model has trained all its steps."""
         pending = as_completed()
         self._fetch_batches()
         self._bind_all(pending)
@@ -196,7 +191,7 @@ class Driver:
                 raise error.with_traceback(future.traceback())
             done_before = self.state.steps_done[task.model]
             for value in self.state.complete(task):
-                self.values.pop(value, None)
+                discard(self.values.pop(value, None), self.store)
                 if isinstance(value, TaskId):
                     self.device_of.pop(value, None)
                 if isinstance(value, BatchTargets):
@@ -219,5 +214,7 @@ class Driver:
         futures = [value for value in self.values.values() if isinstance(value, Future)]
         if futures:
             self.client.cancel(futures)
+        for value in self.values.values():
+            discard(value, self.store)
         self.values.clear()
         self.in_flight.clear()

@@ -121,6 +121,11 @@ class HostStore:
         self._unregister(name)
         self._mapped.pop(name, None)
 
+    def remove(self, name: str) -> None:
+        """Drop this process's mapping of one file and remove the file (processes that map it keep their pages)."""
+        self.forget(name)
+        self.path(name).unlink(missing_ok=True)
+
     def close(self) -> None:
         """Drop this process's mappings (the files stay until unlink_all); the store creates nothing after."""
         self._closed = True

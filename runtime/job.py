@@ -265,6 +265,7 @@ def run_job(
         driver = Driver(
             handle.client,
             run,
+            store,
             state,
             [feeds[job.feed] for job in models],
             handle.workers,

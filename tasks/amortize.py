@@ -1,9 +1,9 @@
 """How many consecutive training steps one task of a resident model runs, so Dask's cost per task amortizes.
 
-A resident single-pack model (or fused array) needs two tasks per step (its backward, which also runs
-the forward and the loss, and its update). When a step takes about as long as scheduling a task, most
-of the time is scheduling; one task that runs several steps, with the data for all of them shipped
-with it, divides that cost. The depth comes from the step time the pilot pass measured and the task
+A resident single-pack model (or fused array) needs one task per step (its backward, which also runs
+the forward, the loss and the update). When a step takes about as long as scheduling a task, most of
+the time is scheduling; one task that runs several steps, reading the batches of all of them from one
+file, divides that cost. The depth comes from the step time the pilot pass measured and the task
 cost measured on the live cluster the run uses (runtime.calibrate).
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-TASKS_PER_STEP = 2
+TASKS_PER_STEP = 1
 OVERHEAD_SHARE = 0.02
 MAX_DEPTH = 64
 MAX_SHIPPED_BYTES = 64 * 2**20
@@ -26,7 +26,7 @@ def steps_per_task(
 ) -> int:
     """The fewest steps per task that keep scheduling under share of the work, within the limits.
 
-    At most MAX_DEPTH steps, at most MAX_SHIPPED_BYTES of batches shipped with one task, and at most a
+    At most MAX_DEPTH steps, at most MAX_SHIPPED_BYTES of batches read by one task (host memory), and at most a
     quarter of the run's steps (when known), so that progress and finishing times stay fine-grained.
     """
     if step_seconds <= 0 or task_overhead <= 0:

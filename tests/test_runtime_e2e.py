@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -214,3 +215,34 @@ def test_tied_weights_train_as_in_plain_pytorch(resident: bool, no_leaks: None) 
     assert_same_weights(model, reference)
     assert result.history[0] == pytest.approx(losses, rel=1e-5)
     assert bool(result.homes) == resident
+
+
+class CountingBatchFiles:
+    """A loader that, each time the driver takes a batch, counts the host-store files holding shipped batches."""
+
+    def __init__(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.batches = batches
+        self.counts: list[int] = []
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for batch in self.batches:
+            self.counts.append(sum("-batch-" in name for name in harmony_files()))
+            yield batch
+
+
+def test_batches_reach_the_workers_through_files_removed_once_read(no_leaks: None) -> None:
+    """Mini-batches travel as host-store files (a task carries only the name), and the driver removes each
+    step's files when their last task has finished: the number of files stays bounded however long the run."""
+    model = deep_mlp(width=32, depth=24)
+    reference = copy.deepcopy(model)
+    batches = regression_batches(samples=16 * 24, batch=16)
+    loader = CountingBatchFiles(batches)
+    budget = param_bytes(model) // 4
+    factory = lambda p: torch.optim.SGD(p, lr=0.05)  # noqa: E731
+    harmony.train(model, loader, loss_fn=nn.functional.mse_loss, optimizer=factory, microbatches=2,
+                  device_memory=budget, progress=False)
+    train_plain(reference, batches, nn.functional.mse_loss, factory)
+    assert_same_weights(model, reference)
+    assert len(loader.counts) >= len(batches), "the driver read the whole loader"
+    assert max(loader.counts) > 0, "batches were shipped as files"
+    assert max(loader.counts) <= 4, f"batch files piled up (an input and a target file per step): {loader.counts}"

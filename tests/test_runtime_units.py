@@ -17,7 +17,7 @@ from harmony.runtime.cache import BudgetExceeded, DeviceCache
 from harmony.runtime.counters import BLOCK_BYTES, Counters
 from harmony.runtime.hoststore import HostStore, tensors_at
 from harmony.runtime.optimizer import PackOptimizer
-from harmony.runtime.shipping import ShippedTensors, ship, unship
+from harmony.runtime.shipping import ShippedTensors, discard, ship, unship
 from harmony.runtime.skeleton import dump_skeleton, load_skeleton
 from harmony.runtime.spec import PackRuntime, grads_name, weights_name
 from harmony.runtime.stream import CopyEngine
@@ -178,23 +178,26 @@ def test_tensors_round_trip_through_dask_serialization(dtype: torch.dtype) -> No
     assert torch.equal(deserialize(*serialize(sliced)), sliced)
 
 
-def test_shipped_task_arguments_pickle_their_tensors_as_one_out_of_band_buffer() -> None:
+def test_shipped_batches_travel_as_a_file_name_and_come_back_exactly(store: HostStore) -> None:
     tree = [
         (torch.randn(3, 5), {"ids": torch.arange(7), "mask": torch.tensor([True, False, True])}),
         (torch.randn(2, 2, dtype=torch.bfloat16), torch.empty(0, 4), "label", 3),
     ]
-    shipped = ship(tree)
-    assert isinstance(shipped, ShippedTensors) and ship([1.0, 0.5]) == [1.0, 0.5] and unship([1.0]) == [1.0]
-    frames: list[pickle.PickleBuffer] = []
-    data = pickle.dumps(shipped, protocol=5, buffer_callback=frames.append)
-    assert len(frames) == 1 and len(data) < 2_000
-    back = unship(pickle.loads(data, buffers=frames))
-    again = unship(pickle.loads(pickle.dumps(pickle.loads(data, buffers=frames))))
-    for got in (back, again):
-        assert got[0][1]["mask"].dtype == torch.bool and got[1][2:] == ("label", 3)
-        for original, copied in zip(tree_flatten(tree)[0], tree_flatten(got)[0]):
-            if isinstance(original, torch.Tensor):
-                assert copied.dtype == original.dtype and torch.equal(copied, original)
+    shipped = ship(tree, store, "batch")
+    assert isinstance(shipped, ShippedTensors) and store.path("batch").exists()
+    assert ship([1.0, 0.5], store, "none") == [1.0, 0.5] and unship([1.0]) == [1.0]
+    assert not store.path("none").exists(), "a value without tensors needs no file"
+    assert len(pickle.dumps(shipped)) < 2_000, "the task carries the file's name, not the bytes"
+    back = unship(pickle.loads(pickle.dumps(shipped)))
+    assert back[0][1]["mask"].dtype == torch.bool and back[1][2:] == ("label", 3)
+    for original, copied in zip(tree_flatten(tree)[0], tree_flatten(back)[0]):
+        if isinstance(original, torch.Tensor):
+            assert copied.dtype == original.dtype and torch.equal(copied, original)
+    back[0][0].mul_(0)
+    assert torch.equal(unship(shipped)[0][0], tree[0][0]), "a task writing its input leaves the file as it was"
+    discard(shipped, store)
+    assert not store.path("batch").exists()
+    assert torch.equal(back[0][1]["ids"], torch.arange(7)), "a reader keeps its pages after the file is removed"
 
 
 def test_cache_never_hands_out_stale_weights_that_are_in_use(store: HostStore) -> None:

@@ -37,7 +37,8 @@ def test_two_devices_pass_activations_directly_and_report_utilization(no_leaks: 
     batches = regression_batches(samples=64, batch=16)
     factory = lambda p: torch.optim.Adam(p, lr=1e-3)  # noqa: E731
     result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss, optimizer=factory, microbatches=2,
-                           devices=["cpu", "cpu"], device_memory=30_000, progress=False)
+                           devices=["cpu", "cpu"], device_memory=30_000, mode="vpp", progress=False)
+    assert result.mode == "vpp"
     for model, reference in zip(models, references):
         train_plain(reference, batches, nn.functional.mse_loss, factory)
         assert_same_weights(model, reference)
