@@ -14,14 +14,16 @@ import contextlib
 import json
 import logging
 import os
+import socket
 import sys
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 from distributed import Client, Scheduler
 from distributed.deploy.spec import ProcessInterface, SpecCluster
 
-from harmony.runtime.devices import DeviceSpec, capacity
+from harmony.runtime.devices import DeviceSpec, capacity, cpu_count, threads_per_device
 
 WORKER_START_TIMEOUT = 120
 
@@ -144,17 +146,21 @@ def worker_addresses(client: Client) -> dict[str, str]:
     return {str(info["name"]): address for address, info in client.scheduler_info()["workers"].items()}
 
 
-def _probe_device() -> tuple[str, int]:
-    """On a worker: the device it drives (its first visible GPU, else the CPU) and that device's bytes."""
+def _probe_device() -> tuple[str, int, int, str]:
+    """On a worker: the device it drives (its first visible GPU, else the CPU), that device's bytes, and the
+    CPU threads and host name of its machine."""
     device = "cuda:0" if torch.cuda.is_available() else "cpu"
-    return device, capacity(device, 1)
+    return device, capacity(device, 1), cpu_count(), socket.gethostname()
 
 
 def external_devices(handle: ClusterHandle, budget: int | None) -> list[DeviceSpec]:
-    """Every worker of a user's cluster is one device: its first visible GPU if it has one, else its CPU."""
+    """Every worker of a user's cluster is one device: its first visible GPU if it has one, else its CPU; the
+    workers on one machine share its CPU threads evenly."""
     found = handle.client.run(_probe_device)
     by_address = {address: name for name, address in handle.workers.items()}
+    per_host = Counter(host for _, _, _, host in found.values())
     devices = []
-    for address, (device, limit) in sorted(found.items(), key=lambda item: by_address[item[0]]):
-        devices.append(DeviceSpec(by_address[address], device, budget if budget is not None else limit, 1))
+    for address, (device, limit, cpus, host) in sorted(found.items(), key=lambda item: by_address[item[0]]):
+        threads = threads_per_device(cpus, per_host[host])
+        devices.append(DeviceSpec(by_address[address], device, budget if budget is not None else limit, threads))
     return devices

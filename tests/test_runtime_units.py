@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_flatten
 from harmony.runtime import serialization  # noqa: F401
 from harmony.runtime.cache import BudgetExceeded, DeviceCache
 from harmony.runtime.counters import BLOCK_BYTES, Counters
+from harmony.runtime.devices import build_specs, cpu_count, threads_per_device
 from harmony.runtime.hoststore import HostStore, tensors_at
 from harmony.runtime.optimizer import PackOptimizer
 from harmony.runtime.shipping import ShippedTensors, discard, ship, unship
@@ -298,3 +299,10 @@ def test_a_kept_boundary_goes_to_its_consumer_only_and_never_takes_room_from_wei
     with cache.weights("p1", 0, store.create("v", 900)):
         assert cache.claim("next", 0) is None, "a kept boundary was not evicted for weights"
     cache.clear()
+
+
+def test_every_device_worker_gets_an_even_share_of_the_cpu_threads() -> None:
+    """GPU workers too: they step optimizers on the host store, which one thread made the bottleneck."""
+    specs = build_specs(["cpu", "cuda:0"], budget=1_000_000)
+    assert [spec.threads for spec in specs] == [threads_per_device(cpu_count(), 2)] * 2
+    assert threads_per_device(16, 1) == 16 and threads_per_device(16, 3) == 5 and threads_per_device(2, 4) == 1
