@@ -149,7 +149,8 @@ def in_device_worker(loop: Callable[[list[nn.Module], list], float], models: lis
     try:
         worker = list(handle.workers.values())
         batches = [(x.clone(), y.clone()) for x, y in data]  # own storage: a pickled view carries its whole base
-        return handle.client.submit(_best_of, loop, models, batches, workers=worker, pure=False).result()
+        [shipped] = handle.client.scatter([batches], workers=worker)  # the data goes once, not inside the task
+        return handle.client.submit(_best_of, loop, models, shipped, workers=worker, pure=False).result()
     finally:
         handle.close()
 
