@@ -23,6 +23,7 @@ from contextlib import nullcontext
 from typing import Any, TypeVar
 
 import torch
+from distributed import Reschedule
 from torch.func import functional_call
 
 from harmony.runtime.cache import BudgetExceeded, tree_nbytes
@@ -85,6 +86,9 @@ def task_body(kind: str) -> Callable[[Callable[..., Result]], Callable[..., Resu
                 return result
             except (BudgetExceeded, ModelFailure):
                 raise
+            except Reschedule:
+                ctx.executed.pop()
+                raise
             except Exception as error:
                 where = f"{kind} of pack {pack} at step {step} on {ctx.device_spec.name}"
                 raise ModelFailure(model, where, f"{type(error).__name__}: {error}", traceback.format_exc()) from None
@@ -146,6 +150,8 @@ def backward(
     runtime = spec.packs[pack]
     resident = spec.home is not None
     first, count = span if span is not None else (step, 1)
+    if resident:
+        check_resident_order(ctx.resident_next_step(model), first, model)
     per_step = list(zip(inputs, gradients_or_targets, loss_weights)) if span is not None else [
         (inputs, gradients_or_targets, loss_weights)
     ]
@@ -184,6 +190,18 @@ def backward(
     if not resident and updates_in_backward(spec.groups):
         _apply_update(ctx, model, pack, step)
     return input_grads if pack > 0 else None
+
+
+def check_resident_order(next_step: int, first: int, model: int) -> None:
+    """A resident model's task must start at the step its device state is at. Its tasks reach the worker
+    with no scheduler edge between them and run in submission order (see the driver), so a task that finds
+    its model behind has come early: it goes back to the scheduler, to run after the tasks before it. One
+    that finds its model ahead would apply steps twice, which nothing may do."""
+    if first > next_step:
+        raise Reschedule()
+    if first < next_step:
+        raise RuntimeError(f"model {model}'s resident state is at step {next_step}, a task for step {first} came "
+                           "after it (a step would be applied twice)")
 
 
 def _backward_step(

@@ -67,16 +67,20 @@ class Driver:
         self.steps_fetched = [0] * len(feeds)
 
     def _fetch_batches(self) -> None:
-        for model, step in self.state.wanted_batches():
-            depth = self.state.models[model].depth
-            if depth == 1:
-                if not self._fetch_step(model, step):
+        """Open every step the binding state wants open now (a model may open two at once: at the start, and
+        when a finished step lets the one after the next open)."""
+        wanted = self.state.wanted_batches()
+        while wanted:
+            for model, step in wanted:
+                depth = self.state.models[model].depth
+                if depth > 1:
+                    self._fetch_span(model, step, depth)
+                elif self._fetch_step(model, step):
+                    self._ship(model, step, self.state.models[model].groups)
+                    self.state.add_batch(model, step)
+                else:
                     self.state.end_of_data(model)
-                    continue
-                self._ship(model, step, self.state.models[model].groups)
-                self.state.add_batch(model, step)
-                continue
-            self._fetch_span(model, step, depth)
+            wanted = self.state.wanted_batches()
 
     def _ship(self, model: int, step: int, groups: int) -> None:
         """Pack a step's (or a span's) batches for their tasks once, however many tasks read them."""
@@ -138,7 +142,11 @@ class Driver:
             args.append(self.weights[(task.model, task.step, task.group)] if last else [])
         data = set(reads)
         bound = self.state.bound
-        after = [self.values[dep] for dep in self.state.dependencies(task) if dep not in data and dep in bound]
+        after = [
+            self.values[dep]
+            for dep in self.state.dependencies(task)
+            if dep not in data and dep in bound and not self._worker_orders(task, dep, device)
+        ]
         span = self.spans.get((task.model, task.step))
         extra = {"span": span} if span is not None else {}
         future = self.client.submit(
@@ -163,6 +171,17 @@ class Driver:
         self.device_of[task] = device
         self.in_flight[future.key] = task
         return future
+
+    def _worker_orders(self, task: TaskId, dep: TaskId, device: str) -> bool:
+        """Whether the device's worker alone runs dep before task, with no edge through the scheduler.
+
+        A resident model's tasks all run on its home worker, one at a time, and read nothing from each other
+        but the device state: the worker runs its queued tasks in submission order (Dask priority), so the
+        next task waits in its queue and starts the moment the one before ends, instead of being sent only once
+        the scheduler has heard that its dependency finished (a round trip per task). The body checks the order
+        (a task that finds its model's previous step not yet applied is rescheduled).
+        """
+        return task.model in self.state.homes and self.device_of.get(dep) == device
 
     def _bind_all(self, pending: as_completed) -> None:
         progress = True

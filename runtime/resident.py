@@ -76,6 +76,7 @@ class ResidentModel:
             buffer = None  # the bytes stay charged; backward allocates the gradients
         self.grad_buffer = buffer
         self.state_bytes = 0
+        self.next_step = 0
 
     def clear_grads(self) -> None:
         """Before a step's first backward: no gradients yet (or a zeroed buffer, see the class)."""
@@ -98,3 +99,4 @@ class ResidentModel:
             self.cache.charge(held - self.state_bytes, f"optimizer state of model {self.model}")
             self.state_bytes = held
         self.cache.set_version((self.model, 0), step + 1)
+        self.next_step = step + 1

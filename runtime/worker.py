@@ -99,6 +99,11 @@ class RunContext:
                                                   self.optimizer_factory(model))
         return self.residents[model]
 
+    def resident_next_step(self, model: int) -> int:
+        """The step a model homed on this device trains next (0 before its first task here)."""
+        state = self.residents.get(model)
+        return 0 if state is None else state.next_step
+
     def resident_step(self, model: int, step: int) -> None:
         """The update of a resident model, on the device."""
         self.residents[model].step(step)

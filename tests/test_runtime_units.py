@@ -4,24 +4,30 @@ from __future__ import annotations
 
 import copy
 import pickle
+import types
 from typing import Any
 
 import pytest
 import torch
+from distributed import Reschedule
 from distributed.protocol import deserialize, serialize
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from harmony.runtime import serialization  # noqa: F401
+from harmony.runtime.bodies import check_resident_order
 from harmony.runtime.cache import BudgetExceeded, DeviceCache
 from harmony.runtime.counters import BLOCK_BYTES, Counters
+from harmony.runtime.data import LoaderFeed, SharedFeed
 from harmony.runtime.devices import build_specs, cpu_count, threads_per_device
+from harmony.runtime.driver import Driver
 from harmony.runtime.hoststore import HostStore, tensors_at
 from harmony.runtime.optimizer import PackOptimizer
 from harmony.runtime.shipping import ShippedTensors, discard, ship, unship
 from harmony.runtime.skeleton import dump_skeleton, load_skeleton
 from harmony.runtime.spec import PackRuntime, grads_name, weights_name
 from harmony.runtime.stream import CopyEngine
+from harmony.tasks.binding import BindingState, ModelWork
 from harmony.tasks.layout import TensorSpec, lay_out
 
 
@@ -306,3 +312,38 @@ def test_every_device_worker_gets_an_even_share_of_the_cpu_threads() -> None:
     specs = build_specs(["cpu", "cuda:0"], budget=1_000_000)
     assert [spec.threads for spec in specs] == [threads_per_device(cpu_count(), 2)] * 2
     assert threads_per_device(16, 1) == 16 and threads_per_device(16, 3) == 5 and threads_per_device(2, 4) == 1
+
+
+class RecordingClient:
+    """Stands in for a Dask client: records what the driver submits, runs nothing."""
+
+    def __init__(self) -> None:
+        self.submitted: list[tuple[str, dict[str, Any]]] = []
+
+    def submit(self, function: Any, *args: Any, key: str, **options: Any) -> Any:
+        self.submitted.append((key, options))
+        return types.SimpleNamespace(key=key)
+
+
+def test_a_resident_models_next_task_is_queued_on_its_worker_with_no_scheduler_edge(store: HostStore) -> None:
+    batches = [(torch.randn(4, 3), torch.randn(4, 2)) for _ in range(12)]
+    feed = SharedFeed(LoaderFeed(batches, iter(batches[1:]), batches[0], epochs=1, steps=None), readers=1)
+    work = ModelWork(pack_weight_bytes=(1024,), steps=6, step_seconds=0.01, depth=2)
+    state = BindingState([work], {"cpu-0": 1 << 20}, homes={0: "cpu-0"})
+    client = RecordingClient()
+    driver = Driver(client, "run", store, state, [feed], {"cpu-0": "tcp://worker"}, microbatches=1)  # type: ignore[arg-type]
+    driver._fetch_batches()
+    driver._bind_all(types.SimpleNamespace(add=lambda future: None))  # type: ignore[arg-type]
+    keys = [key for key, _ in client.submitted]
+    assert keys == ["bwd-m0-p0-s0-run", "bwd-m0-p0-s1-run"], "both open spans go to the worker at once"
+    assert [options["span"] for _, options in client.submitted] == [(0, 2), (2, 2)]
+    assert all(options["after"] == [] for _, options in client.submitted), "the worker orders them, not the scheduler"
+    driver.cancel()
+
+
+def test_a_resident_task_that_comes_early_is_rescheduled_and_one_that_comes_late_fails() -> None:
+    check_resident_order(next_step=4, first=4, model=0)
+    with pytest.raises(Reschedule):
+        check_resident_order(next_step=4, first=6, model=0)
+    with pytest.raises(RuntimeError, match="applied twice"):
+        check_resident_order(next_step=4, first=2, model=0)
