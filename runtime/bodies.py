@@ -28,6 +28,7 @@ from torch.func import functional_call
 
 from harmony.runtime.cache import BudgetExceeded, tree_nbytes
 from harmony.runtime.errors import ModelFailure
+from harmony.runtime.handoff import receive, wait_for
 from harmony.runtime.hoststore import tensors_at
 from harmony.runtime.shipping import unship
 from harmony.runtime.spec import LOSS_BLOCK, losses_name
@@ -53,7 +54,8 @@ def _seed(device: torch.device, base: int, pack: int, step: int, microbatch: int
 def task_body(kind: str) -> Callable[[Callable[..., Result]], Callable[..., Result]]:
     """Look the run up, give torch the device's threads, time the task, and report user errors by model.
 
-    ``after`` holds the results of tasks that must finish first without being read (Dask waits for them);
+    ``after`` holds the results of tasks on other devices that must finish first without being read (Dask
+    waits for them) and the names of such tasks on this worker (a task that finds one not yet run goes back);
     ``peers`` flags the arguments that another device produced, whose bytes count as device to device;
     ``successor`` is the task that follows in the model's chain, whose weights the body may prefetch;
     ``group`` is the micro-batch group (vDP) whose micro-batches the task runs; other keywords (a
@@ -75,23 +77,30 @@ def task_body(kind: str) -> Callable[[Callable[..., Result]], Callable[..., Resu
             **extra: Any,
         ) -> Result:
             ctx = context(run_id)
+            where = f"{kind} of pack {pack} at step {step} on {ctx.device_spec.name}"
+            try:
+                for earlier in after or ():
+                    wait_for(earlier, ctx.finished, ctx.early_starts)
+                received = [unship(receive(arg, ctx.finished, ctx.early_starts)) for arg in args]
+            except Reschedule:
+                raise
+            except Exception as error:
+                raise _failure(model, where, error) from None
             ctx.successor = successor
             ctx.use_threads()
             started = time.perf_counter_ns()
-            ctx.executed.append(TaskId(kind, model, pack, step, group).key(run_id))  # type: ignore[arg-type]
+            key = TaskId(kind, model, pack, step, group).key(run_id)  # type: ignore[arg-type]
+            ctx.executed.append(key)
             ctx.counters.add("p2p", sum(tree_nbytes(arg) for arg, remote in zip(args, peers) if remote))
             try:
-                result = body(ctx, model, pack, step, *map(unship, args), group=group, **extra)
+                result = body(ctx, model, pack, step, *received, group=group, **extra)
                 ctx.cache.settle()
+                ctx.finished.add(key)
                 return result
-            except (BudgetExceeded, ModelFailure):
-                raise
-            except Reschedule:
-                ctx.executed.pop()
+            except (BudgetExceeded, ModelFailure, Reschedule):
                 raise
             except Exception as error:
-                where = f"{kind} of pack {pack} at step {step} on {ctx.device_spec.name}"
-                raise ModelFailure(model, where, f"{type(error).__name__}: {error}", traceback.format_exc()) from None
+                raise _failure(model, where, error) from None
             finally:
                 ctx.counters.add("busy_ns", time.perf_counter_ns() - started)
                 ctx.counters.add("tasks", 1)
@@ -100,6 +109,10 @@ def task_body(kind: str) -> Callable[[Callable[..., Result]], Callable[..., Resu
         return run
 
     return decorate
+
+
+def _failure(model: int, where: str, error: Exception) -> ModelFailure:
+    return ModelFailure(model, where, f"{type(error).__name__}: {error}", traceback.format_exc())
 
 
 @task_body("fwd")
@@ -193,15 +206,11 @@ def backward(
 
 
 def check_resident_order(next_step: int, first: int, model: int) -> None:
-    """A resident model's task must start at the step its device state is at. Its tasks reach the worker
-    with no scheduler edge between them and run in submission order (see the driver), so a task that finds
-    its model behind has come early: it goes back to the scheduler, to run after the tasks before it. One
-    that finds its model ahead would apply steps twice, which nothing may do."""
-    if first > next_step:
-        raise Reschedule()
-    if first < next_step:
-        raise RuntimeError(f"model {model}'s resident state is at step {next_step}, a task for step {first} came "
-                           "after it (a step would be applied twice)")
+    """A resident model's task must start at the step its device state is at (it waited for the task before
+    it, see handoff); anything else would skip steps or apply them twice."""
+    if first != next_step:
+        raise RuntimeError(f"model {model}'s resident state is at step {next_step} but a task for step {first} "
+                           "started (a step would be skipped or applied twice)")
 
 
 def _backward_step(

@@ -19,6 +19,7 @@ import sys
 from collections import Counter
 from dataclasses import dataclass, field
 
+import dask
 import torch
 from distributed import Client, Scheduler
 from distributed.deploy.spec import ProcessInterface, SpecCluster
@@ -118,9 +119,8 @@ def start_embedded(devices: list[DeviceSpec], dashboard_address: str = ":8787") 
         device.name: {"cls": DeviceWorkerProcess, "options": {"threads": device.threads}} for device in devices
     }
     scheduler = {"cls": Scheduler, "options": {"dashboard_address": dashboard_address}}
-    cluster = SpecCluster(
-        workers=workers, scheduler=scheduler, silence_logs=logging.ERROR, name="harmony"
-    )
+    with dask.config.set({"distributed.scheduler.active-memory-manager.start": False}):  # see runtime.handoff
+        cluster = SpecCluster(workers=workers, scheduler=scheduler, silence_logs=logging.ERROR, name="harmony")
     handle = ClusterHandle(client=Client(cluster), cluster=cluster, owns_client=True)
     try:
         handle.client.wait_for_workers(len(devices), timeout=WORKER_START_TIMEOUT)

@@ -2,13 +2,16 @@
 
 It carries out what the pure BindingState decides: fetch the batches it asks for, submit each bound
 task to Dask restricted to its device's worker (``fwd-m3-p2-s17-<run>`` keys, pure=False), and on
-every completion report back and drop the futures of values nobody will read again. vDP's upd tasks go
-before other ready tasks on a worker (Dask priority), since the next step waits for them. A task may be
-submitted while its dependencies still run; those it does not read (the task that updated a pack, before
-the next step's forward of it) are passed as ``after=`` futures so that Dask orders them too. Activations flow
-worker to worker as Dask results; nothing large passes through the driver. Each step's (or span's)
-mini-batch is written once into a host-store file that its tasks name (see shipping), and the file is
-removed when its last reader has finished.
+every completion report back and drop the futures of values nobody will read again. A worker runs its
+ready tasks in the order they were bound (each task's Dask priority is its submission number: Dask's own
+would run the later of two tasks sent within 100 ms first), except vDP's upd tasks, which go first since
+the next step waits for them. A task may be submitted while its dependencies still run. A dependency on
+the same device has no edge through the scheduler: the worker runs its tasks in submission order and the
+task reads the result from the worker's memory (see handoff); one on another device is a Dask edge, an
+argument when the task reads its result and an ``after=`` future when it only must finish first (the task
+that updated a pack, before the next step's forward of it). Activations flow worker to worker as Dask
+results; nothing large passes through the driver. Each step's (or span's) mini-batch is written once into a
+host-store file that its tasks name (see shipping), and the file is removed when its last reader has finished.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from distributed import Client, Future, as_completed
 from harmony.runtime import bodies
 from harmony.runtime.data import SharedFeed, batch_size, split_tree
 from harmony.runtime.errors import ModelFailure
+from harmony.runtime.handoff import LocalResult
 from harmony.runtime.hoststore import HostStore
 from harmony.runtime.shipping import discard, ship
 from harmony.tasks.binding import BindingState
@@ -58,6 +62,9 @@ class Driver:
         self.values: dict[Value, Any] = {}
         self.weights: dict[tuple[int, int], list[float]] = {}
         self.in_flight: dict[str, TaskId] = {}
+        self.edges: dict[TaskId, dict[TaskId, tuple[Future, str]]] = {}
+        self.holds: dict[TaskId, list[Future]] = {}
+        self.submitted = 0
         self.device_of: dict[TaskId, str] = {}
         self.tasks_run = 0
         self.started = time.perf_counter()
@@ -135,18 +142,16 @@ class Driver:
     def _submit(self, task: TaskId, device: str) -> Future:
         packs = self.state.models[task.model].packs
         reads = inputs(task, packs)
-        args: list[Any] = [self.values[value] for value in reads]
+        local = {dep for dep in {*reads, *self.state.dependencies(task)} if self._worker_orders(task, dep, device)}
+        args: list[Any] = [
+            LocalResult(value.key(self.run)) if value in local else self.values[value]  # type: ignore[union-attr]
+            for value in reads
+        ]
         peers = tuple(isinstance(value, TaskId) and self.device_of[value] != device for value in reads)
         if task.kind == "bwd":
             last = task.pack == packs - 1
             args.append(self.weights[(task.model, task.step, task.group)] if last else [])
-        data = set(reads)
-        bound = self.state.bound
-        after = [
-            self.values[dep]
-            for dep in self.state.dependencies(task)
-            if dep not in data and dep in bound and not self._worker_orders(task, dep, device)
-        ]
+        after = self._order(task, device, reads, local)
         span = self.spans.get((task.model, task.step))
         extra = {"span": span} if span is not None else {}
         future = self.client.submit(
@@ -164,24 +169,52 @@ class Driver:
             workers=[self.workers[device]],
             allow_other_workers=False,
             pure=False,
-            priority=1 if task.kind == "upd" else 0,
+            priority=1 if task.kind == "upd" else -self.submitted,
             **extra,
         )
         self.values[task] = future
         self.device_of[task] = device
         self.in_flight[future.key] = task
+        self.submitted += 1
         return future
 
-    def _worker_orders(self, task: TaskId, dep: TaskId, device: str) -> bool:
+    def _order(self, task: TaskId, device: str, reads: tuple[Value, ...], local: set[Value]) -> list[Any]:
+        """What task waits for besides its arguments: futures of tasks on other devices it does not read (the
+        scheduler holds it until they finish; it inherits those its local dependencies wait for), and the names
+        of unfinished tasks before it on this device (the worker checks they ran, see handoff), whose results
+        stay held until task finishes."""
+        read_edges = {
+            value: (self.values[value], self.device_of[value])
+            for value in reads
+            if isinstance(value, TaskId) and value not in local
+        }
+        edges: dict[TaskId, tuple[Future, str]] = {}
+        checks: list[LocalResult] = []
+        holds: list[Future] = []
+        for dep in self.state.dependencies(task):
+            if dep not in self.state.bound:
+                continue  # finished: nothing to wait for
+            if dep in local:
+                edges.update((edge, held) for edge, held in self.edges.get(dep, {}).items() if held[1] != device)
+                holds.append(self.values[dep])
+                if dep not in reads:
+                    checks.append(LocalResult(dep.key(self.run)))
+            elif dep not in reads:
+                edges[dep] = (self.values[dep], self.device_of[dep])
+        self.edges[task] = {**read_edges, **edges}
+        self.holds[task] = holds
+        return [*(future for edge, (future, _) in edges.items() if edge not in read_edges), *checks]
+
+    def _worker_orders(self, task: TaskId, dep: Value, device: str) -> bool:
         """Whether the device's worker alone runs dep before task, with no edge through the scheduler.
 
-        A resident model's tasks all run on its home worker, one at a time, and read nothing from each other
-        but the device state: the worker runs its queued tasks in submission order (Dask priority), so the
-        next task waits in its queue and starts the moment the one before ends, instead of being sent only once
-        the scheduler has heard that its dependency finished (a round trip per task). The body checks the order
-        (a task that finds its model's previous step not yet applied is rescheduled).
+        A producer bound to the same device is queued on its worker before task is, and the worker runs its
+        tasks one at a time in submission order (see handoff): task then reads dep's result from the worker's
+        memory and starts the moment the tasks before it end, instead of being sent once the scheduler has
+        heard that dep finished. vDP's upd tasks, which run before other tasks on a worker (Dask priority),
+        keep their edges.
         """
-        return task.model in self.state.homes and self.device_of.get(dep) == device
+        return isinstance(dep, TaskId) and task.kind != "upd" and self.device_of.get(dep) == device
 
     def _bind_all(self, pending: as_completed) -> None:
         progress = True
@@ -203,6 +236,8 @@ class Driver:
                 raise RuntimeError("harmony driver: no task in flight and none ready before training finished")
             future = next(pending)
             task = self.in_flight.pop(future.key)
+            self.edges.pop(task, None)
+            self.holds.pop(task, None)
             if future.status == "error":
                 error = future.exception()
                 if isinstance(error, ModelFailure):
@@ -237,3 +272,5 @@ class Driver:
             discard(value, self.store)
         self.values.clear()
         self.in_flight.clear()
+        self.edges.clear()
+        self.holds.clear()

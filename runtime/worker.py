@@ -9,6 +9,7 @@ a process). Teardown drops everything the run held on the worker.
 from __future__ import annotations
 
 import sys
+from collections import Counter
 from typing import Any
 
 import cloudpickle
@@ -45,6 +46,8 @@ class RunContext:
             self.device_spec.name, self.device, self.device_spec.budget, counters, self.device_spec.link_bandwidth
         )
         self.executed: list[str] = []
+        self.finished: set[str] = set()
+        self.early_starts: Counter[str] = Counter()
         self.successor: TaskId | None = None
         self.residents: dict[int, ResidentModel] = {}
         self._modules: dict[tuple[int, int], nn.Module] = {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import pickle
 import types
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -14,13 +15,14 @@ from distributed.protocol import deserialize, serialize
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from harmony.runtime import serialization  # noqa: F401
+from harmony.runtime import handoff, serialization  # noqa: F401
 from harmony.runtime.bodies import check_resident_order
 from harmony.runtime.cache import BudgetExceeded, DeviceCache
 from harmony.runtime.counters import BLOCK_BYTES, Counters
 from harmony.runtime.data import LoaderFeed, SharedFeed
 from harmony.runtime.devices import build_specs, cpu_count, threads_per_device
 from harmony.runtime.driver import Driver
+from harmony.runtime.handoff import LocalResult, LostResult
 from harmony.runtime.hoststore import HostStore, tensors_at
 from harmony.runtime.optimizer import PackOptimizer
 from harmony.runtime.shipping import ShippedTensors, discard, ship, unship
@@ -337,13 +339,41 @@ def test_a_resident_models_next_task_is_queued_on_its_worker_with_no_scheduler_e
     keys = [key for key, _ in client.submitted]
     assert keys == ["bwd-m0-p0-s0-run", "bwd-m0-p0-s1-run"], "both open spans go to the worker at once"
     assert [options["span"] for _, options in client.submitted] == [(0, 2), (2, 2)]
-    assert all(options["after"] == [] for _, options in client.submitted), "the worker orders them, not the scheduler"
+    assert [options["after"] for _, options in client.submitted] == [[], [LocalResult("bwd-m0-p0-s0-run")]], (
+        "the worker orders them, not the scheduler: the second checks that the first ran"
+    )
+    assert [options["priority"] for _, options in client.submitted] == [0, -1], "the first bound runs first"
     driver.cancel()
 
 
-def test_a_resident_task_that_comes_early_is_rescheduled_and_one_that_comes_late_fails() -> None:
+def test_a_resident_task_must_start_where_its_model_is() -> None:
     check_resident_order(next_step=4, first=4, model=0)
-    with pytest.raises(Reschedule):
-        check_resident_order(next_step=4, first=6, model=0)
-    with pytest.raises(RuntimeError, match="applied twice"):
-        check_resident_order(next_step=4, first=2, model=0)
+    for first in (2, 6):
+        with pytest.raises(RuntimeError, match="skipped or applied twice"):
+            check_resident_order(next_step=4, first=first, model=0)
+
+
+def test_a_local_result_is_read_from_the_worker_or_the_reader_comes_back_later(monkeypatch: pytest.MonkeyPatch) -> None:
+    states = {"done": "memory", "moved": "released", "queued": "ready", "failed": "error"}
+    worker = types.SimpleNamespace(
+        data={"done": [torch.ones(2)]},
+        state=types.SimpleNamespace(tasks={key: types.SimpleNamespace(state=s) for key, s in states.items()}),
+    )
+    monkeypatch.setattr(handoff, "get_worker", lambda: worker)
+    monkeypatch.setattr(handoff, "_fetch", lambda key: f"fetched {key}")
+    finished = {"done", "moved"}
+    early: Counter[str] = Counter()
+    assert handoff.receive("plain", finished, early) == "plain"
+    assert handoff.receive(LocalResult("done"), finished, early) is worker.data["done"]
+    assert handoff.receive(LocalResult("moved"), finished, early) == "fetched moved", "its copy here was dropped"
+    handoff.wait_for(LocalResult("moved"), finished, early)
+    for key in ("queued", "not-arrived"):
+        with pytest.raises(Reschedule):
+            handoff.receive(LocalResult(key), finished, early)
+        with pytest.raises(Reschedule):
+            handoff.wait_for(LocalResult(key), finished, early)
+    with pytest.raises(LostResult, match="failed"):
+        handoff.wait_for(LocalResult("failed"), finished, early)
+    early["not-arrived"] = handoff.MAX_EARLY_STARTS
+    with pytest.raises(LostResult, match="never ran"):
+        handoff.receive(LocalResult("not-arrived"), finished, early)

@@ -1,13 +1,18 @@
-"""Scheduling features end to end: prefetch over a simulated link, device-to-device traffic, utilization."""
+"""Scheduling features end to end: prefetch over a simulated link, device-to-device traffic, utilization, and
+which tasks wait at the scheduler."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
+from distributed import Client, LocalCluster
+from distributed.diagnostics.plugin import SchedulerPlugin
 from torch import nn
 
 import harmony
-from harmony.tasks.graph import parse_key
+from harmony.tasks.graph import TaskId, parse_key
 from tests.conftest import assert_same_weights, clones, deep_mlp, param_bytes, regression_batches, train_plain
 
 
@@ -98,3 +103,49 @@ def test_every_mode_matches_plain_pytorch_on_two_devices(mode: str, no_leaks: No
                 task, _ = parse_key(key)
                 if task.kind != "upd":
                     assert (task.model + task.pack) % 2 == index
+
+
+class EdgeRecorder(SchedulerPlugin):
+    """Records, for every task the scheduler is given, the keys it waits for and the worker it must run on."""
+
+    def __init__(self) -> None:
+        self.edges: dict[str, set[str]] = {}
+        self.worker: dict[str, str] = {}
+
+    def update_graph(self, scheduler: Any, *, keys: set[str], **kwargs: Any) -> None:
+        for key in keys:
+            task = scheduler.tasks.get(key)
+            if task is not None and isinstance(key, str) and parse_key(key) is not None:
+                self.edges[key] = {dep.key for dep in task.dependencies}
+                self.worker[key] = next(iter(task.worker_restrictions or {""}))
+
+
+def test_a_task_waits_at_the_scheduler_only_for_work_on_other_devices(no_leaks: None) -> None:
+    models = [deep_mlp(seed=s) for s in range(2)]
+    references = clones(models)
+    batches = regression_batches(samples=48, batch=16)
+    factory = lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)  # noqa: E731
+    recorder = EdgeRecorder()
+    with (
+        LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
+        cluster.scheduler.add_plugin(recorder)
+        result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss, optimizer=factory, microbatches=4,
+                               cluster=client, device_memory=24_000, mode="vdp", resident=False, progress=False)
+    for model, reference in zip(models, references):
+        train_plain(reference, batches, nn.functional.mse_loss, factory)
+        assert_same_weights(model, reference)
+    local_producers = 0
+    for key, waits in recorder.edges.items():
+        task, run = parse_key(key)  # type: ignore[misc]
+        if task.kind == "upd":
+            assert waits <= {TaskId("bwd", task.model, task.pack, task.step, g).key(run) for g in range(2)}
+            continue
+        same_worker = [dep for dep in waits if recorder.worker.get(dep) == recorder.worker[key]]
+        assert not same_worker, f"{key} waits at the scheduler for {same_worker} on its own worker"
+        if task.pack > 0:
+            producer = TaskId("fwd", task.model, task.pack - 1, task.step, task.group).key(run)
+            local_producers += recorder.worker[producer] == recorder.worker[key]
+    assert local_producers > 0, "vDP runs a group's packs on one device: their activations never cross it"
+    assert result.stats.tasks == len(recorder.edges)
