@@ -5,9 +5,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections import Counter
 
-from distributed import Client
+from distributed import Client, get_worker
 
+from harmony.runtime.handoff import LocalResult, receive
 from harmony.runtime.measure import this_machine
 from harmony.runtime.worker import wait_for_warmup
 from harmony.tasks.simulator import Hardware
@@ -15,32 +17,43 @@ from harmony.tasks.simulator import Hardware
 logger = logging.getLogger("harmony")
 
 CHAIN = 24
+FINISHED: set[str] = set()  # on a worker: the calibration tasks that have run there
 
 
-def _nothing(index: int, previous: int | None = None) -> int:
+def _nothing(index: int, previous: LocalResult | None = None) -> int:
+    """An empty task that, like a training task, first checks that the task before it on its worker has run."""
+    if previous is None:
+        FINISHED.clear()
+    receive(previous, FINISHED, Counter())
+    FINISHED.add(str(get_worker().get_current_task()))
     return index
 
 
 def task_cost(client: Client, workers: dict[str, str], chain: int = CHAIN) -> float:
-    """Seconds one task adds to a device's time: a chain of empty tasks, each reading the one before, is
-    submitted at once to each device worker, as the driver submits a step's dependent tasks ahead of time,
-    and the slowest worker's time to finish it is divided by its length.
+    """Seconds one task adds to a device's time: a chain of empty tasks, each naming the one before, is
+    submitted at once to each device worker as the driver submits a step's tasks on one device (no scheduler
+    edge between them, run in submission order, see handoff), and the slowest worker's time to finish it is
+    divided by its length.
 
     What it counts is the scheduler's transitions, the worker's execution and the results' reports, task
-    after task; on a 2-core machine about 2 ms with the run's streams unbatched (batching.py), 6 ms with
-    Dask's batching, against about 11 ms for one task's round trip from the driver and 1.6 ms per task when
-    the tasks are independent (they are not, in a training step)."""
+    after task; on a 2-core machine about 1 ms with the run's streams unbatched (batching.py), against about
+    2 ms when each task waits at the scheduler for the one before and 11 ms for one task's round trip from
+    the driver."""
     client.run(wait_for_warmup)
     costs = []
     for address in workers.values():
         for measured in (False, True):
             started = time.perf_counter()
-            future = client.submit(_nothing, 0, workers=[address], pure=False)
+            future = client.submit(_nothing, 0, workers=[address], pure=False, priority=0)
+            futures = [future]
             for index in range(1, chain):
-                future = client.submit(_nothing, index, future, workers=[address], pure=False)
+                future = client.submit(_nothing, index, LocalResult(future.key), workers=[address], pure=False,
+                                       priority=-index)
+                futures.append(future)
             future.result()
             if measured:
                 costs.append((time.perf_counter() - started) / chain)
+            del futures
     return max(costs)
 
 
