@@ -17,7 +17,7 @@ from harmony.progress import ProgressLine, wants_progress
 from harmony.result import Stats, TrainResult
 from harmony.runtime.batching import unbatched
 from harmony.runtime.calibrate import measured_hardware
-from harmony.runtime.cluster import ClusterHandle, connect, external_devices, start_embedded
+from harmony.runtime.cluster import ClusterHandle, connect, external_devices, start_embedded, worker_threads
 from harmony.runtime.counters import IN_KINDS, OUT_KINDS
 from harmony.runtime.data import LoaderFeed, SharedFeed
 from harmony.runtime.devices import DeviceSpec, build_specs
@@ -37,6 +37,14 @@ def user_cluster(cluster: Any) -> Iterator[ClusterHandle | None]:
         return
     handle = connect(cluster)
     try:
+        crowded = {name: threads for name, threads in worker_threads(handle).items() if threads != 1}
+        if crowded:
+            listed = ", ".join(f"{name} ({threads} threads)" for name, threads in sorted(crowded.items()))
+            raise InputError(
+                f"cluster: every worker is one device and runs one task at a time, but {listed} would run "
+                "several at once; start the workers with one thread each (dask worker --nthreads 1, or "
+                "LocalCluster(threads_per_worker=1)); torch still uses the machine's cores inside each task"
+            )
         yield handle
     finally:
         handle.close()

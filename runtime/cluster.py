@@ -146,6 +146,11 @@ def worker_addresses(client: Client) -> dict[str, str]:
     return {str(info["name"]): address for address, info in client.scheduler_info()["workers"].items()}
 
 
+def worker_threads(handle: ClusterHandle) -> dict[str, int]:
+    """Worker name -> how many tasks it runs at once (the threads of its task pool)."""
+    return {str(info["name"]): int(info["nthreads"]) for info in handle.client.scheduler_info()["workers"].values()}
+
+
 def _probe_device() -> tuple[str, int, int, str]:
     """On a worker: the device it drives (its first visible GPU, else the CPU), that device's bytes, and the
     CPU threads and host name of its machine."""

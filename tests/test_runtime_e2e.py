@@ -142,6 +142,21 @@ def test_training_on_a_users_cluster(no_leaks: None) -> None:
     assert not harmony_files()
 
 
+def test_a_users_cluster_with_several_threads_per_worker_is_refused_before_work_starts(no_leaks: None) -> None:
+    model = deep_mlp(depth=3)
+    before = copy.deepcopy(model)
+    with (
+        LocalCluster(n_workers=1, threads_per_worker=2, processes=False, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
+        with pytest.raises(harmony.InputError, match=r"\(2 threads\).*--nthreads 1"):
+            harmony.train(model, regression_batches(samples=24, batch=12), loss_fn=nn.functional.mse_loss,
+                          optimizer=lambda p: torch.optim.SGD(p, lr=0.1), cluster=client, progress=False)
+        assert client.status == "running"
+        assert not client.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.tasks)), "no task was sent"
+    assert_same_weights(model, before)
+
+
 def test_fused_resident_arrays_on_a_users_cluster_use_its_worker_names(no_leaks: None) -> None:
     models = [deep_mlp(depth=3, seed=s) for s in range(3)]
     references = [copy.deepcopy(m) for m in models]
