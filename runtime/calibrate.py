@@ -9,7 +9,7 @@ from collections import Counter
 
 from distributed import Client, get_worker
 
-from harmony.runtime.handoff import LocalResult, receive
+from harmony.runtime.handoff import FinishedKeys, LocalResult, receive
 from harmony.runtime.measure import this_machine
 from harmony.runtime.worker import wait_for_warmup
 from harmony.tasks.simulator import Hardware
@@ -17,13 +17,11 @@ from harmony.tasks.simulator import Hardware
 logger = logging.getLogger("harmony")
 
 CHAIN = 24
-FINISHED: set[str] = set()  # on a worker: the calibration tasks that have run there
+FINISHED = FinishedKeys()  # on a worker: the calibration tasks that have run there
 
 
 def _nothing(index: int, previous: LocalResult | None = None) -> int:
     """An empty task that, like a training task, first checks that the task before it on its worker has run."""
-    if previous is None:
-        FINISHED.clear()
     receive(previous, FINISHED, Counter())
     FINISHED.add(str(get_worker().get_current_task()))
     return index

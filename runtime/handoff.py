@@ -24,6 +24,31 @@ from typing import Any
 from distributed import Future, Reschedule, get_client, get_worker
 
 MAX_EARLY_STARTS = 1000
+RECENT_KEYS = 65_536
+
+
+class FinishedKeys:
+    """The keys of the last RECENT_KEYS tasks a worker finished (bounded: a run may have millions of tasks).
+
+    A task that waits for one of them starts a few tasks after it, and the result itself stays in the
+    worker's memory while a task waits for it; these keys only tell a result dropped by Dask's memory
+    manager from a task that has not run yet.
+    """
+
+    def __init__(self, capacity: int = RECENT_KEYS) -> None:
+        self.capacity = capacity
+        self._keys: dict[str, None] = {}
+
+    def add(self, key: str) -> None:
+        self._keys[key] = None
+        if len(self._keys) > self.capacity:
+            del self._keys[next(iter(self._keys))]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def __len__(self) -> int:
+        return len(self._keys)
 
 
 @dataclass(frozen=True)
@@ -37,7 +62,7 @@ class LostResult(RuntimeError):
     """A local producer failed, or never ran on this worker."""
 
 
-def receive(value: Any, finished: set[str], early_starts: Counter[str]) -> Any:
+def receive(value: Any, finished: FinishedKeys, early_starts: Counter[str]) -> Any:
     """value, with a LocalResult replaced by the result it names.
 
     finished holds the keys of the tasks this worker has run to completion. A producer it has not (it came
@@ -55,13 +80,16 @@ def receive(value: Any, finished: set[str], early_starts: Counter[str]) -> Any:
     return None
 
 
-def wait_for(value: Any, finished: set[str], early_starts: Counter[str]) -> None:
+def wait_for(value: Any, finished: FinishedKeys, early_starts: Counter[str]) -> None:
     """Return if value is not a LocalResult or its task has finished on this worker; else send the calling task
     back to the scheduler (see receive), or fail if its producer failed or never came."""
-    if not isinstance(value, LocalResult) or value.key in finished:
-        early_starts.pop(getattr(value, "key", None), None)
+    if not isinstance(value, LocalResult):
         return
-    state = get_worker().state.tasks.get(value.key)
+    worker = get_worker()
+    if value.key in finished or value.key in worker.data:
+        early_starts.pop(value.key, None)
+        return
+    state = worker.state.tasks.get(value.key)
     if state is not None and state.state == "error":
         raise LostResult(f"{value.key}, which this task waits for, failed")
     early_starts[value.key] += 1

@@ -20,6 +20,7 @@ from torch import nn
 from harmony.runtime import serialization  # noqa: F401  (tensor serializers on every worker)
 from harmony.runtime.cache import DeviceCache
 from harmony.runtime.counters import BLOCK_BYTES, Counters
+from harmony.runtime.handoff import FinishedKeys
 from harmony.runtime.hoststore import HostStore, tensors_at
 from harmony.runtime.optimizer import PackOptimizer
 from harmony.runtime.resident import ResidentModel
@@ -46,7 +47,7 @@ class RunContext:
             self.device_spec.name, self.device, self.device_spec.budget, counters, self.device_spec.link_bandwidth
         )
         self.executed: list[str] = []
-        self.finished: set[str] = set()
+        self.finished = FinishedKeys()
         self.early_starts: Counter[str] = Counter()
         self.successor: TaskId | None = None
         self.residents: dict[int, ResidentModel] = {}

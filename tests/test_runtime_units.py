@@ -361,7 +361,9 @@ def test_a_local_result_is_read_from_the_worker_or_the_reader_comes_back_later(m
     )
     monkeypatch.setattr(handoff, "get_worker", lambda: worker)
     monkeypatch.setattr(handoff, "_fetch", lambda key: f"fetched {key}")
-    finished = {"done", "moved"}
+    finished = handoff.FinishedKeys(capacity=2)
+    finished.add("done")
+    finished.add("moved")
     early: Counter[str] = Counter()
     assert handoff.receive("plain", finished, early) == "plain"
     assert handoff.receive(LocalResult("done"), finished, early) is worker.data["done"]
@@ -374,6 +376,9 @@ def test_a_local_result_is_read_from_the_worker_or_the_reader_comes_back_later(m
             handoff.wait_for(LocalResult(key), finished, early)
     with pytest.raises(LostResult, match="failed"):
         handoff.wait_for(LocalResult("failed"), finished, early)
+    finished.add("later")
+    assert "done" not in finished and "moved" in finished and len(finished) == 2, "the oldest key goes"
+    handoff.wait_for(LocalResult("done"), finished, early)  # its result is still in the worker's memory
     early["not-arrived"] = handoff.MAX_EARLY_STARTS
     with pytest.raises(LostResult, match="never ran"):
         handoff.receive(LocalResult("not-arrived"), finished, early)
