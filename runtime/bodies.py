@@ -52,7 +52,8 @@ def _seed(device: torch.device, base: int, pack: int, step: int, microbatch: int
 
 
 def task_body(kind: str) -> Callable[[Callable[..., Result]], Callable[..., Result]]:
-    """Look the run up, give torch the device's threads, time the task, and report user errors by model.
+    """Look the run up, take the task's inputs (results of earlier tasks on this worker are read from its
+    memory, see handoff), give torch the device's threads, time the task, and report user errors by model.
 
     ``after`` holds the results of tasks on other devices that must finish first without being read (Dask
     waits for them) and the names of such tasks on this worker (a task that finds one not yet run goes back);

@@ -73,6 +73,7 @@ def receive(value: Any, finished: FinishedKeys, early_starts: Counter[str]) -> A
         return value
     worker = get_worker()
     if value.key in worker.data:
+        early_starts.pop(value.key, None)
         return worker.data[value.key]
     if value.key in finished:
         return _fetch(value.key)
