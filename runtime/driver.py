@@ -74,20 +74,16 @@ class Driver:
         self.steps_fetched = [0] * len(feeds)
 
     def _fetch_batches(self) -> None:
-        """Open every step the binding state wants open now (a model may open two at once: at the start, and
-        when a finished step lets the one after the next open)."""
-        wanted = self.state.wanted_batches()
-        while wanted:
-            for model, step in wanted:
-                depth = self.state.models[model].depth
-                if depth > 1:
-                    self._fetch_span(model, step, depth)
-                elif self._fetch_step(model, step):
-                    self._ship(model, step, self.state.models[model].groups)
-                    self.state.add_batch(model, step)
-                else:
-                    self.state.end_of_data(model)
-            wanted = self.state.wanted_batches()
+        """Open every step the binding state wants open now."""
+        for model, step in self.state.wanted_batches():
+            depth = self.state.models[model].depth
+            if depth > 1:
+                self._fetch_span(model, step, depth)
+            elif self._fetch_step(model, step):
+                self._ship(model, step, self.state.models[model].groups)
+                self.state.add_batch(model, step)
+            else:
+                self.state.end_of_data(model)
 
     def _ship(self, model: int, step: int, groups: int) -> None:
         """Pack a step's (or a span's) batches for their tasks once, however many tasks read them."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 
-TASKS_PER_STEP = 1
 OVERHEAD_SHARE = 0.02
 MAX_DEPTH = 64
 MAX_SHIPPED_BYTES = 64 * 2**20
@@ -31,7 +30,7 @@ def steps_per_task(
     """
     if step_seconds <= 0 or task_overhead <= 0:
         return 1
-    depth = math.ceil(TASKS_PER_STEP * task_overhead / (share * step_seconds))
+    depth = math.ceil(task_overhead / (share * step_seconds))
     depth = min(depth, MAX_DEPTH, max(1, MAX_SHIPPED_BYTES // max(batch_bytes, 1)))
     if steps is not None:
         depth = min(depth, max(1, steps // 4))

@@ -97,20 +97,23 @@ class BindingState:
         self._ready: set[TaskId] = set()
 
     def wanted_batches(self) -> list[tuple[int, int]]:
-        """(model, step) pairs whose mini-batch the driver should fetch now.
+        """(model, step) pairs whose mini-batch the driver should fetch now, every one that may open, in order.
 
-        A model's next step opens once the step before the previous one has finished its backward, so
-        that at most two steps are open: the next step's tasks can be queued on a device (waiting on the
-        updates they depend on) before the current step ends, with no round trip through the driver.
+        A model's step opens once the step before the previous one has finished its backward, so that at
+        most two steps are open: the next step's tasks can be queued on a device (waiting on the updates
+        they depend on) before the current step ends, with no round trip through the driver. Two may open
+        at once (at the start, or when the driver comes late), and both are asked for.
         """
         wanted = []
         for m, opened in enumerate(self.opened):
             total = self.total_steps[m]
-            if total is not None and opened >= total:
-                continue
             groups = self.models[m].groups
-            if opened < 2 or all(TaskId("bwd", m, 0, opened - 2, g) in self.done for g in range(groups)):
-                wanted.append((m, opened))
+            step = opened
+            while (total is None or step < total) and (
+                step < 2 or all(TaskId("bwd", m, 0, step - 2, g) in self.done for g in range(groups))
+            ):
+                wanted.append((m, step))
+                step += 1
         return wanted
 
     def add_batch(self, model: int, step: int) -> None:

@@ -244,16 +244,12 @@ def model_step_seconds(plan: PackPlan, samples: int, hardware: Hardware) -> floa
 
 
 def _feed(state: BindingState, steps: list[int]) -> None:
-    """Open every step the binder asks for (as the driver does, until it asks for none), and end each model
-    after its last step."""
-    wanted = state.wanted_batches()
-    while wanted:
-        for model, step in wanted:
-            if step < steps[model]:
-                state.add_batch(model, step)
-            else:
-                state.end_of_data(model)
-        wanted = state.wanted_batches()
+    """Open every step the binder asks for, and end each model after its last step."""
+    for model, step in state.wanted_batches():
+        if step < steps[model]:
+            state.add_batch(model, step)
+        else:
+            state.end_of_data(model)
 
 
 @dataclass

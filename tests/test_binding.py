@@ -97,7 +97,7 @@ def test_values_are_released_once_their_readers_finish() -> None:
 
 def test_at_most_two_steps_of_a_model_are_open() -> None:
     state = BindingState([ModelWork((10,))], {"cpu-0": 1000})
-    assert state.wanted_batches() == [(0, 0)]
+    assert state.wanted_batches() == [(0, 0), (0, 1)], "both first steps may open at once"
     state.add_batch(0, 0)
     assert state.wanted_batches() == [(0, 1)]
     state.add_batch(0, 1)
@@ -106,6 +106,8 @@ def test_at_most_two_steps_of_a_model_are_open() -> None:
     assert bwd == TaskId("bwd", 0, 0, 0)
     state.complete(bwd)
     assert state.wanted_batches() == [(0, 2)]
+    state.complete(state.bind("cpu-0"))  # step 1 ends before the driver has opened step 2
+    assert state.wanted_batches() == [(0, 2), (0, 3)]
 
 
 def test_sharded_lrtf_serves_the_model_with_the_longest_remaining_time() -> None:
