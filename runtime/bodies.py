@@ -82,7 +82,7 @@ def task_body(kind: str) -> Callable[[Callable[..., Result]], Callable[..., Resu
             try:
                 for earlier in after or ():
                     wait_for(earlier, ctx.finished, ctx.early_starts)
-                received = [unship(receive(arg, ctx.finished, ctx.early_starts)) for arg in args]
+                received = [unship(receive(arg, ctx.finished, ctx.early_starts), ctx.store) for arg in args]
             except Reschedule:
                 raise
             except Exception as error:

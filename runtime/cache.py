@@ -289,7 +289,8 @@ class DeviceCache:
         """A device copy of every tensor in tree, counted as bytes_in[kind].
 
         On CUDA the copy is enqueued on the compute stream (asynchronous from page-locked host memory, which
-        copy_out gives), so the kernels that read it are ordered after it without the host waiting.
+        copy_out gives and a pinned store's batch files are), so the kernels that read it are ordered after it
+        without the host waiting; settle() waits for it before the task ends and its source may be rewritten.
         """
         started = time.perf_counter()
         nbytes = tree_nbytes(tree)
@@ -302,6 +303,7 @@ class DeviceCache:
         )
         self._over_link(nbytes, started)
         self.counters.add(f"in_{kind}", nbytes)
+        self._unsettled = self._unsettled or asynchronous
         return copied
 
     def copy_out(self, tree: Any, kind: str) -> Any:
@@ -326,7 +328,8 @@ class DeviceCache:
         return host
 
     def settle(self) -> None:
-        """Wait until the host copies copy_out enqueued on the compute stream have landed (CUDA only)."""
+        """Wait until the copies enqueued on the compute stream (copy_out's to the host, copy_in's from it) have
+        completed (CUDA only)."""
         if self._unsettled:
             self._unsettled = False
             torch.cuda.current_stream(self.device).synchronize()

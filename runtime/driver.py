@@ -11,7 +11,7 @@ task reads the result from the worker's memory (see handoff); one on another dev
 argument when the task reads its result and an ``after=`` future when it only must finish first (the task
 that updated a pack, before the next step's forward of it). Activations flow worker to worker as Dask
 results; nothing large passes through the driver. Each step's (or span's) mini-batch is written once into a
-host-store file that its tasks name (see shipping), and the file is removed when its last reader has finished.
+host-store file that its tasks name (see shipping), and the file is reused once its last reader has finished.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from harmony.runtime.data import SharedFeed, batch_size, split_tree
 from harmony.runtime.errors import ModelFailure
 from harmony.runtime.handoff import LocalResult
 from harmony.runtime.hoststore import HostStore
-from harmony.runtime.shipping import discard, ship
+from harmony.runtime.shipping import BatchFiles
 from harmony.tasks.binding import BindingState
 from harmony.tasks.graph import BatchInput, BatchTargets, TaskId, Value, inputs, successor
 from harmony.tasks.microbatch import group_sizes, loss_weights, split_sizes
@@ -53,6 +53,7 @@ class Driver:
         self.client = client
         self.run = run
         self.store = store
+        self.batch_files = BatchFiles(store)
         self.state = state
         self.feeds = feeds
         self.workers = workers
@@ -90,8 +91,7 @@ class Driver:
         for group in range(groups):
             for kind in (BatchInput, BatchTargets):
                 value = kind(model, step, group)
-                name = f"batch-m{model}-s{step}-g{group}-{kind.__name__}"
-                self.values[value] = ship(self.values[value], self.store, name)
+                self.values[value] = self.batch_files.ship(self.values[value])
 
     def _fetch_step(self, model: int, step: int) -> bool:
         """Split one step's mini-batch into its micro-batch groups; False when the loader has run dry."""
@@ -241,7 +241,7 @@ class Driver:
                 raise error.with_traceback(future.traceback())
             done_before = self.state.steps_done[task.model]
             for value in self.state.complete(task):
-                discard(self.values.pop(value, None), self.store)
+                self.batch_files.release(self.values.pop(value, None))
                 if isinstance(value, TaskId):
                     self.device_of.pop(value, None)
                 if isinstance(value, BatchTargets):
@@ -265,7 +265,7 @@ class Driver:
         if futures:
             self.client.cancel(futures)
         for value in self.values.values():
-            discard(value, self.store)
+            self.batch_files.release(value)
         self.values.clear()
         self.in_flight.clear()
         self.edges.clear()

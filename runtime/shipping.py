@@ -1,16 +1,22 @@
-"""Mini-batches for tasks, written once into a shared-memory file of the run's host store; a task carries its name.
+"""Mini-batches for tasks, written into recycled shared-memory files of the run's host store; a task carries a name.
 
 Arguments given to ``client.submit`` travel with the task from the client through the scheduler to the worker:
 a step's batch embedded there cost about 1.6 ms per megabyte per task on a 2-core machine (and a 134 MB GPU
 batch would cross two sockets and the scheduler's memory twice a step). Instead the driver packs every
 tensor of a batch into one file of the host store (the workers already map its files, on the same machine),
-and the task's argument is the file's path with the tree's structure: a few hundred bytes. The worker maps
-the file copy-on-write, so a model that changes its input in place cannot change what a later task of the
-same step reads; the driver removes the file once no task will read it again.
+and the task's argument is the file's name with the tree's structure: a few hundred bytes.
+
+The files are recycled (``BatchFiles``): a fresh file costs its pages' faults on both sides (about 1 ms per
+megabyte on a 2-core VM, twice the copy itself, every step), a file used before costs only the copy, and a
+worker maps each one once. A file is written again only after every task that read it has finished, and
+what a task reads from it are views it must not write: the device copy the model sees is made by the
+worker's cache (``copy_in``), and the task has synchronized with any asynchronous copy before it finishes.
 """
 
 from __future__ import annotations
 
+import bisect
+import ctypes
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +27,8 @@ from torch.utils._pytree import tree_leaves, tree_map
 from harmony.runtime.hoststore import HostStore
 
 ALIGNMENT = 64
+PAGE = 4096
+SPARE_FILES = 32
 
 
 @dataclass(frozen=True)
@@ -46,54 +54,96 @@ class TensorSlot:
 
 @dataclass(frozen=True)
 class ShippedTensors:
-    """A tree of values whose tensors are packed into one host-store file; ``unpack()`` gives the tree back."""
+    """A tree of values whose tensors are packed into one host-store file; ``unpack(store)`` gives the tree back."""
 
     name: str
-    path: str
-    nbytes: int
+    capacity: int
     structure: Any
 
-    @classmethod
-    def pack(cls, tree: Any, store: HostStore, name: str) -> ShippedTensors:
-        """Copy every tensor of tree (on any device) into the store's file name; other leaves are kept as is."""
-        offset = 0
-
-        def place(leaf: Any) -> Any:
-            nonlocal offset
-            if not isinstance(leaf, torch.Tensor):
-                return leaf
-            slot = TensorSlot(offset, leaf.dtype, tuple(leaf.shape), str(leaf.device), leaf.requires_grad)
-            offset += -(-slot.nbytes // ALIGNMENT) * ALIGNMENT
-            return slot
-
-        structure = tree_map(place, tree)
-        buffer = store.create(name, offset)
-        for slot, leaf in zip(tree_leaves(structure), tree_leaves(tree)):
-            if isinstance(slot, TensorSlot):
-                buffer[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape).copy_(leaf.detach())
-        store.forget(name)
-        return cls(name, str(store.path(name)), offset, structure)
-
-    def unpack(self) -> Any:
-        """The tree, its tensors views of a private (copy-on-write) mapping of the file, moved to their devices
-        where those are not the CPU; the mapping goes when the last view does."""
-        buffer = torch.from_file(self.path, shared=False, size=max(self.nbytes, 1), dtype=torch.uint8)
+    def unpack(self, store: HostStore) -> Any:
+        """The tree, its tensors read-only views of the store's (cached, shared) mapping of the file, moved to
+        their devices where those are not the CPU."""
+        buffer = store.attach(self.name, self.capacity)
         return tree_map(lambda leaf: leaf.view(buffer) if isinstance(leaf, TensorSlot) else leaf, self.structure)
 
 
-def ship(value: Any, store: HostStore, name: str) -> Any:
-    """value packed into the store's file name if it holds any tensor, else value itself."""
-    if any(isinstance(leaf, torch.Tensor) for leaf in tree_leaves(value)):
-        return ShippedTensors.pack(value, store, name)
-    return value
+def _layout(tree: Any) -> tuple[Any, int]:
+    """tree with a TensorSlot in place of each tensor, and the bytes they take packed."""
+    offset = 0
+
+    def place(leaf: Any) -> Any:
+        nonlocal offset
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        slot = TensorSlot(offset, leaf.dtype, tuple(leaf.shape), str(leaf.device), leaf.requires_grad)
+        offset += -(-slot.nbytes // ALIGNMENT) * ALIGNMENT
+        return slot
+
+    return tree_map(place, tree), offset
 
 
-def unship(value: Any) -> Any:
-    """What ship packed, given back (other values pass through)."""
-    return value.unpack() if isinstance(value, ShippedTensors) else value
+def write(destination: torch.Tensor, source: torch.Tensor) -> None:
+    """Copy source into the contiguous CPU tensor destination of its dtype and shape, on this thread only.
+
+    A torch copy of more than a few thousand elements wakes torch's CPU thread pool, whose threads then
+    spin waiting for more work: about 10 ms of CPU per copy in an otherwise idle driver, taken from the cores
+    the device workers compute on. A plain CPU tensor's bytes are copied with memmove instead.
+    """
+    plain = (
+        source.device.type == "cpu"
+        and source.layout == torch.strided
+        and source.is_contiguous()
+        and not source.is_conj()
+        and not source.is_neg()
+    )
+    if plain:
+        ctypes.memmove(destination.data_ptr(), source.data_ptr(), source.numel() * source.element_size())
+    else:
+        destination.copy_(source)
 
 
-def discard(value: Any, store: HostStore) -> None:
-    """Remove a shipped value's file (no task reads it any more); other values have none."""
-    if isinstance(value, ShippedTensors):
-        store.remove(value.name)
+class BatchFiles:
+    """The driver's batch files: each shipped value takes the smallest free file that holds it (a new one when
+    none does) and gives it back when no task will read it again; at most SPARE_FILES wait for reuse."""
+
+    def __init__(self, store: HostStore, spare: int = SPARE_FILES) -> None:
+        self.store = store
+        self.spare = spare
+        self.free: list[tuple[int, str]] = []
+        self.created = 0
+
+    def ship(self, value: Any) -> Any:
+        """value packed into a batch file if it holds any tensor, else value itself."""
+        if not any(isinstance(leaf, torch.Tensor) for leaf in tree_leaves(value)):
+            return value
+        structure, nbytes = _layout(value)
+        capacity, name = self._take(nbytes)
+        buffer = self.store.attach(name, capacity)
+        for slot, leaf in zip(tree_leaves(structure), tree_leaves(value)):
+            if isinstance(slot, TensorSlot):
+                write(buffer[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape), leaf.detach())
+        return ShippedTensors(name, capacity, structure)
+
+    def release(self, value: Any) -> None:
+        """A shipped value's file is free again (no task reads it any more); other values have none."""
+        if not isinstance(value, ShippedTensors):
+            return
+        bisect.insort(self.free, (value.capacity, value.name))
+        if len(self.free) > self.spare:
+            _, name = self.free.pop(0)
+            self.store.remove(name)
+
+    def _take(self, nbytes: int) -> tuple[int, str]:
+        index = bisect.bisect_left(self.free, (nbytes, ""))
+        if index < len(self.free):
+            return self.free.pop(index)
+        capacity = max(PAGE, -(-nbytes // PAGE) * PAGE)
+        name = f"batch-{self.created}"
+        self.created += 1
+        self.store.create(name, capacity)
+        return capacity, name
+
+
+def unship(value: Any, store: HostStore) -> Any:
+    """What BatchFiles.ship packed, given back through the store's mappings (other values pass through)."""
+    return value.unpack(store) if isinstance(value, ShippedTensors) else value

@@ -86,3 +86,25 @@ def test_per_model_loaders_match_plain_pytorch(devices: list[str], no_leaks: Non
         torch.testing.assert_close(torch.tensor(result.history[index]), torch.tensor(losses), rtol=1e-5, atol=1e-7)
     for peak in result.stats.peak_device_bytes.values():
         assert 0 < peak <= BUDGET
+
+
+class DoublesItsInputInPlace(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mul_(2)
+
+
+def test_a_model_that_writes_its_input_in_place_reads_each_batch_as_loaded(no_leaks: None) -> None:
+    """Batch files are recycled and mapped shared by the workers: the model must get a copy. Swapped, pack 0's
+    input is read twice a step (fwd, then bwd's recompute), so a write through to the file would show."""
+    model = nn.Sequential(DoublesItsInputInPlace(), *deep_mlp())
+    reference = clones([model])[0]
+    batches = regression_batches(samples=16 * STEPS, batch=16)
+    loaded = [(x.clone(), y.clone()) for x, y in batches]
+    result = harmony.train(model, batches, loss_fn=nn.functional.mse_loss, optimizer=FACTORIES[0],
+                           microbatches=2, devices=["cpu"], device_memory=BUDGET, progress=False)
+    assert len(result.plans[0].packs) > 2
+    for (x, y), (x_loaded, y_loaded) in zip(batches, loaded):
+        assert torch.equal(x, x_loaded) and torch.equal(y, y_loaded), "Harmony never writes the user's batches"
+    losses = train_plain(reference, [(x.clone(), y.clone()) for x, y in loaded], nn.functional.mse_loss, FACTORIES[0])
+    assert_same_weights(model, reference)
+    torch.testing.assert_close(torch.tensor(result.history[0]), torch.tensor(losses), rtol=1e-5, atol=1e-7)

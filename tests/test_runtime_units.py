@@ -25,7 +25,7 @@ from harmony.runtime.driver import Driver
 from harmony.runtime.handoff import LocalResult, LostResult
 from harmony.runtime.hoststore import HostStore, tensors_at
 from harmony.runtime.optimizer import PackOptimizer
-from harmony.runtime.shipping import ShippedTensors, discard, ship, unship
+from harmony.runtime.shipping import BatchFiles, ShippedTensors, unship
 from harmony.runtime.skeleton import dump_skeleton, load_skeleton
 from harmony.runtime.spec import PackRuntime, grads_name, weights_name
 from harmony.runtime.stream import CopyEngine
@@ -191,22 +191,44 @@ def test_shipped_batches_travel_as_a_file_name_and_come_back_exactly(store: Host
     tree = [
         (torch.randn(3, 5), {"ids": torch.arange(7), "mask": torch.tensor([True, False, True])}),
         (torch.randn(2, 2, dtype=torch.bfloat16), torch.empty(0, 4), "label", 3),
+        (torch.randn(5, 3).t(), torch.randn(6, 4)[2:4], torch.randn(3, dtype=torch.complex64).conj()),
     ]
-    shipped = ship(tree, store, "batch")
-    assert isinstance(shipped, ShippedTensors) and store.path("batch").exists()
-    assert ship([1.0, 0.5], store, "none") == [1.0, 0.5] and unship([1.0]) == [1.0]
-    assert not store.path("none").exists(), "a value without tensors needs no file"
+    files = BatchFiles(store)
+    shipped = files.ship(tree)
+    assert isinstance(shipped, ShippedTensors) and store.path(shipped.name).exists()
+    assert files.ship([1.0, 0.5]) == [1.0, 0.5] and unship([1.0], store) == [1.0]
+    assert files.created == 1, "a value without tensors needs no file"
     assert len(pickle.dumps(shipped)) < 2_000, "the task carries the file's name, not the bytes"
-    back = unship(pickle.loads(pickle.dumps(shipped)))
+    reader = HostStore(store.run, store.directory)
+    back = unship(pickle.loads(pickle.dumps(shipped)), reader)
     assert back[0][1]["mask"].dtype == torch.bool and back[1][2:] == ("label", 3)
     for original, copied in zip(tree_flatten(tree)[0], tree_flatten(back)[0]):
         if isinstance(original, torch.Tensor):
-            assert copied.dtype == original.dtype and torch.equal(copied, original)
-    back[0][0].mul_(0)
-    assert torch.equal(unship(shipped)[0][0], tree[0][0]), "a task writing its input leaves the file as it was"
-    discard(shipped, store)
-    assert not store.path("batch").exists()
-    assert torch.equal(back[0][1]["ids"], torch.arange(7)), "a reader keeps its pages after the file is removed"
+            assert copied.dtype == original.dtype and torch.equal(copied, original.resolve_conj())
+    reader.close()
+
+
+def test_batch_files_are_reused_once_released_and_spares_are_bounded(store: HostStore) -> None:
+    files = BatchFiles(store, spare=2)
+    reader = HostStore(store.run, store.directory)
+    first = files.ship([torch.full((100,), 1.0)])
+    held = files.ship([torch.full((100,), 2.0)])
+    assert first.name != held.name and files.created == 2, "a file still read is never handed out again"
+    files.release(first)
+    again = files.ship([torch.full((100,), 3.0)])
+    assert again.name == first.name and files.created == 2, "a released file of the right size is reused"
+    assert torch.equal(unship(again, reader)[0], torch.full((100,), 3.0))
+    assert torch.equal(unship(held, reader)[0], torch.full((100,), 2.0))
+    big = files.ship([torch.zeros(5000)])
+    assert big.capacity >= 20_000 and files.created == 3, "a value larger than every free file gets a new one"
+    for value in (again, held, big):
+        files.release(value)
+    assert [capacity for capacity, _ in files.free] == [4096, big.capacity], "spares: the largest SPARE kept"
+    assert sum(store.path(value.name).exists() for value in (again, held)) == 1, "one small spare removed"
+    small = files.ship([torch.ones(10)])
+    assert small.capacity == 4096 and files.created == 3, "the smallest free file that holds a value is taken"
+    assert torch.equal(unship(small, reader)[0], torch.ones(10)), "a reused file's mapping shows the new batch"
+    reader.close()
 
 
 def test_cache_never_hands_out_stale_weights_that_are_in_use(store: HostStore) -> None:
