@@ -1,4 +1,5 @@
-"""Preloaded by every embedded device worker: import what the first optimizer step needs, in the background.
+"""Preloaded by every embedded device worker: malloc that keeps freed memory, and, in the background, the
+imports the first optimizer step needs.
 
 The first torch optimizer a process builds imports torch._dynamo, which takes a second or two; started
 when the worker process starts, the import overlaps with the worker joining the scheduler and the driver
@@ -11,11 +12,14 @@ from __future__ import annotations
 import importlib
 import threading
 
+from harmony.runtime.allocator import keep_freed_memory
+
 
 def _import_optimizer_machinery() -> None:
     importlib.import_module("torch._dynamo")
 
 
+keep_freed_memory()
 WARMUP = threading.Thread(target=_import_optimizer_machinery, name="harmony-warmup", daemon=True)
 WARMUP.start()
 

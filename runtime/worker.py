@@ -18,6 +18,7 @@ from distributed import WorkerPlugin, get_worker
 from torch import nn
 
 from harmony.runtime import serialization  # noqa: F401  (tensor serializers on every worker)
+from harmony.runtime.allocator import keep_freed_memory
 from harmony.runtime.cache import DeviceCache
 from harmony.runtime.counters import BLOCK_BYTES, Counters
 from harmony.runtime.handoff import FinishedKeys
@@ -182,6 +183,7 @@ class DevicePlugin(WorkerPlugin):
 
     def setup(self, worker: Any) -> None:
         wait_for_warmup()
+        keep_freed_memory()
         RUNS[(self.spec.run, worker.address)] = RunContext(self.spec, str(worker.name))
 
     def teardown(self, worker: Any) -> None:

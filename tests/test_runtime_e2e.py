@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -261,3 +262,35 @@ def test_batches_reach_the_workers_through_files_removed_once_read(no_leaks: Non
     assert len(loader.counts) >= len(batches), "the driver read the whole loader"
     assert max(loader.counts) > 0, "batches were shipped as files"
     assert max(loader.counts) <= 4, f"batch files piled up (an input and a target file per step): {loader.counts}"
+
+
+def test_a_nanny_started_users_cluster_trains_and_its_workers_keep_freed_memory(no_leaks: None) -> None:
+    """Workers in their own processes, as `dask worker` starts them: the nanny gives them
+    MALLOC_TRIM_THRESHOLD_=65536, under which every tensor over 128 KiB is a fresh mmap; a run's setup undoes it."""
+    model = deep_mlp(depth=3)
+    reference = copy.deepcopy(model)
+    batches = regression_batches(samples=48, batch=12)
+    factory = lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)  # noqa: E731
+
+    def faults_per_mebibyte_tensor() -> float:
+        import resource
+
+        torch.empty(2**20, dtype=torch.uint8).fill_(1)  # the heap grows once to hold the block
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for _ in range(40):
+            torch.empty(2**20, dtype=torch.uint8).fill_(1)
+        return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 40
+
+    with (
+        LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
+        [environment] = client.run(lambda: os.environ.get("MALLOC_TRIM_THRESHOLD_")).values()
+        assert environment is not None, "the nanny's malloc setting is what this test is about"
+        result = harmony.train(model, batches, loss_fn=nn.functional.mse_loss, optimizer=factory, cluster=client,
+                               progress=False)
+        [faults] = client.run(faults_per_mebibyte_tensor).values()
+    assert faults < 10, f"a freed 1 MiB block is reused, not mapped afresh ({faults} page faults per tensor)"
+    losses = train_plain(reference, batches, nn.functional.mse_loss, factory)
+    assert_same_weights(model, reference)
+    assert result.history[0] == pytest.approx(losses, rel=1e-5)
