@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from harmony.runtime.hoststore import HostStore
 
 ALIGNMENT = 64
+HEADER = ALIGNMENT
 PAGE = 4096
 SPARE_FILES = 32
 
@@ -52,6 +53,10 @@ class TensorSlot:
         return tensor.requires_grad_(True) if self.requires_grad else tensor
 
 
+class StaleBatch(RuntimeError):
+    """A task read a batch file that has since been given another batch."""
+
+
 @dataclass(frozen=True)
 class ShippedTensors:
     """A tree of values whose tensors are packed into one host-store file; ``unpack(store)`` gives the tree back."""
@@ -59,17 +64,24 @@ class ShippedTensors:
     name: str
     capacity: int
     structure: Any
+    generation: int = 0
 
     def unpack(self, store: HostStore) -> Any:
         """The tree, its tensors read-only views of the store's (cached, shared) mapping of the file, moved to
-        their devices where those are not the CPU."""
+        their devices where those are not the CPU. A task run again after its batch's file was reused (Dask
+        recomputing a result a dead worker held) gets an error, not another step's batch."""
         buffer = store.attach(self.name, self.capacity)
+        found = int(buffer[:HEADER].view(torch.int64)[0])
+        if found != self.generation:
+            raise StaleBatch(f"batch file {self.name} now holds another batch (use {found}, not {self.generation}): "
+                             "a task ran again after every reader of its batch had finished")
         return tree_map(lambda leaf: leaf.view(buffer) if isinstance(leaf, TensorSlot) else leaf, self.structure)
 
 
 def _layout(tree: Any) -> tuple[Any, int]:
-    """tree with a TensorSlot in place of each tensor, and the bytes they take packed."""
-    offset = 0
+    """tree with a TensorSlot in place of each tensor, and the bytes the file needs: a header (the use's
+    generation), then the tensors packed."""
+    offset = HEADER
 
     def place(leaf: Any) -> Any:
         nonlocal offset
@@ -111,6 +123,7 @@ class BatchFiles:
         self.spare = spare
         self.free: list[tuple[int, str]] = []
         self.created = 0
+        self.generation = 0
 
     def ship(self, value: Any) -> Any:
         """value packed into a batch file if it holds any tensor, else value itself."""
@@ -119,10 +132,12 @@ class BatchFiles:
         structure, nbytes = _layout(value)
         capacity, name = self._take(nbytes)
         buffer = self.store.attach(name, capacity)
+        self.generation += 1
+        buffer[:HEADER].view(torch.int64)[0] = self.generation
         for slot, leaf in zip(tree_leaves(structure), tree_leaves(value)):
             if isinstance(slot, TensorSlot):
                 write(buffer[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape), leaf.detach())
-        return ShippedTensors(name, capacity, structure)
+        return ShippedTensors(name, capacity, structure, self.generation)
 
     def release(self, value: Any) -> None:
         """A shipped value's file is free again (no task reads it any more); other values have none."""

@@ -29,7 +29,7 @@ from harmony.runtime.driver import Driver
 from harmony.runtime.handoff import LocalResult, LostResult
 from harmony.runtime.hoststore import HostStore, tensors_at
 from harmony.runtime.optimizer import PackOptimizer
-from harmony.runtime.shipping import BatchFiles, ShippedTensors, unship
+from harmony.runtime.shipping import BatchFiles, ShippedTensors, StaleBatch, unship
 from harmony.runtime.skeleton import dump_skeleton, load_skeleton
 from harmony.runtime.spec import PackRuntime, grads_name, weights_name
 from harmony.runtime.stream import CopyEngine
@@ -232,6 +232,9 @@ def test_batch_files_are_reused_once_released_and_spares_are_bounded(store: Host
     small = files.ship([torch.ones(10)])
     assert small.capacity == 4096 and files.created == 3, "the smallest free file that holds a value is taken"
     assert torch.equal(unship(small, reader)[0], torch.ones(10)), "a reused file's mapping shows the new batch"
+    stale = again if small.name == again.name else held
+    with pytest.raises(StaleBatch, match="another batch"):
+        unship(stale, reader)  # a task run again after its batch's file was reused
     reader.close()
 
 
