@@ -52,7 +52,6 @@ class Driver:
     ) -> None:
         self.client = client
         self.run = run
-        self.store = store
         self.batch_files = BatchFiles(store)
         self.state = state
         self.feeds = feeds
