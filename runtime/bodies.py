@@ -259,8 +259,9 @@ def _backward_step(
                 if last:
                     target = ctx.cache.copy_in(gradients_or_targets[index], "inputs")
                     losses = ctx.loss_fn(model)(y, target).reshape(-1)
-                    loss_total += losses.detach().to(torch.float64) * loss_weights[index]
-                    (losses.sum() * loss_weights[index]).backward()
+                    weight = loss_weights[index]
+                    loss_total.add_(losses.detach(), alpha=weight)
+                    (losses.sum() if weight == 1 else losses.sum() * weight).backward()
                 else:
                     upstream = kept_grad if kept_grad is not None else ctx.cache.copy_in(
                         gradients_or_targets[index], "activations")

@@ -91,7 +91,11 @@ def batch_size(tree: Any) -> int:
 
 
 def split_tree(tree: Any, sizes: list[int]) -> list[Any]:
-    """Split every tensor of tree along dim 0 into micro-batches of sizes (views; shipping copies them into a file)."""
+    """Split every tensor of tree along dim 0 into micro-batches of sizes (views; shipping copies them into a file).
+
+    One micro-batch is the tree itself (a step's driver work is on the critical path of small models)."""
+    if len(sizes) == 1:
+        return [tree]
     leaves, spec = tree_flatten(tree)
     parts = [list(leaf.split(sizes)) if isinstance(leaf, torch.Tensor) else [leaf] * len(sizes) for leaf in leaves]
     return [tree_unflatten([part[i] for part in parts], spec) for i in range(len(sizes))]

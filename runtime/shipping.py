@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from harmony.runtime.hoststore import HostStore
 
@@ -78,20 +78,18 @@ class ShippedTensors:
         return tree_map(lambda leaf: leaf.view(buffer) if isinstance(leaf, TensorSlot) else leaf, self.structure)
 
 
-def _layout(tree: Any) -> tuple[Any, int]:
-    """tree with a TensorSlot in place of each tensor, and the bytes the file needs: a header (the use's
-    generation), then the tensors packed."""
+def _layout(leaves: list[Any]) -> tuple[list[Any], int]:
+    """The leaves of a tree with a TensorSlot in place of each tensor, and the bytes the file needs: a header
+    (the use's generation), then the tensors packed."""
     offset = HEADER
-
-    def place(leaf: Any) -> Any:
-        nonlocal offset
-        if not isinstance(leaf, torch.Tensor):
-            return leaf
-        slot = TensorSlot(offset, leaf.dtype, tuple(leaf.shape), str(leaf.device), leaf.requires_grad)
-        offset += -(-slot.nbytes // ALIGNMENT) * ALIGNMENT
-        return slot
-
-    return tree_map(place, tree), offset
+    placed = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            slot = TensorSlot(offset, leaf.dtype, tuple(leaf.shape), str(leaf.device), leaf.requires_grad)
+            offset += -(-slot.nbytes // ALIGNMENT) * ALIGNMENT
+            leaf = slot
+        placed.append(leaf)
+    return placed, offset
 
 
 def write(destination: torch.Tensor, source: torch.Tensor) -> None:
@@ -127,17 +125,18 @@ class BatchFiles:
 
     def ship(self, value: Any) -> Any:
         """value packed into a batch file if it holds any tensor, else value itself."""
-        if not any(isinstance(leaf, torch.Tensor) for leaf in tree_leaves(value)):
+        leaves, spec = tree_flatten(value)
+        if not any(isinstance(leaf, torch.Tensor) for leaf in leaves):
             return value
-        structure, nbytes = _layout(value)
+        slots, nbytes = _layout(leaves)
         capacity, name = self._take(nbytes)
         buffer = self.store.attach(name, capacity)
         self.generation += 1
         buffer[:HEADER].view(torch.int64)[0] = self.generation
-        for slot, leaf in zip(tree_leaves(structure), tree_leaves(value)):
+        for slot, leaf in zip(slots, leaves):
             if isinstance(slot, TensorSlot):
                 write(buffer[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape), leaf.detach())
-        return ShippedTensors(name, capacity, structure, self.generation)
+        return ShippedTensors(name, capacity, tree_unflatten(slots, spec), self.generation)
 
     def release(self, value: Any) -> None:
         """A shipped value's file is free again (no task reads it any more); other values have none."""
