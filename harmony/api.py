@@ -159,7 +159,8 @@ def train(
             device_cluster(user, specs) as handle,
             unbatched(handle.client, list(handle.workers.values()), restore=not handle.embedded),
         ):
-            hardware = measured_hardware(handle.client, handle.workers)
+            hardware = measured_hardware(handle.client, handle.workers,
+                                         cpu_compute=any(spec.kind == "cpu" for spec in specs))
             jobs, choices = fuse_jobs(jobs, args, budgets, hardware, bool(prefetch), policy, fuse)
             chosen, _ = arrange(jobs, args, budgets, [job.expected_steps or 1 for job in jobs], hardware, mode,
                                 bool(prefetch), policy, resident, steps_per_task)

@@ -184,7 +184,8 @@ def arrange(
         if job.home is not None and len(job.plan.packs) == 1 and job.groups == 1:
             batch = args.loaders[job.feed].first
             job.depth = depth if isinstance(depth, int) else steps_per_task(
-                job.step_seconds, hardware.task_overhead, tree_nbytes(batch), job.expected_steps
+                job.step_seconds, max(hardware.task_overhead, hardware.task_cpu), tree_nbytes(batch),
+                job.expected_steps
             )
     return chosen, predicted
 

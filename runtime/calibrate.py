@@ -27,20 +27,27 @@ def _nothing(index: int, previous: LocalResult | None = None) -> int:
     return index
 
 
-def task_cost(client: Client, workers: dict[str, str], chain: int = CHAIN) -> float:
-    """Seconds one task adds to a device's time: a chain of empty tasks, each naming the one before, is
-    submitted at once to each device worker as the driver submits a step's tasks on one device (no scheduler
-    edge between them, run in submission order, see handoff), and the slowest worker's time to finish it is
-    divided by its length.
+def _process_seconds() -> float:
+    return time.process_time()
+
+
+def task_cost(client: Client, workers: dict[str, str], chain: int = CHAIN) -> tuple[float, float]:
+    """Seconds one task adds to a device's time, and CPU seconds it takes from the machine: a chain of empty
+    tasks, each naming the one before, is submitted at once to each device worker as the driver submits a
+    step's tasks on one device (no scheduler edge between them, run in submission order, see handoff). The
+    slowest worker's time to finish it, divided by its length, is the first; the CPU time the driver's process
+    (client and, embedded, scheduler) and that worker's process spent meanwhile, per task, the second.
 
     What it counts is the scheduler's transitions, the worker's execution and the results' reports, task
     after task; on a 2-core machine about 1 ms with the run's streams unbatched (batching.py), against about
     2 ms when each task waits at the scheduler for the one before and 11 ms for one task's round trip from
-    the driver."""
+    the driver; the CPU time about 2.5 ms (1.5 in the driver, 1 in the worker)."""
     client.run(wait_for_warmup)
-    costs = []
+    latencies, cpu = [], []
     for address in workers.values():
         for measured in (False, True):
+            [worker_before] = client.run(_process_seconds, workers=[address]).values()
+            driver_before = time.process_time()
             started = time.perf_counter()
             future = client.submit(_nothing, 0, workers=[address], pure=False, priority=0)
             futures = [future]
@@ -49,14 +56,19 @@ def task_cost(client: Client, workers: dict[str, str], chain: int = CHAIN) -> fl
                                        priority=-index)
                 futures.append(future)
             future.result()
+            elapsed = time.perf_counter() - started
+            driver = time.process_time() - driver_before
+            [worker_after] = client.run(_process_seconds, workers=[address]).values()
             if measured:
-                costs.append((time.perf_counter() - started) / chain)
+                latencies.append(elapsed / chain)
+                cpu.append((driver + worker_after - worker_before) / chain)
             del futures
-    return max(costs)
+    return max(latencies), max(cpu)
 
 
-def measured_hardware(client: Client, workers: dict[str, str]) -> Hardware:
-    """This machine as the simulator sees it, with the task cost measured on the cluster the run will use."""
-    cost = task_cost(client, workers)
-    logger.info("task cost on this cluster: %.1f ms per task of a chain", cost * 1e3)
-    return dataclasses.replace(this_machine(), task_overhead=cost)
+def measured_hardware(client: Client, workers: dict[str, str], cpu_compute: bool = True) -> Hardware:
+    """This machine as the simulator sees it, with the task cost measured on the cluster the run will use;
+    the CPU a task takes counts where the devices compute on this machine's cores (cpu_compute)."""
+    latency, cpu = task_cost(client, workers)
+    logger.info("task cost on this cluster: %.1f ms per task of a chain, %.1f ms of CPU", latency * 1e3, cpu * 1e3)
+    return dataclasses.replace(this_machine(), task_overhead=latency, task_cpu=cpu if cpu_compute else 0.0)

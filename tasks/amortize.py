@@ -4,7 +4,8 @@ A resident single-pack model (or fused array) needs one task per step (its backw
 the forward, the loss and the update). When a step takes about as long as scheduling a task, most of
 the time is scheduling; one task that runs several steps, reading the batches of all of them from one
 file, divides that cost. The depth comes from the step time the pilot pass measured and the task
-cost measured on the live cluster the run uses (runtime.calibrate).
+cost measured on the live cluster the run uses (runtime.calibrate): the time a task adds to its device or,
+where the devices compute on the machine's cores, the CPU time it takes from them, whichever is more.
 """
 
 from __future__ import annotations

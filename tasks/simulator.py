@@ -39,7 +39,9 @@ class Hardware:
 
     compute_scale 1.0 means as fast as the machine that ran the pilot pass; host_link is host<->device
     (None: copies cost nothing), peer_link device<->device; task_overhead is the runtime's fixed cost
-    per task (Dask's scheduling, about a millisecond on a server, a few on a small machine).
+    per task (Dask's scheduling, about a millisecond on a server, a few on a small machine); task_cpu is the
+    CPU time a task takes from the cores the devices compute with (the driver's, the scheduler's and the
+    worker's work for it; 0 where the devices compute elsewhere).
     """
 
     name: str = "this machine"
@@ -47,6 +49,7 @@ class Hardware:
     host_link: float | None = None
     peer_link: float | None = None
     task_overhead: float = 0.003
+    task_cpu: float = 0.0
     optimizer_bytes_per_second: float = 5e9
 
 

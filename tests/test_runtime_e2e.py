@@ -294,3 +294,36 @@ def test_a_nanny_started_users_cluster_trains_and_its_workers_keep_freed_memory(
     losses = train_plain(reference, batches, nn.functional.mse_loss, factory)
     assert_same_weights(model, reference)
     assert result.history[0] == pytest.approx(losses, rel=1e-5)
+
+
+def test_an_embedded_cluster_samples_itself_less_often_but_keeps_what_the_user_configured(no_leaks: None) -> None:
+    """Its scheduler and workers time their event loops, read system counters and sample stacks at
+    runtime.cluster.SAMPLING's rates (wake-ups that take CPU from the compute threads), except where the user
+    set a value."""
+    import dask
+
+    from harmony.runtime.cluster import SAMPLING, start_embedded
+    from harmony.runtime.devices import DeviceSpec
+
+    def milliseconds(value: str) -> float:
+        return dask.utils.parse_timedelta(value) * 1e3
+
+    def worker_intervals(dask_worker: object) -> dict[str, float]:
+        callbacks = dask_worker.periodic_callbacks  # type: ignore[attr-defined]
+        return {name: callbacks[name].callback_time for name in ("tick", "profile", "monitor")}
+
+    with dask.config.set({"distributed.admin.tick.interval": "100ms"}):
+        handle = start_embedded([DeviceSpec("cpu-0", "cpu", 2**26, 1)], dashboard_address=":0")
+    try:
+        [intervals] = handle.client.run(worker_intervals).values()
+        scheduler = handle.client.run_on_scheduler(
+            lambda dask_scheduler: {name: dask_scheduler.periodic_callbacks[name].callback_time
+                                    for name in ("tick", "monitor")})
+    finally:
+        handle.close()
+    assert intervals["tick"] == scheduler["tick"] == 100, "the user's tick interval is kept"
+    assert intervals["profile"] == milliseconds(SAMPLING["distributed.worker.profile.interval"])
+    expected_monitor = milliseconds(SAMPLING["distributed.admin.system-monitor.interval"])
+    assert intervals["monitor"] == scheduler["monitor"] == expected_monitor
+    assert milliseconds(SAMPLING["distributed.admin.system-monitor.interval"]) > milliseconds(
+        dask.config.get("distributed.admin.system-monitor.interval")), "less often than distributed's default"
