@@ -299,9 +299,10 @@ def test_a_nanny_started_users_cluster_trains_and_its_workers_keep_freed_memory(
 def test_an_embedded_cluster_samples_itself_less_often_but_keeps_what_the_user_configured(no_leaks: None) -> None:
     """Its scheduler and workers time their event loops, read system counters and sample stacks at
     runtime.cluster.SAMPLING's rates (wake-ups that take CPU from the compute threads), except where the user
-    set a value."""
+    set a value; calibration on it measures a task's CPU time besides its latency."""
     import dask
 
+    from harmony.runtime.calibrate import measured_hardware
     from harmony.runtime.cluster import SAMPLING, start_embedded
     from harmony.runtime.devices import DeviceSpec
 
@@ -319,8 +320,12 @@ def test_an_embedded_cluster_samples_itself_less_often_but_keeps_what_the_user_c
         scheduler = handle.client.run_on_scheduler(
             lambda dask_scheduler: {name: dask_scheduler.periodic_callbacks[name].callback_time
                                     for name in ("tick", "monitor")})
+        cpu_devices = measured_hardware(handle.client, handle.workers, cpu_compute=True)
+        gpu_devices = measured_hardware(handle.client, handle.workers, cpu_compute=False)
     finally:
         handle.close()
+    assert cpu_devices.task_overhead > 0 and cpu_devices.task_cpu > 0, "a task's latency and CPU time are measured"
+    assert gpu_devices.task_cpu == 0, "the CPU a task takes counts only where the devices compute on the cores"
     assert intervals["tick"] == scheduler["tick"] == 100, "the user's tick interval is kept"
     assert intervals["profile"] == milliseconds(SAMPLING["distributed.worker.profile.interval"])
     expected_monitor = milliseconds(SAMPLING["distributed.admin.system-monitor.interval"])
