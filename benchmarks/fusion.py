@@ -30,6 +30,7 @@ import harmony
 from benchmarks.report import arguments, report
 from harmony.runtime.cluster import start_embedded
 from harmony.runtime.devices import DeviceSpec, cpu_count
+from harmony.runtime.worker import wait_for_warmup
 
 MODELS = 16
 BATCH = 32
@@ -147,6 +148,7 @@ def in_device_worker(loop: Callable[[list[nn.Module], list], float], models: lis
     to tell Harmony's own cost from what running in a worker process next to a scheduler costs."""
     handle = start_embedded([DeviceSpec("cpu-0", "cpu", 0, cpu_count())], dashboard_address=":0")
     try:
+        handle.client.run(wait_for_warmup)  # as a run's setup does: the worker's background import is done
         worker = list(handle.workers.values())
         batches = [(x.clone(), y.clone()) for x, y in data]  # own storage: a pickled view carries its whole base
         [shipped] = handle.client.scatter([batches], workers=worker)  # the data goes once, not inside the task
