@@ -125,7 +125,8 @@ def train(
     copying the next task's weights in while the current one computes. policy picks which model a
     free device serves: "lrtf" (Sharded-LRTF, the longest remaining time first) or "round_robin".
     group=False swaps a pack's weights in again for every micro-batch, the per-micro-batch swapping
-    that Harmony's grouping avoids (a baseline for benchmarks; results are the same). mode places work
+    that Harmony's grouping avoids (a baseline for benchmarks; results are the same; every model is then
+    swapped, none kept resident). mode places work
     on several devices: "vpp" spreads packs over devices, "vdp" spreads micro-batch groups (each device
     runs every pack, gradients are reduced before the update), "free" binds any task anywhere, and
     "auto" runs the one the simulator predicts fastest. resident=True keeps every model that fits a
@@ -163,7 +164,7 @@ def train(
                                          cpu_compute=any(spec.kind == "cpu" for spec in specs))
             jobs, choices = fuse_jobs(jobs, args, budgets, hardware, bool(prefetch), policy, fuse)
             chosen, _ = arrange(jobs, args, budgets, [job.expected_steps or 1 for job in jobs], hardware, mode,
-                                bool(prefetch), policy, resident, steps_per_task)
+                                bool(prefetch), policy, resident and bool(group), steps_per_task)
             outcome = _run(jobs, args, specs, handle, progress, prefetch=bool(prefetch), group=bool(group),
                            policy=policy, mode=chosen)
             wall_seconds = time.perf_counter() - started

@@ -201,6 +201,21 @@ def test_per_microbatch_swapping_pays_m_times_the_weights_for_the_same_result(no
     assert ungrouped.bytes_out["grads"] == grouped.bytes_out["grads"] == steps * weights
 
 
+def test_per_microbatch_swapping_of_a_model_that_fits_swaps_it_and_trains_as_plain_pytorch(no_leaks: None) -> None:
+    """group=False is per-micro-batch swapping: a model that fits is swapped too, not kept resident (reloading its
+    weights from the host store between micro-batches would undo a resident model's updates)."""
+    model = deep_mlp(depth=3)
+    reference = copy.deepcopy(model)
+    batches = regression_batches(samples=48, batch=12)
+    factory = lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)  # noqa: E731
+    result = harmony.train(model, batches, loss_fn=nn.functional.mse_loss, optimizer=factory, microbatches=3,
+                           group=False, progress=False)
+    losses = train_plain(reference, batches, nn.functional.mse_loss, factory)
+    assert result.homes == {}, "nothing stays resident under per-micro-batch swapping"
+    assert_same_weights(model, reference)
+    assert result.history[0] == pytest.approx(losses, rel=1e-5)
+
+
 class TiedClassifier(nn.Module):
     """Token embeddings shared with the output projection (tied weights), and a BatchNorm with running stats."""
 
