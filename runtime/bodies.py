@@ -30,6 +30,7 @@ from harmony.runtime.cache import BudgetExceeded, tree_nbytes
 from harmony.runtime.errors import ModelFailure
 from harmony.runtime.handoff import receive, wait_for
 from harmony.runtime.hoststore import tensors_at
+from harmony.runtime.resident import ResidentModel
 from harmony.runtime.shipping import unship
 from harmony.runtime.spec import LOSS_BLOCK, losses_name
 from harmony.runtime.worker import RunContext, context
@@ -178,25 +179,14 @@ def backward(
     ):
         ctx.prefetch_next(keep_free=runtime.workspace)
         if resident:
-            state = ctx.resident(model, weights)
-            bound: Callable[[Any], Any] | None = state.module
-            tensors: dict[str, torch.Tensor] = {}
-            grads: dict[str, torch.Tensor] = {}
+            _resident_steps(ctx, model, first, per_step, group, ctx.resident(model, weights))
         else:
             grad_bytes = torch.zeros(runtime.grads.nbytes, dtype=torch.uint8, device=ctx.device)
-            bound = None
             tensors = tensors_at(weights, runtime.weights)
             grads = tensors_at(grad_bytes, runtime.grads)
-        for index, (step_inputs, step_targets, step_weights) in enumerate(per_step):
-            if index:
-                ctx.resident_step(model, first + index - 1)
-            if resident:
-                state.clear_grads()
-            input_grads = _backward_step(ctx, model, pack, first + index, weights, tensors, grads, step_inputs,
-                                         step_targets, step_weights, group, bound)
-        if resident:
-            ctx.resident_step(model, first + count - 1)
-        else:
+            for index, (step_inputs, step_targets, step_weights) in enumerate(per_step):
+                input_grads = _backward_step(ctx, model, pack, first + index, weights, tensors, grads, step_inputs,
+                                             step_targets, step_weights, group)
             ctx.cache.write_back(grad_bytes, ctx.host_grads(model, pack, group), "grads")
         if pack == len(spec.packs) - 1 and runtime.has_buffers and not resident:
             ctx.cache.write_back(weights[runtime.buffers_offset :], host[runtime.buffers_offset :], "buffers")
@@ -204,6 +194,48 @@ def backward(
     if not resident and updates_in_backward(spec.groups):
         _apply_update(ctx, model, pack, step)
     return input_grads if pack > 0 else None
+
+
+def _resident_steps(
+    ctx: RunContext, model: int, first: int, per_step: list[tuple[Any, Any, Any]], group: int, state: ResidentModel
+) -> None:
+    """A resident model's consecutive steps from first, as a plain loop runs them: per step, fresh gradients,
+    every micro-batch's forward, loss and backward through its module (bound to the device weights), then the
+    update on the device.
+
+    What does not change between steps is set up once for the task (the activations' reservation, the loss
+    function, grad mode) and the steps' losses go to the host store together at the end: on a small model
+    the per-step bookkeeping of a swapped pack's backward costs as much as the step's arithmetic.
+    """
+    spec = ctx.spec.models[model]
+    runtime = spec.packs[0]
+    loss_fn = ctx.loss_fn(model)
+    totals = torch.zeros(len(per_step), spec.members, dtype=torch.float64, device=ctx.device)
+    with ctx.cache.scratch(runtime.workspace, "activations of pack 0"), torch.enable_grad():
+        for index, (inputs, targets, loss_weights) in enumerate(per_step):
+            step = first + index
+            state.clear_grads()
+            for microbatch, (x, target, weight) in enumerate(zip(inputs, targets, loss_weights)):
+                x = ctx.cache.copy_in(x, "inputs")
+                target = ctx.cache.copy_in(target, "inputs")
+                _seed(ctx.device, spec.seed, 0, step, group * 65_536 + microbatch)
+                losses = loss_fn(state.module(x), target).reshape(-1)
+                totals[index].add_(losses.detach(), alpha=weight)
+                (losses.sum() if weight == 1 else losses.sum() * weight).backward()
+            state.step(step)
+    _record_losses(ctx, model, first, group, totals.cpu())
+
+
+def _record_losses(ctx: RunContext, model: int, first: int, group: int, totals: torch.Tensor) -> None:
+    """Write steps first, first + 1, ...'s per-member losses (rows of totals) into the host store's loss blocks."""
+    members = ctx.spec.models[model].members
+    step, row = first, 0
+    while row < len(totals):
+        block_index, offset = divmod(step, LOSS_BLOCK)
+        rows = min(len(totals) - row, LOSS_BLOCK - offset)
+        block = ctx.store.attach(losses_name(model, block_index, group), 8 * LOSS_BLOCK * members)
+        block.view(torch.float64).view(LOSS_BLOCK, members)[offset : offset + rows] = totals[row : row + rows]
+        step, row = step + rows, row + rows
 
 
 def check_resident_order(next_step: int, first: int, model: int) -> None:
@@ -226,12 +258,9 @@ def _backward_step(
     gradients_or_targets: list[Any],
     loss_weights: list[float],
     group: int,
-    bound: Callable[[Any], Any] | None = None,
 ) -> list[Any]:
-    """One step's micro-batches through a pack's backward, accumulating into grads (views of the gradient
-    buffer; tensors are views of weights); records the losses. bound is a resident model's module, whose
-    parameters already are the device weights and hold their own gradients: it runs directly, with nothing
-    to rebind (tensors and grads are then unused)."""
+    """One step's micro-batches through a swapped pack's backward, accumulating into grads (views of the
+    gradient buffer; tensors are views of weights); the last pack records the losses."""
     spec = ctx.spec.models[model]
     runtime = spec.packs[pack]
     last = pack == len(spec.packs) - 1
@@ -252,10 +281,7 @@ def _backward_step(
                 x.requires_grad_(x.is_floating_point())
             _seed(ctx.device, spec.seed, pack, step, group * 65_536 + index)
             with torch.enable_grad():
-                if bound is not None:
-                    y = bound(x)
-                else:
-                    y = functional_call(module, {**tensors, **_leaves(tensors, grads)}, (x,))
+                y = functional_call(module, {**tensors, **_leaves(tensors, grads)}, (x,))
                 if last:
                     target = ctx.cache.copy_in(gradients_or_targets[index], "inputs")
                     losses = ctx.loss_fn(model)(y, target).reshape(-1)
@@ -275,9 +301,7 @@ def _backward_step(
         if pack > 0 and ctx.successor is not None:
             ctx.cache.keep(ctx.successor, index, grad, keep_free=runtime.workspace if index + 1 < len(inputs) else 0)
     if last:
-        nbytes = 8 * LOSS_BLOCK * spec.members
-        block = ctx.store.attach(losses_name(model, step // LOSS_BLOCK, group), nbytes).view(torch.float64)
-        block.view(LOSS_BLOCK, spec.members)[step % LOSS_BLOCK] = loss_total.cpu()
+        _record_losses(ctx, model, step, group, loss_total.cpu().unsqueeze(0))
     return input_grads
 
 

@@ -109,10 +109,6 @@ class RunContext:
         state = self.residents.get(model)
         return 0 if state is None else state.next_step
 
-    def resident_step(self, model: int, step: int) -> None:
-        """The update of a resident model, on the device."""
-        self.residents[model].step(step)
-
     def flush_residents(self) -> None:
         """Write every resident model's trained weights to the host store (once, at the end of a run)."""
         for model, state in self.residents.items():
