@@ -438,3 +438,26 @@ def test_a_device_worker_reuses_freed_tensor_memory_even_under_the_nannys_malloc
     before, applied, after = float(output[0]), output[1], float(output[2])
     assert before > 200, f"a fresh mmap per 1 MiB tensor faults on each of its 256 pages (got {before})"
     assert applied == "True" and after < 10, f"after keep_freed_memory a freed block is reused ({after} faults)"
+
+
+def test_a_spans_losses_land_in_their_steps_rows_across_loss_blocks() -> None:
+    """A multi-step task writes its steps' per-member losses together; a span that crosses a block boundary
+    fills the end of one block and the start of the next."""
+    from harmony.runtime.bodies import _record_losses
+    from harmony.runtime.spec import LOSS_BLOCK, losses_name
+
+    members, first, count = 3, LOSS_BLOCK - 2, 5
+    blocks: dict[str, torch.Tensor] = {}
+
+    def attach(name: str, nbytes: int) -> torch.Tensor:
+        return blocks.setdefault(name, torch.zeros(nbytes, dtype=torch.uint8))
+
+    ctx = types.SimpleNamespace(store=types.SimpleNamespace(attach=attach),
+                                spec=types.SimpleNamespace(models=[None, types.SimpleNamespace(members=members)]))
+    totals = torch.arange(count * members, dtype=torch.float64).reshape(count, members) + 1
+    _record_losses(ctx, 1, first, 0, totals)  # type: ignore[arg-type]
+    rows = {name: block.view(torch.float64).view(LOSS_BLOCK, members) for name, block in blocks.items()}
+    assert sorted(rows) == sorted([losses_name(1, 0), losses_name(1, 1)])
+    torch.testing.assert_close(rows[losses_name(1, 0)][-2:], totals[:2])
+    torch.testing.assert_close(rows[losses_name(1, 1)][:3], totals[2:])
+    assert rows[losses_name(1, 0)][:-2].abs().sum() == 0 and rows[losses_name(1, 1)][3:].abs().sum() == 0
