@@ -203,26 +203,27 @@ def _resident_steps(
     every micro-batch's forward, loss and backward through its module (bound to the device weights), then the
     update on the device.
 
-    What does not change between steps is set up once for the task (the activations' reservation, the loss
-    function, grad mode) and the steps' losses go to the host store together at the end: on a small model
-    the per-step bookkeeping of a swapped pack's backward costs as much as the step's arithmetic.
+    What does not change between steps is set up once for the task (the loss function, grad mode) and the
+    steps' losses go to the host store together at the end: on a small model the per-step bookkeeping of a
+    swapped pack's backward costs as much as the step's arithmetic.
     """
     spec = ctx.spec.models[model]
     runtime = spec.packs[0]
     loss_fn = ctx.loss_fn(model)
     totals = torch.zeros(len(per_step), spec.members, dtype=torch.float64, device=ctx.device)
-    with ctx.cache.scratch(runtime.workspace, "activations of pack 0"), torch.enable_grad():
+    with torch.enable_grad():
         for index, (inputs, targets, loss_weights) in enumerate(per_step):
             step = first + index
             state.clear_grads()
-            for microbatch, (x, target, weight) in enumerate(zip(inputs, targets, loss_weights)):
-                x = ctx.cache.copy_in(x, "inputs")
-                target = ctx.cache.copy_in(target, "inputs")
-                _seed(ctx.device, spec.seed, 0, step, group * 65_536 + microbatch)
-                losses = loss_fn(state.module(x), target).reshape(-1)
-                totals[index].add_(losses.detach(), alpha=weight)
-                (losses.sum() if weight == 1 else losses.sum() * weight).backward()
-            state.step(step)
+            with ctx.cache.scratch(runtime.workspace, "activations of pack 0"):
+                for microbatch, (x, target, weight) in enumerate(zip(inputs, targets, loss_weights)):
+                    x = ctx.cache.copy_in(x, "inputs")
+                    target = ctx.cache.copy_in(target, "inputs")
+                    _seed(ctx.device, spec.seed, 0, step, group * 65_536 + microbatch)
+                    losses = loss_fn(state.module(x), target).reshape(-1)
+                    totals[index].add_(losses.detach(), alpha=weight)
+                    (losses.sum() if weight == 1 else losses.sum() * weight).backward()
+            state.step(step)  # after the activations are gone, as in a plain loop (its state is charged then)
     _record_losses(ctx, model, first, group, totals.cpu())
 
 
