@@ -220,11 +220,17 @@ def _resident_steps(
                     x = ctx.cache.copy_in(x, "inputs")
                     target = ctx.cache.copy_in(target, "inputs")
                     _seed(ctx.device, spec.seed, 0, step, group * 65_536 + microbatch)
-                    losses = loss_fn(state.module(x), target).reshape(-1)
-                    totals[index].add_(losses.detach(), alpha=weight)
-                    (losses.sum() if weight == 1 else losses.sum() * weight).backward()
+                    _backpropagate_loss(loss_fn(state.module(x), target), weight, totals[index])
             state.step(step)  # after the activations are gone, as in a plain loop (its state is charged then)
     _record_losses(ctx, model, first, group, totals.cpu())
+
+
+def _backpropagate_loss(losses: torch.Tensor, weight: float, total: torch.Tensor) -> None:
+    """Add a micro-batch's per-member losses, weighted by its share of the mini-batch, to total (float64), and
+    backpropagate their weighted sum (a weight of 1 without the multiply)."""
+    losses = losses.reshape(-1)
+    total.add_(losses.detach(), alpha=weight)
+    (losses.sum() if weight == 1 else losses.sum() * weight).backward()
 
 
 def _record_losses(ctx: RunContext, model: int, first: int, group: int, totals: torch.Tensor) -> None:
@@ -285,10 +291,7 @@ def _backward_step(
                 y = functional_call(module, {**tensors, **_leaves(tensors, grads)}, (x,))
                 if last:
                     target = ctx.cache.copy_in(gradients_or_targets[index], "inputs")
-                    losses = ctx.loss_fn(model)(y, target).reshape(-1)
-                    weight = loss_weights[index]
-                    loss_total.add_(losses.detach(), alpha=weight)
-                    (losses.sum() if weight == 1 else losses.sum() * weight).backward()
+                    _backpropagate_loss(ctx.loss_fn(model)(y, target), loss_weights[index], loss_total)
                 else:
                     upstream = kept_grad if kept_grad is not None else ctx.cache.copy_in(
                         gradients_or_targets[index], "activations")

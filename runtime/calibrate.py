@@ -27,10 +27,6 @@ def _nothing(index: int, previous: LocalResult | None = None) -> int:
     return index
 
 
-def _process_seconds() -> float:
-    return time.process_time()
-
-
 def task_cost(client: Client, workers: dict[str, str], chain: int = CHAIN) -> tuple[float, float]:
     """Seconds one task adds to a device's time, and CPU seconds it takes from the machine: a chain of empty
     tasks, each naming the one before, is submitted at once to each device worker as the driver submits a
@@ -46,7 +42,7 @@ def task_cost(client: Client, workers: dict[str, str], chain: int = CHAIN) -> tu
     latencies, cpu = [], []
     for address in workers.values():
         for measured in (False, True):
-            [worker_before] = client.run(_process_seconds, workers=[address]).values()
+            [worker_before] = client.run(time.process_time, workers=[address]).values()
             driver_before = time.process_time()
             started = time.perf_counter()
             future = client.submit(_nothing, 0, workers=[address], pure=False, priority=0)
@@ -58,7 +54,7 @@ def task_cost(client: Client, workers: dict[str, str], chain: int = CHAIN) -> tu
             future.result()
             elapsed = time.perf_counter() - started
             driver = time.process_time() - driver_before
-            [worker_after] = client.run(_process_seconds, workers=[address]).values()
+            [worker_after] = client.run(time.process_time, workers=[address]).values()
             if measured:
                 latencies.append(elapsed / chain)
                 cpu.append((driver + worker_after - worker_before) / chain)

@@ -44,8 +44,11 @@ def quiet_sampling() -> dict[str, str]:
     """SAMPLING, with the values the user configured in this process where they differ from distributed's
     defaults (for the scheduler here and for the workers, which do not see this process's configuration)."""
     defaults = dask.config.merge(*dask.config.defaults)
-    return {key: value if dask.config.get(key) == dask.config.get(key, config=defaults) else str(dask.config.get(key))
-            for key, value in SAMPLING.items()}
+    sampling = {}
+    for key, value in SAMPLING.items():
+        configured = dask.config.get(key)
+        sampling[key] = value if configured == dask.config.get(key, config=defaults) else str(configured)
+    return sampling
 
 
 def config_environment(config: dict[str, str]) -> dict[str, str]:
