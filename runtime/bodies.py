@@ -210,7 +210,7 @@ def _resident_steps(
     spec = ctx.spec.models[model]
     runtime = spec.packs[0]
     loss_fn = ctx.loss_fn(model)
-    totals = torch.zeros(len(per_step), spec.members, dtype=torch.float64, device=ctx.device)
+    losses = StepLosses(len(per_step))
     with torch.enable_grad():
         for index, (inputs, targets, loss_weights) in enumerate(per_step):
             step = first + index
@@ -220,17 +220,38 @@ def _resident_steps(
                     x = ctx.cache.copy_in(x, "inputs")
                     target = ctx.cache.copy_in(target, "inputs")
                     _seed(ctx.device, spec.seed, 0, step, group * 65_536 + microbatch)
-                    _backpropagate_loss(loss_fn(state.module(x), target), weight, totals[index])
+                    losses.add(index, _backpropagate_loss(loss_fn(state.module(x), target), weight), weight)
             state.step(step)  # after the activations are gone, as in a plain loop (its state is charged then)
-    _record_losses(ctx, model, first, group, totals.cpu())
+    _record_losses(ctx, model, first, group, losses.totals())
 
 
-def _backpropagate_loss(losses: torch.Tensor, weight: float, total: torch.Tensor) -> None:
-    """Add a micro-batch's per-member losses, weighted by its share of the mini-batch, to total (float64), and
-    backpropagate their weighted sum (a weight of 1 without the multiply)."""
+class StepLosses:
+    """The per-member losses of consecutive steps' micro-batches, kept as they come and summed per step
+    (weighted by each micro-batch's share, in float64) once, when the steps' totals are asked for."""
+
+    def __init__(self, steps: int) -> None:
+        self.parts: list[list[tuple[torch.Tensor, float]]] = [[] for _ in range(steps)]
+
+    def add(self, step_index: int, losses: torch.Tensor, weight: float) -> None:
+        self.parts[step_index].append((losses, weight))
+
+    def totals(self) -> torch.Tensor:
+        """steps x members float64 on the host: row i is step i's loss per member."""
+        if all(len(parts) == 1 and parts[0][1] == 1 for parts in self.parts):  # whole batches: the losses as is
+            return torch.stack([parts[0][0] for parts in self.parts]).to("cpu", torch.float64)
+        totals = torch.zeros(len(self.parts), self.parts[0][0][0].numel(), dtype=torch.float64)
+        for row, parts in zip(totals, self.parts):
+            for losses, weight in parts:
+                row.add_(losses.cpu(), alpha=weight)
+        return totals
+
+
+def _backpropagate_loss(losses: torch.Tensor, weight: float) -> torch.Tensor:
+    """Backpropagate a micro-batch's per-member losses weighted by its share of the mini-batch (their weighted
+    sum's gradient, given to backward directly rather than through a sum node); returns them detached."""
     losses = losses.reshape(-1)
-    total.add_(losses.detach(), alpha=weight)
-    (losses.sum() if weight == 1 else losses.sum() * weight).backward()
+    losses.backward(torch.full_like(losses, weight))
+    return losses.detach()
 
 
 def _record_losses(ctx: RunContext, model: int, first: int, group: int, totals: torch.Tensor) -> None:
@@ -274,7 +295,7 @@ def _backward_step(
     module = ctx.module(model, pack)
     input_grads = []
     this = TaskId("bwd", model, pack, step, group)
-    loss_total = torch.zeros(spec.members, dtype=torch.float64, device=ctx.device)
+    losses = StepLosses(1)
     saved_buffers = weights[runtime.buffers_offset :].clone() if runtime.has_buffers and not last else None
     for index, microbatch in enumerate(inputs):
         if index and not ctx.spec.group:
@@ -291,7 +312,8 @@ def _backward_step(
                 y = functional_call(module, {**tensors, **_leaves(tensors, grads)}, (x,))
                 if last:
                     target = ctx.cache.copy_in(gradients_or_targets[index], "inputs")
-                    _backpropagate_loss(ctx.loss_fn(model)(y, target), loss_weights[index], loss_total)
+                    weight = loss_weights[index]
+                    losses.add(0, _backpropagate_loss(ctx.loss_fn(model)(y, target), weight), weight)
                 else:
                     upstream = kept_grad if kept_grad is not None else ctx.cache.copy_in(
                         gradients_or_targets[index], "activations")
@@ -305,7 +327,7 @@ def _backward_step(
         if pack > 0 and ctx.successor is not None:
             ctx.cache.keep(ctx.successor, index, grad, keep_free=runtime.workspace if index + 1 < len(inputs) else 0)
     if last:
-        _record_losses(ctx, model, step, group, loss_total.cpu().unsqueeze(0))
+        _record_losses(ctx, model, step, group, losses.totals())
     return input_grads
 
 

@@ -293,14 +293,18 @@ class DeviceCache:
         without the host waiting; settle() waits for it before the task ends and its source may be rewritten.
         """
         started = time.perf_counter()
-        nbytes = tree_nbytes(tree)
         asynchronous = self.device.type == "cuda"
-        copied = tree_map(
-            lambda leaf: leaf.to(self.device, copy=True, non_blocking=asynchronous)
-            if isinstance(leaf, torch.Tensor)
-            else leaf,
-            tree,
-        )
+        if isinstance(tree, torch.Tensor):  # the common case, without pytree's walk (a step copies two)
+            nbytes = tree.nbytes
+            copied = tree.clone() if not asynchronous else tree.to(self.device, copy=True, non_blocking=True)
+        else:
+            nbytes = tree_nbytes(tree)
+            copied = tree_map(
+                lambda leaf: leaf.to(self.device, copy=True, non_blocking=asynchronous)
+                if isinstance(leaf, torch.Tensor)
+                else leaf,
+                tree,
+            )
         self._over_link(nbytes, started)
         self.counters.add(f"in_{kind}", nbytes)
         self._unsettled = self._unsettled or asynchronous

@@ -16,7 +16,7 @@ import msgpack
 import torch
 from torch import nn
 
-from harmony.runtime.array_optimizer import build_optimizer, optimizer_params
+from harmony.runtime.array_optimizer import build_optimizer, optimizer_params, step_optimizer
 from harmony.runtime.hoststore import HostStore, dtype_name, tensor_at
 from harmony.runtime.spec import PackRuntime, grads_name, optimizer_meta_name, optimizer_name, weights_name
 from harmony.tasks.layout import Slot, TensorSpec, lay_out
@@ -68,7 +68,7 @@ class PackOptimizer:
     def step(self, step: int) -> None:
         """Apply the update for step; the gradients in the host store are this step's."""
         assert self.last_step == step - 1, f"pack optimizer at step {self.last_step} asked for step {step}"
-        self.optimizer.step()
+        step_optimizer(self.optimizer)
         self.last_step = step
         self._persist()
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from harmony.runtime.array_optimizer import build_optimizer, optimizer_params
+from harmony.runtime.array_optimizer import build_optimizer, optimizer_params, step_optimizer
 from harmony.runtime.cache import DeviceCache
 from harmony.runtime.hoststore import tensors_at
 from harmony.runtime.spec import PackRuntime
@@ -88,7 +88,7 @@ class ResidentModel:
 
     def step(self, step: int) -> None:
         """Apply the update on the device; the device weights become version step + 1."""
-        self.optimizer.step()
+        step_optimizer(self.optimizer)
         held = sum(
             value.numel() * value.element_size()
             for state in self.optimizer.state.values()

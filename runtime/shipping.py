@@ -18,11 +18,12 @@ from __future__ import annotations
 import bisect
 import ctypes
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from harmony.runtime.hoststore import HostStore
 
@@ -46,8 +47,16 @@ class TensorSlot:
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
 
-    def view(self, buffer: torch.Tensor) -> torch.Tensor:
-        tensor = buffer[self.offset : self.offset + self.nbytes].view(self.dtype).view(self.shape)
+    def view(self, typed: torch.Tensor) -> torch.Tensor:
+        """The tensor, read from typed: the whole file viewed as this slot's dtype (one strided view, not a
+        slice and two reinterpretations: on a small machine each torch view costs microseconds, per tensor of
+        every step)."""
+        strides, stride = [], 1
+        for size in reversed(self.shape):
+            strides.append(stride)
+            stride *= size
+        start = typed.storage_offset() + self.offset // self.dtype.itemsize
+        tensor = typed.as_strided(self.shape, strides[::-1], start)
         if self.device != "cpu":
             tensor = tensor.to(self.device)
         return tensor.requires_grad_(True) if self.requires_grad else tensor
@@ -75,29 +84,60 @@ class ShippedTensors:
         if found != self.generation:
             raise StaleBatch(f"batch file {self.name} now holds another batch (use {found}, not {self.generation}): "
                              "a task ran again after every reader of its batch had finished")
-        return tree_map(lambda leaf: leaf.view(buffer) if isinstance(leaf, TensorSlot) else leaf, self.structure)
+        typed: dict[torch.dtype, torch.Tensor] = {}
+
+        def read(slot: TensorSlot) -> torch.Tensor:
+            if slot.dtype not in typed:
+                typed[slot.dtype] = buffer.view(slot.dtype)
+            return slot.view(typed[slot.dtype])
+
+        return _replace_leaves(self.structure, TensorSlot, read)
 
 
-def _layout(leaves: list[Any]) -> tuple[list[Any], int]:
-    """The leaves of a tree with a TensorSlot in place of each tensor, and the bytes the file needs: a header
-    (the use's generation), then the tensors packed."""
-    offset = HEADER
-    placed = []
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            slot = TensorSlot(offset, leaf.dtype, tuple(leaf.shape), str(leaf.device), leaf.requires_grad)
-            offset += -(-slot.nbytes // ALIGNMENT) * ALIGNMENT
-            leaf = slot
-        placed.append(leaf)
-    return placed, offset
+SCALARS = (str, bytes, int, float, bool, type(None))
 
 
-def write(destination: torch.Tensor, source: torch.Tensor) -> None:
-    """Copy source into the contiguous CPU tensor destination of its dtype and shape, on this thread only.
+def _replace_leaves(tree: Any, kind: type, replace: Callable[[Any], Any]) -> Any:
+    """tree with replace(leaf) for every leaf of the given kind. Lists, tuples and dicts are walked here, any
+    other container (a namedtuple, an OrderedDict) by torch's pytree: a span of steps holds dozens of small
+    lists, and pytree's generic walk costs more than writing their tensors."""
+    if isinstance(tree, kind):
+        return replace(tree)
+    container = type(tree)
+    if container is list or container is tuple:
+        return container(_replace_leaves(item, kind, replace) for item in tree)
+    if container is dict:
+        return {key: _replace_leaves(item, kind, replace) for key, item in tree.items()}
+    if isinstance(tree, SCALARS):
+        return tree
+    leaves, spec = tree_flatten(tree)
+    if len(leaves) == 1 and leaves[0] is tree:
+        return tree
+    return tree_unflatten([_replace_leaves(leaf, kind, replace) for leaf in leaves], spec)
+
+
+class _Packing:
+    """The tensors of a tree being laid out in a file: a header (the use's generation), then the tensors
+    packed at ALIGNMENT, each replaced by its TensorSlot."""
+
+    def __init__(self) -> None:
+        self.nbytes = HEADER
+        self.tensors: list[tuple[TensorSlot, torch.Tensor]] = []
+
+    def place(self, tensor: torch.Tensor) -> TensorSlot:
+        slot = TensorSlot(self.nbytes, tensor.dtype, tuple(tensor.shape), str(tensor.device), tensor.requires_grad)
+        self.nbytes += -(-slot.nbytes // ALIGNMENT) * ALIGNMENT
+        self.tensors.append((slot, tensor))
+        return slot
+
+
+def write(buffer: torch.Tensor, slot: TensorSlot, source: torch.Tensor) -> None:
+    """Copy source into its slot of the CPU buffer, on this thread only.
 
     A torch copy of more than a few thousand elements wakes torch's CPU thread pool, whose threads then
     spin waiting for more work: about 10 ms of CPU per copy in an otherwise idle driver, taken from the cores
-    the device workers compute on. A plain CPU tensor's bytes are copied with memmove instead.
+    the device workers compute on. A plain CPU tensor's bytes are copied with memmove instead, straight to the
+    slot's address (no view of the buffer made for it).
     """
     plain = (
         source.device.type == "cpu"
@@ -107,9 +147,9 @@ def write(destination: torch.Tensor, source: torch.Tensor) -> None:
         and not source.is_neg()
     )
     if plain:
-        ctypes.memmove(destination.data_ptr(), source.data_ptr(), source.numel() * source.element_size())
+        ctypes.memmove(buffer.data_ptr() + slot.offset, source.data_ptr(), slot.nbytes)
     else:
-        destination.copy_(source)
+        buffer[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape).copy_(source.detach())
 
 
 class BatchFiles:
@@ -125,18 +165,17 @@ class BatchFiles:
 
     def ship(self, value: Any) -> Any:
         """value packed into a batch file if it holds any tensor, else value itself."""
-        leaves, spec = tree_flatten(value)
-        if not any(isinstance(leaf, torch.Tensor) for leaf in leaves):
+        packing = _Packing()
+        structure = _replace_leaves(value, torch.Tensor, packing.place)
+        if not packing.tensors:
             return value
-        slots, nbytes = _layout(leaves)
-        capacity, name = self._take(nbytes)
+        capacity, name = self._take(packing.nbytes)
         buffer = self.store.attach(name, capacity)
         self.generation += 1
         buffer[:HEADER].view(torch.int64)[0] = self.generation
-        for slot, leaf in zip(slots, leaves):
-            if isinstance(slot, TensorSlot):
-                write(buffer[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape), leaf.detach())
-        return ShippedTensors(name, capacity, tree_unflatten(slots, spec), self.generation)
+        for slot, tensor in packing.tensors:
+            write(buffer, slot, tensor)
+        return ShippedTensors(name, capacity, structure, self.generation)
 
     def release(self, value: Any) -> None:
         """A shipped value's file is free again (no task reads it any more); other values have none."""

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from harmony.runtime.array import ArrayLayer, array_loss, layer_signature
-from harmony.runtime.array_optimizer import ArrayOptimizer, StackedOptimizer, optimizer_params
+from harmony.runtime.array_optimizer import ArrayOptimizer, StackedOptimizer, optimizer_params, step_optimizer
 from harmony.tasks.fusion import candidate_sizes, choose_size, fusion_groups, split
 
 
@@ -146,14 +146,23 @@ def test_an_array_optimizer_steps_every_member_as_its_own_optimizer_would(name: 
     array = ArrayOptimizer(factories)(stacked)
     assert isinstance(array, StackedOptimizer) == (name != "rmsprop-merged")
     assert len(optimizer_params(array)) == (len(shapes) if name != "rmsprop-merged" else len(shapes) * len(factories))
-    for _ in range(4):
+    for step in range(4):
+        if step == 2:  # a schedule halves every learning rate: the array's columns follow from the next step
+            for optimizer in optimizers:
+                for group in optimizer.param_groups:
+                    group["lr"] *= 0.5
+            for group in array.param_groups:
+                group["lr"] = [lr * 0.5 for lr in group["lr"]] if isinstance(group["lr"], list) else group["lr"] * 0.5
         grads = [torch.randn(len(factories), *shape) for shape in shapes]
         for param, grad in zip(stacked, grads):
             param.grad.copy_(grad)
         for index, params in enumerate(members):
             for param, grad in zip(params, grads):
                 param.grad = grad[index].clone()
-        array.step()
+        if step % 2:
+            array.step()  # torch's entry point
+        else:
+            step_optimizer(array)  # the runtime's
         for optimizer in optimizers:
             optimizer.step()
         for index, params in enumerate(members):

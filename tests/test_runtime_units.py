@@ -10,7 +10,7 @@ import subprocess
 import sys
 import types
 from collections import Counter
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -191,9 +191,15 @@ def test_tensors_round_trip_through_dask_serialization(dtype: torch.dtype) -> No
     assert torch.equal(deserialize(*serialize(sliced)), sliced)
 
 
+class Labeled(NamedTuple):
+    features: torch.Tensor
+    labels: list[Any]
+
+
 def test_shipped_batches_travel_as_a_file_name_and_come_back_exactly(store: HostStore) -> None:
     tree = [
         (torch.randn(3, 5), {"ids": torch.arange(7), "mask": torch.tensor([True, False, True])}),
+        Labeled(torch.randn(4, 2), [torch.arange(4), None]),  # a container pytree walks, not shipping itself
         (torch.randn(2, 2, dtype=torch.bfloat16), torch.empty(0, 4), "label", 3),
         (torch.randn(5, 3).t(), torch.randn(6, 4)[2:4], torch.randn(3, dtype=torch.complex64).conj()),
     ]
@@ -205,7 +211,8 @@ def test_shipped_batches_travel_as_a_file_name_and_come_back_exactly(store: Host
     assert len(pickle.dumps(shipped)) < 2_000, "the task carries the file's name, not the bytes"
     reader = HostStore(store.run, store.directory)
     back = unship(pickle.loads(pickle.dumps(shipped)), reader)
-    assert back[0][1]["mask"].dtype == torch.bool and back[1][2:] == ("label", 3)
+    assert back[0][1]["mask"].dtype == torch.bool and back[2][2:] == ("label", 3)
+    assert type(back[1]) is Labeled and back[1].labels[1] is None
     for original, copied in zip(tree_flatten(tree)[0], tree_flatten(back)[0]):
         if isinstance(original, torch.Tensor):
             assert copied.dtype == original.dtype and torch.equal(copied, original.resolve_conj())
