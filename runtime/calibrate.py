@@ -7,7 +7,7 @@ import logging
 import time
 from collections import Counter
 
-from distributed import Client, get_worker
+from distributed import Client, as_completed, get_worker
 
 from harmony.runtime.handoff import FinishedKeys, LocalResult, receive
 from harmony.runtime.measure import this_machine
@@ -17,6 +17,9 @@ from harmony.tasks.simulator import Hardware
 logger = logging.getLogger("harmony")
 
 CHAIN = 24
+ISOLATED = 8
+IN_FLIGHT = 2
+PAUSE = 0.01
 FINISHED = FinishedKeys()  # on a worker: the calibration tasks that have run there
 
 
@@ -27,38 +30,66 @@ def _nothing(index: int, previous: LocalResult | None = None) -> int:
     return index
 
 
-def task_cost(client: Client, workers: dict[str, str], chain: int = CHAIN) -> tuple[float, float]:
-    """Seconds one task adds to a device's time, and CPU seconds it takes from the machine: a chain of empty
-    tasks, each naming the one before, is submitted at once to each device worker as the driver submits a
-    step's tasks on one device (no scheduler edge between them, run in submission order, see handoff). The
-    slowest worker's time to finish it, divided by its length, is the first; the CPU time the driver's process
-    (client and, embedded, scheduler) and that worker's process spent meanwhile, per task, the second.
+def _pause(index: int, seconds: float) -> int:
+    """A task that keeps its worker busy without computing, as a training task keeps it busy."""
+    time.sleep(seconds)
+    return index
 
-    What it counts is the scheduler's transitions, the worker's execution and the results' reports, task
-    after task; on a 2-core machine about 1 ms with the run's streams unbatched (batching.py), against about
-    2 ms when each task waits at the scheduler for the one before and 11 ms for one task's round trip from
-    the driver; the CPU time about 2.5 ms (1.5 in the driver, 1 in the worker)."""
+
+def _chain_latency(client: Client, address: str, chain: int) -> float:
+    """Seconds per task of a chain of empty tasks submitted at once to one worker."""
+    started = time.perf_counter()
+    future = client.submit(_nothing, 0, workers=[address], pure=False, priority=0)
+    futures = [future]
+    for index in range(1, chain):
+        future = client.submit(_nothing, index, LocalResult(future.key), workers=[address], pure=False,
+                               priority=-index)
+        futures.append(future)
+    future.result()
+    return (time.perf_counter() - started) / chain
+
+
+def _isolated_cpu(client: Client, address: str, tasks: int, in_flight: int = IN_FLIGHT) -> float:
+    """CPU seconds per task of the driver's process and the worker's, for tasks sent as the driver sends a
+    resident model's: the next as one finishes, a few in flight, each keeping the worker busy a while."""
+    [worker_before] = client.run(time.process_time, workers=[address]).values()
+    driver_before = time.process_time()
+    pending = as_completed([client.submit(_pause, index, PAUSE, workers=[address], pure=False)
+                            for index in range(in_flight)])
+    sent = in_flight
+    for _ in pending:
+        if sent < tasks:
+            pending.add(client.submit(_pause, sent, PAUSE, workers=[address], pure=False))
+            sent += 1
+    driver = time.process_time() - driver_before
+    [worker_after] = client.run(time.process_time, workers=[address]).values()
+    return (driver + worker_after - worker_before) / sent
+
+
+def task_cost(client: Client, workers: dict[str, str], chain: int = CHAIN, isolated: int = ISOLATED
+              ) -> tuple[float, float]:
+    """Seconds one task adds to a device's time, and CPU seconds it takes from the machine, the slowest
+    worker's of each.
+
+    The time: a chain of empty tasks, each naming the one before, submitted at once to a device worker as
+    the driver submits a step's tasks on one device (no scheduler edge between them, run in submission order,
+    see handoff), divided by its length. It counts the scheduler's transitions, the worker's execution and the
+    results' reports, task after task: on a 2-core machine about 1-2 ms with the run's streams unbatched
+    (batching.py), against about 2 ms when each task waits at the scheduler for the one before and 11 ms for
+    one task's round trip from the driver.
+
+    The CPU: what the driver's process (client and, embedded, scheduler) and the worker's spend per task when
+    tasks come one at a time, as a resident model's multi-step tasks do, each sent when one before it ends and
+    keeping its worker busy meanwhile, so that every message is handled on its own: about 7 ms on a 2-core VM
+    (4.5 in the driver), against 4 ms per task of a chain, whose messages go out and are handled together;
+    steps per task from the chain's figure left the runtime 0.09 cores beside the compute.
+    """
     client.run(wait_for_warmup)
     latencies, cpu = [], []
     for address in workers.values():
-        for measured in (False, True):
-            [worker_before] = client.run(time.process_time, workers=[address]).values()
-            driver_before = time.process_time()
-            started = time.perf_counter()
-            future = client.submit(_nothing, 0, workers=[address], pure=False, priority=0)
-            futures = [future]
-            for index in range(1, chain):
-                future = client.submit(_nothing, index, LocalResult(future.key), workers=[address], pure=False,
-                                       priority=-index)
-                futures.append(future)
-            future.result()
-            elapsed = time.perf_counter() - started
-            driver = time.process_time() - driver_before
-            [worker_after] = client.run(time.process_time, workers=[address]).values()
-            if measured:
-                latencies.append(elapsed / chain)
-                cpu.append((driver + worker_after - worker_before) / chain)
-            del futures
+        _chain_latency(client, address, chain)  # the first pass warms the code paths up
+        latencies.append(_chain_latency(client, address, chain))
+        cpu.append(_isolated_cpu(client, address, isolated))
     return max(latencies), max(cpu)
 
 
