@@ -43,6 +43,7 @@ CLASSES = 10
 LEARNING_RATES = [0.01 * (1 + i) / MODELS for i in range(MODELS)]
 REPEATS = 3
 ROUNDS = 5
+HAND_IN_WORKER = "hand-fused in a device worker"
 
 
 def small_mlp(seed: int, width: int = 128) -> nn.Sequential:
@@ -144,14 +145,13 @@ def hand_fused_cnn(models: list[nn.Module], data: list) -> float:
     return _fused_sgd_loop([conv1, conv2, bias1, bias2, linear, bias3], forward, data)
 
 
-def _best_of(loop: Callable[[list[nn.Module], list], float], models: list[nn.Module], data: list) -> float:
-    torch.set_num_threads(cpu_count())
-    return min(loop(copy.deepcopy(models), data) for _ in range(REPEATS))
-
-
 def _timed(loop: Callable[[list[nn.Module], list], float], models: list[nn.Module], data: list) -> float:
     torch.set_num_threads(cpu_count())
     return loop(copy.deepcopy(models), data)
+
+
+def _best_of(loop: Callable[[list[nn.Module], list], float], models: list[nn.Module], data: list) -> float:
+    return min(_timed(loop, models, data) for _ in range(REPEATS))
 
 
 def all_models_steady(step_seconds: list[list[float]], skip: float = 0.2) -> float:
@@ -205,9 +205,6 @@ def paired_rounds(make: Callable[[int], nn.Module], data: list, hand: Callable[[
     finally:
         handle.close()
     return seconds, shapes
-
-
-HAND_IN_WORKER = "hand-fused in a device worker"
 
 
 def main() -> None:

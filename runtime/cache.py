@@ -294,17 +294,15 @@ class DeviceCache:
         """
         started = time.perf_counter()
         asynchronous = self.device.type == "cuda"
+
+        def copy(leaf: torch.Tensor) -> torch.Tensor:
+            return leaf.to(self.device, copy=True, non_blocking=True) if asynchronous else leaf.clone()
+
         if isinstance(tree, torch.Tensor):  # the common case, without pytree's walk (a step copies two)
-            nbytes = tree.nbytes
-            copied = tree.clone() if not asynchronous else tree.to(self.device, copy=True, non_blocking=True)
+            nbytes, copied = tree.nbytes, copy(tree)
         else:
             nbytes = tree_nbytes(tree)
-            copied = tree_map(
-                lambda leaf: leaf.to(self.device, copy=True, non_blocking=asynchronous)
-                if isinstance(leaf, torch.Tensor)
-                else leaf,
-                tree,
-            )
+            copied = tree_map(lambda leaf: copy(leaf) if isinstance(leaf, torch.Tensor) else leaf, tree)
         self._over_link(nbytes, started)
         self.counters.add(f"in_{kind}", nbytes)
         self._unsettled = self._unsettled or asynchronous
