@@ -10,10 +10,12 @@ Compared in one run, on one CPU device (all cores), on the same data and learnin
 Harmony's steady state is its time per sweep step from when a fifth of all models' steps are done to when
 the last is done (cluster start-up and the first task's warm-up excluded); "end-to-end" is everything
 train() does, start-up included, in one fresh run. The plain and hand-fused loops in the driver are measured
-REPEATS (3) times and the fastest counts. Harmony fuse=True / fuse="auto" and the hand-fused loop in a device
-worker run in ROUNDS (5) rounds on one worker, one right after the other, and each round's ratio of the
-hand-fused time to Harmony's is taken: a small shared machine's speed drifts by tens of percent between
-minutes, and a best-of for each way apart would compare different minutes. Throughput is samples per second
+REPEATS (3) times and the fastest counts. Harmony fuse=True and fuse="auto" run ROUNDS (5) times each on one
+device worker, every run between two runs of the hand-fused loop on that worker, and each run's ratio to the
+mean of those two is taken: a small shared machine's speed drifts by tens of percent between minutes, and a
+best-of for each way apart would compare different minutes. The MLP sweep runs MLP_STEPS (1200) steps, long
+enough that its steady state holds several of the multi-step tasks a 2 ms step calls for; the CNN's 50 ms
+steps need no more than CNN_STEPS (300). Throughput is samples per second
 per model. Goals: auto >= 3x the plain loop (the faster of the two) and >= 90% of the hand-fused ceiling
 (median over rounds), in steady state.
 
@@ -43,6 +45,8 @@ CLASSES = 10
 LEARNING_RATES = [0.01 * (1 + i) / MODELS for i in range(MODELS)]
 REPEATS = 3
 ROUNDS = 5
+MLP_STEPS = 1200
+CNN_STEPS = 300
 HAND_IN_WORKER = "hand-fused in a device worker"
 
 
@@ -182,12 +186,17 @@ def _shape(result: harmony.TrainResult, steps: int) -> dict[str, object]:
 
 
 def paired_rounds(make: Callable[[int], nn.Module], data: list, hand: Callable[[list[nn.Module], list], float],
-                  rounds: int) -> tuple[dict[str, list[float]], dict[str, dict[str, object]]]:
-    """Seconds per sweep step, round by round, of the hand-fused loop in a device worker and of Harmony
-    (fuse=True, fuse="auto") on that same worker, one right after the other: a small shared machine's speed
-    drifts by tens of percent between minutes, so each round compares what ran under the same conditions."""
+                  rounds: int) -> tuple[dict[str, list[float]], dict[str, dict[str, object]], list[float]]:
+    """Harmony (fuse=True, fuse="auto") on one device worker, each run between two runs of the hand-fused loop
+    on that same worker: a small shared machine's speed drifts by tens of percent between minutes, so each
+    Harmony run is compared with what the hand-fused loop did just before and just after it. The two fuse
+    settings take turns going first, round by round.
+
+    Returns seconds per sweep step of every run by way, the arrays and tasks of each Harmony way, and each
+    Harmony run's ratio to the mean of the hand-fused runs around it (in percent), in run order by way."""
     handle = start_embedded([DeviceSpec("cpu-0", "cpu", 0, cpu_count())], dashboard_address=":0")
     seconds: dict[str, list[float]] = {HAND_IN_WORKER: [], "harmony fuse=True": [], "harmony fuse=auto": []}
+    ratios: dict[str, list[float]] = {"harmony fuse=True": [], "harmony fuse=auto": []}
     shapes: dict[str, dict[str, object]] = {}
     try:
         handle.client.run(wait_for_warmup)  # as a run's setup does: the worker's background import is done
@@ -195,33 +204,44 @@ def paired_rounds(make: Callable[[int], nn.Module], data: list, hand: Callable[[
         batches = [(x.clone(), y.clone()) for x, y in data]  # own storage: a pickled view carries its whole base
         [shipped] = handle.client.scatter([batches], workers=worker)  # the data goes once, not inside the task
         base = [make(seed) for seed in range(MODELS)]
-        for _ in range(rounds):
+
+        def hand_in_worker() -> float:
             run = handle.client.submit(_timed, hand, base, shipped, workers=worker, pure=False)
-            seconds[HAND_IN_WORKER].append(run.result() / len(data))
-            for fuse in (True, "auto"):
+            per_step = run.result() / len(data)
+            seconds[HAND_IN_WORKER].append(per_step)
+            return per_step
+
+        before = hand_in_worker()
+        for round_index in range(rounds):
+            for fuse in (True, "auto") if round_index % 2 == 0 else ("auto", True):
+                label = f"harmony fuse={fuse}"
                 result, _ = train_sweep(make, data, fuse, cluster=handle.client)
-                seconds[f"harmony fuse={fuse}"].append(all_models_steady(result.stats.step_seconds))
-                shapes[f"harmony fuse={fuse}"] = _shape(result, len(data))
+                per_step = all_models_steady(result.stats.step_seconds)
+                after = hand_in_worker()
+                seconds[label].append(per_step)
+                ratios[label].append(100 * (before + after) / 2 / per_step)
+                shapes[label] = _shape(result, len(data))
+                before = after
     finally:
         handle.close()
-    return seconds, shapes
+    return seconds, shapes, ratios
 
 
 def main() -> None:
     args = arguments(__doc__.splitlines()[0])
     logging.getLogger("distributed").setLevel(logging.ERROR)
-    steps = 60 if args.quick else 300
+    mlp_steps, cnn_steps = (60, 60) if args.quick else (MLP_STEPS, CNN_STEPS)
     rounds = 2 if args.quick else ROUNDS
     rows = []
     sweeps = (
-        ("MLP 3x128", small_mlp, classification(steps, (128,)), hand_fused_mlp),
-        ("CNN 2 conv", small_cnn, classification(steps, (3, 16, 16)), hand_fused_cnn),
+        ("MLP 3x128", small_mlp, classification(mlp_steps, (128,)), hand_fused_mlp),
+        ("CNN 2 conv", small_cnn, classification(cnn_steps, (3, 16, 16)), hand_fused_cnn),
     )
     for name, make, data, hand in sweeps:
         base = [make(seed) for seed in range(MODELS)]
         loops = {"plain sequential": plain_sequential, "plain lockstep": plain_lockstep, "hand-fused": hand}
         best = {label: _best_of(loop, base, data) / len(data) for label, loop in loops.items()}
-        paired, shapes = paired_rounds(make, data, hand, rounds)
+        paired, shapes, ratios = paired_rounds(make, data, hand, rounds)
         end_to_end: dict[str, float] = {}
         for fuse in (False, True, "auto"):
             result, seconds = train_sweep(make, data, fuse)
@@ -234,17 +254,18 @@ def main() -> None:
         for label, per_step in best.items():
             rows.append(_row(name, label, per_step, plain, 100 * best["hand-fused"] / per_step, "-",
                              end_to_end.get(label, per_step), shapes.get(label, {})))
-        for label, per_round in paired.items():
-            ratios = [100 * hand_time / time for hand_time, time in zip(paired[HAND_IN_WORKER], per_round)]
-            spread = f"{min(ratios):.0f}-{max(ratios):.0f}" if label != HAND_IN_WORKER else "-"
-            rows.append(_row(name, label, statistics.median(per_round), plain, statistics.median(ratios), spread,
-                             end_to_end.get(label, statistics.median(per_round)), shapes.get(label, {})))
+        for label, per_run in paired.items():
+            of_hand = ratios.get(label, [100.0])
+            spread = f"{min(of_hand):.0f}-{max(of_hand):.0f}" if label in ratios else "-"
+            rows.append(_row(name, label, statistics.median(per_run), plain, statistics.median(of_hand), spread,
+                             end_to_end.get(label, statistics.median(per_run)), shapes.get(label, {})))
     report("fusion", f"Fusion: {MODELS} models, batch {BATCH}, SGD with {MODELS} learning rates, 1 CPU device", rows,
-           args.out, notes="x plain loop: against the faster of the two plain loops. Harmony fuse=True/auto and the "
-           f"hand-fused loop in a device worker ran in {rounds} rounds on one worker, one after the other: their "
-           "ms/step is the median over rounds and their % of hand-fused the median (range) of each round's ratio "
-           "to that round's hand-fused loop in the worker; other rows: best of 3, % against the hand-fused loop "
-           "in the driver. Harmony's ms/step is its steady state (from a fifth of all models' steps to the last); "
+           args.out, notes="x plain loop: against the faster of the two plain loops. Harmony fuse=True/auto ran "
+           f"{rounds} times each on one worker, every run between two runs of the hand-fused loop in that worker: "
+           "their ms/step is the median over runs and their % of hand-fused the median (range) of each run's "
+           "ratio to the mean of the hand-fused runs before and after it; other rows: best of 3, % against the "
+           "hand-fused loop in the driver. Harmony's ms/step is its steady state (from a fifth of all models' steps "
+           "to the last); "
            "end-to-end is one fresh train() with its own cluster, start-up included. "
            "Goals: harmony fuse=auto >= 3x plain loop and >= 90% of hand-fused.")
 

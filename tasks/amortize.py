@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 
 OVERHEAD_SHARE = 0.02
-MAX_DEPTH = 64
+MAX_DEPTH = 256
 MAX_SHIPPED_BYTES = 64 * 2**20
 
 
@@ -27,7 +27,9 @@ def steps_per_task(
     """The fewest steps per task that keep scheduling under share of the work, within the limits.
 
     At most MAX_DEPTH steps, at most MAX_SHIPPED_BYTES of batches read by one task (host memory), and at most a
-    quarter of the run's steps (when known), so that progress and finishing times stay fine-grained.
+    quarter of the run's steps (when known), so that progress and finishing times stay fine-grained. MAX_DEPTH
+    leaves room for the share to hold on small steps: a 2 ms step with a task costing 6.5 ms of CPU (a 2-core
+    machine) needs 163 steps per task for 2%, where a cap of 64 left 5%.
     """
     if step_seconds <= 0 or task_overhead <= 0:
         return 1
