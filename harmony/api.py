@@ -22,6 +22,7 @@ from harmony.runtime.counters import IN_KINDS, OUT_KINDS
 from harmony.runtime.data import LoaderFeed, SharedFeed
 from harmony.runtime.devices import DeviceSpec, build_specs
 from harmony.runtime.errors import ModelFailure
+from harmony.runtime.interrupt import watching_interrupts
 from harmony.runtime.job import JobModel, JobOutcome, run_job
 from harmony.sizes import parse_bandwidths
 from harmony.validate import Arguments, check_fuse, check_scheduling, check_steps_per_task, validate
@@ -149,7 +150,7 @@ def train(
     check_scheduling(policy, mode)
     check_fuse(fuse)
     check_steps_per_task(steps_per_task)
-    with user_cluster(args.cluster) as user:
+    with watching_interrupts(), user_cluster(args.cluster) as user:
         specs = build_specs(args.devices, args.device_memory, links) if user is None else external_devices(
             user, args.device_memory
         )

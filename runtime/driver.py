@@ -27,6 +27,7 @@ from harmony.runtime.data import SharedFeed, batch_size, split_tree
 from harmony.runtime.errors import ModelFailure
 from harmony.runtime.handoff import LocalResult
 from harmony.runtime.hoststore import HostStore
+from harmony.runtime.interrupt import raise_if_interrupted
 from harmony.runtime.shipping import BatchFiles
 from harmony.tasks.binding import BindingState
 from harmony.tasks.graph import BatchInput, BatchTargets, TaskId, Value, inputs, successor
@@ -230,6 +231,7 @@ class Driver:
             if not self.in_flight:
                 raise RuntimeError("harmony driver: no task in flight and none ready before training finished")
             future = next(pending)
+            raise_if_interrupted()  # a Ctrl-C that Python swallowed (see interrupt)
             task = self.in_flight.pop(future.key)
             self.edges.pop(task, None)
             self.holds.pop(task, None)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import copy
+import gc
 import os
 import pickle
 import platform
+import signal
 import subprocess
 import sys
 import types
@@ -28,6 +30,7 @@ from harmony.runtime.devices import build_specs, cpu_count, threads_per_device
 from harmony.runtime.driver import Driver
 from harmony.runtime.handoff import LocalResult, LostResult
 from harmony.runtime.hoststore import HostStore, tensors_at
+from harmony.runtime.interrupt import raise_if_interrupted, watching_interrupts
 from harmony.runtime.optimizer import PackOptimizer
 from harmony.runtime.shipping import BatchFiles, ShippedTensors, StaleBatch, unship
 from harmony.runtime.skeleton import dump_skeleton, load_skeleton
@@ -468,3 +471,38 @@ def test_a_spans_losses_land_in_their_steps_rows_across_loss_blocks() -> None:
     torch.testing.assert_close(rows[losses_name(1, 0)][-2:], totals[:2])
     torch.testing.assert_close(rows[losses_name(1, 1)][:3], totals[2:])
     assert rows[losses_name(1, 0)][:-2].abs().sum() == 0 and rows[losses_name(1, 1)][3:].abs().sum() == 0
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_ctrl_c_that_python_swallows_is_raised_again_by_the_driver_loop() -> None:
+    def interrupted_while_collecting(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            signal.raise_signal(signal.SIGINT)  # its KeyboardInterrupt is raised in here and dropped
+
+    with watching_interrupts():
+        gc.callbacks.append(interrupted_while_collecting)
+        try:
+            gc.collect()
+        finally:
+            gc.callbacks.remove(interrupted_while_collecting)
+        with pytest.raises(KeyboardInterrupt):
+            raise_if_interrupted()
+        raise_if_interrupted()  # raised once
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_ctrl_c_handler_of_the_users_is_kept() -> None:
+    calls: list[int] = []
+
+    def users_handler(signum: int, frame: object) -> None:
+        calls.append(signum)
+
+    previous = signal.signal(signal.SIGINT, users_handler)
+    try:
+        with watching_interrupts():
+            signal.raise_signal(signal.SIGINT)
+            raise_if_interrupted()  # the user's handler took it: nothing recorded
+        assert calls == [signal.SIGINT]
+        assert signal.getsignal(signal.SIGINT) is users_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
