@@ -35,6 +35,7 @@ from torch import nn
 
 import harmony
 from benchmarks.report import arguments, report
+from harmony.result import steady_seconds
 from harmony.runtime.cluster import start_embedded
 from harmony.runtime.devices import DeviceSpec, cpu_count
 from harmony.runtime.worker import wait_for_warmup
@@ -159,15 +160,11 @@ def _best_of(loop: Callable[[list[nn.Module], list], float], models: list[nn.Mod
 
 
 def all_models_steady(step_seconds: list[list[float]], skip: float = 0.2) -> float:
-    """Seconds per step of the whole sweep (every model advancing one step) once running: the time from the
-    moment the first skip share of all models' steps is done to the moment the last is, over the steps done
-    in between. A throughput over all models: unfused models run their steps in turns, so one model's own
-    rate says little about the sweep's."""
+    """Seconds per step of the whole sweep (every model advancing one step) once running: the steady rate of
+    all models' steps taken together, times the number of models. A throughput over all models: unfused models
+    run their steps in turns, so one model's own rate says little about the sweep's."""
     finished = sorted(time for times in step_seconds for time in times)
-    first = int(len(finished) * skip)
-    while first < len(finished) - 2 and finished[first + 1] == finished[first]:
-        first += 1  # to the last of the steps that finished together (one multi-step task): count what came after
-    return (finished[-1] - finished[first]) / ((len(finished) - 1 - first) / len(step_seconds))
+    return steady_seconds(finished, skip, "the sweep") * len(step_seconds)
 
 
 def train_sweep(make: Callable[[int], nn.Module], data: list, fuse: object, cluster: object = None
@@ -186,7 +183,7 @@ def _shape(result: harmony.TrainResult, steps: int) -> dict[str, object]:
 
 
 def paired_rounds(make: Callable[[int], nn.Module], data: list, hand: Callable[[list[nn.Module], list], float],
-                  rounds: int) -> tuple[dict[str, list[float]], dict[str, dict[str, object]], list[float]]:
+                  rounds: int) -> tuple[dict[str, list[float]], dict[str, dict[str, object]], dict[str, list[float]]]:
     """Harmony (fuse=True, fuse="auto") on one device worker, each run between two runs of the hand-fused loop
     on that same worker: a small shared machine's speed drifts by tens of percent between minutes, so each
     Harmony run is compared with what the hand-fused loop did just before and just after it. The two fuse

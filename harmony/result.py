@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from torch import nn
 
 from harmony.tasks.fusion import FusionChoice
 from harmony.tasks.packing import PackPlan
+
+
+def steady_seconds(times: Sequence[float], skip: float = 0.2, what: str = "the run") -> float:
+    """Seconds per step once running, from the steps' finishing times in order: the time between the step that
+    ends the first skip share of them (start-up, the first task's warm-up) and the last, over the steps in
+    between. Steps that finished together (one multi-step task) count from the last of them."""
+    last = len(times) - 1
+    first = max(0, int(len(times) * skip) - 1)
+    while first < last and times[first + 1] == times[first]:
+        first += 1
+    if first >= last:
+        raise ValueError(f"{what}: its {len(times)} steps did not finish at two different times after the "
+                         f"first {skip:.0%}; a steady rate needs more steps (or fewer steps per task)")
+    return (times[last] - times[first]) / (last - first)
 
 
 @dataclass
@@ -52,15 +67,7 @@ class Stats:
     def steady_seconds_per_step(self, model: int = 0, skip: float = 0.2) -> float:
         """Seconds per step of model once running: the time between the step that ends the first skip share of
         its steps (start-up, the first task's warm-up) and its last step, over the steps in between."""
-        times = self.step_seconds[model]
-        last = len(times) - 1
-        first = max(0, int(len(times) * skip) - 1)
-        while first < last and times[first + 1] == times[first]:
-            first += 1  # to the last of the steps that finished together (one multi-step task)
-        if first >= last:
-            raise ValueError(f"model {model}: its {len(times)} steps did not finish at two different times after "
-                             f"the first {skip:.0%}; a steady rate needs more steps (or fewer steps per task)")
-        return (times[last] - times[first]) / (last - first)
+        return steady_seconds(self.step_seconds[model], skip, f"model {model}")
 
     def utilization(self) -> dict[str, float]:
         """Per device, the fraction of the training time it spent running tasks."""
