@@ -16,6 +16,7 @@ from typing import Any
 
 import cloudpickle
 import torch
+from distributed import get_worker
 from torch import nn
 
 from harmony.runtime.cluster import ClusterHandle
@@ -183,11 +184,24 @@ def _executed(run: str, dask_worker: Any) -> list[str]:
     return list(context.executed) if context is not None else []
 
 
-def _flush_residents(run: str, dask_worker: Any) -> None:
-    """On a worker (through client.run): write its resident models' trained weights to the host store."""
-    context = RUNS.get((run, dask_worker.address))
+def _flush_residents(run: str) -> None:
+    """A task on a device worker: write its resident models' trained weights to the host store."""
+    context = RUNS.get((run, get_worker().address))
     if context is not None:
         context.flush_residents()
+
+
+def flush_residents(handle: ClusterHandle, run: str, devices: list[DeviceSpec]) -> None:
+    """Every device's resident weights to the host store, each written by its worker's task thread, where the
+    run's tasks computed: a copy that large on the worker's event loop (``client.run``) would give that thread
+    an OpenMP team of its own for the rest of the process's life, and every later run's compute would slow
+    down (serial_copy)."""
+    flushes = [
+        handle.client.submit(_flush_residents, run, key=f"harmony-flush-{run}-{device.name}", pure=False,
+                             workers=[handle.workers[device.name]], allow_other_workers=False)
+        for device in devices
+    ]
+    handle.client.gather(flushes)
 
 
 def _check_same_machine(handle: ClusterHandle, store: HostStore, probe_name: str) -> None:
@@ -276,7 +290,7 @@ def run_job(
         running = time.perf_counter()
         driver.run_to_completion()
         run_seconds = time.perf_counter() - running
-        handle.client.run(_flush_residents, run)
+        flush_residents(handle, run, devices)
         steps = list(driver.steps_fetched)
         history = [_history(store, m, count, models[m].groups, runtimes[m].members) for m, count in enumerate(steps)]
         counters = {

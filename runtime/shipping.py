@@ -16,7 +16,6 @@ worker's cache (``copy_in``), and the task has synchronized with any asynchronou
 from __future__ import annotations
 
 import bisect
-import ctypes
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from harmony.runtime.hoststore import HostStore
+from harmony.runtime.serial_copy import copy_to_address, is_plain
 
 ALIGNMENT = 64
 HEADER = ALIGNMENT
@@ -132,22 +132,12 @@ class _Packing:
 
 
 def write(buffer: torch.Tensor, slot: TensorSlot, source: torch.Tensor) -> None:
-    """Copy source into its slot of the CPU buffer, on this thread only.
-
-    A torch copy of more than a few thousand elements wakes torch's CPU thread pool, whose threads then
-    spin waiting for more work: about 10 ms of CPU per copy in an otherwise idle driver, taken from the cores
-    the device workers compute on. A plain CPU tensor's bytes are copied with memmove instead, straight to the
-    slot's address (no view of the buffer made for it).
-    """
-    plain = (
-        source.device.type == "cpu"
-        and source.layout == torch.strided
-        and source.is_contiguous()
-        and not source.is_conj()
-        and not source.is_neg()
-    )
-    if plain:
-        ctypes.memmove(buffer.data_ptr() + slot.offset, source.data_ptr(), slot.nbytes)
+    """Copy source into its slot of the CPU buffer, on this thread only (see serial_copy: a torch copy of more
+    than a few thousand elements wakes torch's CPU thread pool, whose threads then spin for more work, about
+    10 ms of CPU per copy in an otherwise idle driver, taken from the cores the device workers compute on). A
+    plain CPU tensor's bytes go straight to the slot's address (no view of the buffer made for it)."""
+    if is_plain(source):
+        copy_to_address(buffer.data_ptr() + slot.offset, source)
     else:
         buffer[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape).copy_(source.detach())
 

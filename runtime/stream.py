@@ -1,6 +1,7 @@
 """A device's copy engine: host-to-device copies off the compute thread, on CUDA on their own stream.
 
-On a CPU device the engine is a thread and a copy is done when the call returns. On a CUDA device a copy
+On a CPU device the engine is a thread and a copy is done when the call returns, made with memmove so that
+the thread never starts an OpenMP team beside the compute thread's (serial_copy). On a CUDA device a copy
 is enqueued on a dedicated non-blocking stream, so that it overlaps kernels on the compute stream; the
 copy's event marks when its bytes are there, and the stream that reads them waits for that event on the
 GPU (the host never blocks on it). The target is recorded on the copy stream, so that the caching
@@ -15,6 +16,8 @@ from typing import Any
 
 import torch
 
+from harmony.runtime.serial_copy import copy_serially
+
 
 class CopyEngine:
     """Copies into one device's memory: synchronous on CPU, ordered by events on CUDA."""
@@ -28,7 +31,7 @@ class CopyEngine:
     def copy(self, target: torch.Tensor, source: torch.Tensor) -> torch.cuda.Event | None:
         """Copy source into target; on CUDA, enqueue it on the copy stream and return the event that ends it."""
         if self.stream is None:
-            target.copy_(source)
+            copy_serially(target, source)  # on the engine's thread too: no OpenMP team of its own (serial_copy)
             return None
         with torch.cuda.stream(self.stream):
             target.copy_(source, non_blocking=True)

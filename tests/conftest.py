@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import copy
+import os
+import threading
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import psutil
 import pytest
@@ -65,6 +68,23 @@ def clones(models: list[nn.Module]) -> list[nn.Module]:
 
 def harmony_files() -> list[str]:
     return sorted(p.name for p in shm_directory().glob(f"{PREFIX}*"))
+
+
+def native_threads() -> set[int]:
+    """Ids of the calling process's threads that Python did not start: torch's OpenMP pool threads among them."""
+    started_by_python = {thread.native_id for thread in threading.enumerate()}
+    return {int(tid) for tid in os.listdir("/proc/self/task")} - started_by_python
+
+
+@contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """torch computes with count CPU threads for the block (threads started in it included)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def worker_processes() -> list[psutil.Process]:

@@ -347,3 +347,43 @@ def test_an_embedded_cluster_samples_itself_less_often_but_keeps_what_the_user_c
     assert intervals["monitor"] == scheduler["monitor"] == expected_monitor
     assert expected_monitor > milliseconds(dask.config.get("distributed.admin.system-monitor.interval")), (
         "less often than distributed's default")
+
+
+def test_a_run_leaves_no_openmp_team_on_its_workers_beside_the_compute_threads(no_leaks: None) -> None:
+    """Every torch copy of a run is made by the worker's task thread (or with memmove): a large one on its
+    event loop, as a ``client.run`` would make it, leaves that thread OpenMP pool threads for the process's
+    life, and the compute thread's pool then sleeps between operators in every later run (serial_copy)."""
+    from harmony.runtime.cluster import start_embedded
+    from harmony.runtime.devices import DeviceSpec
+
+    def threads_python_did_not_start() -> set[int]:
+        import os
+        import threading
+
+        started_by_python = {thread.native_id for thread in threading.enumerate()}
+        return {int(tid) for tid in os.listdir("/proc/self/task")} - started_by_python
+
+    def large_copy() -> None:
+        torch.empty(1 << 22).copy_(torch.ones(1 << 22))
+
+    model = deep_mlp(width=128, depth=2, seed=3)  # weights well over torch's grain for a parallel copy
+    reference = copy.deepcopy(model)
+    batches = regression_batches(samples=64, batch=16, width=128)
+    factory = functools.partial(torch.optim.SGD, lr=0.05)
+    handle = start_embedded([DeviceSpec("cpu-0", "cpu", 2**26, 2)], dashboard_address=":0")
+    try:
+        worker = list(handle.workers.values())
+        handle.client.submit(large_copy, workers=worker, pure=False).result()  # the compute thread's own team
+        [before] = handle.client.run(threads_python_did_not_start).values()
+        result = harmony.train(model, batches, loss_fn=nn.functional.mse_loss, optimizer=factory,
+                               cluster=handle.client, progress=False)
+        [after_run] = handle.client.run(threads_python_did_not_start).values()
+        handle.client.run(large_copy)
+        [after_control] = handle.client.run(threads_python_did_not_start).values()
+    finally:
+        handle.close()
+    assert result.homes, "the model trained resident, so its weights were flushed from the worker at the end"
+    assert not after_run - before, "the run left pool threads of a second OpenMP team on the worker"
+    assert after_control - after_run, "control: a large copy on the worker's event loop starts pool threads"
+    train_plain(reference, batches, nn.functional.mse_loss, factory)
+    assert_same_weights(model, reference)

@@ -10,8 +10,10 @@ import platform
 import signal
 import subprocess
 import sys
+import threading
 import types
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import pytest
@@ -38,6 +40,7 @@ from harmony.runtime.spec import PackRuntime, grads_name, weights_name
 from harmony.runtime.stream import CopyEngine
 from harmony.tasks.binding import BindingState, ModelWork
 from harmony.tasks.layout import TensorSpec, lay_out
+from tests.conftest import native_threads, torch_threads
 
 
 @pytest.fixture
@@ -506,3 +509,24 @@ def test_a_ctrl_c_handler_of_the_users_is_kept() -> None:
         assert signal.getsignal(signal.SIGINT) is users_handler
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_the_cpu_copy_engine_never_starts_an_openmp_team_beside_the_compute_threads() -> None:
+    """A large torch copy on a thread leaves that thread a team of OpenMP pool threads for its life, which
+    makes the compute thread's pool sleep between operators (serial_copy); the engine's copies make none."""
+    source = torch.arange(1 << 22, dtype=torch.int32).view(torch.uint8)
+    by_torch, by_engine = torch.empty_like(source), torch.empty_like(source)
+    with torch_threads(2), ThreadPoolExecutor(max_workers=1) as pool:
+        before = native_threads()
+        pool.submit(by_torch.copy_, source).result()
+        assert native_threads() - before, "control: a thread's large torch copy starts pool threads"
+    engine = CopyEngine("cpu-t", torch.device("cpu"))
+    copied = threading.Event()
+    with torch_threads(2):
+        before = native_threads()
+        engine.submit(engine.copy, by_engine, source)
+        engine.submit(copied.set)
+        assert copied.wait(30)
+        assert not native_threads() - before, "the copy engine's thread started OpenMP pool threads"
+    engine.shutdown()
+    assert torch.equal(by_engine, source) and torch.equal(by_torch, source)
