@@ -230,6 +230,7 @@ def main() -> None:
     mlp_steps, cnn_steps = (60, 60) if args.quick else (MLP_STEPS, CNN_STEPS)
     rounds = 2 if args.quick else ROUNDS
     rows = []
+    raw: dict[str, object] = {}
     sweeps = (
         ("MLP 3x128", small_mlp, classification(mlp_steps, (128,)), hand_fused_mlp),
         ("CNN 2 conv", small_cnn, classification(cnn_steps, (3, 16, 16)), hand_fused_cnn),
@@ -239,6 +240,9 @@ def main() -> None:
         loops = {"plain sequential": plain_sequential, "plain lockstep": plain_lockstep, "hand-fused": hand}
         best = {label: _best_of(loop, base, data) / len(data) for label, loop in loops.items()}
         paired, shapes, ratios = paired_rounds(make, data, hand, rounds)
+        raw[name] = {"ms/step of every run, in run order": {label: [s * 1e3 for s in runs] for label, runs in
+                                                             paired.items()},
+                     "% of hand-fused of every run": ratios}
         end_to_end: dict[str, float] = {}
         for fuse in (False, True, "auto"):
             result, seconds = train_sweep(make, data, fuse)
@@ -264,7 +268,7 @@ def main() -> None:
            "hand-fused loop in the driver. Harmony's ms/step is its steady state (from a fifth of all models' steps "
            "to the last); "
            "end-to-end is one fresh train() with its own cluster, start-up included. "
-           "Goals: harmony fuse=auto >= 3x plain loop and >= 90% of hand-fused.")
+           "Goals: harmony fuse=auto >= 3x plain loop and >= 90% of hand-fused.", raw=raw)
 
 
 def _row(sweep: str, way: str, per_step: float, plain: float, of_hand: float, spread: str, end_to_end: float,

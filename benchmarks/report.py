@@ -28,8 +28,10 @@ def machine() -> dict[str, Any]:
     }
 
 
-def report(name: str, title: str, rows: list[dict[str, Any]], out: Path | None, notes: str = "") -> None:
-    """Print rows (dicts with the same keys) as an aligned table and write everything to JSON."""
+def report(name: str, title: str, rows: list[dict[str, Any]], out: Path | None, notes: str = "",
+           raw: dict[str, Any] | None = None) -> None:
+    """Print rows (dicts with the same keys) as an aligned table and write everything to JSON, with raw (the
+    measurements behind the rows, e.g. every run of a repeated way) where given."""
     columns = list(rows[0])
     cells = [[_format(row[column]) for column in columns] for row in rows]
     widths = [max(len(column), *(len(cell[i]) for cell in cells)) for i, column in enumerate(columns)]
@@ -42,7 +44,7 @@ def report(name: str, title: str, rows: list[dict[str, Any]], out: Path | None, 
     path = out or Path(__file__).parent / "results" / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"benchmark": name, "title": title, "machine": machine(), "notes": notes,
-                                "rows": rows}, indent=2))
+                                "rows": rows, **({"raw": raw} if raw else {})}, indent=2))
     print(f"wrote {path}")
 
 

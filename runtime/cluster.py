@@ -56,6 +56,16 @@ def config_environment(config: dict[str, str]) -> dict[str, str]:
     return {"DASK_" + key.upper().replace(".", "__").replace("-", "_"): value for key, value in config.items()}
 
 
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+
+
+def thread_environment(threads: int) -> dict[str, str]:
+    """The thread counts of every CPU pool torch may use (OpenMP, and MKL or OpenBLAS under it), all the device's:
+    distributed's nanny writes its one-thread values into its own process's environment when it starts a worker,
+    so a driver that started a nanny cluster before would pass them on to every device worker it starts."""
+    return dict.fromkeys(THREAD_VARIABLES, str(threads))
+
+
 class DeviceWorkerProcess(ProcessInterface):
     """One Dask worker, one thread, in its own process, named after the device it drives."""
 
@@ -82,7 +92,7 @@ class DeviceWorkerProcess(ProcessInterface):
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join(paths),
-            "OMP_NUM_THREADS": str(self.threads),
+            **thread_environment(self.threads),
             "DASK_DISTRIBUTED__WORKER__DAEMON": "False",
             "DASK_LOGGING__DISTRIBUTED": os.environ.get("DASK_LOGGING__DISTRIBUTED", "warning"),
             **config_environment(self.config),

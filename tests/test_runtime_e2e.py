@@ -349,10 +349,14 @@ def test_an_embedded_cluster_samples_itself_less_often_but_keeps_what_the_user_c
         "less often than distributed's default")
 
 
-def test_a_run_leaves_no_openmp_team_on_its_workers_beside_the_compute_threads(no_leaks: None) -> None:
+def test_a_run_leaves_no_openmp_team_on_its_workers_beside_the_compute_threads(
+    monkeypatch: pytest.MonkeyPatch, no_leaks: None
+) -> None:
     """Every torch copy of a run is made by the worker's task thread (or with memmove): a large one on its
     event loop, as a ``client.run`` would make it, leaves that thread OpenMP pool threads for the process's
-    life, and the compute thread's pool then sleeps between operators in every later run (serial_copy)."""
+    life, and the compute thread's pool then sleeps between operators in every later run (serial_copy).
+    The device's thread count holds in every thread of its worker, also where the driver's environment says
+    one thread, as distributed's nanny leaves it after starting a worker."""
     from harmony.runtime.cluster import start_embedded
     from harmony.runtime.devices import DeviceSpec
 
@@ -370,8 +374,11 @@ def test_a_run_leaves_no_openmp_team_on_its_workers_beside_the_compute_threads(n
     reference = copy.deepcopy(model)
     batches = regression_batches(samples=64, batch=16, width=128)
     factory = functools.partial(torch.optim.SGD, lr=0.05)
+    for variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        monkeypatch.setenv(variable, "1")
     handle = start_embedded([DeviceSpec("cpu-0", "cpu", 2**26, 2)], dashboard_address=":0")
     try:
+        assert list(handle.client.run(torch.get_num_threads).values()) == [2], "the device's threads, not the driver's"
         worker = list(handle.workers.values())
         handle.client.submit(large_copy, workers=worker, pure=False).result()  # the compute thread's own team
         [before] = handle.client.run(threads_python_did_not_start).values()
