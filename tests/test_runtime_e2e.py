@@ -359,6 +359,7 @@ def test_a_run_leaves_no_openmp_team_on_its_workers_beside_the_compute_threads(
     one thread, as distributed's nanny leaves it after starting a worker."""
     from harmony.runtime.cluster import start_embedded
     from harmony.runtime.devices import DeviceSpec
+    from harmony.runtime.worker import wait_for_warmup
 
     def threads_python_did_not_start() -> set[int]:
         import os
@@ -379,6 +380,7 @@ def test_a_run_leaves_no_openmp_team_on_its_workers_beside_the_compute_threads(
     handle = start_embedded([DeviceSpec("cpu-0", "cpu", 2**26, 2)], dashboard_address=":0")
     try:
         assert list(handle.client.run(torch.get_num_threads).values()) == [2], "the device's threads, not the driver's"
+        handle.client.run(wait_for_warmup)  # threads its background imports may start are there before we look
         worker = list(handle.workers.values())
         handle.client.submit(large_copy, workers=worker, pure=False).result()  # the compute thread's own team
         [before] = handle.client.run(threads_python_did_not_start).values()
