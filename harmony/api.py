@@ -138,7 +138,7 @@ def train(
     fit the budget (the whole group when it fits), an int k the largest that fit up to k, and False trains
     every model on its own. steps_per_task is how many consecutive steps one task of a resident
     single-pack model or array runs (all their batches in one file): "auto" picks enough to keep
-    Dask's per-task cost (measured on the cluster before the run) near 2% of the measured step time.
+    Dask's per-task cost (measured on the cluster before the run) near 1% of the measured step time.
     Every model keeps its own loss, optimizer and hyperparameters, and gets the weights it would get alone.
     """
     args = validate(models, loaders, loss_fn, optimizer, epochs, steps, microbatches, devices,

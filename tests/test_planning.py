@@ -130,9 +130,10 @@ def test_dask_groups_keys_by_task_kind() -> None:
     assert key_split(TaskId("upd", 0, 0, 0).key("abcdef")) == "upd"
 
 
-def test_steps_per_task_keeps_scheduling_near_two_percent_within_its_limits() -> None:
+def test_steps_per_task_keeps_scheduling_near_one_percent_within_its_limits() -> None:
     assert steps_per_task(0.5, 0.003, 1_000, None) == 1, "long steps need no grouping"
-    assert steps_per_task(0.010, 0.003, 1_000, None) == 15, "one task of 3 ms over 2% of 10 ms"
+    assert steps_per_task(0.010, 0.003, 1_000, None) == 30, "one task of 3 ms over 1% of 10 ms"
+    assert steps_per_task(0.010, 0.003, 1_000, None, share=0.02) == 15
     assert steps_per_task(0.0001, 0.003, 1_000, None) == MAX_DEPTH
     assert steps_per_task(0.0001, 0.003, MAX_SHIPPED_BYTES // 4, None) == 4, "at most 64 MiB of batches per task"
     assert steps_per_task(0.0001, 0.003, 1_000, 40) == 10, "at most a quarter of the run"
