@@ -13,7 +13,15 @@ from distributed import Client, LocalCluster
 from torch import nn
 
 import harmony
-from tests.conftest import assert_same_weights, deep_mlp, harmony_files, param_bytes, regression_batches, train_plain
+from tests.conftest import (
+    assert_same_weights,
+    deep_mlp,
+    harmony_files,
+    native_threads,
+    param_bytes,
+    regression_batches,
+    train_plain,
+)
 
 SENTINEL = 1234.0
 
@@ -361,13 +369,6 @@ def test_a_run_leaves_no_openmp_team_on_its_workers_beside_the_compute_threads(
     from harmony.runtime.devices import DeviceSpec
     from harmony.runtime.worker import wait_for_warmup
 
-    def threads_python_did_not_start() -> set[int]:
-        import os
-        import threading
-
-        started_by_python = {thread.native_id for thread in threading.enumerate()}
-        return {int(tid) for tid in os.listdir("/proc/self/task")} - started_by_python
-
     def large_copy() -> None:
         torch.empty(1 << 22).copy_(torch.ones(1 << 22))
 
@@ -383,12 +384,12 @@ def test_a_run_leaves_no_openmp_team_on_its_workers_beside_the_compute_threads(
         handle.client.run(wait_for_warmup)  # threads its background imports may start are there before we look
         worker = list(handle.workers.values())
         handle.client.submit(large_copy, workers=worker, pure=False).result()  # the compute thread's own team
-        [before] = handle.client.run(threads_python_did_not_start).values()
+        [before] = handle.client.run(native_threads).values()
         result = harmony.train(model, batches, loss_fn=nn.functional.mse_loss, optimizer=factory,
                                cluster=handle.client, progress=False)
-        [after_run] = handle.client.run(threads_python_did_not_start).values()
+        [after_run] = handle.client.run(native_threads).values()
         handle.client.run(large_copy)
-        [after_control] = handle.client.run(threads_python_did_not_start).values()
+        [after_control] = handle.client.run(native_threads).values()
     finally:
         handle.close()
     assert result.homes, "the model trained resident, so its weights were flushed from the worker at the end"
