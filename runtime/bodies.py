@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from typing import Any, TypeVar
 
@@ -167,9 +167,11 @@ def backward(
     first, count = span if span is not None else (step, 1)
     if resident:
         check_resident_order(ctx.resident_next_step(model), first, model)
-    per_step = list(zip(inputs, gradients_or_targets, loss_weights)) if span is not None else [
-        (inputs, gradients_or_targets, loss_weights)
-    ]
+    if span is not None:  # per step, taken as the steps run (a stacked span makes each step's views then)
+        assert len(inputs) == len(gradients_or_targets) == len(loss_weights) == count, f"span {span}: steps of data"
+        per_step: Iterable[tuple[Any, Any, Any]] = zip(inputs, gradients_or_targets, loss_weights)
+    else:
+        per_step = [(inputs, gradients_or_targets, loss_weights)]
     host = ctx.host_weights(model, pack)
     input_grads: list[Any] = []
     ctx.cache.drop_boundaries(TaskId("bwd", model, pack, first, group))
@@ -179,7 +181,7 @@ def backward(
     ):
         ctx.prefetch_next(keep_free=runtime.workspace)
         if resident:
-            _resident_steps(ctx, model, first, per_step, group, ctx.resident(model, weights))
+            _resident_steps(ctx, model, first, count, per_step, group, ctx.resident(model, weights))
         else:
             grad_bytes = torch.zeros(runtime.grads.nbytes, dtype=torch.uint8, device=ctx.device)
             tensors = tensors_at(weights, runtime.weights)
@@ -190,16 +192,21 @@ def backward(
             ctx.cache.write_back(grad_bytes, ctx.host_grads(model, pack, group), "grads")
         if pack == len(spec.packs) - 1 and runtime.has_buffers and not resident:
             ctx.cache.write_back(weights[runtime.buffers_offset :], host[runtime.buffers_offset :], "buffers")
-    assert len(per_step) == count, f"span {span} but {len(per_step)} steps of data"
     if not resident and updates_in_backward(spec.groups):
         _apply_update(ctx, model, pack, step)
     return input_grads if pack > 0 else None
 
 
 def _resident_steps(
-    ctx: RunContext, model: int, first: int, per_step: list[tuple[Any, Any, Any]], group: int, state: ResidentModel
+    ctx: RunContext,
+    model: int,
+    first: int,
+    count: int,
+    per_step: Iterable[tuple[Any, Any, Any]],
+    group: int,
+    state: ResidentModel,
 ) -> None:
-    """A resident model's consecutive steps from first, as a plain loop runs them: per step, fresh gradients,
+    """A resident model's count consecutive steps from first, as a plain loop runs them: per step, fresh gradients,
     every micro-batch's forward, loss and backward through its module (bound to the device weights), then the
     update on the device.
 
@@ -210,7 +217,7 @@ def _resident_steps(
     spec = ctx.spec.models[model]
     runtime = spec.packs[0]
     loss_fn = ctx.loss_fn(model)
-    losses = StepLosses(len(per_step))
+    losses = StepLosses(count)
     with torch.enable_grad():
         for index, (inputs, targets, loss_weights) in enumerate(per_step):
             step = first + index

@@ -87,7 +87,7 @@ class Driver:
                 self.state.end_of_data(model)
 
     def _ship(self, model: int, step: int, groups: int) -> None:
-        """Pack a step's (or a span's) batches for their tasks once, however many tasks read them."""
+        """Pack a step's batches for their tasks once, however many tasks read them."""
         for group in range(groups):
             for kind in (BatchInput, BatchTargets):
                 value = kind(model, step, group)
@@ -98,41 +98,58 @@ class Driver:
         batch = self.feeds[model].get(step)
         if batch is None:
             return False
+        groups = self.state.models[model].groups
+        for group, (micro_inputs, micro_targets, weights) in enumerate(self._split(batch, groups)):
+            self.values[BatchInput(model, step, group)] = micro_inputs
+            self.values[BatchTargets(model, step, group)] = micro_targets
+            self.weights[(model, step, group)] = weights
+        self._opened(model, step)
+        return True
+
+    def _split(self, batch: tuple[Any, Any], groups: int) -> list[tuple[list[Any], list[Any], list[float]]]:
+        """Per micro-batch group: its micro-batches' inputs, targets and loss weights."""
         inputs_, targets = batch
         sizes = split_sizes(batch_size(inputs_), self.microbatches)
+        if len(sizes) == 1 and groups == 1:  # the common case, on the driver's critical path for small steps
+            return [([inputs_], [targets], [1.0])]
         micro_inputs, micro_targets = split_tree(inputs_, sizes), split_tree(targets, sizes)
         weights = loss_weights(sizes)
-        groups = self.state.models[model].groups
-        first = 0
-        for group, count in enumerate(group_sizes(len(sizes), groups)):
+        parts, first = [], 0
+        for count in group_sizes(len(sizes), groups):
             chunk = slice(first, first + count)
             first += count
-            self.values[BatchInput(model, step, group)] = micro_inputs[chunk]
-            self.values[BatchTargets(model, step, group)] = micro_targets[chunk]
-            self.weights[(model, step, group)] = weights[chunk]
+            parts.append((micro_inputs[chunk], micro_targets[chunk], weights[chunk]))
+        return parts
+
+    def _opened(self, model: int, step: int) -> None:
         if self.on_batch is not None:
             self.on_batch(model, step)
         self.steps_fetched[model] += 1
-        return True
 
     def _fetch_span(self, model: int, span: int, depth: int) -> None:
-        """The mini-batches of depth consecutive steps, for one multi-step task of a resident model."""
+        """The mini-batches of depth consecutive steps, for one multi-step task of a resident model (one group),
+        shipped stacked where the steps' batches have one layout (see shipping)."""
         first = span * depth
-        steps = []
+        feed = self.feeds[model]
+        span_inputs, span_targets, span_weights = [], [], []
         for step in range(first, first + depth):
-            if not self._fetch_step(model, step):
+            batch = feed.get(step)
+            if batch is None:
                 break
-            steps.append(step)
-        if not steps:
+            [(micro_inputs, micro_targets, weights)] = self._split(batch, 1)
+            span_inputs.append(micro_inputs)
+            span_targets.append(micro_targets)
+            span_weights.append(weights)
+            self._opened(model, step)
+        if not span_inputs:
             self.state.end_of_data(model)
             return
-        for kind in (BatchInput, BatchTargets):
-            self.values[kind(model, span)] = [self.values.pop(kind(model, step)) for step in steps]
-        self.weights[(model, span, 0)] = [self.weights.pop((model, step, 0)) for step in steps]
-        self.spans[(model, span)] = (first, len(steps))
-        self._ship(model, span, 1)
+        self.values[BatchInput(model, span)] = self.batch_files.ship_steps(span_inputs)
+        self.values[BatchTargets(model, span)] = self.batch_files.ship_steps(span_targets)
+        self.weights[(model, span, 0)] = span_weights
+        self.spans[(model, span)] = (first, len(span_inputs))
         self.state.add_batch(model, span)
-        if len(steps) < depth:
+        if len(span_inputs) < depth:
             self.state.end_of_data(model)
 
     def _submit(self, task: TaskId, device: str) -> Future:

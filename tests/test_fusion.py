@@ -61,9 +61,10 @@ def check_against_plain(
     batches: list,
     loss_fns: list[Callable[..., torch.Tensor]],
     factories: list[Factory],
+    epochs: int = 1,
 ) -> None:
     for index, (reference, loss_fn, factory) in enumerate(zip(references, loss_fns, factories)):
-        losses = train_plain(reference, batches, loss_fn, factory)
+        losses = train_plain(reference, batches, loss_fn, factory, epochs=epochs)
         assert result.models[index] is models[index]
         assert_same_weights(models[index], reference, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(torch.tensor(result.history[index]), torch.tensor(losses), rtol=1e-5, atol=1e-6)
@@ -177,6 +178,19 @@ def test_resident_arrays_run_several_steps_per_task_and_still_match_plain_pytorc
             assert result.stats.steps_per_task == [depth] * 4 and depth > 1, "tiny resident steps are grouped"
             assert result.stats.tasks == -(-30 // depth), "one bwd task per span of depth steps"
         check_against_plain(result, models, references, batches, [nn.functional.mse_loss] * 4, factories)
+
+
+def test_a_span_holding_an_epochs_short_last_batch_still_matches_plain_pytorch(no_leaks: None) -> None:
+    """Spans of equal batches ship stacked; the span with the short last batch of each epoch ships step by step."""
+    factories: list[Factory] = [functools.partial(torch.optim.SGD, lr=0.05 * (i + 1), momentum=0.9) for i in range(3)]
+    batches = regression_batches(samples=16 * 9 + 5, batch=16)
+    models = [deep_mlp(depth=2, seed=seed) for seed in range(3)]
+    references = clones(models)
+    result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss, optimizer=factories, epochs=2,
+                           steps_per_task=4, devices=["cpu"], progress=False)
+    assert result.arrays == [[0, 1, 2]] and result.stats.steps == [20] * 3
+    assert result.stats.tasks == 5, "spans of steps 0-3, 4-7, 8-11 (the short batch 9), 12-15, 16-19 (19)"
+    check_against_plain(result, models, references, batches, [nn.functional.mse_loss] * 3, factories, epochs=2)
 
 
 class TokenClassifier(nn.Module):

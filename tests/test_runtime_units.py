@@ -34,7 +34,7 @@ from harmony.runtime.handoff import LocalResult, LostResult
 from harmony.runtime.hoststore import HostStore, tensors_at
 from harmony.runtime.interrupt import raise_if_interrupted, watching_interrupts
 from harmony.runtime.optimizer import PackOptimizer
-from harmony.runtime.shipping import BatchFiles, ShippedTensors, StaleBatch, unship
+from harmony.runtime.shipping import BatchFiles, ShippedTensors, StackedSteps, StaleBatch, unship
 from harmony.runtime.skeleton import dump_skeleton, load_skeleton
 from harmony.runtime.spec import PackRuntime, grads_name, weights_name
 from harmony.runtime.stream import CopyEngine
@@ -223,6 +223,64 @@ def test_shipped_batches_travel_as_a_file_name_and_come_back_exactly(store: Host
         if isinstance(original, torch.Tensor):
             assert copied.dtype == original.dtype and torch.equal(copied, original.resolve_conj())
     reader.close()
+
+
+def test_a_span_of_steps_of_one_layout_ships_stacked_and_reads_back_step_by_step(store: HostStore) -> None:
+    def step(index: int) -> list[Any]:
+        generator = torch.Generator().manual_seed(index)
+        return [
+            (torch.randn(3, 5, generator=generator), {"ids": torch.arange(7) + index, "tag": "same"}),
+            Labeled(torch.randn(4, 2, dtype=torch.bfloat16, generator=generator), [torch.randn(5, 3).t(), None]),
+        ]
+
+    steps = [step(index) for index in range(200)]
+    files = BatchFiles(store)
+    shipped = files.ship_steps(steps)
+    assert isinstance(shipped, ShippedTensors) and shipped.stacked_steps == 200
+    assert len(pickle.dumps(shipped)) < 1_500, "one step's structure travels, whatever the span's length"
+    assert len(pickle.dumps(files.ship(steps))) > 20 * len(pickle.dumps(shipped)), "against a slot per tensor"
+    reader = HostStore(store.run, store.directory)
+    back = unship(pickle.loads(pickle.dumps(shipped)), reader)
+    assert isinstance(back, StackedSteps) and len(back) == 200
+    for original, copied in zip(steps, back, strict=True):
+        assert type(copied[1]) is Labeled and copied[1].labels[1] is None and copied[0][1]["tag"] == "same"
+        for expected, got in zip(tree_flatten(original)[0], tree_flatten(copied)[0], strict=True):
+            if isinstance(expected, torch.Tensor):
+                assert got.dtype == expected.dtype and got.shape == expected.shape and torch.equal(got, expected)
+    assert torch.equal(back[-1][0][0], steps[199][0][0]) and len(back[10:13]) == 3
+    with pytest.raises(IndexError):
+        back[200]
+    reader.close()
+
+
+@pytest.mark.parametrize(
+    "last",
+    [
+        [torch.randn(2, 5)],  # a short last batch
+        [torch.randn(3, 5).double()],  # another dtype
+        [torch.randn(3, 5), torch.randn(3, 5)],  # another structure
+        ([torch.randn(3, 5)],),  # another container
+        [torch.randn(3, 5, requires_grad=True)],  # a tensor autograd tracks
+    ],
+    ids=["shape", "dtype", "structure", "container", "requires-grad"],
+)
+def test_a_span_whose_steps_differ_in_layout_ships_step_by_step_and_reads_back_exactly(
+    store: HostStore, last: Any
+) -> None:
+    steps = [[torch.randn(3, 5)] for _ in range(3)] + [last]
+    files = BatchFiles(store)
+    shipped = files.ship_steps(steps)
+    assert isinstance(shipped, ShippedTensors) and shipped.stacked_steps == 0
+    back = unship(shipped, store)
+    assert len(back) == 4 and type(back[3]) is type(last)
+    for original, copied in zip(tree_flatten(steps)[0], tree_flatten(back)[0], strict=True):
+        assert torch.equal(copied, original.detach()) and copied.requires_grad == original.requires_grad
+    assert files.ship_steps([[1.0], [2.0]]) == [[1.0], [2.0]], "steps without tensors need no file"
+    files.release(shipped)
+    again = files.ship_steps([[torch.ones(3, 5)], [torch.zeros(3, 5)]])
+    assert again.name == shipped.name and again.stacked_steps == 2, "stacked spans reuse the released files"
+    with pytest.raises(StaleBatch, match="another batch"):
+        unship(shipped, store)
 
 
 def test_batch_files_are_reused_once_released_and_spares_are_bounded(store: HostStore) -> None:
