@@ -10,10 +10,12 @@ Compared in one run, on one CPU device (all cores), on the same data and learnin
 Harmony's steady state is its time per sweep step from when a fifth of all models' steps are done to when
 the last is done (cluster start-up and the first task's warm-up excluded); "end-to-end" is everything
 train() does, start-up included, in one fresh run. The plain and hand-fused loops in the driver are measured
-REPEATS (3) times and the fastest counts. Harmony fuse=True and fuse="auto" run ROUNDS (5) times each on one
-device worker, every run between two runs of the hand-fused loop on that worker, and each run's ratio to the
-mean of those two is taken: a small shared machine's speed drifts by tens of percent between minutes, and a
-best-of for each way apart would compare different minutes. The MLP sweep runs MLP_STEPS (1200) steps, long
+REPEATS (3) times and the fastest counts. Harmony fuse=True and fuse="auto" run ROUNDS times each (MLP 10, CNN
+5) on one device worker, every run between two runs of the hand-fused loop on that worker, and each run's ratio
+to the mean of those two is taken: a small shared machine's speed drifts by tens of percent between minutes, and
+a best-of for each way apart would compare different minutes. Single MLP runs still scatter widely (64-152% of
+the hand-fused loop over two runs of this benchmark with five rounds, fuse=True and "auto" running the same
+plan): its median takes ten rounds. The MLP sweep runs MLP_STEPS (1200) steps, long
 enough that its steady state holds several of the multi-step tasks a 2 ms step calls for; the CNN's 50 ms
 steps need no more than CNN_STEPS (300). Throughput is samples per second
 per model. Goals: auto >= 3x the plain loop (the faster of the two) and >= 90% of the hand-fused ceiling
@@ -45,7 +47,7 @@ BATCH = 32
 CLASSES = 10
 LEARNING_RATES = [0.01 * (1 + i) / MODELS for i in range(MODELS)]
 REPEATS = 3
-ROUNDS = 5
+ROUNDS = {"MLP 3x128": 10, "CNN 2 conv": 5}
 MLP_STEPS = 1200
 CNN_STEPS = 300
 HAND_IN_WORKER = "hand-fused in a device worker"
@@ -228,9 +230,9 @@ def main() -> None:
     args = arguments(__doc__.splitlines()[0])
     logging.getLogger("distributed").setLevel(logging.ERROR)
     mlp_steps, cnn_steps = (60, 60) if args.quick else (MLP_STEPS, CNN_STEPS)
-    rounds = 2 if args.quick else ROUNDS
     rows = []
     raw: dict[str, object] = {}
+    used_rounds: dict[str, int] = {}
     sweeps = (
         ("MLP 3x128", small_mlp, classification(mlp_steps, (128,)), hand_fused_mlp),
         ("CNN 2 conv", small_cnn, classification(cnn_steps, (3, 16, 16)), hand_fused_cnn),
@@ -239,6 +241,7 @@ def main() -> None:
         base = [make(seed) for seed in range(MODELS)]
         loops = {"plain sequential": plain_sequential, "plain lockstep": plain_lockstep, "hand-fused": hand}
         best = {label: _best_of(loop, base, data) / len(data) for label, loop in loops.items()}
+        rounds = used_rounds[name] = 2 if args.quick else ROUNDS[name]
         paired, shapes, ratios = paired_rounds(make, data, hand, rounds)
         raw[name] = {"ms/step of every run, in run order": {label: [s * 1e3 for s in runs] for label, runs in
                                                              paired.items()},
@@ -262,7 +265,8 @@ def main() -> None:
                              end_to_end.get(label, statistics.median(per_run)), shapes.get(label, {})))
     report("fusion", f"Fusion: {MODELS} models, batch {BATCH}, SGD with {MODELS} learning rates, 1 CPU device", rows,
            args.out, notes="x plain loop: against the faster of the two plain loops. Harmony fuse=True/auto ran "
-           f"{rounds} times each on one worker, every run between two runs of the hand-fused loop in that worker: "
+           f"{', '.join(f'{rounds} times each ({name})' for name, rounds in used_rounds.items())} on one worker, "
+           "every run between two runs of the hand-fused loop in that worker: "
            "their ms/step is the median over runs and their % of hand-fused the median (range) of each run's "
            "ratio to the mean of the hand-fused runs before and after it; other rows: best of 3, % against the "
            "hand-fused loop in the driver. Harmony's ms/step is its steady state (from a fifth of all models' steps "
