@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
 import harmony
+from harmony.runtime.shipping import BatchFiles
 from tests.conftest import assert_same_weights, clones, deep_mlp, regression_batches, train_plain
 
 Factory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -180,8 +182,19 @@ def test_resident_arrays_run_several_steps_per_task_and_still_match_plain_pytorc
         check_against_plain(result, models, references, batches, [nn.functional.mse_loss] * 4, factories)
 
 
-def test_a_span_holding_an_epochs_short_last_batch_still_matches_plain_pytorch(no_leaks: None) -> None:
+def test_a_span_holding_an_epochs_short_last_batch_still_matches_plain_pytorch(
+    no_leaks: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Spans of equal batches ship stacked; the span with the short last batch of each epoch ships step by step."""
+    shipped: list[int] = []
+    ship_steps = BatchFiles.ship_steps
+
+    def recording(files: BatchFiles, steps: list[Any]) -> Any:
+        value = ship_steps(files, steps)
+        shipped.append(value.stacked_steps)
+        return value
+
+    monkeypatch.setattr(BatchFiles, "ship_steps", recording)
     factories: list[Factory] = [functools.partial(torch.optim.SGD, lr=0.05 * (i + 1), momentum=0.9) for i in range(3)]
     batches = regression_batches(samples=16 * 9 + 5, batch=16)
     models = [deep_mlp(depth=2, seed=seed) for seed in range(3)]
@@ -190,6 +203,7 @@ def test_a_span_holding_an_epochs_short_last_batch_still_matches_plain_pytorch(n
                            steps_per_task=4, devices=["cpu"], progress=False)
     assert result.arrays == [[0, 1, 2]] and result.stats.steps == [20] * 3
     assert result.stats.tasks == 5, "spans of steps 0-3, 4-7, 8-11 (the short batch 9), 12-15, 16-19 (19)"
+    assert shipped == [4, 4, 4, 4, 0, 0, 4, 4, 0, 0], "inputs and targets per span; spans with batch 9 or 19 not"
     check_against_plain(result, models, references, batches, [nn.functional.mse_loss] * 3, factories, epochs=2)
 
 
