@@ -183,7 +183,7 @@ def train(
             steps[model] = outcome.steps[index]
             finish[model] = outcome.finish_seconds[index]
             step_seconds[model] = list(outcome.step_seconds[index])
-            depths[model] = job.depth
+            depths[model] = outcome.depths[index]
     stats = Stats(
         peak_device_bytes={name: values["peak"] for name, values in counters.items()},
         bytes_in={kind: sum(values[f"in_{kind}"] for values in counters.values()) for kind in IN_KINDS},

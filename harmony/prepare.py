@@ -170,7 +170,8 @@ def arrange(
     depth: int | str = "auto",
 ) -> tuple[str, dict[str, float]]:
     """Choose the execution mode, home the models that stay resident and set every job's groups, and the
-    steps per task of resident single-pack jobs (depth, or with "auto" chosen from their step time).
+    steps per task of resident single-pack jobs (depth, or with "auto" chosen from their predicted step time
+    first and from their measured step time as they run).
 
     Returns the mode and what the simulator predicted for each mode it compared; jobs are updated in place.
     """
@@ -182,11 +183,12 @@ def arrange(
     for job in jobs:
         job.groups = groups_for(chosen, len(budgets), args.microbatches)
         if job.home is not None and len(job.plan.packs) == 1 and job.groups == 1:
-            batch = args.loaders[job.feed].first
-            job.depth = depth if isinstance(depth, int) else steps_per_task(
-                job.step_seconds, max(hardware.task_overhead, hardware.task_cpu), tree_nbytes(batch),
-                job.expected_steps
-            )
+            if isinstance(depth, int):
+                job.depth = depth
+                continue
+            job.task_seconds = max(hardware.task_overhead, hardware.task_cpu)
+            job.batch_bytes = tree_nbytes(args.loaders[job.feed].first)
+            job.depth = steps_per_task(job.step_seconds, job.task_seconds, job.batch_bytes, job.expected_steps)
     return chosen, predicted
 
 

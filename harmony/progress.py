@@ -23,10 +23,9 @@ class ProgressLine:
         if now - self.last < self.interval and not state.finished:
             return
         self.last = now
-        depths = [work.depth for work in state.models]
-        done = sum(count * depth for count, depth in zip(state.steps_done, depths))
-        totals = [total * depth for total, depth in zip(state.total_steps, depths) if total is not None]
-        total = f"/{sum(totals)}" if len(totals) == len(state.total_steps) else ""
+        done = sum(state.trained)
+        totals = [plan.steps for plan in state.spans if plan.steps is not None]
+        total = f"/{sum(totals)}" if len(totals) == len(state.spans) else ""
         self.stream.write(
             f"\rharmony: {len(state.models)} models, steps {done}{total}, {tasks} tasks, "
             f"{now - self.started:.1f}s   "

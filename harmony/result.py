@@ -41,9 +41,10 @@ class Stats:
     finish_seconds: per model, when its last step finished, counted from the same moment;
     step_seconds: per model, when each of its steps finished (its update applied), from the same moment
     (the steps of a multi-step task finish together); steps_per_task: per model, how many consecutive
-    steps one of its tasks ran; task_seconds: what one task cost on this cluster, measured before the run
-    (a chain of dependent empty tasks per device worker), from which steps_per_task="auto" chose those
-    depths and the simulator predicted.
+    steps one of its tasks ran (with "auto", its later tasks: its first ones ran the depth its predicted step
+    time gave, until finished tasks measured its step time); task_seconds: what one task cost on this cluster,
+    measured before the run (a chain of dependent empty tasks per device worker), from which
+    steps_per_task="auto" chose those depths and the simulator predicted.
     """
 
     peak_device_bytes: dict[str, int]

@@ -32,7 +32,7 @@ from harmony.runtime.handoff import receive, wait_for
 from harmony.runtime.hoststore import tensors_at
 from harmony.runtime.resident import ResidentModel
 from harmony.runtime.shipping import unship
-from harmony.runtime.spec import LOSS_BLOCK, losses_name
+from harmony.runtime.spec import LOSS_BLOCK, SPAN_TIMING_BYTES, losses_name, span_timing_name
 from harmony.runtime.worker import RunContext, context
 from harmony.tasks.graph import TaskId, updates_in_backward
 
@@ -181,7 +181,9 @@ def backward(
     ):
         ctx.prefetch_next(keep_free=runtime.workspace)
         if resident:
-            _resident_steps(ctx, model, first, count, per_step, group, ctx.resident(model, weights))
+            timed = _resident_steps(ctx, model, first, count, per_step, group, ctx.resident(model, weights))
+            if span is not None:
+                _record_span_timing(ctx, model, *timed)
         else:
             grad_bytes = torch.zeros(runtime.grads.nbytes, dtype=torch.uint8, device=ctx.device)
             tensors = tensors_at(weights, runtime.weights)
@@ -205,10 +207,11 @@ def _resident_steps(
     per_step: Iterable[tuple[Any, Any, Any]],
     group: int,
     state: ResidentModel,
-) -> None:
+) -> tuple[float, int]:
     """A resident model's count consecutive steps from first, as a plain loop runs them: per step, fresh gradients,
     every micro-batch's forward, loss and backward through its module (bound to the device weights), then the
-    update on the device.
+    update on the device. Returns the seconds the steps took, their losses on the host, and how many steps that
+    is: all of them but the model's first step, its warm-up.
 
     What does not change between steps is set up once for the task (the loss function, grad mode) and the
     steps' losses go to the host store together at the end: on a small model the per-step bookkeeping of a
@@ -218,9 +221,12 @@ def _resident_steps(
     runtime = spec.packs[0]
     loss_fn = ctx.loss_fn(model)
     losses = StepLosses(count)
+    started = time.perf_counter()
     with torch.enable_grad():
         for index, (inputs, targets, loss_weights) in enumerate(per_step):
             step = first + index
+            if step == 1 and index == 1:
+                started = time.perf_counter()
             state.clear_grads()
             with ctx.cache.scratch(runtime.workspace, "activations of pack 0"):
                 for microbatch, (x, target, weight) in enumerate(zip(inputs, targets, loss_weights)):
@@ -230,6 +236,15 @@ def _resident_steps(
                     losses.add(index, _backpropagate_loss(loss_fn(state.module(x), target), weight), weight)
             state.step(step)  # after the activations are gone, as in a plain loop (its state is charged then)
     _record_losses(ctx, model, first, group, losses.totals())
+    return time.perf_counter() - started, count - 1 if first == 0 else count
+
+
+def _record_span_timing(ctx: RunContext, model: int, seconds: float, steps: int) -> None:
+    """Add a span's timed seconds and steps to the model's running totals in the host store, which the driver
+    reads when the task has finished (the model's tasks run one after another on its device)."""
+    if steps > 0:
+        totals = ctx.store.attach(span_timing_name(model), SPAN_TIMING_BYTES).view(torch.float64)
+        totals += torch.tensor([seconds, float(steps)], dtype=torch.float64)
 
 
 class StepLosses:

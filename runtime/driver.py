@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from distributed import Client, Future, as_completed
 
 from harmony.runtime import bodies
@@ -29,6 +30,7 @@ from harmony.runtime.handoff import LocalResult
 from harmony.runtime.hoststore import HostStore
 from harmony.runtime.interrupt import raise_if_interrupted
 from harmony.runtime.shipping import BatchFiles
+from harmony.runtime.spec import SPAN_TIMING_BYTES, span_timing_name
 from harmony.tasks.binding import BindingState
 from harmony.tasks.graph import BatchInput, BatchTargets, TaskId, Value, inputs, successor
 from harmony.tasks.microbatch import group_sizes, loss_weights, split_sizes
@@ -53,6 +55,7 @@ class Driver:
     ) -> None:
         self.client = client
         self.run = run
+        self.store = store
         self.batch_files = BatchFiles(store)
         self.state = state
         self.feeds = feeds
@@ -73,13 +76,14 @@ class Driver:
         self.step_seconds: list[list[float]] = [[] for _ in feeds]
         self.spans: dict[tuple[int, int], tuple[int, int]] = {}
         self.steps_fetched = [0] * len(feeds)
+        self.span_timings: dict[int, torch.Tensor] = {}
 
     def _fetch_batches(self) -> None:
         """Open every step the binding state wants open now."""
         for model, step in self.state.wanted_batches():
-            depth = self.state.models[model].depth
-            if depth > 1:
-                self._fetch_span(model, step, depth)
+            plan = self.state.spans[model]
+            if plan.depth > 1 or plan.adaptive:
+                self._fetch_span(model, step)
             elif self._fetch_step(model, step):
                 self._ship(model, step, self.state.models[model].groups)
                 self.state.add_batch(model, step)
@@ -126,10 +130,10 @@ class Driver:
             self.on_batch(model, step)
         self.steps_fetched[model] += 1
 
-    def _fetch_span(self, model: int, span: int, depth: int) -> None:
-        """The mini-batches of depth consecutive steps, for one multi-step task of a resident model (one group),
-        shipped stacked where the steps' batches have one layout (see shipping)."""
-        first = span * depth
+    def _fetch_span(self, model: int, span: int) -> None:
+        """The mini-batches of the consecutive steps of the model's next span, for one multi-step task of a
+        resident model (one group), shipped stacked where the steps' batches have one layout (see shipping)."""
+        first, depth = self.state.next_span(model)
         feed = self.feeds[model]
         span_inputs, span_targets, span_weights = [], [], []
         for step in range(first, first + depth):
@@ -148,9 +152,18 @@ class Driver:
         self.values[BatchTargets(model, span)] = self.batch_files.ship_steps(span_targets)
         self.weights[(model, span, 0)] = span_weights
         self.spans[(model, span)] = (first, len(span_inputs))
-        self.state.add_batch(model, span)
+        self.state.add_batch(model, span, len(span_inputs))
         if len(span_inputs) < depth:
             self.state.end_of_data(model)
+
+    def _measured(self, model: int) -> None:
+        """Tell the binding state the step time the model's finished spans measured on their device (the
+        seconds and steps its tasks added up in the host store, see bodies), so that it re-cuts the later ones."""
+        timing = self.span_timings.get(model)
+        if timing is None:
+            timing = self.span_timings[model] = self.store.attach(span_timing_name(model), SPAN_TIMING_BYTES)
+        seconds, steps = timing.view(torch.float64).tolist()
+        self.state.measured(model, seconds, int(steps))
 
     def _submit(self, task: TaskId, device: str) -> Future:
         packs = self.state.models[task.model].packs
@@ -268,6 +281,8 @@ class Driver:
             if self.state.steps_done[task.model] > done_before:
                 _, count = self.spans.pop((task.model, task.step), (task.step, 1))
                 self.step_seconds[task.model].extend([now] * count)
+                if self.state.spans[task.model].adaptive:
+                    self._measured(task.model)
             self.tasks_run += 1
             total = self.state.total_steps[task.model]
             if total is not None and self.state.steps_done[task.model] >= total:

@@ -28,12 +28,14 @@ from harmony.runtime.hoststore import HostStore, tensors_at
 from harmony.runtime.skeleton import dump_skeleton
 from harmony.runtime.spec import (
     LOSS_BLOCK,
+    SPAN_TIMING_BYTES,
     ModelRuntime,
     PackRuntime,
     RunSpec,
     counters_name,
     grads_name,
     losses_name,
+    span_timing_name,
     versions_name,
     weights_name,
 )
@@ -50,7 +52,9 @@ class JobModel:
 
     members are the indices of the user's models it trains (one, or an array's); member_layers their own
     chains of layers, into which a fused array's trained weights are copied back. depth is how many
-    consecutive steps each of its tasks runs (more than one only for a resident single-pack job).
+    consecutive steps each of its tasks runs (more than one only for a resident single-pack job); with
+    task_seconds (what a task costs) and batch_bytes (one step's batch) that is the first tasks' depth,
+    re-decided from their measured step time (see tasks.amortize).
     """
 
     module: nn.Module
@@ -71,6 +75,13 @@ class JobModel:
     state_ratio: float = 2.0
     label: str = ""
     depth: int = 1
+    task_seconds: float = 0.0
+    batch_bytes: int = 0
+
+    @property
+    def runs_spans(self) -> bool:
+        """Whether its tasks each run a span of consecutive steps (or may, once its step time is measured)."""
+        return self.depth > 1 or self.task_seconds > 0
 
     @property
     def fused(self) -> bool:
@@ -92,6 +103,7 @@ class JobOutcome:
     schedule: dict[str, list[str]] = field(default_factory=dict)
     finish_seconds: list[float] = field(default_factory=list)
     step_seconds: list[list[float]] = field(default_factory=list)
+    depths: list[int] = field(default_factory=list)
 
 
 def pack_module(layers: list[nn.Module], plan: PackPlan, pack: int) -> nn.Sequential:
@@ -250,6 +262,8 @@ def run_job(
             store.create(counters_name(index), BLOCK_BYTES)
         for m, job in enumerate(models):
             store.create(versions_name(m), 8 * len(job.plan.packs))
+            if job.runs_spans:
+                store.create(span_timing_name(m), SPAN_TIMING_BYTES)
         spec = RunSpec(run, str(store.directory), runtimes, tuple(devices), prefetch, group)
 
         def create_loss_block(model: int, step: int) -> None:
@@ -264,10 +278,12 @@ def run_job(
             [
                 ModelWork(
                     tuple(pack.weight_bytes for pack in job.plan.packs),
-                    None if job.expected_steps is None else -(-job.expected_steps // job.depth),
-                    job.step_seconds * job.depth,
+                    job.expected_steps,
+                    job.step_seconds,
                     job.groups,
                     job.depth,
+                    job.task_seconds,
+                    job.batch_bytes,
                 )
                 for job in models
             ],
@@ -311,6 +327,7 @@ def run_job(
             schedule={names[address]: keys for address, keys in executed.items() if address in names},
             finish_seconds=[driver.finish_seconds.get(m, run_seconds) for m in range(len(models))],
             step_seconds=driver.step_seconds,
+            depths=[plan.depth for plan in state.spans],
         )
     finally:
         if driver is not None:

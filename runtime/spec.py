@@ -79,6 +79,14 @@ def versions_name(model: int) -> str:
     return f"m{model}-versions"
 
 
+SPAN_TIMING_BYTES = 16
+
+
+def span_timing_name(model: int) -> str:
+    """The seconds and the steps (float64) a resident model's multi-step tasks have timed so far, added up."""
+    return f"m{model}-span-timing"
+
+
 def counters_name(device: int) -> str:
     return f"device{device}-counters"
 

@@ -6,11 +6,14 @@ the time is scheduling; one task that runs several steps, reading the batches of
 file, divides that cost. The depth comes from the step time the pilot pass measured and the task
 cost measured on the live cluster the run uses (runtime.calibrate): the time a task adds to its device or,
 where the devices compute on the machine's cores, the CPU time it takes from them, whichever is more.
+The pilot's step time is a prediction (for a fused array, from one model's profile at the array's batch), so a
+SpanPlan re-decides the depth of the spans not yet opened from the step time its finished spans measured.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 OVERHEAD_SHARE = 0.01
 MAX_DEPTH = 256
@@ -45,3 +48,48 @@ def steps_per_task(
     if steps is not None:
         depth = min(depth, max(1, steps // 4))
     return max(1, depth)
+
+
+@dataclass
+class SpanPlan:
+    """How one model's training steps are cut, in order, into spans of consecutive steps (one task each).
+
+    steps is how many training steps the run takes (None while unknown); depth is the length of the spans
+    not yet opened (the last one may be shorter). With a task cost (task_seconds, and the bytes of one step's
+    batch), every measurement of the steps run so far re-decides the depth from their measured step time;
+    without one the depth stays as given.
+    """
+
+    steps: int | None
+    depth: int = 1
+    task_seconds: float = 0.0
+    batch_bytes: int = 0
+    opened: int = 0
+
+    @property
+    def adaptive(self) -> bool:
+        return self.task_seconds > 0
+
+    def next_span(self) -> tuple[int, int]:
+        """The first step and the length of the next span (0 steps once all are opened)."""
+        left = self.depth if self.steps is None else max(0, min(self.depth, self.steps - self.opened))
+        return self.opened, left
+
+    def open(self, count: int) -> None:
+        """A span of count steps was opened (fewer than asked when the loader ran dry)."""
+        self.opened += count
+
+    def end(self) -> None:
+        """The loader has no more batches: the steps opened so far are all the run takes."""
+        self.steps = self.opened
+
+    def spans_left(self) -> int | None:
+        """How many spans are still to open (None while the run's length is unknown)."""
+        if self.steps is None:
+            return None
+        return -(-(self.steps - self.opened) // self.depth)
+
+    def measured(self, seconds: float, steps: int) -> None:
+        """The model's finished spans took seconds over steps of their steps: re-decide the depth (adaptive only)."""
+        if self.adaptive and steps > 0 and seconds > 0:
+            self.depth = steps_per_task(seconds / steps, self.task_seconds, self.batch_bytes, self.steps)

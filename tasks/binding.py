@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from harmony.tasks.amortize import SpanPlan
 from harmony.tasks.graph import (
     BatchInput,
     BatchTargets,
@@ -31,8 +32,10 @@ MODES = ("free", "vpp", "vdp")
 class ModelWork:
     """What the binder needs to know of one model (or fused array): its packs and their weight bytes.
 
-    depth is how many training steps one of its steps here stands for (a resident model whose tasks each
-    run several steps); steps and step_seconds count in those units.
+    steps (the run's length, when known) and step_seconds count training steps. depth is how many training
+    steps each of its tasks runs (a resident model's multi-step tasks, a span each: one of its steps here); with
+    task_seconds (a task's cost) and batch_bytes (one step's batch), the spans not yet opened are re-cut as
+    the finished ones measure their step time (see SpanPlan), depth being the first spans' length.
     """
 
     pack_weight_bytes: tuple[int, ...]
@@ -40,6 +43,8 @@ class ModelWork:
     step_seconds: float = 0.0
     groups: int = 1
     depth: int = 1
+    task_seconds: float = 0.0
+    batch_bytes: int = 0
 
     @property
     def packs(self) -> int:
@@ -63,7 +68,11 @@ class DeviceState:
 
 
 class BindingState:
-    """Ready tasks, bound tasks and finished tasks of every model; picks what a free device runs next."""
+    """Ready tasks, bound tasks and finished tasks of every model; picks what a free device runs next.
+
+    A model's steps here are its spans (one training step each, unless its tasks run several): total_steps,
+    opened and steps_done count them, trained counts the training steps done.
+    """
 
     def __init__(
         self,
@@ -84,8 +93,11 @@ class BindingState:
         self.device_names = list(budgets)
         self.models = models
         self.devices = {name: DeviceState(budget, slots_per_device) for name, budget in budgets.items()}
-        self.total_steps: list[int | None] = [work.steps for work in models]
+        self.spans = [SpanPlan(work.steps, work.depth, work.task_seconds, work.batch_bytes) for work in models]
+        self.total_steps: list[int | None] = [plan.spans_left() for plan in self.spans]
         self.opened: list[int] = [0] * len(models)
+        self.trained: list[int] = [0] * len(models)
+        self._span_steps: dict[tuple[int, int], int] = {}
         self.pending: set[TaskId] = set()
         self.done: set[TaskId] = set()
         self.bound: dict[TaskId, str] = {}
@@ -116,9 +128,16 @@ class BindingState:
                 step += 1
         return wanted
 
-    def add_batch(self, model: int, step: int) -> None:
-        """The mini-batch for (model, step) is available: its tasks become candidates."""
+    def next_span(self, model: int) -> tuple[int, int]:
+        """The first training step and the length of the model's next span (see SpanPlan)."""
+        return self.spans[model].next_span()
+
+    def add_batch(self, model: int, step: int, count: int = 1) -> None:
+        """The mini-batch for (model, step) is available (count training steps of it, a span's): its tasks
+        become candidates."""
         assert step == self.opened[model], f"batches arrive in order: expected {self.opened[model]}, got {step}"
+        self.spans[model].open(count)
+        self._span_steps[(model, step)] = count
         packs = self.models[model].packs
         groups = self.models[model].groups
         for group in range(groups):
@@ -140,6 +159,15 @@ class BindingState:
     def end_of_data(self, model: int) -> None:
         """The model's loader has no more batches: the steps opened so far are all it trains."""
         self.total_steps[model] = self.opened[model]
+        self.spans[model].end()
+
+    def measured(self, model: int, seconds: float, steps: int) -> None:
+        """The model's finished spans ran steps training steps in seconds: re-cut the spans not yet opened."""
+        plan = self.spans[model]
+        plan.measured(seconds, steps)
+        left = plan.spans_left()
+        if left is not None:
+            self.total_steps[model] = self.opened[model] + left
 
     @property
     def finished(self) -> bool:
@@ -197,17 +225,16 @@ class BindingState:
     def remaining_seconds(self, model: int) -> float:
         """Predicted time the model still needs: its remaining steps times its step time (one second per
         step when its step time is unknown, so that remaining steps decide)."""
-        work = self.models[model]
-        total = self.total_steps[model] if self.total_steps[model] is not None else work.steps
-        if total is None:
+        steps = self.spans[model].steps
+        if steps is None:
             return float("inf")
-        return (total - self.steps_done[model]) * (work.step_seconds or 1.0)
+        return (steps - self.trained[model]) * (self.models[model].step_seconds or 1.0)
 
     def model_rank(self, model: int) -> tuple[float, int]:
         """Which model a free device serves first: Sharded-LRTF gives it to the model with the longest
         remaining time; round-robin (and LRTF between models of unknown length) to the model that has
         made the least progress."""
-        progress = self.steps_done[model]
+        progress = self.trained[model]
         if self.policy == "lrtf":
             return -self.remaining_seconds(model), progress
         return 0.0, progress
@@ -266,6 +293,7 @@ class BindingState:
             updater(task.model, p, task.step, work.groups) in self.done for p in range(work.packs)
         ):
             self.steps_done[task.model] = task.step + 1
+            self.trained[task.model] += self._span_steps.pop((task.model, task.step))
         released = []
         for value in inputs(task, work.packs):
             self.readers[value] -= 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -11,6 +12,7 @@ import torch
 from torch import nn
 
 import harmony
+from harmony import prepare
 from harmony.runtime.shipping import BatchFiles
 from tests.conftest import assert_same_weights, clones, deep_mlp, regression_batches, train_plain
 
@@ -180,6 +182,26 @@ def test_resident_arrays_run_several_steps_per_task_and_still_match_plain_pytorc
             assert result.stats.steps_per_task == [depth] * 4 and depth > 1, "tiny resident steps are grouped"
             assert result.stats.tasks == -(-30 // depth), "one bwd task per span of depth steps"
         check_against_plain(result, models, references, batches, [nn.functional.mse_loss] * 4, factories)
+
+
+def test_auto_steps_per_task_re_cuts_the_later_spans_from_the_measured_step_time(
+    no_leaks: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The predicted step time gave 2 steps per task (standing in for a prediction far off); the first spans'
+    measured tiny steps give the cap, a quarter of the run, to every span opened after the first finished."""
+    monkeypatch.setattr(prepare, "steps_per_task", lambda *args: 2)
+    factories: list[Factory] = [functools.partial(torch.optim.SGD, lr=0.05 * (i + 1), momentum=0.9) for i in range(3)]
+    batches = regression_batches(samples=16 * 30, batch=16)
+    models = [deep_mlp(depth=2, seed=seed) for seed in range(3)]
+    references = clones(models)
+    result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss, optimizer=factories, devices=["cpu"],
+                           progress=False)
+    assert result.arrays == [[0, 1, 2]] and result.stats.steps == [30] * 3
+    times = result.stats.step_seconds[0]
+    spans = [len(list(group)) for _, group in itertools.groupby(times)]
+    assert spans == [2, 2, 7, 7, 7, 5], "two spans opened before any finished, then 30 // 4 steps per task"
+    assert result.stats.steps_per_task == [7] * 3 and result.stats.tasks == 6
+    check_against_plain(result, models, references, batches, [nn.functional.mse_loss] * 3, factories)
 
 
 def test_a_span_holding_an_epochs_short_last_batch_still_matches_plain_pytorch(
