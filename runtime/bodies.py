@@ -210,8 +210,8 @@ def _resident_steps(
 ) -> tuple[float, int]:
     """A resident model's count consecutive steps from first, as a plain loop runs them: per step, fresh gradients,
     every micro-batch's forward, loss and backward through its module (bound to the device weights), then the
-    update on the device. Returns the seconds the steps took, their losses on the host, and how many steps that
-    is: all of them but the model's first step, its warm-up.
+    update on the device. Returns the seconds the steps took (until their losses were on the host) and how many
+    steps those are: all of them but the model's first step, its warm-up.
 
     What does not change between steps is set up once for the task (the loss function, grad mode) and the
     steps' losses go to the host store together at the end: on a small model the per-step bookkeeping of a
