@@ -76,13 +76,11 @@ class Driver:
         self.step_seconds: list[list[float]] = [[] for _ in feeds]
         self.spans: dict[tuple[int, int], tuple[int, int]] = {}
         self.steps_fetched = [0] * len(feeds)
-        self.span_timings: dict[int, torch.Tensor] = {}
 
     def _fetch_batches(self) -> None:
         """Open every step the binding state wants open now."""
         for model, step in self.state.wanted_batches():
-            plan = self.state.spans[model]
-            if plan.depth > 1 or plan.adaptive:
+            if self.state.spans[model].runs_spans:
                 self._fetch_span(model, step)
             elif self._fetch_step(model, step):
                 self._ship(model, step, self.state.models[model].groups)
@@ -159,9 +157,7 @@ class Driver:
     def _measured(self, model: int) -> None:
         """Tell the binding state the step time the model's finished spans measured on their device (the
         seconds and steps its tasks added up in the host store, see bodies), so that it re-cuts the later ones."""
-        timing = self.span_timings.get(model)
-        if timing is None:
-            timing = self.span_timings[model] = self.store.attach(span_timing_name(model), SPAN_TIMING_BYTES)
+        timing = self.store.attach(span_timing_name(model), SPAN_TIMING_BYTES)  # the store keeps the mapping
         seconds, steps = timing.view(torch.float64).tolist()
         self.state.measured(model, seconds, int(steps))
 

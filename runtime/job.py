@@ -79,11 +79,6 @@ class JobModel:
     batch_bytes: int = 0
 
     @property
-    def runs_spans(self) -> bool:
-        """Whether its tasks each run a span of consecutive steps (or may, once its step time is measured)."""
-        return self.depth > 1 or self.task_seconds > 0
-
-    @property
     def fused(self) -> bool:
         """Whether this job is a fused array of several models (their layers are ArrayLayers)."""
         return len(self.member_layers) > 1
@@ -262,8 +257,6 @@ def run_job(
             store.create(counters_name(index), BLOCK_BYTES)
         for m, job in enumerate(models):
             store.create(versions_name(m), 8 * len(job.plan.packs))
-            if job.runs_spans:
-                store.create(span_timing_name(m), SPAN_TIMING_BYTES)
         spec = RunSpec(run, str(store.directory), runtimes, tuple(devices), prefetch, group)
 
         def create_loss_block(model: int, step: int) -> None:
@@ -292,6 +285,9 @@ def run_job(
             mode=mode,
             homes={m: job.home for m, job in enumerate(models) if job.home is not None},
         )
+        for m, plan in enumerate(state.spans):
+            if plan.runs_spans:  # its span tasks add up their timing here (see bodies)
+                store.create(span_timing_name(m), SPAN_TIMING_BYTES)
         driver = Driver(
             handle.client,
             run,

@@ -70,6 +70,11 @@ class SpanPlan:
     def adaptive(self) -> bool:
         return self.task_seconds > 0
 
+    @property
+    def runs_spans(self) -> bool:
+        """Whether the model's tasks each run a span of steps (or may, once its step time is measured)."""
+        return self.depth > 1 or self.adaptive
+
     def next_span(self) -> tuple[int, int]:
         """The first step and the length of the next span (0 steps once all are opened)."""
         left = self.depth if self.steps is None else max(0, min(self.depth, self.steps - self.opened))
