@@ -1,12 +1,12 @@
 """The optimizer of a fused array: every member's own optimizer and hyperparameters, over stacked weights.
 
 Each member's factory is called on that member's slices of the stacked parameters (views, so an update
-writes into the stack; shaped as the member's own parameters, also where the array stores them transposed), which
-gives its optimizer class and hyperparameters exactly as the user wrote
-them. When every member uses plain SGD, Adam or AdamW, the array steps once over the stacked tensors
-with the members' hyperparameters as per-member columns (the same arithmetic as torch's single-tensor
-implementations, a few kernels per tensor instead of one call per member and tensor); otherwise the
-members' optimizers are merged into one torch optimizer over the slices, one param group per member's group.
+writes into the stack; shaped as the member's own parameters, also where the array stores them transposed or
+as rows), which gives its optimizer class and hyperparameters exactly as the user wrote them. When every member
+uses plain SGD, Adam or AdamW, the array steps once over the stacked tensors with the members' hyperparameters
+as per-member columns (the same arithmetic as torch's single-tensor implementations, a few kernels per tensor
+instead of one call per member and tensor); otherwise the members' optimizers are merged into one torch
+optimizer over the slices, one param group per member's group.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from harmony.runtime.array import is_transposed
+from harmony.runtime.array import member_layout
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -30,15 +30,14 @@ PER_MEMBER = {
 SHARED_FLAGS = ("maximize", "amsgrad", "capturable", "differentiable", "fused", "decoupled_weight_decay")
 
 
-def member_slices(params: Sequence[nn.Parameter], member: int, transposed: Sequence[bool]) -> list[nn.Parameter]:
-    """Parameters viewing member's slice of each stacked parameter, with its slice of the gradient; a slice of
-    a stack held transposed is viewed transposed back, so that it has the member's own shape."""
+def member_slices(params: Sequence[nn.Parameter], member: int, names: Sequence[str]) -> list[nn.Parameter]:
+    """Parameters viewing member's slice of each stacked parameter (called names in the array's module), with
+    its slice of the gradient, each in the member's own shape (see member_layout)."""
     slices = []
-    for param, flip in zip(params, transposed):
-        data = param.detach()[member]
-        view = nn.Parameter(data.t() if flip else data, requires_grad=param.requires_grad)
+    for param, name in zip(params, names):
+        view = nn.Parameter(member_layout(name, param.detach())[member], requires_grad=param.requires_grad)
         if param.grad is not None:
-            view.grad = param.grad[member].t() if flip else param.grad[member]
+            view.grad = member_layout(name, param.grad)[member]
         slices.append(view)
     return slices
 
@@ -229,9 +228,9 @@ class ArrayOptimizer:
         return self.build(params, [""] * len(params))
 
     def build(self, params: list[nn.Parameter], names: Sequence[str]) -> torch.optim.Optimizer:
-        """The array's optimizer over params, called names in the array's module (which tells transposed stacks)."""
-        transposed = [is_transposed(name) for name in names]
-        slices = [member_slices(params, member, transposed) for member in range(len(self.factories))]
+        """The array's optimizer over params, called names in the array's module (which tells how each is
+        stacked)."""
+        slices = [member_slices(params, member, names) for member in range(len(self.factories))]
         members = [factory(views) for factory, views in zip(self.factories, slices)]
         groups = _stacked_groups(members, params, slices) if self.stack else None
         if groups is not None:

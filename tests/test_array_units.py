@@ -170,9 +170,10 @@ def test_an_array_optimizer_steps_every_member_as_its_own_optimizer_would(name: 
                 torch.testing.assert_close(stack.detach()[index], param.detach(), rtol=1e-6, atol=1e-7)
 
 
-def test_an_array_optimizer_gives_each_factory_its_members_own_shapes_for_transposed_stacks() -> None:
-    """An array stores linear weights transposed (members x in x out); a factory that groups parameters by
-    shape still sees each member's (out x in) weight, and the update lands in the right elements."""
+def test_an_array_optimizer_gives_each_factory_its_members_own_shapes_for_transposed_and_row_stacks() -> None:
+    """An array stores linear weights transposed (members x in x out) and biases as rows (members x 1 x out); a
+    factory that groups parameters by shape still sees each member's (out x in) weight and (out,) bias, and the
+    update lands in the right elements."""
     torch.manual_seed(0)
     weights = [nn.Parameter(torch.randn(3, 5)) for _ in range(2)]
     biases = [nn.Parameter(torch.randn(3)) for _ in range(2)]
@@ -187,20 +188,20 @@ def test_an_array_optimizer_gives_each_factory_its_members_own_shapes_for_transp
     factories = [factory(0.1), factory(0.3)]
     members = [factory_(list(params)) for factory_, params in zip(factories, zip(weights, biases))]
     stacked_weight = nn.Parameter(torch.stack([w.detach().t() for w in weights]).contiguous())
-    stacked_bias = nn.Parameter(torch.stack([b.detach() for b in biases]))
+    stacked_bias = nn.Parameter(torch.stack([b.detach() for b in biases]).unsqueeze(1))
     stacked_weight.grad, stacked_bias.grad = torch.zeros_like(stacked_weight), torch.zeros_like(stacked_bias)
-    array = ArrayOptimizer(factories).build([stacked_weight, stacked_bias], ["0.weight^T", "0.bias"])
+    array = ArrayOptimizer(factories).build([stacked_weight, stacked_bias], ["0.weight^T", "0.bias^row"])
     for _ in range(3):
         for index in range(2):
             weights[index].grad, biases[index].grad = torch.randn(3, 5), torch.randn(3)
             stacked_weight.grad[index].copy_(weights[index].grad.t())
-            stacked_bias.grad[index].copy_(biases[index].grad)
+            stacked_bias.grad[index, 0].copy_(biases[index].grad)
         array.step()
         for member in members:
             member.step()
     for index in range(2):
         torch.testing.assert_close(stacked_weight.detach()[index].t(), weights[index].detach())
-        torch.testing.assert_close(stacked_bias.detach()[index], biases[index].detach())
+        torch.testing.assert_close(stacked_bias.detach()[index, 0], biases[index].detach())
 
 
 def test_fusion_groups_sizes_and_splits() -> None:
