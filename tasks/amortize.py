@@ -18,6 +18,7 @@ from dataclasses import dataclass
 OVERHEAD_SHARE = 0.01
 MAX_DEPTH = 256
 MAX_SHIPPED_BYTES = 64 * 2**20
+SHORT_TAIL = 4  # a last span shorter than a SHORT_TAIL-th of the depth joins the span before it
 
 
 def steps_per_task(
@@ -55,9 +56,10 @@ class SpanPlan:
     """How one model's training steps are cut, in order, into spans of consecutive steps (one task each).
 
     steps is how many training steps the run takes (None while unknown); depth is the length of the spans
-    not yet opened (the last one may be shorter). With a task cost (task_seconds, and the bytes of one step's
-    batch), every measurement of the steps run so far re-decides the depth from their measured step time;
-    without one the depth stays as given.
+    not yet opened. The last one may be shorter; where it would be shorter than a quarter of the depth it joins
+    the span before it instead (a whole task boundary for a few steps otherwise). With a task cost (task_seconds,
+    and the bytes of one step's batch), every measurement of the steps run so far re-decides the depth from their
+    measured step time; without one the depth stays as given.
     """
 
     steps: int | None
@@ -77,8 +79,10 @@ class SpanPlan:
 
     def next_span(self) -> tuple[int, int]:
         """The first step and the length of the next span (0 steps once all are opened)."""
-        left = self.depth if self.steps is None else max(0, min(self.depth, self.steps - self.opened))
-        return self.opened, left
+        if self.steps is None:
+            return self.opened, self.depth
+        left = max(0, self.steps - self.opened)
+        return self.opened, left if left * SHORT_TAIL < self.depth * (SHORT_TAIL + 1) else self.depth
 
     def open(self, count: int) -> None:
         """A span of count steps was opened (fewer than asked when the loader ran dry)."""
@@ -92,7 +96,10 @@ class SpanPlan:
         """How many spans are still to open (None while the run's length is unknown)."""
         if self.steps is None:
             return None
-        return -(-(self.steps - self.opened) // self.depth)
+        left = self.steps - self.opened
+        spans = -(-left // self.depth)
+        tail = left - (spans - 1) * self.depth
+        return spans - 1 if spans > 1 and tail * SHORT_TAIL < self.depth else spans
 
     def measured(self, seconds: float, steps: int) -> None:
         """The model's finished spans took seconds over steps of their steps: re-decide the depth (adaptive only)."""

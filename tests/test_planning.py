@@ -157,6 +157,12 @@ def cut(plan: SpanPlan, measurements: dict[int, tuple[float, int]] | None = None
 def test_a_span_plan_cuts_the_steps_in_order_and_the_last_span_holds_the_rest() -> None:
     assert cut(SpanPlan(10, depth=4)) == [(0, 4), (4, 4), (8, 2)]
     assert cut(SpanPlan(3, depth=1)) == [(0, 1), (1, 1), (2, 1)]
+    assert cut(SpanPlan(1030, depth=256)) == [(0, 256), (256, 256), (512, 256), (768, 262)], (
+        "a tail shorter than a quarter of the depth (6 steps) joins the last full span")
+    assert cut(SpanPlan(1088, depth=256)) == [(0, 256), (256, 256), (512, 256), (768, 256), (1024, 64)], (
+        "a quarter of the depth is a span of its own")
+    plan = SpanPlan(1030, depth=256)
+    assert plan.spans_left() == 4
     fixed = SpanPlan(10, depth=4)
     assert not fixed.adaptive
     assert cut(fixed, {1: (1.0, 1000)}) == [(0, 4), (4, 4), (8, 2)], "without a task cost the depth stays"
