@@ -280,7 +280,7 @@ class Driver:
                 if self.state.spans[task.model].adaptive:
                     self._measured(task.model)
             self.tasks_run += 1
-            total = self.state.total_steps[task.model]
+            total = self.state.total_steps(task.model)
             if total is not None and self.state.steps_done[task.model] >= total:
                 self.finish_seconds.setdefault(task.model, now)
             if self.on_progress is not None:

@@ -94,7 +94,6 @@ class BindingState:
         self.models = models
         self.devices = {name: DeviceState(budget, slots_per_device) for name, budget in budgets.items()}
         self.spans = [SpanPlan(work.steps, work.depth, work.task_seconds, work.batch_bytes) for work in models]
-        self.total_steps: list[int | None] = [plan.spans_left() for plan in self.spans]
         self.opened: list[int] = [0] * len(models)
         self.trained: list[int] = [0] * len(models)
         self._span_steps: dict[tuple[int, int], int] = {}
@@ -118,7 +117,7 @@ class BindingState:
         """
         wanted = []
         for m, opened in enumerate(self.opened):
-            total = self.total_steps[m]
+            total = self.total_steps(m)
             groups = self.models[m].groups
             step = opened
             while (total is None or step < total) and (
@@ -156,23 +155,25 @@ class BindingState:
                 self._ready.add(task)
         self.opened[model] = step + 1
 
+    def total_steps(self, model: int) -> int | None:
+        """How many steps (spans) the model runs in all: those opened and those its plan has left to cut (None
+        while its loader's length is unknown)."""
+        left = self.spans[model].spans_left()
+        return None if left is None else self.opened[model] + left
+
     def end_of_data(self, model: int) -> None:
         """The model's loader has no more batches: the steps opened so far are all it trains."""
-        self.total_steps[model] = self.opened[model]
         self.spans[model].end()
 
     def measured(self, model: int, seconds: float, steps: int) -> None:
         """The model's finished spans ran steps training steps in seconds: re-cut the spans not yet opened."""
-        plan = self.spans[model]
-        plan.measured(seconds, steps)
-        left = plan.spans_left()
-        if left is not None:
-            self.total_steps[model] = self.opened[model] + left
+        self.spans[model].measured(seconds, steps)
 
     @property
     def finished(self) -> bool:
         return all(
-            total is not None and self.steps_done[m] >= total for m, total in enumerate(self.total_steps)
+            total is not None and self.steps_done[m] >= total
+            for m, total in enumerate(map(self.total_steps, range(len(self.models))))
         )
 
     def has_free_slot(self, device: str) -> bool:

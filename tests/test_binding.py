@@ -143,7 +143,7 @@ def test_a_resident_models_spans_are_re_cut_as_their_step_time_is_measured() -> 
     """The state counts spans as its steps: a measurement re-cuts the spans not yet opened and the total."""
     work = ModelWork((10,), steps=40, step_seconds=0.05, depth=10, task_seconds=0.003, batch_bytes=100)
     state = BindingState([work], {"cpu-0": 1000}, homes={0: "cpu-0"})
-    assert state.total_steps == [4] and state.wanted_batches() == [(0, 0), (0, 1)]
+    assert state.total_steps(0) == 4 and state.wanted_batches() == [(0, 0), (0, 1)]
     for span in (0, 1):
         first, count = state.next_span(0)
         assert (first, count) == (10 * span, 10)
@@ -152,7 +152,7 @@ def test_a_resident_models_spans_are_re_cut_as_their_step_time_is_measured() -> 
     assert state.steps_done == [1] and state.trained == [10]
     assert state.remaining_seconds(0) == 30 * 0.05
     state.measured(0, 0.5, 10)  # 50 ms steps: 6 steps per task for the 20 steps not yet opened
-    assert state.total_steps == [2 + 4] and state.next_span(0) == (20, 6)
+    assert state.total_steps(0) == 2 + 4 and state.next_span(0) == (20, 6)
     spans = []
     while not state.finished:
         for _, span in state.wanted_batches():
