@@ -172,8 +172,7 @@ class BindingState:
     @property
     def finished(self) -> bool:
         return all(
-            total is not None and self.steps_done[m] >= total
-            for m, total in enumerate(map(self.total_steps, range(len(self.models))))
+            (total := self.total_steps(m)) is not None and self.steps_done[m] >= total for m in range(len(self.models))
         )
 
     def has_free_slot(self, device: str) -> bool:
