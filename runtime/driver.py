@@ -74,7 +74,6 @@ class Driver:
         self.started = time.perf_counter()
         self.finish_seconds: dict[int, float] = {}
         self.step_seconds: list[list[float]] = [[] for _ in feeds]
-        self.spans: dict[tuple[int, int], tuple[int, int]] = {}
         self.steps_fetched = [0] * len(feeds)
 
     def _fetch_batches(self) -> None:
@@ -149,7 +148,6 @@ class Driver:
         self.values[BatchInput(model, span)] = self.batch_files.ship_steps(span_inputs)
         self.values[BatchTargets(model, span)] = self.batch_files.ship_steps(span_targets)
         self.weights[(model, span, 0)] = span_weights
-        self.spans[(model, span)] = (first, len(span_inputs))
         self.state.add_batch(model, span, len(span_inputs))
         if len(span_inputs) < depth:
             self.state.end_of_data(model)
@@ -174,7 +172,7 @@ class Driver:
             last = task.pack == packs - 1
             args.append(self.weights[(task.model, task.step, task.group)] if last else [])
         after = self._order(task, device, reads, local)
-        span = self.spans.get((task.model, task.step))
+        span = self.state.span(task.model, task.step)
         extra = {"span": span} if span is not None else {}
         future = self.client.submit(
             BODIES[task.kind],
@@ -266,7 +264,7 @@ class Driver:
                 if isinstance(error, ModelFailure):
                     raise error
                 raise error.with_traceback(future.traceback())
-            done_before = self.state.steps_done[task.model]
+            done_before, trained_before = self.state.steps_done[task.model], self.state.trained[task.model]
             for value in self.state.complete(task):
                 self.batch_files.release(self.values.pop(value, None))
                 if isinstance(value, TaskId):
@@ -275,8 +273,7 @@ class Driver:
                     self.weights.pop((value.model, value.step, value.group), None)
             now = time.perf_counter() - self.started
             if self.state.steps_done[task.model] > done_before:
-                _, count = self.spans.pop((task.model, task.step), (task.step, 1))
-                self.step_seconds[task.model].extend([now] * count)
+                self.step_seconds[task.model].extend([now] * (self.state.trained[task.model] - trained_before))
                 if self.state.spans[task.model].adaptive:
                     self._measured(task.model)
             self.tasks_run += 1

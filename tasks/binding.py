@@ -96,7 +96,7 @@ class BindingState:
         self.spans = [SpanPlan(work.steps, work.depth, work.task_seconds, work.batch_bytes) for work in models]
         self.opened: list[int] = [0] * len(models)
         self.trained: list[int] = [0] * len(models)
-        self._span_steps: dict[tuple[int, int], int] = {}
+        self._open_spans: dict[tuple[int, int], tuple[int, int]] = {}
         self.pending: set[TaskId] = set()
         self.done: set[TaskId] = set()
         self.bound: dict[TaskId, str] = {}
@@ -135,8 +135,8 @@ class BindingState:
         """The mini-batch for (model, step) is available (count training steps of it, a span's): its tasks
         become candidates."""
         assert step == self.opened[model], f"batches arrive in order: expected {self.opened[model]}, got {step}"
+        self._open_spans[(model, step)] = (self.spans[model].opened, count)
         self.spans[model].open(count)
-        self._span_steps[(model, step)] = count
         packs = self.models[model].packs
         groups = self.models[model].groups
         for group in range(groups):
@@ -154,6 +154,11 @@ class BindingState:
             else:
                 self._ready.add(task)
         self.opened[model] = step + 1
+
+    def span(self, model: int, step: int) -> tuple[int, int] | None:
+        """The first training step and the length of the span that (model, step)'s tasks run, while it is open;
+        None for a model whose tasks run one training step each."""
+        return self._open_spans.get((model, step)) if self.spans[model].runs_spans else None
 
     def total_steps(self, model: int) -> int | None:
         """How many steps (spans) the model runs in all: those opened and those its plan has left to cut (None
@@ -293,7 +298,7 @@ class BindingState:
             updater(task.model, p, task.step, work.groups) in self.done for p in range(work.packs)
         ):
             self.steps_done[task.model] = task.step + 1
-            self.trained[task.model] += self._span_steps.pop((task.model, task.step))
+            self.trained[task.model] += self._open_spans.pop((task.model, task.step))[1]
         released = []
         for value in inputs(task, work.packs):
             self.readers[value] -= 1
