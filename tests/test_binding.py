@@ -148,7 +148,9 @@ def test_a_resident_models_spans_are_re_cut_as_their_step_time_is_measured() -> 
         first, count = state.next_span(0)
         assert (first, count) == (10 * span, 10)
         state.add_batch(0, span, count)
+    assert state.span(0, 1) == (10, 10), "an open span's first training step and length"
     state.complete(state.bind("cpu-0"))
+    assert state.span(0, 0) is None, "a finished span is forgotten"
     assert state.steps_done == [1] and state.trained == [10]
     assert state.remaining_seconds(0) == 30 * 0.05
     state.measured(0, 0.5, 10)  # 50 ms steps: 6 steps per task for the 20 steps not yet opened
@@ -161,3 +163,9 @@ def test_a_resident_models_spans_are_re_cut_as_their_step_time_is_measured() -> 
             state.add_batch(0, span, count)
         state.complete(state.bind("cpu-0"))
     assert spans == [(20, 6), (26, 6), (32, 6), (38, 2)] and state.trained == [40] and state.steps_done == [6]
+
+
+def test_a_model_stepping_one_step_per_task_has_no_spans() -> None:
+    state = BindingState([ModelWork((10,), steps=4, step_seconds=0.05)], {"cpu-0": 1000}, homes={0: "cpu-0"})
+    state.add_batch(0, 0)
+    assert state.span(0, 0) is None
