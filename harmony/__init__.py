@@ -2,9 +2,9 @@
 
 from harmony.api import train
 from harmony.errors import HarmonyError, InputError, ModelError
-from harmony.plan import Plan, plan
+from harmony.plan import Forecast, plan
 from harmony.result import Stats, TrainResult
-from harmony.tasks.simulator import Hardware
+from harmony.tasks.hardware import Hardware
 
-__all__ = ["Hardware", "HarmonyError", "InputError", "ModelError", "Plan", "Stats", "TrainResult", "plan", "train"]
+__all__ = ["Forecast", "Hardware", "HarmonyError", "InputError", "ModelError", "Stats", "TrainResult", "plan", "train"]
 __version__ = "0.1.0"

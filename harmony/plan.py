@@ -1,4 +1,4 @@
-"""harmony.plan: what a sweep would do and take, predicted by the simulator, without training anything."""
+"""harmony.plan: the run's plan for a sweep and what it would take, predicted by the simulator; trains nothing."""
 
 from __future__ import annotations
 
@@ -7,38 +7,62 @@ from typing import Any
 
 from torch import nn
 
+from harmony.candidate import step_samples
 from harmony.errors import InputError
-from harmony.fusing import fuse_jobs
-from harmony.prepare import arrange, first_batch_samples, prepare
+from harmony.planner import build, pilot
 from harmony.runtime.devices import build_specs
 from harmony.runtime.measure import this_machine
-from harmony.sizes import parse_size
 from harmony.tasks.fusion import FusionChoice
+from harmony.tasks.hardware import Hardware
 from harmony.tasks.microbatch import split_sizes
-from harmony.tasks.packing import PackPlan
-from harmony.tasks.simulator import Hardware, MemoryReport, ScheduleExceedsBudget, Simulation, replay_memory, simulate
-from harmony.validate import check_fuse, check_scheduling, validate
+from harmony.tasks.packing import Packing
+from harmony.tasks.runplan import Options, RunPlan
+from harmony.tasks.simulator import MemoryReport, ScheduleExceedsBudget, Simulation, replay_memory, simulate
+from harmony.validate import validate
 
 
 @dataclass
-class Plan:
-    """Packs per job, device assignment, predicted peak bytes, step time and swap volume.
+class Forecast:
+    """The run's plan and what the simulator predicts of it: step time, peak bytes per device, swap volume.
 
-    A job is one model or a fused array: arrays lists the models of each job (in the order of plans),
-    fusion the sub-array size chosen for each group of fusable models and the throughput predicted per size.
+    plan is the RunPlan train would run; a job is one model or a fused array: arrays lists the models of each
+    job (in the order of packings), fusion the sub-array size chosen for each group of fusable models and the
+    throughput predicted per size; steps the steps each job was simulated for.
     """
 
-    plans: list[PackPlan]
-    budgets: dict[str, int]
-    hardware: Hardware
+    plan: RunPlan
     simulation: Simulation
     memory: MemoryReport
     steps: list[int]
-    mode: str = "free"
-    predicted_modes: dict[str, float] | None = None
-    arrays: list[list[int]] = field(default_factory=list)
-    fusion: list[FusionChoice] = field(default_factory=list)
     names: list[str] = field(default_factory=list)
+
+    @property
+    def packings(self) -> list[Packing]:
+        return [job.packing for job in self.plan.jobs]
+
+    @property
+    def budgets(self) -> dict[str, int]:
+        return self.plan.devices
+
+    @property
+    def hardware(self) -> Hardware:
+        return self.plan.hardware
+
+    @property
+    def mode(self) -> str:
+        return self.plan.mode
+
+    @property
+    def predicted_modes(self) -> dict[str, float]:
+        return dict(self.plan.predicted_modes)
+
+    @property
+    def arrays(self) -> list[list[int]]:
+        return [list(job.members) for job in self.plan.jobs]
+
+    @property
+    def fusion(self) -> list[FusionChoice]:
+        return list(self.plan.fusion)
 
     @property
     def step_seconds(self) -> float:
@@ -77,11 +101,11 @@ class Plan:
             )
         for choice in self.fusion:
             lines.append(f"  {choice.explain(self.names[choice.members[0]])}")
-        for index, plan in enumerate(self.plans):
-            packs = " | ".join(f"{p.first}-{p.stop - 1}" for p in plan.packs)
-            weights = sum(p.weight_bytes for p in plan.packs)
+        for index, packing in enumerate(self.packings):
+            packs = " | ".join(f"{p.first}-{p.stop - 1}" for p in packing.packs)
+            weights = sum(p.weight_bytes for p in packing.packs)
             lines.append(
-                f"  {plan.model}: {len(plan.packs)} packs [{packs}], {weights:,} weight bytes, "
+                f"  {packing.model}: {len(packing.packs)} packs [{packs}], {weights:,} weight bytes, "
                 f"{self.steps[index]} steps on {', '.join(self.devices_of(index))}"
             )
         lines.append("  device      budget         predicted peak")
@@ -111,7 +135,7 @@ def plan(
     mode: str = "auto",
     resident: bool = True,
     fuse: bool | int | str = "auto",
-) -> Plan:
+) -> Forecast:
     """Plan a sweep as harmony.train would run it and predict it with the simulator; trains nothing.
 
     With a hardware description, devices is a count of such devices (which need not exist here) and
@@ -122,32 +146,27 @@ def plan(
         raise InputError("with a hardware description, pass devices as a count, e.g. devices=4")
     if hardware is not None and device_memory is None:
         raise InputError("with a hardware description, pass device_memory: the budget of each device")
-    check_scheduling(policy, mode)
-    check_fuse(fuse)
-    args = validate(models, loaders, loss_fn, optimizer, epochs, steps, microbatches, devices, device_memory,
-                    None, for_training=False)
+    options = Options(epochs, steps, microbatches, bool(prefetch), policy, True, mode, bool(resident), fuse)
+    args = validate(models, loaders, loss_fn, optimizer, options, devices, device_memory, for_training=False)
     if hardware is None:
         budgets = {spec.name: spec.budget for spec in build_specs(args.devices, args.device_memory)}
         hardware = this_machine()
     else:
-        budget = parse_size(device_memory, "device_memory")  # type: ignore[arg-type]
-        budgets = {f"dev-{i}": budget for i in range(len(args.devices))}
-    jobs, _ = prepare(args, min(budgets.values()))
-    for index, job in enumerate(jobs):
-        if job.expected_steps is None:
+        budgets = {f"dev-{i}": args.device_memory for i in range(len(args.devices))}  # type: ignore[misc]
+    for index in range(len(args.models)):
+        if args.expected_steps(index) is None:
             raise InputError(f"loaders for model {index} have no length; pass steps= to plan a fixed number of steps")
-    jobs, choices = fuse_jobs(jobs, args, budgets, hardware, prefetch, policy, fuse)
-    counts = [job.expected_steps or 0 for job in jobs]
-    chosen, predicted = arrange(jobs, args, budgets, counts, hardware, mode, prefetch, policy, resident)
-    plans = [job.plan for job in jobs]
-    homes = {index: job.home for index, job in enumerate(jobs) if job.home is not None}
-    simulation = simulate(plans, counts, first_batch_samples(args, jobs), budgets, hardware, prefetch=prefetch,
-                          policy=policy, mode=chosen, groups=[job.groups for job in jobs], homes=homes)
+    run_plan, _ = build(args, pilot(args, min(budgets.values())), budgets, hardware)
+    jobs = list(run_plan.jobs)
+    counts = [job.steps or 0 for job in jobs]
+    samples = [step_samples(args, job) for job in jobs]
+    simulation = simulate([job.packing for job in jobs], counts, samples, budgets, hardware,
+                          prefetch=options.prefetch, policy=options.policy, mode=run_plan.mode,
+                          groups=[job.groups for job in jobs], homes=run_plan.homes)
+    microbatches = [split_sizes(n, options.microbatches) for n in samples]
     try:
-        memory = replay_memory(simulation.order, plans, budgets, homes, [job.state_ratio for job in jobs],
-                               [split_sizes(n, args.microbatches) for n in first_batch_samples(args, jobs)])
+        memory = replay_memory(simulation.order, [job.packing for job in jobs], budgets, run_plan.homes,
+                               [job.state_ratio for job in jobs], microbatches)
     except ScheduleExceedsBudget as error:
         raise InputError(f"the planned schedule would not fit: {error}") from None
-    return Plan(plans, budgets, hardware, simulation, memory, counts, chosen, predicted,
-                arrays=[list(job.members) for job in jobs], fusion=choices,
-                names=[type(model).__name__ for model in args.models])
+    return Forecast(run_plan, simulation, memory, counts, names=[type(model).__name__ for model in args.models])

@@ -18,16 +18,16 @@ class ProgressLine:
         self.started = time.perf_counter()
         self.last = 0.0
 
-    def __call__(self, state: BindingState, tasks: int) -> None:
+    def __call__(self, state: BindingState) -> None:
         now = time.perf_counter()
         if now - self.last < self.interval and not state.finished:
             return
         self.last = now
-        done = sum(state.trained)
-        totals = [plan.steps for plan in state.spans if plan.steps is not None]
+        done = sum(state.steps_trained)
+        totals = [spans.steps for spans in state.spans if spans.steps is not None]
         total = f"/{sum(totals)}" if len(totals) == len(state.spans) else ""
         self.stream.write(
-            f"\rharmony: {len(state.models)} models, steps {done}{total}, {tasks} tasks, "
+            f"\rharmony: {len(state.jobs)} models, steps {done}{total}, {state.tasks_finished} tasks, "
             f"{now - self.started:.1f}s   "
         )
         self.stream.flush()

@@ -7,8 +7,11 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from harmony.runtime.counters import IN_KINDS, OUT_KINDS
+from harmony.runtime.run import RunOutcome
 from harmony.tasks.fusion import FusionChoice
-from harmony.tasks.packing import PackPlan
+from harmony.tasks.packing import Packing
+from harmony.tasks.runplan import RunPlan
 
 
 def steady_seconds(times: Sequence[float], skip: float = 0.2, what: str = "the run") -> float:
@@ -82,26 +85,80 @@ class Stats:
 class TrainResult:
     """The outcome of harmony.train.
 
-    mode is the execution mode that ran; homes maps each model that stayed resident for the whole run
-    to its device (its weights crossed once and its gradients never left it). arrays lists the jobs that
-    ran, each as the models it trained (several for a fused array, in the order of plans and of the
-    ``m<job>`` in task keys); fusion says, per group of fusable models, which sub-array size was chosen and why.
+    plan is the run's plan (jobs, devices, mode, options); packings is per job how it was cut (its layer packs,
+    in the order of the plan's jobs and of the ``m<job>`` in task keys); arrays lists the jobs, each as the
+    models it trained (several for a fused array); mode is the execution mode that ran; homes maps each model
+    homed on a device for the whole run to that device (its weights crossed once and its gradients never left
+    it); fusion says, per group of fusable models, which sub-array size was chosen and why.
     """
 
     models: list[nn.Module]
     history: list[list[float]]
     stats: Stats
     dashboard_link: str | None
-    plans: list[PackPlan]
+    plan: RunPlan
+    packings: list[Packing]
     mode: str = "free"
     homes: dict[int, str] = field(default_factory=dict)
     arrays: list[list[int]] = field(default_factory=list)
     fusion: list[FusionChoice] = field(default_factory=list)
 
     def job_of(self, model: int) -> int:
-        """The index of the job (in plans and arrays, and the m<job> of task keys) that trained model."""
-        return next(job for job, members in enumerate(self.arrays) if model in members)
+        """The index of the job (in packings and arrays, and the m<job> of task keys) that trained model."""
+        return self.plan.job_of(model)
 
-    def plan_of(self, model: int) -> PackPlan:
-        """The pack plan model ran under: its own, or its array's."""
-        return self.plans[self.job_of(model)]
+    def packing_of(self, model: int) -> Packing:
+        """The packs model ran as: its own, or its array's."""
+        return self.packings[self.job_of(model)]
+
+    @staticmethod
+    def assemble(
+        models: list[nn.Module], plan: RunPlan, outcome: RunOutcome, wall_seconds: float, dashboard_link: str | None
+    ) -> TrainResult:
+        """The result of a finished run: every job's figures handed to each of its models."""
+        history: list[list[float]] = [[] for _ in models]
+        steps = [0] * len(models)
+        finish = [0.0] * len(models)
+        step_seconds: list[list[float]] = [[] for _ in models]
+        depths = [1] * len(models)
+        for index, job in enumerate(plan.jobs):
+            for position, model in enumerate(job.members):
+                history[model] = outcome.history[index][position]
+                steps[model] = outcome.steps[index]
+                finish[model] = outcome.finish_seconds[index]
+                step_seconds[model] = list(outcome.step_seconds[index])
+                depths[model] = outcome.depths[index]
+        counters = outcome.counters
+        stats = Stats(
+            peak_device_bytes={name: values["peak"] for name, values in counters.items()},
+            bytes_in={kind: sum(values[f"in_{kind}"] for values in counters.values()) for kind in IN_KINDS},
+            bytes_out={kind: sum(values[f"out_{kind}"] for values in counters.values()) for kind in OUT_KINDS},
+            steps=steps,
+            tasks=outcome.tasks,
+            wall_seconds=wall_seconds,
+            busy_seconds={name: values["busy_ns"] / 1e9 for name, values in counters.items()},
+            idle_seconds={
+                name: max(0.0, outcome.run_seconds - values["busy_ns"] / 1e9) for name, values in counters.items()
+            },
+            bytes_p2p=sum(values["p2p"] for values in counters.values()),
+            bytes_prefetched=sum(values["prefetched"] for values in counters.values()),
+            bytes_kept=sum(values["kept"] for values in counters.values()),
+            budgets=plan.devices,
+            schedule=outcome.schedule,
+            finish_seconds=finish,
+            step_seconds=step_seconds,
+            steps_per_task=depths,
+            task_seconds=plan.hardware.task_overhead,
+        )
+        return TrainResult(
+            models=models,
+            history=history,
+            stats=stats,
+            dashboard_link=dashboard_link,
+            plan=plan,
+            packings=[job.packing for job in plan.jobs],
+            mode=plan.mode,
+            homes={model: job.home for job in plan.jobs if job.home is not None for model in job.members},
+            arrays=[list(job.members) for job in plan.jobs],
+            fusion=list(plan.fusion),
+        )

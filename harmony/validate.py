@@ -13,8 +13,9 @@ from torch import nn
 from harmony.errors import InputError
 from harmony.runtime.data import batch_size
 from harmony.runtime.devices import DeviceSpecError, parse_devices
-from harmony.sizes import parse_size
+from harmony.sizes import parse_bandwidths, parse_size
 from harmony.tasks.binding import MODES, POLICIES
+from harmony.tasks.runplan import Options
 
 
 @dataclass
@@ -26,23 +27,35 @@ class Loader:
     first: tuple[Any, Any]
 
 
-@dataclass
+@dataclass(frozen=True)
 class Arguments:
-    """harmony.train's arguments, normalized to one entry per model."""
+    """harmony.train's arguments, normalized to one entry per model, and its options."""
 
     models: list[nn.Module]
     loaders: list[Loader]
     loader_of: list[int]
-    loss_fns: list[Callable[..., torch.Tensor]]
-    optimizers: list[Callable[..., torch.optim.Optimizer]]
+    loss_fns: list[Callable[..., torch.Tensor] | None]
+    optimizers: list[Callable[..., torch.optim.Optimizer] | None]
     optimizer_classes: list[type[torch.optim.Optimizer] | None]
     optimizer_state_ratios: list[float]
-    epochs: int
-    steps: int | None
-    microbatches: int
+    options: Options
     devices: list[str]
     device_memory: int | None
+    links: list[float | None]
     cluster: str | Client | None
+
+    def expected_steps(self, model: int) -> int | None:
+        """How many steps a model will train, when its loader knows its length (or steps= says)."""
+        if self.options.steps is not None:
+            return self.options.steps
+        try:
+            return self.options.epochs * len(self.loaders[self.loader_of[model]].loader)  # type: ignore[arg-type]
+        except TypeError:
+            return None
+
+    def first_batch(self, model: int) -> tuple[Any, Any]:
+        """The first (inputs, targets) batch of the model's loader."""
+        return self.loaders[self.loader_of[model]].first
 
 
 def model_label(index: int, model: nn.Module) -> str:
@@ -214,25 +227,16 @@ def _positive_int(value: Any, argument: str, allow_none: bool = False) -> int | 
     return value
 
 
-def check_scheduling(policy: str, mode: str) -> None:
-    """policy and mode as train and plan take them."""
-    if policy not in POLICIES:
-        raise InputError(f"policy={policy!r} is not a scheduling policy; use one of {POLICIES}")
-    if mode not in ("auto", *MODES):
-        raise InputError(f"mode={mode!r} is not an execution mode; use 'auto', 'free', 'vpp' or 'vdp'")
-
-
 def validate(
     models: Any,
     loaders: Any,
     loss_fn: Any,
     optimizer: Any,
-    epochs: Any,
-    steps: Any,
-    microbatches: Any,
+    options: Options,
     devices: Any,
     device_memory: Any,
-    cluster: Any,
+    cluster: Any = None,
+    link_bandwidth: Any = None,
     for_training: bool = True,
 ) -> Arguments:
     """Normalize and check every argument; raises InputError before any work starts.
@@ -240,11 +244,7 @@ def validate(
     Planning needs no loss or optimizer: with for_training=False they may be None.
     """
     model_list = _models(models)
-    epoch_count = _positive_int(epochs, "epochs")
-    step_count = _positive_int(steps, "steps", allow_none=True)
-    assert epoch_count is not None
-    micro = _positive_int(microbatches, "microbatches")
-    assert micro is not None
+    check_options(options)
     planning_only = not for_training
     loss_fns = [None] * len(model_list) if planning_only and loss_fn is None else _loss_fns(loss_fn, model_list)
     optimizers, optimizer_classes = (
@@ -252,14 +252,15 @@ def validate(
         if planning_only and optimizer is None
         else _optimizers(optimizer, model_list)
     )
-    passes = step_count is None and epoch_count > 1
+    passes = options.steps is None and options.epochs > 1
     loader_list, loader_of = _loaders(loaders, len(model_list), passes)
     for index, loader_index in enumerate(loader_of):
         samples = batch_size(loader_list[loader_index].first[0])
-        if micro > samples:
+        if options.microbatches > samples:
             raise InputError(
-                f"microbatches={micro} is larger than the first batch of {model_label(index, model_list[index])}'s "
-                f"loader ({samples} samples); use at most {samples} micro-batches or larger batches"
+                f"microbatches={options.microbatches} is larger than the first batch of "
+                f"{model_label(index, model_list[index])}'s loader ({samples} samples); use at most {samples} "
+                "micro-batches or larger batches"
             )
     try:
         device_list = parse_devices(devices) if for_training or not isinstance(devices, int) else ["cpu"] * devices
@@ -267,6 +268,7 @@ def validate(
         raise InputError(str(error)) from None
     try:
         budget = None if device_memory is None else parse_size(device_memory, "device_memory")
+        links = parse_bandwidths(link_bandwidth, len(device_list))
     except ValueError as error:
         raise InputError(str(error)) from None
     if cluster is not None and not isinstance(cluster, (str, Client)):
@@ -280,13 +282,25 @@ def validate(
         optimizers=optimizers,
         optimizer_classes=optimizer_classes,
         optimizer_state_ratios=[2.0 if f is None else optimizer_state_ratio(f) for f in optimizers],
-        epochs=epoch_count,
-        steps=step_count,
-        microbatches=micro,
+        options=options,
         devices=device_list,
         device_memory=budget,
+        links=links,
         cluster=cluster,
     )
+
+
+def check_options(options: Options) -> None:
+    """Every option's value, before anything starts."""
+    _positive_int(options.epochs, "epochs")
+    _positive_int(options.steps, "steps", allow_none=True)
+    _positive_int(options.microbatches, "microbatches")
+    if options.policy not in POLICIES:
+        raise InputError(f"policy={options.policy!r} is not a scheduling policy; use one of {POLICIES}")
+    if options.mode not in ("auto", *MODES):
+        raise InputError(f"mode={options.mode!r} is not an execution mode; use 'auto', 'free', 'vpp' or 'vdp'")
+    check_fuse(options.fuse)
+    check_steps_per_task(options.steps_per_task)
 
 
 def check_fuse(fuse: Any) -> None:

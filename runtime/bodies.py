@@ -26,15 +26,16 @@ import torch
 from distributed import Reschedule
 from torch.func import functional_call
 
-from harmony.runtime.cache import BudgetExceeded, tree_nbytes
+from harmony.runtime.cache import tree_nbytes
 from harmony.runtime.errors import ModelFailure
+from harmony.runtime.files import LOSS_BLOCK, SPAN_TIMING_BYTES, losses_name, span_timing_name
 from harmony.runtime.handoff import receive, wait_for
 from harmony.runtime.hoststore import tensors_at
 from harmony.runtime.resident import ResidentModel
 from harmony.runtime.shipping import unship
-from harmony.runtime.spec import LOSS_BLOCK, SPAN_TIMING_BYTES, losses_name, span_timing_name
 from harmony.runtime.worker import RunContext, context
 from harmony.tasks.graph import TaskId, updates_in_backward
+from harmony.tasks.memory import BudgetExceeded
 
 Result = TypeVar("Result")
 
@@ -56,12 +57,12 @@ def task_body(kind: str) -> Callable[[Callable[..., Result]], Callable[..., Resu
     """Look the run up, take the task's inputs (results of earlier tasks on this worker are read from its
     memory, see handoff), give torch the device's threads, time the task, and report user errors by model.
 
-    ``after`` holds the results of tasks on other devices that must finish first without being read (Dask
-    waits for them) and the names of such tasks on this worker (a task that finds one not yet run goes back);
-    ``peers`` flags the arguments that another device produced, whose bytes count as device to device;
-    ``successor`` is the task that follows in the model's chain, whose weights the body may prefetch;
-    ``group`` is the micro-batch group (vDP) whose micro-batches the task runs; other keywords (a
-    multi-step task's ``span``) go to the body.
+    ``first`` is the training step the task starts at and ``steps``, for a multi-step task, how many it runs
+    (its data then per step); ``after`` holds the results of tasks on other devices that must finish first
+    without being read (Dask waits for them) and the names of such tasks on this worker (a task that finds one
+    not yet run goes back); ``peers`` flags the arguments that another device produced, whose bytes count as
+    device to device; ``successor`` is the task that follows in the model's chain, whose weights the body may
+    prefetch; ``group`` is the micro-batch group (vDP) whose micro-batches the task runs.
     """
 
     def decorate(body: Callable[..., Result]) -> Callable[..., Result]:
@@ -70,16 +71,17 @@ def task_body(kind: str) -> Callable[[Callable[..., Result]], Callable[..., Resu
             run_id: str,
             model: int,
             pack: int,
-            step: int,
+            span: int,
             *args: Any,
+            first: int,
+            steps: int | None = None,
             after: list[Any] | None = None,
             peers: tuple[bool, ...] = (),
             successor: TaskId | None = None,
             group: int = 0,
-            **extra: Any,
         ) -> Result:
             ctx = context(run_id)
-            where = f"{kind} of pack {pack} at step {step} on {ctx.device_spec.name}"
+            where = f"{kind} of pack {pack} at step {first} on {ctx.device_spec.name}"
             try:
                 for earlier in after or ():
                     wait_for(earlier, ctx.finished, ctx.early_starts)
@@ -91,11 +93,11 @@ def task_body(kind: str) -> Callable[[Callable[..., Result]], Callable[..., Resu
             ctx.successor = successor
             ctx.use_threads()
             started = time.perf_counter_ns()
-            key = TaskId(kind, model, pack, step, group).key(run_id)  # type: ignore[arg-type]
+            key = TaskId(kind, model, pack, span, group).key(run_id)  # type: ignore[arg-type]
             ctx.executed.append(key)
             ctx.counters.add("p2p", sum(tree_nbytes(arg) for arg, remote in zip(args, peers) if remote))
             try:
-                result = body(ctx, model, pack, step, *received, group=group, **extra)
+                result = body(ctx, model, pack, span, *received, group=group, first=first, steps=steps)
                 ctx.cache.settle()
                 ctx.finished.add(key)
                 return result
@@ -118,13 +120,17 @@ def _failure(model: int, where: str, error: Exception) -> ModelFailure:
 
 
 @task_body("fwd")
-def forward(ctx: RunContext, model: int, pack: int, step: int, inputs: list[Any], group: int = 0) -> list[Any]:
+def forward(
+    ctx: RunContext, model: int, pack: int, span: int, inputs: list[Any], group: int, first: int, steps: None
+) -> list[Any]:
+    """One step's micro-batches through a pack, with its weights at that step's version."""
     spec = ctx.spec.models[model]
     runtime = spec.packs[pack]
     module = ctx.module(model, pack)
     host = ctx.host_weights(model, pack)
     outputs = []
-    this = TaskId("fwd", model, pack, step, group)
+    step = first
+    this = TaskId("fwd", model, pack, span, group)
     ctx.cache.drop_boundaries(this)
     with ctx.cache.weights((model, pack), step, host) as weights:
         ctx.prefetch_next(keep_free=runtime.workspace)
@@ -150,31 +156,32 @@ def backward(
     ctx: RunContext,
     model: int,
     pack: int,
-    step: int,
+    span: int,
     inputs: list[Any],
     gradients_or_targets: list[Any],
     loss_weights: list[Any],
-    group: int = 0,
-    span: tuple[int, int] | None = None,
+    group: int,
+    first: int,
+    steps: int | None,
 ) -> list[Any] | None:
-    """Backward of one pack for one step, or, with span=(first, count), of a resident model's last (only) pack
-    for count consecutive steps from first, inputs, targets and loss weights given per step. A resident
-    model's updates all run here, on its device, after each step's backward; a swapped model's with one group
-    run here too, on the host store, once its gradients are out."""
+    """Backward of one pack for step first, or, with steps, of a homed model's last (only) pack for that many
+    consecutive steps from first, inputs, targets and loss weights given per step. A homed model's updates all
+    run here, on its device, after each step's backward; a swapped model's with one group run here too, on the
+    host store, once its gradients are out."""
     spec = ctx.spec.models[model]
     runtime = spec.packs[pack]
     resident = spec.home is not None
-    first, count = span if span is not None else (step, 1)
+    count = 1 if steps is None else steps
     if resident:
         check_resident_order(ctx.resident_next_step(model), first, model)
-    if span is not None:  # per step, taken as the steps run (a stacked span makes each step's views then)
+    if steps is not None:  # per step, taken as the steps run (a stacked span makes each step's views then)
         assert len(inputs) == len(gradients_or_targets) == len(loss_weights) == count, f"span {span}: steps of data"
         per_step: Iterable[tuple[Any, Any, Any]] = zip(inputs, gradients_or_targets, loss_weights)
     else:
         per_step = [(inputs, gradients_or_targets, loss_weights)]
     host = ctx.host_weights(model, pack)
     input_grads: list[Any] = []
-    ctx.cache.drop_boundaries(TaskId("bwd", model, pack, first, group))
+    ctx.cache.drop_boundaries(TaskId("bwd", model, pack, span, group))
     with (
         ctx.cache.weights((model, pack), first, host) as weights,
         nullcontext() if resident else ctx.cache.scratch(runtime.grads.nbytes, f"gradients of pack {pack}"),
@@ -182,20 +189,20 @@ def backward(
         ctx.prefetch_next(keep_free=runtime.workspace)
         if resident:
             timed = _resident_steps(ctx, model, first, count, per_step, group, ctx.resident(model, weights))
-            if span is not None:
+            if steps is not None:
                 _record_span_timing(ctx, model, *timed)
         else:
             grad_bytes = torch.zeros(runtime.grads.nbytes, dtype=torch.uint8, device=ctx.device)
             tensors = tensors_at(weights, runtime.weights)
             grads = tensors_at(grad_bytes, runtime.grads)
             for index, (step_inputs, step_targets, step_weights) in enumerate(per_step):
-                input_grads = _backward_step(ctx, model, pack, first + index, weights, tensors, grads, step_inputs,
-                                             step_targets, step_weights, group)
+                input_grads = _backward_step(ctx, model, pack, span, first + index, weights, tensors, grads,
+                                             step_inputs, step_targets, step_weights, group)
             ctx.cache.write_back(grad_bytes, ctx.host_grads(model, pack, group), "grads")
         if pack == len(spec.packs) - 1 and runtime.has_buffers and not resident:
             ctx.cache.write_back(weights[runtime.buffers_offset :], host[runtime.buffers_offset :], "buffers")
     if not resident and updates_in_backward(spec.groups):
-        _apply_update(ctx, model, pack, step)
+        _apply_update(ctx, model, pack, first)
     return input_grads if pack > 0 else None
 
 
@@ -300,6 +307,7 @@ def _backward_step(
     ctx: RunContext,
     model: int,
     pack: int,
+    span: int,
     step: int,
     weights: torch.Tensor,
     tensors: dict[str, torch.Tensor],
@@ -316,7 +324,7 @@ def _backward_step(
     last = pack == len(spec.packs) - 1
     module = ctx.module(model, pack)
     input_grads = []
-    this = TaskId("bwd", model, pack, step, group)
+    this = TaskId("bwd", model, pack, span, group)
     losses = StepLosses(1)
     saved_buffers = weights[runtime.buffers_offset :].clone() if runtime.has_buffers and not last else None
     for index, microbatch in enumerate(inputs):
@@ -364,12 +372,10 @@ def _leaves(tensors: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) ->
 
 
 @task_body("upd")
-def update(
-    ctx: RunContext, model: int, pack: int, step: int, group: int = 0, span: tuple[int, int] | None = None
-) -> None:
+def update(ctx: RunContext, model: int, pack: int, span: int, group: int, first: int, steps: None) -> None:
     """vDP's update: reduce the groups' gradients into group 0's, then step the pack's optimizer."""
     ctx.reduce_grads(model, pack)
-    _apply_update(ctx, model, pack, step)
+    _apply_update(ctx, model, pack, first)
 
 
 def _apply_update(ctx: RunContext, model: int, pack: int, step: int) -> None:

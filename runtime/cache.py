@@ -1,11 +1,9 @@
-"""A device's memory: resident pack weights and scratch reservations under a byte budget, exactly accounted.
+"""A device's memory: cached pack weights, kept boundary values and reservations, under a byte budget.
 
-Every byte that enters or leaves the device goes through copy_in / copy_out / weights / prefetch,
-which count it. What is on the device at any moment is the resident weight buffers (prefetched ones
-included), the boundary values kept for the next task (see keep), plus the open reservations (gradient
-buffers and each micro-batch's activation workspace as the plan sized it); the cache refuses to go over
-budget, evicting least recently used weights (and kept boundary values) that no running task holds, and
-raising BudgetExceeded when that is not enough.
+Every byte that enters or leaves the device goes through copy_in / copy_out / weights / prefetch, which count
+it. What the device holds is accounted by tasks.memory (its rules: least recently used eviction of what no
+running task pins, stale versions dropped, boundaries kept only where they fit); this module keeps the tensors
+beside that accounting and moves the bytes.
 
 Copies between host and device can be held to a simulated link speed: each then takes at least
 bytes / bandwidth of wall time on the thread doing it, so that on CPU devices one can see whether
@@ -17,7 +15,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -28,42 +25,17 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from harmony.runtime.counters import Counters
 from harmony.runtime.stream import CopyEngine
-
-
-class BudgetExceeded(RuntimeError):
-    """A device was asked to hold more bytes than its budget."""
+from harmony.tasks.memory import DeviceMemory
 
 
 @dataclass
 class Resident:
-    """A pack's weights on the device, at the host store version they were copied from."""
+    """A pack's weights on the device: their bytes, and when their copy has arrived (or failed)."""
 
     buffer: torch.Tensor
-    version: int
-    pins: int = 0
     arrived: threading.Event = field(default_factory=threading.Event)
     done: torch.cuda.Event | None = None
     failed: BaseException | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return self.buffer.numel()
-
-
-def _arrived() -> threading.Event:
-    event = threading.Event()
-    event.set()
-    return event
-
-
-@dataclass
-class Boundary:
-    """A pack's output (or its input's gradient) kept on the device for the task that reads it."""
-
-    value: Any
-    nbytes: int
-    pins: int = 0
-    arrived: threading.Event = field(default_factory=_arrived)
 
 
 def boundary_key(consumer: Any, microbatch: int) -> tuple[str, Any, int]:
@@ -76,54 +48,61 @@ def tree_nbytes(tree: Any) -> int:
 
 
 class DeviceCache:
-    """Budgeted, accounted memory of one device, with a copy engine for prefetches."""
+    """Budgeted, accounted memory of one device (the rules: tasks.memory), with a copy engine for prefetches.
+
+    memory keeps the accounting; tensors holds what each of its entries is on the device (a Resident for
+    weights, the value itself for a kept boundary). Both change together, under one lock: the compute thread
+    and the copy engine's thread use the cache at once.
+    """
 
     def __init__(
         self, name: str, device: torch.device, budget: int, counters: Counters, link_bandwidth: float | None = None
     ) -> None:
         self.name = name
         self.device = device
-        self.budget = budget
+        self.memory = DeviceMemory(name, budget)
+        self.tensors: dict[Any, Any] = {}
         self.counters = counters
         self.link_bandwidth = link_bandwidth
-        self.used = 0
-        self.residents: OrderedDict[Any, Resident | Boundary] = OrderedDict()
         self._lock = threading.RLock()
         self.engine = CopyEngine(name, device)
         self._unsettled = False
 
-    def _evictable(self) -> Any:
-        return next(
-            (key for key, entry in self.residents.items() if entry.pins == 0 and entry.arrived.is_set()), None
-        )
+    @property
+    def budget(self) -> int:
+        return self.memory.budget
+
+    @property
+    def used(self) -> int:
+        return self.memory.used
+
+    @property
+    def residents(self) -> list[Any]:
+        """The keys of what the device holds, least recently used first."""
+        return list(self.memory.entries)
+
+    def _forget(self, keys: list[Any]) -> None:
+        for key in keys:
+            self.tensors.pop(key, None)
 
     def _charge(self, nbytes: int, what: str) -> None:
         with self._lock:
-            while self.used + nbytes > self.budget:
-                victim = self._evictable()
-                if victim is None:
-                    raise BudgetExceeded(
-                        f"device {self.name}: {what} needs {nbytes:,} bytes but {self.used:,} of its "
-                        f"{self.budget:,}-byte budget are held by running tasks"
-                    )
-                self.drop(victim)
-            self.used += nbytes
-            self.counters.raise_to("peak", self.used)
+            self._forget(self.memory.reserve(nbytes, what))
+            self.counters.raise_to("peak", self.memory.used)
 
     def _release(self, nbytes: int) -> None:
         with self._lock:
-            self.used -= nbytes
+            self.memory.release(nbytes)
 
     def drop(self, key: Any) -> None:
         with self._lock:
-            entry = self.residents.pop(key, None)
-            if entry is not None:
-                self.used -= entry.nbytes
+            self.memory.drop(key)
+            self.tensors.pop(key, None)
 
     def clear(self) -> None:
         self.engine.shutdown()
         with self._lock:
-            for key in list(self.residents):
+            for key in list(self.memory.entries):
                 self.drop(key)
 
     def _over_link(self, nbytes: int, started: float) -> None:
@@ -133,7 +112,7 @@ class DeviceCache:
             if remaining > 0:
                 time.sleep(remaining)
 
-    def _copy_weights(self, entry: Resident, host: torch.Tensor, prefetched: bool = False) -> None:
+    def _copy_weights(self, key: Any, entry: Resident, host: torch.Tensor, prefetched: bool = False) -> None:
         """Copy host weight bytes into entry over the link, count them, and mark them arrived.
 
         On CUDA the copy is only enqueued: entry.done marks its end for the stream that reads the weights.
@@ -150,6 +129,9 @@ class DeviceCache:
             entry.failed = error
             raise
         finally:
+            with self._lock:
+                if self.tensors.get(key) is entry:
+                    self.memory.arrived(key)
             entry.arrived.set()
 
     def _wait_arrived(self, key: Any, entry: Resident) -> None:
@@ -157,35 +139,36 @@ class DeviceCache:
         entry.arrived.wait()
         if entry.failed is not None:
             with self._lock:
-                if self.residents.get(key) is entry:
+                if self.tensors.get(key) is entry:
+                    self.memory.unpin(key)
                     self.drop(key)
             raise RuntimeError(f"device {self.name}: copying the weights of {key} in failed") from entry.failed
         self.engine.wait(entry.done)
 
     def hold(self, key: Any) -> None:
-        """Pin a resident entry for the rest of the run: a resident model's master copy of its weights."""
+        """Keep a cached entry for the rest of the run: a homed model's master copy of its weights."""
         with self._lock:
-            self.residents[key].pins += 1
+            self.memory.hold(key)
 
     def allocate(self, nbytes: int, what: str) -> torch.Tensor:
-        """Device bytes charged to the budget for the rest of the run (a resident model's gradients)."""
+        """Device bytes charged to the budget for the rest of the run (a homed model's gradients)."""
         self._charge(nbytes, what)
         return torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
 
     def charge(self, nbytes: int, what: str) -> None:
-        """Account nbytes held for the rest of the run (a resident model's optimizer state)."""
+        """Account nbytes held for the rest of the run (a homed model's optimizer state)."""
         self._charge(nbytes, what)
 
     def set_version(self, key: Any, version: int) -> None:
-        """The resident weights now hold version: they were updated on the device."""
+        """The cached weights now hold version: they were updated on the device."""
         with self._lock:
-            self.residents[key].version = version
+            self.memory.set_version(key, version)
 
     def reload(self, key: Any, host: torch.Tensor) -> None:
-        """Copy a resident pack's weights in again: what swapping per micro-batch costs (a baseline)."""
+        """Copy cached weights in again: what swapping per micro-batch costs (a baseline)."""
         with self._lock:
-            entry = self.residents[key]
-        self._copy_weights(entry, host)
+            entry = self.tensors[key]
+        self._copy_weights(key, entry, host)
         self._wait_arrived(key, entry)
 
     @contextmanager
@@ -204,31 +187,22 @@ class DeviceCache:
         A prefetch of the same weights still in flight is waited for rather than repeated.
         """
         with self._lock:
-            entry = self.residents.get(key)
-            if entry is not None and entry.version != version:
-                if entry.pins or not entry.arrived.is_set():
-                    raise RuntimeError(
-                        f"device {self.name}: weights of {key} at version {entry.version} are in use or in "
-                        f"flight while version {version} is asked for"
-                    )
-                self.drop(key)
-                entry = None
-            load = entry is None
-            if load:
-                self._charge(host.numel(), f"weights of {key}")
-                entry = Resident(torch.empty(host.numel(), dtype=torch.uint8, device=self.device), version)
-                self.residents[key] = entry
-            assert entry is not None
-            self.residents.move_to_end(key)
-            entry.pins += 1
+            copy, evicted = self.memory.load(key, version, host.numel())
+            self._forget(evicted)
+            self.counters.raise_to("peak", self.memory.used)
+            if copy:
+                self.tensors[key] = Resident(torch.empty(host.numel(), dtype=torch.uint8, device=self.device))
+            entry = self.tensors[key]
+            self.memory.pin(key)
         try:
-            if load:
-                self._copy_weights(entry, host)
+            if copy:
+                self._copy_weights(key, entry, host)
             self._wait_arrived(key, entry)
             yield entry.buffer
         finally:
             with self._lock:
-                entry.pins -= 1
+                if self.tensors.get(key) is entry:
+                    self.memory.unpin(key)
 
     def prefetch(self, key: Any, version: int, host: torch.Tensor, keep_free: int) -> bool:
         """Start copying a pack's weights in on the copy engine, if they fit beside keep_free bytes.
@@ -236,19 +210,14 @@ class DeviceCache:
         keep_free is what the running task will still reserve; a prefetch never takes that room and
         never evicts weights a task holds. Returns whether a copy was started.
         """
-        nbytes = host.numel()
         with self._lock:
-            if key in self.residents:
+            admitted, evicted = self.memory.prefetch(key, version, host.numel(), keep_free)
+            self._forget(evicted)
+            if not admitted:
                 return False
-            while self.used + nbytes + keep_free > self.budget:
-                victim = self._evictable()
-                if victim is None:
-                    return False
-                self.drop(victim)
-            self._charge(nbytes, f"prefetch of {key}")
-            entry = Resident(torch.empty(nbytes, dtype=torch.uint8, device=self.device), version)
-            self.residents[key] = entry
-        self.engine.submit(self._copy_weights, entry, host, True)
+            self.counters.raise_to("peak", self.memory.used)
+            entry = self.tensors[key] = Resident(torch.empty(host.numel(), dtype=torch.uint8, device=self.device))
+        self.engine.submit(self._copy_weights, key, entry, host, True)
         return True
 
     def keep(self, consumer: Any, microbatch: int, value: Any, keep_free: int = 0) -> bool:
@@ -260,30 +229,28 @@ class DeviceCache:
         host copy exists), least recently used first like weights, and any task other than consumer drops
         it when it starts (drop_boundaries). Returns whether it was kept.
         """
-        nbytes = tree_nbytes(value)
+        key = boundary_key(consumer, microbatch)
         with self._lock:
-            if self.used + nbytes + keep_free > self.budget:
+            if not self.memory.keep(key, consumer, tree_nbytes(value), keep_free):
                 return False
-            self.used += nbytes
-            self.counters.raise_to("peak", self.used)
-            self.residents[boundary_key(consumer, microbatch)] = Boundary(value, nbytes)
+            self.tensors[key] = value
+            self.counters.raise_to("peak", self.memory.used)
         return True
 
     def claim(self, consumer: Any, microbatch: int) -> Any | None:
         """The boundary value kept for consumer's micro-batch (now the task's own), or None if it is not here."""
+        key = boundary_key(consumer, microbatch)
         with self._lock:
-            entry = self.residents.get(boundary_key(consumer, microbatch))
-            if not isinstance(entry, Boundary):
+            nbytes = self.memory.claim(key)
+            if nbytes is None:
                 return None
-            self.drop(boundary_key(consumer, microbatch))
-            self.counters.add("kept", entry.nbytes)
-        return entry.value
+            self.counters.add("kept", nbytes)
+            return self.tensors.pop(key)
 
     def drop_boundaries(self, running: Any) -> None:
         """Drop every kept boundary value that is not for the task now starting."""
         with self._lock:
-            for key in [k for k, e in self.residents.items() if isinstance(e, Boundary) and k[1] != running]:
-                self.drop(key)
+            self._forget(self.memory.drop_boundaries(running))
 
     def copy_in(self, tree: Any, kind: str) -> Any:
         """A device copy of every tensor in tree, counted as bytes_in[kind].

@@ -12,7 +12,7 @@ from distributed import Client, as_completed, get_worker
 from harmony.runtime.handoff import FinishedKeys, LocalResult, receive
 from harmony.runtime.measure import this_machine
 from harmony.runtime.worker import wait_for_warmup
-from harmony.tasks.simulator import Hardware
+from harmony.tasks.hardware import Hardware
 
 logger = logging.getLogger("harmony")
 

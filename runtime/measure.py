@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from harmony.tasks.simulator import Hardware
+from harmony.tasks.hardware import Hardware
 
 
 @functools.cache

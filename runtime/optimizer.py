@@ -17,8 +17,9 @@ import torch
 from torch import nn
 
 from harmony.runtime.array_optimizer import build_optimizer, optimizer_params, step_optimizer
+from harmony.runtime.files import grads_name, optimizer_meta_name, optimizer_name, weights_name
 from harmony.runtime.hoststore import HostStore, dtype_name, tensor_at
-from harmony.runtime.spec import PackRuntime, grads_name, optimizer_meta_name, optimizer_name, weights_name
+from harmony.runtime.spec import PackRuntime
 from harmony.tasks.layout import Slot, TensorSpec, lay_out
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]

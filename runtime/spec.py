@@ -1,13 +1,16 @@
-"""What a run tells its device workers: models, packs, layouts, user callables and the device of each worker."""
+"""What a run tells its device workers: its jobs' packs (skeletons, layouts), user callables and the devices."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from harmony.runtime.devices import DeviceSpec
-from harmony.tasks.layout import BufferLayout
+import cloudpickle
 
-LOSS_BLOCK = 4096
+from harmony.runtime.code import JobCode
+from harmony.runtime.devices import DeviceSpec
+from harmony.runtime.skeleton import dump_skeleton
+from harmony.tasks.layout import BufferLayout, lay_out
+from harmony.tasks.runplan import RunPlan
 
 
 @dataclass(frozen=True)
@@ -27,7 +30,7 @@ class PackRuntime:
 
 @dataclass(frozen=True)
 class ModelRuntime:
-    """A model (or a fused array of `members` models) as workers see it: its packs, loss and optimizer factory."""
+    """A job (a model, or a fused array of `members` models) as workers see it: its packs, loss and optimizer."""
 
     name: str
     packs: tuple[PackRuntime, ...]
@@ -57,40 +60,36 @@ class RunSpec:
         raise KeyError(f"worker {worker_name!r} is not one of this run's devices")
 
 
-def weights_name(model: int, pack: int) -> str:
-    return f"m{model}-p{pack}-weights"
-
-
-def grads_name(model: int, pack: int, group: int = 0) -> str:
-    """A pack's gradients from one micro-batch group (the update reduces the groups into group 0's)."""
-    return f"m{model}-p{pack}-grads" if group == 0 else f"m{model}-p{pack}-g{group}-grads"
-
-
-def optimizer_name(model: int, pack: int, generation: int) -> str:
-    return f"m{model}-p{pack}-optim{generation}"
-
-
-def optimizer_meta_name(model: int, pack: int) -> str:
-    return f"m{model}-p{pack}-optim-meta"
-
-
-def versions_name(model: int) -> str:
-    """Per pack, how many updates the host store's weights have had (the step they are ready for)."""
-    return f"m{model}-versions"
-
-
-SPAN_TIMING_BYTES = 16
-
-
-def span_timing_name(model: int) -> str:
-    """The seconds and the steps (float64) a resident model's multi-step tasks have timed so far, added up."""
-    return f"m{model}-span-timing"
-
-
-def counters_name(device: int) -> str:
-    return f"device{device}-counters"
-
-
-def losses_name(model: int, block: int, group: int = 0) -> str:
-    """A block of LOSS_BLOCK steps of one micro-batch group's share of the mini-batch loss of each member."""
-    return f"m{model}-losses{block}" if group == 0 else f"m{model}-g{group}-losses{block}"
+def describe(plan: RunPlan, codes: list[JobCode]) -> tuple[ModelRuntime, ...]:
+    """Every job of the plan as workers run it: per pack, its modules without weights and its byte layouts."""
+    models = []
+    for job, code in zip(plan.jobs, codes):
+        packs = []
+        for index, pack in enumerate(job.packing.packs):
+            weights = lay_out(pack.weights)
+            buffer_names = {spec.name for spec in pack.buffers}
+            packs.append(
+                PackRuntime(
+                    skeleton=dump_skeleton(code.pack_module(job.packing, index)),
+                    weights=weights,
+                    grads=lay_out(pack.trainable),
+                    buffers_offset=min(
+                        (slot.offset for slot in weights.slots if slot.spec.name in buffer_names),
+                        default=weights.nbytes,
+                    ),
+                    workspace=pack.cost.workspace,
+                )
+            )
+        models.append(
+            ModelRuntime(
+                name=job.packing.model,
+                packs=tuple(packs),
+                loss_fn=cloudpickle.dumps(code.loss_fn),
+                optimizer=cloudpickle.dumps(code.optimizer),
+                seed=job.seed,
+                groups=job.groups,
+                home=job.home,
+                members=len(job.members),
+            )
+        )
+    return tuple(models)

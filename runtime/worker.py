@@ -21,12 +21,13 @@ from harmony.runtime import serialization  # noqa: F401  (tensor serializers on 
 from harmony.runtime.allocator import keep_freed_memory
 from harmony.runtime.cache import DeviceCache
 from harmony.runtime.counters import BLOCK_BYTES, Counters
+from harmony.runtime.files import counters_name, grads_name, versions_name, weights_name
 from harmony.runtime.handoff import FinishedKeys
 from harmony.runtime.hoststore import HostStore, tensors_at
 from harmony.runtime.optimizer import PackOptimizer
 from harmony.runtime.resident import ResidentModel
 from harmony.runtime.skeleton import load_skeleton
-from harmony.runtime.spec import RunSpec, counters_name, grads_name, versions_name, weights_name
+from harmony.runtime.spec import RunSpec
 from harmony.tasks.graph import TaskId, parse_key
 
 RUNS: dict[tuple[str, str], RunContext] = {}
@@ -139,10 +140,10 @@ class RunContext:
         if not self.spec.prefetch:
             return
         task = self.next_queued() or self.successor
-        if task is None or int(self.versions(task.model)[task.pack]) != task.step:
+        if task is None or int(self.versions(task.model)[task.pack]) != task.span:
             return
         self.cache.prefetch(
-            (task.model, task.pack), task.step, self.host_weights(task.model, task.pack), keep_free
+            (task.model, task.pack), task.span, self.host_weights(task.model, task.pack), keep_free
         )
 
     def optimizer(self, model: int, pack: int, step: int) -> PackOptimizer:

@@ -7,7 +7,7 @@ file, divides that cost. The depth comes from the step time the pilot pass measu
 cost measured on the live cluster the run uses (runtime.calibrate): the time a task adds to its device or,
 where the devices compute on the machine's cores, the CPU time it takes from them, whichever is more.
 The pilot's step time is a prediction (for a fused array, from one model's profile at the array's batch), so a
-SpanPlan re-decides the depth of the spans not yet opened from the step time its finished spans measured.
+Spans re-decides the depth of the spans not yet opened from the step time its finished spans measured.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def steps_per_task(
 
 
 @dataclass
-class SpanPlan:
+class Spans:
     """How one model's training steps are cut, in order, into spans of consecutive steps (one task each).
 
     steps is how many training steps the run takes (None while unknown); depth is the length of the spans
@@ -73,8 +73,8 @@ class SpanPlan:
         return self.task_seconds > 0
 
     @property
-    def runs_spans(self) -> bool:
-        """Whether the model's tasks each run a span of steps (or may, once its step time is measured)."""
+    def multistep(self) -> bool:
+        """Whether the model's tasks may each run several steps (their data then shipped step by step)."""
         return self.depth > 1 or self.adaptive
 
     def next_span(self) -> tuple[int, int]:

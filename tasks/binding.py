@@ -1,15 +1,38 @@
-"""Late binding as a state machine: which ready task a device with a free slot runs next. No I/O.
+"""Late binding as a state machine: events in, instructions out, no I/O.
 
-The driver feeds it events (a batch arrived, a loader ran dry, a task finished) and asks it for
-bindings; it answers with task ids and with the values that nobody will read any more.
+``BindingState.handle(event)`` takes what happened (a batch was fetched, a task finished, a span was timed) and
+returns what to do (fetch a batch, submit a task to a device, release a value, read a span's timing), the way
+distributed's ``WorkerState.handle_stimulus`` does. It keeps every fact of a run's progress: which spans are
+open, which tasks are bound where, which have finished, who still reads each value, what each device probably
+caches (tasks.memory), each model's span cutting (tasks.amortize) and when its steps finished. A driver, a
+simulator or a test feeds it events; ``validate_state`` checks its invariants and ``story`` keeps its last
+decisions for replaying a failing run.
+
+Binding: each device keeps a few tasks in flight; when a slot frees, the device gets the ready task that best
+reuses what it caches (see score), and a model's next span opens before the current one ends. Fetches come
+first: after an event, the state asks for every batch that may open, one at a time, and binds once they are in.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from dataclasses import dataclass, field
+from collections import deque
 
-from harmony.tasks.amortize import SpanPlan
+from harmony.tasks.amortize import Spans
+from harmony.tasks.events import (
+    BatchReady,
+    Event,
+    Fail,
+    Fetch,
+    Instruction,
+    ReadTiming,
+    Release,
+    StepTimed,
+    Submit,
+    TaskFailed,
+    TaskFinished,
+    WorkerJoined,
+    WorkerLost,
+)
 from harmony.tasks.graph import (
     BatchInput,
     BatchTargets,
@@ -18,70 +41,40 @@ from harmony.tasks.graph import (
     consumers,
     dependencies,
     inputs,
-    step_tasks,
+    span_tasks,
     successor,
     updater,
 )
+from harmony.tasks.memory import BudgetExceeded, DeviceMemory
+from harmony.tasks.runplan import Job
 
 KIND_RANK = {"upd": 0, "bwd": 1, "fwd": 2}
 POLICIES = ("lrtf", "round_robin")
 MODES = ("free", "vpp", "vdp")
+STORY = 10_000
 
 
-@dataclass(frozen=True)
-class ModelWork:
-    """What the binder needs to know of one model (or fused array): its packs and their weight bytes.
-
-    steps (the run's length, when known) and step_seconds count training steps. depth is how many training
-    steps each of its tasks runs (a resident model's multi-step tasks, a span each: one of its steps here); with
-    task_seconds (a task's cost) and batch_bytes (one step's batch), the spans not yet opened are re-cut as
-    the finished ones measure their step time (see SpanPlan), depth being the first spans' length.
-    """
-
-    pack_weight_bytes: tuple[int, ...]
-    steps: int | None = None
-    step_seconds: float = 0.0
-    groups: int = 1
-    depth: int = 1
-    task_seconds: float = 0.0
-    batch_bytes: int = 0
-
-    @property
-    def packs(self) -> int:
-        return len(self.pack_weight_bytes)
-
-
-@dataclass
-class DeviceState:
-    """The binder's view of one device: tasks bound to it and the packs it probably holds."""
-
-    budget: int
-    slots: int
-    bound: set[TaskId] = field(default_factory=set)
-    resident: OrderedDict[tuple[int, int], int] = field(default_factory=OrderedDict)
-
-    def touch(self, pack: tuple[int, int], nbytes: int) -> None:
-        self.resident.pop(pack, None)
-        self.resident[pack] = nbytes
-        while sum(self.resident.values()) > self.budget and len(self.resident) > 1:
-            self.resident.popitem(last=False)
+def packs(job: Job) -> int:
+    return len(job.packing.packs)
 
 
 class BindingState:
-    """Ready tasks, bound tasks and finished tasks of every model; picks what a free device runs next.
+    """Every job's open spans, bound and finished tasks; decides what each device runs next.
 
-    A model's steps here are its spans (one training step each, unless its tasks run several): total_steps,
-    opened and steps_done count them, trained counts the training steps done.
+    Jobs are numbered as the run's plan orders them (the ``m<job>`` of task keys); "model" below is a job. Per
+    job: spans_opened and spans_done count its spans, steps_trained the training steps done, step_times when each
+    training step finished (a span's steps finish together).
     """
 
     def __init__(
         self,
-        models: list[ModelWork],
+        jobs: list[Job],
         budgets: dict[str, int],
         slots_per_device: int = 4,
         policy: str = "lrtf",
         mode: str = "free",
         homes: dict[int, str] | None = None,
+        validate: bool = False,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy={policy!r}; use one of {POLICIES}")
@@ -90,114 +83,283 @@ class BindingState:
         self.policy = policy
         self.mode = mode
         self.homes = homes or {}
+        self.jobs = jobs
+        self.slots = slots_per_device
+        self.validate = validate
         self.device_names = list(budgets)
-        self.models = models
-        self.devices = {name: DeviceState(budget, slots_per_device) for name, budget in budgets.items()}
-        self.spans = [SpanPlan(work.steps, work.depth, work.task_seconds, work.batch_bytes) for work in models]
-        self.opened: list[int] = [0] * len(models)
-        self.trained: list[int] = [0] * len(models)
-        self._open_spans: dict[tuple[int, int], tuple[int, int]] = {}
-        self.pending: set[TaskId] = set()
-        self.done: set[TaskId] = set()
+        self.memory = {name: DeviceMemory(name, budget) for name, budget in budgets.items()}
+        self.running: dict[str, set[TaskId]] = {name: set() for name in budgets}
+        self.spans = [Spans(job.steps, job.depth, job.task_seconds, job.batch_bytes) for job in jobs]
+        self.spans_opened = [0] * len(jobs)
+        self.spans_done = [0] * len(jobs)
+        self.steps_trained = [0] * len(jobs)
+        self.step_times: list[list[float]] = [[] for _ in jobs]
+        self.finish_times: dict[int, float] = {}
+        self.tasks_finished = 0
+        self.open_spans: dict[tuple[int, int], tuple[int, int]] = {}
         self.bound: dict[TaskId, str] = {}
+        self.placed: dict[TaskId, str] = {}
+        self.done: set[TaskId] = set()
         self.readers: dict[Value, int] = {}
-        self.steps_done: list[int] = [0] * len(models)
+        self.edges: dict[TaskId, dict[TaskId, str]] = {}
+        self.submitted = 0
+        self.fetching: Fetch | None = None
+        self.timing: set[int] = set()
+        self.story: deque[tuple[Event | None, tuple[Instruction, ...]]] = deque(maxlen=STORY)
         self._deps: dict[TaskId, list[TaskId]] = {}
         self._unmet: dict[TaskId, set[TaskId]] = {}
         self._dependents: dict[TaskId, list[TaskId]] = {}
         self._ready: set[TaskId] = set()
 
-    def wanted_batches(self) -> list[tuple[int, int]]:
-        """(model, step) pairs whose mini-batch the driver should fetch now, every one that may open, in order.
+    # Events
 
-        A model's step opens once the step before the previous one has finished its backward, so that at
-        most two steps are open: the next step's tasks can be queued on a device (waiting on the updates
-        they depend on) before the current step ends, with no round trip through the driver. Two may open
-        at once (at the start, or when the driver comes late), and both are asked for.
+    def start(self) -> list[Instruction]:
+        """The run begins: the first batches to fetch."""
+        return self._record(None, self._advance())
+
+    def handle(self, event: Event) -> list[Instruction]:
+        """Take one event; return what the driver must do now, in order."""
+        if isinstance(event, BatchReady):
+            instructions = self._batch_ready(event)
+        elif isinstance(event, TaskFinished):
+            instructions = self._task_finished(event)
+        elif isinstance(event, TaskFailed):
+            instructions = [Fail(event.task.model, event.error)]
+        elif isinstance(event, StepTimed):
+            self.timing.discard(event.model)
+            self.spans[event.model].measured(event.seconds, event.steps)
+            instructions = self._advance()
+        elif isinstance(event, (WorkerLost, WorkerJoined)):
+            raise NotImplementedError(f"{type(event).__name__} is handled by the fault-tolerant binder")
+        else:
+            raise TypeError(f"not an event: {event!r}")
+        return self._record(event, instructions)
+
+    def _record(self, event: Event | None, instructions: list[Instruction]) -> list[Instruction]:
+        self.story.append((event, tuple(instructions)))
+        if self.validate:
+            self.validate_state()
+        return instructions
+
+    def _batch_ready(self, event: BatchReady) -> list[Instruction]:
+        fetch = self.fetching
+        assert fetch is not None and (fetch.model, fetch.span) == (event.model, event.span), (
+            f"{event} was not asked for (fetching {fetch})")
+        self.fetching = None
+        if event.steps:
+            self._open(event.model, event.span, fetch.first, event.steps)
+        if event.steps < fetch.count:
+            self.spans[event.model].end()
+        return self._advance()
+
+    def _task_finished(self, event: TaskFinished) -> list[Instruction]:
+        task = event.task
+        device = self.bound.pop(task)
+        self.running[device].discard(task)
+        self.done.add(task)
+        self.tasks_finished += 1
+        del self._deps[task]
+        self.edges.pop(task, None)
+        job = self.jobs[task.model]
+        first, count = self.open_spans[(task.model, task.span)]
+        key = (task.model, task.pack)
+        applied = task == updater(task.model, task.pack, task.span, job.groups)
+        if task.kind != "upd":
+            self._remember(device, key, first, job.packing.packs[task.pack].weight_bytes)
+        if applied and task.model in self.homes:
+            self.memory[device].set_version(key, first + count)
+        elif applied:
+            for memory in self.memory.values():  # the update made every device's copy of the pack stale
+                memory.drop(key)
+        instructions: list[Instruction] = [Release(value) for value in self._released(task, packs(job))]
+        if applied and all(self._is_done(updater(task.model, p, task.span, job.groups)) for p in range(packs(job))):
+            instructions += self._span_done(task.model, task.span, event.at)
+        return instructions + self._advance()
+
+    def _span_done(self, model: int, span: int, at: float) -> list[Instruction]:
+        """Every update of a model's span is applied: count its steps, forget its finished tasks."""
+        _, count = self.open_spans.pop((model, span))
+        self.spans_done[model] = span + 1
+        self.steps_trained[model] += count
+        self.step_times[model].extend([at] * count)
+        self.done = {task for task in self.done if task.model != model or task.span > span}
+        total = self.total_spans(model)
+        if total is not None and self.spans_done[model] >= total:
+            self.finish_times.setdefault(model, at)
+        if self.spans[model].adaptive:
+            self.timing.add(model)
+            return [ReadTiming(model)]
+        return []
+
+    def _released(self, task: TaskId, packs: int) -> list[Value]:
+        """The values task read for the last time, and task's own if nobody reads it."""
+        released = []
+        for value in inputs(task, packs):
+            self.readers[value] -= 1
+            if self.readers[value] == 0:
+                del self.readers[value]
+                released.append(value)
+        if self.readers.get(task) == 0:
+            del self.readers[task]
+            released.append(task)
+        for value in released:
+            if isinstance(value, TaskId):
+                self.placed.pop(value, None)
+        return released
+
+    # Opening spans
+
+    def wanted_batches(self) -> list[tuple[int, int]]:
+        """(model, span) pairs whose batch may be fetched now, in order.
+
+        A model's span opens once the backward of the span before the previous one has finished, so that at
+        most two spans are open: the next span's tasks can be queued on a device (waiting on the updates
+        they depend on) before the current span ends, with no round trip through the driver.
         """
         wanted = []
-        for m, opened in enumerate(self.opened):
-            total = self.total_steps(m)
-            groups = self.models[m].groups
-            step = opened
-            while (total is None or step < total) and (
-                step < 2 or all(TaskId("bwd", m, 0, step - 2, g) in self.done for g in range(groups))
+        for model, opened in enumerate(self.spans_opened):
+            total = self.total_spans(model)
+            groups = self.jobs[model].groups
+            span = opened
+            while (total is None or span < total) and (
+                span < 2 or all(self._is_done(TaskId("bwd", model, 0, span - 2, g)) for g in range(groups))
             ):
-                wanted.append((m, step))
-                step += 1
+                wanted.append((model, span))
+                span += 1
         return wanted
 
-    def next_span(self, model: int) -> tuple[int, int]:
-        """The first training step and the length of the model's next span (see SpanPlan)."""
-        return self.spans[model].next_span()
+    def _advance(self) -> list[Instruction]:
+        """What comes next once an event is taken: the next batch to fetch, else every binding that is possible
+        (nothing while a fetch or a span's timing is awaited: they change what opens and what binds)."""
+        if self.fetching is not None or self.timing:
+            return []
+        wanted = self.wanted_batches()
+        if wanted:
+            model, span = wanted[0]
+            first, count = self.spans[model].next_span()
+            self.fetching = Fetch(model, span, first, count, self.jobs[model].groups, self.spans[model].multistep)
+            return [self.fetching]
+        return self._bind_all()
 
-    def add_batch(self, model: int, step: int, count: int = 1) -> None:
-        """The mini-batch for (model, step) is available (count training steps of it, a span's): its tasks
-        become candidates."""
-        assert step == self.opened[model], f"batches arrive in order: expected {self.opened[model]}, got {step}"
-        self._open_spans[(model, step)] = (self.spans[model].opened, count)
+    def _open(self, model: int, span: int, first: int, count: int) -> None:
+        """A span's batch is in: its tasks become candidates."""
+        assert span == self.spans_opened[model], f"spans open in order: expected {self.spans_opened[model]}, got {span}"
+        self.open_spans[(model, span)] = (first, count)
         self.spans[model].open(count)
-        packs = self.models[model].packs
-        groups = self.models[model].groups
+        packs = len(self.jobs[model].packing.packs)
+        groups = self.jobs[model].groups
         for group in range(groups):
-            for value in (BatchInput(model, step, group), BatchTargets(model, step, group)):
+            for value in (BatchInput(model, span, group), BatchTargets(model, span, group)):
                 self.readers[value] = len(consumers(value, packs))
-        for task in step_tasks(model, packs, step, groups):
-            self.pending.add(task)
+        for task in span_tasks(model, packs, span, groups):
             self.readers[task] = len(consumers(task, packs))
             deps = self._deps[task] = dependencies(task, packs, groups)
-            unmet = {dep for dep in deps if dep not in self.done and dep not in self.bound}
+            unmet = {dep for dep in deps if not self._is_done(dep) and dep not in self.bound}
             for dep in unmet:
                 self._dependents.setdefault(dep, []).append(task)
             if unmet:
                 self._unmet[task] = unmet
             else:
                 self._ready.add(task)
-        self.opened[model] = step + 1
+        self.spans_opened[model] = span + 1
 
-    def span(self, model: int, step: int) -> tuple[int, int] | None:
-        """The first training step and the length of the span that (model, step)'s tasks run, while it is open;
-        None for a model whose tasks run one training step each."""
-        return self._open_spans.get((model, step)) if self.spans[model].runs_spans else None
+    # Binding
 
-    def total_steps(self, model: int) -> int | None:
-        """How many steps (spans) the model runs in all: those opened and those its plan has left to cut (None
-        while its loader's length is unknown)."""
-        left = self.spans[model].spans_left()
-        return None if left is None else self.opened[model] + left
+    def _bind_all(self) -> list[Instruction]:
+        """Bind ready tasks to every device with a free slot, round after round, until none can be bound."""
+        instructions: list[Instruction] = []
+        progress = True
+        while progress:
+            progress = False
+            for device in self.device_names:
+                task = self.bind(device)
+                if task is not None:
+                    instructions.append(self._submission(task, device))
+                    progress = True
+        return instructions
 
-    def end_of_data(self, model: int) -> None:
-        """The model's loader has no more batches: the steps opened so far are all it trains."""
-        self.spans[model].end()
+    def bind(self, device: str) -> TaskId | None:
+        """Choose the ready task that device should run next, or None if there is none or no free slot."""
+        if len(self.running[device]) >= self.slots:
+            return None
+        candidates = self.ready(device)
+        if not candidates:
+            return None
+        task = min(candidates, key=lambda t: self.score(t, device))
+        self._ready.discard(task)
+        self.bound[task] = device
+        self.placed[task] = device
+        self._satisfy(task)
+        self.running[device].add(task)
+        job = self.jobs[task.model]
+        follower = successor(task, packs(job))
+        if follower is not None:
+            first, _ = self.open_spans[(task.model, task.span)]
+            nbytes = job.packing.packs[follower.pack].weight_bytes
+            self._remember(device, (follower.model, follower.pack), first, nbytes)
+        return task
 
-    def measured(self, model: int, seconds: float, steps: int) -> None:
-        """The model's finished spans ran steps training steps in seconds: re-cut the spans not yet opened."""
-        self.spans[model].measured(seconds, steps)
+    def _submission(self, task: TaskId, device: str) -> Submit:
+        """How task goes to device: which of its inputs its own worker hands over, what it waits for elsewhere.
 
-    @property
-    def finished(self) -> bool:
-        return all(
-            (total := self.total_steps(m)) is not None and self.steps_done[m] >= total for m in range(len(self.models))
+        A producer on the same device is queued on its worker before task is, and the worker runs its tasks one
+        at a time in submission order (runtime.handoff): task reads that result from the worker's memory and has
+        no edge through the scheduler. It inherits what such a producer waits for on other devices, so that it
+        never becomes runnable before its local producers do. vDP's upd tasks, which run before other tasks on a
+        worker, keep their edges.
+        """
+        job = self.jobs[task.model]
+        reads = inputs(task, packs(job))
+        deps = self.dependencies(task)
+        local = frozenset(
+            value for value in (*reads, *deps)
+            if isinstance(value, TaskId) and task.kind != "upd" and self.placed.get(value) == device
+        )
+        edges = {value: self.placed[value] for value in reads if isinstance(value, TaskId) and value not in local}
+        after: list[TaskId] = []
+        checks: list[TaskId] = []
+        for dep in deps:
+            if dep not in self.bound:
+                continue  # finished: nothing to wait for
+            if dep in local:
+                inherited = {edge: at for edge, at in self.edges.get(dep, {}).items() if at != device}
+                after += [edge for edge in inherited if edge not in edges and edge in self.bound]
+                edges.update(inherited)
+                if dep not in reads:
+                    checks.append(dep)
+            elif dep not in reads:
+                edges[dep] = self.placed[dep]
+                after.append(dep)
+        self.edges[task] = edges
+        first, count = self.open_spans[(task.model, task.span)]
+        self.submitted += 1
+        return Submit(
+            task=task,
+            device=device,
+            reads=reads,
+            local=frozenset(value for value in reads if value in local),
+            peers=tuple(isinstance(value, TaskId) and self.placed[value] != device for value in reads),
+            after=tuple(dict.fromkeys(after)),
+            checks=tuple(checks),
+            first=first,
+            steps=count if self.spans[task.model].multistep else None,
+            successor=successor(task, packs(job)),
+            priority=1 if task.kind == "upd" else 1 - self.submitted,
         )
 
-    def has_free_slot(self, device: str) -> bool:
-        state = self.devices[device]
-        return len(state.bound) < state.slots
-
-    def dependencies(self, task: TaskId) -> list[TaskId]:
-        """Tasks that must finish before task may run (kept from when its step opened until it completes)."""
-        cached = self._deps.get(task)
-        if cached is not None:
-            return cached
-        work = self.models[task.model]
-        return dependencies(task, work.packs, work.groups)
+    def _remember(self, device: str, key: tuple[int, int], version: int, nbytes: int) -> None:
+        """The device will probably cache key's weights at version (what its cache keeps if they fit)."""
+        try:
+            self.memory[device].load(key, version, nbytes)
+        except BudgetExceeded:
+            self.memory[device].drop(key)
 
     def placement(self, task: TaskId) -> str | None:
         """The device a task must run on in this mode, or None where any device may take it.
 
         vpp spreads packs round-robin over devices (pack p of model m on device (m + p) mod D), so that
         activations flow device to device; vdp gives micro-batch group g to device g mod D, each device
-        running every pack for its group. vdp's upd tasks run on the host store and may go anywhere. A resident
+        running every pack for its group. vdp's upd tasks run on the host store and may go anywhere. A homed
         model runs everything, its updates included, on its home device.
         """
         if task.model in self.homes:
@@ -211,10 +373,9 @@ class BindingState:
     def ready(self, device: str | None = None) -> list[TaskId]:
         """Candidates (for device, if given) whose dependencies have all finished or are bound already.
 
-        A task whose inputs are still being computed can be handed to Dask, which starts it the moment
-        they exist; queueing it on the device hides the round trip through the driver. Readiness is kept
-        up to date as tasks are bound (see _satisfy), so that asking costs nothing per waiting task: the
-        driver asks after every completion, in the process that also runs an embedded scheduler.
+        A task whose inputs are still being computed can be handed to Dask, which starts it the moment they
+        exist; queueing it on the device hides the round trip through the driver. Readiness is kept up to date
+        as tasks are bound (see _satisfy), so that asking costs nothing per waiting task.
         """
         return [task for task in self._ready if device is None or self.placement(task) in (None, device)]
 
@@ -227,85 +388,89 @@ class BindingState:
                 del self._unmet[dependent]
                 self._ready.add(dependent)
 
+    def dependencies(self, task: TaskId) -> list[TaskId]:
+        """Tasks that must finish before task may run (kept from when its span opened until it completes)."""
+        cached = self._deps.get(task)
+        if cached is not None:
+            return cached
+        job = self.jobs[task.model]
+        return dependencies(task, packs(job), job.groups)
+
+    def _is_done(self, task: TaskId) -> bool:
+        """Whether task has finished (every task of a span before the model's last finished one has)."""
+        return task.span < self.spans_done[task.model] or task in self.done
+
     def remaining_seconds(self, model: int) -> float:
         """Predicted time the model still needs: its remaining steps times its step time (one second per
         step when its step time is unknown, so that remaining steps decide)."""
         steps = self.spans[model].steps
         if steps is None:
             return float("inf")
-        return (steps - self.trained[model]) * (self.models[model].step_seconds or 1.0)
+        return (steps - self.steps_trained[model]) * (self.jobs[model].step_seconds or 1.0)
 
     def model_rank(self, model: int) -> tuple[float, int]:
         """Which model a free device serves first: Sharded-LRTF gives it to the model with the longest
         remaining time; round-robin (and LRTF between models of unknown length) to the model that has
         made the least progress."""
-        progress = self.trained[model]
+        progress = self.steps_trained[model]
         if self.policy == "lrtf":
             return -self.remaining_seconds(model), progress
         return 0.0, progress
 
     def score(self, task: TaskId, device: str) -> tuple[float, ...]:
-        """Lower is better: tasks that can start now, updates first, then tasks whose pack is resident on
-        device, backward before forward, then the model the policy ranks first."""
-        resident = (task.model, task.pack) in self.devices[device].resident and task.kind != "upd"
+        """Lower is better: tasks that can start now, updates first, then tasks whose pack the device caches at
+        the version they read, backward before forward, then the model the policy ranks first."""
+        first, _ = self.open_spans[(task.model, task.span)]
+        cached = task.kind != "upd" and self.memory[device].holds((task.model, task.pack), first)
         waiting = any(dep in self.bound for dep in self.dependencies(task))
         return (
             1 if waiting else 0,
             KIND_RANK[task.kind] if task.kind == "upd" else 1,
-            0 if resident else 1,
+            0 if cached else 1,
             KIND_RANK[task.kind],
             *self.model_rank(task.model),
             task.model,
             task.pack,
-            task.step,
+            task.span,
             task.group,
         )
 
-    def bind(self, device: str) -> TaskId | None:
-        """Choose the ready task that device should run next, or None if there is none or no free slot."""
-        if not self.has_free_slot(device):
-            return None
-        candidates = self.ready(device)
-        if not candidates:
-            return None
-        task = min(candidates, key=lambda t: self.score(t, device))
-        self.pending.discard(task)
-        self._ready.discard(task)
-        self.bound[task] = device
-        self._satisfy(task)
-        self.devices[device].bound.add(task)
-        work = self.models[task.model]
-        follower = successor(task, work.packs)
-        if follower is not None:
-            self.devices[device].touch((follower.model, follower.pack), work.pack_weight_bytes[follower.pack])
-        return task
+    # What the run has done
 
-    def complete(self, task: TaskId) -> list[Value]:
-        """Task finished: free its slot, update residency, and return the values nobody will read again."""
-        device = self.bound.pop(task)
-        self.devices[device].bound.discard(task)
-        self.done.add(task)
-        del self._deps[task]
-        work = self.models[task.model]
-        pack = (task.model, task.pack)
-        applied = task == updater(task.model, task.pack, task.step, work.groups)
-        if applied and task.model not in self.homes:
-            for state in self.devices.values():  # the update made every device's copy of the pack stale
-                state.resident.pop(pack, None)
-        elif task.kind != "upd":
-            self.devices[device].touch(pack, work.pack_weight_bytes[task.pack])
-        if applied and all(
-            updater(task.model, p, task.step, work.groups) in self.done for p in range(work.packs)
-        ):
-            self.steps_done[task.model] = task.step + 1
-            self.trained[task.model] += self._open_spans.pop((task.model, task.step))[1]
-        released = []
-        for value in inputs(task, work.packs):
-            self.readers[value] -= 1
-            if self.readers[value] == 0:
-                del self.readers[value]
-                released.append(value)
-        if self.readers.get(task) == 0:
-            del self.readers[task]
-            released.append(task)
-        return released
+    def total_spans(self, model: int) -> int | None:
+        """How many spans the model runs in all: those opened and those its cutting has left (None while its
+        loader's length is unknown)."""
+        left = self.spans[model].spans_left()
+        return None if left is None else self.spans_opened[model] + left
+
+    @property
+    def finished(self) -> bool:
+        return all(
+            (total := self.total_spans(m)) is not None and self.spans_done[m] >= total for m in range(len(self.jobs))
+        )
+
+    def validate_state(self) -> None:
+        """Check every invariant of the state; raises AssertionError naming the first one broken."""
+        for device, tasks in self.running.items():
+            assert len(tasks) <= self.slots, f"{device} runs {len(tasks)} tasks with {self.slots} slots"
+            assert all(self.bound.get(task) == device for task in tasks), f"{device}'s tasks are bound elsewhere"
+            self.memory[device].validate()
+        assert sum(len(tasks) for tasks in self.running.values()) == len(self.bound), "a bound task runs nowhere"
+        for task in self.bound:
+            assert not self._is_done(task), f"{task} is both bound and finished"
+            assert self.placed.get(task) == self.bound[task], f"{task} is bound where it is not placed"
+        for task in self._ready:
+            assert task not in self.bound and not self._is_done(task), f"{task} is ready but bound or finished"
+            assert all(self._is_done(dep) or dep in self.bound for dep in self.dependencies(task)), (
+                f"{task} is ready before its dependencies are bound")
+        for task, unmet in self._unmet.items():
+            assert unmet and not any(self._is_done(dep) for dep in unmet), f"{task} waits for finished tasks"
+        for value, count in self.readers.items():
+            assert count > 0 or (isinstance(value, TaskId) and not self._is_done(value)), f"{value} is kept unread"
+        for model, plan in enumerate(self.spans):
+            assert self.spans_done[model] <= self.spans_opened[model], f"model {model} finished unopened spans"
+            assert len(self.step_times[model]) == self.steps_trained[model], f"model {model}'s steps are miscounted"
+            assert plan.opened >= self.steps_trained[model], f"model {model} trained steps it never opened"
+        for (model, span), (first, count) in self.open_spans.items():
+            assert self.spans_done[model] <= span < self.spans_opened[model], f"span {span} of model {model} is stale"
+            assert count >= 1 and first >= self.steps_trained[model], f"span {span} of model {model} is miscut"

@@ -1,8 +1,10 @@
-"""The task graph of training: fwd, bwd and upd tasks per (model, pack, step, group), their dependencies and data edges.
+"""The task graph of training: fwd, bwd and upd tasks per (model, pack, span, group), their dependencies and data edges.
 
-A step's micro-batches form one group, or in vDP mode one group per device: each group runs every
+A span is the training steps one task runs: one step, except for a homed single-pack model, whose tasks may
+run several consecutive steps each (see amortize); a model's spans are numbered 0, 1, ... in order. A span's
+micro-batches form one group, or in vDP mode one group per device: each group runs every
 pack forward and backward on its own micro-batches. With one group, a pack's bwd applies the pack's
-update itself as soon as its gradients are out, so the step has no upd tasks (one task fewer per pack on
+update itself as soon as its gradients are out, so the span has no upd tasks (one task fewer per pack on
 the chain through the scheduler); with several, the pack's upd waits for every group's gradients, which it
 reduces before stepping the optimizer.
 """
@@ -17,7 +19,7 @@ Kind = Literal["fwd", "bwd", "upd"]
 
 @dataclass(frozen=True, order=True)
 class TaskId:
-    """One task: kind, model index, pack index, step, micro-batch group.
+    """One task: kind, model index, pack index, span, micro-batch group.
 
     fwd runs packs 0..P-2 forward, keeping nothing but their boundary inputs; bwd runs packs P-1..0,
     recomputing the pack from its boundary input (the last pack's bwd also runs its forward and the
@@ -28,30 +30,30 @@ class TaskId:
     kind: Kind
     model: int
     pack: int
-    step: int
+    span: int
     group: int = 0
 
     def key(self, run: str) -> str:
         """The Dask key: its prefix (the task kind) is what the dashboard groups by."""
         group = f"-g{self.group}" if self.group else ""
-        return f"{self.kind}-m{self.model}-p{self.pack}-s{self.step}{group}-{run}"
+        return f"{self.kind}-m{self.model}-p{self.pack}-s{self.span}{group}-{run}"
 
 
 @dataclass(frozen=True)
 class BatchInput:
-    """The inputs of a model's micro-batch group for a step (the boundary input of pack 0)."""
+    """The inputs of a model's micro-batch group for a span (the boundary input of pack 0)."""
 
     model: int
-    step: int
+    span: int
     group: int = 0
 
 
 @dataclass(frozen=True)
 class BatchTargets:
-    """The targets of a model's micro-batch group for a step (what the last pack's loss needs)."""
+    """The targets of a model's micro-batch group for a span (what the last pack's loss needs)."""
 
     model: int
-    step: int
+    span: int
     group: int = 0
 
 
@@ -64,11 +66,11 @@ def parse_key(key: str) -> tuple[TaskId, str] | None:
     if len(parts) not in (5, 6) or parts[0] not in ("fwd", "bwd", "upd"):
         return None
     try:
-        model, pack, step = int(parts[1][1:]), int(parts[2][1:]), int(parts[3][1:])
+        model, pack, span = int(parts[1][1:]), int(parts[2][1:]), int(parts[3][1:])
         group = int(parts[4][1:]) if len(parts) == 6 else 0
     except ValueError:
         return None
-    return TaskId(parts[0], model, pack, step, group), parts[-1]  # type: ignore[arg-type]
+    return TaskId(parts[0], model, pack, span, group), parts[-1]  # type: ignore[arg-type]
 
 
 def updates_in_backward(groups: int) -> bool:
@@ -76,20 +78,20 @@ def updates_in_backward(groups: int) -> bool:
     return groups == 1
 
 
-def step_tasks(model: int, packs: int, step: int, groups: int = 1) -> list[TaskId]:
-    """Every task of one model's step, in a valid execution order."""
-    forward = [TaskId("fwd", model, p, step, g) for g in range(groups) for p in range(packs - 1)]
-    backward = [TaskId("bwd", model, p, step, g) for g in range(groups) for p in reversed(range(packs))]
+def span_tasks(model: int, packs: int, span: int, groups: int = 1) -> list[TaskId]:
+    """Every task of one model's span, in a valid execution order."""
+    forward = [TaskId("fwd", model, p, span, g) for g in range(groups) for p in range(packs - 1)]
+    backward = [TaskId("bwd", model, p, span, g) for g in range(groups) for p in reversed(range(packs))]
     if updates_in_backward(groups):
         return forward + backward
-    update = [TaskId("upd", model, p, step) for p in reversed(range(packs))]
+    update = [TaskId("upd", model, p, span) for p in reversed(range(packs))]
     return forward + backward + update
 
 
 def successor(task: TaskId, packs: int) -> TaskId | None:
     """The compute task that follows task in its group's chain: the one whose weights to prefetch, and the one
     that reads the boundary value task produces (a fwd's output, a bwd's input gradient)."""
-    m, p, s, g = task.model, task.pack, task.step, task.group
+    m, p, s, g = task.model, task.pack, task.span, task.group
     if task.kind == "fwd":
         return TaskId("fwd", m, p + 1, s, g) if p + 1 < packs - 1 else TaskId("bwd", m, packs - 1, s, g)
     if task.kind == "bwd" and p > 0:
@@ -97,14 +99,14 @@ def successor(task: TaskId, packs: int) -> TaskId | None:
     return None
 
 
-def updater(model: int, pack: int, step: int, groups: int = 1) -> TaskId:
-    """The task that applies a pack's update for step: its bwd with one group, else its upd."""
-    return TaskId("bwd", model, pack, step) if updates_in_backward(groups) else TaskId("upd", model, pack, step)
+def updater(model: int, pack: int, span: int, groups: int = 1) -> TaskId:
+    """The task that applies a pack's updates for a span: its bwd with one group, else its upd."""
+    return TaskId("bwd", model, pack, span) if updates_in_backward(groups) else TaskId("upd", model, pack, span)
 
 
 def dependencies(task: TaskId, packs: int, groups: int = 1) -> list[TaskId]:
-    """Tasks that must finish before task may run: the pack's previous update, and its inputs' producers."""
-    m, p, s, g = task.model, task.pack, task.step, task.group
+    """Tasks that must finish before task may run: the pack's previous span's update, and its inputs' producers."""
+    m, p, s, g = task.model, task.pack, task.span, task.group
     if task.kind == "upd":
         return [TaskId("bwd", m, p, s, group) for group in range(groups)]
     deps: list[TaskId] = []
@@ -119,7 +121,7 @@ def dependencies(task: TaskId, packs: int, groups: int = 1) -> list[TaskId]:
 
 def inputs(task: TaskId, packs: int) -> tuple[Value, ...]:
     """The values a task reads: its boundary input, and for bwd the output gradient or the targets."""
-    m, p, s, g = task.model, task.pack, task.step, task.group
+    m, p, s, g = task.model, task.pack, task.span, task.group
     if task.kind == "upd":
         return ()
     boundary: Value = TaskId("fwd", m, p - 1, s, g) if p > 0 else BatchInput(m, s, g)
@@ -132,13 +134,13 @@ def inputs(task: TaskId, packs: int) -> tuple[Value, ...]:
 def consumers(value: Value, packs: int) -> list[TaskId]:
     """Tasks that read value; once they have all finished, value can be dropped."""
     if isinstance(value, BatchInput):
-        readers = [TaskId("bwd", value.model, 0, value.step, value.group)]
+        readers = [TaskId("bwd", value.model, 0, value.span, value.group)]
         if packs > 1:
-            readers.append(TaskId("fwd", value.model, 0, value.step, value.group))
+            readers.append(TaskId("fwd", value.model, 0, value.span, value.group))
         return readers
     if isinstance(value, BatchTargets):
-        return [TaskId("bwd", value.model, packs - 1, value.step, value.group)]
-    m, p, s, g = value.model, value.pack, value.step, value.group
+        return [TaskId("bwd", value.model, packs - 1, value.span, value.group)]
+    m, p, s, g = value.model, value.pack, value.span, value.group
     if value.kind == "fwd":
         readers = [TaskId("bwd", m, p + 1, s, g)]
         if p + 1 < packs - 1:

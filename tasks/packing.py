@@ -67,8 +67,8 @@ class Pack:
 
 
 @dataclass(frozen=True)
-class PackPlan:
-    """A model's packs and the budget they were cut for."""
+class Packing:
+    """How a model (or array) is cut: its packs, and the budget and micro-batch size they were cut for."""
 
     model: str
     packs: tuple[Pack, ...]
@@ -170,7 +170,7 @@ def _greedy(
     return bounds
 
 
-def plan_packs(profile: ModelProfile, budget: int, samples: int) -> PackPlan:
+def cut_packs(profile: ModelProfile, budget: int, samples: int) -> Packing:
     """Cut profile's chain into the fewest packs that fit budget, preferring packs of similar compute.
 
     Every pack's weights stay within a cap c, and every pack fits beside a prefetch buffer of c bytes
@@ -211,7 +211,7 @@ def plan_packs(profile: ModelProfile, budget: int, samples: int) -> PackPlan:
         make_pack(profile, index, first, stop, samples, prefetch=_neighbour_weights(layers, bounds, index))
         for index, (first, stop) in enumerate(bounds)
     )
-    return PackPlan(profile.name, packs, budget, samples)
+    return Packing(profile.name, packs, budget, samples)
 
 
 def _neighbour_weights(layers: tuple[LayerProfile, ...], bounds: list[tuple[int, int]], index: int) -> int:
@@ -224,9 +224,9 @@ def _neighbour_weights(layers: tuple[LayerProfile, ...], bounds: list[tuple[int,
 
 
 def minimal_budget(profile: ModelProfile, samples: int) -> int:
-    """The smallest budget plan_packs accepts for profile: what its largest layer needs."""
+    """The smallest budget cut_packs accepts for profile: what its largest layer needs."""
     try:
-        plan_packs(profile, 0, samples)
+        cut_packs(profile, 0, samples)
     except LayerTooLarge as error:
         return error.need.total
     return 0

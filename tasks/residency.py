@@ -8,10 +8,10 @@ device with the most room left; one that fits nowhere is swapped as usual.
 
 from __future__ import annotations
 
-from harmony.tasks.packing import PackPlan
+from harmony.tasks.packing import Packing
 
 
-def resident_bytes(plan: PackPlan, optimizer_state_ratio: float) -> int:
+def resident_bytes(plan: Packing, optimizer_state_ratio: float) -> int:
     """What a resident single-pack model holds on its device: weights, a gradient buffer, optimizer state
     (optimizer_state_ratio bytes per trainable parameter byte) and one micro-batch's workspace."""
     pack = plan.packs[0]
@@ -20,7 +20,7 @@ def resident_bytes(plan: PackPlan, optimizer_state_ratio: float) -> int:
 
 
 def choose_homes(
-    plans: list[PackPlan], optimizer_state_ratios: list[float], budgets: dict[str, int], floors: list[int]
+    plans: list[Packing], optimizer_state_ratios: list[float], budgets: dict[str, int], floors: list[int]
 ) -> tuple[dict[int, str], dict[str, int]]:
     """model index -> home device for the models that can stay resident, and the room each device has
     left for everything else.

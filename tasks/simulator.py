@@ -1,25 +1,28 @@
 """A simulator of schedules: memory replayed against device budgets, and time predicted for a hardware.
 
-replay_memory follows a per-device task order with the device cache's own rules (pack weights are
-resident until evicted least-recently-used, a copy is stale once its pack was updated, a running
-task's weights are pinned, gradients and each micro-batch's workspace are reserved while a task runs,
-a boundary value is kept for the task that reads it when it fits, until another task starts) and
-returns each device's peak bytes and the bytes swapped, or refuses the order with the task and the
-byte count at which a budget would be exceeded. simulate runs the same BindingState the driver uses
-against a clock, with task durations from the profile and a Hardware description, and returns the
-per-device order it would produce with predicted times.
+replay_memory follows a per-device task order with the device cache's own rules (tasks.memory: weights cached
+until evicted least recently used, stale once their pack is updated, pinned while their task runs; gradients
+and each micro-batch's workspace reserved while a task runs; a boundary value kept for the task that reads it
+where it fits) and returns each device's peak bytes and the bytes swapped, or refuses the order with the task
+and the byte count at which a budget would be exceeded. simulate runs the same BindingState the driver uses
+against a clock, with task durations from the profile and a Hardware description, and returns the per-device
+order it would produce with predicted times.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict
+from collections import deque
 from dataclasses import dataclass, field
 
-from harmony.tasks.binding import BindingState, ModelWork
+from harmony.tasks.binding import BindingState
+from harmony.tasks.events import BatchReady, Fetch, Instruction, Submit, TaskFinished
 from harmony.tasks.graph import TaskId, parse_key, successor, updates_in_backward
+from harmony.tasks.hardware import Hardware
+from harmony.tasks.memory import BudgetExceeded, DeviceMemory
 from harmony.tasks.microbatch import group_sizes
-from harmony.tasks.packing import PackPlan
+from harmony.tasks.packing import Packing
+from harmony.tasks.runplan import Job
 
 
 class ScheduleExceedsBudget(ValueError):
@@ -33,26 +36,6 @@ class ScheduleExceedsBudget(ValueError):
         )
 
 
-@dataclass(frozen=True)
-class Hardware:
-    """What a device can do: compute relative to the pilot machine, and link speeds in bytes per second.
-
-    compute_scale 1.0 means as fast as the machine that ran the pilot pass; host_link is host<->device
-    (None: copies cost nothing), peer_link device<->device; task_overhead is the runtime's fixed cost
-    per task (Dask's scheduling, about a millisecond on a server, a few on a small machine); task_cpu is the
-    CPU time a task takes from the cores the devices compute with (the driver's, the scheduler's and the
-    worker's work for it; 0 where the devices compute elsewhere).
-    """
-
-    name: str = "this machine"
-    compute_scale: float = 1.0
-    host_link: float | None = None
-    peer_link: float | None = None
-    task_overhead: float = 0.003
-    task_cpu: float = 0.0
-    optimizer_bytes_per_second: float = 5e9
-
-
 @dataclass
 class MemoryReport:
     """What replaying a schedule found: per device peaks, and bytes swapped in total."""
@@ -64,68 +47,9 @@ class MemoryReport:
     kept: int = 0
 
 
-@dataclass
-class _Entry:
-    nbytes: int
-    version: int
-
-
-class _DeviceMemory:
-    """The device cache's accounting rules, without bytes."""
-
-    def __init__(self, name: str, budget: int) -> None:
-        self.name = name
-        self.budget = budget
-        self.used = 0
-        self.peak = 0
-        self.residents: OrderedDict[tuple, _Entry] = OrderedDict()
-        self.held: set[tuple[int, int]] = set()
-
-    def charge(self, nbytes: int, task: TaskId, pinned: tuple[int, int] | None) -> None:
-        while self.used + nbytes > self.budget:
-            victim = next((key for key in self.residents if key != pinned and key not in self.held), None)
-            if victim is None:
-                raise ScheduleExceedsBudget(self.name, task, nbytes, self.used, self.budget)
-            self.used -= self.residents.pop(victim).nbytes
-        self.used += nbytes
-        self.peak = max(self.peak, self.used)
-
-    def keep(self, consumer: TaskId, microbatch: int, nbytes: int, keep_free: int) -> None:
-        """A boundary value kept for consumer if it fits beside keep_free bytes without evicting anything."""
-        if self.used + nbytes + keep_free <= self.budget:
-            self.used += nbytes
-            self.peak = max(self.peak, self.used)
-            self.residents[("boundary", consumer, microbatch)] = _Entry(nbytes, -1)
-
-    def claim(self, consumer: TaskId, microbatch: int) -> int:
-        """Bytes of the boundary value kept for consumer's micro-batch (released), or 0 if none is left."""
-        entry = self.residents.pop(("boundary", consumer, microbatch), None)
-        if entry is None:
-            return 0
-        self.used -= entry.nbytes
-        return entry.nbytes
-
-    def drop_boundaries(self, running: TaskId) -> None:
-        for key in [k for k in self.residents if k[0] == "boundary" and k[1] != running]:
-            self.used -= self.residents.pop(key).nbytes
-
-    def weights(self, key: tuple[int, int], version: int, nbytes: int, task: TaskId) -> bool:
-        """Make key's weights resident at version; returns whether they had to be copied in."""
-        entry = self.residents.get(key)
-        if entry is not None and entry.version != version:
-            self.used -= self.residents.pop(key).nbytes
-            entry = None
-        loaded = entry is None
-        if loaded:
-            self.charge(nbytes, task, None)
-            self.residents[key] = _Entry(nbytes, version)
-        self.residents.move_to_end(key)
-        return loaded
-
-
 def replay_memory(
     order: dict[str, list[TaskId]],
-    plans: list[PackPlan],
+    packings: list[Packing],
     budgets: dict[str, int],
     homes: dict[int, str] | None = None,
     optimizer_state_ratios: list[float] | None = None,
@@ -141,50 +65,64 @@ def replay_memory(
     replayed too (kept: the bytes consumers then took there instead of copying them in).
     """
     homes = homes or {}
-    ratios = optimizer_state_ratios or [2.0] * len(plans)
-    groups = [1] * len(plans)
+    ratios = optimizer_state_ratios or [2.0] * len(packings)
+    groups = [1] * len(packings)
     for task in (task for tasks in order.values() for task in tasks):
         groups[task.model] = max(groups[task.model], task.group + 1)
     report = MemoryReport(peak={})
     for device, tasks in order.items():
-        memory = _DeviceMemory(device, budgets[device])
+        memory = DeviceMemory(device, budgets[device])
         stateful: set[int] = set()
         for task in tasks:
-            pack = plans[task.model].packs[task.pack]
-            key = (task.model, task.pack)
-            resident = task.model in homes
             if task.kind == "upd":
                 continue
-            memory.drop_boundaries(task)
-            if memory.weights(key, task.step, pack.weight_bytes, task):
-                report.weights_in += pack.weight_bytes
-            if resident and key not in memory.held:
-                memory.held.add(key)
-                memory.charge(pack.grad_bytes, task, key)
-                report.weights_out += pack.weight_bytes
-            elif task.kind == "bwd" and not resident:
-                memory.charge(pack.grad_bytes, task, key)
-                report.grads_out += pack.grad_bytes
-            if microbatch_samples is None:
-                memory.charge(pack.cost.workspace, task, key)
-                memory.used -= pack.cost.workspace
-            else:
-                sizes = _group_microbatches(microbatch_samples[task.model], groups[task.model], task.group)
-                for index, samples in enumerate(sizes):
-                    report.kept += memory.claim(task, index)
-                    memory.charge(pack.cost.workspace, task, key)
-                    memory.used -= pack.cost.workspace
-                    later = pack.cost.workspace if index + 1 < len(sizes) else 0
-                    _keep_boundary(memory, task, plans[task.model], index, samples, later)
-            if task.kind == "bwd" and not resident:
-                memory.used -= pack.grad_bytes
-            if task.kind == "bwd" and resident:
-                memory.residents[key].version = task.step + 1
-                if task.model not in stateful:
+            try:
+                _replay_task(memory, task, packings[task.model], task.model in homes, report,
+                             None if microbatch_samples is None else _group_microbatches(
+                                 microbatch_samples[task.model], groups[task.model], task.group))
+                if task.kind == "bwd" and task.model in homes and task.model not in stateful:
                     stateful.add(task.model)
-                    memory.charge(round(ratios[task.model] * pack.grad_bytes), task, key)
+                    memory.reserve(round(ratios[task.model] * packings[task.model].packs[task.pack].grad_bytes),
+                                   "optimizer state")
+            except BudgetExceeded as error:
+                raise ScheduleExceedsBudget(device, task, error.need, error.held, error.budget) from None
         report.peak[device] = memory.peak
     return report
+
+
+def _replay_task(
+    memory: DeviceMemory, task: TaskId, packing: Packing, homed: bool, report: MemoryReport,
+    microbatches: list[int] | None,
+) -> None:
+    """One task's bytes on its device: its weights (pinned while it runs), its gradient buffer (a homed model's
+    held for the run), each micro-batch's workspace in turn, and the boundary values it leaves for its successor."""
+    pack = packing.packs[task.pack]
+    key = (task.model, task.pack)
+    memory.drop_boundaries(task)
+    copied, _ = memory.load(key, task.span, pack.weight_bytes)
+    if copied:
+        report.weights_in += pack.weight_bytes
+    memory.pin(key)
+    if homed and not memory.entries[key].held:
+        memory.hold(key)
+        memory.reserve(pack.grad_bytes, "gradients")
+        report.weights_out += pack.weight_bytes
+    elif task.kind == "bwd" and not homed:
+        memory.reserve(pack.grad_bytes, "gradients")
+        report.grads_out += pack.grad_bytes
+    for index, samples in enumerate(microbatches or [0]):
+        if microbatches is not None:
+            report.kept += memory.claim(("boundary", task, index)) or 0
+        memory.reserve(pack.cost.workspace, "activations")
+        memory.release(pack.cost.workspace)
+        if microbatches is not None:
+            later = pack.cost.workspace if index + 1 < len(microbatches) else 0
+            _keep_boundary(memory, task, packing, index, samples, later)
+    if task.kind == "bwd" and not homed:
+        memory.release(pack.grad_bytes)
+    if task.kind == "bwd" and homed:
+        memory.set_version(key, task.span + 1)
+    memory.unpin(key)
 
 
 def _group_microbatches(sizes: list[int], groups: int, group: int) -> list[int]:
@@ -195,15 +133,16 @@ def _group_microbatches(sizes: list[int], groups: int, group: int) -> list[int]:
 
 
 def _keep_boundary(
-    memory: _DeviceMemory, task: TaskId, plan: PackPlan, microbatch: int, samples: int, keep_free: int
+    memory: DeviceMemory, task: TaskId, packing: Packing, microbatch: int, samples: int, keep_free: int
 ) -> None:
     """What a task leaves on the device for its successor: fwd its output (the next pack's input), bwd its
     input's gradient (the previous pack's upstream gradient, shaped like this pack's input), beside the
     workspace the task still reserves (keep_free)."""
-    consumer = successor(task, len(plan.packs))
+    consumer = successor(task, len(packing.packs))
     if consumer is not None:
         reads = task.pack + 1 if task.kind == "fwd" else task.pack
-        memory.keep(consumer, microbatch, round(plan.packs[reads].input_bytes_per_sample * samples), keep_free)
+        nbytes = round(packing.packs[reads].input_bytes_per_sample * samples)
+        memory.keep(("boundary", consumer, microbatch), consumer, nbytes, keep_free)
 
 
 def order_from_keys(schedule: dict[str, list[str]]) -> dict[str, list[TaskId]]:
@@ -215,44 +154,35 @@ def order_from_keys(schedule: dict[str, list[str]]) -> dict[str, list[TaskId]]:
     return order
 
 
-def task_seconds(task: TaskId, plan: PackPlan, samples: int, hardware: Hardware) -> float:
+def task_seconds(task: TaskId, packing: Packing, samples: int, hardware: Hardware) -> float:
     """Predicted compute time of a task: forward once for fwd, forward three times' worth for bwd (the
     recompute plus a backward that costs about two forwards), the optimizer's passes for upd."""
-    pack = plan.packs[task.pack]
+    pack = packing.packs[task.pack]
     forward = pack.forward_seconds_per_sample * samples / hardware.compute_scale
     if task.kind == "fwd":
         return forward
     if task.kind == "bwd":
         return 3 * forward
-    return update_seconds(plan, task.pack, hardware)
+    return update_seconds(packing, task.pack, hardware)
 
 
-def update_seconds(plan: PackPlan, pack: int, hardware: Hardware) -> float:
+def update_seconds(packing: Packing, pack: int, hardware: Hardware) -> float:
     """Predicted time of a pack's optimizer step on the host store: a few passes over its weights."""
-    return 4 * plan.packs[pack].weight_bytes / hardware.optimizer_bytes_per_second
+    return 4 * packing.packs[pack].weight_bytes / hardware.optimizer_bytes_per_second
 
 
-def boundary_bytes(task: TaskId, plan: PackPlan, samples: int) -> int:
+def boundary_bytes(task: TaskId, packing: Packing, samples: int) -> int:
     """Bytes of the activation that flows into the task's pack (0 for the first pack)."""
-    return 0 if task.pack == 0 else round(plan.packs[task.pack].input_bytes_per_sample * samples)
+    return 0 if task.pack == 0 else round(packing.packs[task.pack].input_bytes_per_sample * samples)
 
 
-def model_step_seconds(plan: PackPlan, samples: int, hardware: Hardware) -> float:
+def model_step_seconds(packing: Packing, samples: int, hardware: Hardware) -> float:
     """Predicted compute seconds of one step of a model: every pack's fwd, bwd and upd."""
     return sum(
-        task_seconds(TaskId(kind, 0, pack, 0), plan, samples, hardware)
-        for pack in range(len(plan.packs))
+        task_seconds(TaskId(kind, 0, pack, 0), packing, samples, hardware)
+        for pack in range(len(packing.packs))
         for kind in ("fwd", "bwd", "upd")
     )
-
-
-def _feed(state: BindingState, steps: list[int]) -> None:
-    """Open every step the binder asks for, and end each model after its last step."""
-    for model, step in state.wanted_batches():
-        if step < steps[model]:
-            state.add_batch(model, step)
-        else:
-            state.end_of_data(model)
 
 
 @dataclass
@@ -271,7 +201,7 @@ class Simulation:
 
 
 def simulate(
-    plans: list[PackPlan],
+    packings: list[Packing],
     steps: list[int],
     samples: list[int],
     budgets: dict[str, int],
@@ -282,77 +212,106 @@ def simulate(
     groups: list[int] | None = None,
     homes: dict[int, str] | None = None,
 ) -> Simulation:
-    """Predict the schedule and its times: the driver's binder on a simulated clock.
+    """Predict the schedule and its times: the driver's binding state on a simulated clock.
 
     Each device runs one task at a time; a task starts when its device is free and its inputs exist;
-    it takes the task overhead, its compute, and its copies (weights in when not resident, boundary
-    activations in and out, less the one its producer left on the device when it ran just before),
+    it takes the task overhead, its compute, and its copies (weights in unless the device caches them,
+    boundary activations in and out, less the one its producer left on the device when it ran just before),
     where with prefetch a weight copy overlaps the previous task's compute.
-    samples are per model and step; with groups (vDP) each group computes its share of them.
+    samples are per job and step; with groups (vDP) each group computes its share of them.
     """
-    groups = groups or [1] * len(plans)
-    works = [
-        ModelWork(
-            tuple(p.weight_bytes for p in plan.packs),
-            steps=count,
-            step_seconds=model_step_seconds(plan, n, hardware),
-            groups=g,
-        )
-        for plan, count, n, g in zip(plans, steps, samples, groups)
+    groups = groups or [1] * len(packings)
+    homes = homes or {}
+    jobs = [
+        Job(members=(index,), label=packing.model, feed=index, seed=index, packing=packing, steps=count,
+            step_seconds=model_step_seconds(packing, n, hardware), batch_bytes=0, groups=g, home=homes.get(index))
+        for index, (packing, count, n, g) in enumerate(zip(packings, steps, samples, groups))
     ]
-    state = BindingState(works, budgets, slots_per_device=1, policy=policy, mode=mode, homes=homes)
-    _feed(state, steps)
-    free_at = dict.fromkeys(budgets, 0.0)
-    last_compute = dict.fromkeys(budgets, 0.0)
-    times: dict[TaskId, tuple[float, float]] = {}
-    order: dict[str, list[TaskId]] = {name: [] for name in budgets}
-    resident: dict[str, set[tuple[int, int, int]]] = {name: set() for name in budgets}
-    busy = dict.fromkeys(budgets, 0.0)
-    previous: dict[str, TaskId] = {}
-    events: list[tuple[float, int, TaskId]] = []
-    counter = 0
+    state = BindingState(jobs, budgets, slots_per_device=1, policy=policy, mode=mode, homes=homes)
+    clock = _Clock(jobs, samples, budgets, hardware, prefetch)
+    clock.carry_out(state, state.start())
     while not state.finished:
-        for device in budgets:
-            if state.has_free_slot(device):
-                task = state.bind(device)
-                if task is None:
-                    continue
-                plan = plans[task.model]
-                n = -(-samples[task.model] // groups[task.model])
-                deps = [times[d][1] for d in state.dependencies(task) if d in times]
-                start = max([free_at[device], *deps])
-                compute = task_seconds(task, plan, n, hardware)
-                homed = task.model in (homes or {})
-                if task.kind == "bwd" and not homed and updates_in_backward(groups[task.model]):
-                    compute += update_seconds(plan, task.pack, hardware)
-                copy = 0.0
-                link = hardware.host_link
-                if task.kind != "upd" and link:
-                    version = (task.model, task.pack, 0 if homed else task.step)
-                    if version not in resident[device]:
-                        resident[device].add(version)
-                        weights = plan.packs[task.pack].weight_bytes / link
-                        copy += max(0.0, weights - last_compute[device]) if prefetch else weights
-                    boundary = boundary_bytes(task, plan, n)
-                    kept = previous.get(device) is not None and successor(previous[device], len(plan.packs)) == task
-                    crossings = (2 if task.kind == "fwd" else 3) - kept
-                    copy += crossings * boundary / link
-                    if task.kind == "bwd" and not homed:
-                        copy += plan.packs[task.pack].grad_bytes / link
-                end = start + hardware.task_overhead + compute + copy
-                times[task] = (start, end)
-                order[device].append(task)
-                if task.kind != "upd":
-                    previous[device] = task
-                busy[device] += end - start
-                free_at[device] = end
-                last_compute[device] = compute
-                counter += 1
-                heapq.heappush(events, (end, counter, task))
-        if not events:
+        if not clock.events:
             raise RuntimeError("simulation stalled: no task could be bound")
-        _, _, task = heapq.heappop(events)
-        state.complete(task)
-        _feed(state, steps)
-    return Simulation(order, times, max(end for _, end in times.values()), steps, busy)
+        end, _, task = heapq.heappop(clock.events)
+        clock.carry_out(state, state.handle(TaskFinished(task, end)))
+    return Simulation(clock.order, clock.times, max(end for _, end in clock.times.values()), steps, clock.busy)
 
+
+class _Clock:
+    """What the simulated devices do with the binding state's instructions, and when."""
+
+    def __init__(
+        self, jobs: list[Job], samples: list[int], budgets: dict[str, int], hardware: Hardware, prefetch: bool
+    ) -> None:
+        self.jobs = jobs
+        self.samples = samples
+        self.hardware = hardware
+        self.prefetch = prefetch
+        self.free_at = dict.fromkeys(budgets, 0.0)
+        self.last_compute = dict.fromkeys(budgets, 0.0)
+        self.memory = {name: DeviceMemory(name, budget) for name, budget in budgets.items()}
+        self.previous: dict[str, TaskId] = {}
+        self.times: dict[TaskId, tuple[float, float]] = {}
+        self.order: dict[str, list[TaskId]] = {name: [] for name in budgets}
+        self.busy = dict.fromkeys(budgets, 0.0)
+        self.events: list[tuple[float, int, TaskId]] = []
+
+    def carry_out(self, state: BindingState, instructions: list[Instruction]) -> None:
+        queue = deque(instructions)
+        while queue:
+            instruction = queue.popleft()
+            if isinstance(instruction, Fetch):
+                left = max(0, (self.jobs[instruction.model].steps or 0) - instruction.first)
+                ready = BatchReady(instruction.model, instruction.span, min(instruction.count, left))
+                queue.extend(state.handle(ready))
+            elif isinstance(instruction, Submit):
+                ends = [self.times[dep][1] for dep in state.dependencies(instruction.task) if dep in self.times]
+                self.run(instruction, ends)
+
+    def run(self, submit: Submit, ready: list[float]) -> None:
+        """Start a task on its device once the device is free and its dependencies have ended."""
+        task, device = submit.task, submit.device
+        job = self.jobs[task.model]
+        packing = job.packing
+        n = -(-self.samples[task.model] // job.groups)
+        start = max([self.free_at[device], *ready])
+        compute = task_seconds(task, packing, n, self.hardware)
+        homed = job.home is not None
+        if task.kind == "bwd" and not homed and updates_in_backward(job.groups):
+            compute += update_seconds(packing, task.pack, self.hardware)
+        copy = self._copy_seconds(task, device, submit.first, n) if task.kind != "upd" else 0.0
+        end = start + self.hardware.task_overhead + compute + copy
+        self.times[task] = (start, end)
+        self.order[device].append(task)
+        if task.kind != "upd":
+            self.previous[device] = task
+        self.busy[device] += end - start
+        self.free_at[device] = end
+        self.last_compute[device] = compute
+        heapq.heappush(self.events, (end, len(self.times), task))
+
+    def _copy_seconds(self, task: TaskId, device: str, first: int, samples: int) -> float:
+        """Seconds of the task's copies over the host link: weights the device does not cache (hidden behind the
+        previous task's compute with prefetch), boundary values and a swapped pack's gradients."""
+        link = self.hardware.host_link
+        if not link:
+            return 0.0
+        job = self.jobs[task.model]
+        packing = job.packing
+        homed = job.home is not None
+        copy = 0.0
+        nbytes = packing.packs[task.pack].weight_bytes
+        try:
+            copied, _ = self.memory[device].load((task.model, task.pack), 0 if homed else first, nbytes)
+        except BudgetExceeded:
+            copied = True
+        if copied:
+            copy += max(0.0, nbytes / link - self.last_compute[device]) if self.prefetch else nbytes / link
+        boundary = boundary_bytes(task, packing, samples)
+        previous = self.previous.get(device)
+        kept = previous is not None and successor(previous, len(packing.packs)) == task
+        copy += ((2 if task.kind == "fwd" else 3) - kept) * boundary / link
+        if task.kind == "bwd" and not homed:
+            copy += packing.packs[task.pack].grad_bytes / link
+        return copy

@@ -1,55 +1,110 @@
-"""Unit tests of the late-binding state machine, run without any cluster."""
+"""The late-binding state machine, played without any cluster: events in, instructions out, invariants checked
+after every event (validate=True)."""
 
 from __future__ import annotations
 
-from harmony.tasks.binding import BindingState, ModelWork
+import random
+
+from harmony.tasks.binding import BindingState
+from harmony.tasks.events import (
+    BatchReady,
+    Fetch,
+    Instruction,
+    ReadTiming,
+    Release,
+    StepTimed,
+    Submit,
+    TaskFinished,
+)
 from harmony.tasks.graph import BatchInput, TaskId
+from harmony.tasks.packing import Pack, PackCost, Packing
+from harmony.tasks.runplan import Job
 
 
-def drive(state: BindingState, steps: dict[int, int], order: list[tuple[TaskId, str]]) -> None:
-    """Play the driver: feed batches, bind on every device, complete tasks in binding order."""
-    in_flight: list[TaskId] = []
-    while not state.finished:
-        for model, step in state.wanted_batches():
-            if step < steps[model]:
-                state.add_batch(model, step)
-            else:
-                state.end_of_data(model)
-        for device in state.devices:
-            while (task := state.bind(device)) is not None:
-                in_flight.append(task)
-                order.append((task, device))
-        if not in_flight and state.finished:
-            break
-        assert in_flight, "the binder stalled"
-        state.complete(in_flight.pop(0))
+def job(*pack_bytes: int, steps: int | None = None, home: str | None = None, **fields: object) -> Job:
+    """A job of packs with these weight bytes (and as many gradient bytes)."""
+    packs = tuple(Pack(i, i, i + 1, (), (), (), PackCost(b, b, 0, 0), 0.0) for i, b in enumerate(pack_bytes))
+    return Job(members=(0,), label="m", feed=0, seed=0, packing=Packing("m", packs, 10**12, 1), steps=steps,
+               step_seconds=fields.pop("step_seconds", 0.0), batch_bytes=fields.pop("batch_bytes", 0),  # type: ignore[arg-type]
+               home=home, **fields)  # type: ignore[arg-type]
+
+
+class Player:
+    """Plays the driver: answers fetches from loaders of steps[m] steps, keeps submitted tasks in flight in the
+    order they came, records releases, answers timing reads with timings[model] (seconds, steps)."""
+
+    def __init__(self, state: BindingState, steps: dict[int, int | None],
+                 timings: dict[int, tuple[float, int]] | None = None) -> None:
+        self.state = state
+        self.steps = steps
+        self.timings = timings or {}
+        self.in_flight: list[Submit] = []
+        self.submitted: list[Submit] = []
+        self.released: list[object] = []
+        self.fetched: list[Fetch] = []
+        self.clock = 0.0
+
+    def carry_out(self, instructions: list[Instruction]) -> None:
+        queue = list(instructions)
+        while queue:
+            instruction = queue.pop(0)
+            if isinstance(instruction, Fetch):
+                self.fetched.append(instruction)
+                total = self.steps[instruction.model]
+                left = instruction.count if total is None else max(0, min(instruction.count, total - instruction.first))
+                queue += self.state.handle(BatchReady(instruction.model, instruction.span, left))
+            elif isinstance(instruction, Submit):
+                self.in_flight.append(instruction)
+                self.submitted.append(instruction)
+            elif isinstance(instruction, Release):
+                self.released.append(instruction.value)
+            elif isinstance(instruction, ReadTiming):
+                seconds, steps = self.timings.get(instruction.model, (0.0, 0))
+                queue += self.state.handle(StepTimed(instruction.model, seconds, steps))
+
+    def finish(self, submit: Submit) -> None:
+        self.in_flight.remove(submit)
+        self.clock += 1.0
+        self.carry_out(self.state.handle(TaskFinished(submit.task, self.clock)))
+
+    def play(self, pick: random.Random | None = None) -> list[tuple[TaskId, str]]:
+        """Run to the end, finishing the first task in flight, or a random one of those whose dependencies have
+        finished (as Dask would run them); the bindings in order."""
+        self.carry_out(self.state.start())
+        while not self.state.finished:
+            assert self.in_flight, "the binder stalled"
+            if pick is None:
+                self.finish(self.in_flight[0])
+                continue
+            runnable = [submit for submit in self.in_flight
+                        if not any(dep in self.state.bound for dep in self.state.dependencies(submit.task))]
+            assert runnable, "tasks in flight wait for each other"
+            self.finish(pick.choice(runnable))
+        return [(submit.task, submit.device) for submit in self.submitted]
 
 
 def test_runs_every_task_once_in_dependency_order() -> None:
-    state = BindingState([ModelWork((100, 100, 100))], {"cpu-0": 10_000})
-    order: list[tuple[TaskId, str]] = []
-    drive(state, {0: 2}, order)
-    tasks = [task for task, _ in order]
+    state = BindingState([job(100, 100, 100)], {"cpu-0": 10_000}, validate=True)
+    tasks = [task for task, _ in Player(state, {0: 2}).play()]
     assert len(tasks) == len(set(tasks)) == 2 * (2 + 3), "one group: each bwd applies its pack's update"
     position = {task: i for i, task in enumerate(tasks)}
     assert position[TaskId("bwd", 0, 2, 0)] > position[TaskId("fwd", 0, 1, 0)]
     assert position[TaskId("fwd", 0, 0, 1)] > position[TaskId("bwd", 0, 0, 0)]
-    assert state.steps_done == [2]
+    assert state.spans_done == [2]
 
 
 def test_with_one_group_the_next_step_waits_for_the_backward_that_updated_the_pack() -> None:
-    """A model with one micro-batch group, resident or swapped, updates inside its bwd: the next step's tasks
+    """A model with one micro-batch group, homed or swapped, updates inside its bwd: the next step's tasks
     of a pack depend on that bwd, and a step has no upd tasks; with vDP groups an upd reduces them first."""
-    works = [ModelWork((100,)), ModelWork((100, 100)), ModelWork((100, 100), groups=2)]
-    state = BindingState(works, {"cpu-0": 10_000, "cpu-1": 10_000}, homes={0: "cpu-0"})
+    jobs = [job(100, home="cpu-0"), job(100, 100), job(100, 100, groups=2)]
+    state = BindingState(jobs, {"cpu-0": 10_000, "cpu-1": 10_000}, homes={0: "cpu-0"}, validate=True)
     assert state.dependencies(TaskId("bwd", 0, 0, 3)) == [TaskId("bwd", 0, 0, 2)]
     assert state.dependencies(TaskId("fwd", 1, 0, 3)) == [TaskId("bwd", 1, 0, 2)]
     assert state.dependencies(TaskId("bwd", 1, 1, 3)) == [TaskId("fwd", 1, 0, 3), TaskId("bwd", 1, 1, 2)]
     assert state.dependencies(TaskId("fwd", 2, 0, 3, 1)) == [TaskId("upd", 2, 0, 2)]
     assert state.dependencies(TaskId("upd", 2, 1, 3)) == [TaskId("bwd", 2, 1, 3, 0), TaskId("bwd", 2, 1, 3, 1)]
-    order: list[tuple[TaskId, str]] = []
-    drive(state, {0: 3, 1: 3, 2: 3}, order)
-    assert state.steps_done == [3, 3, 3]
+    order = Player(state, {0: 3, 1: 3, 2: 3}).play()
+    assert state.spans_done == [3, 3, 3]
     kinds = {model: sorted({task.kind for task, _ in order if task.model == model}) for model in range(3)}
     assert kinds == {0: ["bwd"], 1: ["bwd", "fwd"], 2: ["bwd", "fwd", "upd"]}
     position = {task: i for i, (task, _) in enumerate(order)}
@@ -58,114 +113,132 @@ def test_with_one_group_the_next_step_waits_for_the_backward_that_updated_the_pa
 
 
 def test_models_are_interleaved_not_run_one_after_another() -> None:
-    state = BindingState([ModelWork((10, 10)), ModelWork((10, 10))], {"cpu-0": 10_000}, slots_per_device=1)
-    order: list[tuple[TaskId, str]] = []
-    drive(state, {0: 3, 1: 3}, order)
+    state = BindingState([job(10, 10), job(10, 10)], {"cpu-0": 10_000}, slots_per_device=1, validate=True)
+    order = Player(state, {0: 3, 1: 3}).play()
     first_of_model_1 = next(i for i, (task, _) in enumerate(order) if task.model == 1)
     last_of_model_0 = max(i for i, (task, _) in enumerate(order) if task.model == 0)
     assert first_of_model_1 < last_of_model_0 / 3
 
 
 def test_a_device_prefers_the_task_whose_pack_it_holds() -> None:
-    state = BindingState([ModelWork((10, 10)), ModelWork((10, 10))], {"a": 1000, "b": 1000}, slots_per_device=1)
-    state.add_batch(0, 0)
-    state.add_batch(1, 0)
-    first = state.bind("a")
-    assert first is not None
-    state.bind("b")
-    state.complete(first)
-    pack = (first.model, first.pack)
-    assert pack in state.devices["a"].resident
-    follow = state.bind("a")
-    assert follow is not None
-    assert (follow.model, follow.pack) == (first.model, first.pack + 1)
+    state = BindingState([job(10, 10, steps=1), job(10, 10, steps=1)], {"a": 1000, "b": 1000}, slots_per_device=1,
+                         validate=True)
+    player = Player(state, {0: 1, 1: 1})
+    player.carry_out(state.start())
+    [first] = [submit for submit in player.submitted if submit.device == "a"]
+    player.finish(first)
+    pack = (first.task.model, first.task.pack)
+    assert state.memory["a"].holds(pack, 0), "the device caches the pack its task just ran"
+    follow = player.submitted[-1]
+    assert follow.device == "a"
+    assert (follow.task.model, follow.task.pack) == (first.task.model, first.task.pack + 1)
 
 
 def test_values_are_released_once_their_readers_finish() -> None:
-    state = BindingState([ModelWork((10, 10))], {"cpu-0": 1000}, slots_per_device=1)
-    state.add_batch(0, 0)
-    released = []
-    while True:
-        task = state.bind("cpu-0")
-        if task is None:
-            break
-        released += state.complete(task)
-    assert BatchInput(0, 0) in released
-    assert TaskId("fwd", 0, 0, 0) in released
-    assert not state.readers
+    state = BindingState([job(10, 10)], {"cpu-0": 1000}, slots_per_device=1, validate=True)
+    player = Player(state, {0: 1})
+    player.play()
+    assert BatchInput(0, 0) in player.released
+    assert TaskId("fwd", 0, 0, 0) in player.released
+    assert not state.readers and not state.placed and not state.done
 
 
 def test_at_most_two_steps_of_a_model_are_open() -> None:
-    state = BindingState([ModelWork((10,))], {"cpu-0": 1000})
+    state = BindingState([job(10)], {"cpu-0": 1000}, validate=True)
     assert state.wanted_batches() == [(0, 0), (0, 1)], "both first steps may open at once"
-    state.add_batch(0, 0)
-    assert state.wanted_batches() == [(0, 1)]
-    state.add_batch(0, 1)
+    assert [(f.model, f.span) for f in state.start() if isinstance(f, Fetch)] == [(0, 0)], "one fetch at a time"
+    assert state.handle(BatchReady(0, 0, 1)) == [Fetch(0, 1, 1, 1, 1, False)]
+    instructions = state.handle(BatchReady(0, 1, 1))
+    assert [i.task for i in instructions if isinstance(i, Submit)] == [TaskId("bwd", 0, 0, 0), TaskId("bwd", 0, 0, 1)]
     assert state.wanted_batches() == []
-    bwd = state.bind("cpu-0")
-    assert bwd == TaskId("bwd", 0, 0, 0)
-    state.complete(bwd)
-    assert state.wanted_batches() == [(0, 2)]
-    state.complete(state.bind("cpu-0"))  # step 1 ends before the driver has opened step 2
-    assert state.wanted_batches() == [(0, 2), (0, 3)]
+    assert Fetch(0, 2, 2, 1, 1, False) in state.handle(TaskFinished(TaskId("bwd", 0, 0, 0), 1.0))
+    assert not any(isinstance(i, Fetch) for i in state.handle(TaskFinished(TaskId("bwd", 0, 0, 1), 2.0))), (
+        "a second fetch while the first is unanswered")
+    assert state.wanted_batches() == [(0, 2), (0, 3)], "step 1 ended before the driver opened step 2: both open"
 
 
 def test_sharded_lrtf_serves_the_model_with_the_longest_remaining_time() -> None:
-    works = [ModelWork((10,), steps=4, step_seconds=1.0), ModelWork((10,), steps=4, step_seconds=5.0)]
-    state = BindingState(works, {"cpu-0": 1000}, slots_per_device=1, policy="lrtf")
-    state.add_batch(0, 0)
-    state.add_batch(1, 0)
-    assert state.bind("cpu-0") == TaskId("bwd", 1, 0, 0)
-    robin = BindingState(works, {"cpu-0": 1000}, slots_per_device=1, policy="round_robin")
-    robin.add_batch(0, 0)
-    robin.add_batch(1, 0)
-    assert robin.bind("cpu-0") == TaskId("bwd", 0, 0, 0)
+    jobs = [job(10, steps=4, step_seconds=1.0), job(10, steps=4, step_seconds=5.0)]
+    for policy, first in (("lrtf", TaskId("bwd", 1, 0, 0)), ("round_robin", TaskId("bwd", 0, 0, 0))):
+        state = BindingState(jobs, {"cpu-0": 1000}, slots_per_device=1, policy=policy, validate=True)
+        player = Player(state, {0: 4, 1: 4})
+        player.carry_out(state.start())
+        assert player.submitted[0].task == first, policy
 
 
 def test_lrtf_lets_all_models_finish_close_together() -> None:
     """Three short models and one long one on two devices: LRTF starts the long one first and keeps it
     going, so the spread of finishing times is smaller than under round-robin."""
-    from harmony.tasks.simulator import Hardware, simulate
-    from tests.test_simulator import chain_plan
+    from harmony.tasks.hardware import Hardware
+    from harmony.tasks.simulator import simulate
+    from tests.test_simulator import chain_packing
 
-    plans = [chain_plan(layers=2, seconds=1e-3)] * 3 + [chain_plan(layers=2, seconds=4e-3)]
-    steps = [6, 6, 6, 6]
+    packings = [chain_packing(layers=2, seconds=1e-3)] * 3 + [chain_packing(layers=2, seconds=4e-3)]
     spreads = {}
     for policy in ("lrtf", "round_robin"):
-        run = simulate(plans, steps, [8] * 4, {"a": 10**9, "b": 10**9}, Hardware(task_overhead=0.0), policy=policy)
+        run = simulate(packings, [6] * 4, [8] * 4, {"a": 10**9, "b": 10**9}, Hardware(task_overhead=0.0),
+                       policy=policy)
         finish = [max(end for task, (_, end) in run.times.items() if task.model == m) for m in range(4)]
         spreads[policy] = (max(finish) - min(finish), max(finish))
     assert spreads["lrtf"][1] <= spreads["round_robin"][1]
     assert spreads["lrtf"][0] < spreads["round_robin"][0]
 
 
-def test_a_resident_models_spans_are_re_cut_as_their_step_time_is_measured() -> None:
-    """The state counts spans as its steps: a measurement re-cuts the spans not yet opened and the total."""
-    work = ModelWork((10,), steps=40, step_seconds=0.05, depth=10, task_seconds=0.003, batch_bytes=100)
-    state = BindingState([work], {"cpu-0": 1000}, homes={0: "cpu-0"})
-    assert state.total_steps(0) == 4 and state.wanted_batches() == [(0, 0), (0, 1)]
-    for span in (0, 1):
-        first, count = state.next_span(0)
-        assert (first, count) == (10 * span, 10)
-        state.add_batch(0, span, count)
-    assert state.span(0, 1) == (10, 10), "an open span's first training step and length"
-    state.complete(state.bind("cpu-0"))
-    assert state.span(0, 0) is None, "a finished span is forgotten"
-    assert state.steps_done == [1] and state.trained == [10]
+def test_a_homed_models_spans_are_re_cut_as_their_step_time_is_measured() -> None:
+    """The state counts spans: a measurement re-cuts the spans not yet opened and the total."""
+    homed = job(10, steps=40, step_seconds=0.05, depth=10, task_seconds=0.003, batch_bytes=100, home="cpu-0")
+    state = BindingState([homed], {"cpu-0": 1000}, homes={0: "cpu-0"}, validate=True)
+    assert state.total_spans(0) == 4 and state.wanted_batches() == [(0, 0), (0, 1)]
+    player = Player(state, {0: 40}, timings={0: (0.5, 10)})  # 50 ms steps: 6 steps per task for the 20 left
+    player.carry_out(state.start())
+    assert [(f.first, f.count, f.stacked) for f in player.fetched] == [(0, 10, True), (10, 10, True)]
+    assert [submit.steps for submit in player.submitted] == [10, 10], "multi-step tasks carry their steps"
+    assert state.open_spans[(0, 1)] == (10, 10), "an open span's first training step and length"
+    player.finish(player.in_flight[0])
+    assert (0, 0) not in state.open_spans, "a finished span is forgotten"
+    assert state.spans_done == [1] and state.steps_trained == [10]
+    assert state.total_spans(0) == 2 + 4 and player.fetched[-1].first == 20 and player.fetched[-1].count == 6
     assert state.remaining_seconds(0) == 30 * 0.05
-    state.measured(0, 0.5, 10)  # 50 ms steps: 6 steps per task for the 20 steps not yet opened
-    assert state.total_steps(0) == 2 + 4 and state.next_span(0) == (20, 6)
-    spans = []
     while not state.finished:
-        for _, span in state.wanted_batches():
-            first, count = state.next_span(0)
-            spans.append((first, count))
-            state.add_batch(0, span, count)
-        state.complete(state.bind("cpu-0"))
-    assert spans == [(20, 6), (26, 6), (32, 6), (38, 2)] and state.trained == [40] and state.steps_done == [6]
+        player.finish(player.in_flight[0])
+    spans = [(f.first, f.count) for f in player.fetched]
+    assert spans[2:] == [(20, 6), (26, 6), (32, 6), (38, 2)]
+    assert state.steps_trained == [40] and state.spans_done == [6] and len(state.step_times[0]) == 40
 
 
 def test_a_model_stepping_one_step_per_task_has_no_spans() -> None:
-    state = BindingState([ModelWork((10,), steps=4, step_seconds=0.05)], {"cpu-0": 1000}, homes={0: "cpu-0"})
-    state.add_batch(0, 0)
-    assert state.span(0, 0) is None
+    state = BindingState([job(10, steps=4, step_seconds=0.05, home="cpu-0")], {"cpu-0": 1000}, homes={0: "cpu-0"},
+                         validate=True)
+    player = Player(state, {0: 4})
+    player.carry_out(state.start())
+    assert player.submitted and all(submit.steps is None for submit in player.submitted)
+    assert not any(fetch.stacked for fetch in player.fetched)
+
+
+def test_any_completion_order_runs_every_task_once_and_keeps_the_invariants() -> None:
+    """Tasks finishing in random orders (as several devices finish them), in every mode, with vDP groups and a
+    model whose loader ends early: every task runs once after its dependencies, every value is released."""
+    for seed in range(12):
+        rng = random.Random(seed)
+        mode = ("free", "vpp", "vdp")[seed % 3]
+        groups = 2 if mode == "vdp" else 1
+        jobs = [job(100, 100, 100, groups=groups), job(50, 50, groups=groups), job(80, groups=groups)]
+        state = BindingState(jobs, {"a": 250, "b": 250}, slots_per_device=rng.choice([1, 2, 4]), mode=mode,
+                             validate=True)
+        player = Player(state, {0: 3, 1: 4, 2: 2})
+        finished: list[TaskId] = []
+        original = player.finish
+
+        def finish(submit: Submit, original=original, finished=finished, state=state) -> None:
+            deps = state.dependencies(submit.task)
+            assert all(dep in finished for dep in deps), f"{submit.task} finished before its dependencies"
+            finished.append(submit.task)
+            original(submit)
+
+        player.finish = finish  # type: ignore[method-assign]
+        order = player.play(rng)
+        tasks = [task for task, _ in order]
+        assert len(tasks) == len(set(tasks)), "a task was bound twice"
+        assert state.steps_trained == [3, 4, 2]
+        assert not state.readers and not state.bound and not state.placed
+        assert len(state.story) > 0 and state.story[-1][0] is not None

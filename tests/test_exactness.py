@@ -44,7 +44,7 @@ def test_shared_loader_matches_plain_pytorch(devices: list[str], no_leaks: None)
         progress=False,
     )
     assert result.stats.steps == [STEPS] * 3
-    assert all(len(plan.packs) > 2 for plan in result.plans)
+    assert all(len(packing.packs) > 2 for packing in result.packings)
     for index, (reference, factory) in enumerate(zip(references, FACTORIES)):
         losses = train_plain(reference, batches, nn.functional.mse_loss, factory)
         assert result.models[index] is models[index]
@@ -102,7 +102,7 @@ def test_a_model_that_writes_its_input_in_place_reads_each_batch_as_loaded(no_le
     loaded = [(x.clone(), y.clone()) for x, y in batches]
     result = harmony.train(model, batches, loss_fn=nn.functional.mse_loss, optimizer=FACTORIES[0],
                            microbatches=2, devices=["cpu"], device_memory=BUDGET, progress=False)
-    assert len(result.plans[0].packs) > 2
+    assert len(result.packings[0].packs) > 2
     for (x, y), (x_loaded, y_loaded) in zip(batches, loaded):
         assert torch.equal(x, x_loaded) and torch.equal(y, y_loaded), "Harmony never writes the user's batches"
     losses = train_plain(reference, [(x.clone(), y.clone()) for x, y in loaded], nn.functional.mse_loss, FACTORIES[0])

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import harmony
-from harmony import prepare
+from harmony import planner
 from harmony.runtime.shipping import BatchFiles
 from tests.conftest import assert_same_weights, clones, deep_mlp, regression_batches, train_plain
 
@@ -106,7 +106,7 @@ def test_an_array_that_does_not_fit_is_cut_into_sub_arrays_and_packs_within_budg
     assert choice.predicted[4] is None, "an array of all four models must not fit this budget"
     assert choice.size == 2
     assert sorted(map(len, result.arrays)) == [2, 2]
-    assert any(len(plan.packs) > 1 for plan in result.plans), "the arrays must be swapped pack by pack"
+    assert any(len(packing.packs) > 1 for packing in result.packings), "the arrays must be swapped pack by pack"
     assert 0 < result.stats.peak_device_bytes["cpu-0"] <= budget
 
 
@@ -189,7 +189,7 @@ def test_auto_steps_per_task_re_cuts_the_later_spans_from_the_measured_step_time
 ) -> None:
     """The predicted step time gave 2 steps per task (standing in for a prediction far off); the first spans'
     measured tiny steps give the cap, a quarter of the run, to every span opened after the first finished."""
-    monkeypatch.setattr(prepare, "steps_per_task", lambda *args: 2)
+    monkeypatch.setattr(planner, "steps_per_task", lambda *args: 2)
     factories: list[Factory] = [functools.partial(torch.optim.SGD, lr=0.05 * (i + 1), momentum=0.9) for i in range(3)]
     batches = regression_batches(samples=16 * 30, batch=16)
     models = [deep_mlp(depth=2, seed=seed) for seed in range(3)]
@@ -268,7 +268,7 @@ def test_swapped_arrays_in_both_harmony_modes_match_plain_pytorch(mode: str, no_
     result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss, optimizer=factories, microbatches=4,
                            devices=["cpu", "cpu"], device_memory=60_000, fuse=True, mode=mode, progress=False)
     assert result.mode == mode and sorted(map(len, result.arrays)) == [2, 2]
-    assert all(len(plan.packs) > 1 for plan in result.plans)
+    assert all(len(packing.packs) > 1 for packing in result.packings)
     assert max(result.stats.peak_device_bytes.values()) <= 60_000
     check_against_plain(result, models, references, batches, [nn.functional.mse_loss] * 4, factories)
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from harmony.tasks.amortize import MAX_DEPTH, MAX_SHIPPED_BYTES, SpanPlan, steps_per_task
-from harmony.tasks.graph import BatchInput, BatchTargets, TaskId, consumers, dependencies, inputs, step_tasks
+from harmony.tasks.amortize import MAX_DEPTH, MAX_SHIPPED_BYTES, Spans, steps_per_task
+from harmony.tasks.graph import BatchInput, BatchTargets, TaskId, consumers, dependencies, inputs, span_tasks
 from harmony.tasks.layout import TensorSpec, lay_out
 from harmony.tasks.microbatch import loss_weights, split_sizes
-from harmony.tasks.packing import LayerTooLarge, plan_packs
+from harmony.tasks.packing import LayerTooLarge, cut_packs
 from harmony.tasks.profile import LayerProfile, ModelProfile
 
 
@@ -50,14 +50,14 @@ def profile(layers: list[LayerProfile]) -> ModelProfile:
 
 
 def test_everything_in_one_pack_when_the_budget_is_large() -> None:
-    plan = plan_packs(profile([linear(16)] * 4), budget=10**9, samples=8)
+    plan = cut_packs(profile([linear(16)] * 4), budget=10**9, samples=8)
     assert [(p.first, p.stop) for p in plan.packs] == [(0, 4)]
 
 
 def test_packs_fit_the_budget_with_their_prefetch_buffer() -> None:
     layers = [linear(16)] * 10
     budget = 6000
-    plan = plan_packs(profile(layers), budget=budget, samples=4)
+    plan = cut_packs(profile(layers), budget=budget, samples=4)
     assert len(plan.packs) > 1
     assert plan.packs[0].first == 0 and plan.packs[-1].stop == 10
     assert all(a.stop == b.first for a, b in zip(plan.packs, plan.packs[1:]))
@@ -69,21 +69,21 @@ def test_packs_fit_the_budget_with_their_prefetch_buffer() -> None:
 
 def test_packs_are_balanced_by_profiled_time() -> None:
     slow, fast = linear(16, seconds=1e-3), linear(16, seconds=1e-6)
-    plan = plan_packs(profile([slow, fast, fast, fast, slow, fast]), budget=8000, samples=1)
+    plan = cut_packs(profile([slow, fast, fast, fast, slow, fast]), budget=8000, samples=1)
     times = [p.forward_seconds_per_sample for p in plan.packs]
     assert max(times) < 2.5e-3
 
 
 def test_no_cut_where_a_layer_input_is_not_a_single_tensor() -> None:
     layers = [linear(16), linear(16, cut=False), linear(16), linear(16, cut=False)]
-    plan = plan_packs(profile(layers), budget=9000, samples=1)
+    plan = cut_packs(profile(layers), budget=9000, samples=1)
     cuts = {p.first for p in plan.packs}
     assert 1 not in cuts and 3 not in cuts
 
 
 def test_layer_too_large_says_how_many_bytes_it_needs() -> None:
     with pytest.raises(LayerTooLarge) as raised:
-        plan_packs(profile([linear(16), linear(64)]), budget=20000, samples=8)
+        cut_packs(profile([linear(16), linear(64)]), budget=20000, samples=8)
     error = raised.value
     assert error.first == 1
     assert error.need.total > 20000
@@ -91,13 +91,13 @@ def test_layer_too_large_says_how_many_bytes_it_needs() -> None:
 
 
 def test_pack_tensor_names_match_a_sequential_of_its_layers() -> None:
-    plan = plan_packs(profile([linear(4)] * 3), budget=10**9, samples=1)
+    plan = cut_packs(profile([linear(4)] * 3), budget=10**9, samples=1)
     names = [spec.name for spec in plan.packs[0].weights]
     assert names == ["0.weight", "0.bias", "1.weight", "1.bias", "2.weight", "2.bias"]
 
 
-def test_step_tasks_and_dependencies() -> None:
-    tasks = step_tasks(model=3, packs=3, step=5)
+def test_span_tasks_and_dependencies() -> None:
+    tasks = span_tasks(model=3, packs=3, span=5)
     assert [t.key("r") for t in tasks][:3] == ["fwd-m3-p0-s5-r", "fwd-m3-p1-s5-r", "bwd-m3-p2-s5-r"]
     assert [t.kind for t in tasks] == ["fwd", "fwd", "bwd", "bwd", "bwd"], "one group: bwd applies the update"
     assert dependencies(TaskId("bwd", 3, 1, 5), 3) == [
@@ -107,14 +107,14 @@ def test_step_tasks_and_dependencies() -> None:
     ]
     assert dependencies(TaskId("bwd", 3, 1, 5, 1), 3, groups=2)[-1] == TaskId("upd", 3, 1, 4)
     assert dependencies(TaskId("upd", 3, 0, 5), 3, groups=2) == [TaskId("bwd", 3, 0, 5, 0), TaskId("bwd", 3, 0, 5, 1)]
-    assert [t.kind for t in step_tasks(3, 3, 5, groups=2)].count("upd") == 3
+    assert [t.kind for t in span_tasks(3, 3, 5, groups=2)].count("upd") == 3
     assert inputs(TaskId("bwd", 3, 2, 5), 3) == (TaskId("fwd", 3, 1, 5), BatchTargets(3, 5))
     assert inputs(TaskId("fwd", 3, 0, 5), 3) == (BatchInput(3, 5),)
 
 
 def test_every_value_is_read_by_exactly_its_consumers() -> None:
     packs = 4
-    tasks = step_tasks(0, packs, 0)
+    tasks = span_tasks(0, packs, 0)
     reads: dict[object, list[TaskId]] = {}
     for task in tasks:
         for value in inputs(task, packs):
@@ -141,7 +141,7 @@ def test_steps_per_task_keeps_scheduling_near_one_percent_within_its_limits() ->
     assert steps_per_task(0.0, 0.003, 1_000, None) == 1, "an unknown step time groups nothing"
 
 
-def cut(plan: SpanPlan, measurements: dict[int, tuple[float, int]] | None = None) -> list[tuple[int, int]]:
+def cut(plan: Spans, measurements: dict[int, tuple[float, int]] | None = None) -> list[tuple[int, int]]:
     """Open span after span until the plan has none left; before opening span i, report measurements[i]."""
     spans = []
     while plan.spans_left():
@@ -155,33 +155,33 @@ def cut(plan: SpanPlan, measurements: dict[int, tuple[float, int]] | None = None
 
 
 def test_a_span_plan_cuts_the_steps_in_order_and_the_last_span_holds_the_rest() -> None:
-    assert cut(SpanPlan(10, depth=4)) == [(0, 4), (4, 4), (8, 2)]
-    assert cut(SpanPlan(3, depth=1)) == [(0, 1), (1, 1), (2, 1)]
-    assert cut(SpanPlan(1030, depth=256)) == [(0, 256), (256, 256), (512, 256), (768, 262)], (
+    assert cut(Spans(10, depth=4)) == [(0, 4), (4, 4), (8, 2)]
+    assert cut(Spans(3, depth=1)) == [(0, 1), (1, 1), (2, 1)]
+    assert cut(Spans(1030, depth=256)) == [(0, 256), (256, 256), (512, 256), (768, 262)], (
         "a tail shorter than a quarter of the depth (6 steps) joins the last full span")
-    assert cut(SpanPlan(1088, depth=256)) == [(0, 256), (256, 256), (512, 256), (768, 256), (1024, 64)], (
+    assert cut(Spans(1088, depth=256)) == [(0, 256), (256, 256), (512, 256), (768, 256), (1024, 64)], (
         "a quarter of the depth is a span of its own")
-    plan = SpanPlan(1030, depth=256)
+    plan = Spans(1030, depth=256)
     assert plan.spans_left() == 4
-    fixed = SpanPlan(10, depth=4)
+    fixed = Spans(10, depth=4)
     assert not fixed.adaptive
     assert cut(fixed, {1: (1.0, 1000)}) == [(0, 4), (4, 4), (8, 2)], "without a task cost the depth stays"
 
 
 def test_an_adaptive_span_plan_re_cuts_the_spans_not_yet_opened_from_measured_step_times() -> None:
-    plan = SpanPlan(1200, depth=150, task_seconds=0.0078, batch_bytes=1_000)
+    plan = Spans(1200, depth=150, task_seconds=0.0078, batch_bytes=1_000)
     assert plan.adaptive
     spans = cut(plan, {2: (0.3575, 149)})  # 2.4 ms steps: 0.0078 / (1% of 2.4 ms) is 325, capped at 256
     assert spans == [(0, 150), (150, 150), (300, 256), (556, 256), (812, 256), (1068, 132)]
-    slower = cut(SpanPlan(40, depth=10, task_seconds=0.003, batch_bytes=1_000), {1: (0.5, 10)})
+    slower = cut(Spans(40, depth=10, task_seconds=0.003, batch_bytes=1_000), {1: (0.5, 10)})
     assert slower == [(0, 10), (10, 6), (16, 6), (22, 6), (28, 6), (34, 6)], "50 ms steps: 3 ms over 1% is 6"
-    unmeasured = SpanPlan(40, depth=10, task_seconds=0.003, batch_bytes=1_000)
+    unmeasured = Spans(40, depth=10, task_seconds=0.003, batch_bytes=1_000)
     unmeasured.measured(0.0, 0)
     assert unmeasured.depth == 10, "a first span of one step times nothing (its warm-up is not timed)"
 
 
 def test_a_span_plan_of_unknown_length_cuts_full_spans_until_the_loader_ends() -> None:
-    plan = SpanPlan(None, depth=4, task_seconds=0.003, batch_bytes=1_000)
+    plan = Spans(None, depth=4, task_seconds=0.003, batch_bytes=1_000)
     assert plan.spans_left() is None and plan.next_span() == (0, 4)
     plan.open(4)
     plan.measured(4.0, 4)  # 1 s steps need no grouping

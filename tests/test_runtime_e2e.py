@@ -71,7 +71,7 @@ def test_swap_volume_is_measured_for_a_model_that_fits(resident: bool, no_leaks:
                            resident=resident, progress=False)
     train_plain(reference, batches, nn.functional.mse_loss, factory)
     assert_same_weights(model, reference)
-    assert [len(plan.packs) for plan in result.plans] == [1]
+    assert [len(packing.packs) for packing in result.packings] == [1]
     stats = result.stats
     if resident:
         # The model stays on its device: weights cross once, gradients never leave, the trained weights
@@ -107,7 +107,7 @@ def test_swap_volume_for_a_model_four_times_the_budget(batch: int, no_leaks: Non
     )
     train_plain(reference, batches, nn.functional.mse_loss, lambda p: torch.optim.SGD(p, lr=0.05))
     assert_same_weights(model, reference)
-    plan = result.plans[0]
+    plan = result.packings[0]
     assert len(plan.packs) >= 4
     last = plan.packs[-1].weight_bytes
     stats = result.stats
@@ -202,7 +202,7 @@ def test_per_microbatch_swapping_pays_m_times_the_weights_for_the_same_result(no
         trained[group] = (model, result)
     assert_same_weights(trained[False][0], trained[True][0], rtol=0, atol=0)
     grouped, ungrouped = trained[True][1].stats, trained[False][1].stats
-    last = trained[True][1].plans[0].packs[-1].weight_bytes
+    last = trained[True][1].packings[0].packs[-1].weight_bytes
     reloads = steps * (microbatches - 1) * (2 * weights - last)
     assert grouped.bytes_in["weights"] <= steps * (2 * weights - last)
     assert ungrouped.bytes_in["weights"] >= reloads + steps * weights

@@ -25,22 +25,25 @@ from torch.utils._pytree import tree_flatten
 
 from harmony.runtime import handoff, serialization  # noqa: F401
 from harmony.runtime.bodies import check_resident_order
-from harmony.runtime.cache import BudgetExceeded, DeviceCache
+from harmony.runtime.cache import DeviceCache
 from harmony.runtime.counters import BLOCK_BYTES, Counters
 from harmony.runtime.data import LoaderFeed, SharedFeed
 from harmony.runtime.devices import build_specs, cpu_count, threads_per_device
 from harmony.runtime.driver import Driver
+from harmony.runtime.files import grads_name, weights_name
 from harmony.runtime.handoff import LocalResult, LostResult
 from harmony.runtime.hoststore import HostStore, tensors_at
 from harmony.runtime.interrupt import raise_if_interrupted, watching_interrupts
 from harmony.runtime.optimizer import PackOptimizer
 from harmony.runtime.shipping import BatchFiles, ShippedTensors, StackedSteps, StaleBatch, unship
 from harmony.runtime.skeleton import dump_skeleton, load_skeleton
-from harmony.runtime.spec import PackRuntime, grads_name, weights_name
+from harmony.runtime.spec import PackRuntime
 from harmony.runtime.stream import CopyEngine
-from harmony.tasks.binding import BindingState, ModelWork
+from harmony.tasks.binding import BindingState
 from harmony.tasks.layout import TensorSpec, lay_out
+from harmony.tasks.memory import BudgetExceeded
 from tests.conftest import native_threads, torch_threads
+from tests.test_binding import job
 
 
 @pytest.fixture
@@ -430,15 +433,14 @@ class RecordingClient:
 def test_a_resident_models_next_task_is_queued_on_its_worker_with_no_scheduler_edge(store: HostStore) -> None:
     batches = [(torch.randn(4, 3), torch.randn(4, 2)) for _ in range(12)]
     feed = SharedFeed(LoaderFeed(batches, iter(batches[1:]), batches[0], epochs=1, steps=None), readers=1)
-    work = ModelWork(pack_weight_bytes=(1024,), steps=6, step_seconds=0.01, depth=2)
-    state = BindingState([work], {"cpu-0": 1 << 20}, homes={0: "cpu-0"})
+    homed = job(1024, steps=6, step_seconds=0.01, depth=2, home="cpu-0")
+    state = BindingState([homed], {"cpu-0": 1 << 20}, homes={0: "cpu-0"})
     client = RecordingClient()
     driver = Driver(client, "run", store, state, [feed], {"cpu-0": "tcp://worker"}, microbatches=1)  # type: ignore[arg-type]
-    driver._fetch_batches()
-    driver._bind_all(types.SimpleNamespace(add=lambda future: None))  # type: ignore[arg-type]
+    driver._carry_out(state.start())
     keys = [key for key, _ in client.submitted]
     assert keys == ["bwd-m0-p0-s0-run", "bwd-m0-p0-s1-run"], "both open spans go to the worker at once"
-    assert [options["span"] for _, options in client.submitted] == [(0, 2), (2, 2)]
+    assert [(options["first"], options["steps"]) for _, options in client.submitted] == [(0, 2), (2, 2)]
     assert [options["after"] for _, options in client.submitted] == [[], [LocalResult("bwd-m0-p0-s0-run")]], (
         "the worker orders them, not the scheduler: the second checks that the first ran"
     )
@@ -515,7 +517,7 @@ def test_a_spans_losses_land_in_their_steps_rows_across_loss_blocks() -> None:
     """A multi-step task writes its steps' per-member losses together; a span that crosses a block boundary
     fills the end of one block and the start of the next."""
     from harmony.runtime.bodies import _record_losses
-    from harmony.runtime.spec import LOSS_BLOCK, losses_name
+    from harmony.runtime.files import LOSS_BLOCK, losses_name
 
     members, first, count = 3, LOSS_BLOCK - 2, 5
     blocks: dict[str, torch.Tensor] = {}

@@ -69,9 +69,9 @@ def test_runtime_peaks_and_swaps_match_the_simulator_for_the_same_schedule(devic
                            devices=devices, device_memory=budget, prefetch=False, progress=False, fuse=False,
                            mode="free")
     assert list(result.homes) == [2]
-    assert all(len(plan.packs) > 1 for plan in result.plans[:2])
+    assert all(len(packing.packs) > 1 for packing in result.packings[:2])
     order = order_from_keys(result.stats.schedule)
-    predicted = replay_memory(order, result.plans, result.stats.budgets, result.homes, [1.0, 1.0, 1.0],
+    predicted = replay_memory(order, result.packings, result.stats.budgets, result.homes, [1.0, 1.0, 1.0],
                               microbatch_samples=[[4, 4, 4, 4]] * 3)
     assert predicted.peak == result.stats.peak_device_bytes
     assert predicted.weights_in == result.stats.bytes_in["weights"]
@@ -140,12 +140,12 @@ def test_a_task_waits_at_the_scheduler_only_for_work_on_other_devices(no_leaks: 
     for key, waits in recorder.edges.items():
         task, run = parse_key(key)  # type: ignore[misc]
         if task.kind == "upd":
-            assert waits <= {TaskId("bwd", task.model, task.pack, task.step, g).key(run) for g in range(2)}
+            assert waits <= {TaskId("bwd", task.model, task.pack, task.span, g).key(run) for g in range(2)}
             continue
         same_worker = [dep for dep in waits if recorder.worker.get(dep) == recorder.worker[key]]
         assert not same_worker, f"{key} waits at the scheduler for {same_worker} on its own worker"
         if task.pack > 0:
-            producer = TaskId("fwd", task.model, task.pack - 1, task.step, task.group).key(run)
+            producer = TaskId("fwd", task.model, task.pack - 1, task.span, task.group).key(run)
             local_producers += recorder.worker[producer] == recorder.worker[key]
     assert local_producers > 0, "vDP runs a group's packs on one device: their activations never cross it"
     assert result.stats.tasks == len(recorder.edges)

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from harmony.tasks.graph import TaskId, step_tasks
+from harmony.tasks.graph import TaskId, span_tasks
 from harmony.tasks.layout import TensorSpec
-from harmony.tasks.packing import PackPlan, plan_packs
+from harmony.tasks.packing import Packing, cut_packs
 from harmony.tasks.profile import LayerProfile, ModelProfile
 from harmony.tasks.simulator import Hardware, ScheduleExceedsBudget, replay_memory, simulate
 
 
-def chain_plan(layers: int = 4, width: int = 16, seconds: float = 1e-4, budget: int = 10**9) -> PackPlan:
+def chain_packing(layers: int = 4, width: int = 16, seconds: float = 1e-4, budget: int = 10**9) -> Packing:
     layer = LayerProfile(
         description="Linear",
         params=(TensorSpec("weight", "float32", (width, width)),),
@@ -20,44 +20,44 @@ def chain_plan(layers: int = 4, width: int = 16, seconds: float = 1e-4, budget: 
         output_bytes_per_sample=4 * width,
         forward_seconds_per_sample=seconds,
     )
-    return plan_packs(ModelProfile("m", (layer,) * layers), budget, samples=4)
+    return cut_packs(ModelProfile("m", (layer,) * layers), budget, samples=4)
 
 
 def test_replay_counts_swaps_and_peaks_like_the_cache() -> None:
-    plan = chain_plan(layers=4, budget=6000)
-    assert len(plan.packs) == 4
-    order = {"d": [t for s in range(2) for t in step_tasks(0, 4, s)]}
-    report = replay_memory(order, [plan], {"d": 6000})
-    w = plan.packs[0].weight_bytes
+    packing = chain_packing(layers=4, budget=6000)
+    assert len(packing.packs) == 4
+    order = {"d": [t for s in range(2) for t in span_tasks(0, 4, s)]}
+    report = replay_memory(order, [packing], {"d": 6000})
+    w = packing.packs[0].weight_bytes
     assert report.grads_out == 2 * 4 * w
     assert 2 * 4 * w <= report.weights_in <= 2 * 7 * w
     assert report.peak["d"] <= 6000
 
 
 def test_replay_refuses_a_schedule_over_budget_naming_the_task_and_bytes() -> None:
-    plan = chain_plan(layers=2, budget=10**9)
+    packing = chain_packing(layers=2, budget=10**9)
     with pytest.raises(ScheduleExceedsBudget) as raised:
-        replay_memory({"d": step_tasks(0, len(plan.packs), 0)}, [plan], {"d": 1000})
+        replay_memory({"d": span_tasks(0, len(packing.packs), 0)}, [packing], {"d": 1000})
     error = raised.value
-    assert error.task == TaskId("bwd", 0, 0, 0) and error.need == plan.packs[0].weight_bytes
+    assert error.task == TaskId("bwd", 0, 0, 0) and error.need == packing.packs[0].weight_bytes
     assert "needs" in str(error) and "1,000-byte budget" in str(error)
 
 
 def test_simulation_runs_every_task_and_predicts_link_cost() -> None:
-    plan = chain_plan(layers=6, budget=7000)
-    fast = simulate([plan], [3], [8], {"d": 7000}, Hardware(task_overhead=0.0))
-    slow = simulate([plan], [3], [8], {"d": 7000}, Hardware(task_overhead=0.0, host_link=1e6), prefetch=False)
-    hidden = simulate([plan], [3], [8], {"d": 7000}, Hardware(task_overhead=0.0, host_link=1e6), prefetch=True)
-    assert sum(len(tasks) for tasks in fast.order.values()) == 3 * (2 * len(plan.packs) - 1), "bwd applies updates"
+    packing = chain_packing(layers=6, budget=7000)
+    fast = simulate([packing], [3], [8], {"d": 7000}, Hardware(task_overhead=0.0))
+    slow = simulate([packing], [3], [8], {"d": 7000}, Hardware(task_overhead=0.0, host_link=1e6), prefetch=False)
+    hidden = simulate([packing], [3], [8], {"d": 7000}, Hardware(task_overhead=0.0, host_link=1e6), prefetch=True)
+    assert sum(len(tasks) for tasks in fast.order.values()) == 3 * (2 * len(packing.packs) - 1), "bwd applies updates"
     assert fast.makespan < hidden.makespan <= slow.makespan
-    assert replay_memory(fast.order, [plan], {"d": 7000}).peak["d"] <= 7000
+    assert replay_memory(fast.order, [packing], {"d": 7000}).peak["d"] <= 7000
 
 
 def test_single_pack_models_are_homed_where_their_whole_state_fits() -> None:
     from harmony.tasks.residency import choose_homes, resident_bytes
 
-    small = chain_plan(layers=2)
-    split = chain_plan(layers=4, budget=6000)
+    small = chain_packing(layers=2)
+    split = chain_packing(layers=4, budget=6000)
     need = resident_bytes(small, 2.0)
     homes, room = choose_homes([small, small, split], [2.0, 2.0, 1.0], {"a": need + 10**4, "b": need + 10**4},
                                floors=[0, 0, 6000])
@@ -68,15 +68,15 @@ def test_single_pack_models_are_homed_where_their_whole_state_fits() -> None:
 
 
 def test_replay_keeps_a_boundary_for_the_task_that_reads_it_next_where_it_fits() -> None:
-    plan = chain_plan(layers=4, budget=6000)
-    order = {"d": step_tasks(0, 4, 0)}
-    boundary = plan.packs[1].input_bytes_per_sample * 2
-    roomy = replay_memory(order, [plan], {"d": 10**6}, microbatch_samples=[[2, 2]])
+    packing = chain_packing(layers=4, budget=6000)
+    order = {"d": span_tasks(0, 4, 0)}
+    boundary = packing.packs[1].input_bytes_per_sample * 2
+    roomy = replay_memory(order, [packing], {"d": 10**6}, microbatch_samples=[[2, 2]])
     # fwd 0 -> fwd 1 -> fwd 2 -> bwd 3 hand over outputs; bwd 3 -> bwd 2 -> bwd 1 -> bwd 0 hand over gradients.
     assert roomy.kept == 2 * (3 + 3) * boundary
-    assert roomy.peak["d"] > replay_memory(order, [plan], {"d": 10**6}).peak["d"]
-    interleaved = {"d": [t for pair in zip(step_tasks(0, 4, 0), step_tasks(1, 4, 0)) for t in pair]}
-    assert replay_memory(interleaved, [plan, plan], {"d": 10**6}, microbatch_samples=[[2, 2]] * 2).kept == 0, (
+    assert roomy.peak["d"] > replay_memory(order, [packing], {"d": 10**6}).peak["d"]
+    interleaved = {"d": [t for pair in zip(span_tasks(0, 4, 0), span_tasks(1, 4, 0)) for t in pair]}
+    assert replay_memory(interleaved, [packing, packing], {"d": 10**6}, microbatch_samples=[[2, 2]] * 2).kept == 0, (
         "a boundary outlived a task that was not its consumer")
-    tight = replay_memory(order, [plan], {"d": 6000}, microbatch_samples=[[2, 2]])
+    tight = replay_memory(order, [packing], {"d": 6000}, microbatch_samples=[[2, 2]])
     assert tight.peak["d"] <= 6000

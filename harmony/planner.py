@@ -1,0 +1,173 @@
+"""Build the run's plan, for harmony.train and harmony.plan alike: pilot, fuse, then arrange.
+
+1. ``pilot``: run one micro-batch through every model on the CPU, profile its layers and cut it into packs for
+   the smallest device budget (bad models and budgets are InputErrors here, before any worker starts).
+2. ``build``: fuse same-architecture models on one loader into arrays of the best predicted size
+   (harmony.fusing), choose the execution mode the simulator predicts fastest, home the jobs that fit a device
+   whole (re-cutting the others for the room left), and give homed single-pack jobs their span depth.
+
+Each decision returns new values; the result is one frozen RunPlan and, beside it, what each job computes with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import torch
+
+from harmony.candidate import RANKING_STEPS, Candidate, pilot_batch, step_samples
+from harmony.errors import InputError, ModelError
+from harmony.fusing import fuse
+from harmony.runtime.cache import tree_nbytes
+from harmony.runtime.code import JobCode
+from harmony.runtime.pilot import decompose
+from harmony.tasks.amortize import steps_per_task
+from harmony.tasks.binding import MODES
+from harmony.tasks.hardware import Hardware
+from harmony.tasks.packing import LayerTooLarge, cut_packs, minimal_budget
+from harmony.tasks.profile import ModelProfile
+from harmony.tasks.residency import choose_homes
+from harmony.tasks.runplan import Job, RunPlan
+from harmony.tasks.simulator import model_step_seconds, simulate
+from harmony.validate import Arguments, model_label
+
+logger = logging.getLogger("harmony")
+
+def _check_loss(args: Arguments, index: int, label: str, output: Any, target: Any) -> None:
+    """Call the model's loss once on the pilot output: it must work and return a scalar tensor."""
+    try:
+        loss = args.loss_fns[index](output, target)  # type: ignore[misc]
+    except Exception as error:
+        raise InputError(f"loss_fn for {label} raised {type(error).__name__}: {error} when called "
+                         "as loss_fn(output, target) on the first micro-batch") from error
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shape = "" if not isinstance(loss, torch.Tensor) else f" of shape {tuple(loss.shape)}"
+        raise InputError(f"loss_fn for {label} returned {type(loss).__name__}{shape}; "
+                         "it must return a scalar tensor (the mean loss over the micro-batch)")
+
+
+def cut(profile: ModelProfile, budget: int, samples: int, label: str) -> Any:
+    """The packing of a profile for budget; a budget too small for its largest layer is an InputError."""
+    try:
+        return cut_packs(profile, budget, samples)
+    except LayerTooLarge as error:
+        raise InputError(
+            f"device_memory is too small for {label}: {error}. Raise device_memory to at least "
+            f"{error.need.total:,} bytes, or use more micro-batches to shrink the activations"
+        ) from None
+
+
+def pilot(args: Arguments, budget: int) -> list[Candidate]:
+    """Profile every model on its first micro-batch and cut it into packs that fit budget."""
+    candidates = []
+    for index, model in enumerate(args.models):
+        label = model_label(index, model)
+        sample, target, sizes = pilot_batch(args, index)
+        try:
+            decomposition = decompose(model, sample, label)
+        except Exception as error:
+            raise ModelError(index, f"{label} raised {type(error).__name__}: {error} in its forward "
+                             "during the pilot pass") from error
+        if args.loss_fns[index] is not None:
+            _check_loss(args, index, label, decomposition.output, target)
+        packing = cut(decomposition.profile, budget, sizes[0], label)
+        logger.info("%s", packing.explain())
+        job = Job(
+            members=(index,),
+            label=label,
+            feed=args.loader_of[index],
+            seed=index,
+            packing=packing,
+            steps=args.expected_steps(index),
+            step_seconds=model_step_seconds(packing, sum(sizes), Hardware()),
+            batch_bytes=tree_nbytes(args.first_batch(index)),
+            state_ratio=args.optimizer_state_ratios[index],
+        )
+        code = JobCode(tuple(decomposition.layers), args.loss_fns[index], args.optimizers[index])
+        candidates.append(Candidate(job, code, decomposition.profile))
+    return candidates
+
+
+def groups_for(mode: str, devices: int, microbatches: int) -> int:
+    """Micro-batch groups per step: one per device in vDP (at most one per micro-batch), else one."""
+    return max(1, min(devices, microbatches)) if mode == "vdp" else 1
+
+
+def choose_mode(
+    candidates: list[Candidate], args: Arguments, budgets: dict[str, int], hardware: Hardware
+) -> tuple[str, dict[str, float]]:
+    """The execution mode to run: the one given, or with "auto" the one the simulator predicts fastest on a few
+    steps; returns it and the predicted seconds per step of every mode it simulated."""
+    options = args.options
+    candidates_modes = MODES if options.mode == "auto" else (options.mode,)
+    if options.mode == "auto" and len(budgets) == 1:
+        candidates_modes = ("free",)
+    packings = [candidate.job.packing for candidate in candidates]
+    steps = [min(candidate.job.steps or 1, RANKING_STEPS) for candidate in candidates]
+    samples = [step_samples(args, candidate.job) for candidate in candidates]
+    predicted = {}
+    for mode in candidates_modes:
+        groups = [groups_for(mode, len(budgets), options.microbatches)] * len(packings)
+        run = simulate(packings, steps, samples, budgets, hardware, prefetch=options.prefetch,
+                       policy=options.policy, mode=mode, groups=groups)
+        predicted[mode] = run.step_seconds()
+    chosen = min(predicted, key=lambda name: predicted[name])
+    if options.mode == "auto":
+        logger.info("mode auto: predicted %s per step; running %s",
+                    ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in predicted.items()), chosen)
+    return chosen, predicted
+
+
+def settle_homes(candidates: list[Candidate], budgets: dict[str, int]) -> list[Candidate]:
+    """Home every single-pack job that fits a device whole, and re-cut the others for the room left."""
+    packings = [candidate.job.packing for candidate in candidates]
+    floors = [minimal_budget(c.profile, c.job.packing.microbatch_samples) for c in candidates]
+    homes, room = choose_homes(packings, [c.job.state_ratio for c in candidates], budgets, floors)
+    left = min(room.values())
+    settled = []
+    for index, candidate in enumerate(candidates):
+        job = dataclasses.replace(candidate.job, home=homes.get(index))
+        if homes and job.home is None and left < min(budgets.values()):
+            job = dataclasses.replace(job, packing=cut(candidate.profile, left, job.packing.microbatch_samples,
+                                                       job.label))
+            logger.info("%s (re-cut beside homed models)", job.packing.explain())
+        settled.append(dataclasses.replace(candidate, job=job))
+    return settled
+
+
+def with_depth(job: Job, depth: int | str, hardware: Hardware) -> Job:
+    """A homed single-pack job with the steps each of its tasks runs: depth as given, or with "auto" from its
+    predicted step time and the task cost first, and re-cut from its measured step time as it runs."""
+    if job.home is None or len(job.packing.packs) != 1 or job.groups != 1:
+        return job
+    if isinstance(depth, int):
+        return dataclasses.replace(job, depth=depth)
+    task_seconds = max(hardware.task_overhead, hardware.task_cpu)
+    return dataclasses.replace(job, task_seconds=task_seconds,
+                               depth=steps_per_task(job.step_seconds, task_seconds, job.batch_bytes, job.steps))
+
+
+def build(
+    args: Arguments, candidates: list[Candidate], budgets: dict[str, int], hardware: Hardware
+) -> tuple[RunPlan, list[JobCode]]:
+    """The run's plan for the piloted models on devices with these budgets, predicted for hardware."""
+    options = args.options
+    candidates, fusion = fuse(candidates, args, budgets, hardware)
+    mode, predicted = choose_mode(candidates, args, budgets, hardware)
+    if options.resident and options.group and mode != "vdp":
+        candidates = settle_homes(candidates, budgets)
+    groups = groups_for(mode, len(budgets), options.microbatches)
+    jobs = [with_depth(dataclasses.replace(c.job, groups=groups), options.steps_per_task, hardware)
+            for c in candidates]
+    plan = RunPlan(
+        jobs=tuple(jobs),
+        budgets=tuple(budgets.items()),
+        mode=mode,
+        options=options,
+        hardware=hardware,
+        fusion=tuple(fusion),
+        predicted_modes=tuple(predicted.items()),
+    )
+    return plan, [candidate.code for candidate in candidates]

@@ -1,0 +1,146 @@
+"""One run from start to finish: the host store's files, the worker plugin, the driver, what it measured, cleanup.
+
+Whatever happens (success, a model's exception, Ctrl-C) the run cancels its tasks, tears the plugin down on the
+workers, stops an embedded cluster's workers (before its files go, so that no task of theirs outlives them) and
+removes every shared-memory file it created.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from distributed import get_worker
+
+from harmony.runtime.cluster import ClusterHandle
+from harmony.runtime.code import JobCode
+from harmony.runtime.data import SharedFeed
+from harmony.runtime.devices import DeviceSpec
+from harmony.runtime.driver import Driver
+from harmony.runtime.files import RunFiles
+from harmony.runtime.hoststore import HostStore
+from harmony.runtime.spec import RunSpec, describe
+from harmony.runtime.worker import RUNS, DevicePlugin
+from harmony.tasks.binding import BindingState
+from harmony.tasks.runplan import RunPlan
+
+
+@dataclass
+class RunOutcome:
+    """What a finished run measured, per job of its plan: history is per job, then per member, each step's loss.
+
+    steps are the training steps each job ran; step_seconds when each finished and finish_seconds when the last
+    did (from the moment the driver started); depths the steps its later tasks each ran; counters per device.
+    """
+
+    history: list[list[list[float]]]
+    steps: list[int]
+    step_seconds: list[list[float]]
+    finish_seconds: list[float]
+    depths: list[int]
+    counters: dict[str, dict[str, int]]
+    tasks: int
+    run_seconds: float
+    schedule: dict[str, list[str]]
+
+
+def execute(
+    plan: RunPlan,
+    codes: list[JobCode],
+    feeds: list[SharedFeed],
+    devices: list[DeviceSpec],
+    handle: ClusterHandle,
+    on_progress: Callable[[BindingState], None] | None = None,
+) -> RunOutcome:
+    """Train the plan's jobs to completion on the cluster whose workers are the devices; cleans up whatever
+    happens. The user's modules hold the trained weights when it returns."""
+    run = secrets.token_hex(3)
+    store = HostStore(run)
+    driver: Driver | None = None
+    plugin = f"harmony-{run}"
+    registered = False
+    try:
+        models = describe(plan, codes)
+        files = RunFiles(store, plan, models)
+        files.create(codes)
+        if not handle.embedded:
+            check_same_machine(handle, store)
+        spec = RunSpec(run, str(store.directory), models, tuple(devices), plan.options.prefetch, plan.options.group)
+        handle.client.register_plugin(DevicePlugin(spec), name=plugin)
+        registered = True
+        state = BindingState(list(plan.jobs), plan.devices, policy=plan.options.policy, mode=plan.mode,
+                             homes=plan.homes)
+        driver = Driver(handle.client, run, store, state, [feeds[job.feed] for job in plan.jobs], handle.workers,
+                        plan.options.microbatches, on_step=files.open_step, on_progress=on_progress)
+        started = time.perf_counter()
+        driver.run_to_completion()
+        run_seconds = time.perf_counter() - started
+        flush_homed(handle, run, devices)
+        files.copy_back(codes)
+        executed = handle.client.run(_executed, run)
+        names = {address: name for name, address in handle.workers.items()}
+        return RunOutcome(
+            history=[files.history(m, steps) for m, steps in enumerate(state.steps_trained)],
+            steps=list(state.steps_trained),
+            step_seconds=state.step_times,
+            finish_seconds=[state.finish_times.get(m, run_seconds) for m in range(len(plan.jobs))],
+            depths=[spans.depth for spans in state.spans],
+            counters=files.counters(),
+            tasks=state.tasks_finished,
+            run_seconds=run_seconds,
+            schedule={names[address]: keys for address, keys in executed.items() if address in names},
+        )
+    finally:
+        if driver is not None:
+            with contextlib.suppress(Exception):
+                driver.cancel()
+        if registered:
+            with contextlib.suppress(Exception):
+                handle.client.unregister_worker_plugin(plugin)
+        if handle.embedded:
+            handle.close()
+        store.unlink_all()
+
+
+def _executed(run: str, dask_worker: Any) -> list[str]:
+    """On a worker (through client.run): the keys of this run's tasks in the order it ran them."""
+    context = RUNS.get((run, dask_worker.address))
+    return list(context.executed) if context is not None else []
+
+
+def _flush_homed(run: str) -> None:
+    """A task on a device worker: write its homed models' trained weights to the host store."""
+    context = RUNS.get((run, get_worker().address))
+    if context is not None:
+        context.flush_residents()
+
+
+def flush_homed(handle: ClusterHandle, run: str, devices: list[DeviceSpec]) -> None:
+    """Every device's homed weights to the host store, each written by its worker's task thread, where the run's
+    tasks computed: a copy that large on the worker's event loop (``client.run``) would give that thread an
+    OpenMP team of its own for the rest of the process's life, and every later run's compute would slow down
+    (runtime.serial_copy)."""
+    flushes = [
+        handle.client.submit(_flush_homed, run, key=f"harmony-flush-{run}-{device.name}", pure=False,
+                             workers=[handle.workers[device.name]], allow_other_workers=False)
+        for device in devices
+    ]
+    handle.client.gather(flushes)
+
+
+def check_same_machine(handle: ClusterHandle, store: HostStore) -> None:
+    """Every worker of a user's cluster must see this machine's host store."""
+    store.create("probe", 1)
+    path = str(store.path("probe"))
+    seen = handle.client.run(os.path.exists, path)
+    remote = sorted(address for address, ok in seen.items() if not ok)
+    if remote:
+        raise RuntimeError(
+            f"workers {remote} cannot see this machine's host store ({path}); Harmony's host store is per "
+            "machine, so every worker must run on the machine that calls harmony.train"
+        )

@@ -1,0 +1,128 @@
+"""The binding state's vocabulary: the events the driver feeds it and the instructions it answers with.
+
+An event says what happened (a batch was fetched, a task finished or failed, a span was timed, a worker left or
+joined); an instruction says what to do (fetch a batch, submit a task, release a value, read a span's timing,
+fail a model). The driver carries instructions out and turns what comes of them into events; it decides nothing.
+Times are seconds from the start of the run, read by the driver, so that the state stays pure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from harmony.tasks.graph import TaskId, Value
+
+# Events
+
+
+@dataclass(frozen=True)
+class BatchReady:
+    """The batch of a model's span was fetched and shipped: it holds steps training steps (fewer than asked, or
+    none, when the loader ran dry)."""
+
+    model: int
+    span: int
+    steps: int
+
+
+@dataclass(frozen=True)
+class TaskFinished:
+    task: TaskId
+    at: float
+
+
+@dataclass(frozen=True)
+class TaskFailed:
+    task: TaskId
+    error: BaseException
+    at: float
+
+
+@dataclass(frozen=True)
+class StepTimed:
+    """A model's finished spans ran steps training steps in seconds on their device, in all so far."""
+
+    model: int
+    seconds: float
+    steps: int
+
+
+@dataclass(frozen=True)
+class WorkerLost:
+    device: str
+    at: float
+
+
+@dataclass(frozen=True)
+class WorkerJoined:
+    device: str
+    at: float
+
+
+Event = BatchReady | TaskFinished | TaskFailed | StepTimed | WorkerLost | WorkerJoined
+
+# Instructions
+
+
+@dataclass(frozen=True)
+class Fetch:
+    """Take the batches of training steps [first, first + count) from the model's loader, split each into groups
+    micro-batch groups and ship them for the span's tasks; answer with BatchReady. With stacked, the span's
+    tasks read its batches step by step (a multi-step task); else the one step's batch as it is."""
+
+    model: int
+    span: int
+    first: int
+    count: int
+    groups: int
+    stacked: bool
+
+
+@dataclass(frozen=True)
+class Submit:
+    """Run task on device.
+
+    reads are the values it reads, in its arguments' order; local those of them that a task on the same device
+    produced (the worker hands them over, with no edge through the scheduler) and peers whether each read came
+    from another device. after are tasks on other devices it waits for without reading them; checks are tasks
+    on its own device it must find finished. first is the training step it starts at and steps, for a
+    multi-step task, how many it runs (its data then per step). successor is the task whose weights it may
+    prefetch; priority orders a device's tasks (higher first).
+    """
+
+    task: TaskId
+    device: str
+    reads: tuple[Value, ...]
+    local: frozenset[Value]
+    peers: tuple[bool, ...]
+    after: tuple[TaskId, ...]
+    checks: tuple[TaskId, ...]
+    first: int
+    steps: int | None
+    successor: TaskId | None
+    priority: int
+
+
+@dataclass(frozen=True)
+class Release:
+    """No task will read value again: drop it (its future, or its batch file for reuse)."""
+
+    value: Value
+
+
+@dataclass(frozen=True)
+class ReadTiming:
+    """Read what the model's finished spans timed on their device; answer with StepTimed."""
+
+    model: int
+
+
+@dataclass(frozen=True)
+class Fail:
+    """The run cannot go on: raise error (a model's own exception, or a reason)."""
+
+    model: int
+    error: BaseException
+
+
+Instruction = Fetch | Submit | Release | ReadTiming | Fail

@@ -1,0 +1,25 @@
+"""What the simulator knows of the hardware a run is predicted on: compute speed, links and per-task costs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What a device can do: compute relative to the pilot machine, and link speeds in bytes per second.
+
+    compute_scale 1.0 means as fast as the machine that ran the pilot pass; host_link is host<->device
+    (None: copies cost nothing), peer_link device<->device; task_overhead is the runtime's fixed cost
+    per task (Dask's scheduling, about a millisecond on a server, a few on a small machine); task_cpu is the
+    CPU time a task takes from the cores the devices compute with (the driver's, the scheduler's and the
+    worker's work for it; 0 where the devices compute elsewhere).
+    """
+
+    name: str = "this machine"
+    compute_scale: float = 1.0
+    host_link: float | None = None
+    peer_link: float | None = None
+    task_overhead: float = 0.003
+    task_cpu: float = 0.0
+    optimizer_bytes_per_second: float = 5e9

@@ -1,0 +1,182 @@
+"""One device's memory as Harmony accounts it: cached weights, kept boundaries and reservations under a budget.
+
+The rules live here once and serve three users: the runtime's DeviceCache (which keeps the tensors beside this
+accounting), the simulator's memory replay (which checks a schedule against budgets) and the binder (which
+predicts what a device caches, to bind tasks where their weights are).
+
+- A pack's weights are *cached* at the host-store version they were copied from; asking for another version
+  drops the stale copy. An entry is evictable once no running task pins it, it is not held for the run (a homed
+  model's weights), and its copy has arrived (a prefetch in flight is not).
+- A *boundary* value (a pack's output, or its input's gradient) is kept for the task that reads it next, only
+  where it fits without evicting anything; any other task drops it when it starts.
+- *Reservations* (gradients, a micro-batch's activations, a homed model's optimizer state) are bytes charged
+  without an entry. Charging evicts least recently used entries and raises BudgetExceeded when that is not
+  enough; nothing is ever over budget.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+
+class BudgetExceeded(RuntimeError):
+    """A device was asked to hold more bytes than its budget, with nothing left to evict."""
+
+    def __init__(self, device: str, what: str, need: int, held: int, budget: int) -> None:
+        self.device, self.what, self.need, self.held, self.budget = device, what, need, held, budget
+        super().__init__(
+            f"device {device}: {what} needs {need:,} bytes but {held:,} of its {budget:,}-byte budget are held "
+            "by running tasks"
+        )
+
+
+class StaleInUse(RuntimeError):
+    """Weights were asked for at one version while another version of them is in use or still arriving."""
+
+
+@dataclass
+class Entry:
+    """Bytes the device holds under a key: a pack's weights at a version, or a boundary value for its consumer."""
+
+    nbytes: int
+    version: int = -1
+    consumer: Hashable | None = None
+    pins: int = 0
+    held: bool = False
+    arriving: bool = False
+
+    @property
+    def evictable(self) -> bool:
+        return self.pins == 0 and not self.held and not self.arriving
+
+
+class DeviceMemory:
+    """The accounted bytes of one device: entries in least-recently-used order, plus reserved bytes."""
+
+    def __init__(self, name: str, budget: int) -> None:
+        self.name = name
+        self.budget = budget
+        self.used = 0
+        self.peak = 0
+        self.entries: OrderedDict[Hashable, Entry] = OrderedDict()
+
+    def reserve(self, nbytes: int, what: str) -> list[Hashable]:
+        """Charge nbytes, evicting least recently used entries as needed; returns the evicted keys."""
+        evicted = []
+        while self.used + nbytes > self.budget:
+            victim = next((key for key, entry in self.entries.items() if entry.evictable), None)
+            if victim is None:
+                raise BudgetExceeded(self.name, what, nbytes, self.used, self.budget)
+            self.drop(victim)
+            evicted.append(victim)
+        self.used += nbytes
+        self.peak = max(self.peak, self.used)
+        return evicted
+
+    def release(self, nbytes: int) -> None:
+        """Give back reserved bytes."""
+        self.used -= nbytes
+
+    def drop(self, key: Hashable) -> Entry | None:
+        """Forget an entry and its bytes (nothing if there is none)."""
+        entry = self.entries.pop(key, None)
+        if entry is not None:
+            self.used -= entry.nbytes
+        return entry
+
+    def holds(self, key: Hashable, version: int) -> bool:
+        """Whether key's weights are cached at version."""
+        entry = self.entries.get(key)
+        return entry is not None and entry.version == version
+
+    def load(self, key: Hashable, version: int, nbytes: int) -> tuple[bool, list[Hashable]]:
+        """Make key's weights cached at version and most recently used: whether they must be copied in, and the
+        keys evicted for them. A stale copy is dropped first; one in use or arriving is StaleInUse."""
+        entry = self.entries.get(key)
+        if entry is not None and entry.version != version:
+            if entry.pins or entry.held or entry.arriving:
+                raise StaleInUse(f"device {self.name}: weights of {key} at version {entry.version} are in use or in "
+                                 f"flight while version {version} is asked for")
+            self.drop(key)
+            entry = None
+        evicted: list[Hashable] = []
+        copied = entry is None
+        if copied:
+            evicted = self.reserve(nbytes, f"weights of {key}")
+            self.entries[key] = Entry(nbytes, version)
+        self.entries.move_to_end(key)
+        return copied, evicted
+
+    def prefetch(self, key: Hashable, version: int, nbytes: int, keep_free: int) -> tuple[bool, list[Hashable]]:
+        """Start caching key's weights ahead of their task, if they fit beside keep_free bytes (what the running
+        task will still reserve) by evicting only evictable entries; returns whether they were admitted (marked
+        arriving until arrived() is called) and the evicted keys."""
+        if key in self.entries:
+            return False, []
+        evicted = []
+        while self.used + nbytes + keep_free > self.budget:
+            victim = next((k for k, entry in self.entries.items() if entry.evictable), None)
+            if victim is None:
+                return False, evicted
+            self.drop(victim)
+            evicted.append(victim)
+        self.used += nbytes
+        self.peak = max(self.peak, self.used)
+        self.entries[key] = Entry(nbytes, version, arriving=True)
+        return True, evicted
+
+    def arrived(self, key: Hashable) -> None:
+        """A prefetched entry's copy has ended (or failed): it may be evicted again."""
+        entry = self.entries.get(key)
+        if entry is not None:
+            entry.arriving = False
+
+    def pin(self, key: Hashable) -> None:
+        """A running task uses key's bytes: it is not evicted until unpinned."""
+        self.entries[key].pins += 1
+
+    def unpin(self, key: Hashable) -> None:
+        entry = self.entries.get(key)
+        if entry is not None:
+            entry.pins -= 1
+
+    def hold(self, key: Hashable) -> None:
+        """Keep key's entry for the rest of the run (a homed model's weights)."""
+        self.entries[key].held = True
+
+    def set_version(self, key: Hashable, version: int) -> None:
+        """The cached weights now hold version (they were updated on the device)."""
+        self.entries[key].version = version
+
+    def keep(self, key: Hashable, consumer: Hashable, nbytes: int, keep_free: int) -> bool:
+        """Keep a boundary value for consumer if it fits beside keep_free bytes without evicting anything."""
+        if self.used + nbytes + keep_free > self.budget:
+            return False
+        self.used += nbytes
+        self.peak = max(self.peak, self.used)
+        self.entries[key] = Entry(nbytes, consumer=consumer)
+        return True
+
+    def claim(self, key: Hashable) -> int | None:
+        """Take a kept boundary value (its bytes are released): its size, or None if it is not there."""
+        entry = self.entries.get(key)
+        if entry is None or entry.consumer is None:
+            return None
+        self.drop(key)
+        return entry.nbytes
+
+    def drop_boundaries(self, running: Hashable) -> list[Hashable]:
+        """Drop every kept boundary value that is not for the task now starting; returns their keys."""
+        stale = [key for key, entry in self.entries.items() if entry.consumer is not None and entry.consumer != running]
+        for key in stale:
+            self.drop(key)
+        return stale
+
+    def validate(self) -> None:
+        """The invariants: never over budget, the peak never below what is used, no negative pins."""
+        assert 0 <= self.used <= self.budget, f"{self.name}: {self.used} bytes used of a {self.budget}-byte budget"
+        assert self.peak >= self.used, f"{self.name}: peak {self.peak} below the {self.used} bytes used"
+        assert sum(entry.nbytes for entry in self.entries.values()) <= self.used, f"{self.name}: entries over used"
+        assert all(entry.pins >= 0 for entry in self.entries.values()), f"{self.name}: a negative pin count"

@@ -1,0 +1,131 @@
+"""The run's plan: one frozen value that says everything a run has decided before its first task.
+
+It is built once (harmony.planner), printed by ``harmony.plan``, executed by the runtime and serializable with
+msgpack, so that a checkpoint can record what it resumes. It holds no module and no callable: what a job
+computes with (its layers, loss and optimizer factory) travels beside it, in the same order as ``jobs``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from harmony.tasks.fusion import FusionChoice
+from harmony.tasks.hardware import Hardware
+from harmony.tasks.layout import TensorSpec
+from harmony.tasks.packing import Pack, PackCost, Packing
+
+
+@dataclass(frozen=True)
+class Options:
+    """Every option of harmony.train and harmony.plan that shapes the run, validated (see their docstrings)."""
+
+    epochs: int = 1
+    steps: int | None = None
+    microbatches: int = 1
+    prefetch: bool = True
+    policy: str = "lrtf"
+    group: bool = True
+    mode: str = "auto"
+    resident: bool = True
+    fuse: bool | int | str = "auto"
+    steps_per_task: int | str = "auto"
+
+
+@dataclass(frozen=True)
+class Job:
+    """A model, or a fused array of models, as the run trains it: one unit to the binder and the devices.
+
+    members are the indices of the user's models it trains; feed is the loader it reads; seed its random
+    stream. packing is how it is cut, home the device it stays on whole (None: it is swapped), groups its
+    micro-batch groups per step (vDP), depth the training steps its first tasks each run (more than one only
+    for a homed single-pack job; with task_seconds > 0 the later ones are re-cut from their measured step time).
+    steps is the run's length when known; step_seconds the predicted compute of one step; batch_bytes the bytes
+    of one step's batch; state_ratio the optimizer-state bytes per gradient byte.
+    """
+
+    members: tuple[int, ...]
+    label: str
+    feed: int
+    seed: int
+    packing: Packing
+    steps: int | None
+    step_seconds: float
+    batch_bytes: int
+    state_ratio: float = 2.0
+    home: str | None = None
+    groups: int = 1
+    depth: int = 1
+    task_seconds: float = 0.0
+
+    @property
+    def fused(self) -> bool:
+        """Whether the job is a fused array of several models."""
+        return len(self.members) > 1
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What a run will do: its jobs, the devices and their budgets, the execution mode, and why.
+
+    budgets are (device, bytes) pairs in device order; fusion says per group of fusable models which sub-array
+    size was chosen and what each size was predicted to give; predicted_modes the seconds per step predicted
+    for each mode compared; hardware what those predictions assumed.
+    """
+
+    jobs: tuple[Job, ...]
+    budgets: tuple[tuple[str, int], ...]
+    mode: str
+    options: Options
+    hardware: Hardware
+    fusion: tuple[FusionChoice, ...] = ()
+    predicted_modes: tuple[tuple[str, float], ...] = ()
+
+    @property
+    def devices(self) -> dict[str, int]:
+        """Device name -> byte budget, in device order."""
+        return dict(self.budgets)
+
+    @property
+    def homes(self) -> dict[int, str]:
+        """Job index -> home device, for the jobs that stay whole on a device."""
+        return {index: job.home for index, job in enumerate(self.jobs) if job.home is not None}
+
+    def job_of(self, model: int) -> int:
+        """The index of the job that trains the user's model."""
+        return next(index for index, job in enumerate(self.jobs) if model in job.members)
+
+    def to_msgpack(self) -> bytes:
+        return msgpack.packb(self, default=_encode, use_bin_type=True)
+
+    @staticmethod
+    def from_msgpack(data: bytes) -> RunPlan:
+        plan = msgpack.unpackb(data, object_hook=_decode, use_list=False, strict_map_key=False, raw=False)
+        if not isinstance(plan, RunPlan):
+            raise ValueError("the bytes do not hold a run's plan")
+        return plan
+
+
+SERIALIZED: dict[str, type] = {
+    cls.__name__: cls for cls in (RunPlan, Job, Options, Hardware, FusionChoice, Packing, Pack, PackCost, TensorSpec)
+}
+TAG = "__harmony__"
+
+
+def _encode(value: Any) -> Any:
+    """A plan's dataclasses as tagged maps (their fields by name), for msgpack."""
+    if dataclasses.is_dataclass(value) and type(value).__name__ in SERIALIZED:
+        return {TAG: type(value).__name__, **{f.name: getattr(value, f.name) for f in dataclasses.fields(value)}}
+    raise TypeError(f"a run's plan holds no {type(value).__name__}")
+
+
+def _decode(fields: dict[Any, Any]) -> Any:
+    """A tagged map back into its dataclass (arrays come back as tuples, as the plan holds them)."""
+    name = fields.get(TAG)
+    if name is None:
+        return fields
+    values = {key: value for key, value in fields.items() if key != TAG}
+    return SERIALIZED[name](**values)
