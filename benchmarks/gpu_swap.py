@@ -129,7 +129,7 @@ def main() -> None:
                 "weights in/step": result.stats.bytes_in["weights"] // steps,
                 "prefetched %": 100 * result.stats.bytes_prefetched / max(result.stats.bytes_in["weights"], 1),
                 "peak": max(result.stats.peak_device_bytes.values()), "budget": budget,
-                "packs": len(result.plans[0].packs), "tasks/step": result.stats.tasks / steps,
+                "packs": len(result.packings[0].packs), "tasks/step": result.stats.tasks / steps,
                 "busy s/step": sum(result.stats.busy_seconds.values()) / steps,
                 "activations in+out/step": (result.stats.bytes_in["activations"]
                                             + result.stats.bytes_out["activations"]) // steps,

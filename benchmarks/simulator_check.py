@@ -49,7 +49,7 @@ def main() -> None:
         plan = harmony.plan(mlp(width, depth), data, loss_fn=nn.functional.mse_loss,
                             optimizer=lambda p: torch.optim.SGD(p, lr=1e-3), microbatches=2, devices=1,
                             device_memory=budget or result.stats.budgets["cpu-0"], hardware=hardware, prefetch=False)
-        replayed = replay_memory(order_from_keys(result.stats.schedule), result.plans, result.stats.budgets,
+        replayed = replay_memory(order_from_keys(result.stats.schedule), result.packings, result.stats.budgets,
                                  microbatch_samples=[split_sizes(batch, 2)])
         rows.append({
             "case": label,

@@ -59,7 +59,7 @@ print(f"{'optimizer':<14}{'lr':>8}{'array':>7}{'packs':>7}{'first loss':>12}{'la
 with torch.no_grad():
     for index, ((name, lr, _), model, losses) in enumerate(zip(grid, result.models, result.history)):
         accuracy = (model(x).argmax(dim=1) == y).float().mean().item()
-        job, packs = result.job_of(index), len(result.plan_of(index).packs)
+        job, packs = result.job_of(index), len(result.packing_of(index).packs)
         print(f"{name:<14}{lr:>8g}{job:>7}{packs:>7}{losses[0]:>12.4f}{losses[-1]:>11.4f}{accuracy:>10.1%}")
 for choice in result.fusion:
     print(choice.explain("MLP"))

@@ -22,8 +22,8 @@ from harmony.runtime.code import JobCode
 from harmony.runtime.pilot import decompose
 from harmony.tasks.fusion import FusionChoice, candidate_sizes, choose_size, fusion_groups, split
 from harmony.tasks.hardware import Hardware
+from harmony.tasks.homes import choose_homes
 from harmony.tasks.packing import LayerTooLarge, cut_packs, minimal_budget
-from harmony.tasks.residency import choose_homes
 from harmony.tasks.runplan import Job
 from harmony.tasks.simulator import model_step_seconds, simulate
 from harmony.validate import Arguments

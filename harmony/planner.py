@@ -26,9 +26,9 @@ from harmony.runtime.pilot import decompose
 from harmony.tasks.amortize import steps_per_task
 from harmony.tasks.binding import MODES
 from harmony.tasks.hardware import Hardware
+from harmony.tasks.homes import choose_homes
 from harmony.tasks.packing import LayerTooLarge, cut_packs, minimal_budget
 from harmony.tasks.profile import ModelProfile
-from harmony.tasks.residency import choose_homes
 from harmony.tasks.runplan import Job, RunPlan
 from harmony.tasks.simulator import model_step_seconds, simulate
 from harmony.validate import Arguments, model_label

@@ -34,7 +34,7 @@ class Stats:
 
     bytes_in kinds (host to device): "weights", "activations", "inputs".
     bytes_out kinds (device to host): "grads", "activations", "buffers" (running statistics written back),
-    "weights" (resident models' trained weights, written back once at the end).
+    "weights" (homed models' trained weights, written back once at the end).
     bytes_p2p: activation and gradient bytes a device received straight from another device's worker.
     bytes_prefetched: the part of bytes_in["weights"] copied by the copy engine while a task computed.
     bytes_kept: boundary activations and gradients that stayed on their device for the task that read them

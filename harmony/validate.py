@@ -321,4 +321,4 @@ def check_steps_per_task(steps_per_task: Any) -> None:
     ):
         return
     raise InputError(f"steps_per_task={steps_per_task!r} must be 'auto' (chosen from the measured step time) or a "
-                     "positive int (how many consecutive steps one task of a resident model runs)")
+                     "positive int (how many consecutive steps one task of a homed model runs)")

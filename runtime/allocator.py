@@ -5,9 +5,8 @@ start) is a fresh mmap whose every page faults on first touch and is unmapped on
 heap is given back to the system once more than the trim threshold is free. A device worker allocates and
 frees the same activation-sized blocks every step, so it pays those page faults every step; Dask's nanny
 makes it worse, starting workers with MALLOC_TRIM_THRESHOLD_=65536, which also pins the mmap threshold at
-128 KiB. A hand-fused 16-MLP sweep step took 2.6x as long under the nanny's setting; with the thresholds
-raised as below it took as long as under glibc's defaults (a little less on a process's main thread, no
-measurable difference on a worker's task thread). Elsewhere (other C libraries) nothing changes.
+128 KiB (docs/performance.md, "Freed memory kept for reuse"). Raising both thresholds keeps freed blocks for
+the next tensor. Elsewhere (other C libraries) nothing changes.
 """
 
 from __future__ import annotations

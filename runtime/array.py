@@ -63,9 +63,9 @@ class ArrayLayer(nn.Module):
 
     A linear layer's weights are stacked transposed, members x in x out, under the name ``weight^T``, so that
     the batched matrix multiply reads them contiguously forwards and accumulates their gradients contiguously
-    backwards (a quarter faster than multiplying by a transposed view for small layers); its biases are stacked
-    as rows, members x 1 x out, under the name ``bias^row``, the shape the multiply broadcasts over the batch
-    (no reshaping node to record and walk back every step: 6% of a 16-member MLP's step of width 128).
+    backwards; its biases are stacked as rows, members x 1 x out, under the name ``bias^row``, the shape the
+    multiply broadcasts over the batch (no reshaping node to record and walk back every step). Both measured:
+    docs/performance.md, "Fused arrays".
     """
 
     def __init__(self, members: Sequence[nn.Module], shared_input: bool) -> None:

@@ -1,11 +1,10 @@
 """Dask's message batching between the driver, the scheduler and the device workers, turned off for a run.
 
-Dask batches the small messages on its streams (a worker's task reports every 2 ms, the scheduler's
-instructions to a worker every 5 ms, the client's submissions every 10 ms), which suits many independent
+Dask batches the small messages on its streams (a worker's task reports, the scheduler's instructions to a
+worker and the client's submissions each wait a few milliseconds for company), which suits many independent
 tasks. A Harmony step is a chain of dependent tasks on a device, each link waiting for one message each
-way, so the batching adds several milliseconds to every task: a chain of empty tasks measured 6.0 ms per
-task batched and 2.2-2.6 ms unbatched on a 2-core machine, and a 32-pack swapped MLP's step 0.38-0.39 s
-against 0.27-0.30 s. A run sends its messages at once and puts back what it found when it ends, on a
+way, so the batching adds several milliseconds to every task (docs/performance.md, "Message batching"). A
+run sends its messages at once and puts back what it found when it ends, on a
 user's cluster, which outlives it. Only a run's own streams change: those of its client and of the
 workers it uses.
 """

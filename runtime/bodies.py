@@ -1,4 +1,4 @@
-"""Task bodies that device workers run: fwd, bwd and upd of one pack of one model for one step.
+"""Task bodies that device workers run: fwd, bwd and upd of one pack of one job for one span of steps.
 
 fwd runs every micro-batch of the step through the pack with its weights swapped in once and returns the
 outputs (the next pack's boundary inputs) as host copies. A boundary value (an output, or an input's
@@ -7,9 +7,9 @@ starts there next it takes it instead of copying the host copy in; any other tas
 pack from its boundary inputs and backpropagates each micro-batch, accumulating weight gradients on
 the device, and sends them to the host store once; the last pack's bwd runs forward, loss and
 backward together, and with one micro-batch group a bwd then steps the pack's optimizer on the host store;
-with several (vDP) an upd task reduces the groups' gradients and steps it. A resident model's weights,
+with several (vDP) an upd task reduces the groups' gradients and steps it. A homed model's weights,
 gradients and optimizer state stay on its home device for the whole run, and its bwd applies its updates
-there. A fused array is one model here whose loss is a vector (one per member). Packs are cut only where
+there. A fused array is one job here whose loss is a vector (one per member). Packs are cut only where
 one tensor flows, so the boundary values between packs (and their gradients) are single tensors.
 """
 
@@ -30,8 +30,8 @@ from harmony.runtime.cache import tree_nbytes
 from harmony.runtime.errors import ModelFailure
 from harmony.runtime.files import LOSS_BLOCK, SPAN_TIMING_BYTES, losses_name, span_timing_name
 from harmony.runtime.handoff import receive, wait_for
+from harmony.runtime.homed import HomedModel
 from harmony.runtime.hoststore import tensors_at
-from harmony.runtime.resident import ResidentModel
 from harmony.runtime.shipping import unship
 from harmony.runtime.worker import RunContext, context
 from harmony.tasks.graph import TaskId, updates_in_backward
@@ -170,10 +170,10 @@ def backward(
     host store, once its gradients are out."""
     spec = ctx.spec.models[model]
     runtime = spec.packs[pack]
-    resident = spec.home is not None
+    homed = spec.home is not None
     count = 1 if steps is None else steps
-    if resident:
-        check_resident_order(ctx.resident_next_step(model), first, model)
+    if homed:
+        check_homed_order(ctx.homed_next_step(model), first, model)
     if steps is not None:  # per step, taken as the steps run (a stacked span makes each step's views then)
         assert len(inputs) == len(gradients_or_targets) == len(loss_weights) == count, f"span {span}: steps of data"
         per_step: Iterable[tuple[Any, Any, Any]] = zip(inputs, gradients_or_targets, loss_weights)
@@ -184,11 +184,11 @@ def backward(
     ctx.cache.drop_boundaries(TaskId("bwd", model, pack, span, group))
     with (
         ctx.cache.weights((model, pack), first, host) as weights,
-        nullcontext() if resident else ctx.cache.scratch(runtime.grads.nbytes, f"gradients of pack {pack}"),
+        nullcontext() if homed else ctx.cache.scratch(runtime.grads.nbytes, f"gradients of pack {pack}"),
     ):
         ctx.prefetch_next(keep_free=runtime.workspace)
-        if resident:
-            timed = _resident_steps(ctx, model, first, count, per_step, group, ctx.resident(model, weights))
+        if homed:
+            timed = _homed_steps(ctx, model, first, count, per_step, group, ctx.homed(model, weights))
             if steps is not None:
                 _record_span_timing(ctx, model, *timed)
         else:
@@ -199,23 +199,23 @@ def backward(
                 input_grads = _backward_step(ctx, model, pack, span, first + index, weights, tensors, grads,
                                              step_inputs, step_targets, step_weights, group)
             ctx.cache.write_back(grad_bytes, ctx.host_grads(model, pack, group), "grads")
-        if pack == len(spec.packs) - 1 and runtime.has_buffers and not resident:
+        if pack == len(spec.packs) - 1 and runtime.has_buffers and not homed:
             ctx.cache.write_back(weights[runtime.buffers_offset :], host[runtime.buffers_offset :], "buffers")
-    if not resident and updates_in_backward(spec.groups):
+    if not homed and updates_in_backward(spec.groups):
         _apply_update(ctx, model, pack, first)
     return input_grads if pack > 0 else None
 
 
-def _resident_steps(
+def _homed_steps(
     ctx: RunContext,
     model: int,
     first: int,
     count: int,
     per_step: Iterable[tuple[Any, Any, Any]],
     group: int,
-    state: ResidentModel,
+    state: HomedModel,
 ) -> tuple[float, int]:
-    """A resident model's count consecutive steps from first, as a plain loop runs them: per step, fresh gradients,
+    """A homed model's count consecutive steps from first, as a plain loop runs them: per step, fresh gradients,
     every micro-batch's forward, loss and backward through its module (bound to the device weights), then the
     update on the device. Returns the seconds the steps took (until their losses were on the host) and how many
     steps those are: all of them but the model's first step, its warm-up.
@@ -295,11 +295,11 @@ def _record_losses(ctx: RunContext, model: int, first: int, group: int, totals: 
         step, row = step + rows, row + rows
 
 
-def check_resident_order(next_step: int, first: int, model: int) -> None:
-    """A resident model's task must start at the step its device state is at (it waited for the task before
+def check_homed_order(next_step: int, first: int, model: int) -> None:
+    """A homed model's task must start at the step its device state is at (it waited for the task before
     it, see handoff); anything else would skip steps or apply them twice."""
     if first != next_step:
-        raise RuntimeError(f"model {model}'s resident state is at step {next_step} but a task for step {first} "
+        raise RuntimeError(f"model {model}'s state on its device is at step {next_step} but a task for step {first} "
                            "started (a step would be skipped or applied twice)")
 
 

@@ -29,7 +29,7 @@ from harmony.tasks.memory import DeviceMemory
 
 
 @dataclass
-class Resident:
+class CachedWeights:
     """A pack's weights on the device: their bytes, and when their copy has arrived (or failed)."""
 
     buffer: torch.Tensor
@@ -50,7 +50,7 @@ def tree_nbytes(tree: Any) -> int:
 class DeviceCache:
     """Budgeted, accounted memory of one device (the rules: tasks.memory), with a copy engine for prefetches.
 
-    memory keeps the accounting; tensors holds what each of its entries is on the device (a Resident for
+    memory keeps the accounting; tensors holds what each of its entries is on the device (CachedWeights for
     weights, the value itself for a kept boundary). Both change together, under one lock: the compute thread
     and the copy engine's thread use the cache at once.
     """
@@ -77,7 +77,7 @@ class DeviceCache:
         return self.memory.used
 
     @property
-    def residents(self) -> list[Any]:
+    def cached(self) -> list[Any]:
         """The keys of what the device holds, least recently used first."""
         return list(self.memory.entries)
 
@@ -112,7 +112,7 @@ class DeviceCache:
             if remaining > 0:
                 time.sleep(remaining)
 
-    def _copy_weights(self, key: Any, entry: Resident, host: torch.Tensor, prefetched: bool = False) -> None:
+    def _copy_weights(self, key: Any, entry: CachedWeights, host: torch.Tensor, prefetched: bool = False) -> None:
         """Copy host weight bytes into entry over the link, count them, and mark them arrived.
 
         On CUDA the copy is only enqueued: entry.done marks its end for the stream that reads the weights.
@@ -134,7 +134,7 @@ class DeviceCache:
                     self.memory.arrived(key)
             entry.arrived.set()
 
-    def _wait_arrived(self, key: Any, entry: Resident) -> None:
+    def _wait_arrived(self, key: Any, entry: CachedWeights) -> None:
         """Block until entry's copy was issued, and order the current stream after it."""
         entry.arrived.wait()
         if entry.failed is not None:
@@ -191,7 +191,7 @@ class DeviceCache:
             self._forget(evicted)
             self.counters.raise_to("peak", self.memory.used)
             if copy:
-                self.tensors[key] = Resident(torch.empty(host.numel(), dtype=torch.uint8, device=self.device))
+                self.tensors[key] = CachedWeights(torch.empty(host.numel(), dtype=torch.uint8, device=self.device))
             entry = self.tensors[key]
             self.memory.pin(key)
         try:
@@ -216,7 +216,7 @@ class DeviceCache:
             if not admitted:
                 return False
             self.counters.raise_to("peak", self.memory.used)
-            entry = self.tensors[key] = Resident(torch.empty(host.numel(), dtype=torch.uint8, device=self.device))
+            entry = self.tensors[key] = CachedWeights(torch.empty(host.numel(), dtype=torch.uint8, device=self.device))
         self.engine.submit(self._copy_weights, key, entry, host, True)
         return True
 

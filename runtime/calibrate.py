@@ -51,7 +51,7 @@ def _chain_latency(client: Client, address: str, chain: int) -> float:
 
 def _isolated_cpu(client: Client, address: str, tasks: int, in_flight: int = IN_FLIGHT) -> float:
     """CPU seconds per task of the driver's process and the worker's, for tasks sent as the driver sends a
-    resident model's: the next as one finishes, a few in flight, each keeping the worker busy a while."""
+    homed model's: the next as one finishes, a few in flight, each keeping the worker busy a while."""
     [worker_before] = client.run(time.process_time, workers=[address]).values()
     driver_before = time.process_time()
     pending = as_completed([client.submit(_pause, index, PAUSE, workers=[address], pure=False)
@@ -74,15 +74,12 @@ def task_cost(client: Client, workers: dict[str, str], chain: int = CHAIN, isola
     The time: a chain of empty tasks, each naming the one before, submitted at once to a device worker as
     the driver submits a step's tasks on one device (no scheduler edge between them, run in submission order,
     see handoff), divided by its length. It counts the scheduler's transitions, the worker's execution and the
-    results' reports, task after task: on a 2-core machine about 1-2 ms with the run's streams unbatched
-    (batching.py), against about 2 ms when each task waits at the scheduler for the one before and 11 ms for
-    one task's round trip from the driver.
+    results' reports, task after task.
 
     The CPU: what the driver's process (client and, embedded, scheduler) and the worker's spend per task when
-    tasks come one at a time, as a resident model's multi-step tasks do, each sent when one before it ends and
-    keeping its worker busy meanwhile, so that every message is handled on its own: about 7 ms on a 2-core VM
-    (4.5 in the driver), against 4 ms per task of a chain, whose messages go out and are handled together;
-    steps per task from the chain's figure left the runtime 0.09 cores beside the compute.
+    tasks come one at a time, as a homed model's multi-step tasks do, each sent when one before it ends and
+    keeping its worker busy meanwhile, so that every message is handled on its own (more than a chain's, whose
+    messages go out and are handled together). Figures: docs/performance.md, "Dask's cost per task".
     """
     client.run(wait_for_warmup)
     latencies, cpu = [], []

@@ -35,9 +35,9 @@ SAMPLING = {
 }
 """How often an embedded cluster's scheduler and workers wake to watch themselves (distributed's defaults: every
 20 ms to time the event loop, 500 ms to read the system's counters, 10 ms to sample the running task's stack).
-On a machine whose cores all compute, those wake-ups take about 0.07 cores from the compute threads while idle,
-0.02 at these rates; the dashboard's profile and system pages are coarser for it. A value the user configured
-is kept."""
+On a machine whose cores all compute, those wake-ups take cores from the compute threads (docs/performance.md,
+"The embedded cluster's sampling"); the dashboard's profile and system pages are coarser for it. A value the
+user configured is kept."""
 
 
 def quiet_sampling() -> dict[str, str]:

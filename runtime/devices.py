@@ -105,7 +105,7 @@ def build_specs(
     """Device specs with names cpu-0, cpu-1, cuda-0 ... and the machine's CPU threads split evenly among them.
 
     A CPU device computes with its threads; a GPU device's worker needs them too, for the optimizer steps
-    it runs on the host store (one thread made a 2 GB model's SGD on the host 55% of an H100 worker's time).
+    it runs on the host store (docs/performance.md, "Host optimizers need the machine's threads").
     link_bandwidths, one per device, hold its host<->device copies to that many bytes per second
     (a simulated link for CPU devices); None leaves copies at the machine's own speed.
     """

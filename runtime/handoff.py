@@ -1,8 +1,8 @@
 """Results a task reads from an earlier task on the same worker, with no edge through the scheduler.
 
 When a task's producer runs on the same device worker, Dask would hold the task at the scheduler until
-the producer's completion reached it and then send it over: a round trip per task (about 2 ms between
-small packs on a 2-core machine, more under load). Instead the driver submits the task without that edge,
+the producer's completion reached it and then send it over: a round trip per task (docs/performance.md,
+"Tasks on one device hand results over in the worker"). Instead the driver submits the task without that edge,
 naming the producer's key (``LocalResult``); the worker queues it at once and runs its tasks one at a
 time in submission order (Dask priority), so the producer has finished by the time the task starts, and
 its result is in the worker's memory, held there by the driver's future until its last reader finishes.

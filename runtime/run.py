@@ -117,7 +117,7 @@ def _flush_homed(run: str) -> None:
     """A task on a device worker: write its homed models' trained weights to the host store."""
     context = RUNS.get((run, get_worker().address))
     if context is not None:
-        context.flush_residents()
+        context.flush_homed()
 
 
 def flush_homed(handle: ClusterHandle, run: str, devices: list[DeviceSpec]) -> None:

@@ -5,10 +5,9 @@ thread runs gives that thread its own team of pool threads for as long as the th
 (torch's CPU pool on Linux) lets idle pool threads spin for their next region only while it manages no more
 threads than the machine has CPUs: one extra team anywhere in a device worker's process (its copy engine's
 thread, or its event loop's through ``client.run``) puts every team's threads to sleep between regions, and
-each operator of the compute thread then waits for its helpers to wake: on a 2-core machine the hand-fused
-16-MLP loop ran at 80-82% of its speed (benchmarks/openmp_teams.py), its helper thread at 0.45 of a core
-instead of 0.95 in a device worker. In an otherwise idle driver the
-spinning threads would instead take cores from the workers. Threads other than a device's compute thread
+each operator of the compute thread then waits for its helpers to wake (docs/performance.md, "One OpenMP
+team per device worker"). In an otherwise idle driver the spinning threads would instead take cores from
+the workers. Threads other than a device's compute thread
 therefore move CPU bytes with memmove.
 """
 

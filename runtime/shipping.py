@@ -1,23 +1,18 @@
 """Mini-batches for tasks, written into recycled shared-memory files of the run's host store; a task carries a name.
 
-Arguments given to ``client.submit`` travel with the task from the client through the scheduler to the worker:
-a step's batch embedded there cost about 1.6 ms per megabyte per task on a 2-core machine (and a 134 MB GPU
-batch would cross two sockets and the scheduler's memory twice a step). Instead the driver packs every
-tensor of a batch into one file of the host store (the workers already map its files, on the same machine),
-and the task's argument is the file's name with the tree's structure: a few hundred bytes.
+Arguments given to ``client.submit`` travel with the task from the client through the scheduler to the worker,
+per task (a large GPU batch would cross two sockets and the scheduler's memory twice a step). Instead the
+driver packs every tensor of a batch into one file of the host store (the workers already map its files, on the
+same machine), and the task's argument is the file's name with the tree's structure: a few hundred bytes.
 
-A multi-step task's batches (a span of a resident model's steps) usually have one layout, step after step: they
+A multi-step task's batches (a span of a homed model's steps) usually have one layout, step after step: they
 are stacked, each tensor of the step's tree one array in the file with a leading step dimension, and the task
 gets each step's tree as views of those arrays (``StackedSteps``). The driver then lays out, and the worker
-unpickles and rebuilds, one step's structure instead of every step's: for a 190-step span of one 32x128 input
-and its labels per step, a slot per tensor was 16 KB to pickle and about 4.5 ms of driver and worker time per
-task (packing, unpickling on the worker's event loop, every step's views built before the first step ran), on
-the cores the device computes on, at the start of every task; stacked, 0.5 KB and about 2.5 ms (the packing's
-copies).
+unpickles and rebuilds, one step's structure instead of every step's, on the cores the device computes on.
 
-The files are recycled (``BatchFiles``): a fresh file costs its pages' faults on both sides (about 1 ms per
-megabyte on a 2-core VM, twice the copy itself, every step), a file used before costs only the copy, and a
-worker maps each one once. A file is written again only after every task that read it has finished, and
+The files are recycled (``BatchFiles``): a fresh file costs its pages' faults on both sides (more than the copy
+itself), a file used before costs only the copy, and a worker maps each one once. Figures: docs/performance.md,
+"Batches through shared-memory files". A file is written again only after every task that read it has finished, and
 what a task reads from it are views it must not write: the device copy the model sees is made by the
 worker's cache (``copy_in``), and the task has synchronized with any asynchronous copy before it finishes.
 """
@@ -208,9 +203,9 @@ class _Packing:
 
 def write(buffer: torch.Tensor, offset: int, source: torch.Tensor) -> None:
     """Copy source into its slot of the CPU buffer, on this thread only (see serial_copy: a torch copy of more
-    than a few thousand elements wakes torch's CPU thread pool, whose threads then spin for more work, about
-    10 ms of CPU per copy in an otherwise idle driver, taken from the cores the device workers compute on). A
-    plain CPU tensor's bytes go straight to the slot's address (no view of the buffer made for it)."""
+    than a few thousand elements wakes torch's CPU thread pool, whose threads then spin for more work on the
+    cores the device workers compute on). A plain CPU tensor's bytes go straight to the slot's address (no view
+    of the buffer made for it)."""
     if is_plain(source):
         copy_to_address(buffer.data_ptr() + offset, source)
     else:

@@ -23,9 +23,9 @@ from harmony.runtime.cache import DeviceCache
 from harmony.runtime.counters import BLOCK_BYTES, Counters
 from harmony.runtime.files import counters_name, grads_name, versions_name, weights_name
 from harmony.runtime.handoff import FinishedKeys
+from harmony.runtime.homed import HomedModel
 from harmony.runtime.hoststore import HostStore, tensors_at
 from harmony.runtime.optimizer import PackOptimizer
-from harmony.runtime.resident import ResidentModel
 from harmony.runtime.skeleton import load_skeleton
 from harmony.runtime.spec import RunSpec
 from harmony.tasks.graph import TaskId, parse_key
@@ -52,7 +52,7 @@ class RunContext:
         self.finished = FinishedKeys()
         self.early_starts: Counter[str] = Counter()
         self.successor: TaskId | None = None
-        self.residents: dict[int, ResidentModel] = {}
+        self.homed_models: dict[int, HomedModel] = {}
         self._modules: dict[tuple[int, int], nn.Module] = {}
         self._loss_fns: dict[int, Any] = {}
         self._factories: dict[int, Any] = {}
@@ -97,22 +97,22 @@ class RunContext:
             for name, grad in tensors_at(self.host_grads(model, pack, group), layout).items():
                 total[name].add_(grad)
 
-    def resident(self, model: int, weights: torch.Tensor) -> ResidentModel:
-        """The resident state of a model homed on this device, created when its weights first arrive."""
-        if model not in self.residents:
+    def homed(self, model: int, weights: torch.Tensor) -> HomedModel:
+        """The state of a model homed on this device, created when its weights first arrive."""
+        if model not in self.homed_models:
             runtime = self.spec.models[model].packs[0]
-            self.residents[model] = ResidentModel(self.cache, model, runtime, weights, load_skeleton(runtime.skeleton),
+            self.homed_models[model] = HomedModel(self.cache, model, runtime, weights, load_skeleton(runtime.skeleton),
                                                   self.optimizer_factory(model))
-        return self.residents[model]
+        return self.homed_models[model]
 
-    def resident_next_step(self, model: int) -> int:
+    def homed_next_step(self, model: int) -> int:
         """The step a model homed on this device trains next (0 before its first task here)."""
-        state = self.residents.get(model)
+        state = self.homed_models.get(model)
         return 0 if state is None else state.next_step
 
-    def flush_residents(self) -> None:
-        """Write every resident model's trained weights to the host store (once, at the end of a run)."""
-        for model, state in self.residents.items():
+    def flush_homed(self) -> None:
+        """Write every homed model's trained weights to the host store (once, at the end of a run)."""
+        for model, state in self.homed_models.items():
             self.cache.write_back(state.weights, self.host_weights(model, 0), "weights")
         self.counters.publish()
 
@@ -158,7 +158,7 @@ class RunContext:
         return cached
 
     def close(self) -> None:
-        self.residents.clear()
+        self.homed_models.clear()
         self.cache.clear()
         self._optimizers.clear()
         self._modules.clear()

@@ -1,6 +1,6 @@
-"""How many consecutive training steps one task of a resident model runs, so Dask's cost per task amortizes.
+"""How many consecutive training steps one task of a homed model runs, so Dask's cost per task amortizes.
 
-A resident single-pack model (or fused array) needs one task per step (its backward, which also runs
+A homed single-pack model (or fused array) needs one task per step (its backward, which also runs
 the forward, the loss and the update). When a step takes about as long as scheduling a task, most of
 the time is scheduling; one task that runs several steps, reading the batches of all of them from one
 file, divides that cost. The depth comes from the step time the pilot pass measured and the task
@@ -32,15 +32,9 @@ def steps_per_task(
 
     At most MAX_DEPTH steps, at most MAX_SHIPPED_BYTES of batches read by one task (host memory), and at most a
     quarter of the run's steps (when known), so that progress and finishing times stay fine-grained. MAX_DEPTH
-    leaves room for the share to hold on small steps: a 2 ms step with a task costing 6.5 ms of CPU (a 2-core
-    machine) needs 163 steps per task for 2%, where a cap of 64 left 5%.
-
-    The share is 1%, not 2%: on that machine a task boundary cost a 16-MLP array (2 ms steps) 6-11 ms in the
-    worker (the gap between tasks and its first step's excess) against the 7 ms calibrated, and its steps ran
-    slower throughout with more tasks: at 300 steps per task against the 80-90 that 2% gave, the median step
-    was shorter in 7 of 8 runs taken in turns (by 10-20% in most); at the 150-240 that 1% gives against 85, the
-    mean step over the median was lower in 6 of 6 (1.07-1.14 against 1.12-1.22) and the steady step shorter in
-    4 of 6.
+    leaves room for the share to hold on millisecond steps. A task boundary costs more than the calibrated
+    figure (the steps after it run slower for a while), which the share of 1% leaves room for. Figures:
+    docs/performance.md, "Dask's cost per task".
     """
     if step_seconds <= 0 or task_overhead <= 0:
         return 1

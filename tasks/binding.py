@@ -467,10 +467,10 @@ class BindingState:
             assert unmet and not any(self._is_done(dep) for dep in unmet), f"{task} waits for finished tasks"
         for value, count in self.readers.items():
             assert count > 0 or (isinstance(value, TaskId) and not self._is_done(value)), f"{value} is kept unread"
-        for model, plan in enumerate(self.spans):
+        for model, spans in enumerate(self.spans):
             assert self.spans_done[model] <= self.spans_opened[model], f"model {model} finished unopened spans"
             assert len(self.step_times[model]) == self.steps_trained[model], f"model {model}'s steps are miscounted"
-            assert plan.opened >= self.steps_trained[model], f"model {model} trained steps it never opened"
+            assert spans.opened >= self.steps_trained[model], f"model {model} trained steps it never opened"
         for (model, span), (first, count) in self.open_spans.items():
             assert self.spans_done[model] <= span < self.spans_opened[model], f"span {span} of model {model} is stale"
             assert count >= 1 and first >= self.steps_trained[model], f"span {span} of model {model} is miscut"

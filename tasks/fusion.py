@@ -1,4 +1,4 @@
-"""The fusion plan (pure): which models form arrays, how to split them into sub-arrays, which size wins.
+"""Fusion choices (pure): which models form arrays, how to split them into sub-arrays, which size wins.
 
 Models whose keys are equal (same architecture layer by layer, same loader, same optimizer class; the
 caller computes the key) and not None can be fused. A group of n such models runs as sub-arrays of a

@@ -57,7 +57,7 @@ def replay_memory(
 ) -> MemoryReport:
     """Replay each device's task order against its budget, as the runtime's device cache accounts it.
 
-    Resident models (homes) load their weights once and hold them, with a gradient buffer, and after
+    Homed models (homes) load their weights once and hold them, with a gradient buffer, and after
     their first update (which their bwd applies) their optimizer state (optimizer_state_ratios bytes per
     gradient byte); their weights are written back once at the end instead of gradients every step.
     microbatch_samples gives per model the samples of each micro-batch of a step (split among its groups

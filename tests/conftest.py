@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from harmony.runtime.hoststore import PREFIX, shm_directory
+from harmony.runtime.hoststore import PREFIX, HostStore, shm_directory
 
 
 def deep_mlp(width: int = 32, depth: int = 12, out: int = 4, seed: int = 0) -> nn.Sequential:
@@ -115,3 +115,11 @@ def no_leaks() -> Iterator[None]:
     assert set(harmony_files()) - before == set(), "this test left shared-memory files behind"
     alive = [p for p in worker_processes() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not alive, f"this test left worker processes alive: {[p.pid for p in alive]}"
+
+
+@pytest.fixture
+def store() -> Iterator[HostStore]:
+    """A host store of its own for a unit test, removed after it."""
+    host = HostStore("unittest")
+    yield host
+    host.unlink_all()

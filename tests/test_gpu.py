@@ -43,7 +43,7 @@ def test_prefetch_copies_on_the_copy_stream_and_the_compute_stream_waits_for_it(
         busy = busy @ busy / 64
     assert cache.prefetch("p0", 0, host, keep_free=0)
     with cache.weights("p0", 0, host) as device_bytes:
-        entry = cache.residents["p0"]
+        entry = cache.tensors["p0"]
         assert entry.done is not None, "a CUDA copy ends with an event"
         assert cache.engine.stream is not None and cache.engine.stream != torch.cuda.current_stream(device)
         assert int(device_bytes.to(torch.int64).sum()) == expected

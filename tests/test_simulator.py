@@ -54,11 +54,11 @@ def test_simulation_runs_every_task_and_predicts_link_cost() -> None:
 
 
 def test_single_pack_models_are_homed_where_their_whole_state_fits() -> None:
-    from harmony.tasks.residency import choose_homes, resident_bytes
+    from harmony.tasks.homes import choose_homes, homed_bytes
 
     small = chain_packing(layers=2)
     split = chain_packing(layers=4, budget=6000)
-    need = resident_bytes(small, 2.0)
+    need = homed_bytes(small, 2.0)
     homes, room = choose_homes([small, small, split], [2.0, 2.0, 1.0], {"a": need + 10**4, "b": need + 10**4},
                                floors=[0, 0, 6000])
     assert set(homes) == {0, 1} and homes[0] != homes[1]

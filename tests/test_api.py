@@ -1,15 +1,12 @@
-"""The runtime end to end: user errors, measured swap volume, and a user's own cluster."""
+"""harmony.train end to end: errors by model, swap volumes, per-micro-batch swapping, tied weights, batch files."""
 
 from __future__ import annotations
 
 import copy
-import functools
-import os
 from collections.abc import Iterator
 
 import pytest
 import torch
-from distributed import Client, LocalCluster
 from torch import nn
 
 import harmony
@@ -17,7 +14,6 @@ from tests.conftest import (
     assert_same_weights,
     deep_mlp,
     harmony_files,
-    native_threads,
     param_bytes,
     regression_batches,
     train_plain,
@@ -129,65 +125,6 @@ def test_swap_volume_for_a_model_four_times_the_budget(batch: int, no_leaks: Non
     assert max(stats.peak_device_bytes.values()) <= budget
 
 
-def test_training_on_a_users_cluster(no_leaks: None) -> None:
-    models = [deep_mlp(depth=3, seed=s) for s in range(2)]
-    references = [copy.deepcopy(m) for m in models]
-    batches = regression_batches(samples=48, batch=12)
-    factory = lambda p: torch.optim.Adam(p, lr=1e-2)  # noqa: E731
-    with (
-        LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster,
-        Client(cluster) as client,
-    ):
-        result = harmony.train(
-            models, batches, loss_fn=nn.functional.mse_loss, optimizer=factory, microbatches=3,
-            cluster=client, device_memory="30kB", progress=False,
-        )
-        assert client.status == "running", "harmony must not close a client it was given"
-        assert len(result.stats.peak_device_bytes) == 2
-    for model, reference in zip(models, references):
-        losses = train_plain(reference, batches, nn.functional.mse_loss, factory)
-        assert_same_weights(model, reference)
-    assert result.history[1] == pytest.approx(losses, rel=1e-5)
-    assert not harmony_files()
-
-
-def test_a_users_cluster_with_several_threads_per_worker_is_refused_before_work_starts(no_leaks: None) -> None:
-    model = deep_mlp(depth=3)
-    before = copy.deepcopy(model)
-    with (
-        LocalCluster(n_workers=1, threads_per_worker=2, processes=False, dashboard_address=":0") as cluster,
-        Client(cluster) as client,
-    ):
-        with pytest.raises(harmony.InputError, match=r"\(2 threads\).*--nthreads 1"):
-            harmony.train(model, regression_batches(samples=24, batch=12), loss_fn=nn.functional.mse_loss,
-                          optimizer=lambda p: torch.optim.SGD(p, lr=0.1), cluster=client, progress=False)
-        assert client.status == "running"
-        assert not client.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.tasks)), "no task was sent"
-    assert_same_weights(model, before)
-
-
-def test_fused_resident_arrays_on_a_users_cluster_use_its_worker_names(no_leaks: None) -> None:
-    models = [deep_mlp(depth=3, seed=s) for s in range(3)]
-    references = [copy.deepcopy(m) for m in models]
-    batches = regression_batches(samples=12 * 10, batch=12)
-    factories = [functools.partial(torch.optim.Adam, lr=lr) for lr in (1e-3, 3e-3, 1e-2)]
-    with (
-        LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster,
-        Client(cluster) as client,
-    ):
-        names = {str(info["name"]) for info in client.scheduler_info()["workers"].values()}
-        result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss, optimizer=factories,
-                               fuse=True, cluster=client, progress=False)
-        assert client.status == "running"
-    assert result.arrays == [[0, 1, 2]]
-    assert set(result.homes) == {0, 1, 2} and set(result.homes.values()) <= names
-    assert set(result.stats.peak_device_bytes) == names
-    for model, reference, factory, history in zip(models, references, factories, result.history):
-        losses = train_plain(reference, batches, nn.functional.mse_loss, factory)
-        assert_same_weights(model, reference, atol=1e-6)
-        assert history == pytest.approx(losses, rel=1e-5)
-
-
 def test_per_microbatch_swapping_pays_m_times_the_weights_for_the_same_result(no_leaks: None) -> None:
     steps, batch, microbatches = 2, 16, 4
     batches = regression_batches(samples=batch * steps, batch=batch)
@@ -285,115 +222,3 @@ def test_batches_reach_the_workers_through_files_removed_once_read(no_leaks: Non
     assert len(loader.counts) >= len(batches), "the driver read the whole loader"
     assert max(loader.counts) > 0, "batches were shipped as files"
     assert max(loader.counts) <= 4, f"batch files piled up (an input and a target file per step): {loader.counts}"
-
-
-def test_a_nanny_started_users_cluster_trains_and_its_workers_keep_freed_memory(no_leaks: None) -> None:
-    """Workers in their own processes, as `dask worker` starts them: the nanny gives them
-    MALLOC_TRIM_THRESHOLD_=65536, under which every tensor over 128 KiB is a fresh mmap; a run's setup undoes it."""
-    model = deep_mlp(depth=3)
-    reference = copy.deepcopy(model)
-    batches = regression_batches(samples=48, batch=12)
-    factory = lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)  # noqa: E731
-
-    def faults_per_mebibyte_tensor() -> float:
-        import resource
-
-        torch.empty(2**20, dtype=torch.uint8).fill_(1)  # the heap grows once to hold the block
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        for _ in range(40):
-            torch.empty(2**20, dtype=torch.uint8).fill_(1)
-        return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 40
-
-    with (
-        LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster,
-        Client(cluster) as client,
-    ):
-        [environment] = client.run(lambda: os.environ.get("MALLOC_TRIM_THRESHOLD_")).values()
-        assert environment is not None, "the nanny's malloc setting is what this test is about"
-        result = harmony.train(model, batches, loss_fn=nn.functional.mse_loss, optimizer=factory, cluster=client,
-                               progress=False)
-        [faults] = client.run(faults_per_mebibyte_tensor).values()
-    assert faults < 10, f"a freed 1 MiB block is reused, not mapped afresh ({faults} page faults per tensor)"
-    losses = train_plain(reference, batches, nn.functional.mse_loss, factory)
-    assert_same_weights(model, reference)
-    assert result.history[0] == pytest.approx(losses, rel=1e-5)
-
-
-def test_an_embedded_cluster_samples_itself_less_often_but_keeps_what_the_user_configured(no_leaks: None) -> None:
-    """Its scheduler and workers time their event loops, read system counters and sample stacks at
-    runtime.cluster.SAMPLING's rates (wake-ups that take CPU from the compute threads), except where the user
-    set a value; calibration on it measures a task's CPU time besides its latency."""
-    import dask
-
-    from harmony.runtime.calibrate import measured_hardware
-    from harmony.runtime.cluster import SAMPLING, start_embedded
-    from harmony.runtime.devices import DeviceSpec
-
-    def milliseconds(value: str) -> float:
-        return dask.utils.parse_timedelta(value) * 1e3
-
-    def worker_intervals(dask_worker: object) -> dict[str, float]:
-        callbacks = dask_worker.periodic_callbacks  # type: ignore[attr-defined]
-        return {name: callbacks[name].callback_time for name in ("tick", "profile", "monitor")}
-
-    with dask.config.set({"distributed.admin.tick.interval": "100ms"}):
-        handle = start_embedded([DeviceSpec("cpu-0", "cpu", 2**26, 1)], dashboard_address=":0")
-    try:
-        [intervals] = handle.client.run(worker_intervals).values()
-        scheduler = handle.client.run_on_scheduler(
-            lambda dask_scheduler: {name: dask_scheduler.periodic_callbacks[name].callback_time
-                                    for name in ("tick", "monitor")})
-        cpu_devices = measured_hardware(handle.client, handle.workers, cpu_compute=True)
-        gpu_devices = measured_hardware(handle.client, handle.workers, cpu_compute=False)
-    finally:
-        handle.close()
-    assert cpu_devices.task_overhead > 0 and cpu_devices.task_cpu > 0, "a task's latency and CPU time are measured"
-    assert gpu_devices.task_cpu == 0, "the CPU a task takes counts only where the devices compute on the cores"
-    assert intervals["tick"] == scheduler["tick"] == 100, "the user's tick interval is kept"
-    assert intervals["profile"] == milliseconds(SAMPLING["distributed.worker.profile.interval"])
-    expected_monitor = milliseconds(SAMPLING["distributed.admin.system-monitor.interval"])
-    assert intervals["monitor"] == scheduler["monitor"] == expected_monitor
-    assert expected_monitor > milliseconds(dask.config.get("distributed.admin.system-monitor.interval")), (
-        "less often than distributed's default")
-
-
-def test_a_run_leaves_no_openmp_team_on_its_workers_beside_the_compute_threads(
-    monkeypatch: pytest.MonkeyPatch, no_leaks: None
-) -> None:
-    """Every torch copy of a run is made by the worker's task thread (or with memmove): a large one on its
-    event loop, as a ``client.run`` would make it, leaves that thread OpenMP pool threads for the process's
-    life, and the compute thread's pool then sleeps between operators in every later run (serial_copy).
-    The device's thread count holds in every thread of its worker, also where the driver's environment says
-    one thread, as distributed's nanny leaves it after starting a worker."""
-    from harmony.runtime.cluster import start_embedded
-    from harmony.runtime.devices import DeviceSpec
-    from harmony.runtime.worker import wait_for_warmup
-
-    def large_copy() -> None:
-        torch.empty(1 << 22).copy_(torch.ones(1 << 22))
-
-    model = deep_mlp(width=128, depth=2, seed=3)  # weights well over torch's grain for a parallel copy
-    reference = copy.deepcopy(model)
-    batches = regression_batches(samples=64, batch=16, width=128)
-    factory = functools.partial(torch.optim.SGD, lr=0.05)
-    for variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-        monkeypatch.setenv(variable, "1")
-    handle = start_embedded([DeviceSpec("cpu-0", "cpu", 2**26, 2)], dashboard_address=":0")
-    try:
-        assert list(handle.client.run(torch.get_num_threads).values()) == [2], "the device's threads, not the driver's"
-        handle.client.run(wait_for_warmup)  # threads its background imports may start are there before we look
-        worker = list(handle.workers.values())
-        handle.client.submit(large_copy, workers=worker, pure=False).result()  # the compute thread's own team
-        [before] = handle.client.run(native_threads).values()
-        result = harmony.train(model, batches, loss_fn=nn.functional.mse_loss, optimizer=factory,
-                               cluster=handle.client, progress=False)
-        [after_run] = handle.client.run(native_threads).values()
-        handle.client.run(large_copy)
-        [after_control] = handle.client.run(native_threads).values()
-    finally:
-        handle.close()
-    assert result.homes, "the model trained resident, so its weights were flushed from the worker at the end"
-    assert not after_run - before, "the run left pool threads of a second OpenMP team on the worker"
-    assert after_control - after_run, "control: a large copy on the worker's event loop starts pool threads"
-    train_plain(reference, batches, nn.functional.mse_loss, factory)
-    assert_same_weights(model, reference)

@@ -1,6 +1,6 @@
-"""Which models stay resident: a home device for every single-pack model whose whole state fits there.
+"""Which models are homed: a home device for every single-pack model whose whole state fits there.
 
-A resident model's weights, gradients and optimizer state live on its home device for the whole run:
+A homed model's weights, gradients and optimizer state live on its home device for the whole run:
 its weights cross host->device once, its gradients never leave, its update runs on the device, and
 the trained weights go back to the host store once at the end. Models are homed largest first on the
 device with the most room left; one that fits nowhere is swapped as usual.
@@ -11,35 +11,35 @@ from __future__ import annotations
 from harmony.tasks.packing import Packing
 
 
-def resident_bytes(plan: Packing, optimizer_state_ratio: float) -> int:
-    """What a resident single-pack model holds on its device: weights, a gradient buffer, optimizer state
+def homed_bytes(packing: Packing, optimizer_state_ratio: float) -> int:
+    """What a homed single-pack model holds on its device: weights, a gradient buffer, optimizer state
     (optimizer_state_ratio bytes per trainable parameter byte) and one micro-batch's workspace."""
-    pack = plan.packs[0]
+    pack = packing.packs[0]
     state = round(optimizer_state_ratio * pack.grad_bytes)
     return pack.weight_bytes + pack.grad_bytes + state + pack.cost.workspace
 
 
 def choose_homes(
-    plans: list[Packing], optimizer_state_ratios: list[float], budgets: dict[str, int], floors: list[int]
+    packings: list[Packing], optimizer_state_ratios: list[float], budgets: dict[str, int], floors: list[int]
 ) -> tuple[dict[int, str], dict[str, int]]:
-    """model index -> home device for the models that can stay resident, and the room each device has
+    """model index -> home device for the models that can be homed, and the room each device has
     left for everything else.
 
     floors[m] is the smallest budget model m can be cut for (what its largest layer needs); every
-    device keeps room for the largest floor of the models that are not resident, which are then cut
+    device keeps room for the largest floor of the models that are not homed, which are then cut
     into packs for the room left.
     """
     room = dict(budgets)
     homes: dict[int, str] = {}
     single = sorted(
-        (m for m, plan in enumerate(plans) if len(plan.packs) == 1),
-        key=lambda m: -resident_bytes(plans[m], optimizer_state_ratios[m]),
+        (m for m, packing in enumerate(packings) if len(packing.packs) == 1),
+        key=lambda m: -homed_bytes(packings[m], optimizer_state_ratios[m]),
     )
     for model in single:
-        others = [floors[m] for m in range(len(plans)) if m != model and m not in homes]
-        need = resident_bytes(plans[model], optimizer_state_ratios[model])
+        others = [floors[m] for m in range(len(packings)) if m != model and m not in homes]
+        need = homed_bytes(packings[model], optimizer_state_ratios[model])
         device = max(room, key=lambda name: room[name])
         if need + max(others, default=0) <= room[device]:
             homes[model] = device
-            room[device] -= need - plans[model].packs[0].cost.workspace
+            room[device] -= need - packings[model].packs[0].cost.workspace
     return homes, room

@@ -1,4 +1,4 @@
-"""A resident model on its home device: master weights, a gradient buffer and the optimizer, all on the device.
+"""A model homed on its device: master weights, a gradient buffer and the optimizer, all on the device.
 
 Its weights are copied in once and pinned; its module is bound to them once (parameters that view the
 device weights), so that every step runs the module directly, as a plain PyTorch loop would; the update
@@ -32,8 +32,8 @@ def bind(module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
             setattr(module.get_submodule(owner), attribute, value)
 
 
-class ResidentModel:
-    """One resident single-pack model's state on its device.
+class HomedModel:
+    """One homed single-pack model's state on its device.
 
     Gradients: when the optimizer steps the bound parameters themselves (a torch optimizer, or an array's
     stacked one), each step starts with no gradients and backward hands its fresh gradient tensors to the
@@ -55,7 +55,7 @@ class ResidentModel:
         self.model = model
         self.weights = weights
         cache.hold((model, 0))
-        buffer: torch.Tensor | None = cache.allocate(runtime.grads.nbytes, f"resident gradients of model {model}")
+        buffer: torch.Tensor | None = cache.allocate(runtime.grads.nbytes, f"homed gradients of model {model}")
         grads = tensors_at(buffer, runtime.grads)
         parameter_names = {name for name, _ in module.named_parameters()}
         bound: dict[str, torch.Tensor] = {}

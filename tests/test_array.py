@@ -1,0 +1,108 @@
+"""Array layers compute what their members compute, and array losses what each member's loss gives."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+from harmony.runtime.array import ArrayLayer, array_loss, layer_signature
+
+
+class Block(nn.Module):
+    """Self-attention with a residual and a LayerNorm: one layer of a transformer, kept whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x + self.attention(x, x, x, need_weights=False)[0])
+
+
+LAYERS: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor]]] = {
+    "linear": (lambda: nn.Linear(6, 5), lambda: torch.randn(4, 6)),
+    "linear-3d": (lambda: nn.Linear(6, 5, bias=False), lambda: torch.randn(4, 3, 6)),
+    "conv-batchnorm": (lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()),
+                       lambda: torch.randn(4, 3, 7, 7)),
+    "batchnorm1d": (lambda: nn.BatchNorm1d(6), lambda: torch.randn(4, 6)),
+    "batchnorm2d-no-affine": (lambda: nn.BatchNorm2d(3, affine=False, momentum=0.3), lambda: torch.randn(4, 3, 5, 5)),
+    "batchnorm1d-eval": (lambda: nn.BatchNorm1d(6).eval(), lambda: torch.randn(4, 6, 2)),
+    "embedding-layernorm": (lambda: nn.Sequential(nn.Embedding(10, 8), nn.LayerNorm(8)),
+                            lambda: torch.randint(0, 10, (4, 5))),
+    "attention-block": (Block, lambda: torch.randn(4, 5, 8)),
+    "transformer": (lambda: nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True),
+                    lambda: torch.randn(4, 5, 8)),
+    "gelu": (nn.GELU, lambda: torch.randn(4, 6)),
+    "flatten": (nn.Flatten, lambda: torch.randn(4, 2, 3)),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-input", "stacked-input"])
+def test_an_array_layer_computes_each_members_forward_and_backward(name: str, shared: bool) -> None:
+    make, data = LAYERS[name]
+    torch.manual_seed(0)
+    members = [make() for _ in range(3)]
+    references = [copy.deepcopy(member) for member in members]
+    array = ArrayLayer(members, shared_input=shared)
+    inputs = [data() for _ in range(3)]
+    x = inputs[0].clone() if shared else torch.stack(inputs)
+    x.requires_grad_(x.is_floating_point())
+    for value in inputs:
+        value.requires_grad_(value.is_floating_point())
+    out = array(x)
+    out.pow(2).sum().backward()
+    for index, reference in enumerate(references):
+        expected = reference(inputs[0] if shared else inputs[index])
+        expected.pow(2).sum().backward()
+        torch.testing.assert_close(out[index], expected, rtol=1e-5, atol=1e-6)
+        for param_name, param in reference.named_parameters():
+            torch.testing.assert_close(array.stacked(param_name, grad=True)[index], param.grad, rtol=1e-4, atol=1e-4)
+        for buffer_name, buffer in reference.named_buffers():
+            torch.testing.assert_close(array.stacked(buffer_name)[index], buffer)
+    array.unstack_into(members)
+    for member, reference in zip(members, references):
+        for (_, got), (_, want) in zip(member.state_dict().items(), reference.state_dict().items()):
+            torch.testing.assert_close(got, want)
+
+
+def test_linear_layers_run_as_one_batched_matmul_and_dropout_draws_per_member() -> None:
+    assert ArrayLayer([nn.Linear(3, 3) for _ in range(2)], shared_input=True).kind == "linear"
+    assert ArrayLayer([nn.BatchNorm2d(3) for _ in range(2)], shared_input=False).kind == "batchnorm"
+    assert ArrayLayer([nn.BatchNorm2d(3, momentum=None) for _ in range(2)], shared_input=False).kind == "vmap"
+    dropout = ArrayLayer([nn.Dropout(0.5) for _ in range(4)], shared_input=False)
+    masks = dropout(torch.ones(4, 1000)) == 0
+    assert all(not torch.equal(masks[0], masks[index]) for index in range(1, 4))
+    assert 0.4 < masks.float().mean() < 0.6
+
+
+def test_layer_signatures_tell_configurations_apart() -> None:
+    assert layer_signature(nn.Linear(4, 3)) == layer_signature(nn.Linear(4, 3))
+    assert layer_signature(nn.Linear(4, 3)) != layer_signature(nn.Linear(4, 2))
+    assert layer_signature(nn.Dropout(0.1)) != layer_signature(nn.Dropout(0.5))
+    assert layer_signature(nn.LeakyReLU(0.1)) != layer_signature(nn.LeakyReLU(0.2))
+    assert layer_signature(nn.Linear(4, 3)) != layer_signature(nn.Linear(4, 3).double())
+    assert layer_signature(nn.BatchNorm1d(3)) != layer_signature(nn.BatchNorm1d(3).eval())
+
+
+def test_array_losses_are_per_member_and_vectorized_only_when_the_losses_agree() -> None:
+    output, target = torch.randn(3, 4, 5), torch.randint(0, 5, (4,))
+    same = array_loss([nn.CrossEntropyLoss()] * 3, output, target)
+    mixed = array_loss([nn.CrossEntropyLoss(), nn.CrossEntropyLoss(label_smoothing=0.1), nn.CrossEntropyLoss()],
+                       output, target)
+    assert same.mode == "cross_entropy" and mixed.mode == "loop"
+    regression, goal = torch.randn(3, 4, 2), torch.randn(4, 2)
+    for losses, mode in (([nn.functional.mse_loss] * 3, "mse"), ([nn.SmoothL1Loss()] * 3, "vmap")):
+        chosen = array_loss(losses, regression, goal)
+        assert chosen.mode == mode
+        torch.testing.assert_close(chosen(regression, goal),
+                                   torch.stack([losses[0](regression[i], goal) for i in range(3)]))
+    expected = torch.stack([nn.functional.cross_entropy(output[i], target) for i in range(3)])
+    torch.testing.assert_close(same(output, target), expected)
+    assert mixed(output, target)[1] != expected[1]
+    torch.testing.assert_close(mixed(output, target)[::2], expected[::2])

@@ -1,0 +1,181 @@
+"""The device cache: every byte counted, weights cached by version, prefetches, kept boundaries, the budget."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from harmony.runtime import handoff, serialization  # noqa: F401
+from harmony.runtime.cache import DeviceCache
+from harmony.runtime.counters import BLOCK_BYTES, Counters
+from harmony.runtime.hoststore import HostStore
+from harmony.runtime.stream import CopyEngine
+from harmony.tasks.memory import BudgetExceeded
+
+
+class PublishingCounters(Counters):
+    """Counters that publish on every change, so tests can read the shared block at any point."""
+
+    def add(self, name: str, amount: int) -> None:
+        super().add(name, amount)
+        self.publish()
+
+    def raise_to(self, name: str, value: int) -> None:
+        super().raise_to(name, value)
+        self.publish()
+
+
+def make_cache(store: HostStore, budget: int) -> DeviceCache:
+    counters = PublishingCounters(store.create("counters", BLOCK_BYTES))
+    return DeviceCache("cpu-0", torch.device("cpu"), budget, counters)
+
+
+def test_cache_counts_every_byte_and_keeps_resident_weights(store: HostStore) -> None:
+    cache = make_cache(store, budget=1000)
+    host = store.create("w", 400)
+    with cache.weights("p0", 0, host) as device_bytes:
+        assert device_bytes.numel() == 400
+    with cache.weights("p0", 0, host):
+        pass
+    assert cache.counters.read()["in_weights"] == 400
+    with cache.weights("p0", 1, host):
+        pass
+    assert cache.counters.read()["in_weights"] == 800
+    assert cache.used == 400
+
+
+def test_cache_evicts_least_recently_used_and_tracks_the_peak(store: HostStore) -> None:
+    cache = make_cache(store, budget=1000)
+    hosts = [store.create(f"w{i}", 400) for i in range(3)]
+    for i, host in enumerate(hosts):
+        with cache.weights(f"p{i}", 0, host):
+            pass
+    assert list(cache.cached) == ["p1", "p2"]
+    assert cache.counters.read()["peak"] == 800
+    with cache.scratch(600, "activations"):
+        assert cache.used <= 1000
+    assert cache.counters.read()["peak"] <= 1000
+
+
+def test_cache_refuses_to_exceed_its_budget(store: HostStore) -> None:
+    cache = make_cache(store, budget=1000)
+    host = store.create("w", 600)
+    with (
+        cache.weights("p0", 0, host),
+        pytest.raises(BudgetExceeded, match="needs 500 bytes"),
+        cache.scratch(500, "activations"),
+    ):
+        pass
+    assert cache.used == 600
+
+
+def test_copies_are_counted_by_kind(store: HostStore) -> None:
+    cache = make_cache(store, budget=1000)
+    x = torch.zeros(4, 8)
+    y = cache.copy_in(x, "activations")
+    assert y.data_ptr() != x.data_ptr()
+    cache.copy_out({"a": y, "b": [y]}, "activations")
+    counts = cache.counters.read()
+    assert counts["in_activations"] == 128 and counts["out_activations"] == 256
+
+
+def test_cache_never_hands_out_stale_weights_that_are_in_use(store: HostStore) -> None:
+    cache = make_cache(store, budget=1000)
+    host = store.create("w", 100)
+    with (
+        cache.weights("p0", 0, host),
+        pytest.raises(RuntimeError, match="version 0 are in use"),
+        cache.weights("p0", 1, host),
+    ):
+        pass
+
+
+def test_prefetched_weights_are_used_without_a_second_copy(store: HostStore) -> None:
+    cache = make_cache(store, budget=1000)
+    host = store.create("w", 300)
+    host.fill_(7)
+    assert cache.prefetch("p0", 0, host, keep_free=200)
+    with cache.weights("p0", 0, host) as device_bytes:
+        assert int(device_bytes[0]) == 7
+    counts = cache.counters.read()
+    assert counts["in_weights"] == counts["prefetched"] == 300
+    assert not cache.prefetch("p1", 0, store.create("big", 900), keep_free=200)
+    cache.clear()
+
+
+def test_a_failed_prefetch_raises_in_the_task_that_waits_for_it(store: HostStore) -> None:
+    cache = make_cache(store, budget=1000)
+    host = store.create("w", 300)
+
+    def broken_copy(target: torch.Tensor, source: torch.Tensor) -> None:
+        raise OSError("link down")
+
+    cache.engine.copy = broken_copy  # type: ignore[method-assign]
+    assert cache.prefetch("p0", 0, host, keep_free=0)
+    with pytest.raises(RuntimeError, match="copying the weights of p0 in failed"), cache.weights("p0", 0, host):
+        pass
+    assert cache.used == 0 and "p0" not in cache.cached
+    cache.clear()
+
+
+class EventRecordingEngine(CopyEngine):
+    """A copy engine that ends each copy with a token, as a CUDA engine ends it with an event, and logs waits."""
+
+    def __init__(self) -> None:
+        super().__init__("cpu-0", torch.device("cpu"))
+        self.log: list[str] = []
+
+    def copy(self, target: torch.Tensor, source: torch.Tensor) -> Any:
+        target.copy_(source)
+        self.log.append(f"copy {len(self.log)}")
+        return self.log[-1]
+
+    def wait(self, done: Any) -> None:
+        self.log.append(f"wait {done}")
+
+
+def test_weights_are_read_only_after_the_stream_waits_for_their_copy(store: HostStore) -> None:
+    cache = make_cache(store, budget=1000)
+    cache.engine = engine = EventRecordingEngine()
+    host = store.create("w", 300)
+    assert cache.prefetch("p0", 0, host, keep_free=0)
+    with cache.weights("p0", 0, host):
+        assert engine.log == ["copy 0", "wait copy 0"], "a prefetched pack is read before its copy has ended"
+    with cache.weights("p1", 0, store.create("v", 200)):
+        assert engine.log[2:] == ["copy 2", "wait copy 2"], "a pack copied on demand is read before it arrived"
+        cache.reload("p1", store.create("v", 200))
+        assert engine.log[4:] == ["copy 4", "wait copy 4"], "a reloaded pack is read before it arrived"
+    cache.clear()
+
+
+def test_a_kept_boundary_goes_to_its_consumer_only_and_never_takes_room_from_weights(store: HostStore) -> None:
+    cache = make_cache(store, budget=1000)
+    value = torch.arange(50, dtype=torch.float32)  # 200 bytes
+    assert cache.keep("next", 0, value)
+    assert cache.used == 200 and cache.counters.read()["peak"] == 200
+    cache.drop_boundaries("next")
+    assert cache.claim("other", 0) is None
+    assert cache.claim("next", 0) is value and cache.used == 0
+    assert cache.counters.read()["kept"] == 200
+    assert cache.keep("next", 1, value)
+    cache.drop_boundaries("another task")
+    assert cache.used == 0 and cache.claim("next", 1) is None
+    with cache.weights("p0", 0, store.create("w", 900)):
+        assert not cache.keep("next", 0, value), "kept a boundary by going over budget"
+    assert not cache.keep("next", 0, value), "kept a boundary by evicting resident weights"
+    cache.drop("p0")
+    prefetched = store.create("u", 500)
+    copied = cache.counters.values["in_weights"]
+    assert cache.prefetch("p2", 0, prefetched, keep_free=300)
+    assert not cache.keep("next", 0, value, keep_free=400), "kept a boundary in the room the task still reserves"
+    with cache.scratch(400, "the next micro-batch's workspace"):
+        assert "p2" in cache.cached, "the prefetched weights were pushed out"
+    with cache.weights("p2", 0, prefetched):
+        assert cache.counters.values["in_weights"] == copied + 500, "the prefetched weights were copied in twice"
+    cache.drop("p2")
+    assert cache.keep("next", 0, value)
+    with cache.weights("p1", 0, store.create("v", 900)):
+        assert cache.claim("next", 0) is None, "a kept boundary was not evicted for weights"
+    cache.clear()

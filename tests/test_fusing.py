@@ -1,0 +1,290 @@
+"""Fused sweeps through harmony.train: arrays of the chosen size equal plain PyTorch and the unfused run."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import harmony
+from harmony import planner
+from harmony.runtime.shipping import BatchFiles
+from tests.conftest import assert_same_weights, clones, deep_mlp, regression_batches, train_plain
+
+Factory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+SWEEP: list[Factory] = [
+    lambda p: torch.optim.SGD(p, lr=0.05),
+    lambda p: torch.optim.SGD(p, lr=0.02, momentum=0.9, weight_decay=1e-3),
+    lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.8, nesterov=True),
+    lambda p: torch.optim.Adam(p, lr=1e-3),
+    lambda p: torch.optim.Adam(p, lr=3e-3, betas=(0.8, 0.99), weight_decay=1e-2),
+    lambda p: torch.optim.Adam(p, lr=2e-3, eps=1e-6),
+    lambda p: torch.optim.AdamW(p, lr=1e-3),
+    lambda p: torch.optim.AdamW(p, lr=4e-3, weight_decay=0.1),
+    lambda p: torch.optim.AdamW(p, lr=2e-3, betas=(0.85, 0.995)),
+]
+
+
+def batchnorm_mlp(seed: int, width: int = 32, hidden: int = 48, depth: int = 1) -> nn.Sequential:
+    """BatchNorm after the activation: right after a Linear it zeroes the bias gradient, which Adam would turn
+    into updates of pure rounding noise (no two correct implementations agree on those)."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(width, hidden), nn.ReLU(), nn.BatchNorm1d(hidden),
+        *[module for _ in range(depth) for module in (nn.Linear(hidden, hidden), nn.GELU())],
+        nn.Linear(hidden, 4),
+    )
+
+
+def small_cnn(seed: int) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Conv2d(3, 6, 3, padding=1), nn.ReLU(), nn.BatchNorm2d(6),
+        nn.Conv2d(6, 6, 3, stride=2), nn.ReLU(),
+        nn.Flatten(), nn.Linear(6 * 3 * 3, 5),
+    )
+
+
+def image_batches(steps: int, batch: int) -> list:
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(steps * batch, 3, 8, 8, generator=generator)
+    y = torch.randint(0, 5, (steps * batch,), generator=generator)
+    return [(x[i : i + batch], y[i : i + batch]) for i in range(0, steps * batch, batch)]
+
+
+def check_against_plain(
+    result: harmony.TrainResult,
+    models: list[nn.Module],
+    references: list[nn.Module],
+    batches: list,
+    loss_fns: list[Callable[..., torch.Tensor]],
+    factories: list[Factory],
+    epochs: int = 1,
+) -> None:
+    for index, (reference, loss_fn, factory) in enumerate(zip(references, loss_fns, factories)):
+        losses = train_plain(reference, batches, loss_fn, factory, epochs=epochs)
+        assert result.models[index] is models[index]
+        assert_same_weights(models[index], reference, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(torch.tensor(result.history[index]), torch.tensor(losses), rtol=1e-5, atol=1e-6)
+
+
+def test_a_fused_sweep_matches_plain_pytorch_and_the_unfused_run(no_leaks: None) -> None:
+    batches = regression_batches(samples=16 * 6, batch=16)
+    runs = {}
+    for fuse in (True, False):
+        models = [batchnorm_mlp(seed) for seed in range(len(SWEEP))]
+        references = clones(models)
+        result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss, optimizer=SWEEP, fuse=fuse,
+                               devices=["cpu"], device_memory="2MB", progress=False)
+        check_against_plain(result, models, references, batches, [nn.functional.mse_loss] * len(SWEEP), SWEEP)
+        runs[fuse] = (result, models)
+    fused, unfused = runs[True][0], runs[False][0]
+    assert [sorted(array) for array in fused.arrays if len(array) > 1] == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    assert all(len(array) == 1 for array in unfused.arrays)
+    assert [choice.size for choice in fused.fusion] == [3, 3, 3]
+    for a, b in zip(runs[True][1], runs[False][1]):
+        assert_same_weights(a, b, rtol=1e-5, atol=1e-6)
+    assert fused.stats.tasks < unfused.stats.tasks
+
+
+def test_an_array_that_does_not_fit_is_cut_into_sub_arrays_and_packs_within_budget(no_leaks: None) -> None:
+    factories = [(lambda lr: (lambda p: torch.optim.SGD(p, lr=lr, momentum=0.9)))(0.01 * (i + 1)) for i in range(4)]
+    models = [deep_mlp(seed=seed) for seed in range(4)]
+    references = clones(models)
+    budget = 60_000  # an array of two needs 39,000 bytes for its largest layer, an array of four twice that
+    batches = regression_batches(samples=16 * 5, batch=16)
+    result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss, optimizer=factories, fuse=True,
+                           microbatches=2, devices=["cpu"], device_memory=budget, resident=False, progress=False)
+    check_against_plain(result, models, references, batches, [nn.functional.mse_loss] * 4, factories)
+    (choice,) = result.fusion
+    assert choice.predicted[4] is None, "an array of all four models must not fit this budget"
+    assert choice.size == 2
+    assert sorted(map(len, result.arrays)) == [2, 2]
+    assert any(len(packing.packs) > 1 for packing in result.packings), "the arrays must be swapped pack by pack"
+    assert 0 < result.stats.peak_device_bytes["cpu-0"] <= budget
+
+
+def test_cnns_with_different_losses_fuse_while_other_models_run_beside_them(no_leaks: None) -> None:
+    batches = image_batches(steps=5, batch=8)
+    cnns = [small_cnn(seed) for seed in range(3)]
+    other_architecture = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 5))
+    own_loader_cnn = small_cnn(7)
+    models = [*cnns, other_architecture, own_loader_cnn]
+    references = clones(models)
+    loss_fns = [nn.CrossEntropyLoss(), nn.CrossEntropyLoss(label_smoothing=0.1), nn.functional.cross_entropy,
+                nn.CrossEntropyLoss(), nn.CrossEntropyLoss()]
+    factories: list[Factory] = [(lambda lr: (lambda p: torch.optim.Adam(p, lr=lr)))(1e-3 * (i + 1)) for i in range(5)]
+    other_batches = image_batches(steps=5, batch=8)[::-1]
+    result = harmony.train(models, [batches, batches, batches, batches, other_batches], loss_fn=loss_fns,
+                           optimizer=factories, fuse=True, devices=["cpu", "cpu"], progress=False)
+    assert sorted(map(sorted, result.arrays)) == [[0, 1, 2], [3], [4]]
+    check_against_plain(result, models[:4], references[:4], batches, loss_fns[:4], factories[:4])
+    losses = train_plain(references[4], other_batches, loss_fns[4], factories[4])
+    assert_same_weights(models[4], references[4], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(result.history[4]), torch.tensor(losses), rtol=1e-5, atol=1e-6)
+
+
+def test_fused_dropout_draws_its_own_masks_for_every_member(no_leaks: None) -> None:
+    def dropout_mlp() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Dropout(0.5), nn.Linear(64, 4))
+
+    models = [dropout_mlp() for _ in range(3)]
+    batches = regression_batches(samples=16 * 4, batch=16)
+    result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss,
+                           optimizer=lambda p: torch.optim.SGD(p, lr=0.05), devices=["cpu"], progress=False)
+    assert result.arrays == [[0, 1, 2]]
+    assert len({round(history[0], 6) for history in result.history}) == 3
+    assert not torch.equal(models[0][0].weight, models[1][0].weight)
+
+
+def test_plan_shows_the_arrays_and_the_sizes_it_compared() -> None:
+    models = [batchnorm_mlp(seed) for seed in range(4)]
+    batches = regression_batches(samples=16 * 3, batch=16)
+    plan = harmony.plan(models, batches, loss_fn=nn.functional.mse_loss,
+                        optimizer=lambda p: torch.optim.SGD(p, lr=0.1), devices=["cpu"], device_memory="4MB")
+    text = str(plan)
+    assert sorted(model for array in plan.arrays for model in array) == [0, 1, 2, 3]
+    assert "4 x Sequential fused as" in text and "sub-array size" in text
+    assert "model-steps/s" in text
+    unfused = harmony.plan(models, batches, loss_fn=nn.functional.mse_loss,
+                           optimizer=lambda p: torch.optim.SGD(p, lr=0.1), devices=["cpu"], fuse=False)
+    assert unfused.arrays == [[0], [1], [2], [3]] and "fused" not in str(unfused)
+
+
+def test_resident_arrays_run_several_steps_per_task_and_still_match_plain_pytorch(no_leaks: None) -> None:
+    factories: list[Factory] = [(lambda lr: (lambda p: torch.optim.Adam(p, lr=lr)))(1e-3 * (i + 1)) for i in range(4)]
+    batches = regression_batches(samples=16 * 30, batch=16)
+    for steps_per_task, spans in ((8, 4), ("auto", None)):
+        models = [deep_mlp(depth=2, seed=seed) for seed in range(4)]
+        references = clones(models)
+        result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss, optimizer=factories,
+                               steps_per_task=steps_per_task, devices=["cpu"], progress=False)
+        assert result.arrays == [[0, 1, 2, 3]] and result.homes == dict.fromkeys(range(4), "cpu-0")
+        assert result.stats.steps == [30] * 4
+        if spans is not None:
+            assert result.stats.tasks == spans, "8 + 8 + 8 + 6 steps: one bwd task per span, the updates in it"
+            assert result.stats.steps_per_task == [8] * 4
+            assert sorted(result.stats.schedule["cpu-0"])[0].startswith("bwd-m0-p0-s0-")
+            times = result.stats.step_seconds[2]
+            assert len(times) == 30 and times == sorted(times) and times[-1] == result.stats.finish_seconds[2]
+            assert [len(set(times[i : i + 8])) for i in range(0, 30, 8)] == [1, 1, 1, 1] and len(set(times)) == 4
+            assert result.stats.steady_seconds_per_step(2) == pytest.approx((times[-1] - times[7]) / 22)
+        else:
+            depth = result.stats.steps_per_task[0]
+            assert 0 < result.stats.task_seconds < 1.0, "the task cost is measured on the cluster"
+            assert result.stats.steps_per_task == [depth] * 4 and depth > 1, "tiny resident steps are grouped"
+            assert result.stats.tasks == -(-30 // depth), "one bwd task per span of depth steps"
+        check_against_plain(result, models, references, batches, [nn.functional.mse_loss] * 4, factories)
+
+
+def test_auto_steps_per_task_re_cuts_the_later_spans_from_the_measured_step_time(
+    no_leaks: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The predicted step time gave 2 steps per task (standing in for a prediction far off); the first spans'
+    measured tiny steps give the cap, a quarter of the run, to every span opened after the first finished."""
+    monkeypatch.setattr(planner, "steps_per_task", lambda *args: 2)
+    factories: list[Factory] = [functools.partial(torch.optim.SGD, lr=0.05 * (i + 1), momentum=0.9) for i in range(3)]
+    batches = regression_batches(samples=16 * 30, batch=16)
+    models = [deep_mlp(depth=2, seed=seed) for seed in range(3)]
+    references = clones(models)
+    result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss, optimizer=factories, devices=["cpu"],
+                           progress=False)
+    assert result.arrays == [[0, 1, 2]] and result.stats.steps == [30] * 3
+    times = result.stats.step_seconds[0]
+    spans = [len(list(group)) for _, group in itertools.groupby(times)]
+    assert spans == [2, 2, 7, 7, 7, 5], "two spans opened before any finished, then 30 // 4 steps per task"
+    assert result.stats.steps_per_task == [7] * 3 and result.stats.tasks == 6
+    check_against_plain(result, models, references, batches, [nn.functional.mse_loss] * 3, factories)
+
+
+def test_a_span_holding_an_epochs_short_last_batch_still_matches_plain_pytorch(
+    no_leaks: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Spans of equal batches ship stacked; the span with the short last batch of each epoch ships step by step."""
+    shipped: list[int] = []
+    ship_steps = BatchFiles.ship_steps
+
+    def recording(files: BatchFiles, steps: list[Any]) -> Any:
+        value = ship_steps(files, steps)
+        shipped.append(value.stacked_steps)
+        return value
+
+    monkeypatch.setattr(BatchFiles, "ship_steps", recording)
+    factories: list[Factory] = [functools.partial(torch.optim.SGD, lr=0.05 * (i + 1), momentum=0.9) for i in range(3)]
+    batches = regression_batches(samples=16 * 9 + 5, batch=16)
+    models = [deep_mlp(depth=2, seed=seed) for seed in range(3)]
+    references = clones(models)
+    result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss, optimizer=factories, epochs=2,
+                           steps_per_task=4, devices=["cpu"], progress=False)
+    assert result.arrays == [[0, 1, 2]] and result.stats.steps == [20] * 3
+    assert result.stats.tasks == 5, "spans of steps 0-3, 4-7, 8-11 (the short batch 9), 12-15, 16-19 (19)"
+    assert shipped == [4, 4, 4, 4, 0, 0, 4, 4, 0, 0], "inputs and targets per span; spans with batch 9 or 19 not"
+    check_against_plain(result, models, references, batches, [nn.functional.mse_loss] * 3, factories, epochs=2)
+
+
+class TokenClassifier(nn.Module):
+    """Embedding, a transformer encoder layer (attention, LayerNorm, GELU, dropout off) and a linear head."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(20, 16)
+        self.block = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, activation="gelu", batch_first=True)
+        self.pool = nn.Flatten()
+        self.head = nn.Linear(16 * 6, 3)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.pool(self.block(self.embed(tokens))))
+
+
+def test_fused_transformers_match_plain_pytorch(no_leaks: None) -> None:
+    generator = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, 20, (8 * 4, 6), generator=generator)
+    labels = torch.randint(0, 3, (8 * 4,), generator=generator)
+    batches = [(tokens[i : i + 8], labels[i : i + 8]) for i in range(0, len(tokens), 8)]
+    models = [TokenClassifier(seed) for seed in range(3)]
+    references = clones(models)
+    # SGD: attention's key bias has an exactly-zero gradient, whose rounding noise Adam would scale up to full steps
+    factories: list[Factory] = [functools.partial(torch.optim.SGD, lr=0.05 * (i + 1), momentum=0.9) for i in range(3)]
+    result = harmony.train(models, batches, loss_fn=nn.functional.cross_entropy, optimizer=factories, fuse=True,
+                           devices=["cpu"], progress=False)
+    assert result.arrays == [[0, 1, 2]]
+    check_against_plain(result, models, references, batches, [nn.functional.cross_entropy] * 3, factories)
+
+
+@pytest.mark.parametrize("mode", ["vdp", "vpp"])
+def test_swapped_arrays_in_both_harmony_modes_match_plain_pytorch(mode: str, no_leaks: None) -> None:
+    models = [deep_mlp(depth=4, seed=seed) for seed in range(4)]
+    references = clones(models)
+    factories: list[Factory] = [functools.partial(torch.optim.Adam, lr=1e-3 * (i + 1)) for i in range(4)]
+    batches = regression_batches(samples=16 * 5, batch=16)
+    result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss, optimizer=factories, microbatches=4,
+                           devices=["cpu", "cpu"], device_memory=60_000, fuse=True, mode=mode, progress=False)
+    assert result.mode == mode and sorted(map(len, result.arrays)) == [2, 2]
+    assert all(len(packing.packs) > 1 for packing in result.packings)
+    assert max(result.stats.peak_device_bytes.values()) <= 60_000
+    check_against_plain(result, models, references, batches, [nn.functional.mse_loss] * 4, factories)
+
+
+def test_a_resident_array_of_members_with_a_merged_optimizer_matches_plain_pytorch(no_leaks: None) -> None:
+    """RMSprop has no stacked form: the members' optimizers are merged into one over views of the stacks, and
+    the array keeps a gradient buffer for those views, over multi-step tasks and micro-batches."""
+    factories: list[Factory] = [
+        lambda p: torch.optim.RMSprop(p, lr=1e-3),
+        lambda p: torch.optim.RMSprop(p, lr=3e-3, momentum=0.5),
+        lambda p: torch.optim.RMSprop(p, lr=2e-3, alpha=0.9, weight_decay=0.01),
+    ]
+    batches = regression_batches(samples=16 * 8, batch=16)
+    models = [deep_mlp(depth=2, seed=seed) for seed in range(3)]
+    references = clones(models)
+    result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss, optimizer=factories, fuse=True,
+                           microbatches=2, steps_per_task=3, devices=["cpu"], progress=False)
+    assert result.arrays == [[0, 1, 2]] and set(result.homes) == {0, 1, 2}
+    check_against_plain(result, models, references, batches, [nn.functional.mse_loss] * 3, factories)

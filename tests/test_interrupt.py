@@ -1,0 +1,46 @@
+"""Ctrl-C is never lost: one that Python swallows is raised again by the driver's loop."""
+
+from __future__ import annotations
+
+import gc
+import signal
+
+import pytest
+
+from harmony.runtime import handoff, serialization  # noqa: F401
+from harmony.runtime.interrupt import raise_if_interrupted, watching_interrupts
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_ctrl_c_that_python_swallows_is_raised_again_by_the_driver_loop() -> None:
+    def interrupted_while_collecting(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            signal.raise_signal(signal.SIGINT)  # its KeyboardInterrupt is raised in here and dropped
+
+    with watching_interrupts():
+        gc.callbacks.append(interrupted_while_collecting)
+        try:
+            gc.collect()
+        finally:
+            gc.callbacks.remove(interrupted_while_collecting)
+        with pytest.raises(KeyboardInterrupt):
+            raise_if_interrupted()
+        raise_if_interrupted()  # raised once
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_ctrl_c_handler_of_the_users_is_kept() -> None:
+    calls: list[int] = []
+
+    def users_handler(signum: int, frame: object) -> None:
+        calls.append(signum)
+
+    previous = signal.signal(signal.SIGINT, users_handler)
+    try:
+        with watching_interrupts():
+            signal.raise_signal(signal.SIGINT)
+            raise_if_interrupted()  # the user's handler took it: nothing recorded
+        assert calls == [signal.SIGINT]
+        assert signal.getsignal(signal.SIGINT) is users_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)

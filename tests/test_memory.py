@@ -1,0 +1,85 @@
+"""The memory model every user of a device's bytes shares: the cache, the simulator's replay and the binder."""
+
+from __future__ import annotations
+
+import pytest
+
+from harmony.tasks.memory import BudgetExceeded, DeviceMemory, StaleInUse
+
+
+def test_weights_are_copied_once_per_version_and_a_stale_copy_is_dropped() -> None:
+    memory = DeviceMemory("d", 1000)
+    assert memory.load("p0", 0, 400) == (True, [])
+    assert memory.load("p0", 0, 400) == (False, []), "cached at that version: no copy"
+    assert memory.holds("p0", 0) and not memory.holds("p0", 1)
+    assert memory.load("p0", 1, 400) == (True, []), "another version: the stale copy goes, a new one comes"
+    assert memory.used == 400 and list(memory.entries) == ["p0"]
+    memory.validate()
+
+
+def test_reserving_evicts_least_recently_used_entries_that_nothing_pins() -> None:
+    memory = DeviceMemory("d", 1000)
+    for key in ("a", "b", "c"):
+        memory.load(key, 0, 300)
+    memory.load("a", 0, 300)  # a is the most recently used now
+    memory.pin("b")
+    assert memory.reserve(200, "activations") == ["c"], "b is pinned, a recently used: c goes"
+    assert memory.used == 800 and memory.peak == 900
+    memory.release(200)
+    memory.unpin("b")
+    assert memory.reserve(600, "activations") == ["b"]
+    memory.release(600)
+    memory.validate()
+
+
+def test_nothing_ever_goes_over_budget() -> None:
+    memory = DeviceMemory("d", 1000)
+    memory.load("a", 0, 600)
+    memory.pin("a")
+    with pytest.raises(BudgetExceeded, match="needs 500 bytes but 600 of its 1,000-byte budget") as raised:
+        memory.reserve(500, "activations")
+    assert (raised.value.need, raised.value.held, raised.value.budget) == (500, 600, 1000)
+    assert memory.used == 600 and memory.peak == 600
+
+
+def test_weights_in_use_or_arriving_are_never_replaced_by_another_version() -> None:
+    memory = DeviceMemory("d", 1000)
+    memory.load("a", 0, 100)
+    memory.pin("a")
+    with pytest.raises(StaleInUse, match="version 0 are in use"):
+        memory.load("a", 1, 100)
+    memory.unpin("a")
+    assert memory.prefetch("b", 0, 100, keep_free=0) == (True, [])
+    with pytest.raises(StaleInUse):
+        memory.load("b", 1, 100)
+    memory.hold("a")
+    assert memory.reserve(800, "state") == [], "held and arriving entries stay"
+    with pytest.raises(BudgetExceeded):
+        memory.reserve(1, "one byte more")
+
+
+def test_a_prefetch_never_takes_the_room_the_running_task_still_needs() -> None:
+    memory = DeviceMemory("d", 1000)
+    memory.load("a", 0, 300)
+    memory.pin("a")
+    assert memory.prefetch("b", 0, 500, keep_free=300) == (False, []), "would leave less than keep_free"
+    assert memory.prefetch("b", 0, 400, keep_free=300) == (True, [])
+    assert memory.prefetch("b", 0, 400, keep_free=0) == (False, []), "already cached"
+    memory.arrived("b")
+    memory.unpin("a")
+    assert memory.prefetch("c", 0, 600, keep_free=0) == (True, ["a"])
+    memory.validate()
+
+
+def test_a_boundary_is_kept_only_where_it_fits_and_only_for_its_consumer() -> None:
+    memory = DeviceMemory("d", 1000)
+    memory.load("w", 0, 500)
+    assert not memory.keep(("boundary", "t", 0), "t", 600, keep_free=0), "it would evict weights"
+    assert not memory.keep(("boundary", "t", 0), "t", 300, keep_free=300), "it would take the task's room"
+    assert memory.keep(("boundary", "t", 0), "t", 300, keep_free=0)
+    assert memory.keep(("boundary", "u", 0), "u", 100, keep_free=0)
+    assert memory.drop_boundaries("t") == [("boundary", "u", 0)]
+    assert memory.claim(("boundary", "u", 0)) is None
+    assert memory.claim(("boundary", "t", 0)) == 300 and memory.used == 500
+    assert memory.claim("w") is None, "weights are not a boundary"
+    memory.validate()

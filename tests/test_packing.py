@@ -1,0 +1,72 @@
+"""Cutting a layer chain into packs that fit a budget, balanced by compute."""
+
+from __future__ import annotations
+
+import pytest
+
+from harmony.tasks.layout import TensorSpec
+from harmony.tasks.packing import LayerTooLarge, cut_packs
+from harmony.tasks.profile import LayerProfile, ModelProfile
+
+
+def linear(width: int, seconds: float = 1e-6, cut: bool = True) -> LayerProfile:
+    return LayerProfile(
+        description=f"Linear({width})",
+        params=(TensorSpec("weight", "float32", (width, width)), TensorSpec("bias", "float32", (width,))),
+        buffers=(),
+        input_bytes_per_sample=4 * width,
+        output_bytes_per_sample=4 * width,
+        forward_seconds_per_sample=seconds,
+        cut_before=cut,
+    )
+
+
+def profile(layers: list[LayerProfile]) -> ModelProfile:
+    return ModelProfile("model 0 (Test)", tuple(layers))
+
+
+def test_everything_in_one_pack_when_the_budget_is_large() -> None:
+    plan = cut_packs(profile([linear(16)] * 4), budget=10**9, samples=8)
+    assert [(p.first, p.stop) for p in plan.packs] == [(0, 4)]
+
+
+def test_packs_fit_the_budget_with_their_prefetch_buffer() -> None:
+    layers = [linear(16)] * 10
+    budget = 6000
+    plan = cut_packs(profile(layers), budget=budget, samples=4)
+    assert len(plan.packs) > 1
+    assert plan.packs[0].first == 0 and plan.packs[-1].stop == 10
+    assert all(a.stop == b.first for a, b in zip(plan.packs, plan.packs[1:]))
+    for pack in plan.packs:
+        assert pack.cost.total <= budget
+        neighbours = [plan.packs[i].weight_bytes for i in (pack.index - 1, pack.index + 1) if 0 <= i < len(plan.packs)]
+        assert pack.cost.prefetch == max(neighbours, default=0)
+
+
+def test_packs_are_balanced_by_profiled_time() -> None:
+    slow, fast = linear(16, seconds=1e-3), linear(16, seconds=1e-6)
+    plan = cut_packs(profile([slow, fast, fast, fast, slow, fast]), budget=8000, samples=1)
+    times = [p.forward_seconds_per_sample for p in plan.packs]
+    assert max(times) < 2.5e-3
+
+
+def test_no_cut_where_a_layer_input_is_not_a_single_tensor() -> None:
+    layers = [linear(16), linear(16, cut=False), linear(16), linear(16, cut=False)]
+    plan = cut_packs(profile(layers), budget=9000, samples=1)
+    cuts = {p.first for p in plan.packs}
+    assert 1 not in cuts and 3 not in cuts
+
+
+def test_layer_too_large_says_how_many_bytes_it_needs() -> None:
+    with pytest.raises(LayerTooLarge) as raised:
+        cut_packs(profile([linear(16), linear(64)]), budget=20000, samples=8)
+    error = raised.value
+    assert error.first == 1
+    assert error.need.total > 20000
+    assert f"{error.need.total:,} bytes" in str(error)
+
+
+def test_pack_tensor_names_match_a_sequential_of_its_layers() -> None:
+    plan = cut_packs(profile([linear(4)] * 3), budget=10**9, samples=1)
+    names = [spec.name for spec in plan.packs[0].weights]
+    assert names == ["0.weight", "0.bias", "1.weight", "1.bias", "2.weight", "2.bias"]

@@ -1,0 +1,55 @@
+"""The run's plan: one frozen value, built once from validated arguments, that round-trips through msgpack."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from harmony.planner import build, pilot
+from harmony.tasks.hardware import Hardware
+from harmony.tasks.runplan import Options, RunPlan
+from harmony.validate import validate
+from tests.conftest import deep_mlp, regression_batches
+
+
+def small_sweep_plan(**options: object) -> RunPlan:
+    models = [deep_mlp(depth=3, seed=s) for s in range(3)] + [deep_mlp(depth=6, seed=9)]
+    args = validate(models, regression_batches(64, 16), nn.functional.mse_loss,
+                    lambda p: torch.optim.Adam(p, lr=1e-3), Options(microbatches=2, **options),  # type: ignore[arg-type]
+                    ["cpu", "cpu"], 150_000)
+    budgets = {"cpu-0": 150_000, "cpu-1": 150_000}
+    candidates = pilot(args, 150_000)
+    plan, codes = build(args, candidates, budgets, Hardware(host_link=5e9))
+    assert len(codes) == len(plan.jobs)
+    return plan
+
+
+def test_a_plan_round_trips_through_msgpack_exactly() -> None:
+    plan = small_sweep_plan()
+    assert sorted(model for job in plan.jobs for model in job.members) == [0, 1, 2, 3]
+    assert plan.fusion, "the three same models were considered for fusion"
+    again = RunPlan.from_msgpack(plan.to_msgpack())
+    assert again == plan
+    assert again.jobs[0].packing.packs[0].weights == plan.jobs[0].packing.packs[0].weights
+
+
+def test_a_plan_is_frozen_and_its_decisions_are_new_values() -> None:
+    plan = small_sweep_plan(fuse=False, steps_per_task=3)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.mode = "vpp"  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.jobs[0].home = None  # type: ignore[misc]
+    homed = [job for job in plan.jobs if job.home is not None]
+    assert homed and all(job.depth == 3 for job in homed if len(job.packing.packs) == 1)
+    assert plan.homes == {index: job.home for index, job in enumerate(plan.jobs) if job.home is not None}
+    assert plan.job_of(3) == 3 and plan.devices == {"cpu-0": 150_000, "cpu-1": 150_000}
+
+
+def test_bytes_that_are_not_a_plan_are_refused() -> None:
+    import msgpack
+
+    with pytest.raises(ValueError, match="run's plan"):
+        RunPlan.from_msgpack(msgpack.packb({"jobs": []}))
