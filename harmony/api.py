@@ -23,8 +23,8 @@ from harmony.runtime.devices import DeviceSpec, build_specs
 from harmony.runtime.errors import ModelFailure
 from harmony.runtime.interrupt import watching_interrupts
 from harmony.runtime.run import RunOutcome, execute
-from harmony.tasks.runplan import Options, RunPlan
-from harmony.validate import Arguments, validate
+from harmony.tasks.runplan import RunPlan
+from harmony.validate import Arguments, read_options, validate
 
 logger = logging.getLogger("harmony")
 
@@ -135,8 +135,7 @@ def train(
     Dask's per-task cost (measured on the cluster before the run) near 1% of the measured step time.
     Every model keeps its own loss, optimizer and hyperparameters, and gets the weights it would get alone.
     """
-    options = Options(epochs, steps, microbatches, bool(prefetch), policy, bool(group), mode, bool(resident), fuse,
-                      steps_per_task)
+    options = read_options(locals())  # first: locals() are the arguments alone
     args = validate(models, loaders, loss_fn, optimizer, options, devices, device_memory, cluster, link_bandwidth)
     with watching_interrupts(), user_cluster(args.cluster) as user:
         specs = (build_specs(args.devices, args.device_memory, args.links) if user is None

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 
+from harmony.api import train
 from harmony.candidate import step_samples
 from harmony.errors import InputError
 from harmony.planner import build, pilot
@@ -18,7 +21,7 @@ from harmony.tasks.microbatch import split_sizes
 from harmony.tasks.packing import Packing
 from harmony.tasks.runplan import Options, RunPlan
 from harmony.tasks.simulator import MemoryReport, ScheduleExceedsBudget, Simulation, replay_memory, simulate
-from harmony.validate import validate
+from harmony.validate import read_options, validate
 
 
 @dataclass
@@ -119,34 +122,37 @@ class Forecast:
         return "\n".join(lines)
 
 
+PLANNED = ("devices", "device_memory", *(field.name for field in dataclasses.fields(Options)))
+
+
 def plan(
     models: nn.Module | list[nn.Module],
     loaders: Any,
     loss_fn: Any = None,
     optimizer: Any = None,
-    epochs: int = 1,
-    steps: int | None = None,
-    microbatches: int = 1,
-    devices: int | str | list[str] | None = None,
-    device_memory: int | str | None = None,
     hardware: Hardware | None = None,
-    prefetch: bool = True,
-    policy: str = "lrtf",
-    mode: str = "auto",
-    resident: bool = True,
-    fuse: bool | int | str = "auto",
+    **arguments: Any,
 ) -> Forecast:
     """Plan a sweep as harmony.train would run it and predict it with the simulator; trains nothing.
 
-    With a hardware description, devices is a count of such devices (which need not exist here) and
-    device_memory their budget: "what would this take on 4 GPUs on PCIe 4" is
+    Takes train's arguments that shape the run, with train's defaults: epochs, steps, microbatches, devices,
+    device_memory, prefetch, policy, group, mode, resident, fuse, steps_per_task (loss_fn and optimizer may be
+    left out). With a hardware description, devices is a count of such devices (which need not exist here)
+    and device_memory their budget: "what would this take on 4 GPUs on PCIe 4" is
     ``harmony.plan(models, loader, devices=4, device_memory="40GB", hardware=Hardware(...))``.
     """
+    unknown = sorted(set(arguments) - set(PLANNED))
+    if unknown:
+        raise InputError(f"harmony.plan takes no {', '.join(map(repr, unknown))}; it takes train's arguments that "
+                         f"shape the run: {', '.join(PLANNED)}")
+    given = {name: p.default for name, p in inspect.signature(train).parameters.items() if name in PLANNED}
+    given.update(arguments)
+    devices, device_memory = given["devices"], given["device_memory"]
     if hardware is not None and not isinstance(devices, int):
         raise InputError("with a hardware description, pass devices as a count, e.g. devices=4")
     if hardware is not None and device_memory is None:
         raise InputError("with a hardware description, pass device_memory: the budget of each device")
-    options = Options(epochs, steps, microbatches, bool(prefetch), policy, True, mode, bool(resident), fuse)
+    options = read_options(given)
     args = validate(models, loaders, loss_fn, optimizer, options, devices, device_memory, for_training=False)
     if hardware is None:
         budgets = {spec.name: spec.budget for spec in build_specs(args.devices, args.device_memory)}

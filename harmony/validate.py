@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -288,6 +289,13 @@ def validate(
         links=links,
         cluster=cluster,
     )
+
+
+def read_options(arguments: Mapping[str, Any]) -> Options:
+    """The run's options from harmony.train's keyword arguments (every field of Options by name)."""
+    values = {field.name: arguments[field.name] for field in dataclasses.fields(Options)}
+    flags = {name: bool(values[name]) for name in ("prefetch", "group", "resident")}
+    return Options(**{**values, **flags})
 
 
 def check_options(options: Options) -> None:

@@ -74,3 +74,10 @@ def test_auto_mode_simulates_every_mode_on_several_devices_and_picks_the_fastest
                        mode="vdp")
     assert vdp.mode == "vdp" and set(vdp.predicted_modes) == {"vdp"}
     assert any(task.group == 1 for task in vdp.simulation.order["cpu-1"])
+
+
+def test_plan_takes_trains_arguments_and_refuses_others() -> None:
+    with pytest.raises(harmony.InputError, match="takes no 'epoch'"):
+        harmony.plan([deep_mlp()], regression_batches(64, 16), epoch=2)
+    forecast = harmony.plan([deep_mlp()], regression_batches(64, 16), epochs=2, device_memory=1_000_000)
+    assert forecast.steps == [8] and forecast.plan.options.epochs == 2 and forecast.plan.options.fuse == "auto"
