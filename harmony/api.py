@@ -3,28 +3,35 @@
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from torch import nn
 
 from harmony.errors import InputError, ModelError
-from harmony.planner import build, pilot
+from harmony.planner import build, codes_for, pilot
 from harmony.progress import ProgressLine, wants_progress
 from harmony.result import TrainResult
 from harmony.runtime.batching import unbatched
 from harmony.runtime.calibrate import measured_hardware
+from harmony.runtime.checkpoint import Checkpoints, fingerprint
 from harmony.runtime.cluster import ClusterHandle, connect, external_devices, start_embedded, worker_threads
 from harmony.runtime.code import JobCode
 from harmony.runtime.data import LoaderFeed, SharedFeed
 from harmony.runtime.devices import DeviceSpec, build_specs
 from harmony.runtime.errors import ModelFailure
+from harmony.runtime.files import estimate
+from harmony.runtime.hoststore import shm_directory
 from harmony.runtime.interrupt import watching_interrupts
 from harmony.runtime.run import RunOutcome, execute
-from harmony.tasks.runplan import RunPlan
-from harmony.validate import Arguments, read_options, validate
+from harmony.runtime.shipping import SPARE_FILES
+from harmony.tasks.runplan import Job, RunPlan
+from harmony.validate import Arguments, check_checkpoints, describe_run, read_options, validate
 
 logger = logging.getLogger("harmony")
 
@@ -66,26 +73,52 @@ def device_cluster(user: ClusterHandle | None, specs: list[DeviceSpec]) -> Itera
         handle.close()
 
 
+def check_host_memory(jobs: list[Job], budget: int | None) -> None:
+    """Refuse, before any worker starts, a sweep whose host store would not fit host_memory or the machine's
+    shared memory, saying how much it needs."""
+    need = estimate(jobs, batch_files=2 * len(jobs) + SPARE_FILES)
+    free = shutil.disk_usage(shm_directory()).free
+    if budget is not None and need > budget:
+        raise InputError(f"host_memory={budget:,} bytes is too small: the host store of these models needs about "
+                         f"{need:,} bytes (two copies of every weight and optimizer state, the gradients, the "
+                         "batches); raise host_memory or train fewer or smaller models at once")
+    if need > free:
+        raise InputError(f"the host store of these models needs about {need:,} bytes of shared memory but "
+                         f"{shm_directory()} has {free:,} free; give the machine more (in a container, --shm-size), "
+                         "or train fewer or smaller models at once")
+
+
 def _execute(
     plan: RunPlan, codes: list[JobCode], args: Arguments, specs: list[DeviceSpec], handle: ClusterHandle,
-    progress: bool | None,
+    progress: bool | None, checkpoints: Checkpoints | None, starts: list[int],
 ) -> RunOutcome:
     """Run the plan with a progress line when wanted; a model's failure is a ModelError naming the model."""
     feeds = []
     for index, loader in enumerate(args.loaders):
-        readers = sum(1 for job in plan.jobs if job.feed == index)
+        readers = [start for job, start in zip(plan.jobs, starts) if job.feed == index]
         feed = LoaderFeed(loader.loader, loader.iterator, loader.first, args.options.epochs, args.options.steps)
         feeds.append(SharedFeed(feed, readers))
     line = ProgressLine() if wants_progress(progress) else None
     try:
-        return execute(plan, codes, feeds, specs, handle, on_progress=line)
+        outcome = execute(plan, codes, feeds, specs, handle, on_progress=line, host_memory=args.host_memory,
+                          checkpoints=checkpoints, starts=starts, users=(args.models, args.optimizers))
     except ModelFailure as failure:
-        job = plan.jobs[failure.model]
-        raise ModelError(job.members[0], f"{job.label} raised {failure.error} in {failure.where}",
-                         failure.traceback_text) from None
+        raise model_error(plan, failure) from None
     finally:
         if line is not None:
             line.close()
+    errors = [failure.get("error") for failure in outcome.failed.values()]
+    if len(outcome.failed) == len(plan.jobs) and isinstance(errors[0], ModelFailure):
+        raise model_error(plan, errors[0])  # nothing trained: the first model's own error is the run's
+    for job, failure in sorted(outcome.failed.items()):
+        logger.warning("harmony: %s stopped at step %s: %s", plan.jobs[job].label, failure["step"], failure["reason"])
+    return outcome
+
+
+def model_error(plan: RunPlan, failure: ModelFailure) -> ModelError:
+    """A model's own exception, as the user sees it: which model, where, and its traceback."""
+    job = plan.jobs[failure.model]
+    return ModelError(job.members[0], f"{job.label} raised {failure.error} in {failure.where}", failure.traceback_text)
 
 
 def train(
@@ -108,6 +141,11 @@ def train(
     resident: bool = True,
     fuse: bool | int | str = "auto",
     steps_per_task: int | str = "auto",
+    fail_fast: bool = False,
+    host_memory: int | str | None = None,
+    checkpoint_dir: str | os.PathLike[str] | None = None,
+    checkpoint_every: int | None = None,
+    resume: bool = False,
 ) -> TrainResult:
     """Train every model on its data through fine-grained tasks on Dask device workers.
 
@@ -134,14 +172,31 @@ def train(
     single-pack model or array runs (all their batches in one file): "auto" picks enough to keep
     Dask's per-task cost (measured on the cluster before the run) near 1% of the measured step time.
     Every model keeps its own loss, optimizer and hyperparameters, and gets the weights it would get alone.
+
+    A model whose own code raises stops alone, with the weights of its last complete step, and is reported in
+    result.failed while the others go on; fail_fast=True makes it a ModelError that ends the run instead (so does
+    a run in which every model failed). A device worker that dies costs only the steps it was running: they run
+    again on the devices left (or on it when it comes back), and result.events says what was lost and redone.
+    host_memory ("8GB") caps the host store's shared memory; a sweep that needs more is refused before any
+    worker starts.
+
+    checkpoint_dir keeps a checkpoint of every model there, every checkpoint_every steps (at the end of the task
+    that reaches them) and at the end: plain torch.save state dicts of each model and its optimizer
+    (model-<i>.pt) and what the run resumes from. resume=True takes the run up from those checkpoints (it must be
+    the same run: the same models, data and arguments; a directory with none starts afresh), with the plan the
+    checkpoints recorded, and ends with the weights and losses an uninterrupted run would have.
     """
     options = read_options(locals())  # first: locals() are the arguments alone
-    args = validate(models, loaders, loss_fn, optimizer, options, devices, device_memory, cluster, link_bandwidth)
+    args = validate(models, loaders, loss_fn, optimizer, options, devices, device_memory, cluster, link_bandwidth,
+                    host_memory=host_memory)
+    directory = check_checkpoints(checkpoint_dir, checkpoint_every, resume)
     with watching_interrupts(), user_cluster(args.cluster) as user:
         specs = (build_specs(args.devices, args.device_memory, args.links) if user is None
                  else external_devices(user, args.device_memory))
         budgets = {spec.name: spec.budget for spec in specs}
         candidates = pilot(args, min(budgets.values()))
+        check_host_memory([candidate.job for candidate in candidates], args.host_memory)
+        checkpoints, recorded = open_checkpoints(directory, args, budgets, resume)
         started = time.perf_counter()
         with (
             device_cluster(user, specs) as handle,
@@ -149,8 +204,33 @@ def train(
         ):
             hardware = measured_hardware(handle.client, handle.workers,
                                          cpu_compute=any(spec.kind == "cpu" for spec in specs))
-            plan, codes = build(args, candidates, budgets, hardware)
+            if recorded is None:
+                plan, codes = build(args, candidates, budgets, hardware)
+            else:
+                plan, codes = recorded, codes_for(recorded, candidates, args, min(budgets.values()))
+            starts = [0] * len(plan.jobs)
+            if checkpoints is not None:
+                checkpoints.begin(plan, ", ".join(job.label for job in plan.jobs))
+                starts = [checkpoints.version(job) if recorded is not None else 0 for job in range(len(plan.jobs))]
             logger.info("harmony: dashboard at %s", handle.dashboard_link)
-            outcome = _execute(plan, codes, args, specs, handle, progress)
+            outcome = _execute(plan, codes, args, specs, handle, progress, checkpoints, starts)
             wall_seconds = time.perf_counter() - started
     return TrainResult.assemble(args.models, plan, outcome, wall_seconds, handle.dashboard_link)
+
+
+def open_checkpoints(
+    directory: Path | None, args: Arguments, budgets: dict[str, int], resume: bool
+) -> tuple[Checkpoints | None, RunPlan | None]:
+    """The run's checkpoints, and with resume the plan they recorded (None when there is nothing to resume); a
+    checkpoint of another run is an InputError."""
+    if directory is None:
+        return None, None
+    checkpoints = Checkpoints(directory, args.options.checkpoint_every, fingerprint(describe_run(args, budgets)))
+    try:
+        recorded = checkpoints.recorded()
+    except ValueError as error:
+        raise InputError(str(error)) from None
+    if recorded is not None and not resume:
+        raise InputError(f"checkpoint_dir={str(directory)!r} holds a checkpoint of this run already: pass "
+                         "resume=True to take it up, or use another directory")
+    return checkpoints, recorded if resume else None

@@ -19,7 +19,7 @@ import torch
 
 from harmony.candidate import RANKING_STEPS, Candidate, pilot_batch, step_samples
 from harmony.errors import InputError, ModelError
-from harmony.fusing import fuse
+from harmony.fusing import build_array, fuse
 from harmony.runtime.cache import tree_nbytes
 from harmony.runtime.code import JobCode
 from harmony.runtime.pilot import decompose
@@ -139,14 +139,29 @@ def settle_homes(candidates: list[Candidate], budgets: dict[str, int]) -> list[C
 
 def with_depth(job: Job, depth: int | str, hardware: Hardware) -> Job:
     """A homed single-pack job with the steps each of its tasks runs: depth as given, or with "auto" from its
-    predicted step time and the task cost first, and re-cut from its measured step time as it runs."""
+    predicted step time and the task's cost first, and re-cut from its measured step time as it runs. A task's
+    cost is Dask's per task and the flush of the job's weights and optimizer state to the host store that ends
+    every homed task."""
     if job.home is None or len(job.packing.packs) != 1 or job.groups != 1:
         return job
     if isinstance(depth, int):
         return dataclasses.replace(job, depth=depth)
-    task_seconds = max(hardware.task_overhead, hardware.task_cpu)
+    pack = job.packing.packs[0]
+    flushed = pack.weight_bytes + job.state_ratio * pack.grad_bytes
+    task_seconds = max(hardware.task_overhead, hardware.task_cpu) + flushed / (hardware.host_link or float("inf"))
     return dataclasses.replace(job, task_seconds=task_seconds,
                                depth=steps_per_task(job.step_seconds, task_seconds, job.batch_bytes, job.steps))
+
+
+def codes_for(plan: RunPlan, candidates: list[Candidate], args: Arguments, budget: int) -> list[JobCode]:
+    """What each job of a recorded plan (a resumed run's) computes with: a model's own layers, or its array's."""
+    codes = []
+    for job in plan.jobs:
+        if len(job.members) == 1:
+            codes.append(candidates[job.members[0]].code)
+        else:
+            codes.append(build_array(list(job.members), candidates, args, budget).code)
+    return codes
 
 
 def build(

@@ -89,7 +89,9 @@ class TrainResult:
     in the order of the plan's jobs and of the ``m<job>`` in task keys); arrays lists the jobs, each as the
     models it trained (several for a fused array); mode is the execution mode that ran; homes maps each model
     homed on a device for the whole run to that device (its weights crossed once and its gradients never left
-    it); fusion says, per group of fusable models, which sub-array size was chosen and why.
+    it); fusion says, per group of fusable models, which sub-array size was chosen and why. failed maps each model
+    that stopped before the end to the step it stopped at and why (its weights are those of its last complete
+    step); events lists, in order, the device workers lost and joined (and what was run again) and the failures.
     """
 
     models: list[nn.Module]
@@ -102,6 +104,8 @@ class TrainResult:
     homes: dict[int, str] = field(default_factory=dict)
     arrays: list[list[int]] = field(default_factory=list)
     fusion: list[FusionChoice] = field(default_factory=list)
+    failed: dict[int, dict[str, object]] = field(default_factory=dict)
+    events: list[dict[str, object]] = field(default_factory=list)
 
     def job_of(self, model: int) -> int:
         """The index of the job (in packings and arrays, and the m<job> of task keys) that trained model."""
@@ -161,4 +165,7 @@ class TrainResult:
             homes={model: job.home for job in plan.jobs if job.home is not None for model in job.members},
             arrays=[list(job.members) for job in plan.jobs],
             fusion=list(plan.fusion),
+            failed={model: {"step": failure["step"], "reason": failure["reason"]}
+                    for job, failure in outcome.failed.items() for model in plan.jobs[job].members},
+            events=list(outcome.events),
         )

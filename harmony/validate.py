@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,6 +46,7 @@ class Arguments:
     device_memory: int | None
     links: list[float | None]
     cluster: str | Client | None
+    host_memory: int | None = None
 
     def expected_steps(self, model: int) -> int | None:
         """How many steps a model will train, when its loader knows its length (or steps= says)."""
@@ -239,6 +242,7 @@ def validate(
     cluster: Any = None,
     link_bandwidth: Any = None,
     for_training: bool = True,
+    host_memory: Any = None,
 ) -> Arguments:
     """Normalize and check every argument; raises InputError before any work starts.
 
@@ -269,6 +273,7 @@ def validate(
         raise InputError(str(error)) from None
     try:
         budget = None if device_memory is None else parse_size(device_memory, "device_memory")
+        host_budget = None if host_memory is None else parse_size(host_memory, "host_memory")
         links = parse_bandwidths(link_bandwidth, len(device_list))
     except ValueError as error:
         raise InputError(str(error)) from None
@@ -288,13 +293,14 @@ def validate(
         device_memory=budget,
         links=links,
         cluster=cluster,
+        host_memory=host_budget,
     )
 
 
 def read_options(arguments: Mapping[str, Any]) -> Options:
     """The run's options from harmony.train's keyword arguments (every field of Options by name)."""
     values = {field.name: arguments[field.name] for field in dataclasses.fields(Options)}
-    flags = {name: bool(values[name]) for name in ("prefetch", "group", "resident")}
+    flags = {name: bool(values[name]) for name in ("prefetch", "group", "resident", "fail_fast")}
     return Options(**{**values, **flags})
 
 
@@ -309,6 +315,66 @@ def check_options(options: Options) -> None:
         raise InputError(f"mode={options.mode!r} is not an execution mode; use 'auto', 'free', 'vpp' or 'vdp'")
     check_fuse(options.fuse)
     check_steps_per_task(options.steps_per_task)
+    _positive_int(options.checkpoint_every, "checkpoint_every", allow_none=True)
+
+
+def check_checkpoints(checkpoint_dir: Any, checkpoint_every: int | None, resume: bool) -> Path | None:
+    """The checkpoint directory as a path; checkpoint_every and resume need one."""
+    if checkpoint_dir is None:
+        if checkpoint_every is not None or resume:
+            raise InputError("checkpoint_every and resume need a checkpoint_dir: the directory checkpoints are "
+                             "written to and resumed from")
+        return None
+    if not isinstance(checkpoint_dir, (str, os.PathLike)):
+        raise InputError(f"checkpoint_dir={checkpoint_dir!r} must be a path")
+    path = Path(checkpoint_dir)
+    if path.exists() and not path.is_dir():
+        raise InputError(f"checkpoint_dir={checkpoint_dir!r} is a file, not a directory")
+    return path
+
+
+def describe_run(args: Arguments, budgets: dict[str, int]) -> dict[str, Any]:
+    """What makes a run itself, for a resumed run to be checked against the checkpoint it takes up: its models'
+    architectures, its loaders' batches, its losses and optimizers, its options and its devices (not how fast
+    anything ran, nor how often it is checkpointed)."""
+    options = dataclasses.asdict(args.options)
+    options.pop("checkpoint_every")
+    return {
+        "models": [[type(model).__qualname__, [(name, list(t.shape), str(t.dtype))
+                                              for name, t in model.state_dict().items()]] for model in args.models],
+        "loaders": [[_length(loader.loader), _shapes(loader.first)] for loader in args.loaders],
+        "loader_of": args.loader_of,
+        "losses": [getattr(fn, "__qualname__", type(fn).__qualname__) for fn in args.loss_fns],
+        "optimizers": [_hyperparameters(factory) for factory in args.optimizers],
+        "options": options,
+        "devices": budgets,
+    }
+
+
+def _length(loader: Any) -> int | None:
+    try:
+        return len(loader)
+    except TypeError:
+        return None
+
+
+def _shapes(tree: Any) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return [list(tree.shape), str(tree.dtype)]
+    if isinstance(tree, (list, tuple)):
+        return [_shapes(item) for item in tree]
+    if isinstance(tree, dict):
+        return {str(key): _shapes(value) for key, value in tree.items()}
+    return repr(tree)
+
+
+def _hyperparameters(factory: Any) -> Any:
+    """An optimizer factory's class and hyperparameters, from one call on a probe parameter."""
+    if factory is None:
+        return None
+    built = factory([nn.Parameter(torch.zeros(1))])
+    groups = [{key: repr(value) for key, value in group.items() if key != "params"} for group in built.param_groups]
+    return [type(built).__qualname__, groups]
 
 
 def check_fuse(fuse: Any) -> None:

@@ -79,7 +79,7 @@ class ArrayLayer(nn.Module):
         with torch.no_grad():
             for name, param in first.named_parameters():
                 stack = torch.stack([member.get_parameter(name).detach() for member in members])
-                attribute = self._attribute(name)
+                attribute = self.attribute(name)
                 if attribute.endswith(TRANSPOSED):
                     stack = stack.transpose(1, 2).contiguous()
                 elif attribute.endswith(ROW):
@@ -92,7 +92,7 @@ class ArrayLayer(nn.Module):
         object.__setattr__(self, "template", template)
         self.train(first.training)  # the template keeps each submodule's own mode, as the members have it
 
-    def _attribute(self, name: str) -> str:
+    def attribute(self, name: str) -> str:
         """The attribute holding the stack of the members' tensor called name."""
         if self.kind == "linear" and name in ("weight", "bias"):
             return name + (TRANSPOSED if name == "weight" else ROW)
@@ -101,7 +101,7 @@ class ArrayLayer(nn.Module):
     def stacked(self, name: str, grad: bool = False) -> torch.Tensor:
         """The members' tensor called name (or its gradient) stacked along the first dimension (member i's is
         ``[i]``)."""
-        attribute = self._attribute(name)
+        attribute = self.attribute(name)
         stack = getattr(self, attribute)
         return member_layout(attribute, stack.grad if grad else stack)
 

@@ -239,6 +239,9 @@ class ArrayOptimizer:
         for member in members[1:]:
             for group in member.param_groups:
                 merged.add_param_group(group)
+        merged.member_origins = {  # type: ignore[attr-defined]
+            id(view): (member, name) for member, views in enumerate(slices) for view, name in zip(views, names)
+        }
         return merged
 
 
@@ -263,3 +266,14 @@ def step_optimizer(optimizer: torch.optim.Optimizer) -> None:
 def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """Every parameter an optimizer steps, in a fixed order (what its persisted state is indexed by)."""
     return [param for group in optimizer.param_groups for param in group["params"]]
+
+
+def param_origins(
+    optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], names: Sequence[str]
+) -> list[tuple[int | None, str]]:
+    """For each parameter optimizer steps (in optimizer_params order), the array member it is a slice of (None for
+    a whole tensor: a single model's, or an array's stack) and the name of the tensor it comes from, among params
+    called names (what build_optimizer built it over)."""
+    by_id = {id(param): (None, name) for param, name in zip(params, names)}
+    by_id.update(getattr(optimizer, "member_origins", {}))
+    return [by_id[id(param)] for param in optimizer_params(optimizer)]

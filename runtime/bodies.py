@@ -16,17 +16,21 @@ one tensor flows, so the boundary values between packs (and their gradients) are
 from __future__ import annotations
 
 import functools
+import sys
 import time
 import traceback
 from collections.abc import Callable, Iterable
 from contextlib import nullcontext
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 from distributed import Reschedule
 from torch.func import functional_call
 
+from harmony.runtime import shipping
 from harmony.runtime.cache import tree_nbytes
+from harmony.runtime.divergence import Diverged
 from harmony.runtime.errors import ModelFailure
 from harmony.runtime.files import LOSS_BLOCK, SPAN_TIMING_BYTES, losses_name, span_timing_name
 from harmony.runtime.handoff import receive, wait_for
@@ -34,6 +38,7 @@ from harmony.runtime.homed import HomedModel
 from harmony.runtime.hoststore import tensors_at
 from harmony.runtime.shipping import unship
 from harmony.runtime.worker import RunContext, context
+from harmony.tasks import graph
 from harmony.tasks.graph import TaskId, updates_in_backward
 from harmony.tasks.memory import BudgetExceeded
 
@@ -115,7 +120,16 @@ def task_body(kind: str) -> Callable[[Callable[..., Result]], Callable[..., Resu
     return decorate
 
 
-def _failure(model: int, where: str, error: Exception) -> ModelFailure:
+HARMONY = tuple(Path(module.__file__).resolve().parent for module in (sys.modules["harmony"], graph, shipping))
+
+
+def _failure(model: int, where: str, error: Exception) -> Exception:
+    """A task's exception as the driver should see it: the model's own failure (raised in its code, or in torch
+    under it), which stops that model alone; or, raised in Harmony's own code, an error that ends the run."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if frames and Path(frames[-1].filename).resolve().parent in HARMONY:
+        return RuntimeError(f"harmony failed in {where} for job {model}: {type(error).__name__}: {error}\n"
+                            f"{traceback.format_exc()}")
     return ModelFailure(model, where, f"{type(error).__name__}: {error}", traceback.format_exc())
 
 
@@ -123,13 +137,14 @@ def _failure(model: int, where: str, error: Exception) -> ModelFailure:
 def forward(
     ctx: RunContext, model: int, pack: int, span: int, inputs: list[Any], group: int, first: int, steps: None
 ) -> list[Any]:
-    """One step's micro-batches through a pack, with its weights at that step's version."""
+    """One step's micro-batches through a pack, with its weights at that step's version; the buffers it updates
+    (running statistics) go into the next version's slot."""
     spec = ctx.spec.models[model]
     runtime = spec.packs[pack]
     module = ctx.module(model, pack)
-    host = ctx.host_weights(model, pack)
-    outputs = []
     step = first
+    host = ctx.host_weights(model, pack, step)
+    outputs = []
     this = TaskId("fwd", model, pack, span, group)
     ctx.cache.drop_boundaries(this)
     with ctx.cache.weights((model, pack), step, host) as weights:
@@ -147,7 +162,8 @@ def forward(
             if ctx.successor is not None:
                 ctx.cache.keep(ctx.successor, index, y, keep_free=runtime.workspace if index + 1 < len(inputs) else 0)
         if runtime.has_buffers:
-            ctx.cache.write_back(weights[runtime.buffers_offset :], host[runtime.buffers_offset :], "buffers")
+            following = ctx.next_weights(model, pack, step)
+            ctx.cache.write_back(weights[runtime.buffers_offset :], following[runtime.buffers_offset :], "buffers")
     return outputs
 
 
@@ -179,7 +195,7 @@ def backward(
         per_step: Iterable[tuple[Any, Any, Any]] = zip(inputs, gradients_or_targets, loss_weights)
     else:
         per_step = [(inputs, gradients_or_targets, loss_weights)]
-    host = ctx.host_weights(model, pack)
+    host = ctx.host_weights(model, pack, first)
     input_grads: list[Any] = []
     ctx.cache.drop_boundaries(TaskId("bwd", model, pack, span, group))
     with (
@@ -188,9 +204,13 @@ def backward(
     ):
         ctx.prefetch_next(keep_free=runtime.workspace)
         if homed:
-            timed = _homed_steps(ctx, model, first, count, per_step, group, ctx.homed(model, weights))
+            seconds, timed, diverged = _homed_steps(ctx, model, first, count, per_step, group,
+                                                    ctx.homed(model, weights))
+            ctx.flush_homed(model)
+            if diverged is not None:
+                raise diverged
             if steps is not None:
-                _record_span_timing(ctx, model, *timed)
+                _record_span_timing(ctx, model, seconds, timed)
         else:
             grad_bytes = torch.zeros(runtime.grads.nbytes, dtype=torch.uint8, device=ctx.device)
             tensors = tensors_at(weights, runtime.weights)
@@ -200,9 +220,10 @@ def backward(
                                              step_inputs, step_targets, step_weights, group)
             ctx.cache.write_back(grad_bytes, ctx.host_grads(model, pack, group), "grads")
         if pack == len(spec.packs) - 1 and runtime.has_buffers and not homed:
-            ctx.cache.write_back(weights[runtime.buffers_offset :], host[runtime.buffers_offset :], "buffers")
+            following = ctx.next_weights(model, pack, first)
+            ctx.cache.write_back(weights[runtime.buffers_offset :], following[runtime.buffers_offset :], "buffers")
     if not homed and updates_in_backward(spec.groups):
-        _apply_update(ctx, model, pack, first)
+        ctx.update(model, pack, first)
     return input_grads if pack > 0 else None
 
 
@@ -214,11 +235,12 @@ def _homed_steps(
     per_step: Iterable[tuple[Any, Any, Any]],
     group: int,
     state: HomedModel,
-) -> tuple[float, int]:
+) -> tuple[float, int, Diverged | None]:
     """A homed model's count consecutive steps from first, as a plain loop runs them: per step, fresh gradients,
     every micro-batch's forward, loss and backward through its module (bound to the device weights), then the
-    update on the device. Returns the seconds the steps took (until their losses were on the host) and how many
-    steps those are: all of them but the model's first step, its warm-up.
+    update on the device. Returns the seconds the steps took (until their losses were on the host), how many
+    steps those are (all of them but the model's first step, its warm-up), and whether the model diverged: then
+    the steps stop at the one whose loss was not finite, before its update (see divergence).
 
     What does not change between steps is set up once for the task (the loss function, grad mode) and the
     steps' losses go to the host store together at the end: on a small model the per-step bookkeeping of a
@@ -227,23 +249,32 @@ def _homed_steps(
     spec = ctx.spec.models[model]
     runtime = spec.packs[0]
     loss_fn = ctx.loss_fn(model)
+    members = ctx.members(model)
     losses = StepLosses(count)
     started = time.perf_counter()
-    with torch.enable_grad():
-        for index, (inputs, targets, loss_weights) in enumerate(per_step):
-            step = first + index
-            if step == 1 and index == 1:
-                started = time.perf_counter()
-            state.clear_grads()
-            with ctx.cache.scratch(runtime.workspace, "activations of pack 0"):
-                for microbatch, (x, target, weight) in enumerate(zip(inputs, targets, loss_weights)):
-                    x = ctx.cache.copy_in(x, "inputs")
-                    target = ctx.cache.copy_in(target, "inputs")
-                    _seed(ctx.device, spec.seed, 0, step, group * 65_536 + microbatch)
-                    losses.add(index, _backpropagate_loss(loss_fn(state.module(x), target), weight), weight)
-            state.step(step)  # after the activations are gone, as in a plain loop (its state is charged then)
+    done = 0
+    try:
+        with torch.enable_grad():
+            for index, (inputs, targets, loss_weights) in enumerate(per_step):
+                step = first + index
+                if step == 1 and index == 1:
+                    started = time.perf_counter()
+                state.clear_grads()
+                with ctx.cache.scratch(runtime.workspace, "activations of pack 0"):
+                    for microbatch, (x, target, weight) in enumerate(zip(inputs, targets, loss_weights)):
+                        x = ctx.cache.copy_in(x, "inputs")
+                        target = ctx.cache.copy_in(target, "inputs")
+                        _seed(ctx.device, spec.seed, 0, step, group * 65_536 + microbatch)
+                        step_losses = loss_fn(state.module(x), target)
+                        state.stop(members.check(step_losses, step))  # a sync per step (see divergence)
+                        losses.add(index, _backpropagate_loss(step_losses, weight), weight)
+                state.step(step)  # after the activations are gone, as in a plain loop (its state is charged then)
+                done = index + 1
+    except Diverged as diverged:
+        _record_losses(ctx, model, first, group, losses.totals(done))
+        return time.perf_counter() - started, 0, diverged
     _record_losses(ctx, model, first, group, losses.totals())
-    return time.perf_counter() - started, count - 1 if first == 0 else count
+    return time.perf_counter() - started, count - 1 if first == 0 else count, None
 
 
 def _record_span_timing(ctx: RunContext, model: int, seconds: float, steps: int) -> None:
@@ -264,12 +295,15 @@ class StepLosses:
     def add(self, step_index: int, losses: torch.Tensor, weight: float) -> None:
         self.parts[step_index].append((losses, weight))
 
-    def totals(self) -> torch.Tensor:
-        """steps x members float64 on the host: row i is step i's loss per member."""
-        if all(len(parts) == 1 and parts[0][1] == 1 for parts in self.parts):  # whole batches: the losses as is
-            return torch.stack([parts[0][0] for parts in self.parts]).to("cpu", torch.float64)
-        totals = torch.zeros(len(self.parts), self.parts[0][0][0].numel(), dtype=torch.float64)
-        for row, parts in zip(totals, self.parts):
+    def totals(self, steps: int | None = None) -> torch.Tensor:
+        """steps x members float64 on the host: row i is step i's loss per member (the first steps ones only)."""
+        parts_of = self.parts[:steps]
+        if not parts_of:
+            return torch.zeros(0, 1, dtype=torch.float64)
+        if all(len(parts) == 1 and parts[0][1] == 1 for parts in parts_of):  # whole batches: the losses as is
+            return torch.stack([parts[0][0] for parts in parts_of]).to("cpu", torch.float64)
+        totals = torch.zeros(len(parts_of), parts_of[0][0][0].numel(), dtype=torch.float64)
+        for row, parts in zip(totals, parts_of):
             for losses, weight in parts:
                 row.add_(losses.cpu(), alpha=weight)
         return totals
@@ -329,7 +363,7 @@ def _backward_step(
     saved_buffers = weights[runtime.buffers_offset :].clone() if runtime.has_buffers and not last else None
     for index, microbatch in enumerate(inputs):
         if index and not ctx.spec.group:
-            ctx.cache.reload((model, pack), ctx.host_weights(model, pack))
+            ctx.cache.reload((model, pack), ctx.host_weights(model, pack, step))
         kept = ctx.cache.claim(this, index)  # the last pack's input from the last fwd, else the upstream gradient
         kept_input, kept_grad = (kept, None) if last else (None, kept)
         with ctx.cache.scratch(runtime.workspace, f"activations of pack {pack}"):
@@ -343,7 +377,9 @@ def _backward_step(
                 if last:
                     target = ctx.cache.copy_in(gradients_or_targets[index], "inputs")
                     weight = loss_weights[index]
-                    losses.add(0, _backpropagate_loss(ctx.loss_fn(model)(y, target), weight), weight)
+                    step_losses = ctx.loss_fn(model)(y, target)
+                    ctx.members(model).check(step_losses, step)  # before anything is backpropagated or updated
+                    losses.add(0, _backpropagate_loss(step_losses, weight), weight)
                 else:
                     upstream = kept_grad if kept_grad is not None else ctx.cache.copy_in(
                         gradients_or_targets[index], "activations")
@@ -373,19 +409,6 @@ def _leaves(tensors: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) ->
 
 @task_body("upd")
 def update(ctx: RunContext, model: int, pack: int, span: int, group: int, first: int, steps: None) -> None:
-    """vDP's update: reduce the groups' gradients into group 0's, then step the pack's optimizer."""
+    """vDP's update: sum the groups' gradients, then step the pack's optimizer on the host store, once."""
     ctx.reduce_grads(model, pack)
-    _apply_update(ctx, model, pack, first)
-
-
-def _apply_update(ctx: RunContext, model: int, pack: int, step: int) -> None:
-    """Step the pack's optimizer on the host store, once: the host weights become version step + 1.
-
-    A task run again (its worker died after the update) finds the version already advanced and leaves it.
-    """
-    versions = ctx.versions(model)
-    if int(versions[pack]) != step:
-        return
-    if ctx.spec.models[model].packs[pack].grads.slots:  # a pack of activations or frozen layers has nothing to step
-        ctx.optimizer(model, pack, step).step(step)
-    versions[pack] = step + 1
+    ctx.update(model, pack, first)

@@ -27,6 +27,10 @@ from distributed.deploy.spec import ProcessInterface, SpecCluster
 from harmony.runtime.devices import DeviceSpec, capacity, cpu_count, threads_per_device
 
 WORKER_START_TIMEOUT = 120
+RESTARTS = 5
+RESTART_DELAY = 0.5
+
+logger = logging.getLogger("harmony")
 
 SAMPLING = {
     "distributed.admin.tick.interval": "1s",
@@ -76,8 +80,31 @@ class DeviceWorkerProcess(ProcessInterface):
         self.threads = threads
         self.config = config or {}
         self.process: asyncio.subprocess.Process | None = None
+        self.closing = False
+        self.restarts = 0
+        self.watch: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
+        await self.launch()
+        self.watch = asyncio.ensure_future(self.restart_when_lost())
+        await super().start()
+
+    async def restart_when_lost(self) -> None:
+        """Start the worker again when its process dies (as Dask's nanny would): the device comes back under its
+        name and takes up its work. A worker that keeps dying is left dead after RESTARTS restarts."""
+        while self.process is not None and self.restarts < RESTARTS:
+            await self.process.wait()
+            if self.closing:
+                return
+            self.restarts += 1
+            logger.warning("harmony: device worker %s ended (exit code %s); starting it again",
+                           self.name, self.process.returncode)
+            await asyncio.sleep(RESTART_DELAY)
+            if self.closing:
+                return
+            await self.launch()
+
+    async def launch(self) -> None:
         spec = {
             "cls": "distributed.Worker",
             "opts": {
@@ -106,10 +133,13 @@ class DeviceWorkerProcess(ProcessInterface):
             json.dumps(spec),
             env=env,
             stdin=asyncio.subprocess.DEVNULL,
+            start_new_session=True,  # outside the terminal's process group: Ctrl-C reaches the driver alone
         )
-        await super().start()
 
     async def close(self) -> None:
+        self.closing = True
+        if self.watch is not None:
+            self.watch.cancel()
         process = self.process
         if process is not None and process.returncode is None:
             process.terminate()

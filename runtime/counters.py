@@ -7,7 +7,7 @@ import threading
 import torch
 
 IN_KINDS = ("weights", "activations", "inputs")
-OUT_KINDS = ("grads", "activations", "buffers", "weights")
+OUT_KINDS = ("grads", "activations", "buffers", "weights", "state")
 NAMES = (
     *(f"in_{kind}" for kind in IN_KINDS),
     *(f"out_{kind}" for kind in OUT_KINDS),

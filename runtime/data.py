@@ -58,11 +58,12 @@ class LoaderFeed:
 
 
 class SharedFeed:
-    """One loader read once and handed to several models, each getting every batch in order."""
+    """One loader read once and handed to several models, each getting every batch in order from its start (the
+    steps a resumed model has trained already)."""
 
-    def __init__(self, feed: LoaderFeed, readers: int) -> None:
+    def __init__(self, feed: LoaderFeed, starts: list[int]) -> None:
         self.feed = feed
-        self.readers = readers
+        self.starts = list(starts)
         self._batches: dict[int, list[Any]] = {}
         self._fetched = 0
         self._exhausted_at: int | None = None
@@ -73,7 +74,9 @@ class SharedFeed:
             if batch is None:
                 self._exhausted_at = self._fetched
             else:
-                self._batches[self._fetched] = [batch, self.readers]
+                readers = sum(1 for start in self.starts if start <= self._fetched)
+                if readers:
+                    self._batches[self._fetched] = [batch, readers]
                 self._fetched += 1
         if self._exhausted_at is not None and step >= self._exhausted_at:
             return None
@@ -82,6 +85,15 @@ class SharedFeed:
         if entry[1] == 0:
             del self._batches[step]
         return entry[0]
+
+    def leave(self, step: int) -> None:
+        """One reader stops at step: it takes none of the batches from step on (those read already, nor later)."""
+        self.starts.remove(max(start for start in self.starts if start <= step))
+        for index in [index for index in self._batches if index >= step]:
+            entry = self._batches[index]
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self._batches[index]
 
 
 def batch_size(tree: Any) -> int:

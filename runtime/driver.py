@@ -6,6 +6,11 @@ from the loader and write them into a host-store file that its tasks name (see s
 device's worker (``fwd-m3-p2-s17-<run>`` keys, ``pure=False``, restricted to that worker), release a value, read
 a span's timing. What it holds is the I/O's handles: the futures and shipped batches of values still read.
 
+It waits on one queue for everything that can happen: a task's future finishing (or failing), and the
+scheduler's word that a worker left or joined (a device lost mid-run is an event, not a hang); the wait wakes
+every second to see a Ctrl-C that Python swallowed, and a run whose devices are all gone for DEVICE_TIMEOUT
+fails. A task run again gets a key of its own; the futures of runs that were cancelled are not heard.
+
 A worker runs its tasks one at a time in the order they were bound (each task's Dask priority), except vDP's upd
 tasks, which go first since the next span waits for them. A dependency on the same device has no edge through
 the scheduler: the task names it and reads its result from the worker's memory (see handoff); one on another
@@ -15,16 +20,18 @@ finish first. Activations flow worker to worker as Dask results; nothing large p
 
 from __future__ import annotations
 
+import queue
 import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from distributed import Client, Future, as_completed
+from distributed import Client, Future
 
 from harmony.runtime import bodies
 from harmony.runtime.data import SharedFeed, batch_size, split_tree
+from harmony.runtime.errors import ModelFailure
 from harmony.runtime.files import SPAN_TIMING_BYTES, span_timing_name
 from harmony.runtime.handoff import LocalResult
 from harmony.runtime.hoststore import HostStore
@@ -33,21 +40,28 @@ from harmony.runtime.shipping import BatchFiles
 from harmony.tasks.binding import BindingState
 from harmony.tasks.events import (
     BatchReady,
+    Cancel,
+    Checkpoint,
     Event,
     Fail,
     Fetch,
     Instruction,
+    Leave,
     ReadTiming,
     Release,
     StepTimed,
     Submit,
     TaskFailed,
     TaskFinished,
+    WorkerJoined,
+    WorkerLost,
 )
 from harmony.tasks.graph import BatchInput, BatchTargets, Value, parse_key
 from harmony.tasks.microbatch import group_sizes, loss_weights, split_sizes
 
 BODIES: dict[str, Callable[..., Any]] = {"fwd": bodies.forward, "bwd": bodies.backward, "upd": bodies.update}
+WAKE_SECONDS = 1.0
+DEVICE_TIMEOUT = 120.0  # seconds a run waits for a worker to come back once every device is lost
 
 
 class Driver:
@@ -64,6 +78,7 @@ class Driver:
         microbatches: int,
         on_step: Callable[[int, int], None] | None = None,
         on_progress: Callable[[BindingState], None] | None = None,
+        on_checkpoint: Callable[[int], None] | None = None,
     ) -> None:
         self.client = client
         self.run = run
@@ -75,32 +90,91 @@ class Driver:
         self.microbatches = microbatches
         self.on_step = on_step
         self.on_progress = on_progress
+        self.on_checkpoint = on_checkpoint
         self.values: dict[Value, Any] = {}
         self.loss_weights: dict[BatchTargets, list[Any]] = {}
-        self.pending: as_completed | None = None
+        self.heard: queue.SimpleQueue[Future | tuple[str, str]] = queue.SimpleQueue()
+        self.devices = {address: name for name, address in workers.items()}
         self.started = time.perf_counter()
 
     def run_to_completion(self) -> None:
-        """Carry out the state's instructions and report every finished task until every model has trained."""
-        self.pending = as_completed()
-        self._carry_out(self.state.start())
-        while not self.state.finished:
-            if not self.state.bound:
-                raise RuntimeError("harmony driver: no task in flight and none ready before training finished")
-            future = next(self.pending)
-            raise_if_interrupted()  # a Ctrl-C that Python swallowed (see interrupt)
-            self._carry_out(self.state.handle(self._outcome(future)))
-            if self.on_progress is not None:
-                self.on_progress(self.state)
+        """Carry out the state's instructions and report what happens until every model has trained (or failed)."""
+        self.started = time.perf_counter()
+        previous = getattr(self.client, "_event_handlers", {}).get("all")  # a handler of the user's, put back after
+        self.client.subscribe_topic("all", self._scheduler_event)
+        try:
+            self._carry_out(self.state.start())
+            alone_since: float | None = None
+            while not self.state.finished:
+                try:
+                    heard = self.heard.get(timeout=WAKE_SECONDS)
+                except queue.Empty:
+                    heard = None
+                raise_if_interrupted()  # a Ctrl-C that Python swallowed (see interrupt)
+                event = None if heard is None else self._event(heard)
+                if event is not None:
+                    self._carry_out(self.state.handle(event))
+                    if self.on_progress is not None:
+                        self.on_progress(self.state)
+                alone_since = self._check_progress(alone_since)
+        finally:
+            if previous is None:
+                self.client.unsubscribe_topic("all")
+            else:
+                self.client.subscribe_topic("all", previous)
 
-    def _outcome(self, future: Future) -> Event:
-        parsed = parse_key(future.key)
-        assert parsed is not None, f"not a task of this run: {future.key}"
-        task, _ = parsed
+    def _check_progress(self, since: float | None) -> float | None:
+        """Fail a run that cannot go on: every device lost for DEVICE_TIMEOUT, or nothing in flight while it is not
+        finished. Returns since when the devices have been gone."""
+        if not self.state.device_names:
+            now = time.perf_counter()
+            if since is not None and now - since > DEVICE_TIMEOUT:
+                raise RuntimeError(f"harmony: every device's worker has been lost for {DEVICE_TIMEOUT:.0f} s; "
+                                   "the run cannot go on")
+            return since if since is not None else now
+        if not self.state.bound and not self.state.finished and self.state.fetching is None:
+            raise RuntimeError("harmony driver: no task in flight and none ready before training finished")
+        return None
+
+    def _scheduler_event(self, event: tuple[float, dict[str, Any]]) -> None:
+        """On the client's event loop: a worker left or joined the scheduler."""
+        _, message = event
+        action = message.get("action")
+        if action in ("remove-worker", "add-worker") and "worker" in message:
+            self.heard.put((action, message["worker"]))
+
+    def _event(self, heard: Future | tuple[str, str]) -> Event | None:
+        """What a finished future or a scheduler's message means for the state, if anything."""
         at = time.perf_counter() - self.started
-        if future.status == "error":
-            return TaskFailed(task, future.exception().with_traceback(future.traceback()), at)
+        if isinstance(heard, tuple):
+            action, address = heard
+            if action == "remove-worker":
+                name = self.devices.pop(address, None)
+                return None if name is None else WorkerLost(name, at)
+            name = self._worker_name(address)
+            if name is None:
+                return None
+            self.workers[name] = address
+            self.devices[address] = name
+            return WorkerJoined(name, at)
+        parsed = parse_key(heard.key)
+        if parsed is None:
+            return None
+        task, _ = parsed
+        if self.values.get(task) is not heard:
+            return None  # a run of a task that was cancelled since (its worker was lost, its job failed)
+        if heard.status == "error":
+            error = heard.exception()
+            return TaskFailed(task, error.with_traceback(heard.traceback()), at, isinstance(error, ModelFailure))
+        if heard.status == "cancelled":
+            return None  # Dask dropped it (its worker gone): the scheduler's word on the worker says what to redo
         return TaskFinished(task, at)
+
+    def _worker_name(self, address: str) -> str | None:
+        """The device name of a worker that joined (its Dask name), if it is one of this run's devices."""
+        info = self.client.scheduler_info()["workers"].get(address)
+        name = None if info is None else str(info.get("name"))
+        return name if name in self.workers else None
 
     def _carry_out(self, instructions: list[Instruction]) -> None:
         """Do each instruction in order; what comes of one (a batch fetched, a timing read) is an event whose
@@ -118,6 +192,15 @@ class Driver:
             self.batch_files.release(self.values.pop(instruction.value, None))
             if isinstance(instruction.value, BatchTargets):
                 self.loss_weights.pop(instruction.value, None)
+        elif isinstance(instruction, Cancel):
+            future = self.values.pop(instruction.task, None)
+            if isinstance(future, Future):
+                future.cancel()
+        elif isinstance(instruction, Leave):
+            self.feeds[instruction.model].leave(instruction.step)
+        elif isinstance(instruction, Checkpoint):
+            if self.on_checkpoint is not None:
+                self.on_checkpoint(instruction.model)
         elif isinstance(instruction, Fetch):
             return self._fetch(instruction)
         elif isinstance(instruction, ReadTiming):
@@ -176,13 +259,14 @@ class Driver:
     def _submit(self, submit: Submit) -> None:
         task = submit.task
         args: list[Any] = [
-            LocalResult(value.key(self.run)) if value in submit.local else self.values[value]  # type: ignore[union-attr]
+            LocalResult(self.values[value].key) if value in submit.local else self.values[value]
             for value in submit.reads
         ]
         if task.kind == "bwd":
             targets = BatchTargets(task.model, task.span, task.group)
             args.append(self.loss_weights[targets] if targets in submit.reads else [])
-        after = [self.values[dep] for dep in submit.after] + [LocalResult(dep.key(self.run)) for dep in submit.checks]
+        after = [self.values[dep] for dep in submit.after]
+        after += [LocalResult(self.values[dep].key) for dep in submit.checks]
         future = self.client.submit(
             BODIES[task.kind],
             self.run,
@@ -196,15 +280,14 @@ class Driver:
             peers=submit.peers,
             successor=submit.successor,
             group=task.group,
-            key=task.key(self.run),
+            key=task.key(self.run, submit.attempt),
             workers=[self.workers[submit.device]],
             allow_other_workers=False,
             pure=False,
             priority=submit.priority,
         )
         self.values[task] = future
-        if self.pending is not None:
-            self.pending.add(future)
+        future.add_done_callback(self.heard.put)
 
     def cancel(self) -> None:
         """Cancel whatever is still in flight and drop every value."""

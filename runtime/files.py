@@ -1,12 +1,18 @@
 """Every file a run keeps in its host store: its name, its size, who writes it and who reads it.
 
 Per job (``m<job>``) and pack:
-  weights   parameters then buffers in the pack's layout; filled by the run, stepped by the pack's updates;
-  grads     one file per micro-batch group, written by bwd tasks (the update reduces the groups into group 0's);
-  optim     the optimizer's state (runtime.optimizer), a generation per layout, with a msgpack description.
+  weights   two slots, each the parameters then buffers in the pack's layout. Filled by the run; a step's update
+            (or a homed job's flush) writes the next version into the slot the current one is not in and then
+            publishes it, so a worker that dies in the middle leaves the current version intact, and a swapped
+            pack's previous version stays readable while its step may be run again;
+  grads     one file per micro-batch group, written by bwd tasks; with several groups the update sums them into
+            the reduced file (out of place: an update run again sums the same groups again);
+  optim     the optimizer's state per slot (runtime.optimstate), with a layout and a msgpack description.
 Per job:
-  versions  per pack, the step its host weights are ready for (int64): an update is applied once, by version;
+  versions  per pack, the version its host weights are at and the slot it is in, one int64 (version * 2 + slot,
+            written at once): an update is applied once, by version (``Versions``);
   timing    a homed job's multi-step tasks' timed seconds and steps, added up (2 float64; the driver reads it);
+  diverged  per member, the step at which its loss stopped being finite, -1 while it trains (runtime.divergence);
   losses    blocks of LOSS_BLOCK steps x members float64, one per micro-batch group: each step's share of the loss.
 Per device:
   counters  bytes moved by kind, peak, busy time (runtime.counters), published by its worker after every task.
@@ -21,14 +27,63 @@ from harmony.runtime.code import JobCode, named_state
 from harmony.runtime.counters import BLOCK_BYTES, Counters
 from harmony.runtime.hoststore import HostStore, tensors_at
 from harmony.runtime.spec import ModelRuntime
-from harmony.tasks.runplan import RunPlan
+from harmony.tasks.runplan import Job, RunPlan
 
 LOSS_BLOCK = 4096
 SPAN_TIMING_BYTES = 16
 
 
+SLOT_ALIGNMENT = 64
+
+
 def weights_name(model: int, pack: int) -> str:
     return f"m{model}-p{pack}-weights"
+
+
+def slot_bytes(nbytes: int) -> int:
+    """The bytes one slot of a weights file takes (each slot starts at a multiple of SLOT_ALIGNMENT)."""
+    return -(-max(nbytes, 1) // SLOT_ALIGNMENT) * SLOT_ALIGNMENT
+
+
+def weights_slot(mapped: torch.Tensor, slot: int, nbytes: int) -> torch.Tensor:
+    """One slot of a weights file (mapped whole)."""
+    start = slot * slot_bytes(nbytes)
+    return mapped[start : start + nbytes]
+
+
+class Versions:
+    """Per pack of a job, the version its host weights are at and the slot that holds it (see the module)."""
+
+    def __init__(self, block: torch.Tensor) -> None:
+        self.words = block.view(torch.int64)
+
+    def current(self, pack: int) -> tuple[int, int]:
+        """The pack's version and its slot."""
+        return divmod(int(self.words[pack]), 2)
+
+    def slot(self, pack: int, version: int) -> int:
+        """The slot holding version of the pack's weights: the current one, or (a swapped pack's step run again)
+        the one before it."""
+        current, slot = self.current(pack)
+        if version == current:
+            return slot
+        if version == current - 1:
+            return 1 - slot
+        raise RuntimeError(f"pack {pack} is at version {current}: version {version} of its weights is not in the "
+                           "host store")
+
+    def publish(self, pack: int, version: int, slot: int) -> None:
+        """The pack's weights are at version, in slot (one write: a reader sees the old pair or the new one)."""
+        self.words[pack] = version * 2 + slot
+
+    def trained(self) -> int:
+        """The version every pack has reached: the steps the job has completed."""
+        return int(self.words.min()) // 2
+
+
+def reduced_grads_name(model: int, pack: int) -> str:
+    """A pack's gradients summed over its micro-batch groups (vDP), what its optimizer steps with."""
+    return f"m{model}-p{pack}-grads-reduced"
 
 
 def grads_name(model: int, pack: int, group: int = 0) -> str:
@@ -36,12 +91,16 @@ def grads_name(model: int, pack: int, group: int = 0) -> str:
     return f"m{model}-p{pack}-grads" if group == 0 else f"m{model}-p{pack}-g{group}-grads"
 
 
-def optimizer_name(model: int, pack: int, generation: int) -> str:
-    return f"m{model}-p{pack}-optim{generation}"
+def optimizer_name(model: int, pack: int, slot: int) -> str:
+    return f"m{model}-p{pack}-optim{slot}"
 
 
-def optimizer_meta_name(model: int, pack: int) -> str:
-    return f"m{model}-p{pack}-optim-meta"
+def optimizer_meta_name(model: int, pack: int, slot: int) -> str:
+    return f"m{model}-p{pack}-optim-meta{slot}"
+
+
+def optimizer_layout_name(model: int, pack: int) -> str:
+    return f"m{model}-p{pack}-optim-layout"
 
 
 def versions_name(model: int) -> str:
@@ -54,6 +113,10 @@ def span_timing_name(model: int) -> str:
     return f"m{model}-span-timing"
 
 
+def diverged_name(model: int) -> str:
+    return f"m{model}-diverged"
+
+
 def counters_name(device: int) -> str:
     return f"device{device}-counters"
 
@@ -61,6 +124,18 @@ def counters_name(device: int) -> str:
 def losses_name(model: int, block: int, group: int = 0) -> str:
     """A block of LOSS_BLOCK steps of one micro-batch group's share of the loss of each member."""
     return f"m{model}-losses{block}" if group == 0 else f"m{model}-g{group}-losses{block}"
+
+
+def estimate(jobs: list[Job], batch_files: int) -> int:
+    """The host store's bytes for these jobs before they run: two slots of every pack's weights, its gradients,
+    two slots of its optimizer state, the loss blocks and versions, and batch_files files of the largest batch."""
+    total = 0
+    for job in jobs:
+        for pack in job.packing.packs:
+            state = round(job.state_ratio * pack.grad_bytes)
+            total += 2 * slot_bytes(pack.weight_bytes) + pack.grad_bytes * job.groups + 2 * state
+        total += 8 * LOSS_BLOCK * len(job.members) * job.groups + 8 * len(job.packing.packs) + SPAN_TIMING_BYTES
+    return total + batch_files * max((job.batch_bytes for job in jobs), default=0)
 
 
 class RunFiles:
@@ -75,15 +150,20 @@ class RunFiles:
         """Every job's weights (copied in from its layers), gradients, versions and timing, every device's counters."""
         for m, (job, code, runtime) in enumerate(zip(self.plan.jobs, codes, self.models)):
             for p, pack in enumerate(runtime.packs):
-                host = self.store.create(weights_name(m, p), pack.weights.nbytes)
+                mapped = self.store.create(weights_name(m, p), 2 * slot_bytes(pack.weights.nbytes))
                 state = named_state(code.pack_module(job.packing, p))
                 with torch.no_grad():
-                    for name, view in tensors_at(host, pack.weights).items():
-                        view.copy_(state[name].detach().cpu())
+                    for slot in (0, 1):
+                        host = weights_slot(mapped, slot, pack.weights.nbytes)
+                        for name, view in tensors_at(host, pack.weights).items():
+                            view.copy_(state[name].detach().cpu())
                 for group in range(job.groups):
                     self.store.create(grads_name(m, p, group), pack.grads.nbytes)
+                if job.groups > 1:
+                    self.store.create(reduced_grads_name(m, p), pack.grads.nbytes)
             self.store.create(versions_name(m), 8 * len(runtime.packs))
             self.store.create(span_timing_name(m), SPAN_TIMING_BYTES)
+            self.store.create(diverged_name(m), 8 * runtime.members).view(torch.float64).fill_(-1.0)
         for index in range(len(self.plan.budgets)):
             self.store.create(counters_name(index), BLOCK_BYTES)
 
@@ -111,6 +191,15 @@ class RunFiles:
             return [[] for _ in range(members)]
         return torch.cat(blocks).T.tolist()
 
+    def stopped(self, model: int) -> dict[int, int]:
+        """The members of a job (by position) whose loss stopped being finite, and the step it happened at."""
+        steps = self.store.attach(diverged_name(model), 8 * self.models[model].members).view(torch.float64)
+        return {position: int(step) for position, step in enumerate(steps.tolist()) if step >= 0}
+
+    def trained(self, model: int) -> int:
+        """The steps whose updates every pack of a job has (its host weights' version where all packs agree)."""
+        return self.versions(model).trained()
+
     def counters(self) -> dict[str, dict[str, int]]:
         """Per device, what its worker last published."""
         return {
@@ -119,12 +208,26 @@ class RunFiles:
         }
 
     def copy_back(self, codes: list[JobCode]) -> None:
-        """Write the trained weights (and buffers) from the host store into the user's modules, in place."""
+        """Write the trained weights (and buffers) from the host store into the user's modules, in place: the
+        version of each job's last complete step (a job that stopped in the middle of one has packs a version
+        further; their slot before it is intact)."""
         with torch.no_grad():
             for m, (job, code, runtime) in enumerate(zip(self.plan.jobs, codes, self.models)):
+                versions = self.versions(m)
+                version = versions.trained()
                 for p, pack in enumerate(runtime.packs):
                     state = named_state(code.pack_module(job.packing, p))
-                    host = self.store.attach(weights_name(m, p), pack.weights.nbytes)
+                    host = self.weights(m, p, versions.slot(p, version))
                     for name, view in tensors_at(host, pack.weights).items():
                         state[name].copy_(view)
                 code.copy_back()
+
+    def versions(self, model: int) -> Versions:
+        """Per pack of a job, the version its host weights are at."""
+        return Versions(self.store.attach(versions_name(model), 8 * len(self.models[model].packs)))
+
+    def weights(self, model: int, pack: int, slot: int) -> torch.Tensor:
+        """The bytes of one slot of a pack's weights."""
+        nbytes = self.models[model].packs[pack].weights.nbytes
+        mapped = self.store.attach(weights_name(model, pack), 2 * slot_bytes(nbytes))
+        return weights_slot(mapped, slot, nbytes)

@@ -3,7 +3,9 @@
 Its weights are copied in once and pinned; its module is bound to them once (parameters that view the
 device weights), so that every step runs the module directly, as a plain PyTorch loop would; the update
 steps the optimizer over the same parameters, whose state is charged to the device budget after its first
-step; the trained weights go to the host store once, at the end of the run.
+step. After each of its tasks its weights and optimizer state go to the host store as the next version (a task
+runs a span of steps sized so that this costs about as little as the task itself): a model whose device is
+lost is taken up from there, on its device when it comes back or on another.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from torch import nn
 
 from harmony.runtime.array_optimizer import build_optimizer, optimizer_params, step_optimizer
 from harmony.runtime.cache import DeviceCache
+from harmony.runtime.divergence import keep_stopped
 from harmony.runtime.hoststore import tensors_at
+from harmony.runtime.optimstate import OptimizerState
 from harmony.runtime.spec import PackRuntime
 
 
@@ -50,6 +54,9 @@ class HomedModel:
         weights: torch.Tensor,
         module: nn.Module,
         factory: Callable[..., torch.optim.Optimizer],
+        saved: OptimizerState,
+        version: int,
+        slot: int,
     ) -> None:
         self.cache = cache
         self.model = model
@@ -75,8 +82,14 @@ class HomedModel:
         if self.fresh_grads:
             buffer = None  # the bytes stay charged; backward allocates the gradients
         self.grad_buffer = buffer
+        self.optimizer_params = optimizer_params(self.optimizer)
         self.state_bytes = 0
-        self.next_step = 0
+        self.next_step = version
+        self.stopped: list[int] = []
+        self.kept: list[torch.Tensor] = []
+        if version:
+            saved.load(self.optimizer, self.optimizer_params, slot, bind=False)
+            self._charge_state()
 
     def clear_grads(self) -> None:
         """Before a step's first backward: no gradients yet (or a zeroed buffer, see the class)."""
@@ -86,9 +99,25 @@ class HomedModel:
         for param in self.params:
             param.grad = None
 
+    def stop(self, members: list[int]) -> None:
+        """Members of this array whose loss stopped being finite keep their weights as they are now (before the
+        update of the step they stopped at) for the rest of the run (see divergence)."""
+        if members:
+            self.stopped = sorted({*self.stopped, *members})
+            index = torch.tensor(self.stopped, device=self.params[0].device)
+            self.kept = [param.detach().index_select(0, index) for param in self.params]
+
     def step(self, step: int) -> None:
         """Apply the update on the device; the device weights become version step + 1."""
         step_optimizer(self.optimizer)
+        if self.stopped:
+            keep_stopped([param.detach() for param in self.params], self.kept, self.stopped)
+        self._charge_state()
+        self.cache.set_version((self.model, 0), step + 1)
+        self.next_step = step + 1
+
+    def _charge_state(self) -> None:
+        """Charge the device for optimizer state it holds beyond what was charged (after its first step)."""
         held = sum(
             value.numel() * value.element_size()
             for state in self.optimizer.state.values()
@@ -98,5 +127,9 @@ class HomedModel:
         if held > self.state_bytes:
             self.cache.charge(held - self.state_bytes, f"optimizer state of model {self.model}")
             self.state_bytes = held
-        self.cache.set_version((self.model, 0), step + 1)
-        self.next_step = step + 1
+
+    def flush(self, host: torch.Tensor, saved: OptimizerState, slot: int) -> None:
+        """Write the device's weights and optimizer state into a slot of the host store (host is its weights)."""
+        self.cache.write_back(self.weights, host, "weights")
+        saved.save(self.optimizer, self.optimizer_params, slot)
+        self.cache.counters.add("out_state", self.state_bytes)

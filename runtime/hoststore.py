@@ -1,15 +1,18 @@
 """The host store: model state in shared-memory files that every process on the machine maps without copies.
 
-Each (model, pack) has a weights file (parameters and buffers), a gradients file and, after the first
-update, an optimizer-state file; devices have counter blocks and models a loss history. Files are named
-``harmony-<run>-<name>`` under /dev/shm, so the driver can remove all of a run's files at the end
-whatever happened, and a test can see that none are left. A store that serves a GPU pins its mappings
-(cudaHostRegister), so that copies between them and the GPU are asynchronous and run at the link's speed.
+What a run keeps there is listed in runtime.files. Files are named ``harmony-<run>-<name>`` under /dev/shm, so
+that all of a run's files can be removed at the end whatever happened (and those of a run whose driver died,
+see runtime.orphans), and a test can see that none are left. They are readable by the user alone, and their
+bytes are allocated when they are created: a /dev/shm too small for them is a HostStoreFull error at that
+moment, never a SIGBUS when a page is first touched. A store may be given a byte budget (host_memory). A store
+that serves a GPU pins its mappings (cudaHostRegister), so that copies between them and the GPU are
+asynchronous and run at the link's speed.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -26,6 +29,14 @@ def shm_directory() -> Path:
     return shm if shm.is_dir() else Path(tempfile.gettempdir())
 
 
+def allocate(descriptor: int, nbytes: int) -> None:
+    """Give a file nbytes of allocated space (posix_fallocate where the system has it)."""
+    if hasattr(os, "posix_fallocate"):
+        os.posix_fallocate(descriptor, 0, nbytes)
+    else:
+        os.ftruncate(descriptor, nbytes)
+
+
 def torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
@@ -34,13 +45,24 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-class HostStore:
-    """A run's shared-memory files, created by the driver and attached by workers on the same machine."""
+class HostStoreFull(OSError):
+    """A host-store file could not be allocated: the host's shared memory (or the run's host_memory) is full."""
 
-    def __init__(self, run: str, directory: Path | str | None = None, pin: bool = False) -> None:
+
+class HostStore:
+    """A run's shared-memory files, created by the driver and attached by workers on the same machine.
+
+    budget, when given, is the bytes the files this store creates may take in all (host_memory).
+    """
+
+    def __init__(
+        self, run: str, directory: Path | str | None = None, pin: bool = False, budget: int | None = None
+    ) -> None:
         self.run = run
         self.directory = Path(directory) if directory is not None else shm_directory()
         self.pin = pin
+        self.budget = budget
+        self.created = 0
         self._mapped: dict[str, torch.Tensor] = {}
         self._pinned: set[str] = set()
         self._closed = False
@@ -55,11 +77,31 @@ class HostStore:
             raise RuntimeError(f"host store of run {self.run} is closed: {name} is not touched")
 
     def create(self, name: str, nbytes: int) -> torch.Tensor:
-        """A new zero-filled shared buffer of nbytes bytes (uint8)."""
+        """A new zero-filled shared buffer of nbytes bytes (uint8), its bytes allocated now and readable by the
+        user alone; HostStoreFull when the space (or the store's budget) is not there."""
         self._check_open(name)
+        size = max(nbytes, 1)
+        if self.budget is not None and self.created + size > self.budget:
+            raise HostStoreFull(
+                f"the host store needs {self.created + size:,} bytes for {name} but host_memory is {self.budget:,} "
+                "bytes; raise host_memory, or train fewer or smaller models at once"
+            )
         path = self.path(name)
-        with open(path, "wb") as handle:
-            handle.truncate(max(nbytes, 1))
+        self.forget(name)
+        descriptor = os.open(path, os.O_CREAT | os.O_RDWR | os.O_TRUNC, 0o600)
+        try:
+            allocate(descriptor, size)
+        except OSError as error:
+            os.close(descriptor)
+            path.unlink(missing_ok=True)
+            free = shutil.disk_usage(self.directory).free
+            raise HostStoreFull(
+                f"could not allocate {size:,} bytes for {path} ({error.strerror}): {self.directory} has "
+                f"{free:,} bytes free; give the machine more shared memory (in a container, --shm-size), or "
+                "train fewer or smaller models at once"
+            ) from None
+        os.close(descriptor)
+        self.created += size
         return self.attach(name, nbytes)
 
     def exists(self, name: str) -> bool:
@@ -107,7 +149,9 @@ class HostStore:
         self._check_open(name)
         path = self.path(name)
         scratch = path.with_name(path.name + ".tmp")
-        scratch.write_bytes(data)
+        descriptor = os.open(scratch, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+        with os.fdopen(descriptor, "wb") as handle:
+            handle.write(data)
         os.replace(scratch, path)
 
     def read_bytes(self, name: str) -> bytes | None:

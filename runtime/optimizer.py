@@ -1,115 +1,107 @@
-"""The optimizer of one pack, stepping parameters in the host store and keeping its state there too.
+"""A swapped pack's update on the host store, applied exactly once per step whatever dies in the middle.
 
-The user's factory builds a torch optimizer over the pack's parameters, which are tensors mapped on the
-host store's weight file, with their .grad mapped on the gradient file. After a step, any state tensor
-the optimizer created (momentum buffers, Adam moments, step counts) is moved into a state file of the
-host store, with a small msgpack description beside it, so that any worker on the machine can rebuild
-the optimizer exactly where the last one left off.
+The update for step s reads the pack's weights at version s (slot s % 2) and writes version s + 1 into the other
+slot: it copies the trainable parameters and the optimizer's state across, steps the optimizer there (a torch
+optimizer built by the user's factory over views of that slot, its gradients views of the gradient file), then
+publishes the version. A worker that dies before the version is published leaves version s whole, and the update
+is simply run again; one that finds the version published already leaves it. Updates of one pack are serialized
+by a lock on its weights file, so that a task still running on one worker and its rerun on another never step
+the same slot at once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import fcntl
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
-import msgpack
 import torch
 from torch import nn
 
 from harmony.runtime.array_optimizer import build_optimizer, optimizer_params, step_optimizer
-from harmony.runtime.files import grads_name, optimizer_meta_name, optimizer_name, weights_name
-from harmony.runtime.hoststore import HostStore, dtype_name, tensor_at
+from harmony.runtime.divergence import keep_stopped
+from harmony.runtime.files import Versions
+from harmony.runtime.hoststore import HostStore, tensor_at, tensors_at
+from harmony.runtime.optimstate import OptimizerState
 from harmony.runtime.spec import PackRuntime
-from harmony.tasks.layout import Slot, TensorSpec, lay_out
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 
 class PackOptimizer:
-    """A torch optimizer over one pack's parameters in the host store, with its state in the host store."""
+    """A torch optimizer over one slot of one pack's weights in the host store, with its state kept per slot."""
 
     def __init__(
-        self, factory: OptimizerFactory, store: HostStore, model: int, pack: int, runtime: PackRuntime
+        self, factory: OptimizerFactory, weights: torch.Tensor, grads: torch.Tensor, runtime: PackRuntime,
+        state: OptimizerState,
     ) -> None:
-        self.store = store
-        self.model = model
-        self.pack = pack
-        weights = store.attach(weights_name(model, pack), runtime.weights.nbytes)
-        grads = store.attach(grads_name(model, pack), runtime.grads.nbytes)
         by_name = {slot.spec.name: slot for slot in runtime.weights.slots}
-        self.params = []
+        params = []
         for grad_slot in runtime.grads.slots:
             param = nn.Parameter(tensor_at(weights, by_name[grad_slot.spec.name]))
             param.grad = tensor_at(grads, grad_slot)
-            self.params.append(param)
-        self.optimizer = build_optimizer(factory, self.params, [slot.spec.name for slot in runtime.grads.slots])
+            params.append(param)
+        self.optimizer = build_optimizer(factory, params, [slot.spec.name for slot in runtime.grads.slots])
         self.params = optimizer_params(self.optimizer)
-        self.generation = -1
-        self.last_step = -1
-        self.layout: list[list[Any]] = []
-        self.nbytes = 0
-        self._load()
+        self.state = state
 
-    def _load(self) -> None:
-        raw = self.store.read_bytes(optimizer_meta_name(self.model, self.pack))
-        if raw is None:
-            return
-        meta = msgpack.unpackb(raw)
-        self.generation = meta["generation"]
-        self.last_step = meta["step"]
-        self.layout = meta["tensors"]
-        self.nbytes = meta["nbytes"]
-        buffer = self.store.attach(optimizer_name(self.model, self.pack, self.generation), self.nbytes)
-        for index, key, dtype, shape, offset in meta["tensors"]:
-            slot = Slot(TensorSpec(key, dtype, tuple(shape)), offset)
-            self.optimizer.state[self.params[index]][key] = tensor_at(buffer, slot)
-        for index, key, value in meta["scalars"]:
-            self.optimizer.state[self.params[index]][key] = value
-
-    def step(self, step: int) -> None:
-        """Apply the update for step; the gradients in the host store are this step's."""
-        assert self.last_step == step - 1, f"pack optimizer at step {self.last_step} asked for step {step}"
+    def step(self, slot: int) -> None:
+        """Step the parameters of this optimizer's slot with the state that slot holds, and keep the new state."""
+        self.state.load(self.optimizer, self.params, slot, bind=True)
         step_optimizer(self.optimizer)
-        self.last_step = step
-        self._persist()
+        self.state.save(self.optimizer, self.params, slot)
 
-    def _state_items(self) -> list[tuple[int, str, Any]]:
-        return [
-            (index, key, value)
-            for index, param in enumerate(self.params)
-            for key, value in self.optimizer.state.get(param, {}).items()
-        ]
 
-    def _persist(self) -> None:
-        items = self._state_items()
-        tensors = [(i, k, v) for i, k, v in items if isinstance(v, torch.Tensor)]
-        scalars = [[i, k, v] for i, k, v in items if not isinstance(v, torch.Tensor)]
-        stored = self.generation >= 0 and all(self._in_store(v) for _, _, v in tensors)
-        if not stored and tensors:
-            self.generation += 1
-            layout = lay_out([TensorSpec(key, dtype_name(v.dtype), tuple(v.shape)) for _, key, v in tensors])
-            buffer = self.store.create(optimizer_name(self.model, self.pack, self.generation), layout.nbytes)
-            for (index, key, value), slot in zip(tensors, layout.slots):
-                shared = tensor_at(buffer, slot)
-                shared.copy_(value)
-                self.optimizer.state[self.params[index]][key] = shared
-            self.layout = [
-                [index, key, slot.spec.dtype, list(slot.spec.shape), slot.offset]
-                for (index, key, _), slot in zip(tensors, layout.slots)
-            ]
-            self.nbytes = layout.nbytes
-        meta = {
-            "generation": self.generation,
-            "step": self.last_step,
-            "nbytes": self.nbytes,
-            "tensors": self.layout,
-            "scalars": scalars,
-        }
-        self.store.write_bytes(optimizer_meta_name(self.model, self.pack), msgpack.packb(meta))
+@contextmanager
+def pack_lock(store: HostStore, name: str) -> Iterator[None]:
+    """Hold the pack's lock (on its weights file) across processes for the block."""
+    with open(store.path(name), "rb") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
-    def _in_store(self, tensor: torch.Tensor) -> bool:
-        if self.generation < 0:
-            return False
-        buffer = self.store.attach(optimizer_name(self.model, self.pack, self.generation), self.nbytes)
-        start = buffer.data_ptr()
-        return start <= tensor.data_ptr() < start + max(self.nbytes, 1)
+
+def update(
+    runtime: PackRuntime,
+    versions: Versions,
+    pack: int,
+    step: int,
+    weights: Callable[[int], torch.Tensor],
+    optimizer: Callable[[int], PackOptimizer],
+    stopped: list[int],
+) -> bool:
+    """Apply a pack's update for step once: from the slot of version step into the other slot, then publish
+    version step + 1. weights gives a slot's bytes, optimizer the pack's optimizer over a slot; stopped are the
+    members of an array that keep their weights (see divergence). Returns whether it applied the update (not
+    when the version says it was applied already). The caller holds the pack's lock."""
+    current, slot = versions.current(pack)
+    if current > step:
+        return False
+    if current < step:
+        raise RuntimeError(f"the update of step {step} of pack {pack} came before step {current}'s")
+    following = 1 - slot
+    if runtime.grads.slots:  # a pack of activations or frozen layers has nothing to step
+        source, target = weights(slot), weights(following)
+        copy_trainable(runtime, source, target)
+        stepping = optimizer(following)
+        stepping.state.copy_slot(slot, following)
+        stepping.step(following)
+        if stopped:
+            names = [entry.spec.name for entry in runtime.grads.slots]
+            after, before = tensors_at(target, runtime.weights), tensors_at(source, runtime.weights)
+            keep_stopped([after[name] for name in names], [before[name][stopped] for name in names], stopped)
+    versions.publish(pack, step + 1, following)
+    return True
+
+
+def copy_trainable(runtime: PackRuntime, source: torch.Tensor, target: torch.Tensor) -> None:
+    """Copy the trainable parameters' bytes of one weights slot into another (buffers and frozen parameters are
+    written elsewhere: buffers by the step's tasks, frozen parameters into both slots when the run starts)."""
+    trainable = {slot.spec.name for slot in runtime.grads.slots}
+    with torch.no_grad():
+        for slot in runtime.weights.slots:
+            if slot.spec.name in trainable:
+                stop = slot.offset + slot.spec.nbytes
+                target[slot.offset : stop].copy_(source[slot.offset : stop])

@@ -8,6 +8,7 @@ removes every shared-memory file it created.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import secrets
 import time
@@ -15,8 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from distributed import get_worker
+from torch import nn
 
+from harmony.runtime.checkpoint import Checkpoints
 from harmony.runtime.cluster import ClusterHandle
 from harmony.runtime.code import JobCode
 from harmony.runtime.data import SharedFeed
@@ -24,10 +26,14 @@ from harmony.runtime.devices import DeviceSpec
 from harmony.runtime.driver import Driver
 from harmony.runtime.files import RunFiles
 from harmony.runtime.hoststore import HostStore
+from harmony.runtime.orphans import claim, sweep
 from harmony.runtime.spec import RunSpec, describe
 from harmony.runtime.worker import RUNS, DevicePlugin
 from harmony.tasks.binding import BindingState
 from harmony.tasks.runplan import RunPlan
+
+logger = logging.getLogger("harmony")
+END = 2**62  # checkpoint_every when only the end of a job is checkpointed
 
 
 @dataclass
@@ -35,7 +41,9 @@ class RunOutcome:
     """What a finished run measured, per job of its plan: history is per job, then per member, each step's loss.
 
     steps are the training steps each job ran; step_seconds when each finished and finish_seconds when the last
-    did (from the moment the driver started); depths the steps its later tasks each ran; counters per device.
+    did (from the moment the driver started); depths the steps its later tasks each ran; counters per device;
+    failed the jobs that stopped alone (step, reason); stopped, per job, the members whose loss stopped being
+    finite and the step; events the workers lost and joined, the jobs failed.
     """
 
     history: list[list[list[float]]]
@@ -47,6 +55,9 @@ class RunOutcome:
     tasks: int
     run_seconds: float
     schedule: dict[str, list[str]]
+    failed: dict[int, dict[str, object]]
+    stopped: dict[int, dict[int, int]]
+    events: list[dict[str, object]]
 
 
 def execute(
@@ -56,37 +67,60 @@ def execute(
     devices: list[DeviceSpec],
     handle: ClusterHandle,
     on_progress: Callable[[BindingState], None] | None = None,
+    host_memory: int | None = None,
+    checkpoints: Checkpoints | None = None,
+    starts: list[int] | None = None,
+    users: tuple[list[nn.Module], list[Any]] = ([], []),
 ) -> RunOutcome:
     """Train the plan's jobs to completion on the cluster whose workers are the devices; cleans up whatever
-    happens. The user's modules hold the trained weights when it returns."""
-    run = secrets.token_hex(3)
-    store = HostStore(run)
+    happens. The user's modules hold the trained weights when it returns.
+
+    With checkpoints, every job is checkpointed as the plan's options say (users: the user's models and optimizer
+    factories, whose state dicts each checkpoint writes too); with starts, each job first takes up its latest
+    checkpoint, which holds that many steps."""
+    run = secrets.token_hex(6)
+    sweep()
+    store = HostStore(run, budget=host_memory)
     driver: Driver | None = None
     plugin = f"harmony-{run}"
     registered = False
     try:
+        claim(store)
         models = describe(plan, codes)
         files = RunFiles(store, plan, models)
         files.create(codes)
+        starts = starts or [0] * len(plan.jobs)
+        if checkpoints is not None:
+            for job, start in enumerate(starts):
+                if start and checkpoints.restore(job, files) != start:
+                    raise RuntimeError(f"the checkpoint of job {job} changed while the run resumed it")
         if not handle.embedded:
             check_same_machine(handle, store)
         spec = RunSpec(run, str(store.directory), models, tuple(devices), plan.options.prefetch, plan.options.group)
         handle.client.register_plugin(DevicePlugin(spec), name=plugin)
         registered = True
         state = BindingState(list(plan.jobs), plan.devices, policy=plan.options.policy, mode=plan.mode,
-                             homes=plan.homes)
+                             homes=plan.homes, fail_fast=plan.options.fail_fast,
+                             checkpoint_every=(plan.options.checkpoint_every or END) if checkpoints else None,
+                             start=starts)
+
+        def checkpoint(job: int) -> None:
+            assert checkpoints is not None
+            step = checkpoints.save(job, files, codes, *users)
+            logger.info("harmony: checkpointed %s at step %d in %s", plan.jobs[job].label, step, checkpoints.directory)
+
         driver = Driver(handle.client, run, store, state, [feeds[job.feed] for job in plan.jobs], handle.workers,
-                        plan.options.microbatches, on_step=files.open_step, on_progress=on_progress)
+                        plan.options.microbatches, on_step=files.open_step, on_progress=on_progress,
+                        on_checkpoint=checkpoint if checkpoints is not None else None)
         started = time.perf_counter()
         driver.run_to_completion()
         run_seconds = time.perf_counter() - started
-        flush_homed(handle, run, devices)
         files.copy_back(codes)
         executed = handle.client.run(_executed, run)
         names = {address: name for name, address in handle.workers.items()}
         return RunOutcome(
-            history=[files.history(m, steps) for m, steps in enumerate(state.steps_trained)],
-            steps=list(state.steps_trained),
+            history=[files.history(m, files.trained(m)) for m in range(len(plan.jobs))],
+            steps=[files.trained(m) for m in range(len(plan.jobs))],
             step_seconds=state.step_times,
             finish_seconds=[state.finish_times.get(m, run_seconds) for m in range(len(plan.jobs))],
             depths=[spans.depth for spans in state.spans],
@@ -94,6 +128,9 @@ def execute(
             tasks=state.tasks_finished,
             run_seconds=run_seconds,
             schedule={names[address]: keys for address, keys in executed.items() if address in names},
+            failed=dict(state.failed),
+            stopped={m: stopped for m in range(len(plan.jobs)) if (stopped := files.stopped(m))},
+            events=list(state.events),
         )
     finally:
         if driver is not None:
@@ -111,26 +148,6 @@ def _executed(run: str, dask_worker: Any) -> list[str]:
     """On a worker (through client.run): the keys of this run's tasks in the order it ran them."""
     context = RUNS.get((run, dask_worker.address))
     return list(context.executed) if context is not None else []
-
-
-def _flush_homed(run: str) -> None:
-    """A task on a device worker: write its homed models' trained weights to the host store."""
-    context = RUNS.get((run, get_worker().address))
-    if context is not None:
-        context.flush_homed()
-
-
-def flush_homed(handle: ClusterHandle, run: str, devices: list[DeviceSpec]) -> None:
-    """Every device's homed weights to the host store, each written by its worker's task thread, where the run's
-    tasks computed: a copy that large on the worker's event loop (``client.run``) would give that thread an
-    OpenMP team of its own for the rest of the process's life, and every later run's compute would slow down
-    (runtime.serial_copy)."""
-    flushes = [
-        handle.client.submit(_flush_homed, run, key=f"harmony-flush-{run}-{device.name}", pure=False,
-                             workers=[handle.workers[device.name]], allow_other_workers=False)
-        for device in devices
-    ]
-    handle.client.gather(flushes)
 
 
 def check_same_machine(handle: ClusterHandle, store: HostStore) -> None:

@@ -1,5 +1,6 @@
-"""Preloaded by every embedded device worker: malloc that keeps freed memory, and, in the background, the
-imports the first optimizer step needs.
+"""Preloaded by every embedded device worker: malloc that keeps freed memory, a watchdog that ends the worker
+(and removes the files of its driver's runs) once its driver is gone, and, in the background, the imports the
+first optimizer step needs.
 
 The first torch optimizer a process builds imports torch._dynamo, which takes a second or two; started
 when the worker process starts, the import overlaps with the worker joining the scheduler and the driver
@@ -13,6 +14,7 @@ import importlib
 import threading
 
 from harmony.runtime.allocator import keep_freed_memory
+from harmony.runtime.orphans import watch_parent
 
 
 def _import_optimizer_machinery() -> None:
@@ -20,6 +22,7 @@ def _import_optimizer_machinery() -> None:
 
 
 keep_freed_memory()
+watch_parent()
 WARMUP = threading.Thread(target=_import_optimizer_machinery, name="harmony-warmup", daemon=True)
 WARMUP.start()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import cloudpickle
@@ -21,11 +22,23 @@ from harmony.runtime import serialization  # noqa: F401  (tensor serializers on 
 from harmony.runtime.allocator import keep_freed_memory
 from harmony.runtime.cache import DeviceCache
 from harmony.runtime.counters import BLOCK_BYTES, Counters
-from harmony.runtime.files import counters_name, grads_name, versions_name, weights_name
+from harmony.runtime.divergence import Members
+from harmony.runtime.files import (
+    Versions,
+    counters_name,
+    grads_name,
+    reduced_grads_name,
+    slot_bytes,
+    versions_name,
+    weights_name,
+    weights_slot,
+)
 from harmony.runtime.handoff import FinishedKeys
 from harmony.runtime.homed import HomedModel
 from harmony.runtime.hoststore import HostStore, tensors_at
-from harmony.runtime.optimizer import PackOptimizer
+from harmony.runtime.optimizer import PackOptimizer, pack_lock, update
+from harmony.runtime.optimstate import OptimizerState
+from harmony.runtime.orphans import sweep
 from harmony.runtime.skeleton import load_skeleton
 from harmony.runtime.spec import RunSpec
 from harmony.tasks.graph import TaskId, parse_key
@@ -56,7 +69,9 @@ class RunContext:
         self._modules: dict[tuple[int, int], nn.Module] = {}
         self._loss_fns: dict[int, Any] = {}
         self._factories: dict[int, Any] = {}
-        self._optimizers: dict[tuple[int, int], PackOptimizer] = {}
+        self._optimizers: dict[tuple[int, int, int], PackOptimizer] = {}
+        self._states: dict[tuple[int, int], OptimizerState] = {}
+        self._members: dict[int, Members] = {}
 
     @property
     def counters(self) -> Counters:
@@ -83,42 +98,85 @@ class RunContext:
             self._factories[model] = cloudpickle.loads(self.spec.models[model].optimizer)
         return self._factories[model]
 
-    def host_weights(self, model: int, pack: int) -> torch.Tensor:
-        return self.store.attach(weights_name(model, pack), self.spec.models[model].packs[pack].weights.nbytes)
+    def weights_slot(self, model: int, pack: int, slot: int) -> torch.Tensor:
+        """One slot of a pack's host weights."""
+        nbytes = self.spec.models[model].packs[pack].weights.nbytes
+        return weights_slot(self.store.attach(weights_name(model, pack), 2 * slot_bytes(nbytes)), slot, nbytes)
+
+    def host_weights(self, model: int, pack: int, version: int) -> torch.Tensor:
+        """A pack's host weights at version: the current one, or the one before it (a step being run again)."""
+        return self.weights_slot(model, pack, self.versions(model).slot(pack, version))
+
+    def next_weights(self, model: int, pack: int, version: int) -> torch.Tensor:
+        """The slot the version after version goes into (the other one): where a step's buffers are written."""
+        return self.weights_slot(model, pack, 1 - self.versions(model).slot(pack, version))
 
     def host_grads(self, model: int, pack: int, group: int = 0) -> torch.Tensor:
         return self.store.attach(grads_name(model, pack, group), self.spec.models[model].packs[pack].grads.nbytes)
 
     def reduce_grads(self, model: int, pack: int) -> None:
-        """Add every other micro-batch group's gradients into group 0's, which the optimizer reads."""
-        layout = self.spec.models[model].packs[pack].grads
-        total = tensors_at(self.host_grads(model, pack), layout)
-        for group in range(1, self.spec.models[model].groups):
-            for name, grad in tensors_at(self.host_grads(model, pack, group), layout).items():
-                total[name].add_(grad)
+        """Sum the micro-batch groups' gradients into the reduced file, which the optimizer reads (out of place, so
+        that an update run again sums the same gradients)."""
+        runtime = self.spec.models[model].packs[pack]
+        total = self.store.attach(reduced_grads_name(model, pack), runtime.grads.nbytes)
+        groups = [tensors_at(self.host_grads(model, pack, group), runtime.grads)
+                  for group in range(self.spec.models[model].groups)]
+        for name, reduced in tensors_at(total, runtime.grads).items():
+            torch.sum(torch.stack([grads[name] for grads in groups]), 0, out=reduced)
 
     def homed(self, model: int, weights: torch.Tensor) -> HomedModel:
-        """The state of a model homed on this device, created when its weights first arrive."""
+        """The state of a model homed on this device, created when its weights first arrive (at the version the
+        host store holds, with the optimizer state of that version: a model moved here after its device was
+        lost takes up where its last flush left it)."""
         if model not in self.homed_models:
             runtime = self.spec.models[model].packs[0]
-            self.homed_models[model] = HomedModel(self.cache, model, runtime, weights, load_skeleton(runtime.skeleton),
-                                                  self.optimizer_factory(model))
+            self.homed_models[model] = HomedModel(
+                self.cache, model, runtime, weights, load_skeleton(runtime.skeleton), self.optimizer_factory(model),
+                self.optimizer_state(model, 0), *self.versions(model).current(0),
+            )
+            self.homed_models[model].stop(self.members(model).stopped())
         return self.homed_models[model]
 
     def homed_next_step(self, model: int) -> int:
-        """The step a model homed on this device trains next (0 before its first task here)."""
+        """The step a model homed on this device trains next: where its device state is, else where the host
+        store's version of it is."""
         state = self.homed_models.get(model)
-        return 0 if state is None else state.next_step
+        return self.versions(model).current(0)[0] if state is None else state.next_step
 
-    def flush_homed(self) -> None:
-        """Write every homed model's trained weights to the host store (once, at the end of a run)."""
-        for model, state in self.homed_models.items():
-            self.cache.write_back(state.weights, self.host_weights(model, 0), "weights")
-        self.counters.publish()
+    def flush_homed(self, model: int) -> None:
+        """Write a homed model's weights and optimizer state into the host store as the next version (after each
+        of its tasks: what it takes up from if its device is lost)."""
+        state = self.homed_models[model]
+        with pack_lock(self.store, weights_name(model, 0)):
+            versions = self.versions(model)
+            _, slot = versions.current(0)
+            state.flush(self.weights_slot(model, 0, 1 - slot), self.optimizer_state(model, 0), 1 - slot)
+            versions.publish(0, state.next_step, 1 - slot)
 
-    def versions(self, model: int) -> torch.Tensor:
-        """Per pack of model, the step the host store's weights are ready for."""
-        return self.store.attach(versions_name(model), 8 * len(self.spec.models[model].packs)).view(torch.int64)
+    def versions(self, model: int) -> Versions:
+        """Per pack of model, the version the host store's weights are at, and its slot."""
+        return Versions(self.store.attach(versions_name(model), 8 * len(self.spec.models[model].packs)))
+
+    def members(self, model: int) -> Members:
+        """Which members of a job still train (see divergence)."""
+        if model not in self._members:
+            self._members[model] = Members(self.store, model, self.spec.models[model].members)
+        return self._members[model]
+
+    def optimizer_state(self, model: int, pack: int) -> OptimizerState:
+        key = (model, pack)
+        if key not in self._states:
+            self._states[key] = OptimizerState(self.store, model, pack)
+        return self._states[key]
+
+    def update(self, model: int, pack: int, step: int) -> None:
+        """Apply a swapped pack's update for step on the host store, once (see runtime.optimizer)."""
+        spec = self.spec.models[model]
+        stopped = self.members(model).stopped() if spec.members > 1 else []
+        with pack_lock(self.store, weights_name(model, pack)):
+            update(spec.packs[pack], self.versions(model), pack, step,
+                   lambda slot: self.weights_slot(model, pack, slot),
+                   lambda slot: self.pack_optimizer(model, pack, slot), stopped)
 
     def next_queued(self) -> TaskId | None:
         """The fwd or bwd task of this run that this worker will run next, read off its task queue."""
@@ -140,27 +198,30 @@ class RunContext:
         if not self.spec.prefetch:
             return
         task = self.next_queued() or self.successor
-        if task is None or int(self.versions(task.model)[task.pack]) != task.span:
+        if task is None:
             return
-        self.cache.prefetch(
-            (task.model, task.pack), task.span, self.host_weights(task.model, task.pack), keep_free
-        )
+        version, slot = self.versions(task.model).current(task.pack)
+        if version != task.span:  # a swapped pack's span is its step: prefetch only the weights it will read
+            return
+        self.cache.prefetch((task.model, task.pack), version, self.weights_slot(task.model, task.pack, slot), keep_free)
 
-    def optimizer(self, model: int, pack: int, step: int) -> PackOptimizer:
-        """The pack's optimizer ready for step; rebuilt from the host store if another worker stepped it."""
-        key = (model, pack)
-        cached = self._optimizers.get(key)
-        if cached is None or cached.last_step != step - 1:
-            cached = PackOptimizer(
-                self.optimizer_factory(model), self.store, model, pack, self.spec.models[model].packs[pack]
-            )
-            self._optimizers[key] = cached
-        return cached
+    def pack_optimizer(self, model: int, pack: int, slot: int) -> PackOptimizer:
+        """The optimizer of a swapped pack over one slot of its host weights (built once per slot)."""
+        key = (model, pack, slot)
+        if key not in self._optimizers:
+            spec = self.spec.models[model]
+            runtime = spec.packs[pack]
+            grads = (self.store.attach(reduced_grads_name(model, pack), runtime.grads.nbytes) if spec.groups > 1
+                     else self.host_grads(model, pack))
+            self._optimizers[key] = PackOptimizer(self.optimizer_factory(model), self.weights_slot(model, pack, slot),
+                                                  grads, runtime, self.optimizer_state(model, pack))
+        return self._optimizers[key]
 
     def close(self) -> None:
         self.homed_models.clear()
         self.cache.clear()
         self._optimizers.clear()
+        self._states.clear()
         self._modules.clear()
         self.store.close()
 
@@ -181,6 +242,7 @@ class DevicePlugin(WorkerPlugin):
     def setup(self, worker: Any) -> None:
         wait_for_warmup()
         keep_freed_memory()
+        sweep(Path(self.spec.store_directory))  # runs whose drivers are gone, on a cluster that outlived them
         RUNS[(self.spec.run, worker.address)] = RunContext(self.spec, str(worker.name))
 
     def teardown(self, worker: Any) -> None:

@@ -15,15 +15,18 @@ first: after an event, the state asks for every batch that may open, one at a ti
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 
 from harmony.tasks.amortize import Spans
 from harmony.tasks.events import (
     BatchReady,
+    Cancel,
+    Checkpoint,
     Event,
     Fail,
     Fetch,
     Instruction,
+    Leave,
     ReadTiming,
     Release,
     StepTimed,
@@ -52,6 +55,7 @@ KIND_RANK = {"upd": 0, "bwd": 1, "fwd": 2}
 POLICIES = ("lrtf", "round_robin")
 MODES = ("free", "vpp", "vdp")
 STORY = 10_000
+LOSSES = 3  # a job whose device is lost under it this many times fails alone (its own task may be what kills it)
 
 
 def packs(job: Job) -> int:
@@ -75,6 +79,9 @@ class BindingState:
         mode: str = "free",
         homes: dict[int, str] | None = None,
         validate: bool = False,
+        fail_fast: bool = False,
+        checkpoint_every: int | None = None,
+        start: list[int] | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy={policy!r}; use one of {POLICIES}")
@@ -82,10 +89,13 @@ class BindingState:
             raise ValueError(f"mode={mode!r}; use one of {MODES}")
         self.policy = policy
         self.mode = mode
-        self.homes = homes or {}
+        self.homes = dict(homes or {})
         self.jobs = jobs
         self.slots = slots_per_device
         self.validate = validate
+        self.fail_fast = fail_fast
+        self.checkpoint_every = checkpoint_every
+        self.budgets = dict(budgets)
         self.device_names = list(budgets)
         self.memory = {name: DeviceMemory(name, budget) for name, budget in budgets.items()}
         self.running: dict[str, set[TaskId]] = {name: set() for name in budgets}
@@ -105,11 +115,26 @@ class BindingState:
         self.submitted = 0
         self.fetching: Fetch | None = None
         self.timing: set[int] = set()
+        self.attempts: dict[TaskId, int] = {}
+        self.failed: dict[int, dict[str, object]] = {}
+        self.losses: Counter[int] = Counter()
+        self.events: list[dict[str, object]] = []
         self.story: deque[tuple[Event | None, tuple[Instruction, ...]]] = deque(maxlen=STORY)
         self._deps: dict[TaskId, list[TaskId]] = {}
         self._unmet: dict[TaskId, set[TaskId]] = {}
         self._dependents: dict[TaskId, list[TaskId]] = {}
         self._ready: set[TaskId] = set()
+        for model, steps in enumerate(start or []):
+            self._resume(model, steps)
+
+    def _resume(self, model: int, steps: int) -> None:
+        """A job resumed from a checkpoint has trained steps already: its spans start there (a job stepping once
+        per task keeps its span numbers equal to its steps)."""
+        self.spans[model].open(steps)
+        self.steps_trained[model] = steps
+        self.step_times[model] = [0.0] * steps
+        if not self.spans[model].multistep:
+            self.spans_opened[model] = self.spans_done[model] = steps
 
     # Events
 
@@ -124,13 +149,15 @@ class BindingState:
         elif isinstance(event, TaskFinished):
             instructions = self._task_finished(event)
         elif isinstance(event, TaskFailed):
-            instructions = [Fail(event.task.model, event.error)]
+            instructions = self._task_failed(event)
         elif isinstance(event, StepTimed):
             self.timing.discard(event.model)
             self.spans[event.model].measured(event.seconds, event.steps)
             instructions = self._advance()
-        elif isinstance(event, (WorkerLost, WorkerJoined)):
-            raise NotImplementedError(f"{type(event).__name__} is handled by the fault-tolerant binder")
+        elif isinstance(event, WorkerLost):
+            instructions = self._worker_lost(event)
+        elif isinstance(event, WorkerJoined):
+            instructions = self._worker_joined(event)
         else:
             raise TypeError(f"not an event: {event!r}")
         return self._record(event, instructions)
@@ -154,6 +181,8 @@ class BindingState:
 
     def _task_finished(self, event: TaskFinished) -> list[Instruction]:
         task = event.task
+        if task not in self.bound:
+            return []  # a run of a task that was cancelled meanwhile (its job rolled back or failed)
         device = self.bound.pop(task)
         self.running[device].discard(task)
         self.done.add(task)
@@ -176,27 +205,153 @@ class BindingState:
             instructions += self._span_done(task.model, task.span, event.at)
         return instructions + self._advance()
 
+    def _task_failed(self, event: TaskFailed) -> list[Instruction]:
+        """A task raised: with fail_fast, or when the failure is not the job's own (its code, its divergence), the
+        run fails; else the job fails alone, with the weights of its last complete step, and the others go on."""
+        task = event.task
+        if task not in self.bound:
+            return []  # a run of a task that was cancelled meanwhile
+        if self.fail_fast or not event.isolated:
+            return [Fail(task.model, event.error)]
+        first, _ = self.open_spans[(task.model, task.span)]
+        instructions = self._fail_job(task.model, first, str(event.error), event.at)
+        self.failed[task.model]["error"] = event.error
+        return instructions + self._advance()
+
+    def _fail_job(self, model: int, step: int, reason: str, at: float) -> list[Instruction]:
+        """Stop a job for good: its tasks cancelled, its values and batches dropped, its loader left."""
+        instructions: list[Instruction] = []
+        for span in range(self.spans_done[model], self.spans_opened[model]):
+            instructions += self._clear_span(model, span)
+            self.open_spans.pop((model, span), None)
+            for group in range(self.jobs[model].groups):
+                for value in (BatchInput(model, span, group), BatchTargets(model, span, group)):
+                    self.readers.pop(value, None)
+                    instructions.append(Release(value))
+        self.failed[model] = {"step": step, "reason": reason, "steps": self.steps_trained[model]}
+        self.finish_times.setdefault(model, at)
+        self.events.append({"at": at, "event": "job failed", "job": model, "step": step, "reason": reason})
+        self.timing.discard(model)
+        return [*instructions, Leave(model, self.spans[model].opened)]
+
+    def _clear_span(self, model: int, span: int) -> list[Instruction]:
+        """Forget every task of an open span (bound or finished), cancelling its run; returns the cancellations."""
+        job = self.jobs[model]
+        cancelled: list[Instruction] = []
+        for task in span_tasks(model, packs(job), span, job.groups):
+            device = self.bound.pop(task, None)
+            if device is not None:
+                self.running.get(device, set()).discard(task)
+            if device is not None or task in self.done or task in self.placed:
+                cancelled.append(Cancel(task))
+            self.done.discard(task)
+            self.placed.pop(task, None)
+            self.edges.pop(task, None)
+            self.readers.pop(task, None)
+            self._deps.pop(task, None)
+            self._unmet.pop(task, None)
+            self._dependents.pop(task, None)
+            self._ready.discard(task)
+        return cancelled
+
+    def _roll_back(self, model: int) -> list[Instruction]:
+        """Run a job's open spans again from their start: their tasks anew (each a new attempt), their batches kept.
+
+        Updates its tasks applied already stay applied (the workers apply each one once, by version) and the steps
+        run again read the weights those spans started from (the host store keeps the version before the current).
+        """
+        instructions: list[Instruction] = []
+        job = self.jobs[model]
+        for span in range(self.spans_done[model], self.spans_opened[model]):
+            instructions += self._clear_span(model, span)
+            for group in range(job.groups):
+                for value in (BatchInput(model, span, group), BatchTargets(model, span, group)):
+                    self.readers[value] = len(consumers(value, packs(job)))
+            for task in span_tasks(model, packs(job), span, job.groups):
+                self.attempts[task] = self.attempts.get(task, 0) + 1
+                self._add_task(task)
+        return instructions
+
+    def _worker_lost(self, event: WorkerLost) -> list[Instruction]:
+        """A device's worker is gone: what it ran or held is run again, on the devices left (or on it when a worker
+        of its name comes back); a job homed there moves to the live device with the fewest homed jobs."""
+        device = event.device
+        if device not in self.memory:
+            return []
+        self.device_names.remove(device)
+        del self.memory[device]
+        affected = ({task.model for task in self.running.pop(device)}
+                    | {task.model for task, at in self.placed.items() if at == device}
+                    | {model for model, home in self.homes.items() if home == device})
+        instructions: list[Instruction] = []
+        redone: dict[int, str] = {}
+        for model in sorted(affected - set(self.failed)):
+            self.losses[model] += 1
+            if self.losses[model] >= LOSSES:
+                reason = f"the worker running it was lost {self.losses[model]} times"
+                instructions += self._fail_job(model, self.steps_trained[model], reason, event.at)
+                continue
+            instructions += self._roll_back(model)
+            if self.homes.get(model) == device and self.device_names:
+                self.homes[model] = self._home_for(model)
+            redone[model] = self.homes.get(model, "any device")
+        self.events.append({"at": event.at, "event": "worker lost", "device": device, "jobs redone": redone})
+        return instructions + self._advance()
+
+    def _worker_joined(self, event: WorkerJoined) -> list[Instruction]:
+        """A worker for one of the run's devices joined: the device takes tasks again (homed jobs left without a
+        live home go to it)."""
+        device = event.device
+        if device in self.memory or device not in self.budgets:
+            return []
+        self.device_names = [name for name in self.budgets if name in self.memory or name == device]
+        self.memory[device] = DeviceMemory(device, self.budgets[device])
+        self.running[device] = set()
+        for model, home in self.homes.items():
+            if home not in self.memory:
+                self.homes[model] = device
+        self.events.append({"at": event.at, "event": "worker joined", "device": device})
+        return self._advance()
+
+    def _home_for(self, model: int) -> str:
+        """The live device a homed job moves to: the one with the fewest jobs homed there."""
+        homed = Counter(home for other, home in self.homes.items() if other != model)
+        return min(self.device_names, key=lambda name: (homed[name], self.device_names.index(name)))
+
     def _span_done(self, model: int, span: int, at: float) -> list[Instruction]:
         """Every update of a model's span is applied: count its steps, forget its finished tasks."""
         _, count = self.open_spans.pop((model, span))
         self.spans_done[model] = span + 1
+        before = self.steps_trained[model]
         self.steps_trained[model] += count
         self.step_times[model].extend([at] * count)
         self.done = {task for task in self.done if task.model != model or task.span > span}
+        for task in [task for task in self.attempts if task.model == model and task.span <= span]:
+            del self.attempts[task]
+        released: list[Instruction] = []
+        for group in range(self.jobs[model].groups):
+            for value in (BatchInput(model, span, group), BatchTargets(model, span, group)):
+                self.readers.pop(value, None)
+                released.append(Release(value))
         total = self.total_spans(model)
-        if total is not None and self.spans_done[model] >= total:
+        ended = total is not None and self.spans_done[model] >= total
+        if ended:
             self.finish_times.setdefault(model, at)
+        every = self.checkpoint_every
+        if every and (ended or before // every < self.steps_trained[model] // every):
+            released.insert(0, Checkpoint(model))
         if self.spans[model].adaptive:
             self.timing.add(model)
-            return [ReadTiming(model)]
-        return []
+            return [*released, ReadTiming(model)]
+        return released
 
     def _released(self, task: TaskId, packs: int) -> list[Value]:
-        """The values task read for the last time, and task's own if nobody reads it."""
+        """The values task read for the last time, and task's own if nobody reads it. A span's batches stay until
+        the span is done (what its tasks are run again from, should a worker be lost)."""
         released = []
         for value in inputs(task, packs):
             self.readers[value] -= 1
-            if self.readers[value] == 0:
+            if self.readers[value] == 0 and isinstance(value, TaskId):
                 del self.readers[value]
                 released.append(value)
         if self.readers.get(task) == 0:
@@ -218,6 +373,8 @@ class BindingState:
         """
         wanted = []
         for model, opened in enumerate(self.spans_opened):
+            if model in self.failed:
+                continue
             total = self.total_spans(model)
             groups = self.jobs[model].groups
             span = opened
@@ -252,16 +409,21 @@ class BindingState:
             for value in (BatchInput(model, span, group), BatchTargets(model, span, group)):
                 self.readers[value] = len(consumers(value, packs))
         for task in span_tasks(model, packs, span, groups):
-            self.readers[task] = len(consumers(task, packs))
-            deps = self._deps[task] = dependencies(task, packs, groups)
-            unmet = {dep for dep in deps if not self._is_done(dep) and dep not in self.bound}
-            for dep in unmet:
-                self._dependents.setdefault(dep, []).append(task)
-            if unmet:
-                self._unmet[task] = unmet
-            else:
-                self._ready.add(task)
+            self._add_task(task)
         self.spans_opened[model] = span + 1
+
+    def _add_task(self, task: TaskId) -> None:
+        """A task of an open span becomes a candidate: who reads it, what it waits for."""
+        job = self.jobs[task.model]
+        self.readers[task] = len(consumers(task, len(job.packing.packs)))
+        deps = self._deps[task] = dependencies(task, len(job.packing.packs), job.groups)
+        unmet = {dep for dep in deps if not self._is_done(dep) and dep not in self.bound}
+        for dep in unmet:
+            self._dependents.setdefault(dep, []).append(task)
+        if unmet:
+            self._unmet[task] = unmet
+        else:
+            self._ready.add(task)
 
     # Binding
 
@@ -335,6 +497,7 @@ class BindingState:
         self.submitted += 1
         return Submit(
             task=task,
+            attempt=self.attempts.get(task, 0),
             device=device,
             reads=reads,
             local=frozenset(value for value in reads if value in local),
@@ -382,7 +545,9 @@ class BindingState:
     def _satisfy(self, task: TaskId) -> None:
         """task was bound: the tasks that waited for it alone become ready."""
         for dependent in self._dependents.pop(task, ()):
-            unmet = self._unmet[dependent]
+            unmet = self._unmet.get(dependent)
+            if unmet is None or task not in unmet:
+                continue  # an entry from before dependent's span was rolled back
             unmet.discard(task)
             if not unmet:
                 del self._unmet[dependent]
@@ -446,7 +611,8 @@ class BindingState:
     @property
     def finished(self) -> bool:
         return all(
-            (total := self.total_spans(m)) is not None and self.spans_done[m] >= total for m in range(len(self.jobs))
+            m in self.failed or ((total := self.total_spans(m)) is not None and self.spans_done[m] >= total)
+            for m in range(len(self.jobs))
         )
 
     def validate_state(self) -> None:
@@ -466,7 +632,13 @@ class BindingState:
         for task, unmet in self._unmet.items():
             assert unmet and not any(self._is_done(dep) for dep in unmet), f"{task} waits for finished tasks"
         for value, count in self.readers.items():
-            assert count > 0 or (isinstance(value, TaskId) and not self._is_done(value)), f"{value} is kept unread"
+            assert count >= 0, f"{value} has {count} readers"
+            assert count > 0 or not isinstance(value, TaskId) or not self._is_done(value), f"{value} is kept unread"
+        for task, device in self.bound.items():
+            assert device in self.memory, f"{task} is bound to {device}, which is lost"
+        for model, home in self.homes.items():
+            assert home in self.budgets, f"job {model} is homed on {home}, not a device of the run"
+        assert not set(self.failed) & {task.model for task in self.bound}, "a failed job has tasks bound"
         for model, spans in enumerate(self.spans):
             assert self.spans_done[model] <= self.spans_opened[model], f"model {model} finished unopened spans"
             assert len(self.step_times[model]) == self.steps_trained[model], f"model {model}'s steps are miscounted"

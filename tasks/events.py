@@ -33,9 +33,13 @@ class TaskFinished:
 
 @dataclass(frozen=True)
 class TaskFailed:
+    """A task raised. isolated: the failure is the job's own (its model's code, or its divergence), which fails
+    that job alone unless the run is fail_fast; any other error fails the run."""
+
     task: TaskId
     error: BaseException
     at: float
+    isolated: bool = False
 
 
 @dataclass(frozen=True)
@@ -49,12 +53,16 @@ class StepTimed:
 
 @dataclass(frozen=True)
 class WorkerLost:
+    """The scheduler lost the worker of a device (its process died, or it left)."""
+
     device: str
     at: float
 
 
 @dataclass(frozen=True)
 class WorkerJoined:
+    """A worker for a device of the run joined the scheduler (a restarted one, or a new one of that name)."""
+
     device: str
     at: float
 
@@ -80,7 +88,7 @@ class Fetch:
 
 @dataclass(frozen=True)
 class Submit:
-    """Run task on device.
+    """Run task on device (attempt counts its runs after lost workers: each has a Dask key of its own).
 
     reads are the values it reads, in its arguments' order; local those of them that a task on the same device
     produced (the worker hands them over, with no edge through the scheduler) and peers whether each read came
@@ -91,6 +99,7 @@ class Submit:
     """
 
     task: TaskId
+    attempt: int
     device: str
     reads: tuple[Value, ...]
     local: frozenset[Value]
@@ -111,6 +120,30 @@ class Release:
 
 
 @dataclass(frozen=True)
+class Cancel:
+    """task will not run as submitted (its worker, or one it depends on, was lost): drop its future; a new
+    attempt may follow."""
+
+    task: TaskId
+
+
+@dataclass(frozen=True)
+class Leave:
+    """A failed job reads no more batches from its loader from step on (a shared loader keeps none for it)."""
+
+    model: int
+    step: int
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """Write the job's checkpoint now, from the host store's version of the steps it has done (before anything
+    that follows this instruction can overwrite it)."""
+
+    model: int
+
+
+@dataclass(frozen=True)
 class ReadTiming:
     """Read what the model's finished spans timed on their device; answer with StepTimed."""
 
@@ -119,10 +152,10 @@ class ReadTiming:
 
 @dataclass(frozen=True)
 class Fail:
-    """The run cannot go on: raise error (a model's own exception, or a reason)."""
+    """The run cannot go on: raise error (a model's own exception with fail_fast, or a reason)."""
 
     model: int
     error: BaseException
 
 
-Instruction = Fetch | Submit | Release | ReadTiming | Fail
+Instruction = Fetch | Submit | Release | Cancel | Leave | Checkpoint | ReadTiming | Fail

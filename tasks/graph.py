@@ -33,10 +33,12 @@ class TaskId:
     span: int
     group: int = 0
 
-    def key(self, run: str) -> str:
-        """The Dask key: its prefix (the task kind) is what the dashboard groups by."""
+    def key(self, run: str, attempt: int = 0) -> str:
+        """The Dask key: its prefix (the task kind) is what the dashboard groups by; a task run again after its
+        worker was lost gets a key of its own (``-r<attempt>``)."""
         group = f"-g{self.group}" if self.group else ""
-        return f"{self.kind}-m{self.model}-p{self.pack}-s{self.span}{group}-{run}"
+        again = f"-r{attempt}" if attempt else ""
+        return f"{self.kind}-m{self.model}-p{self.pack}-s{self.span}{group}-{run}{again}"
 
 
 @dataclass(frozen=True)
@@ -61,8 +63,10 @@ Value = TaskId | BatchInput | BatchTargets
 
 
 def parse_key(key: str) -> tuple[TaskId, str] | None:
-    """The task and run of a key made by TaskId.key, or None for any other key."""
+    """The task and run of a key made by TaskId.key (any attempt), or None for any other key."""
     parts = key.split("-")
+    if len(parts) > 5 and parts[-1][:1] == "r" and parts[-1][1:].isdigit():
+        parts = parts[:-1]
     if len(parts) not in (5, 6) or parts[0] not in ("fwd", "bwd", "upd"):
         return None
     try:

@@ -33,6 +33,8 @@ class Options:
     resident: bool = True
     fuse: bool | int | str = "auto"
     steps_per_task: int | str = "auto"
+    fail_fast: bool = False
+    checkpoint_every: int | None = None
 
 
 @dataclass(frozen=True)

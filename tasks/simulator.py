@@ -59,7 +59,7 @@ def replay_memory(
 
     Homed models (homes) load their weights once and hold them, with a gradient buffer, and after
     their first update (which their bwd applies) their optimizer state (optimizer_state_ratios bytes per
-    gradient byte); their weights are written back once at the end instead of gradients every step.
+    gradient byte); their weights are written back after each task instead of gradients every step.
     microbatch_samples gives per model the samples of each micro-batch of a step (split among its groups
     in order); with it, the boundary values that producers keep on the device for their consumers are
     replayed too (kept: the bytes consumers then took there instead of copying them in).
@@ -106,7 +106,8 @@ def _replay_task(
     if homed and not memory.entries[key].held:
         memory.hold(key)
         memory.reserve(pack.grad_bytes, "gradients")
-        report.weights_out += pack.weight_bytes
+    if homed and task.kind == "bwd":
+        report.weights_out += pack.weight_bytes  # flushed to the host store after each task
     elif task.kind == "bwd" and not homed:
         memory.reserve(pack.grad_bytes, "gradients")
         report.grads_out += pack.grad_bytes

@@ -12,6 +12,7 @@ from torch import nn
 import harmony
 from tests.conftest import (
     assert_same_weights,
+    clones,
     deep_mlp,
     harmony_files,
     param_bytes,
@@ -35,7 +36,25 @@ class Fragile(nn.Module):
         return self.fc(x)
 
 
-def test_an_exception_in_forward_reaches_the_user_with_model_and_traceback(no_leaks: None) -> None:
+def test_an_exception_in_a_models_forward_stops_that_model_alone_with_its_last_complete_step(no_leaks: None) -> None:
+    batches = regression_batches(samples=32, batch=8)
+    poisoned = [(x.clone(), y) for x, y in batches]
+    poisoned[2][0][0, 0] = SENTINEL
+    models = [deep_mlp(depth=2), Fragile()]
+    references = clones(models)
+    factory = lambda p: torch.optim.SGD(p, lr=0.1)  # noqa: E731
+    result = harmony.train(models, [batches, poisoned], loss_fn=nn.functional.mse_loss, optimizer=factory,
+                           progress=False)
+    assert list(result.failed) == [1] and result.failed[1]["step"] == 2
+    assert "ValueError: bad batch marker reached the model" in str(result.failed[1]["reason"])
+    train_plain(references[0], batches, nn.functional.mse_loss, factory)
+    train_plain(references[1], poisoned[:2], nn.functional.mse_loss, factory)
+    assert_same_weights(models[0], references[0])
+    assert_same_weights(models[1], references[1])
+    assert result.stats.steps == [4, 2] and len(result.history[1]) == 2
+
+
+def test_an_exception_in_forward_with_fail_fast_reaches_the_user_with_model_and_traceback(no_leaks: None) -> None:
     batches = regression_batches(samples=32, batch=8)
     poisoned = [(x.clone(), y) for x, y in batches]
     poisoned[2][0][0, 0] = SENTINEL
@@ -46,6 +65,7 @@ def test_an_exception_in_forward_reaches_the_user_with_model_and_traceback(no_le
             loss_fn=nn.functional.mse_loss,
             optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
             progress=False,
+            fail_fast=True,
         )
     error = raised.value
     assert error.model == 1
@@ -70,17 +90,20 @@ def test_swap_volume_is_measured_for_a_model_that_fits(resident: bool, no_leaks:
     assert [len(packing.packs) for packing in result.packings] == [1]
     stats = result.stats
     if resident:
-        # The model stays on its device: weights cross once, gradients never leave, the trained weights
-        # are written back once at the end.
+        # The model stays on its device: weights cross once, gradients never leave; its weights (and optimizer
+        # state) are written back after each of its tasks (one step each in so short a run), the version a lost
+        # device's model is taken up from.
         assert stats.bytes_in["weights"] == weight_bytes == 1360
         assert stats.bytes_out["grads"] == 0
-        assert stats.bytes_out["weights"] == weight_bytes
+        assert result.stats.steps_per_task == [1]
+        assert stats.bytes_out["weights"] == steps * weight_bytes
+        assert stats.bytes_out["state"] == steps * weight_bytes, "SGD's momentum: one float per weight"
     else:
         # Swapped: the update on the host store makes the device copy stale, so each step's backward
         # swaps the weights in once and sends the gradients out once, whatever the number of micro-batches.
         assert stats.bytes_in["weights"] == steps * weight_bytes
         assert stats.bytes_out["grads"] == steps * weight_bytes
-        assert stats.bytes_out["weights"] == 0
+        assert stats.bytes_out["weights"] == stats.bytes_out["state"] == 0
     assert stats.bytes_in["inputs"] == steps * 8 * (16 + 4) * 4
     assert stats.bytes_in["activations"] == stats.bytes_out["activations"] == 0
 

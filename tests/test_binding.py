@@ -8,13 +8,19 @@ import random
 from harmony.tasks.binding import BindingState
 from harmony.tasks.events import (
     BatchReady,
+    Cancel,
+    Fail,
     Fetch,
     Instruction,
+    Leave,
     ReadTiming,
     Release,
     StepTimed,
     Submit,
+    TaskFailed,
     TaskFinished,
+    WorkerJoined,
+    WorkerLost,
 )
 from harmony.tasks.graph import BatchInput, TaskId
 from harmony.tasks.packing import Pack, PackCost, Packing
@@ -42,6 +48,8 @@ class Player:
         self.submitted: list[Submit] = []
         self.released: list[object] = []
         self.fetched: list[Fetch] = []
+        self.cancelled: list[TaskId] = []
+        self.left: list[Leave] = []
         self.clock = 0.0
 
     def carry_out(self, instructions: list[Instruction]) -> None:
@@ -58,6 +66,11 @@ class Player:
                 self.submitted.append(instruction)
             elif isinstance(instruction, Release):
                 self.released.append(instruction.value)
+            elif isinstance(instruction, Cancel):
+                self.cancelled.append(instruction.task)
+                self.in_flight = [submit for submit in self.in_flight if submit.task != instruction.task]
+            elif isinstance(instruction, Leave):
+                self.left.append(instruction)
             elif isinstance(instruction, ReadTiming):
                 seconds, steps = self.timings.get(instruction.model, (0.0, 0))
                 queue += self.state.handle(StepTimed(instruction.model, seconds, steps))
@@ -66,6 +79,11 @@ class Player:
         self.in_flight.remove(submit)
         self.clock += 1.0
         self.carry_out(self.state.handle(TaskFinished(submit.task, self.clock)))
+
+    def handle(self, event: object) -> list[Instruction]:
+        instructions = self.state.handle(event)  # type: ignore[arg-type]
+        self.carry_out(instructions)
+        return instructions
 
     def play(self, pick: random.Random | None = None) -> list[tuple[TaskId, str]]:
         """Run to the end, finishing the first task in flight, or a random one of those whose dependencies have
@@ -242,3 +260,90 @@ def test_any_completion_order_runs_every_task_once_and_keeps_the_invariants() ->
         assert state.steps_trained == [3, 4, 2]
         assert not state.readers and not state.bound and not state.placed
         assert len(state.story) > 0 and state.story[-1][0] is not None
+
+
+def test_a_lost_workers_jobs_run_their_open_spans_again_on_the_devices_left_and_the_others_go_on() -> None:
+    jobs = [job(100, 100, 100), job(50, 50), job(40)]
+    state = BindingState(jobs, {"a": 10_000, "b": 10_000}, slots_per_device=2, mode="vpp", validate=True)
+    player = Player(state, {0: 3, 1: 3, 2: 3})
+    player.carry_out(state.start())
+    for _ in range(5):
+        player.finish(player.in_flight[0])
+    on_a = {submit.task.model for submit in player.in_flight if submit.device == "a"}
+    unaffected = {m for m in range(3) if m not in on_a and all(device != "a" for task, device in state.placed.items()
+                                                               if task.model == m)}
+    before = len(player.submitted)
+    running_on_a = {submit.task for submit in player.in_flight if submit.device == "a"}
+    player.handle(WorkerLost("a", 5.5))
+    assert "a" not in state.device_names and not any(submit.device == "a" for submit in player.in_flight)
+    again = player.submitted[before:]
+    assert again and all(submit.device == "b" for submit in again)
+    redone = {task.model for task in state.attempts}
+    assert on_a <= redone and not redone & unaffected, "only the jobs that had work on the lost device run again"
+    assert running_on_a and running_on_a <= set(player.cancelled)
+    assert all(submit.attempt == 1 for submit in again if submit.task.model in redone)
+    lost = state.events[-1]
+    assert lost["event"] == "worker lost" and set(lost["jobs redone"]) == redone
+    player.handle(WorkerJoined("a", 6.0))
+    assert state.device_names == ["a", "b"]
+    while not state.finished:
+        runnable = [s for s in player.in_flight if not any(d in state.bound for d in state.dependencies(s.task))]
+        player.finish(runnable[0])
+    assert state.steps_trained == [3, 3, 3] and not state.failed
+    assert not state.readers and not state.bound and not state.placed and not state.attempts
+
+
+def test_a_job_homed_on_a_lost_device_moves_and_every_device_lost_waits_for_one_to_join() -> None:
+    jobs = [job(10, home="a"), job(10, home="b")]
+    state = BindingState(jobs, {"a": 1000, "b": 1000}, homes={0: "a", 1: "b"}, validate=True)
+    player = Player(state, {0: 4, 1: 4})
+    player.carry_out(state.start())
+    player.handle(WorkerLost("a", 1.0))
+    assert state.homes == {0: "b", 1: "b"} and all(submit.device == "b" for submit in player.in_flight)
+    player.handle(WorkerLost("b", 2.0))
+    assert not state.device_names and not state.bound and not player.in_flight
+    player.handle(WorkerJoined("a", 3.0))
+    assert state.homes == {0: "a", 1: "a"} and player.in_flight
+    while not state.finished:
+        player.finish(player.in_flight[0])
+    assert state.steps_trained == [4, 4]
+    assert [event["event"] for event in state.events] == ["worker lost", "worker lost", "worker joined"]
+
+
+def test_a_job_whose_code_fails_stops_alone_unless_the_run_is_fail_fast() -> None:
+    error = RuntimeError("boom")
+    for fail_fast in (False, True):
+        state = BindingState([job(10, 10), job(10)], {"a": 1000}, validate=True, fail_fast=fail_fast)
+        player = Player(state, {0: 3, 1: 3})
+        player.carry_out(state.start())
+        failing = next(submit for submit in player.in_flight if submit.task.model == 0)
+        player.in_flight.remove(failing)
+        instructions = player.handle(TaskFailed(failing.task, error, 1.0, isolated=True))
+        if fail_fast:
+            assert instructions == [Fail(0, error)]
+            continue
+        assert state.failed[0]["step"] == 0 and state.failed[0]["reason"] == "boom"
+        assert player.left == [Leave(0, 2)], "its loader keeps no batch for it from the steps it never opened on"
+        assert not any(submit.task.model == 0 for submit in player.in_flight)
+        while not state.finished:
+            player.finish(player.in_flight[0])
+        assert state.steps_trained == [0, 3]
+    state = BindingState([job(10)], {"a": 1000}, validate=True)
+    player = Player(state, {0: 1})
+    player.carry_out(state.start())
+    assert state.handle(TaskFailed(player.in_flight[0].task, error, 1.0)) == [Fail(0, error)], (
+        "a failure that is not the model's own fails the run")
+
+
+def test_a_job_lost_with_its_device_again_and_again_fails_alone() -> None:
+    state = BindingState([job(10, home="a"), job(10)], {"a": 1000, "b": 1000}, homes={0: "a"}, validate=True)
+    player = Player(state, {0: 2, 1: 2})
+    player.carry_out(state.start())
+    for when in range(3):
+        home = state.homes[0]
+        player.handle(WorkerLost(home, float(when)))
+        player.handle(WorkerJoined(home, when + 0.5))
+    assert 0 in state.failed and "lost 3 times" in str(state.failed[0]["reason"])
+    while not state.finished:
+        player.finish(player.in_flight[0])
+    assert state.steps_trained[1] == 2

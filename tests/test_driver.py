@@ -24,12 +24,12 @@ class RecordingClient:
 
     def submit(self, function: Any, *args: Any, key: str, **options: Any) -> Any:
         self.submitted.append((key, options))
-        return types.SimpleNamespace(key=key)
+        return types.SimpleNamespace(key=key, add_done_callback=lambda callback: None)
 
 
 def test_a_resident_models_next_task_is_queued_on_its_worker_with_no_scheduler_edge(store: HostStore) -> None:
     batches = [(torch.randn(4, 3), torch.randn(4, 2)) for _ in range(12)]
-    feed = SharedFeed(LoaderFeed(batches, iter(batches[1:]), batches[0], epochs=1, steps=None), readers=1)
+    feed = SharedFeed(LoaderFeed(batches, iter(batches[1:]), batches[0], epochs=1, steps=None), starts=[0])
     homed = job(1024, steps=6, step_seconds=0.01, depth=2, home="cpu-0")
     state = BindingState([homed], {"cpu-0": 1 << 20}, homes={0: "cpu-0"})
     client = RecordingClient()

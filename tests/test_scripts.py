@@ -89,3 +89,45 @@ def test_ctrl_c_leaves_no_workers_and_no_shared_memory(tmp_path: Path) -> None:
     assert not set(harmony_files()) - before
     psutil.wait_procs(children, timeout=10)
     assert not [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+HANDLED = SCRIPT.replace("import harmony", """import harmony, signal, sys
+
+def stop(signum, frame):
+    print("STOPPED BY THE USER'S HANDLER", flush=True)
+    sys.exit(3)
+
+signal.signal(signal.SIGINT, stop)""")
+
+
+def test_ctrl_c_to_the_whole_process_group_with_the_users_own_handler_stops_cleanly(tmp_path: Path) -> None:
+    """A terminal's Ctrl-C goes to its foreground process group; the embedded workers are outside it, so the
+    driver alone hears it (here through the user's handler) and shuts them down."""
+    script = tmp_path / "handled.py"
+    script.write_text(HANDLED.format(epochs=100_000))
+    before = set(harmony_files())
+    process = subprocess.Popen(
+        [sys.executable, str(script)], cwd=tmp_path, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))},
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        children: list[psutil.Process] = []
+        while time.monotonic() < deadline:
+            children = [p for p in worker_processes() if p.ppid() == process.pid]
+            if len(children) == 2 and set(harmony_files()) - before:
+                break
+            time.sleep(0.2)
+        assert len(children) == 2, "the workers never started"
+        time.sleep(2.0)
+        os.killpg(process.pid, signal.SIGINT)
+        stdout, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 3, stderr
+    assert "STOPPED BY THE USER'S HANDLER" in stdout
+    assert not set(harmony_files()) - before
+    psutil.wait_procs(children, timeout=10)
+    assert not [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]

@@ -1,0 +1,262 @@
+"""Checkpoints of a run on disk: what a run resumes from, and plain state dicts a user loads without Harmony.
+
+A job is checkpointed at the end of a span whose last step crosses a multiple of checkpoint_every, and at the
+end of the run, from its host store version of that step (which no update overwrites before the driver has
+written it: the driver writes it before it opens the job's next spans). Its directory holds:
+
+  run.msgpack                  what the run is (its arguments' fingerprint) and its plan, written once;
+  job-<j>/latest               the name of the job's newest complete checkpoint, replaced atomically;
+  job-<j>/v<step>/             that checkpoint: per pack its weights, its optimizer state (layout, bytes,
+                               description), the members' divergence steps, the loss history, and per member
+                               model model-<i>.pt: torch.save({"model": state_dict, "optimizer": state_dict,
+                               "step", "history"}), the state dicts of the user's module and of the user's
+                               optimizer factory over its parameters. Written into a temporary directory first
+                               and renamed, so that a process killed while writing leaves the previous one whole;
+  model-<i>.pt                 a link to the model's newest model-<i>.pt, replaced atomically after latest.
+
+Resuming reads each job's latest checkpoint back into the new run's host store; the run refuses a checkpoint
+whose fingerprint is not its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import torch
+from torch import nn
+
+from harmony.runtime.array import member_layout
+from harmony.runtime.array_optimizer import build_optimizer, param_origins
+from harmony.runtime.code import JobCode, named_state
+from harmony.runtime.files import (
+    LOSS_BLOCK,
+    RunFiles,
+    diverged_name,
+    losses_name,
+    optimizer_layout_name,
+    optimizer_meta_name,
+    optimizer_name,
+)
+from harmony.runtime.hoststore import tensors_at
+from harmony.runtime.optimstate import OptimizerState
+from harmony.tasks.runplan import RunPlan
+
+RUN = "run.msgpack"
+LATEST = "latest"
+
+
+def replace_file(path: Path, data: bytes) -> None:
+    """Write a file whole or not at all (a temporary beside it, flushed, then renamed over it)."""
+    scratch = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(scratch, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(scratch, path)
+
+
+class Checkpoints:
+    """A run's checkpoint directory, written by the driver from the run's host store."""
+
+    def __init__(self, directory: Path, every: int | None, fingerprint: str) -> None:
+        self.directory = directory
+        self.every = every
+        self.fingerprint = fingerprint
+
+    def recorded(self) -> RunPlan | None:
+        """The plan of the run this directory checkpoints, if any; a ValueError if it is another run's."""
+        raw = (self.directory / RUN).read_bytes() if (self.directory / RUN).exists() else None
+        if raw is None:
+            return None
+        record = msgpack.unpackb(raw)
+        if record["fingerprint"] != self.fingerprint:
+            raise ValueError(
+                f"the checkpoint in {self.directory} is of another run ({record['what']}); resume it with the same "
+                "models, loaders and arguments, or use another checkpoint_dir"
+            )
+        return RunPlan.from_msgpack(record["plan"])
+
+    def begin(self, plan: RunPlan, what: str) -> None:
+        """Record the run (once: a resumed run keeps the record it resumes)."""
+        self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if not (self.directory / RUN).exists():
+            record = {"fingerprint": self.fingerprint, "what": what, "plan": plan.to_msgpack()}
+            replace_file(self.directory / RUN, msgpack.packb(record))
+
+    def version(self, job: int) -> int:
+        """The step of the job's newest complete checkpoint (0 with none)."""
+        folder = self.latest(job)
+        return 0 if folder is None else int(folder.name.removeprefix("v"))
+
+    def latest(self, job: int) -> Path | None:
+        """The job's newest complete checkpoint directory."""
+        pointer = self.directory / f"job-{job}" / LATEST
+        if not pointer.exists():
+            return None
+        return self.directory / f"job-{job}" / pointer.read_text().strip()
+
+    def save(self, job: int, files: RunFiles, codes: list[JobCode], models: list[nn.Module],
+             factories: list[Any]) -> int:
+        """Checkpoint a job at the version every pack of it has reached; returns that step."""
+        version = files.trained(job)
+        folder = self.directory / f"job-{job}"
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        final = folder / f"v{version}"
+        scratch = folder / f".v{version}.{os.getpid()}.tmp"
+        shutil.rmtree(scratch, ignore_errors=True)
+        scratch.mkdir(mode=0o700)
+        self._write_native(scratch, job, files, version)
+        self._write_plain(scratch, job, files, codes, models, factories, version)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(scratch, final)
+        replace_file(folder / LATEST, final.name.encode())
+        for model in files.plan.jobs[job].members:
+            link = self.directory / f"model-{model}.pt"
+            temporary = link.with_name(f".{link.name}.{os.getpid()}.tmp")
+            temporary.unlink(missing_ok=True)
+            temporary.symlink_to(final.relative_to(self.directory) / link.name)
+            os.replace(temporary, link)
+        for old in folder.glob("v*"):
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
+        return version
+
+    def _write_native(self, folder: Path, job: int, files: RunFiles, version: int) -> None:
+        store, runtime = files.store, files.models[job]
+        versions = files.versions(job)
+        described: dict[str, Any] = {"version": version, "packs": []}
+        for pack in range(len(runtime.packs)):
+            slot = versions.slot(pack, version)
+            (folder / f"p{pack}-weights.bin").write_bytes(files.weights(job, pack, slot).numpy().tobytes())
+            state = OptimizerState(store, job, pack)
+            tensors = state.tensors(slot)
+            entry: dict[str, Any] = {"state": bool(tensors)}
+            if tensors:
+                layout = state.layout
+                assert layout is not None
+                buffer = store.attach(optimizer_name(job, pack, slot), layout.nbytes)
+                (folder / f"p{pack}-optim.bin").write_bytes(buffer.numpy().tobytes())
+                entry["layout"] = store.read_bytes(optimizer_layout_name(job, pack))
+                entry["meta"] = store.read_bytes(optimizer_meta_name(job, pack, slot))
+            described["packs"].append(entry)
+        members = runtime.members
+        stopped = store.attach(diverged_name(job), 8 * members).view(torch.float64)
+        described["diverged"] = stopped.tolist()
+        described["history"] = files.history(job, version)
+        replace_file(folder / "checkpoint.msgpack", msgpack.packb(described))
+
+    def restore(self, job: int, files: RunFiles) -> int:
+        """Put a job's latest checkpoint into the run's host store (as version v, in slot 0); returns v (0 with
+        none)."""
+        folder = self.latest(job)
+        if folder is None:
+            return 0
+        described = msgpack.unpackb((folder / "checkpoint.msgpack").read_bytes())
+        version = int(described["version"])
+        store, runtime = files.store, files.models[job]
+        versions = files.versions(job)
+        for pack, entry in enumerate(described["packs"]):
+            files.weights(job, pack, 0).copy_(_bytes(folder / f"p{pack}-weights.bin"))
+            if entry["state"]:
+                store.write_bytes(optimizer_layout_name(job, pack), entry["layout"])
+                layout_nbytes = msgpack.unpackb(entry["layout"])["nbytes"]
+                for slot in (0, 1):
+                    store.create(optimizer_name(job, pack, slot), layout_nbytes)
+                store.attach(optimizer_name(job, pack, 0), layout_nbytes).copy_(_bytes(folder / f"p{pack}-optim.bin"))
+                store.write_bytes(optimizer_meta_name(job, pack, 0), entry["meta"])
+            versions.publish(pack, version, 0)
+        stopped = store.attach(diverged_name(job), 8 * runtime.members).view(torch.float64)
+        stopped.copy_(torch.tensor(described["diverged"], dtype=torch.float64))
+        history = torch.tensor(described["history"], dtype=torch.float64).reshape(runtime.members, -1).T
+        for block in range(-(-version // LOSS_BLOCK)):
+            files.open_step(job, block * LOSS_BLOCK)
+            rows = history[block * LOSS_BLOCK : (block + 1) * LOSS_BLOCK]
+            losses = store.attach(losses_name(job, block), 8 * LOSS_BLOCK * runtime.members).view(torch.float64)
+            losses.view(LOSS_BLOCK, runtime.members)[: len(rows)] = rows
+        return version
+
+    def _write_plain(self, folder: Path, job: int, files: RunFiles, codes: list[JobCode], models: list[nn.Module],
+                     factories: list[Any], version: int) -> None:
+        """Per member model, its module's and its optimizer's state dicts at version, as torch.save writes them."""
+        plan_job, code, runtime = files.plan.jobs[job], codes[job], files.models[job]
+        versions = files.versions(job)
+        with torch.no_grad():
+            for pack in range(len(runtime.packs)):
+                state = named_state(code.pack_module(plan_job.packing, pack))
+                host = files.weights(job, pack, versions.slot(pack, version))
+                for name, view in tensors_at(host, runtime.packs[pack].weights).items():
+                    state[name].copy_(view)
+            code.copy_back()
+        history = files.history(job, version)
+        for position, model_index in enumerate(plan_job.members):
+            model = models[model_index]
+            optimizer = self._plain_optimizer(job, files, code, model, factories[model_index], position, version)
+            record = {
+                "model": model.state_dict(),
+                "optimizer": None if optimizer is None else optimizer.state_dict(),
+                "step": version,
+                "history": history[position],
+            }
+            torch.save(record, folder / f"model-{model_index}.pt")
+
+    def _plain_optimizer(self, job: int, files: RunFiles, code: JobCode, model: nn.Module, factory: Any,
+                         position: int, version: int) -> torch.optim.Optimizer | None:
+        """The user's optimizer over the user's model, holding the state Harmony's optimizers have at version."""
+        if factory is None:
+            return None
+        optimizer = factory(list(model.parameters()))
+        user = {id(tensor): tensor for tensor in model.parameters()}
+        plan_job, runtime = files.plan.jobs[job], files.models[job]
+        versions = files.versions(job)
+        for pack, pack_runtime in enumerate(runtime.packs):
+            names = [slot.spec.name for slot in pack_runtime.grads.slots]
+            if not names:
+                continue
+            saved = OptimizerState(files.store, job, pack)
+            tensors = saved.tensors(versions.slot(pack, version))
+            if not tensors:
+                continue
+            ghosts = [nn.Parameter(torch.empty(slot.spec.shape, device="meta", dtype=getattr(torch, slot.spec.dtype)))
+                      for slot in pack_runtime.grads.slots]
+            built = build_optimizer(code.optimizer, ghosts, names)  # type: ignore[arg-type]
+            origins = param_origins(built, ghosts, names)
+            owners = self._owners(code, plan_job.packing, pack, position)
+            for (index, key), tensor in zip(saved.entries, tensors):
+                member, name = origins[index]
+                if member is not None and member != position:
+                    continue  # another member's slice, in a merged array optimizer
+                stacked = member is None and len(plan_job.members) > 1 and tensor.dim() > 0
+                value = member_layout(name, tensor)[position] if stacked else tensor
+                param = user.get(id(owners[name]))
+                if param is not None:
+                    optimizer.state[param][key] = value.clone()
+        return optimizer
+
+    @staticmethod
+    def _owners(code: JobCode, packing: Any, pack: int, position: int) -> dict[str, torch.Tensor]:
+        """Per tensor name of a pack, the user's tensor it stands for (for an array, the member's)."""
+        module = code.pack_module(packing, pack)
+        if len(code.member_layers) <= 1:
+            return named_state(module)
+        spec = packing.packs[pack]
+        member = nn.Sequential(*code.member_layers[position][spec.first : spec.stop])
+        owners = {}
+        for offset, layer in enumerate(module):
+            for name, tensor in named_state(member[offset]).items():
+                owners[f"{offset}.{layer.attribute(name)}"] = tensor
+        return owners
+
+
+def _bytes(path: Path) -> torch.Tensor:
+    return torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
+
+
+def fingerprint(parts: dict[str, Any]) -> str:
+    """A stable text of what makes a run itself (its models, data and arguments), to compare a resume with."""
+    return json.dumps(parts, sort_keys=True, default=str)

@@ -1,0 +1,64 @@
+"""Models whose loss stops being finite: stopped at that step, with the weights they had before it.
+
+A model alone (or an array all of whose members diverged) raises Diverged from the task that computed the loss,
+before anything is backpropagated or updated: its job then stops alone (the binding state) with the weights of
+its last complete step. The members of a fused array stop one by one while the others train on: the host store
+keeps, per member, the step at which its loss stopped being finite (``Members``); every later update of the array
+puts a stopped member's weights back as they were before that step, so its slices of the stacks never change
+again. Members are independent in an array (each its own slice of every stack), so a stopped member's non-finite
+gradients reach nobody else.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from harmony.runtime.errors import ModelFailure
+from harmony.runtime.files import diverged_name
+from harmony.runtime.hoststore import HostStore
+
+TRAINING = -1.0
+
+
+class Diverged(ModelFailure):
+    """A model's loss was not finite at a step: the model stops there."""
+
+    def __init__(self, model: int, step: int, value: float) -> None:
+        super().__init__(model, f"step {step}", f"its loss became {value} at step {step}", "")
+        self.step = step
+
+
+class Members:
+    """Per member of a job, the step at which its loss stopped being finite (TRAINING while it trains), as the host
+    store keeps it for every process of the run."""
+
+    def __init__(self, store: HostStore, model: int, members: int) -> None:
+        self.model = model
+        self.steps = store.attach(diverged_name(model), 8 * members).view(torch.float64)
+
+    def stopped(self) -> list[int]:
+        """The members that stopped, in order."""
+        return [index for index, step in enumerate(self.steps.tolist()) if step != TRAINING]
+
+    def check(self, losses: torch.Tensor, step: int) -> list[int]:
+        """Take a step's per-member losses: members whose loss is not finite stop at step (the first time). Returns
+        the members that stopped at this step; raises Diverged once no member trains."""
+        finite = torch.isfinite(losses.detach().reshape(-1)).tolist()
+        recorded = self.steps.tolist()
+        stopping = [index for index, ok in enumerate(finite) if not ok and recorded[index] == TRAINING]
+        for index in stopping:
+            self.steps[index] = float(step)
+        if all(not ok or recorded[index] != TRAINING for index, ok in enumerate(finite)):
+            value = losses.detach().reshape(-1)[stopping[0] if stopping else 0].item()
+            raise Diverged(self.model, step, value)
+        return stopping
+
+
+def keep_stopped(stacks: list[torch.Tensor], rows: list[torch.Tensor], stopped: list[int]) -> None:
+    """Put the stopped members' slices of stacked tensors (members first) back: rows holds, per stack, the
+    stopped members' slices in the order of stopped."""
+    if stopped and stacks:
+        index = torch.tensor(stopped, device=stacks[0].device)
+        with torch.no_grad():
+            for stack, kept in zip(stacks, rows):
+                stack.index_copy_(0, index, kept.to(stack.device))

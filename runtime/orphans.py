@@ -1,0 +1,73 @@
+"""No shared-memory file outlives the run that made it, however its driver ends.
+
+A run's first file is its owner record: the process that owns the run's files (the driver) and when it started.
+``sweep`` removes every file of a run whose owner is gone (a process of that id that started at another time is
+another process). It runs when a run starts (on the driver's machine), when a run is set up on a worker (a
+user's cluster outlives the runs that use it), and in an embedded worker whose driver died: ``watch_parent``,
+which every embedded worker starts, sweeps and ends the worker within a second of its parent's death, SIGKILL
+included, instead of waiting for Dask's death timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+from harmony.runtime.hoststore import PREFIX, HostStore, shm_directory
+
+OWNER = "owner"
+WATCH_INTERVAL = 0.5
+
+
+def claim(store: HostStore) -> None:
+    """Record this process as the owner of the store's run (before any other file of the run exists)."""
+    me = psutil.Process()
+    store.write_bytes(OWNER, json.dumps({"pid": me.pid, "started": me.create_time()}).encode())
+
+
+def owner_alive(record: bytes) -> bool:
+    """Whether the process an owner record names still runs (the same process: same id, same start)."""
+    try:
+        owner = json.loads(record)
+        return abs(psutil.Process(int(owner["pid"])).create_time() - float(owner["started"])) < 1e-3
+    except (ValueError, KeyError, TypeError, psutil.Error):
+        return False
+
+
+def sweep(directory: Path | None = None) -> list[str]:
+    """Remove the files of every run whose owner is gone; returns the runs removed."""
+    directory = directory or shm_directory()
+    removed = []
+    for record in directory.glob(f"{PREFIX}*-{OWNER}"):
+        run = record.name[len(PREFIX) : -len(OWNER) - 1]
+        try:
+            alive = owner_alive(record.read_bytes())
+        except FileNotFoundError:
+            continue  # removed by its run, or by another sweep
+        if not alive:
+            HostStore(run, directory).unlink_all()
+            removed.append(run)
+    return removed
+
+
+def watch_parent(interval: float = WATCH_INTERVAL) -> threading.Thread:
+    """In an embedded worker: a thread that, once the process that started this one is gone, removes the files
+    of runs whose owner is gone and ends this process."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent and psutil.pid_exists(parent):
+            time.sleep(interval)
+        try:
+            sweep()
+        finally:
+            os._exit(0)
+
+    thread = threading.Thread(target=watch, name="harmony-watchdog", daemon=True)
+    thread.start()
+    return thread

@@ -1,0 +1,389 @@
+"""Nothing lost when things go wrong: a device worker killed at any point of a step, on the embedded cluster and on
+a user's dask scheduler + dask worker cluster (with and without a nanny), costs only the lost work; the result
+equals plain PyTorch, the run ends in bounded time and leaves nothing behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from distributed import get_worker
+from torch import nn
+
+import harmony
+from tests.conftest import assert_same_weights, clones, deep_mlp, harmony_files, regression_batches, train_plain
+
+STEPS = 6
+
+
+def on_worker_task() -> str | None:
+    """The key of the task running this code on a Dask worker, or None in the driver (the pilot pass)."""
+    try:
+        return str(get_worker().get_current_task())
+    except ValueError:
+        return None
+
+
+class Killer(nn.Module):
+    """An identity layer that kills its own worker process once, the first time it runs inside a task whose key
+    starts with kind, after it has run there calls times (counted across processes in marker's directory)."""
+
+    def __init__(self, marker: str, kind: str, calls: int = 0) -> None:
+        super().__init__()
+        self.marker = marker
+        self.kind = kind
+        self.calls = calls
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kill_once(self.marker, self.kind, self.calls)
+        return x
+
+
+def kill_once(marker: str, kind: str, calls: int) -> None:
+    key = on_worker_task()
+    if key is None or not key.startswith(kind) or os.path.exists(marker):
+        return
+    counter = marker + ".calls"
+    with open(counter, "ab") as handle:
+        handle.write(b".")
+    if os.path.getsize(counter) > calls:
+        Path(marker).write_text(key)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class KillingSGD(torch.optim.SGD):
+    """SGD that, once, writes garbage into its parameters and kills its worker in the middle of a step."""
+
+    def __init__(self, params: object, marker: str, calls: int, **options: object) -> None:
+        super().__init__(params, **options)  # type: ignore[arg-type]
+        self.marker = marker
+        self.calls = calls
+
+    @torch.no_grad()
+    def step(self, closure: object = None) -> None:  # type: ignore[override]
+        if on_worker_task() is not None and not os.path.exists(self.marker):
+            counter = self.marker + ".calls"
+            with open(counter, "ab") as handle:
+                handle.write(b".")
+            if os.path.getsize(counter) > self.calls:
+                for group in self.param_groups:
+                    for param in group["params"]:
+                        param.add_(1000.0)  # half an update, written into the slot being stepped
+                Path(self.marker).write_text("update")
+                os.kill(os.getpid(), signal.SIGKILL)
+        super().step()
+
+
+def swapped_model(marker: str, kind: str, calls: int, seed: int = 0) -> nn.Sequential:
+    """A 12-layer MLP cut into several packs under the tests' budget, with a Killer in its middle."""
+    model = deep_mlp(seed=seed)
+    layers = list(model)
+    return nn.Sequential(*layers[:12], Killer(marker, kind, calls), *layers[12:])
+
+
+def sgd(parameters: object) -> torch.optim.Optimizer:
+    return torch.optim.SGD(parameters, lr=0.05, momentum=0.9)  # type: ignore[arg-type]
+
+
+def check_against_plain(models: list[nn.Module], references: list[nn.Module], batches: list, factories: list) -> None:
+    for model, reference, factory in zip(models, references, factories):
+        train_plain(reference, batches, nn.functional.mse_loss, factory)
+        assert_same_weights(model, reference)
+
+
+@pytest.mark.parametrize("kind", ["fwd", "bwd"], ids=["during-a-forward", "during-a-backward"])
+def test_an_embedded_worker_killed_mid_step_costs_only_that_step(kind: str, tmp_path: Path, no_leaks: None) -> None:
+    marker = str(tmp_path / "killed")
+    models = [swapped_model(marker, kind, calls=5), deep_mlp(depth=2, seed=3)]
+    references = clones(models)
+    batches = regression_batches(samples=16 * STEPS, batch=16)
+    started = time.monotonic()
+    result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss, optimizer=sgd, microbatches=2,
+                           devices=["cpu", "cpu"], device_memory=24_000, progress=False, fuse=False)
+    assert time.monotonic() - started < 120
+    assert Path(marker).read_text().startswith(kind), "the worker was not killed where the test meant"
+    check_against_plain(models, references, batches, [sgd, sgd])
+    lost = [event for event in result.events if event["event"] == "worker lost"]
+    assert len(lost) == 1 and 0 in lost[0]["jobs redone"]
+    assert any(event["event"] == "worker joined" for event in result.events), "the embedded worker came back"
+    assert result.stats.steps == [STEPS, STEPS] and not result.failed
+
+
+def test_a_worker_killed_during_an_update_leaves_the_weights_it_was_writing_intact(
+    tmp_path: Path, no_leaks: None
+) -> None:
+    marker = str(tmp_path / "killed")
+    killing = lambda p: KillingSGD(p, marker, calls=7, lr=0.05, momentum=0.9)  # noqa: E731
+    models = [deep_mlp(seed=1), deep_mlp(seed=2)]
+    references = clones(models)
+    batches = regression_batches(samples=16 * STEPS, batch=16)
+    result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss, optimizer=[killing, sgd],
+                           microbatches=2, devices=["cpu", "cpu"], device_memory=24_000, progress=False, fuse=False)
+    assert Path(marker).read_text() == "update"
+    check_against_plain(models, references, batches, [sgd, sgd])
+    assert [event["event"] for event in result.events].count("worker lost") == 1
+
+
+def test_a_homed_model_killed_in_the_middle_of_a_multi_step_task_takes_up_from_its_last_task(
+    tmp_path: Path, no_leaks: None
+) -> None:
+    marker = str(tmp_path / "killed")
+    model = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), Killer(marker, "bwd", calls=10), nn.Linear(32, 4))
+    references = clones([model])
+    batches = regression_batches(samples=16 * 24, batch=16)
+    adam = lambda p: torch.optim.Adam(p, lr=1e-3)  # noqa: E731
+    result = harmony.train(model, batches, loss_fn=nn.functional.mse_loss, optimizer=adam, devices=["cpu"],
+                           steps_per_task=4, progress=False)
+    assert result.homes == {0: "cpu-0"} and result.stats.steps_per_task == [4]
+    assert os.path.exists(marker), "the span's worker was not killed"
+    losses = train_plain(references[0], batches, nn.functional.mse_loss, adam)
+    assert_same_weights(model, references[0])
+    assert result.history[0] == pytest.approx(losses, rel=1e-5)
+    assert [event["event"] for event in result.events] == ["worker lost", "worker joined"]
+
+
+@pytest.fixture
+def users_cluster(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A dask scheduler and two dask worker processes on loopback, with or without a nanny."""
+    nanny = request.param
+    port = 8900 + os.getpid() % 50
+    address = f"tcp://127.0.0.1:{port}"
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(),
+                                                                             os.environ.get("PYTHONPATH")]))}
+    processes = [subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
+                                   "--port", str(port), "--no-dashboard"], env=environment,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    time.sleep(2)
+    for index in range(2):
+        processes.append(subprocess.Popen(
+            [sys.executable, "-m", "distributed.cli.dask_worker", address, "--nthreads", "1", "--name",
+             f"cpu-{index}", "--host", "127.0.0.1", "--no-dashboard", "--nanny" if nanny else "--no-nanny"],
+            env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    try:
+        yield address
+    finally:
+        for process in reversed(processes):
+            process.terminate()
+        for process in processes:
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+@pytest.mark.parametrize("users_cluster", [True, False], ids=["nanny", "no-nanny"], indirect=True)
+def test_a_users_worker_killed_mid_step_costs_only_that_step(users_cluster: str, tmp_path: Path) -> None:
+    from distributed import Client
+
+    with Client(users_cluster) as client:
+        client.wait_for_workers(2, timeout=60)
+    marker = str(tmp_path / "killed")
+    models = [swapped_model(marker, "bwd", calls=5), deep_mlp(depth=2, seed=3)]
+    references = clones(models)
+    batches = regression_batches(samples=16 * STEPS, batch=16)
+    started = time.monotonic()
+    result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss, optimizer=sgd, microbatches=2,
+                           cluster=users_cluster, device_memory=24_000, progress=False, fuse=False)
+    assert time.monotonic() - started < 120
+    assert os.path.exists(marker)
+    check_against_plain(models, references, batches, [sgd, sgd])
+    assert [event["event"] for event in result.events].count("worker lost") == 1
+    assert not harmony_files()
+
+
+def diverging_losses(model: nn.Module, batches: list, factory: object) -> tuple[int, nn.Module]:
+    """The first step at which plain PyTorch's loss is not finite, and the model as it was before that step."""
+    import copy
+
+    optimizer = factory(model.parameters())  # type: ignore[operator]
+    for step, (x, y) in enumerate(batches):
+        before = copy.deepcopy(model)
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        if not torch.isfinite(loss):
+            return step, before
+        loss.backward()
+        optimizer.step()
+    raise AssertionError("the plain loop never diverged")
+
+
+@pytest.mark.parametrize("budget", [None, 24_000], ids=["homed", "swapped"])
+def test_a_diverging_model_stops_with_its_last_finite_weights_and_the_others_go_on(
+    budget: int | None, no_leaks: None
+) -> None:
+    blowing_up = lambda p: torch.optim.SGD(p, lr=1e4)  # noqa: E731
+    models = [deep_mlp(seed=1), deep_mlp(seed=2), deep_mlp(seed=3)]
+    references = clones(models)
+    batches = regression_batches(samples=16 * 12, batch=16)
+    result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss, optimizer=[sgd, blowing_up, sgd],
+                           device_memory=budget, devices=["cpu", "cpu"], progress=False, fuse=False)
+    step, before = diverging_losses(references[1], batches, blowing_up)
+    assert list(result.failed) == [1] and result.failed[1]["step"] == step
+    assert "loss became" in str(result.failed[1]["reason"])
+    assert_same_weights(models[1], before)
+    assert len(result.history[1]) == step and all(torch.isfinite(torch.tensor(result.history[1])))
+    for index in (0, 2):
+        train_plain(references[index], batches, nn.functional.mse_loss, sgd)
+        assert_same_weights(models[index], references[index])
+    assert result.stats.steps == [12, step, 12]
+    assert any(event["event"] == "job failed" for event in result.events)
+
+
+def test_a_diverging_member_of_a_fused_array_stops_while_the_others_train_on(no_leaks: None) -> None:
+    rates = [0.05, 1e4, 0.02]
+    factories = [lambda p, lr=lr: torch.optim.SGD(p, lr=lr) for lr in rates]
+    models = [deep_mlp(depth=3, seed=s) for s in range(3)]
+    references = clones(models)
+    batches = regression_batches(samples=16 * 12, batch=16)
+    result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss, optimizer=factories, devices=["cpu"],
+                           fuse=True, progress=False)
+    assert result.arrays == [[0, 1, 2]]
+    step, before = diverging_losses(references[1], batches, factories[1])
+    assert list(result.failed) == [1] and result.failed[1]["step"] == step
+    assert_same_weights(models[1], before)
+    assert len(result.history[1]) == step
+    for index in (0, 2):
+        train_plain(references[index], batches, nn.functional.mse_loss, factories[index])
+        assert_same_weights(models[index], references[index])
+        assert len(result.history[index]) == 12
+
+
+CHECKPOINTED = """
+import sys, torch
+from torch import nn
+import harmony
+
+torch.manual_seed(0)
+models = [nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)) for _ in range(3)]
+x = torch.randn(640, 8)
+y = x.sum(dim=1, keepdim=True)
+loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16, shuffle=True)
+factories = [lambda p, lr=lr: torch.optim.Adam(p, lr=lr) for lr in (1e-3, 3e-3, 1e-2)]
+result = harmony.train(models, loader, loss_fn=nn.functional.mse_loss, optimizer=factories, epochs={epochs},
+                       devices=["cpu", "cpu"], device_memory={budget}, progress=False, fuse={fuse},
+                       checkpoint_dir={directory!r}, checkpoint_every=8, resume={resume})
+torch.save({{"models": [m.state_dict() for m in models], "history": result.history}}, {out!r})
+print("DONE")
+"""
+
+
+def run_script(path: Path, source: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    path.write_text(source)
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(),
+                                                                             os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, str(path)], cwd=path.parent, env=environment, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("fuse", [False, True], ids=["unfused", "fused"])
+def test_a_killed_driver_leaves_nothing_and_its_run_resumes_to_the_uninterrupted_result(
+    fuse: bool, tmp_path: Path
+) -> None:
+    from tests.conftest import worker_processes
+
+    budget = 2_000 if not fuse else None
+    whole = run_script(tmp_path / "whole.py", CHECKPOINTED.format(
+        epochs=2, budget=budget, fuse=fuse, directory=str(tmp_path / "whole"), resume=False, out=str(tmp_path / "a")))
+    assert whole.returncode == 0, whole.stderr
+    script = tmp_path / "killed.py"
+    script.write_text(CHECKPOINTED.format(epochs=2, budget=budget, fuse=fuse, directory=str(tmp_path / "ckpt"),
+                                          resume=True, out=str(tmp_path / "b")))
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(),
+                                                                             os.environ.get("PYTHONPATH")]))}
+    before_files = set(harmony_files())
+    driver = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, env=environment,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and not list((tmp_path / "ckpt").glob("job-*/latest")):
+        time.sleep(0.05)
+    assert list((tmp_path / "ckpt").glob("job-*/latest")), "no checkpoint was written"
+    workers = [p for p in worker_processes() if p.ppid() == driver.pid]
+    driver.kill()
+    driver.wait()
+    killed_at = time.monotonic()
+    while time.monotonic() - killed_at < 10 and (set(harmony_files()) - before_files or
+                                                  any(p.is_running() for p in workers)):
+        time.sleep(0.1)
+    assert not set(harmony_files()) - before_files, "the killed driver's shared memory stayed"
+    assert not [p for p in workers if p.is_running() and p.status() != "zombie"], "its workers stayed"
+    resumed = run_script(script, script.read_text())
+    assert resumed.returncode == 0, resumed.stderr
+    expected, got = torch.load(tmp_path / "a"), torch.load(tmp_path / "b")
+    assert got["history"] == pytest.approx(expected["history"], rel=1e-6)
+    for want, have in zip(expected["models"], got["models"]):
+        for name in want:
+            torch.testing.assert_close(have[name], want[name], rtol=1e-5, atol=1e-7)
+    plain = torch.load(tmp_path / "ckpt" / "model-0.pt")
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    model.load_state_dict(plain["model"])
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    optimizer.load_state_dict(plain["optimizer"])
+    assert plain["step"] == 80 and len(plain["history"]) == 80
+    assert int(optimizer.state[next(iter(model.parameters()))]["step"]) == 80, "plain optimizer state dict"
+
+
+def test_resuming_with_other_arguments_is_refused(tmp_path: Path, no_leaks: None) -> None:
+    batches = regression_batches(samples=64, batch=16)
+    harmony.train(deep_mlp(depth=2), batches, loss_fn=nn.functional.mse_loss, optimizer=sgd, progress=False,
+                  checkpoint_dir=tmp_path)
+    with pytest.raises(harmony.InputError, match="another run"):
+        harmony.train(deep_mlp(depth=3), batches, loss_fn=nn.functional.mse_loss, optimizer=sgd, progress=False,
+                      checkpoint_dir=tmp_path, resume=True)
+    with pytest.raises(harmony.InputError, match="resume=True"):
+        harmony.train(deep_mlp(depth=2), batches, loss_fn=nn.functional.mse_loss, optimizer=sgd, progress=False,
+                      checkpoint_dir=tmp_path)
+    with pytest.raises(harmony.InputError, match="need a checkpoint_dir"):
+        harmony.train(deep_mlp(depth=2), batches, loss_fn=nn.functional.mse_loss, optimizer=sgd, progress=False,
+                      resume=True)
+
+
+INTERRUPTED_WRITE = """
+import os, signal, torch
+from torch import nn
+import harmony
+
+calls = {{"n": 0}}
+real_save = torch.save
+def dying_save(obj, path, *args, **kwargs):
+    calls["n"] += 1
+    if calls["n"] == 4:  # the fourth checkpoint the run writes: die half-way through it
+        with open({marker!r}, "w") as handle:
+            handle.write(str(path))
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real_save(obj, path, *args, **kwargs)
+torch.save = dying_save
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+x = torch.randn(160, 8)
+batches = [(x[i:i + 16], x[i:i + 16].sum(1, keepdim=True)) for i in range(0, 160, 16)]
+harmony.train([model, nn.Sequential(nn.Linear(8, 1))], batches, loss_fn=nn.functional.mse_loss,
+              optimizer=lambda p: torch.optim.SGD(p, lr=0.01), devices=["cpu"], progress=False, fuse=False,
+              steps_per_task=1, checkpoint_dir={directory!r}, checkpoint_every=2)
+"""
+
+
+def test_a_process_killed_while_writing_a_checkpoint_leaves_the_previous_one_whole(tmp_path: Path) -> None:
+    marker = tmp_path / "killed"
+    done = run_script(tmp_path / "interrupted.py", INTERRUPTED_WRITE.format(marker=str(marker),
+                                                                           directory=str(tmp_path / "ckpt")))
+    assert done.returncode == -signal.SIGKILL and marker.exists()
+    interrupted = Path(marker.read_text())  # job-<j>/.v<step>.<pid>.tmp/model-<j>.pt
+    job = int(interrupted.parent.parent.name.removeprefix("job-"))
+    step = int(interrupted.parent.name.split(".")[1].removeprefix("v"))
+    latest = (tmp_path / "ckpt" / f"job-{job}" / "latest").read_text()
+    assert latest == f"v{step - 2}", "the checkpoint being written replaced the previous one"
+    for model in (0, 1):
+        saved = torch.load(tmp_path / "ckpt" / f"model-{model}.pt")
+        written = int((tmp_path / "ckpt" / f"job-{model}" / "latest").read_text().removeprefix("v"))
+        assert saved["step"] == written and len(saved["history"]) == written
+        assert (tmp_path / "ckpt" / f"job-{model}" / f"v{written}" / "checkpoint.msgpack").exists()
+    time.sleep(2)
+    assert not harmony_files(), "the killed run's files stayed"

@@ -1,0 +1,62 @@
+"""No shared-memory file outlives its run: owner records, the sweep of runs whose driver is gone, the watchdog."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from distributed import Client, LocalCluster
+from torch import nn
+
+import harmony
+from harmony.runtime.hoststore import HostStore
+from harmony.runtime.orphans import claim, owner_alive, sweep
+from tests.conftest import deep_mlp, regression_batches
+
+
+def dead_pid() -> int:
+    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True, check=True)
+    return int(finished.stdout)
+
+
+def stale_run(name: str) -> HostStore:
+    """The files of a run whose driver was killed: an owner record naming a process that has ended."""
+    store = HostStore(name)
+    store.write_bytes("owner", json.dumps({"pid": dead_pid(), "started": 1.0}).encode())
+    store.create("m0-p0-weights", 64)
+    store.create("batch-0", 64)
+    return store
+
+
+def test_a_run_whose_owner_is_gone_is_swept_and_a_live_one_is_not() -> None:
+    stale = stale_run("stale-unit")
+    live = HostStore("live-unit")
+    claim(live)
+    live.create("m0-p0-weights", 64)
+    try:
+        assert owner_alive(live.read_bytes("owner") or b"") and not owner_alive(stale.read_bytes("owner") or b"")
+        assert "stale-unit" in sweep()
+        assert not list(stale.directory.glob("harmony-stale-unit-*"))
+        assert len(list(live.directory.glob("harmony-live-unit-*"))) == 2
+    finally:
+        live.unlink_all()
+        stale.unlink_all()
+
+
+@pytest.mark.filterwarnings("ignore:Port 8787 is already in use")
+def test_a_run_on_a_users_cluster_sweeps_the_files_of_runs_whose_drivers_were_killed(no_leaks: None) -> None:
+    stale = stale_run("stale-cluster")
+    try:
+        with (
+            LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster,
+            Client(cluster) as client,
+        ):
+            harmony.train(deep_mlp(depth=2), regression_batches(32, 16), loss_fn=nn.functional.mse_loss,
+                          optimizer=lambda p: torch.optim.SGD(p, lr=0.1), cluster=client, progress=False)
+        assert not list(stale.directory.glob("harmony-stale-cluster-*"))
+    finally:
+        stale.unlink_all()
