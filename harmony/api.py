@@ -28,6 +28,7 @@ from harmony.runtime.errors import ModelFailure
 from harmony.runtime.files import estimate
 from harmony.runtime.hoststore import shm_directory
 from harmony.runtime.interrupt import watching_interrupts
+from harmony.runtime.replicas import replicas_kept
 from harmony.runtime.run import RunOutcome, execute
 from harmony.runtime.shipping import SPARE_FILES
 from harmony.tasks.runplan import Job, RunPlan
@@ -112,6 +113,10 @@ def _execute(
         raise model_error(plan, errors[0])  # nothing trained: the first model's own error is the run's
     for job, failure in sorted(outcome.failed.items()):
         logger.warning("harmony: %s stopped at step %s: %s", plan.jobs[job].label, failure["step"], failure["reason"])
+    for job, members in sorted(outcome.stopped.items()):
+        for position, step in sorted(members.items()):
+            logger.warning("harmony: model %d (member %d of %s) stopped at step %d: its loss stopped being finite",
+                           plan.jobs[job].members[position], position, plan.jobs[job].label, step)
     return outcome
 
 
@@ -201,6 +206,7 @@ def train(
         with (
             device_cluster(user, specs) as handle,
             unbatched(handle.client, list(handle.workers.values()), restore=not handle.embedded),
+            replicas_kept(handle.client),
         ):
             hardware = measured_hardware(handle.client, handle.workers,
                                          cpu_compute=any(spec.kind == "cpu" for spec in specs))

@@ -1,34 +1,52 @@
-"""A live one-line progress display for a terminal."""
+"""A live one-line progress display for a terminal, with a line of its own for each model that stops."""
 
 from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from typing import TextIO
 
 from harmony.tasks.binding import BindingState
 
+REASON_CHARS = 100
+
 
 class ProgressLine:
-    """Rewrites one line on a stream: steps done per model, tasks run, elapsed time."""
+    """Rewrites one line on a stream: steps done by all models, tasks run, models stopped, elapsed time. A model that
+    stops (its loss no longer finite, or its own code raised) is written once above the line, as it happens."""
 
     def __init__(self, stream: TextIO | None = None, interval: float = 0.2) -> None:
         self.stream = stream or sys.stderr
         self.interval = interval
         self.started = time.perf_counter()
         self.last = 0.0
+        self.reported: set[int] = set()
 
-    def __call__(self, state: BindingState) -> None:
+    def __call__(self, state: BindingState, stopped_members: Callable[[], dict[int, int]] | None = None) -> None:
+        """Show state; stopped_members, when given, reads which members of fused arrays stopped (model -> step)."""
         now = time.perf_counter()
         if now - self.last < self.interval and not state.finished:
             return
         self.last = now
-        done = sum(state.steps_trained)
-        totals = [spans.steps for spans in state.spans if spans.steps is not None]
+        stopped = {model: (failure["step"], str(failure["reason"]))
+                   for job, failure in state.failed.items() for model in state.jobs[job].members}
+        for model, step in (stopped_members() if stopped_members is not None else {}).items():
+            stopped.setdefault(model, (step, f"its loss stopped being finite at step {step}"))
+        for model in sorted(set(stopped) - self.reported):
+            step, reason = stopped[model]
+            reason = reason if len(reason) <= REASON_CHARS else reason[: REASON_CHARS - 1] + "…"
+            self.stream.write(f"\rharmony: model {model} stopped at step {step}: {reason}\033[K\n")
+            self.reported.add(model)
+        members = [len(job.members) for job in state.jobs]  # a fused array's step is a step of each member
+        done = sum(steps * count for steps, count in zip(state.steps_trained, members))
+        totals = [spans.steps * count for spans, count in zip(state.spans, members) if spans.steps is not None]
         total = f"/{sum(totals)}" if len(totals) == len(state.spans) else ""
+        models = sum(members)
+        failures = f", {len(stopped)} stopped" if stopped else ""
         self.stream.write(
-            f"\rharmony: {len(state.jobs)} models, steps {done}{total}, {state.tasks_finished} tasks, "
-            f"{now - self.started:.1f}s   "
+            f"\rharmony: {models} models, steps {done}{total}, {state.tasks_finished} tasks{failures}, "
+            f"{now - self.started:.1f}s\033[K"
         )
         self.stream.flush()
 

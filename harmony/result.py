@@ -132,6 +132,14 @@ class TrainResult:
                 finish[model] = outcome.finish_seconds[index]
                 step_seconds[model] = list(outcome.step_seconds[index])
                 depths[model] = outcome.depths[index]
+        failed = {model: {"step": failure["step"], "reason": failure["reason"]}
+                  for job, failure in outcome.failed.items() for model in plan.jobs[job].members}
+        for job, members in outcome.stopped.items():
+            for position, step in members.items():
+                model = plan.jobs[job].members[position]
+                history[model] = history[model][:step]
+                steps[model] = min(steps[model], step)
+                failed.setdefault(model, {"step": step, "reason": f"its loss stopped being finite at step {step}"})
         counters = outcome.counters
         stats = Stats(
             peak_device_bytes={name: values["peak"] for name, values in counters.items()},
@@ -165,7 +173,6 @@ class TrainResult:
             homes={model: job.home for job in plan.jobs if job.home is not None for model in job.members},
             arrays=[list(job.members) for job in plan.jobs],
             fusion=list(plan.fusion),
-            failed={model: {"step": failure["step"], "reason": failure["reason"]}
-                    for job, failure in outcome.failed.items() for model in plan.jobs[job].members},
+            failed=failed,
             events=list(outcome.events),
         )

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-from distributed import Reschedule
+from distributed import Reschedule, get_worker
 from torch.func import functional_call
 
 from harmony.runtime import shipping
@@ -98,7 +98,7 @@ def task_body(kind: str) -> Callable[[Callable[..., Result]], Callable[..., Resu
             ctx.successor = successor
             ctx.use_threads()
             started = time.perf_counter_ns()
-            key = TaskId(kind, model, pack, span, group).key(run_id)  # type: ignore[arg-type]
+            key = str(get_worker().get_current_task())  # with its attempt's suffix: what local readers name
             ctx.executed.append(key)
             ctx.counters.add("p2p", sum(tree_nbytes(arg) for arg, remote in zip(args, peers) if remote))
             try:

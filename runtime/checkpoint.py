@@ -33,6 +33,7 @@ from torch import nn
 from harmony.runtime.array import member_layout
 from harmony.runtime.array_optimizer import build_optimizer, param_origins
 from harmony.runtime.code import JobCode, named_state
+from harmony.runtime.divergence import TRAINING
 from harmony.runtime.files import (
     LOSS_BLOCK,
     RunFiles,
@@ -100,10 +101,9 @@ class Checkpoints:
             return None
         return self.directory / f"job-{job}" / pointer.read_text().strip()
 
-    def save(self, job: int, files: RunFiles, codes: list[JobCode], models: list[nn.Module],
-             factories: list[Any]) -> int:
-        """Checkpoint a job at the version every pack of it has reached; returns that step."""
-        version = files.trained(job)
+    def save(self, job: int, version: int, files: RunFiles, codes: list[JobCode], models: list[nn.Module],
+             factories: list[Any]) -> None:
+        """Checkpoint a job at a step (version) it has completed, while at most one span has run past it."""
         folder = self.directory / f"job-{job}"
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
         final = folder / f"v{version}"
@@ -125,7 +125,6 @@ class Checkpoints:
         for old in folder.glob("v*"):
             if old != final:
                 shutil.rmtree(old, ignore_errors=True)
-        return version
 
     def _write_native(self, folder: Path, job: int, files: RunFiles, version: int) -> None:
         store, runtime = files.store, files.models[job]
@@ -147,7 +146,7 @@ class Checkpoints:
             described["packs"].append(entry)
         members = runtime.members
         stopped = store.attach(diverged_name(job), 8 * members).view(torch.float64)
-        described["diverged"] = stopped.tolist()
+        described["diverged"] = [step if step < version else TRAINING for step in stopped.tolist()]  # the span after
         described["history"] = files.history(job, version)
         replace_file(folder / "checkpoint.msgpack", msgpack.packb(described))
 

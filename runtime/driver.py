@@ -78,7 +78,7 @@ class Driver:
         microbatches: int,
         on_step: Callable[[int, int], None] | None = None,
         on_progress: Callable[[BindingState], None] | None = None,
-        on_checkpoint: Callable[[int], None] | None = None,
+        on_checkpoint: Callable[[int, int], None] | None = None,
     ) -> None:
         self.client = client
         self.run = run
@@ -165,7 +165,8 @@ class Driver:
             return None  # a run of a task that was cancelled since (its worker was lost, its job failed)
         if heard.status == "error":
             error = heard.exception()
-            return TaskFailed(task, error.with_traceback(heard.traceback()), at, isinstance(error, ModelFailure))
+            return TaskFailed(task, error.with_traceback(heard.traceback()), at, isinstance(error, ModelFailure),
+                              getattr(error, "step", None))
         if heard.status == "cancelled":
             return None  # Dask dropped it (its worker gone): the scheduler's word on the worker says what to redo
         return TaskFinished(task, at)
@@ -195,12 +196,12 @@ class Driver:
         elif isinstance(instruction, Cancel):
             future = self.values.pop(instruction.task, None)
             if isinstance(future, Future):
-                future.cancel()
+                future.release()  # not cancel: Dask's cancel walks dependents, some already released
         elif isinstance(instruction, Leave):
             self.feeds[instruction.model].leave(instruction.step)
         elif isinstance(instruction, Checkpoint):
             if self.on_checkpoint is not None:
-                self.on_checkpoint(instruction.model)
+                self.on_checkpoint(instruction.model, instruction.step)
         elif isinstance(instruction, Fetch):
             return self._fetch(instruction)
         elif isinstance(instruction, ReadTiming):
@@ -289,12 +290,13 @@ class Driver:
         self.values[task] = future
         future.add_done_callback(self.heard.put)
 
+
     def cancel(self) -> None:
-        """Cancel whatever is still in flight and drop every value."""
-        futures = [value for value in self.values.values() if isinstance(value, Future)]
-        if futures:
-            self.client.cancel(futures)
+        """Drop every value: the futures of whatever is still in flight (Dask then forgets those tasks) and the batch
+        files."""
         for value in self.values.values():
+            if isinstance(value, Future):
+                value.release()
             self.batch_files.release(value)
         self.values.clear()
         self.loss_weights.clear()

@@ -62,12 +62,14 @@ class Versions:
         return divmod(int(self.words[pack]), 2)
 
     def slot(self, pack: int, version: int) -> int:
-        """The slot holding version of the pack's weights: the current one, or (a swapped pack's step run again)
-        the one before it."""
+        """The slot holding version of the pack's weights: the current one, or the other, which holds the
+        version published before the current one. The caller knows version is that one: a step run again (its
+        update is the current version), or a checkpoint's step (the driver writes it before it submits anything
+        of the span after the one running past it)."""
         current, slot = self.current(pack)
         if version == current:
             return slot
-        if version == current - 1:
+        if version < current:
             return 1 - slot
         raise RuntimeError(f"pack {pack} is at version {current}: version {version} of its weights is not in the "
                            "host store")
@@ -195,6 +197,14 @@ class RunFiles:
         """The members of a job (by position) whose loss stopped being finite, and the step it happened at."""
         steps = self.store.attach(diverged_name(model), 8 * self.models[model].members).view(torch.float64)
         return {position: int(step) for position, step in enumerate(steps.tolist()) if step >= 0}
+
+    def members_stopped(self) -> dict[int, int]:
+        """Per model (as the user numbered them) that stopped as a member of a fused array, the step it stopped at."""
+        return {
+            self.plan.jobs[job].members[position]: step
+            for job, runtime in enumerate(self.models) if runtime.members > 1
+            for position, step in self.stopped(job).items()
+        }
 
     def trained(self, model: int) -> int:
         """The steps whose updates every pack of a job has (its host weights' version where all packs agree)."""

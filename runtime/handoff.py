@@ -9,10 +9,10 @@ its result is in the worker's memory, held there by the driver's future until it
 Anything the producer itself waits for through the scheduler, the task waits for too (the driver passes
 those edges on), so a task never becomes runnable on the worker before its local producers do.
 
-Two things can still happen, and are handled: a task comes early (a message batch delivered it before its
-producer): it goes back to the scheduler and comes again behind the producer; and a result that another
-worker also holds (it read it) loses its copy here to Dask's active memory manager, which does not know of
-the local reader: the task fetches it from the other copy.
+A task can still come early (a message batch delivered it before its producer): it goes back to the scheduler
+and comes again behind the producer. A result must stay in its worker's memory until its local readers ran, so
+Dask's active memory manager, which would drop a copy another worker also holds, does not run meanwhile
+(runtime.replicas); a result missing all the same is a LostResult, never a wait.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from distributed import Future, Reschedule, get_client, get_worker
+from distributed import Reschedule, get_worker
 
 MAX_EARLY_STARTS = 1000
 RECENT_KEYS = 65_536
@@ -76,7 +76,8 @@ def receive(value: Any, finished: FinishedKeys, early_starts: Counter[str]) -> A
         early_starts.pop(value.key, None)
         return worker.data[value.key]
     if value.key in finished:
-        return _fetch(value.key)
+        raise LostResult(f"{value.key}, which this task reads, ran here but its result is no longer in this "
+                         "worker's memory")
     wait_for(value, finished, early_starts)
     return None
 
@@ -95,15 +96,7 @@ def wait_for(value: Any, finished: FinishedKeys, early_starts: Counter[str]) -> 
         raise LostResult(f"{value.key}, which this task waits for, failed")
     early_starts[value.key] += 1
     if early_starts[value.key] > MAX_EARLY_STARTS:
-        raise LostResult(f"{value.key}, which this task waits for, never ran on this worker")
+        seen = "not known to this worker" if state is None else f"{state.state} here, waiting for " + ", ".join(
+            str(dependency.key) for dependency in state.dependencies if dependency.state != "memory")
+        raise LostResult(f"{value.key}, which this task waits for, never ran on this worker ({seen})")
     raise Reschedule()
-
-
-def _fetch(key: str) -> Any:
-    """A finished result whose copy here was dropped, from the worker that still holds it."""
-    client = get_client()
-    future = Future(key, client)
-    try:
-        return future.result()
-    finally:
-        future.release()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -21,12 +22,19 @@ import torch
 from harmony.tasks.layout import BufferLayout, Slot
 
 PREFIX = "harmony-"
+_CREATING = threading.Lock()  # held while a file is made; freeze takes it for good
 
 
 def shm_directory() -> Path:
     """Where shared-memory files live: /dev/shm on Linux, the temp directory elsewhere."""
     shm = Path("/dev/shm")
     return shm if shm.is_dir() else Path(tempfile.gettempdir())
+
+
+def freeze() -> None:
+    """From now on no store of this process makes a file (returns once any file being made is made): a process
+    about to end removes its runs' files after this, and no file can appear behind that sweep."""
+    _CREATING.acquire()
 
 
 def allocate(descriptor: int, nbytes: int) -> None:
@@ -88,19 +96,21 @@ class HostStore:
             )
         path = self.path(name)
         self.forget(name)
-        descriptor = os.open(path, os.O_CREAT | os.O_RDWR | os.O_TRUNC, 0o600)
-        try:
-            allocate(descriptor, size)
-        except OSError as error:
+        with _CREATING:
+            self._check_open(name)
+            descriptor = os.open(path, os.O_CREAT | os.O_RDWR | os.O_TRUNC, 0o600)
+            try:
+                allocate(descriptor, size)
+            except OSError as error:
+                os.close(descriptor)
+                path.unlink(missing_ok=True)
+                free = shutil.disk_usage(self.directory).free
+                raise HostStoreFull(
+                    f"could not allocate {size:,} bytes for {path} ({error.strerror}): {self.directory} has "
+                    f"{free:,} bytes free; give the machine more shared memory (in a container, --shm-size), or "
+                    "train fewer or smaller models at once"
+                ) from None
             os.close(descriptor)
-            path.unlink(missing_ok=True)
-            free = shutil.disk_usage(self.directory).free
-            raise HostStoreFull(
-                f"could not allocate {size:,} bytes for {path} ({error.strerror}): {self.directory} has "
-                f"{free:,} bytes free; give the machine more shared memory (in a container, --shm-size), or "
-                "train fewer or smaller models at once"
-            ) from None
-        os.close(descriptor)
         self.created += size
         return self.attach(name, nbytes)
 
@@ -116,9 +126,10 @@ class HostStore:
         self._check_open(name)
         mapped = self._mapped.get(name)
         if mapped is None:
-            if not self.path(name).exists():
-                raise FileNotFoundError(f"host store file {self.path(name)} is gone: its run has ended")
-            mapped = torch.from_file(str(self.path(name)), shared=True, size=max(nbytes, 1), dtype=torch.uint8)
+            with _CREATING:  # torch.from_file would make the file anew, were a sweep to remove it meanwhile
+                if not self.path(name).exists():
+                    raise FileNotFoundError(f"host store file {self.path(name)} is gone: its run has ended")
+                mapped = torch.from_file(str(self.path(name)), shared=True, size=max(nbytes, 1), dtype=torch.uint8)
             self._mapped[name] = mapped
             if self.pin:
                 self._register(name, mapped)
@@ -149,10 +160,11 @@ class HostStore:
         self._check_open(name)
         path = self.path(name)
         scratch = path.with_name(path.name + ".tmp")
-        descriptor = os.open(scratch, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
-        with os.fdopen(descriptor, "wb") as handle:
-            handle.write(data)
-        os.replace(scratch, path)
+        with _CREATING:
+            descriptor = os.open(scratch, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+            with os.fdopen(descriptor, "wb") as handle:
+                handle.write(data)
+            os.replace(scratch, path)
 
     def read_bytes(self, name: str) -> bytes | None:
         try:

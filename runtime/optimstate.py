@@ -68,7 +68,8 @@ class OptimizerState:
         raw = self.store.read_bytes(optimizer_meta_name(self.model, self.pack, slot))
         if raw is None:
             return
-        for (index, key), tensor in zip(self.entries, self.tensors(slot)):
+        tensors = self.tensors(slot)  # reads the layout (and the entries) first
+        for (index, key), tensor in zip(self.entries, tensors):
             state = optimizer.state[params[index]]
             if bind:
                 state[key] = tensor

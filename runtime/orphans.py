@@ -2,10 +2,11 @@
 
 A run's first file is its owner record: the process that owns the run's files (the driver) and when it started.
 ``sweep`` removes every file of a run whose owner is gone (a process of that id that started at another time is
-another process). It runs when a run starts (on the driver's machine), when a run is set up on a worker (a
-user's cluster outlives the runs that use it), and in an embedded worker whose driver died: ``watch_parent``,
+another process). It runs when a run starts (on the driver's machine), when a run is set up or torn down on a
+worker (a user's cluster outlives the runs that use it), when an embedded worker closes (it closes as soon as
+the scheduler in its dead driver stops answering), and in an embedded worker whose driver died: ``watch_parent``,
 which every embedded worker starts, sweeps and ends the worker within a second of its parent's death, SIGKILL
-included, instead of waiting for Dask's death timeout.
+included, whichever comes first.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import psutil
 
-from harmony.runtime.hoststore import PREFIX, HostStore, shm_directory
+from harmony.runtime.hoststore import PREFIX, HostStore, freeze, shm_directory
 
 OWNER = "owner"
 WATCH_INTERVAL = 0.5
@@ -31,12 +32,24 @@ def claim(store: HostStore) -> None:
 
 
 def owner_alive(record: bytes) -> bool:
-    """Whether the process an owner record names still runs (the same process: same id, same start)."""
+    """Whether the process an owner record names still runs (the same process: same id, same start; a process
+    that has ended but is not yet reaped by its parent, a zombie, has ended)."""
     try:
         owner = json.loads(record)
-        return abs(psutil.Process(int(owner["pid"])).create_time() - float(owner["started"])) < 1e-3
+        process = psutil.Process(int(owner["pid"]))
+        same = abs(process.create_time() - float(owner["started"])) < 1e-3
+        return same and process.status() != psutil.STATUS_ZOMBIE
     except (ValueError, KeyError, TypeError, psutil.Error):
         return False
+
+
+def gone(run: str, directory: Path | None = None) -> bool:
+    """Whether a run's owner is gone (or its owner record, swept with its files)."""
+    record = (directory or shm_directory()) / f"{PREFIX}{run}-{OWNER}"
+    try:
+        return not owner_alive(record.read_bytes())
+    except FileNotFoundError:
+        return True
 
 
 def sweep(directory: Path | None = None) -> list[str]:
@@ -64,6 +77,7 @@ def watch_parent(interval: float = WATCH_INTERVAL) -> threading.Thread:
         while os.getppid() == parent and psutil.pid_exists(parent):
             time.sleep(interval)
         try:
+            freeze()  # a task still running makes no file behind the sweep
             sweep()
         finally:
             os._exit(0)

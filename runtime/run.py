@@ -66,7 +66,7 @@ def execute(
     feeds: list[SharedFeed],
     devices: list[DeviceSpec],
     handle: ClusterHandle,
-    on_progress: Callable[[BindingState], None] | None = None,
+    on_progress: Callable[[BindingState, Callable[[], dict[int, int]]], None] | None = None,
     host_memory: int | None = None,
     checkpoints: Checkpoints | None = None,
     starts: list[int] | None = None,
@@ -104,13 +104,14 @@ def execute(
                              checkpoint_every=(plan.options.checkpoint_every or END) if checkpoints else None,
                              start=starts)
 
-        def checkpoint(job: int) -> None:
+        def checkpoint(job: int, step: int) -> None:
             assert checkpoints is not None
-            step = checkpoints.save(job, files, codes, *users)
+            checkpoints.save(job, step, files, codes, *users)
             logger.info("harmony: checkpointed %s at step %d in %s", plan.jobs[job].label, step, checkpoints.directory)
 
         driver = Driver(handle.client, run, store, state, [feeds[job.feed] for job in plan.jobs], handle.workers,
-                        plan.options.microbatches, on_step=files.open_step, on_progress=on_progress,
+                        plan.options.microbatches, on_step=files.open_step,
+                        on_progress=None if on_progress is None else lambda s: on_progress(s, files.members_stopped),
                         on_checkpoint=checkpoint if checkpoints is not None else None)
         started = time.perf_counter()
         driver.run_to_completion()

@@ -14,7 +14,7 @@ import importlib
 import threading
 
 from harmony.runtime.allocator import keep_freed_memory
-from harmony.runtime.orphans import watch_parent
+from harmony.runtime.orphans import sweep, watch_parent
 
 
 def _import_optimizer_machinery() -> None:
@@ -25,6 +25,12 @@ keep_freed_memory()
 watch_parent()
 WARMUP = threading.Thread(target=_import_optimizer_machinery, name="harmony-warmup", daemon=True)
 WARMUP.start()
+
+
+def dask_teardown(worker: object) -> None:
+    """When the worker closes (Dask calls this for a preloaded module): remove the files of runs whose driver is
+    gone; a worker closes by itself once its driver's scheduler stops answering."""
+    sweep()
 
 
 def wait() -> None:

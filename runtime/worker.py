@@ -8,6 +8,7 @@ a process). Teardown drops everything the run held on the worker.
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections import Counter
 from pathlib import Path
@@ -38,7 +39,7 @@ from harmony.runtime.homed import HomedModel
 from harmony.runtime.hoststore import HostStore, tensors_at
 from harmony.runtime.optimizer import PackOptimizer, pack_lock, update
 from harmony.runtime.optimstate import OptimizerState
-from harmony.runtime.orphans import sweep
+from harmony.runtime.orphans import gone, sweep
 from harmony.runtime.skeleton import load_skeleton
 from harmony.runtime.spec import RunSpec
 from harmony.tasks.graph import TaskId, parse_key
@@ -226,6 +227,24 @@ class RunContext:
         self.store.close()
 
 
+class QuietFailures(logging.Filter):
+    """Drops Dask's "Compute Failed" report of Harmony's tasks: the driver reports each failure itself (a model's
+    own, with its traceback, as the model's; one of Harmony's, as the run's error), and a model that diverges or
+    raises is an expected event of a sweep, not a worker's error."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        failed = isinstance(record.msg, str) and record.msg.startswith("Compute Failed")
+        key = record.args[0] if failed and isinstance(record.args, tuple) and record.args else None
+        return not (isinstance(key, str) and parse_key(key) is not None)
+
+
+def quiet_failures() -> None:
+    """Install QuietFailures on this process's Dask worker logger (once)."""
+    worker_logger = logging.getLogger("distributed.worker")
+    if not any(isinstance(existing, QuietFailures) for existing in worker_logger.filters):
+        worker_logger.addFilter(QuietFailures())
+
+
 def wait_for_warmup() -> None:
     """On a worker: return once its preloaded background imports are done, so they compete with nothing."""
     warmup = sys.modules.get("harmony.runtime.warmup")
@@ -242,13 +261,18 @@ class DevicePlugin(WorkerPlugin):
     def setup(self, worker: Any) -> None:
         wait_for_warmup()
         keep_freed_memory()
-        sweep(Path(self.spec.store_directory))  # runs whose drivers are gone, on a cluster that outlived them
+        quiet_failures()
+        directory = Path(self.spec.store_directory)
+        sweep(directory)  # runs whose drivers are gone, on a cluster that outlived them
+        if gone(self.spec.run, directory):
+            return  # the scheduler keeps a dead driver's plugin and gives it to workers that join later
         RUNS[(self.spec.run, worker.address)] = RunContext(self.spec, str(worker.name))
 
     def teardown(self, worker: Any) -> None:
         context = RUNS.pop((self.spec.run, worker.address), None)
         if context is not None:
             context.close()
+        sweep(Path(self.spec.store_directory))
 
 
 def context(run: str) -> RunContext:

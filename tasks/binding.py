@@ -214,7 +214,8 @@ class BindingState:
         if self.fail_fast or not event.isolated:
             return [Fail(task.model, event.error)]
         first, _ = self.open_spans[(task.model, task.span)]
-        instructions = self._fail_job(task.model, first, str(event.error), event.at)
+        step = first if event.step is None else event.step
+        instructions = self._fail_job(task.model, step, str(event.error), event.at)
         self.failed[task.model]["error"] = event.error
         return instructions + self._advance()
 
@@ -339,7 +340,7 @@ class BindingState:
             self.finish_times.setdefault(model, at)
         every = self.checkpoint_every
         if every and (ended or before // every < self.steps_trained[model] // every):
-            released.insert(0, Checkpoint(model))
+            released.insert(0, Checkpoint(model, self.steps_trained[model]))
         if self.spans[model].adaptive:
             self.timing.add(model)
             return [*released, ReadTiming(model)]

@@ -34,12 +34,14 @@ class TaskFinished:
 @dataclass(frozen=True)
 class TaskFailed:
     """A task raised. isolated: the failure is the job's own (its model's code, or its divergence), which fails
-    that job alone unless the run is fail_fast; any other error fails the run."""
+    that job alone unless the run is fail_fast; any other error fails the run. step: the training step it
+    happened at, where the task knows it better than its span's first step (a divergence inside a span)."""
 
     task: TaskId
     error: BaseException
     at: float
     isolated: bool = False
+    step: int | None = None
 
 
 @dataclass(frozen=True)
@@ -137,10 +139,12 @@ class Leave:
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """Write the job's checkpoint now, from the host store's version of the steps it has done (before anything
-    that follows this instruction can overwrite it)."""
+    """Write the job's checkpoint of step now, before anything that follows this instruction is carried out: the
+    host store then holds step's weights (in one slot of each pack, the span already running after it can have
+    published the next version in the other)."""
 
     model: int
+    step: int
 
 
 @dataclass(frozen=True)

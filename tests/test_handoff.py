@@ -20,14 +20,14 @@ def test_a_local_result_is_read_from_the_worker_or_the_reader_comes_back_later(m
         state=types.SimpleNamespace(tasks={key: types.SimpleNamespace(state=s) for key, s in states.items()}),
     )
     monkeypatch.setattr(handoff, "get_worker", lambda: worker)
-    monkeypatch.setattr(handoff, "_fetch", lambda key: f"fetched {key}")
     finished = handoff.FinishedKeys(capacity=2)
     finished.add("done")
     finished.add("moved")
     early: Counter[str] = Counter()
     assert handoff.receive("plain", finished, early) == "plain"
     assert handoff.receive(LocalResult("done"), finished, early) is worker.data["done"]
-    assert handoff.receive(LocalResult("moved"), finished, early) == "fetched moved", "its copy here was dropped"
+    with pytest.raises(LostResult, match="no longer in this worker's memory"):
+        handoff.receive(LocalResult("moved"), finished, early)
     handoff.wait_for(LocalResult("moved"), finished, early)
     for key in ("queued", "not-arrived"):
         with pytest.raises(Reschedule):
