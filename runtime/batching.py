@@ -58,8 +58,9 @@ def unbatched(client: Client, workers: list[str], restore: bool) -> Iterator[Non
     finally:
         if restore:
             with contextlib.suppress(Exception):
+                alive = client.scheduler_info()["workers"]  # a worker that died meanwhile would be waited for
                 for address, seconds in on_workers.items():
-                    if seconds is not None:
+                    if seconds is not None and address in alive:
                         client.run(_swap_worker_interval, seconds=seconds, workers=[address])
                 client.run_on_scheduler(_swap_scheduler_intervals, intervals=on_scheduler)
                 if on_client is not None:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import dask
 from torch import nn
 
 from harmony.runtime.checkpoint import Checkpoints
@@ -102,7 +103,8 @@ def execute(
         state = BindingState(list(plan.jobs), plan.devices, policy=plan.options.policy, mode=plan.mode,
                              homes=plan.homes, fail_fast=plan.options.fail_fast,
                              checkpoint_every=(plan.options.checkpoint_every or END) if checkpoints else None,
-                             start=starts)
+                             start=starts,
+                             allowed_failures=dask.config.get("distributed.scheduler.allowed-failures"))
 
         def checkpoint(job: int, step: int) -> None:
             assert checkpoints is not None

@@ -55,7 +55,6 @@ KIND_RANK = {"upd": 0, "bwd": 1, "fwd": 2}
 POLICIES = ("lrtf", "round_robin")
 MODES = ("free", "vpp", "vdp")
 STORY = 10_000
-LOSSES = 3  # a job whose device is lost under it this many times fails alone (its own task may be what kills it)
 
 
 def packs(job: Job) -> int:
@@ -82,6 +81,7 @@ class BindingState:
         fail_fast: bool = False,
         checkpoint_every: int | None = None,
         start: list[int] | None = None,
+        allowed_failures: int = 3,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy={policy!r}; use one of {POLICIES}")
@@ -95,6 +95,7 @@ class BindingState:
         self.validate = validate
         self.fail_fast = fail_fast
         self.checkpoint_every = checkpoint_every
+        self.allowed_failures = allowed_failures
         self.budgets = dict(budgets)
         self.device_names = list(budgets)
         self.memory = {name: DeviceMemory(name, budget) for name, budget in budgets.items()}
@@ -281,15 +282,18 @@ class BindingState:
             return []
         self.device_names.remove(device)
         del self.memory[device]
-        affected = ({task.model for task in self.running.pop(device)}
+        suspects = {task.model for task in self.running.pop(device)}  # their tasks may be what killed it
+        affected = (suspects
                     | {task.model for task, at in self.placed.items() if at == device}
                     | {model for model, home in self.homes.items() if home == device})
         instructions: list[Instruction] = []
         redone: dict[int, str] = {}
         for model in sorted(affected - set(self.failed)):
-            self.losses[model] += 1
-            if self.losses[model] >= LOSSES:
-                reason = f"the worker running it was lost {self.losses[model]} times"
+            if model in suspects:
+                self.losses[model] += 1
+            if self.losses[model] > self.allowed_failures:
+                reason = (f"the worker running its tasks died {self.losses[model]} times with no step of it done in "
+                          f"between (distributed.scheduler.allowed-failures is {self.allowed_failures})")
                 instructions += self._fail_job(model, self.steps_trained[model], reason, event.at)
                 continue
             instructions += self._roll_back(model)
@@ -323,6 +327,7 @@ class BindingState:
         """Every update of a model's span is applied: count its steps, forget its finished tasks."""
         _, count = self.open_spans.pop((model, span))
         self.spans_done[model] = span + 1
+        self.losses.pop(model, None)  # losses count in a row: a job that steps between them is not what kills
         before = self.steps_trained[model]
         self.steps_trained[model] += count
         self.step_times[model].extend([at] * count)

@@ -335,15 +335,34 @@ def test_a_job_whose_code_fails_stops_alone_unless_the_run_is_fail_fast() -> Non
         "a failure that is not the model's own fails the run")
 
 
+def test_losses_count_against_a_job_only_in_a_row() -> None:
+    state = BindingState([job(20, home="a"), job(20)], {"a": 1000, "b": 1000}, homes={0: "a"}, validate=True)
+    player = Player(state, {0: 20, 1: 20})
+    player.carry_out(state.start())
+    for when in range(6):  # more losses than allowed, with a step of each job done after each
+        home = state.homes[0]
+        player.handle(WorkerLost(home, float(when)))
+        assert state.losses[0] == 1, "the homed job's task ran there"
+        player.handle(WorkerJoined(home, when + 0.5))
+        trained = list(state.steps_trained)
+        while any(now == before for now, before in zip(state.steps_trained, trained)):
+            player.finish(player.in_flight[0])
+    assert not state.failed and not state.losses
+    while not state.finished:
+        player.finish(player.in_flight[0])
+    assert state.steps_trained == [20, 20]
+
+
 def test_a_job_lost_with_its_device_again_and_again_fails_alone() -> None:
     state = BindingState([job(10, home="a"), job(10)], {"a": 1000, "b": 1000}, homes={0: "a"}, validate=True)
     player = Player(state, {0: 2, 1: 2})
     player.carry_out(state.start())
-    for when in range(3):
+    for when in range(4):
+        assert 0 not in state.failed
         home = state.homes[0]
         player.handle(WorkerLost(home, float(when)))
         player.handle(WorkerJoined(home, when + 0.5))
-    assert 0 in state.failed and "lost 3 times" in str(state.failed[0]["reason"])
+    assert 0 in state.failed and "died 4 times" in str(state.failed[0]["reason"])
     while not state.finished:
         player.finish(player.in_flight[0])
     assert state.steps_trained[1] == 2

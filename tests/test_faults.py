@@ -150,7 +150,8 @@ def test_a_homed_model_killed_in_the_middle_of_a_multi_step_task_takes_up_from_i
 
 @pytest.fixture
 def users_cluster(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    """A dask scheduler and two dask worker processes on loopback, with or without a nanny."""
+    """A dask scheduler and dask worker processes on loopback: two with a nanny (which restarts a killed one), or
+    five without (a killed one stays dead)."""
     nanny = request.param
     port = 8900 + os.getpid() % 50
     address = f"tcp://127.0.0.1:{port}"
@@ -159,10 +160,8 @@ def users_cluster(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[st
                                                                              os.environ.get("PYTHONPATH")]))}
     processes = [subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
                                    "--port", str(port), "--no-dashboard", "--dashboard-address", "127.0.0.1:0"],
-                                  env=environment,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
-    time.sleep(2)
-    for index in range(2):
+                                  env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    for index in range(2 if nanny else 5):
         processes.append(subprocess.Popen(
             [sys.executable, "-m", "distributed.cli.dask_worker", address, "--nthreads", "1", "--name",
              f"cpu-{index}", "--host", "127.0.0.1", "--no-dashboard", "--nanny" if nanny else "--no-nanny"],
@@ -180,22 +179,38 @@ def users_cluster(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[st
 
 
 @pytest.mark.parametrize("users_cluster", [True, False], ids=["nanny", "no-nanny"], indirect=True)
-def test_a_users_worker_killed_mid_step_costs_only_that_step(users_cluster: str, tmp_path: Path) -> None:
+def test_users_workers_killed_in_a_forward_a_backward_an_update_and_a_span_cost_only_that_work(
+    users_cluster: str, tmp_path: Path
+) -> None:
     from distributed import Client
 
     with Client(users_cluster) as client:
         client.wait_for_workers(2, timeout=60)
-    marker = str(tmp_path / "killed")
-    models = [swapped_model(marker, "bwd", calls=5), deep_mlp(depth=2, seed=3)]
+        workers = len(client.scheduler_info()["workers"])
+    markers = {kind: str(tmp_path / f"killed-{kind}") for kind in ("fwd", "bwd", "update", "span")}
+    # Kills a few steps apart (a step calls a Killer twice, once per micro-batch; an optimizer once per pack, 12)
+    killing = lambda p: KillingSGD(p, markers["update"], calls=12 * 5, lr=0.05, momentum=0.9)  # noqa: E731
+    adam = lambda p: torch.optim.Adam(p, lr=1e-3)  # noqa: E731
+    models = [
+        swapped_model(markers["fwd"], "fwd", calls=2 * 2),
+        swapped_model(markers["bwd"], "bwd", calls=2 * 8, seed=1),
+        deep_mlp(seed=2),
+        nn.Sequential(nn.Linear(32, 8), nn.Tanh(), Killer(markers["span"], "bwd", calls=2 * 10), nn.Linear(8, 4)),
+    ]
     references = clones(models)
-    batches = regression_batches(samples=16 * STEPS, batch=16)
+    batches = regression_batches(samples=16 * 12, batch=16)
     started = time.monotonic()
-    result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss, optimizer=sgd, microbatches=2,
-                           cluster=users_cluster, device_memory=24_000, progress=False, fuse=False)
-    assert time.monotonic() - started < 120
-    assert os.path.exists(marker)
-    check_against_plain(models, references, batches, [sgd, sgd])
-    assert [event["event"] for event in result.events].count("worker lost") == 1
+    result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss, optimizer=[sgd, sgd, killing, adam],
+                           cluster=users_cluster, device_memory=32_000, microbatches=2, steps_per_task=4,
+                           progress=False, fuse=False)
+    assert time.monotonic() - started < 240
+    assert Path(markers["fwd"]).read_text().startswith("fwd") and Path(markers["bwd"]).read_text().startswith("bwd")
+    assert Path(markers["update"]).read_text() == "update" and Path(markers["span"]).exists()
+    assert 3 in result.homes and not result.failed
+    check_against_plain(models, references, batches, [sgd, sgd, sgd, adam])
+    assert [event["event"] for event in result.events].count("worker lost") == 4
+    if workers == 5:
+        assert [event["event"] for event in result.events].count("worker joined") == 0
     assert not harmony_files()
 
 
