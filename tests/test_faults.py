@@ -150,9 +150,9 @@ def test_a_homed_model_killed_in_the_middle_of_a_multi_step_task_takes_up_from_i
 
 @pytest.fixture
 def users_cluster(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    """A dask scheduler and dask worker processes on loopback: two with a nanny (which restarts a killed one), or
-    five without (a killed one stays dead)."""
-    nanny = request.param
+    """A dask scheduler and dask worker processes on loopback, (nanny, workers) as the test asks: with a nanny a
+    killed worker is restarted, without one it stays dead."""
+    nanny, workers = request.param
     port = 8900 + os.getpid() % 50
     address = f"tcp://127.0.0.1:{port}"
     tests = str(Path(__file__).parent)  # where pytest imports this module from, for the workers to unpickle it
@@ -161,7 +161,7 @@ def users_cluster(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[st
     processes = [subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
                                    "--port", str(port), "--no-dashboard", "--dashboard-address", "127.0.0.1:0"],
                                   env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
-    for index in range(2 if nanny else 5):
+    for index in range(workers):
         processes.append(subprocess.Popen(
             [sys.executable, "-m", "distributed.cli.dask_worker", address, "--nthreads", "1", "--name",
              f"cpu-{index}", "--host", "127.0.0.1", "--no-dashboard", "--nanny" if nanny else "--no-nanny"],
@@ -178,7 +178,7 @@ def users_cluster(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[st
                 process.kill()
 
 
-@pytest.mark.parametrize("users_cluster", [True, False], ids=["nanny", "no-nanny"], indirect=True)
+@pytest.mark.parametrize("users_cluster", [(True, 2), (False, 5)], ids=["nanny", "no-nanny"], indirect=True)
 def test_users_workers_killed_in_a_forward_a_backward_an_update_and_a_span_cost_only_that_work(
     users_cluster: str, tmp_path: Path
 ) -> None:
@@ -211,6 +211,27 @@ def test_users_workers_killed_in_a_forward_a_backward_an_update_and_a_span_cost_
     assert [event["event"] for event in result.events].count("worker lost") == 4
     if workers == 5:
         assert [event["event"] for event in result.events].count("worker joined") == 0
+    assert not harmony_files()
+
+
+@pytest.mark.parametrize("users_cluster", [(False, 1)], ids=["one-worker-no-nanny"], indirect=True)
+def test_a_run_whose_every_device_is_gone_for_good_fails_with_a_clear_error_and_leaves_nothing(
+    users_cluster: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from distributed import Client
+
+    from harmony.runtime import driver
+
+    with Client(users_cluster) as client:
+        client.wait_for_workers(1, timeout=60)
+    monkeypatch.setattr(driver, "DEVICE_TIMEOUT", 2.0)
+    marker = str(tmp_path / "killed")
+    batches = regression_batches(samples=16 * STEPS, batch=16)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="every device's worker has been lost for 2 s"):
+        harmony.train(swapped_model(marker, "bwd", calls=2), batches, loss_fn=nn.functional.mse_loss, optimizer=sgd,
+                      cluster=users_cluster, device_memory=24_000, microbatches=2, progress=False)
+    assert os.path.exists(marker) and time.monotonic() - started < 60
     assert not harmony_files()
 
 
