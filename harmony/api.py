@@ -14,7 +14,7 @@ from typing import Any
 from torch import nn
 
 from harmony.errors import InputError, ModelError
-from harmony.planner import build, codes_for, pilot
+from harmony.planner import build, codes_for, pilot, replan_machines
 from harmony.progress import ProgressLine, wants_progress
 from harmony.result import TrainResult
 from harmony.runtime.batching import unbatched
@@ -210,10 +210,12 @@ def train(
         ):
             hardware = measured_hardware(handle.client, handle.workers,
                                          cpu_compute=any(spec.kind == "cpu" for spec in specs))
+            machines = {spec.name: spec.machine for spec in specs}
             if recorded is None:
-                plan, codes = build(args, candidates, budgets, hardware)
+                plan, codes = build(args, candidates, budgets, hardware, machines)
             else:
-                plan, codes = recorded, codes_for(recorded, candidates, args, min(budgets.values()))
+                plan = replan_machines(recorded, machines)
+                codes = codes_for(recorded, candidates, args, min(budgets.values()))
             starts = [0] * len(plan.jobs)
             if checkpoints is not None:
                 checkpoints.begin(plan, ", ".join(job.label for job in plan.jobs))

@@ -27,6 +27,7 @@ from harmony.tasks.amortize import steps_per_task
 from harmony.tasks.binding import MODES
 from harmony.tasks.hardware import Hardware
 from harmony.tasks.homes import choose_homes
+from harmony.tasks.machines import assign_machines
 from harmony.tasks.packing import LayerTooLarge, cut_packs, minimal_budget
 from harmony.tasks.profile import ModelProfile
 from harmony.tasks.runplan import Job, RunPlan
@@ -120,8 +121,20 @@ def choose_mode(
     return chosen, predicted
 
 
-def settle_homes(candidates: list[Candidate], budgets: dict[str, int]) -> list[Candidate]:
-    """Home every single-pack job that fits a device whole, and re-cut the others for the room left."""
+def settle_homes(candidates: list[Candidate], budgets: dict[str, int], machines: dict[str, str]) -> list[Candidate]:
+    """Home every single-pack job that fits a device of its machine whole, and re-cut the others for the room
+    left there."""
+    settled = list(candidates)
+    for machine in dict.fromkeys(candidate.job.machine for candidate in candidates):
+        indices = [index for index, candidate in enumerate(candidates) if candidate.job.machine == machine]
+        own = {device: budget for device, budget in budgets.items() if machines.get(device, "") == machine}
+        for index, candidate in zip(indices, settle_machine([candidates[index] for index in indices], own)):
+            settled[index] = candidate
+    return settled
+
+
+def settle_machine(candidates: list[Candidate], budgets: dict[str, int]) -> list[Candidate]:
+    """settle_homes on one machine's devices."""
     packings = [candidate.job.packing for candidate in candidates]
     floors = [minimal_budget(c.profile, c.job.packing.microbatch_samples) for c in candidates]
     homes, room = choose_homes(packings, [c.job.state_ratio for c in candidates], budgets, floors)
@@ -164,15 +177,31 @@ def codes_for(plan: RunPlan, candidates: list[Candidate], args: Arguments, budge
     return codes
 
 
+def on_machines(jobs: list[Job], budgets: dict[str, int], machines: dict[str, str]) -> list[Job]:
+    """The jobs, each homed on a machine (tasks.machines) where the devices are on more than the driver's; a job
+    already homed on a device (a resumed plan's) stays on that device's machine."""
+    if not any(machines.values()):
+        return [dataclasses.replace(job, machine="") for job in jobs]
+    work = [job.step_seconds * (job.steps or 1) for job in jobs]
+    placed = assign_machines(work, [machines.get(device, "") for device in budgets])
+    return [dataclasses.replace(job, machine=machines.get(job.home or "", machine))
+            for job, machine in zip(jobs, placed)]
+
+
 def build(
-    args: Arguments, candidates: list[Candidate], budgets: dict[str, int], hardware: Hardware
+    args: Arguments, candidates: list[Candidate], budgets: dict[str, int], hardware: Hardware,
+    machines: dict[str, str] | None = None,
 ) -> tuple[RunPlan, list[JobCode]]:
-    """The run's plan for the piloted models on devices with these budgets, predicted for hardware."""
+    """The run's plan for the piloted models on devices with these budgets, predicted for hardware; machines gives
+    each device's machine ("" for the driver's) where they are on several."""
     options = args.options
+    machines = machines or {}
     candidates, fusion = fuse(candidates, args, budgets, hardware)
     mode, predicted = choose_mode(candidates, args, budgets, hardware)
+    jobs = on_machines([candidate.job for candidate in candidates], budgets, machines)
+    candidates = [dataclasses.replace(candidate, job=job) for candidate, job in zip(candidates, jobs)]
     if options.resident and options.group and mode != "vdp":
-        candidates = settle_homes(candidates, budgets)
+        candidates = settle_homes(candidates, budgets, machines)
     groups = groups_for(mode, len(budgets), options.microbatches)
     jobs = [with_depth(dataclasses.replace(c.job, groups=groups), options.steps_per_task, hardware)
             for c in candidates]
@@ -184,5 +213,16 @@ def build(
         hardware=hardware,
         fusion=tuple(fusion),
         predicted_modes=tuple(predicted.items()),
+        machines=tuple(machines.items()) if any(machines.values()) else (),
     )
+    for machine in dict.fromkeys(job.machine for job in jobs if job.machine):
+        labels = [job.label for job in jobs if job.machine == machine]
+        logger.info("harmony: machine %s trains %d jobs: %s", machine, len(labels), ", ".join(labels))
     return plan, [candidate.code for candidate in candidates]
+
+
+def replan_machines(plan: RunPlan, machines: dict[str, str]) -> RunPlan:
+    """A recorded plan (a resumed run's) on the machines the devices are on now."""
+    jobs = on_machines(list(plan.jobs), plan.devices, machines)
+    return dataclasses.replace(plan, jobs=tuple(jobs),
+                               machines=tuple(machines.items()) if any(machines.values()) else ())

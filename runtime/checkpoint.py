@@ -127,7 +127,7 @@ class Checkpoints:
                 shutil.rmtree(old, ignore_errors=True)
 
     def _write_native(self, folder: Path, job: int, files: RunFiles, version: int) -> None:
-        store, runtime = files.store, files.models[job]
+        store, runtime = files.store(job), files.models[job]
         versions = files.versions(job)
         described: dict[str, Any] = {"version": version, "packs": []}
         for pack in range(len(runtime.packs)):
@@ -158,7 +158,7 @@ class Checkpoints:
             return 0
         described = msgpack.unpackb((folder / "checkpoint.msgpack").read_bytes())
         version = int(described["version"])
-        store, runtime = files.store, files.models[job]
+        store, runtime = files.store(job), files.models[job]
         versions = files.versions(job)
         for pack, entry in enumerate(described["packs"]):
             files.weights(job, pack, 0).copy_(_bytes(folder / f"p{pack}-weights.bin"))
@@ -217,7 +217,7 @@ class Checkpoints:
             names = [slot.spec.name for slot in pack_runtime.grads.slots]
             if not names:
                 continue
-            saved = OptimizerState(files.store, job, pack)
+            saved = OptimizerState(files.store(job), job, pack)
             tensors = saved.tensors(versions.slot(pack, version))
             if not tensors:
                 continue

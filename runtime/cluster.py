@@ -14,7 +14,6 @@ import contextlib
 import json
 import logging
 import os
-import socket
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ from distributed import Client, Scheduler
 from distributed.deploy.spec import ProcessInterface, SpecCluster
 
 from harmony.runtime.devices import DeviceSpec, capacity, cpu_count, threads_per_device
+from harmony.runtime.hoststore import identity
 
 WORKER_START_TIMEOUT = 120
 RESTARTS = 5
@@ -225,19 +225,24 @@ def worker_threads(handle: ClusterHandle) -> dict[str, int]:
 
 def _probe_device() -> tuple[str, int, int, str]:
     """On a worker: the device it drives (its first visible GPU, else the CPU), that device's bytes, and the
-    CPU threads and host name of its machine."""
+    CPU threads and identity of its machine."""
     device = "cuda:0" if torch.cuda.is_available() else "cpu"
-    return device, capacity(device, 1), cpu_count(), socket.gethostname()
+    return device, capacity(device, 1), cpu_count(), identity()
 
 
-def external_devices(handle: ClusterHandle, budget: int | None) -> list[DeviceSpec]:
+def external_devices(handle: ClusterHandle, budget: int | dict[str, int] | None) -> list[DeviceSpec]:
     """Every worker of a user's cluster is one device: its first visible GPU if it has one, else its CPU; the
-    workers on one machine share its CPU threads evenly."""
+    workers on one machine share its CPU threads evenly. budget is every device's, or per worker name (a worker
+    not named keeps its device's own bytes)."""
     found = handle.client.run(_probe_device)
     by_address = {address: name for name, address in handle.workers.items()}
-    per_host = Counter(host for _, _, _, host in found.values())
+    per_machine = Counter(machine for _, _, _, machine in found.values())
+    here = identity()
     devices = []
-    for address, (device, limit, cpus, host) in sorted(found.items(), key=lambda item: by_address[item[0]]):
-        threads = threads_per_device(cpus, per_host[host])
-        devices.append(DeviceSpec(by_address[address], device, budget if budget is not None else limit, threads))
+    for address, (device, limit, cpus, machine) in sorted(found.items(), key=lambda item: by_address[item[0]]):
+        name = by_address[address]
+        threads = threads_per_device(cpus, per_machine[machine])
+        given = budget.get(name) if isinstance(budget, dict) else budget
+        devices.append(DeviceSpec(name, device, given if given is not None else limit, threads,
+                                  machine="" if machine == here else machine))
     return devices

@@ -16,13 +16,15 @@ class DeviceSpecError(ValueError):
 
 @dataclass(frozen=True)
 class DeviceSpec:
-    """One device worker: its name (also the Dask worker name), torch device, budget and threads."""
+    """One device worker: its name (also the Dask worker name), torch device, budget and threads, and the machine
+    it is on (runtime.hoststore.identity; "" for the driver's)."""
 
     name: str
     torch_device: str
     budget: int
     threads: int
     link_bandwidth: float | None = None
+    machine: str = ""
 
     @property
     def kind(self) -> str:

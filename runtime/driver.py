@@ -36,6 +36,7 @@ from harmony.runtime.files import SPAN_TIMING_BYTES, span_timing_name
 from harmony.runtime.handoff import LocalResult
 from harmony.runtime.hoststore import HostStore
 from harmony.runtime.interrupt import raise_if_interrupted
+from harmony.runtime.machines import RemoteBatches
 from harmony.runtime.shipping import BatchFiles
 from harmony.tasks.binding import BindingState
 from harmony.tasks.events import (
@@ -71,7 +72,8 @@ class Driver:
         self,
         client: Client,
         run: str,
-        store: HostStore,
+        stores: list[HostStore],
+        batches: list[BatchFiles | RemoteBatches],
         state: BindingState,
         feeds: list[SharedFeed],
         workers: dict[str, str],
@@ -82,8 +84,8 @@ class Driver:
     ) -> None:
         self.client = client
         self.run = run
-        self.store = store
-        self.batch_files = BatchFiles(store)
+        self.stores = stores
+        self.batches = batches
         self.state = state
         self.feeds = feeds
         self.workers = workers
@@ -190,7 +192,7 @@ class Driver:
         if isinstance(instruction, Submit):
             self._submit(instruction)
         elif isinstance(instruction, Release):
-            self.batch_files.release(self.values.pop(instruction.value, None))
+            self.batches[instruction.value.model].release(self.values.pop(instruction.value, None))
             if isinstance(instruction.value, BatchTargets):
                 self.loss_weights.pop(instruction.value, None)
         elif isinstance(instruction, Cancel):
@@ -205,7 +207,9 @@ class Driver:
         elif isinstance(instruction, Fetch):
             return self._fetch(instruction)
         elif isinstance(instruction, ReadTiming):
-            timing = self.store.attach(span_timing_name(instruction.model), SPAN_TIMING_BYTES)
+            store = self.stores[instruction.model]
+            store.pull((span_timing_name(instruction.model),))
+            timing = store.attach(span_timing_name(instruction.model), SPAN_TIMING_BYTES)
             seconds, steps = timing.view(torch.float64).tolist()
             return StepTimed(instruction.model, seconds, int(steps))
         elif isinstance(instruction, Fail):
@@ -228,17 +232,18 @@ class Driver:
                 self.on_step(fetch.model, step)
         if not steps:
             return BatchReady(fetch.model, fetch.span, 0)
+        batches = self.batches[fetch.model]
         for group in range(fetch.groups):
             inputs_ = BatchInput(fetch.model, fetch.span, group)
             targets = BatchTargets(fetch.model, fetch.span, group)
             if fetch.stacked:
-                self.values[inputs_] = self.batch_files.ship_steps([parts[group][0] for parts in steps])
-                self.values[targets] = self.batch_files.ship_steps([parts[group][1] for parts in steps])
+                self.values[inputs_] = batches.ship_steps([parts[group][0] for parts in steps])
+                self.values[targets] = batches.ship_steps([parts[group][1] for parts in steps])
                 self.loss_weights[targets] = [parts[group][2] for parts in steps]
             else:
                 [parts] = steps
-                self.values[inputs_] = self.batch_files.ship(parts[group][0])
-                self.values[targets] = self.batch_files.ship(parts[group][1])
+                self.values[inputs_] = batches.ship(parts[group][0])
+                self.values[targets] = batches.ship(parts[group][1])
                 self.loss_weights[targets] = parts[group][2]
         return BatchReady(fetch.model, fetch.span, len(steps))
 
@@ -294,9 +299,9 @@ class Driver:
     def cancel(self) -> None:
         """Drop every value: the futures of whatever is still in flight (Dask then forgets those tasks) and the batch
         files."""
-        for value in self.values.values():
+        for key, value in self.values.items():
+            self.batches[key.model].release(value)
             if isinstance(value, Future):
                 value.release()
-            self.batch_files.release(value)
         self.values.clear()
         self.loss_weights.clear()

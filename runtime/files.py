@@ -141,18 +141,32 @@ def estimate(jobs: list[Job], batch_files: int) -> int:
 
 
 class RunFiles:
-    """The run's files in its host store: created, filled and read back by the driver's process."""
+    """The run's files in its host stores: created, filled and read back by the driver's process.
 
-    def __init__(self, store: HostStore, plan: RunPlan, models: tuple[ModelRuntime, ...]) -> None:
-        self.store = store
+    stores has each job's store (its machine's), device_stores each device's; a store the driver does not map
+    itself is pushed after it is filled and pulled before it is read (runtime.machines)."""
+
+    def __init__(self, stores: list[HostStore], device_stores: list[HostStore], plan: RunPlan,
+                 models: tuple[ModelRuntime, ...]) -> None:
+        self.stores = stores
+        self.device_stores = device_stores
         self.plan = plan
         self.models = models
+
+    def store(self, job: int) -> HostStore:
+        """The host store of the job's machine."""
+        return self.stores[job]
+
+    def pull(self, job: int, *names: str) -> None:
+        """Bring the job's files (those named, else all) from its machine."""
+        self.stores[job].pull(names or (f"m{job}-",))
 
     def create(self, codes: list[JobCode]) -> None:
         """Every job's weights (copied in from its layers), gradients, versions and timing, every device's counters."""
         for m, (job, code, runtime) in enumerate(zip(self.plan.jobs, codes, self.models)):
+            store = self.stores[m]
             for p, pack in enumerate(runtime.packs):
-                mapped = self.store.create(weights_name(m, p), 2 * slot_bytes(pack.weights.nbytes))
+                mapped = store.create(weights_name(m, p), 2 * slot_bytes(pack.weights.nbytes))
                 state = named_state(code.pack_module(job.packing, p))
                 with torch.no_grad():
                     for slot in (0, 1):
@@ -160,21 +174,23 @@ class RunFiles:
                         for name, view in tensors_at(host, pack.weights).items():
                             view.copy_(state[name].detach().cpu())
                 for group in range(job.groups):
-                    self.store.create(grads_name(m, p, group), pack.grads.nbytes)
+                    store.create(grads_name(m, p, group), pack.grads.nbytes)
                 if job.groups > 1:
-                    self.store.create(reduced_grads_name(m, p), pack.grads.nbytes)
-            self.store.create(versions_name(m), 8 * len(runtime.packs))
-            self.store.create(span_timing_name(m), SPAN_TIMING_BYTES)
-            self.store.create(diverged_name(m), 8 * runtime.members).view(torch.float64).fill_(-1.0)
-        for index in range(len(self.plan.budgets)):
-            self.store.create(counters_name(index), BLOCK_BYTES)
+                    store.create(reduced_grads_name(m, p), pack.grads.nbytes)
+            store.create(versions_name(m), 8 * len(runtime.packs))
+            store.create(span_timing_name(m), SPAN_TIMING_BYTES)
+            store.create(diverged_name(m), 8 * runtime.members).view(torch.float64).fill_(-1.0)
+        for index, store in enumerate(self.device_stores):
+            store.create(counters_name(index), BLOCK_BYTES)
 
     def open_step(self, model: int, step: int) -> None:
         """A job's step is about to be fetched: its loss block exists once its first step is."""
         if step % LOSS_BLOCK == 0:
             for group in range(self.plan.jobs[model].groups):
                 nbytes = 8 * LOSS_BLOCK * self.models[model].members
-                self.store.create(losses_name(model, step // LOSS_BLOCK, group), nbytes)
+                name = losses_name(model, step // LOSS_BLOCK, group)
+                self.stores[model].create(name, nbytes)
+                self.stores[model].push([name])
 
     def history(self, model: int, steps: int) -> list[list[float]]:
         """Per member of a job, the loss of every step: the sum over micro-batch groups of their shares."""
@@ -183,7 +199,7 @@ class RunFiles:
         for block in range(-(-steps // LOSS_BLOCK)):
             size = min(LOSS_BLOCK, steps - block * LOSS_BLOCK)
             shares = [
-                self.store.attach(losses_name(model, block, group), 8 * LOSS_BLOCK * members)
+                self.stores[model].attach(losses_name(model, block, group), 8 * LOSS_BLOCK * members)
                 .view(torch.float64)
                 .view(LOSS_BLOCK, members)[:size]
                 for group in range(self.plan.jobs[model].groups)
@@ -195,16 +211,16 @@ class RunFiles:
 
     def stopped(self, model: int) -> dict[int, int]:
         """The members of a job (by position) whose loss stopped being finite, and the step it happened at."""
-        steps = self.store.attach(diverged_name(model), 8 * self.models[model].members).view(torch.float64)
+        steps = self.stores[model].attach(diverged_name(model), 8 * self.models[model].members).view(torch.float64)
         return {position: int(step) for position, step in enumerate(steps.tolist()) if step >= 0}
 
     def members_stopped(self) -> dict[int, int]:
         """Per model (as the user numbered them) that stopped as a member of a fused array, the step it stopped at."""
-        return {
-            self.plan.jobs[job].members[position]: step
-            for job, runtime in enumerate(self.models) if runtime.members > 1
-            for position, step in self.stopped(job).items()
-        }
+        fused = [job for job, runtime in enumerate(self.models) if runtime.members > 1]
+        for job in fused:
+            self.pull(job, diverged_name(job))
+        return {self.plan.jobs[job].members[position]: step
+                for job in fused for position, step in self.stopped(job).items()}
 
     def trained(self, model: int) -> int:
         """The steps whose updates every pack of a job has (its host weights' version where all packs agree)."""
@@ -213,7 +229,7 @@ class RunFiles:
     def counters(self) -> dict[str, dict[str, int]]:
         """Per device, what its worker last published."""
         return {
-            name: Counters(self.store.attach(counters_name(index), BLOCK_BYTES)).read()
+            name: Counters(self.device_stores[index].attach(counters_name(index), BLOCK_BYTES)).read()
             for index, (name, _) in enumerate(self.plan.budgets)
         }
 
@@ -234,10 +250,10 @@ class RunFiles:
 
     def versions(self, model: int) -> Versions:
         """Per pack of a job, the version its host weights are at."""
-        return Versions(self.store.attach(versions_name(model), 8 * len(self.models[model].packs)))
+        return Versions(self.stores[model].attach(versions_name(model), 8 * len(self.models[model].packs)))
 
     def weights(self, model: int, pack: int, slot: int) -> torch.Tensor:
         """The bytes of one slot of a pack's weights."""
         nbytes = self.models[model].packs[pack].weights.nbytes
-        mapped = self.store.attach(weights_name(model, pack), 2 * slot_bytes(nbytes))
+        mapped = self.stores[model].attach(weights_name(model, pack), 2 * slot_bytes(nbytes))
         return weights_slot(mapped, slot, nbytes)

@@ -15,6 +15,7 @@ import os
 import shutil
 import tempfile
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -29,6 +30,19 @@ def shm_directory() -> Path:
     """Where shared-memory files live: /dev/shm on Linux, the temp directory elsewhere."""
     shm = Path("/dev/shm")
     return shm if shm.is_dir() else Path(tempfile.gettempdir())
+
+
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+
+
+def identity(directory: Path | None = None) -> str:
+    """This process's machine, as the shared memory it maps tells it: its kernel's boot id and the device of its
+    shared-memory directory (see runtime.machines)."""
+    try:
+        boot = BOOT_ID.read_text().strip()
+    except OSError:
+        boot = "unknown-boot"
+    return f"{boot}/{os.stat(directory or shm_directory()).st_dev}"
 
 
 def freeze() -> None:
@@ -171,6 +185,17 @@ class HostStore:
             return self.path(name).read_bytes()
         except FileNotFoundError:
             return None
+
+    def push(self, names: Iterable[str]) -> None:
+        """Make these files where the workers map them: nothing to do for a store the driver maps itself (see
+        runtime.machines for one it does not)."""
+
+    def push_all(self) -> None:
+        """push every file of the run."""
+
+    def pull(self, prefixes: tuple[str, ...] = ("",)) -> None:
+        """Bring the files whose names start with one of prefixes from where the workers write them: nothing to
+        do for a store the driver maps itself."""
 
     def forget(self, name: str) -> None:
         """Drop this process's mapping of one file."""

@@ -31,11 +31,20 @@ def claim(store: HostStore) -> None:
     store.write_bytes(OWNER, json.dumps({"pid": me.pid, "started": me.create_time()}).encode())
 
 
+def claim_remote(store: HostStore, run: str) -> None:
+    """Record, in a machine's store that the driver does not map, that the run's owner is on another machine:
+    sweeps there leave its files alone, and the scheduler removes them when the driver's client goes
+    (runtime.run.RunOwner)."""
+    store.write_bytes(OWNER, json.dumps({"remote": run}).encode())
+
+
 def owner_alive(record: bytes) -> bool:
     """Whether the process an owner record names still runs (the same process: same id, same start; a process
-    that has ended but is not yet reaped by its parent, a zombie, has ended)."""
+    that has ended but is not yet reaped by its parent, a zombie, has ended). A remote owner counts as alive."""
     try:
         owner = json.loads(record)
+        if "remote" in owner:
+            return True
         process = psutil.Process(int(owner["pid"]))
         same = abs(process.create_time() - float(owner["started"])) < 1e-3
         return same and process.status() != psutil.STATUS_ZOMBIE

@@ -7,9 +7,9 @@ removes every shared-memory file it created.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
-import os
 import secrets
 import time
 from collections.abc import Callable
@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import dask
+from distributed import Client, Scheduler, SchedulerPlugin
+from distributed.protocol.pickle import dumps
 from torch import nn
 
 from harmony.runtime.checkpoint import Checkpoints
@@ -26,8 +28,10 @@ from harmony.runtime.data import SharedFeed
 from harmony.runtime.devices import DeviceSpec
 from harmony.runtime.driver import Driver
 from harmony.runtime.files import RunFiles
-from harmony.runtime.hoststore import HostStore
-from harmony.runtime.orphans import claim, sweep
+from harmony.runtime.hoststore import HostStore, shm_directory
+from harmony.runtime.machines import STORE_DIRECTORY, RemoteBatches, RemoteStore, group_machines, remove_run
+from harmony.runtime.orphans import claim, claim_remote, sweep
+from harmony.runtime.shipping import BatchFiles
 from harmony.runtime.spec import RunSpec, describe
 from harmony.runtime.worker import RUNS, DevicePlugin
 from harmony.tasks.binding import BindingState
@@ -81,43 +85,60 @@ def execute(
     checkpoint, which holds that many steps."""
     run = secrets.token_hex(6)
     sweep()
-    store = HostStore(run, budget=host_memory)
+    machines = group_machines({device.name: device.machine for device in devices}, handle.workers)
+    local = HostStore(run, budget=host_memory) if any(m.local for m in machines) else None
+    stores: dict[str, HostStore] = {}
     driver: Driver | None = None
     plugin = f"harmony-{run}"
-    registered = False
+    registered = owned = False
     try:
-        claim(store)
+        if local is not None:
+            claim(local)
+        if any(not m.local for m in machines):
+            owned = own_remote_files(handle.client, run)
+        for machine in machines:
+            stores[machine.identity] = local if machine.local else RemoteStore(run, machine, handle.client)
+            if not machine.local:
+                claim_remote(stores[machine.identity], run)
         models = describe(plan, codes)
-        files = RunFiles(store, plan, models)
+        job_stores = [stores[job.machine or ""] for job in plan.jobs]
+        files = RunFiles(job_stores, [stores[d.machine] for d in devices], plan, models)
         files.create(codes)
         starts = starts or [0] * len(plan.jobs)
         if checkpoints is not None:
             for job, start in enumerate(starts):
                 if start and checkpoints.restore(job, files) != start:
                     raise RuntimeError(f"the checkpoint of job {job} changed while the run resumed it")
-        if not handle.embedded:
-            check_same_machine(handle, store)
-        spec = RunSpec(run, str(store.directory), models, tuple(devices), plan.options.prefetch, plan.options.group)
+        for store in stores.values():
+            store.push_all()
+        spec = RunSpec(run, str(shm_directory() if local is None else local.directory), models, tuple(devices),
+                       plan.options.prefetch, plan.options.group)
         handle.client.register_plugin(DevicePlugin(spec), name=plugin)
         registered = True
         state = BindingState(list(plan.jobs), plan.devices, policy=plan.options.policy, mode=plan.mode,
                              homes=plan.homes, fail_fast=plan.options.fail_fast,
                              checkpoint_every=(plan.options.checkpoint_every or END) if checkpoints else None,
                              start=starts,
-                             allowed_failures=dask.config.get("distributed.scheduler.allowed-failures"))
+                             allowed_failures=dask.config.get("distributed.scheduler.allowed-failures"),
+                             machines=dict(plan.machines))
 
         def checkpoint(job: int, step: int) -> None:
             assert checkpoints is not None
             checkpoints.save(job, step, files, codes, *users)
             logger.info("harmony: checkpointed %s at step %d in %s", plan.jobs[job].label, step, checkpoints.directory)
 
-        driver = Driver(handle.client, run, store, state, [feeds[job.feed] for job in plan.jobs], handle.workers,
+        batches = {machine.identity: BatchFiles(stores[machine.identity]) if machine.local
+                   else RemoteBatches(run, machine, handle.client) for machine in machines}
+        driver = Driver(handle.client, run, job_stores, [batches[job.machine or ""] for job in plan.jobs], state,
+                        [feeds[job.feed] for job in plan.jobs], handle.workers,
                         plan.options.microbatches, on_step=files.open_step,
                         on_progress=None if on_progress is None else lambda s: on_progress(s, files.members_stopped),
                         on_checkpoint=checkpoint if checkpoints is not None else None)
         started = time.perf_counter()
         driver.run_to_completion()
         run_seconds = time.perf_counter() - started
+        for store in stores.values():
+            store.pull()
         files.copy_back(codes)
         executed = handle.client.run(_executed, run)
         names = {address: name for name, address in handle.workers.items()}
@@ -142,9 +163,17 @@ def execute(
         if registered:
             with contextlib.suppress(Exception):
                 handle.client.unregister_worker_plugin(plugin)
+        if owned:
+            with contextlib.suppress(Exception):
+                handle.client.run(remove_run, run, STORE_DIRECTORY)
+            with contextlib.suppress(Exception):
+                handle.client.unregister_scheduler_plugin(f"harmony-owner-{run}")
         if handle.embedded:
             handle.close()
-        store.unlink_all()
+        for store in stores.values():
+            store.unlink_all()
+        if local is not None:
+            local.unlink_all()  # also when the run failed before it knew its stores
 
 
 def _executed(run: str, dask_worker: Any) -> list[str]:
@@ -153,14 +182,24 @@ def _executed(run: str, dask_worker: Any) -> list[str]:
     return list(context.executed) if context is not None else []
 
 
-def check_same_machine(handle: ClusterHandle, store: HostStore) -> None:
-    """Every worker of a user's cluster must see this machine's host store."""
-    store.create("probe", 1)
-    path = str(store.path("probe"))
-    seen = handle.client.run(os.path.exists, path)
-    remote = sorted(address for address, ok in seen.items() if not ok)
-    if remote:
-        raise RuntimeError(
-            f"workers {remote} cannot see this machine's host store ({path}); Harmony's host store is per "
-            "machine, so every worker must run on the machine that calls harmony.train"
-        )
+class RunOwner(SchedulerPlugin):
+    """On the scheduler: when the driver's client goes (its process ended, however), remove the run's files on
+    every worker; a machine the driver is not on has no other way to know that its driver is gone."""
+
+    def __init__(self, run: str, client: str) -> None:
+        self.run = run
+        self.client = client
+
+    async def start(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+
+    def remove_client(self, scheduler: Scheduler, client: str) -> None:
+        if client == self.client:
+            message = {"op": "run", "function": dumps(remove_run), "args": dumps((self.run, STORE_DIRECTORY))}
+            self.removal = asyncio.ensure_future(scheduler.broadcast(msg=message))
+
+
+def own_remote_files(client: Client, run: str) -> bool:
+    """Register the run's RunOwner on the scheduler."""
+    client.register_plugin(RunOwner(run, client.id), name=f"harmony-owner-{run}")
+    return True

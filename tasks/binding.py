@@ -82,6 +82,7 @@ class BindingState:
         checkpoint_every: int | None = None,
         start: list[int] | None = None,
         allowed_failures: int = 3,
+        machines: dict[str, str] | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy={policy!r}; use one of {POLICIES}")
@@ -98,6 +99,7 @@ class BindingState:
         self.allowed_failures = allowed_failures
         self.budgets = dict(budgets)
         self.device_names = list(budgets)
+        self.machines = {name: (machines or {}).get(name, "") for name in budgets}
         self.memory = {name: DeviceMemory(name, budget) for name, budget in budgets.items()}
         self.running: dict[str, set[TaskId]] = {name: set() for name in budgets}
         self.spans = [Spans(job.steps, job.depth, job.task_seconds, job.batch_bytes) for job in jobs]
@@ -297,7 +299,7 @@ class BindingState:
                 instructions += self._fail_job(model, self.steps_trained[model], reason, event.at)
                 continue
             instructions += self._roll_back(model)
-            if self.homes.get(model) == device and self.device_names:
+            if self.homes.get(model) == device and self.live_devices(model):
                 self.homes[model] = self._home_for(model)
             redone[model] = self.homes.get(model, "any device")
         self.events.append({"at": event.at, "event": "worker lost", "device": device, "jobs redone": redone})
@@ -313,15 +315,21 @@ class BindingState:
         self.memory[device] = DeviceMemory(device, self.budgets[device])
         self.running[device] = set()
         for model, home in self.homes.items():
-            if home not in self.memory:
+            if home not in self.memory and self.machines[device] == self.jobs[model].machine:
                 self.homes[model] = device
         self.events.append({"at": event.at, "event": "worker joined", "device": device})
         return self._advance()
 
     def _home_for(self, model: int) -> str:
-        """The live device a homed job moves to: the one with the fewest jobs homed there."""
+        """The live device of its machine a homed job moves to: the one with the fewest jobs homed there."""
         homed = Counter(home for other, home in self.homes.items() if other != model)
-        return min(self.device_names, key=lambda name: (homed[name], self.device_names.index(name)))
+        live = self.live_devices(model)
+        return min(live, key=lambda name: (homed[name], live.index(name)))
+
+    def live_devices(self, model: int) -> list[str]:
+        """The live devices a job's tasks may run on: those of its machine."""
+        machine = self.jobs[model].machine
+        return [name for name in self.device_names if self.machines[name] == machine]
 
     def _span_done(self, model: int, span: int, at: float) -> list[Instruction]:
         """Every update of a model's span is applied: count its steps, forget its finished tasks."""
@@ -535,9 +543,11 @@ class BindingState:
             return self.homes[task.model]
         if self.mode == "free" or task.kind == "upd":
             return None
-        count = len(self.device_names)
-        index = (task.model + task.pack) % count if self.mode == "vpp" else task.group % count
-        return self.device_names[index]
+        live = self.live_devices(task.model)
+        if not live:
+            return None  # its machine has no device now: nothing can take it until one comes back (see ready)
+        index = (task.model + task.pack) % len(live) if self.mode == "vpp" else task.group % len(live)
+        return live[index]
 
     def ready(self, device: str | None = None) -> list[TaskId]:
         """Candidates (for device, if given) whose dependencies have all finished or are bound already.
@@ -546,7 +556,8 @@ class BindingState:
         exist; queueing it on the device hides the round trip through the driver. Readiness is kept up to date
         as tasks are bound (see _satisfy), so that asking costs nothing per waiting task.
         """
-        return [task for task in self._ready if device is None or self.placement(task) in (None, device)]
+        return [task for task in self._ready if device is None
+                or (self.placement(task) in (None, device) and self.machines[device] == self.jobs[task.model].machine)]
 
     def _satisfy(self, task: TaskId) -> None:
         """task was bound: the tasks that waited for it alone become ready."""
@@ -644,6 +655,9 @@ class BindingState:
             assert device in self.memory, f"{task} is bound to {device}, which is lost"
         for model, home in self.homes.items():
             assert home in self.budgets, f"job {model} is homed on {home}, not a device of the run"
+            assert self.machines[home] == self.jobs[model].machine, f"job {model} is homed off its machine"
+        for task, device in self.bound.items():
+            assert self.machines[device] == self.jobs[task.model].machine, f"{task} is bound off its job's machine"
         assert not set(self.failed) & {task.model for task in self.bound}, "a failed job has tasks bound"
         for model, spans in enumerate(self.spans):
             assert self.spans_done[model] <= self.spans_opened[model], f"model {model} finished unopened spans"

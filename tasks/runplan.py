@@ -62,6 +62,7 @@ class Job:
     groups: int = 1
     depth: int = 1
     task_seconds: float = 0.0
+    machine: str = ""
 
     @property
     def fused(self) -> bool:
@@ -75,7 +76,8 @@ class RunPlan:
 
     budgets are (device, bytes) pairs in device order; fusion says per group of fusable models which sub-array
     size was chosen and what each size was predicted to give; predicted_modes the seconds per step predicted
-    for each mode compared; hardware what those predictions assumed.
+    for each mode compared; hardware what those predictions assumed; machines each device's machine where the
+    devices are on several (or on one the driver is not on).
     """
 
     jobs: tuple[Job, ...]
@@ -85,6 +87,7 @@ class RunPlan:
     hardware: Hardware
     fusion: tuple[FusionChoice, ...] = ()
     predicted_modes: tuple[tuple[str, float], ...] = ()
+    machines: tuple[tuple[str, str], ...] = ()
 
     @property
     def devices(self) -> dict[str, int]:

@@ -12,6 +12,7 @@ from harmony.runtime.data import LoaderFeed, SharedFeed
 from harmony.runtime.driver import Driver
 from harmony.runtime.handoff import LocalResult
 from harmony.runtime.hoststore import HostStore
+from harmony.runtime.shipping import BatchFiles
 from harmony.tasks.binding import BindingState
 from tests.test_binding import job
 
@@ -33,7 +34,8 @@ def test_a_resident_models_next_task_is_queued_on_its_worker_with_no_scheduler_e
     homed = job(1024, steps=6, step_seconds=0.01, depth=2, home="cpu-0")
     state = BindingState([homed], {"cpu-0": 1 << 20}, homes={0: "cpu-0"})
     client = RecordingClient()
-    driver = Driver(client, "run", store, state, [feed], {"cpu-0": "tcp://worker"}, microbatches=1)  # type: ignore[arg-type]
+    driver = Driver(client, "run", [store], [BatchFiles(store)], state, [feed], {"cpu-0": "tcp://worker"},  # type: ignore[arg-type]
+                    microbatches=1)
     driver._carry_out(state.start())
     keys = [key for key, _ in client.submitted]
     assert keys == ["bwd-m0-p0-s0-run", "bwd-m0-p0-s1-run"], "both open spans go to the worker at once"
