@@ -20,7 +20,7 @@ from harmony.result import TrainResult
 from harmony.runtime.batching import unbatched
 from harmony.runtime.calibrate import measured_hardware
 from harmony.runtime.checkpoint import Checkpoints, fingerprint
-from harmony.runtime.cluster import ClusterHandle, connect, external_devices, start_embedded, worker_threads
+from harmony.runtime.cluster import LOOPBACK, ClusterHandle, connect, external_devices, start_embedded, worker_threads
 from harmony.runtime.code import JobCode
 from harmony.runtime.data import LoaderFeed, SharedFeed
 from harmony.runtime.devices import DeviceSpec, build_specs
@@ -59,7 +59,8 @@ def user_cluster(cluster: Any) -> Iterator[ClusterHandle | None]:
 
 
 @contextmanager
-def device_cluster(user: ClusterHandle | None, specs: list[DeviceSpec]) -> Iterator[ClusterHandle]:
+def device_cluster(user: ClusterHandle | None, specs: list[DeviceSpec], host: str = LOOPBACK,
+                   dashboard_address: str = ":8787") -> Iterator[ClusterHandle]:
     """The cluster the run's tasks go to: the user's, or an embedded one with a worker per device.
 
     execute stops an embedded cluster itself before removing the run's files; closing it here as well covers a
@@ -67,7 +68,7 @@ def device_cluster(user: ClusterHandle | None, specs: list[DeviceSpec]) -> Itera
     if user is not None:
         yield user
         return
-    handle = start_embedded(specs)
+    handle = start_embedded(specs, dashboard_address=dashboard_address, host=host)
     try:
         yield handle
     finally:
@@ -135,7 +136,7 @@ def train(
     steps: int | None = None,
     microbatches: int = 1,
     devices: int | str | list[str] | None = None,
-    device_memory: int | str | None = None,
+    device_memory: int | str | dict[str, int | str] | None = None,
     cluster: Any = None,
     progress: bool | None = None,
     link_bandwidth: Any = None,
@@ -151,6 +152,8 @@ def train(
     checkpoint_dir: str | os.PathLike[str] | None = None,
     checkpoint_every: int | None = None,
     resume: bool = False,
+    host: str = LOOPBACK,
+    dashboard_address: str = ":8787",
 ) -> TrainResult:
     """Train every model on its data through fine-grained tasks on Dask device workers.
 
@@ -190,8 +193,17 @@ def train(
     (model-<i>.pt) and what the run resumes from. resume=True takes the run up from those checkpoints (it must be
     the same run: the same models, data and arguments; a directory with none starts afresh), with the plan the
     checkpoints recorded, and ends with the weights and losses an uninterrupted run would have.
+
+    The embedded cluster (scheduler, workers and dashboard) listens on host, loopback unless you ask otherwise
+    (host="0.0.0.0" lets other machines reach it: anyone who can reach them can run code as you); the dashboard on
+    dashboard_address (":8787" is that port on host). On your own cluster (cluster=), the workers may be on many
+    machines: each machine's workers share a host store, and each model is trained on one machine's devices.
+    device_memory may then be a dict of worker name -> budget.
     """
     options = read_options(locals())  # first: locals() are the arguments alone
+    for name, value in (("host", host), ("dashboard_address", dashboard_address)):
+        if not isinstance(value, str):
+            raise InputError(f"{name}={value!r} must be a string such as '127.0.0.1' or ':8787'")
     args = validate(models, loaders, loss_fn, optimizer, options, devices, device_memory, cluster, link_bandwidth,
                     host_memory=host_memory)
     directory = check_checkpoints(checkpoint_dir, checkpoint_every, resume)
@@ -204,7 +216,7 @@ def train(
         checkpoints, recorded = open_checkpoints(directory, args, budgets, resume)
         started = time.perf_counter()
         with (
-            device_cluster(user, specs) as handle,
+            device_cluster(user, specs, host, dashboard_address) as handle,
             unbatched(handle.client, list(handle.workers.values()), restore=not handle.embedded),
             replicas_kept(handle.client),
         ):

@@ -150,6 +150,8 @@ def plan(
     devices, device_memory = given["devices"], given["device_memory"]
     if hardware is not None and not isinstance(devices, int):
         raise InputError("with a hardware description, pass devices as a count, e.g. devices=4")
+    if hardware is not None and isinstance(device_memory, dict):
+        raise InputError("with a hardware description, pass device_memory as one size for every device")
     if hardware is not None and device_memory is None:
         raise InputError("with a hardware description, pass device_memory: the budget of each device")
     options = read_options(given)

@@ -43,7 +43,7 @@ class Arguments:
     optimizer_state_ratios: list[float]
     options: Options
     devices: list[str]
-    device_memory: int | None
+    device_memory: int | dict[str, int] | None
     links: list[float | None]
     cluster: str | Client | None
     host_memory: int | None = None
@@ -272,7 +272,7 @@ def validate(
     except DeviceSpecError as error:
         raise InputError(str(error)) from None
     try:
-        budget = None if device_memory is None else parse_size(device_memory, "device_memory")
+        budget = device_budgets(device_memory)
         host_budget = None if host_memory is None else parse_size(host_memory, "host_memory")
         links = parse_bandwidths(link_bandwidth, len(device_list))
     except ValueError as error:
@@ -295,6 +295,17 @@ def validate(
         cluster=cluster,
         host_memory=host_budget,
     )
+
+
+def device_budgets(device_memory: Any) -> int | dict[str, int] | None:
+    """device_memory as bytes: one budget for every device, or per device (worker) name."""
+    if device_memory is None:
+        return None
+    if isinstance(device_memory, dict):
+        if not device_memory:
+            raise ValueError("device_memory={} names no worker; give a size, or a dict of worker name -> size")
+        return {str(name): parse_size(size, f"device_memory[{name!r}]") for name, size in device_memory.items()}
+    return parse_size(device_memory, "device_memory")
 
 
 def read_options(arguments: Mapping[str, Any]) -> Options:

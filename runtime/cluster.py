@@ -27,6 +27,7 @@ from harmony.runtime.devices import DeviceSpec, capacity, cpu_count, threads_per
 from harmony.runtime.hoststore import identity
 
 WORKER_START_TIMEOUT = 120
+LOOPBACK = "127.0.0.1"
 RESTARTS = 5
 RESTART_DELAY = 0.5
 
@@ -73,8 +74,10 @@ def thread_environment(threads: int) -> dict[str, str]:
 class DeviceWorkerProcess(ProcessInterface):
     """One Dask worker, one thread, in its own process, named after the device it drives."""
 
-    def __init__(self, scheduler: str, name: str, threads: int = 1, config: dict[str, str] | None = None) -> None:
+    def __init__(self, scheduler: str, name: str, threads: int = 1, config: dict[str, str] | None = None,
+                 host: str = LOOPBACK) -> None:
         super().__init__()
+        self.host = host
         self.scheduler = scheduler
         self.name = name
         self.threads = threads
@@ -113,6 +116,8 @@ class DeviceWorkerProcess(ProcessInterface):
                 "memory_limit": 0,
                 "death_timeout": 60,
                 "preload": ["harmony.runtime.warmup"],
+                "host": self.host,
+                "dashboard": False,
             },
         }
         paths = [path for path in sys.path if path and os.path.isdir(path)]
@@ -182,14 +187,19 @@ class ClusterHandle:
                 self.cluster.close()
 
 
-def start_embedded(devices: list[DeviceSpec], dashboard_address: str = ":8787") -> ClusterHandle:
-    """A scheduler in this process and one worker process per device; returns once all workers joined."""
+def start_embedded(devices: list[DeviceSpec], dashboard_address: str = ":8787", host: str = LOOPBACK) -> ClusterHandle:
+    """A scheduler in this process and one worker process per device; returns once all workers joined. Everything
+    listens on host (loopback unless the user asks otherwise); the dashboard on dashboard_address, whose host is
+    host when it names none."""
     sampling = quiet_sampling()
     workers = {
-        device.name: {"cls": DeviceWorkerProcess, "options": {"threads": device.threads, "config": sampling}}
+        device.name: {"cls": DeviceWorkerProcess,
+                      "options": {"threads": device.threads, "config": sampling, "host": host}}
         for device in devices
     }
-    scheduler = {"cls": Scheduler, "options": {"dashboard_address": dashboard_address}}
+    if dashboard_address.startswith(":"):
+        dashboard_address = f"{host}{dashboard_address}"
+    scheduler = {"cls": Scheduler, "options": {"dashboard_address": dashboard_address, "host": host}}
     memory_manager = {"distributed.scheduler.active-memory-manager.start": False}  # see runtime.handoff
     with dask.config.set({**memory_manager, **sampling}):
         cluster = SpecCluster(workers=workers, scheduler=scheduler, silence_logs=logging.ERROR, name="harmony")

@@ -102,14 +102,15 @@ def capacity(torch_device: str, cpu_devices: int) -> int:
 
 
 def build_specs(
-    torch_devices: list[str], budget: int | None, link_bandwidths: list[float | None] | None = None
+    torch_devices: list[str], budget: int | dict[str, int] | None, link_bandwidths: list[float | None] | None = None
 ) -> list[DeviceSpec]:
     """Device specs with names cpu-0, cpu-1, cuda-0 ... and the machine's CPU threads split evenly among them.
 
     A CPU device computes with its threads; a GPU device's worker needs them too, for the optimizer steps
     it runs on the host store (docs/performance.md, "Host optimizers need the machine's threads").
     link_bandwidths, one per device, hold its host<->device copies to that many bytes per second
-    (a simulated link for CPU devices); None leaves copies at the machine's own speed.
+    (a simulated link for CPU devices); None leaves copies at the machine's own speed. budget is every device's
+    bytes, or per device name (a device not named gets its own capacity).
     """
     links = link_bandwidths or [None] * len(torch_devices)
     cpu_devices = sum(1 for d in torch_devices if d == "cpu")
@@ -122,6 +123,7 @@ def build_specs(
             cpu_index += 1
         else:
             name = device.replace(":", "-")
-        limit = capacity(device, cpu_devices) if budget is None else budget
+        given = budget.get(name) if isinstance(budget, dict) else budget
+        limit = capacity(device, cpu_devices) if given is None else given
         specs.append(DeviceSpec(name, device, limit, threads, link))
     return specs

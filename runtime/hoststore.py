@@ -67,6 +67,19 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def check_private(path: Path) -> None:
+    """Refuse a file that this run's stores cannot have made: one another user owns, or others may read or write
+    (a run's files are its user's alone, 0600). A file a run made has the run's random id in its name, so a stale
+    file of a killed run is never taken for this run's."""
+    try:
+        status = os.stat(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"host store file {path} is gone: its run has ended") from None
+    if status.st_uid != os.getuid() or status.st_mode & 0o077:
+        raise PermissionError(f"refusing host store file {path}: owned by uid {status.st_uid} with mode "
+                              f"{status.st_mode & 0o777:o}, it is not a file this run made (0600, uid {os.getuid()})")
+
+
 class HostStoreFull(OSError):
     """A host-store file could not be allocated: the host's shared memory (or the run's host_memory) is full."""
 
@@ -141,8 +154,7 @@ class HostStore:
         mapped = self._mapped.get(name)
         if mapped is None:
             with _CREATING:  # torch.from_file would make the file anew, were a sweep to remove it meanwhile
-                if not self.path(name).exists():
-                    raise FileNotFoundError(f"host store file {self.path(name)} is gone: its run has ended")
+                check_private(self.path(name))
                 mapped = torch.from_file(str(self.path(name)), shared=True, size=max(nbytes, 1), dtype=torch.uint8)
             self._mapped[name] = mapped
             if self.pin:

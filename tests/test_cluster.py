@@ -148,3 +148,72 @@ def test_an_embedded_cluster_samples_itself_less_often_but_keeps_what_the_user_c
     assert intervals["monitor"] == scheduler["monitor"] == expected_monitor
     assert expected_monitor > milliseconds(dask.config.get("distributed.admin.system-monitor.interval")), (
         "less often than distributed's default")
+
+
+def listening(pids: set[int]) -> set[str]:
+    """The addresses processes pids listen on."""
+    import psutil
+
+    found = set()
+    for pid in pids:
+        try:
+            connections = psutil.Process(pid).net_connections(kind="inet")
+        except psutil.Error:
+            continue
+        found |= {connection.laddr.ip for connection in connections if connection.status == psutil.CONN_LISTEN}
+    return found
+
+
+def test_an_embedded_run_listens_on_loopback_alone(no_leaks: None) -> None:
+    """Scheduler, workers and dashboard: nobody beyond this machine can reach them (and run code as the user)."""
+    import threading
+
+    import psutil
+
+    seen: set[str] = set()
+    pids: set[int] = set()
+    done = threading.Event()
+
+    def watch() -> None:
+        me = psutil.Process()
+        while not done.is_set():
+            family = {me.pid} | {child.pid for child in me.children(recursive=True)}
+            pids.update(family)
+            seen.update(listening(family))
+            done.wait(0.05)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        result = harmony.train(deep_mlp(depth=3), regression_batches(samples=96, batch=8), nn.functional.mse_loss,
+                               functools.partial(torch.optim.SGD, lr=0.05), devices=["cpu", "cpu"],
+                               progress=False, steps_per_task=1)
+    finally:
+        done.set()
+        watcher.join()
+    assert len(pids) >= 3, "the driver and both workers were watched"
+    assert seen and seen <= {"127.0.0.1"}, f"listening on {sorted(seen)}"
+    assert result.dashboard_link is not None and result.dashboard_link.startswith("http://127.0.0.1:")
+
+
+def test_a_tls_cluster_on_loopback_trains_with_a_budget_per_worker_and_equals_plain_pytorch(no_leaks: None) -> None:
+    from distributed.security import Security
+
+    models = [deep_mlp(depth=3, seed=s) for s in range(2)]
+    references = [copy.deepcopy(m) for m in models]
+    batches = regression_batches(samples=48, batch=12)
+    factory = functools.partial(torch.optim.SGD, lr=0.05)
+    security = Security.temporary()
+    with (
+        LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1", dashboard_address=":0",
+                     security=security, protocol="tls://") as cluster,
+        Client(cluster, security=security) as client,
+    ):
+        assert client.scheduler.address.startswith("tls://127.0.0.1")
+        names = sorted(str(info["name"]) for info in client.scheduler_info()["workers"].values())
+        result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss, optimizer=factory, cluster=client,
+                               device_memory={names[0]: "24KB", names[1]: 40_000}, progress=False, fuse=False)
+    for model, reference in zip(models, references):
+        train_plain(reference, batches, nn.functional.mse_loss, factory)
+        assert_same_weights(model, reference)
+    assert result.plan.devices == {names[0]: 24_000, names[1]: 40_000}

@@ -86,3 +86,20 @@ def test_a_full_dev_shm_is_a_clear_error_never_a_sigbus(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert "FULL 4 could not allocate 16,777,216 bytes" in done.stdout and "/dev/shm has" in done.stdout
     assert "LEFT 4" in done.stdout, "the file that did not fit is not left half-made"
+
+
+def test_a_file_others_could_have_written_is_refused(store: HostStore) -> None:
+    """A file under the run's name that the run's stores did not make (readable or writable by others, or
+    another user's) is never mapped: a worker reads only what its run wrote."""
+    path = store.path("planted")
+    path.write_bytes(b"\0" * 64)
+    os.chmod(path, 0o644)
+    with pytest.raises(PermissionError, match="not a file this run made"):
+        HostStore("unittest").attach("planted", 64)
+    os.chmod(path, 0o600)
+    assert HostStore("unittest").attach("planted", 64).numel() == 64
+    if os.getuid() == 0:
+        os.chown(path, 65534, 65534)
+        with pytest.raises(PermissionError, match="owned by uid 65534"):
+            HostStore("unittest").attach("planted", 64)
+    store.unlink_all()

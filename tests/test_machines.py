@@ -143,7 +143,7 @@ def test_two_machines_train_six_models_each_in_its_own_store_and_equal_plain_pyt
         trained.load_state_dict(saved["states"][index])
         assert_same_weights(trained, model)
 
-    assert saved["arrays"] == [[0, 1], [2, 3], [4], [5]], "the four models of one architecture train as two arrays of two"
+    assert saved["arrays"] == [[0, 1], [2, 3], [4], [5]], "four models of one architecture: two arrays of two"
     identities = {os.stat(shm_of(group.pid)).st_dev: index for index, group in enumerate(groups)}
     homed: list[set[int]] = [set(), set()]
     for job, (machine, _) in enumerate(saved["jobs"]):
