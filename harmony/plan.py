@@ -16,6 +16,7 @@ from harmony.planner import build, pilot
 from harmony.runtime.devices import build_specs
 from harmony.runtime.measure import this_machine
 from harmony.tasks.fusion import FusionChoice
+from harmony.tasks.graph import TaskId
 from harmony.tasks.hardware import Hardware
 from harmony.tasks.microbatch import split_sizes
 from harmony.tasks.packing import Packing
@@ -131,6 +132,7 @@ def plan(
     loss_fn: Any = None,
     optimizer: Any = None,
     hardware: Hardware | None = None,
+    machines: int = 1,
     **arguments: Any,
 ) -> Forecast:
     """Plan a sweep as harmony.train would run it and predict it with the simulator; trains nothing.
@@ -139,7 +141,10 @@ def plan(
     device_memory, prefetch, policy, group, mode, resident, fuse, steps_per_task (loss_fn and optimizer may be
     left out). With a hardware description, devices is a count of such devices (which need not exist here)
     and device_memory their budget: "what would this take on 4 GPUs on PCIe 4" is
-    ``harmony.plan(models, loader, devices=4, device_memory="40GB", hardware=Hardware(...))``.
+    ``harmony.plan(models, loader, devices=4, device_memory="40GB", hardware=Hardware(...))``. machines=k
+    predicts k such machines of `devices` devices each: each job is homed on one machine (as train homes them on a
+    cluster of several) and each machine's jobs are simulated on its devices; the run takes the longest machine's
+    time.
     """
     unknown = sorted(set(arguments) - set(PLANNED))
     if unknown:
@@ -154,23 +159,27 @@ def plan(
         raise InputError("with a hardware description, pass device_memory as one size for every device")
     if hardware is not None and device_memory is None:
         raise InputError("with a hardware description, pass device_memory: the budget of each device")
+    if isinstance(machines, bool) or not isinstance(machines, int) or machines < 1:
+        raise InputError(f"machines={machines!r} must be a count of machines, at least 1")
+    if machines > 1 and hardware is None:
+        raise InputError("machines=k predicts machines that need not exist here: pass their hardware description")
     options = read_options(given)
     args = validate(models, loaders, loss_fn, optimizer, options, devices, device_memory, for_training=False)
     if hardware is None:
         budgets = {spec.name: spec.budget for spec in build_specs(args.devices, args.device_memory)}
         hardware = this_machine()
     else:
-        budgets = {f"dev-{i}": args.device_memory for i in range(len(args.devices))}  # type: ignore[misc]
+        budgets = {f"dev-{k}-{i}" if machines > 1 else f"dev-{i}": args.device_memory  # type: ignore[misc]
+                   for k in range(machines) for i in range(len(args.devices))}
+    machine_of = {device: device.rsplit("-", 1)[0] if machines > 1 else "" for device in budgets}
     for index in range(len(args.models)):
         if args.expected_steps(index) is None:
             raise InputError(f"loaders for model {index} have no length; pass steps= to plan a fixed number of steps")
-    run_plan, _ = build(args, pilot(args, min(budgets.values())), budgets, hardware)
+    run_plan, _ = build(args, pilot(args, min(budgets.values())), budgets, hardware, machine_of)
     jobs = list(run_plan.jobs)
     counts = [job.steps or 0 for job in jobs]
     samples = [step_samples(args, job) for job in jobs]
-    simulation = simulate([job.packing for job in jobs], counts, samples, budgets, hardware,
-                          prefetch=options.prefetch, policy=options.policy, mode=run_plan.mode,
-                          groups=[job.groups for job in jobs], homes=run_plan.homes)
+    simulation = simulate_machines(run_plan, counts, samples, machine_of)
     microbatches = [split_sizes(n, options.microbatches) for n in samples]
     try:
         memory = replay_memory(simulation.order, [job.packing for job in jobs], budgets, run_plan.homes,
@@ -178,3 +187,28 @@ def plan(
     except ScheduleExceedsBudget as error:
         raise InputError(f"the planned schedule would not fit: {error}") from None
     return Forecast(run_plan, simulation, memory, counts, names=[type(model).__name__ for model in args.models])
+
+
+def simulate_machines(plan: RunPlan, counts: list[int], samples: list[int], machines: dict[str, str]) -> Simulation:
+    """The plan's run simulated machine by machine (a job runs on its machine's devices alone), as one Simulation
+    whose makespan is the longest machine's."""
+    options, jobs = plan.options, list(plan.jobs)
+    order: dict[str, list[TaskId]] = {}
+    times: dict[TaskId, tuple[float, float]] = {}
+    busy: dict[str, float] = {}
+    for machine in dict.fromkeys(machines.values()):
+        own = [index for index, job in enumerate(jobs) if job.machine == machine]
+        budgets = {device: budget for device, budget in plan.devices.items() if machines[device] == machine}
+        if not own:
+            order.update({device: [] for device in budgets})
+            continue
+        homes = {position: jobs[index].home for position, index in enumerate(own) if jobs[index].home is not None}
+        run = simulate([jobs[index].packing for index in own], [counts[index] for index in own],
+                       [samples[index] for index in own], budgets, plan.hardware, prefetch=options.prefetch,
+                       policy=options.policy, mode=plan.mode, groups=[jobs[index].groups for index in own],
+                       homes=homes)
+        renamed = {task: dataclasses.replace(task, model=own[task.model]) for task in run.times}
+        order.update({device: [renamed[task] for task in tasks] for device, tasks in run.order.items()})
+        times.update({renamed[task]: span for task, span in run.times.items()})
+        busy.update(run.busy)
+    return Simulation(order, times, max((end for _, end in times.values()), default=0.0), counts, busy)

@@ -26,8 +26,7 @@ from harmony.runtime.pilot import decompose
 from harmony.tasks.amortize import steps_per_task
 from harmony.tasks.binding import MODES
 from harmony.tasks.hardware import Hardware
-from harmony.tasks.homes import choose_homes
-from harmony.tasks.machines import assign_machines
+from harmony.tasks.homes import assign_machines, choose_homes
 from harmony.tasks.packing import LayerTooLarge, cut_packs, minimal_budget
 from harmony.tasks.profile import ModelProfile
 from harmony.tasks.runplan import Job, RunPlan

@@ -47,7 +47,9 @@ class Stats:
     steps one of its tasks ran (with "auto", its later tasks: its first ones ran the depth its predicted step
     time gave, until finished tasks measured its step time); task_seconds: what one task cost on this cluster,
     measured before the run (a chain of dependent empty tasks per device worker), from which
-    steps_per_task="auto" chose those depths and the simulator predicted.
+    steps_per_task="auto" chose those depths and the simulator predicted; bytes_machines: what crossed between
+    the driver and machines it is not on (a cluster of several), "state" (model state out), "home" (state back,
+    the trained weights and checkpoints), "batches" (each step's batches, once per machine).
     """
 
     peak_device_bytes: dict[str, int]
@@ -67,6 +69,7 @@ class Stats:
     step_seconds: list[list[float]] = field(default_factory=list)
     steps_per_task: list[int] = field(default_factory=list)
     task_seconds: float = 0.0
+    bytes_machines: dict[str, int] = field(default_factory=dict)
 
     def steady_seconds_per_step(self, model: int = 0, skip: float = 0.2) -> float:
         """Seconds per step of model once running: the time between the step that ends the first skip share of
@@ -161,6 +164,7 @@ class TrainResult:
             step_seconds=step_seconds,
             steps_per_task=depths,
             task_seconds=plan.hardware.task_overhead,
+            bytes_machines=dict(outcome.traffic),
         )
         return TrainResult(
             models=models,

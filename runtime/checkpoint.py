@@ -102,8 +102,11 @@ class Checkpoints:
         return self.directory / f"job-{job}" / pointer.read_text().strip()
 
     def save(self, job: int, version: int, files: RunFiles, codes: list[JobCode], models: list[nn.Module],
-             factories: list[Any]) -> None:
-        """Checkpoint a job at a step (version) it has completed, while at most one span has run past it."""
+             factories: list[Any]) -> bool:
+        """Checkpoint a job at a step (version) it has completed, while at most one span has run past it; False
+        (none written) when the job's machine is out of reach."""
+        if not files.pull(job):
+            return False
         folder = self.directory / f"job-{job}"
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
         final = folder / f"v{version}"
@@ -125,6 +128,7 @@ class Checkpoints:
         for old in folder.glob("v*"):
             if old != final:
                 shutil.rmtree(old, ignore_errors=True)
+        return True
 
     def _write_native(self, folder: Path, job: int, files: RunFiles, version: int) -> None:
         store, runtime = files.store(job), files.models[job]

@@ -48,6 +48,7 @@ from harmony.tasks.events import (
     Fetch,
     Instruction,
     Leave,
+    MachineLost,
     ReadTiming,
     Release,
     StepTimed,
@@ -97,6 +98,7 @@ class Driver:
         self.loss_weights: dict[BatchTargets, list[Any]] = {}
         self.heard: queue.SimpleQueue[Future | tuple[str, str]] = queue.SimpleQueue()
         self.devices = {address: name for name, address in workers.items()}
+        self.stranded_since: dict[str, float] = {}
         self.started = time.perf_counter()
 
     def run_to_completion(self) -> None:
@@ -127,9 +129,16 @@ class Driver:
 
     def _check_progress(self, since: float | None) -> float | None:
         """Fail a run that cannot go on: every device lost for DEVICE_TIMEOUT, or nothing in flight while it is not
-        finished. Returns since when the devices have been gone."""
+        finished; fail the jobs of a machine whose devices have all been lost that long. Returns since when the
+        devices have been gone."""
+        now = time.perf_counter()
+        for machine in set(self.state.machines.values()):
+            if not self.state.device_names or not self.state.stranded(machine):
+                self.stranded_since.pop(machine, None)
+            elif now - self.stranded_since.setdefault(machine, now) > DEVICE_TIMEOUT:
+                del self.stranded_since[machine]
+                self._carry_out(self.state.handle(MachineLost(machine, DEVICE_TIMEOUT, now - self.started)))
         if not self.state.device_names:
-            now = time.perf_counter()
             if since is not None and now - since > DEVICE_TIMEOUT:
                 raise RuntimeError(f"harmony: every device's worker has been lost for {DEVICE_TIMEOUT:.0f} s; "
                                    "the run cannot go on")

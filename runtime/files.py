@@ -157,9 +157,9 @@ class RunFiles:
         """The host store of the job's machine."""
         return self.stores[job]
 
-    def pull(self, job: int, *names: str) -> None:
-        """Bring the job's files (those named, else all) from its machine."""
-        self.stores[job].pull(names or (f"m{job}-",))
+    def pull(self, job: int, *names: str) -> bool:
+        """Bring the job's files (those named, else all) from its machine; False when they are out of reach."""
+        return self.stores[job].pull(names or (f"m{job}-",))
 
     def create(self, codes: list[JobCode]) -> None:
         """Every job's weights (copied in from its layers), gradients, versions and timing, every device's counters."""

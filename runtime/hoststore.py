@@ -205,9 +205,10 @@ class HostStore:
     def push_all(self) -> None:
         """push every file of the run."""
 
-    def pull(self, prefixes: tuple[str, ...] = ("",)) -> None:
-        """Bring the files whose names start with one of prefixes from where the workers write them: nothing to
-        do for a store the driver maps itself."""
+    def pull(self, prefixes: tuple[str, ...] = ("",)) -> bool:
+        """Bring the files whose names start with one of prefixes from where the workers write them (nothing to
+        do for a store the driver maps itself); False when they are out of reach."""
+        return True
 
     def forget(self, name: str) -> None:
         """Drop this process's mapping of one file."""

@@ -12,8 +12,8 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 import dask
@@ -48,7 +48,8 @@ class RunOutcome:
     steps are the training steps each job ran; step_seconds when each finished and finish_seconds when the last
     did (from the moment the driver started); depths the steps its later tasks each ran; counters per device;
     failed the jobs that stopped alone (step, reason); stopped, per job, the members whose loss stopped being
-    finite and the step; events the workers lost and joined, the jobs failed.
+    finite and the step; events the workers lost and joined, the jobs failed; traffic the bytes that crossed
+    between the driver and machines it is not on.
     """
 
     history: list[list[list[float]]]
@@ -63,6 +64,14 @@ class RunOutcome:
     failed: dict[int, dict[str, object]]
     stopped: dict[int, dict[int, int]]
     events: list[dict[str, object]]
+    traffic: dict[str, int] = field(default_factory=dict)
+
+
+def traffic(stores: Iterable[HostStore], batches: Iterable[BatchFiles | RemoteBatches]) -> dict[str, int]:
+    """Bytes that crossed between the driver and machines it is not on: model state out, state home, batches."""
+    remote = [store for store in stores if isinstance(store, RemoteStore)]
+    return {"state": sum(store.bytes_pushed for store in remote), "home": sum(store.bytes_pulled for store in remote),
+            "batches": sum(batch.bytes_shipped for batch in batches if isinstance(batch, RemoteBatches))}
 
 
 def execute(
@@ -85,7 +94,7 @@ def execute(
     checkpoint, which holds that many steps."""
     run = secrets.token_hex(6)
     sweep()
-    machines = group_machines({device.name: device.machine for device in devices}, handle.workers)
+    machines = group_machines({device.name: device.machine for device in devices})
     local = HostStore(run, budget=host_memory) if any(m.local for m in machines) else None
     stores: dict[str, HostStore] = {}
     driver: Driver | None = None
@@ -97,7 +106,8 @@ def execute(
         if any(not m.local for m in machines):
             owned = own_remote_files(handle.client, run)
         for machine in machines:
-            stores[machine.identity] = local if machine.local else RemoteStore(run, machine, handle.client)
+            stores[machine.identity] = (local if machine.local
+                                        else RemoteStore(run, machine, handle.client, handle.workers))
             if not machine.local:
                 claim_remote(stores[machine.identity], run)
         models = describe(plan, codes)
@@ -124,11 +134,12 @@ def execute(
 
         def checkpoint(job: int, step: int) -> None:
             assert checkpoints is not None
-            checkpoints.save(job, step, files, codes, *users)
-            logger.info("harmony: checkpointed %s at step %d in %s", plan.jobs[job].label, step, checkpoints.directory)
+            if checkpoints.save(job, step, files, codes, *users):
+                logger.info("harmony: checkpointed %s at step %d in %s", plan.jobs[job].label, step,
+                            checkpoints.directory)
 
-        batches = {machine.identity: BatchFiles(stores[machine.identity]) if machine.local
-                   else RemoteBatches(run, machine, handle.client) for machine in machines}
+        batches = {identity: RemoteBatches(store) if isinstance(store, RemoteStore) else BatchFiles(store)
+                   for identity, store in stores.items()}
         driver = Driver(handle.client, run, job_stores, [batches[job.machine or ""] for job in plan.jobs], state,
                         [feeds[job.feed] for job in plan.jobs], handle.workers,
                         plan.options.microbatches, on_step=files.open_step,
@@ -155,6 +166,7 @@ def execute(
             failed=dict(state.failed),
             stopped={m: stopped for m in range(len(plan.jobs)) if (stopped := files.stopped(m))},
             events=list(state.events),
+            traffic=traffic(stores.values(), batches.values()),
         )
     finally:
         if driver is not None:

@@ -217,9 +217,10 @@ class BatchFiles:
     """The driver's batch files: each shipped value takes the smallest free file that holds it (a new one when
     none does) and gives it back when no task will read it again; at most SPARE_FILES wait for reuse."""
 
-    def __init__(self, store: HostStore, spare: int = SPARE_FILES) -> None:
+    def __init__(self, store: HostStore, spare: int = SPARE_FILES, prefix: str = "batch-") -> None:
         self.store = store
         self.spare = spare
+        self.prefix = prefix
         self.free: list[tuple[int, str]] = []
         self.created = 0
         self.generation = 0
@@ -283,7 +284,7 @@ class BatchFiles:
         if index < len(self.free):
             return self.free.pop(index)
         capacity = max(PAGE, -(-nbytes // PAGE) * PAGE)
-        name = f"batch-{self.created}"
+        name = f"{self.prefix}{self.created}"
         self.created += 1
         self.store.create(name, capacity)
         return capacity, name

@@ -27,6 +27,7 @@ from harmony.tasks.events import (
     Fetch,
     Instruction,
     Leave,
+    MachineLost,
     ReadTiming,
     Release,
     StepTimed,
@@ -161,6 +162,8 @@ class BindingState:
             instructions = self._worker_lost(event)
         elif isinstance(event, WorkerJoined):
             instructions = self._worker_joined(event)
+        elif isinstance(event, MachineLost):
+            instructions = self._machine_lost(event)
         else:
             raise TypeError(f"not an event: {event!r}")
         return self._record(event, instructions)
@@ -319,6 +322,23 @@ class BindingState:
                 self.homes[model] = device
         self.events.append({"at": event.at, "event": "worker joined", "device": device})
         return self._advance()
+
+    def _machine_lost(self, event: MachineLost) -> list[Instruction]:
+        """A machine's workers have all been gone too long: each job homed there fails alone (its state was in that
+        machine's host store), and the others go on."""
+        instructions: list[Instruction] = []
+        reason = (f"every worker of its machine has been lost for {event.seconds:.0f} s, and its state with that "
+                  "machine's host store (a checkpoint_dir run resumes it from its last checkpoint)")
+        for model in self.stranded(event.machine):
+            instructions += self._fail_job(model, self.steps_trained[model], reason, event.at)
+        return instructions + self._advance()
+
+    def stranded(self, machine: str) -> list[int]:
+        """The jobs homed on machine that are still training while it has no live device."""
+        if any(self.machines[name] == machine for name in self.device_names):
+            return []
+        return [model for model, job in enumerate(self.jobs)
+                if job.machine == machine and model not in self.failed and not self._job_finished(model)]
 
     def _home_for(self, model: int) -> str:
         """The live device of its machine a homed job moves to: the one with the fewest jobs homed there."""
@@ -627,10 +647,12 @@ class BindingState:
 
     @property
     def finished(self) -> bool:
-        return all(
-            m in self.failed or ((total := self.total_spans(m)) is not None and self.spans_done[m] >= total)
-            for m in range(len(self.jobs))
-        )
+        return all(m in self.failed or self._job_finished(m) for m in range(len(self.jobs)))
+
+    def _job_finished(self, model: int) -> bool:
+        """Whether a job has run every span of its data."""
+        total = self.total_spans(model)
+        return total is not None and self.spans_done[model] >= total
 
     def validate_state(self) -> None:
         """Check every invariant of the state; raises AssertionError naming the first one broken."""

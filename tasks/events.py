@@ -69,7 +69,16 @@ class WorkerJoined:
     at: float
 
 
-Event = BatchReady | TaskFinished | TaskFailed | StepTimed | WorkerLost | WorkerJoined
+@dataclass(frozen=True)
+class MachineLost:
+    """Every worker of a machine has been gone for seconds: the state of the jobs homed there is out of reach."""
+
+    machine: str
+    seconds: float
+    at: float
+
+
+Event = BatchReady | TaskFinished | TaskFailed | StepTimed | WorkerLost | WorkerJoined | MachineLost
 
 # Instructions
 

@@ -1,4 +1,11 @@
-"""Which models are homed: a home device for every single-pack model whose whole state fits there.
+"""Where jobs are homed: on a machine (every job, when the devices are on several), and on a device (a single-pack
+model whose whole state fits there).
+
+Across machines the work is task-parallel (Hydra's SHARP): a job never spans machines, so nothing of it crosses
+between them but its batches going in and its weights coming home. Jobs are placed on machines longest predicted
+work first, each on the machine that would then finish first, a machine's finish being its work divided by its
+devices (Sharded-LRTF's longest-first, applied once to whole machines): all machines finish together, and one with
+more devices takes more work.
 
 A homed model's weights, gradients and optimizer state live on its home device for the whole run:
 its weights cross host->device once, its gradients never leave, its update runs on the device, and
@@ -7,6 +14,8 @@ device with the most room left; one that fits nowhere is swapped as usual.
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 from harmony.tasks.packing import Packing
 
@@ -43,3 +52,19 @@ def choose_homes(
             homes[model] = device
             room[device] -= need - packings[model].packs[0].cost.workspace
     return homes, room
+
+
+def assign_machines(work: list[float], machines: list[str]) -> list[str]:
+    """Per job, the machine it is homed on. work[j] is job j's predicted seconds of compute for the run; machines
+    has one entry per device (the machine it is on), so a machine's share of the work grows with its devices."""
+    devices = Counter(machines)
+    if not devices:
+        raise ValueError("no device to place jobs on")
+    order = list(dict.fromkeys(machines))
+    load = dict.fromkeys(order, 0.0)
+    homes = [""] * len(work)
+    for job in sorted(range(len(work)), key=lambda j: (-work[j], j)):
+        machine = min(order, key=lambda m: ((load[m] + work[job]) / devices[m], order.index(m)))
+        load[machine] += work[job]
+        homes[job] = machine
+    return homes

@@ -13,6 +13,7 @@ from harmony.tasks.events import (
     Fetch,
     Instruction,
     Leave,
+    MachineLost,
     ReadTiming,
     Release,
     StepTimed,
@@ -366,3 +367,53 @@ def test_a_job_lost_with_its_device_again_and_again_fails_alone() -> None:
     while not state.finished:
         player.finish(player.in_flight[0])
     assert state.steps_trained[1] == 2
+
+
+MACHINES = {"a0": "A", "a1": "A", "b0": "B"}
+
+
+def test_a_jobs_tasks_run_on_its_machines_devices_alone_in_every_mode() -> None:
+    for mode in ("free", "vpp", "vdp"):
+        jobs = [job(100, 100, machine="A"), job(100, 100, machine="B"), job(100, machine="A", home="a1"),
+                job(100, machine="B", home="b0")]
+        state = BindingState(jobs, dict.fromkeys(MACHINES, 10_000), mode=mode, homes={2: "a1", 3: "b0"},
+                             machines=MACHINES, validate=True)
+        bindings = Player(state, dict.fromkeys(range(4), 3)).play(random.Random(1))
+        for task, device in bindings:
+            assert MACHINES[device] == jobs[task.model].machine, f"{mode}: {task} ran on {device}"
+        if mode == "vpp":
+            assert {device for task, device in bindings if task.model == 0} == {"a0", "a1"}, "packs over A's devices"
+
+
+def test_a_homed_job_moves_within_its_machine_and_waits_when_its_machine_has_no_device() -> None:
+    jobs = [job(100, machine="A", home="a0"), job(100, machine="B", home="b0")]
+    state = BindingState(jobs, dict.fromkeys(MACHINES, 10_000), homes={0: "a0", 1: "b0"}, machines=MACHINES,
+                         validate=True)
+    player = Player(state, {0: 4, 1: 4})
+    player.carry_out(state.start())
+    player.handle(WorkerLost("a0", 1.0))
+    assert state.homes[0] == "a1", "the A job moves to A's other device"
+    player.handle(WorkerLost("b0", 2.0))
+    assert state.homes[1] == "b0" and state.stranded("B") == [1] and not state.stranded("A")
+    assert all(MACHINES[submit.device] == "A" for submit in player.in_flight), "nothing of B's job is bound on A"
+    player.handle(WorkerJoined("b0", 3.0))
+    assert not state.stranded("B")
+    while not state.finished:
+        player.finish(player.in_flight[0])
+    assert state.steps_trained == [4, 4] and not state.failed
+
+
+def test_a_machine_lost_for_good_fails_its_jobs_alone() -> None:
+    jobs = [job(100, 100, machine="A"), job(100, 100, machine="B"), job(100, machine="B", home="b0")]
+    state = BindingState(jobs, dict.fromkeys(MACHINES, 10_000), homes={2: "b0"}, machines=MACHINES, validate=True)
+    player = Player(state, {0: 3, 1: 3, 2: 3})
+    player.carry_out(state.start())
+    player.finish(player.in_flight[0])
+    player.handle(WorkerLost("b0", 1.0))
+    assert state.stranded("B") == [1, 2]
+    player.handle(MachineLost("B", 120.0, 125.0))
+    assert sorted(state.failed) == [1, 2]
+    assert "every worker of its machine has been lost for 120 s" in str(state.failed[1]["reason"])
+    while not state.finished:
+        player.finish(player.in_flight[0])
+    assert state.steps_trained[0] == 3

@@ -5,6 +5,8 @@ the models homed there, the driver's none; nothing is left after the run."""
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import os
 import subprocess
 import sys
@@ -81,7 +83,10 @@ def harmony_files(pid: int) -> set[str]:
 
 
 def environment() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
+    """The workers' and driver's: they import this module (as pytest named it) to unpickle its functions."""
+    tests = str(Path(__file__).parent)
+    paths = [os.getcwd(), tests, os.environ.get("PYTHONPATH")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths))}
 
 
 @pytest.fixture
@@ -105,13 +110,9 @@ def machines() -> Iterator[tuple[str, list[subprocess.Popen]]]:
         yield address, groups
     finally:
         for process in [*groups, scheduler]:
-            os.killpg(process.pid, 15)
-        for process in [*groups, scheduler]:
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, 9)
-                process.wait()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, 9)  # a worker whose scheduler went first would retry for a while
+            process.wait()
 
 
 def test_two_machines_train_six_models_each_in_its_own_store_and_equal_plain_pytorch(
@@ -155,3 +156,47 @@ def test_two_machines_train_six_models_each_in_its_own_store_and_equal_plain_pyt
     assert not driver_seen, f"the driver's /dev/shm held {sorted(driver_seen)[:5]}"
     time.sleep(1)
     assert not harmony_files(groups[0].pid) and not harmony_files(groups[1].pid), "files left behind"
+
+
+def test_the_models_of_a_machine_lost_for_good_fail_alone_and_the_others_equal_plain_pytorch(
+    machines: tuple[str, list[subprocess.Popen]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Machine b's workers all die mid-run (none comes back): after the device timeout its models are in
+    result.failed with the reason, and machine a's models train to the end, equal to plain PyTorch."""
+    import threading
+
+    import harmony
+
+    monkeypatch.setattr("harmony.runtime.driver.DEVICE_TIMEOUT", 3.0)
+    address, groups = machines
+    models, loaders = sweep()
+    references = [copy.deepcopy(model) for model in models]
+    killed = threading.Event()
+
+    def kill_machine_b() -> None:
+        while not killed.is_set():
+            if any("-m" in name and "weights" in name for name in harmony_files(groups[1].pid)):
+                time.sleep(0.5)
+                os.killpg(groups[1].pid, 9)
+                killed.set()
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_machine_b, daemon=True)
+    killer.start()
+    try:
+        result = harmony.train(models, [batches * 20 for batches in loaders], loss_fn=nn.functional.mse_loss,
+                               optimizer=sgd, cluster=address, device_memory=100_000, fuse=False, progress=False,
+                               steps_per_task=1)
+    finally:
+        killed.set()
+        killer.join()
+    machine_of = {model: job.machine for job in result.plan.jobs for model in job.members}
+    lost = {model for model in range(6) if machine_of[model] != machine_of[min(set(range(6)) - set(result.failed))]}
+    assert lost and set(result.failed) == lost, f"failed {sorted(result.failed)}, machines {machine_of}"
+    for model in lost:
+        assert "every worker of its machine has been lost for 3 s" in str(result.failed[model]["reason"])
+    for index in set(range(6)) - lost:
+        train_plain(references[index], (loaders[index] * 20)[: len(loaders[index]) * 20], nn.functional.mse_loss,
+                    sgd)
+        assert_same_weights(models[index], references[index])
+    assert not harmony_files(groups[0].pid)
