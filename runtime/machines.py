@@ -11,10 +11,12 @@ machine's store is a ``RemoteStore``: its files are made and read on the machine
 (a 0700 temporary directory, never /dev/shm) of the files it writes or reads, moving them with ``push`` and
 ``pull``: model state goes to the machine once at the start and comes home at checkpoints and at the end.
 
-A step's batch reaches the machine once, written by a task into a recycled batch file that every task there
-maps (``RemoteBatches``): one copy into the machine per step. Scattering it through Dask instead costs one copy
-into every worker that reads it, and a loader run on the machine would cost none but cannot be had (a loader is
-the user's object in the driver); benchmarks/machines.py measures the first two.
+A step's batch reaches the machine once, written by a task (the batch is its argument) into a recycled batch file
+that every task there maps (``RemoteBatches``): one copy into the machine per step, and a task that Dask runs again
+on another of the machine's workers if its worker dies. Scattering the batch through Dask instead costs one copy
+into every worker that reads it, and the data dies with the worker that holds it; on loopback it is the quicker
+(docs/performance.md, "Machines"), across a network it sends a batch once per device. A loader run on the machine
+would cost nothing but cannot be had: a loader is the user's object in the driver.
 """
 
 from __future__ import annotations
