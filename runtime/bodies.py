@@ -188,8 +188,8 @@ def backward(
     runtime = spec.packs[pack]
     homed = spec.home is not None
     count = 1 if steps is None else steps
-    if homed:
-        check_homed_order(ctx.homed_next_step(model), first, model)
+    if homed and homed_span_applied(ctx.homed_next_step(model), first, count, model):
+        return None
     if steps is not None:  # per step, taken as the steps run (a stacked span makes each step's views then)
         assert len(inputs) == len(gradients_or_targets) == len(loss_weights) == count, f"span {span}: steps of data"
         per_step: Iterable[tuple[Any, Any, Any]] = zip(inputs, gradients_or_targets, loss_weights)
@@ -329,12 +329,17 @@ def _record_losses(ctx: RunContext, model: int, first: int, group: int, totals: 
         step, row = step + rows, row + rows
 
 
-def check_homed_order(next_step: int, first: int, model: int) -> None:
-    """A homed model's task must start at the step its device state is at (it waited for the task before
-    it, see handoff); anything else would skip steps or apply them twice."""
+def homed_span_applied(next_step: int, first: int, count: int, model: int) -> bool:
+    """Whether a homed model's span of count steps from first is applied already (its worker ran it to the end
+    and flushed it, then died before Dask heard: the span is run again, and must do nothing); else the span must
+    start at the step the model's device state is at (it waited for the task before it, see handoff), since
+    anything else would skip steps or apply them twice."""
+    if next_step >= first + count:
+        return True
     if first != next_step:
         raise RuntimeError(f"model {model}'s state on its device is at step {next_step} but a task for step {first} "
                            "started (a step would be skipped or applied twice)")
+    return False
 
 
 def _backward_step(

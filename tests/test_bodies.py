@@ -8,14 +8,20 @@ import pytest
 import torch
 
 from harmony.runtime import handoff, serialization  # noqa: F401
-from harmony.runtime.bodies import check_homed_order
+from harmony.runtime.bodies import homed_span_applied
 
 
 def test_a_resident_task_must_start_where_its_model_is() -> None:
-    check_homed_order(next_step=4, first=4, model=0)
-    for first in (2, 6):
+    assert not homed_span_applied(next_step=4, first=4, count=1, model=0)
+    for first in (3, 6):
         with pytest.raises(RuntimeError, match="skipped or applied twice"):
-            check_homed_order(next_step=4, first=first, model=0)
+            homed_span_applied(next_step=4, first=first, count=2, model=0)
+
+
+def test_a_span_run_again_after_it_was_applied_does_nothing() -> None:
+    """Its worker ran it to the end and flushed it, then died before Dask heard: the span runs again."""
+    assert homed_span_applied(next_step=8, first=4, count=4, model=0)
+    assert homed_span_applied(next_step=12, first=4, count=4, model=0)
 
 
 def test_a_spans_losses_land_in_their_steps_rows_across_loss_blocks() -> None:
