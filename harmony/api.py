@@ -13,6 +13,7 @@ from typing import Any
 
 from torch import nn
 
+from harmony.conventions import training_conventions
 from harmony.errors import InputError, ModelError
 from harmony.planner import build, codes_for, pilot, replan_machines
 from harmony.progress import ProgressLine, wants_progress
@@ -207,7 +208,7 @@ def train(
     args = validate(models, loaders, loss_fn, optimizer, options, devices, device_memory, cluster, link_bandwidth,
                     host_memory=host_memory)
     directory = check_checkpoints(checkpoint_dir, checkpoint_every, resume)
-    with watching_interrupts(), user_cluster(args.cluster) as user:
+    with watching_interrupts(), training_conventions(args.models), user_cluster(args.cluster) as user:
         specs = (build_specs(args.devices, args.device_memory, args.links) if user is None
                  else external_devices(user, args.device_memory))
         budgets = {spec.name: spec.budget for spec in specs}

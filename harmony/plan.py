@@ -11,6 +11,7 @@ from torch import nn
 
 from harmony.api import train
 from harmony.candidate import step_samples
+from harmony.conventions import training_conventions
 from harmony.errors import InputError
 from harmony.planner import build, pilot
 from harmony.runtime.devices import build_specs
@@ -175,7 +176,8 @@ def plan(
     for index in range(len(args.models)):
         if args.expected_steps(index) is None:
             raise InputError(f"loaders for model {index} have no length; pass steps= to plan a fixed number of steps")
-    run_plan, _ = build(args, pilot(args, min(budgets.values())), budgets, hardware, machine_of)
+    with training_conventions(args.models):
+        run_plan, _ = build(args, pilot(args, min(budgets.values())), budgets, hardware, machine_of)
     jobs = list(run_plan.jobs)
     counts = [job.steps or 0 for job in jobs]
     samples = [step_samples(args, job) for job in jobs]

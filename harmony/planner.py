@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ from harmony.errors import InputError, ModelError
 from harmony.fusing import build_array, fuse
 from harmony.runtime.cache import tree_nbytes
 from harmony.runtime.code import JobCode
-from harmony.runtime.pilot import decompose
+from harmony.runtime.pilot import KeywordCall, decompose
 from harmony.tasks.amortize import steps_per_task
 from harmony.tasks.binding import MODES
 from harmony.tasks.hardware import Hardware
@@ -66,7 +67,7 @@ def pilot(args: Arguments, budget: int) -> list[Candidate]:
         label = model_label(index, model)
         sample, target, sizes = pilot_batch(args, index)
         try:
-            decomposition = decompose(model, sample, label)
+            decomposition = decompose(KeywordCall(model) if isinstance(sample, Mapping) else model, sample, label)
         except Exception as error:
             raise ModelError(index, f"{label} raised {type(error).__name__}: {error} in its forward "
                              "during the pilot pass") from error

@@ -28,6 +28,12 @@ class Loader:
     loader: Iterable[Any]
     iterator: Iterator[Any]
     first: tuple[Any, Any]
+    keywords: bool = False
+
+    @property
+    def source(self) -> Iterable[Any]:
+        """The loader as the user gave it."""
+        return self.loader.source if isinstance(self.loader, KeywordBatches) else self.loader
 
 
 @dataclass(frozen=True)
@@ -66,9 +72,22 @@ def model_label(index: int, model: nn.Module) -> str:
     return f"model {index} ({type(model).__name__})"
 
 
+def _check_parameters(index: int, model: nn.Module) -> None:
+    """A model Harmony can train: its parameters hold data, and some of them train."""
+    label = model_label(index, model)
+    meta = [name for name, tensor in [*model.named_parameters(), *model.named_buffers()] if tensor.is_meta]
+    if meta:
+        raise InputError(f"{label} has parameters on the meta device ({', '.join(meta[:3])}"
+                         f"{', ...' if len(meta) > 3 else ''}): they hold no values to train; build it on the CPU "
+                         "(or load its weights, e.g. with to_empty() and load_state_dict) before training")
+    if not any(parameter.requires_grad for parameter in model.parameters()):
+        raise InputError(f"{label} has no trainable parameters (none, or all with requires_grad=False): there is "
+                         "nothing to train")
+
+
 def _models(models: Any) -> list[nn.Module]:
     if isinstance(models, nn.Module):
-        return [models]
+        models = [models]
     if not isinstance(models, (list, tuple)):
         raise InputError(f"models must be an nn.Module or a list of them, got {type(models).__name__}")
     if not models:
@@ -83,11 +102,32 @@ def _models(models: Any) -> list[nn.Module]:
                 "modules (copy.deepcopy one to train two copies)"
             )
         seen[id(model)] = index
+        _check_parameters(index, model)
     return list(models)
 
 
 def _is_batch(value: Any) -> bool:
     return isinstance(value, (tuple, list)) and len(value) == 2 and _has_tensor(value[0])
+
+
+def _is_keyword_batch(value: Any) -> bool:
+    """A Hugging Face style batch: a dict of tensors ({"input_ids", "attention_mask", "labels"}), passed to the
+    model as keyword arguments."""
+    return isinstance(value, Mapping) and _has_tensor(dict(value))
+
+
+class KeywordBatches:
+    """A loader of dict batches as one of (inputs, targets) pairs: the dict is the inputs (the model takes it as
+    keyword arguments) and there are no targets (the model computes its own loss, from the labels in the dict)."""
+
+    def __init__(self, loader: Iterable[Any]) -> None:
+        self.source = loader
+
+    def __iter__(self) -> Iterator[tuple[Any, None]]:
+        return ((dict(batch), None) for batch in self.source)
+
+    def __len__(self) -> int:
+        return len(self.source)  # type: ignore[arg-type]
 
 
 def _has_tensor(value: Any) -> bool:
@@ -115,10 +155,14 @@ def _peek(loader: Any, label: str, passes: bool) -> Loader:
         first = next(iterator)
     except StopIteration:
         raise InputError(f"{label} yields no batches") from None
+    if _is_keyword_batch(first):
+        wrapped = KeywordBatches(loader)
+        return Loader(wrapped, ((dict(batch), None) for batch in iterator), (dict(first), None), keywords=True)
     if not _is_batch(first):
         kind = type(first).__name__ + (f" of length {len(first)}" if isinstance(first, (tuple, list)) else "")
         raise InputError(
-            f"{label} yields a {kind}; every batch must be an (inputs, targets) pair whose inputs hold tensors"
+            f"{label} yields a {kind}; every batch must be an (inputs, targets) pair whose inputs hold tensors, "
+            "or a dict of tensors that the model takes as keyword arguments"
         )
     if batch_size(first[0]) < 1:
         raise InputError(f"{label}: the inputs of a batch need a batch dimension (dim 0) of at least 1 sample")
@@ -133,6 +177,10 @@ def _looks_like_batch(value: Any) -> bool:
     """
     if isinstance(value, tuple):
         return _has_tensor(value)
+    if _is_keyword_batch(value):
+        return True
+    if isinstance(value, list) and value and all(_is_keyword_batch(item) for item in value):
+        return False  # a list of dict batches: a loader
     return isinstance(value, list) and bool(value) and isinstance(value[0], (torch.Tensor, dict))
 
 
@@ -149,7 +197,7 @@ def _loaders(loaders: Any, count: int, passes: bool) -> tuple[list[Loader], list
     peeked: list[Loader] = []
     loader_of = []
     for index, loader in enumerate(loaders):
-        shared = next((i for i, known in enumerate(peeked) if known.loader is loader), None)
+        shared = next((i for i, known in enumerate(peeked) if known.source is loader), None)
         if shared is None:
             peeked.append(_peek(loader, f"loaders[{index}] (for model {index})", passes))
             shared = len(peeked) - 1
@@ -166,10 +214,20 @@ def _per_model(value: Any, count: int, argument: str) -> list[Any]:
     return [value] * count
 
 
+def own_loss(output: Any, target: Any) -> torch.Tensor:
+    """The loss a model computed itself (a Hugging Face model given labels): loss_fn=None."""
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, Mapping):
+        loss = output.get("loss")
+    if not isinstance(loss, torch.Tensor):
+        raise ValueError(f"loss_fn=None takes the model's own loss (output.loss), but its {type(output).__name__} "
+                         "output has none: pass labels in the batch, or a loss_fn")
+    return loss
+
+
 def _loss_fns(loss_fn: Any, models: list[nn.Module]) -> list[Callable[..., torch.Tensor]]:
-    if loss_fn is None:
-        raise InputError("loss_fn is required: a callable(output, target) -> scalar tensor, or one per model")
     fns = _per_model(loss_fn, len(models), "loss_fn")
+    fns = [own_loss if fn is None else fn for fn in fns]
     for index, fn in enumerate(fns):
         if not callable(fn):
             raise InputError(f"loss_fn for {model_label(index, models[index])} is a {type(fn).__name__}, "

@@ -88,7 +88,7 @@ class ArrayLayer(nn.Module):
             for name, _ in first.named_buffers():
                 stack = torch.stack([member.get_buffer(name).detach() for member in members])
                 self.register_buffer(stacked_name(name), stack)
-        template = copy.deepcopy(first).to("meta")
+        template = retie(copy.deepcopy(first).to("meta"), first)
         object.__setattr__(self, "template", template)
         self.train(first.training)  # the template keeps each submodule's own mode, as the members have it
 
@@ -175,6 +175,21 @@ class ArrayLayer(nn.Module):
                     member.get_parameter(name).copy_(self.stacked(name)[index])
                 for name in self.buffer_names:
                     member.get_buffer(name).copy_(getattr(self, stacked_name(name))[index])
+
+
+def retie(template: nn.Module, original: nn.Module) -> nn.Module:
+    """template with the parameters original shares between modules (tied embeddings: GPT-2's ``wte`` and
+    ``lm_head``) shared again: moving a module to the meta device gives each use a parameter of its own, and
+    functional_call then fills the first use alone, leaving the others on meta."""
+    names: dict[int, list[str]] = {}
+    for name, parameter in original.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), []).append(name)
+    for tied in names.values():
+        shared = template.get_parameter(tied[0])
+        for alias in tied[1:]:
+            owner, _, attribute = alias.rpartition(".")
+            setattr(template.get_submodule(owner), attribute, shared)
+    return template
 
 
 def _kind(first: nn.Module, shared_input: bool) -> str:

@@ -12,7 +12,7 @@ global RNG as it found them.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +50,18 @@ def preserved_state(model: nn.Module) -> Iterator[None]:
             for buffer, saved in buffers:
                 buffer.copy_(saved)
         torch.set_rng_state(rng)
+
+
+class KeywordCall(nn.Module):
+    """A model that takes a batch dict as its keyword arguments (a Hugging Face batch), as one layer that takes the
+    dict: what the chain of layers starts with when batches are dicts."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: Mapping[str, Any]) -> Any:
+        return self.model(**batch)
 
 
 class _ChildrenAsLeaves(fx.Tracer):

@@ -122,6 +122,10 @@ def test_a_loss_that_is_not_a_scalar() -> None:
 
 def test_a_forward_that_fails_in_the_pilot_pass_names_the_model() -> None:
     class Broken(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(3, 3)
+
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             raise RuntimeError("shape mismatch in my layer")
 
@@ -149,3 +153,29 @@ def test_an_unknown_fusion_setting(fuse: object) -> None:
 def test_an_unknown_steps_per_task(steps: object) -> None:
     with pytest.raises(InputError, match=r"steps_per_task=.* must be 'auto'"):
         call(steps_per_task=steps)
+
+
+def test_a_model_on_the_meta_device_or_with_nothing_to_train_is_refused_before_any_worker_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("harmony.api.start_embedded", lambda *a, **k: pytest.fail("a cluster was started"))
+    sgd = lambda p: torch.optim.SGD(p, lr=0.1)  # noqa: E731
+    batches = regression_batches(samples=16, batch=8)
+    with torch.device("meta"):
+        meta = deep_mlp(depth=2)
+    with pytest.raises(InputError, match=r"model 0 \(Sequential\) has parameters on the meta device \(0.weight"):
+        harmony.train(meta, batches, nn.functional.mse_loss, sgd, progress=False)
+    frozen = deep_mlp(depth=2).requires_grad_(False)
+    with pytest.raises(InputError, match="model 1 .* has no trainable parameters"):
+        harmony.train([deep_mlp(depth=2), frozen], batches, nn.functional.mse_loss, sgd, progress=False)
+
+
+def test_a_list_of_dict_batches_is_one_loader_of_keyword_batches() -> None:
+    from harmony.validate import _loaders
+
+    batches = [{"x": torch.randn(4, 3), "labels": torch.randn(4)} for _ in range(3)]
+    [loader], owners = _loaders(batches, 2, passes=True)
+    assert owners == [0, 0] and loader.keywords and loader.source is batches
+    assert [targets for _, targets in loader.loader] == [None] * 3
+    per_model, owners = _loaders([batches, batches[:2]], 2, passes=True)
+    assert owners == [0, 1] and len(per_model) == 2

@@ -1,0 +1,101 @@
+"""Hugging Face conventions: dict batches given as keyword arguments, a model's own loss (loss_fn=None), ModelOutput
+results, no key/value cache while training, tied embeddings in fused arrays. Models built from configs."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+
+import harmony
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 64
+
+
+def gpt2(seed: int, layers: int = 2) -> torch.nn.Module:
+    """A small GPT-2 in float64 without dropout (dropout's random streams are another test's)."""
+    torch.manual_seed(seed)
+    config = transformers.GPT2Config(n_layer=layers, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=16,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                                     eos_token_id=0)
+    return transformers.GPT2LMHeadModel(config).double()
+
+
+def token_batches(steps: int = 5, batch: int = 4, length: int = 12) -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, VOCAB, (steps * batch, length), generator=generator)
+    return [{"input_ids": ids[i : i + batch], "labels": ids[i : i + batch]} for i in range(0, steps * batch, batch)]
+
+
+def next_token_loss(output: object, targets: torch.Tensor) -> torch.Tensor:
+    logits = output.logits  # type: ignore[attr-defined]
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), targets[:, 1:].reshape(-1))
+
+
+def train_plain(model: torch.nn.Module, batches: list, factory: object, keywords: bool) -> list[float]:
+    optimizer = factory(model.parameters())  # type: ignore[operator]
+    losses = []
+    for batch in batches:
+        optimizer.zero_grad()
+        loss = model(**batch).loss if keywords else next_token_loss(model(batch[0]), batch[1])
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def assert_close(model: torch.nn.Module, reference: torch.nn.Module) -> None:
+    for (name, a), (_, b) in zip(model.state_dict().items(), reference.state_dict().items()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-9, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def adam(rate: float) -> functools.partial:
+    return functools.partial(torch.optim.Adam, lr=rate)
+
+
+def test_dict_batches_and_the_models_own_loss_equal_plain_pytorch(no_leaks: None) -> None:
+    models = [gpt2(0), gpt2(1)]
+    references = copy.deepcopy(models)
+    batches = token_batches()
+    factories = [adam(1e-3), adam(3e-3)]
+    result = harmony.train(models, batches, optimizer=factories, devices=["cpu", "cpu"], fuse=False,
+                           progress=False)
+    for model, reference, factory, history in zip(models, references, factories, result.history):
+        losses = train_plain(reference, batches, factory, keywords=True)
+        assert_close(model, reference)
+        assert history == pytest.approx(losses, abs=1e-9)
+        assert model.lm_head.weight is model.transformer.wte.weight, "the tie is intact"
+
+
+def test_fused_causal_lms_with_tied_embeddings_equal_plain_pytorch_and_keep_their_ties(no_leaks: None) -> None:
+    """A fused array's members share nothing; each member's tied embedding is one weight whose gradient sums
+    both of its uses (the input embedding and the output projection)."""
+    models = [gpt2(seed) for seed in range(3)]
+    references = copy.deepcopy(models)
+    batches = [(batch["input_ids"], batch["labels"]) for batch in token_batches()]
+    factory = adam(2e-3)
+    result = harmony.train(models, batches, loss_fn=next_token_loss, optimizer=factory, devices=["cpu"],
+                           fuse=True, progress=False)
+    assert result.arrays == [[0, 1, 2]]
+    for model, reference in zip(models, references):
+        train_plain(reference, batches, factory, keywords=False)
+        assert_close(model, reference)
+        assert model.lm_head.weight is model.transformer.wte.weight
+
+
+def test_default_arguments_train_a_causal_lm_that_builds_a_cache_and_leave_its_setting(no_leaks: None) -> None:
+    models = [gpt2(0), gpt2(1)]
+    assert models[0].config.use_cache, "GPT-2 builds a key/value cache by default"
+    result = harmony.train(models, token_batches(), optimizer=adam(1e-3), devices=["cpu", "cpu"], progress=False)
+    assert all(len(history) == 5 for history in result.history)
+    assert all(model.config.use_cache for model in models), "the user's setting is back"
+
+
+def test_a_model_without_its_own_loss_needs_a_loss_fn() -> None:
+    batches = [(torch.randn(4, 3), torch.randn(4, 2))] * 2
+    with pytest.raises(harmony.InputError, match=r"output.loss"):
+        harmony.train(torch.nn.Linear(3, 2), batches, optimizer=adam(1e-3), devices=["cpu"], progress=False)
