@@ -93,7 +93,7 @@ class Sizing:
 def _predict(arrays: list[Candidate], sizing: Sizing) -> float:
     """Predicted seconds for every array to advance one step, with the arrays that fit a device homed."""
     packings = [array.job.packing for array in arrays]
-    floors = [minimal_budget(array.profile, array.job.packing.microbatch_samples) for array in arrays]
+    floors = [minimal_budget(array.profile, array.job.packing.microbatch_samples, prefetch=True) for array in arrays]
     homes, _ = choose_homes(packings, [array.job.state_ratio for array in arrays], sizing.budgets, floors)
     options = sizing.args.options
     run = simulate(packings, [RANKING_STEPS] * len(arrays), [step_samples(sizing.args, a.job) for a in arrays],

@@ -56,7 +56,8 @@ def cut(profile: ModelProfile, budget: int, samples: int, label: str) -> Any:
     except LayerTooLarge as error:
         raise InputError(
             f"device_memory is too small for {label}: {error}. Raise device_memory to at least "
-            f"{error.need.total:,} bytes, or use more micro-batches to shrink the activations"
+            f"{error.alone:,} bytes ({error.need.total:,} to prefetch), or use more micro-batches to shrink the "
+            "activations"
         ) from None
 
 
@@ -136,7 +137,7 @@ def settle_homes(candidates: list[Candidate], budgets: dict[str, int], machines:
 def settle_machine(candidates: list[Candidate], budgets: dict[str, int]) -> list[Candidate]:
     """settle_homes on one machine's devices."""
     packings = [candidate.job.packing for candidate in candidates]
-    floors = [minimal_budget(c.profile, c.job.packing.microbatch_samples) for c in candidates]
+    floors = [minimal_budget(c.profile, c.job.packing.microbatch_samples, prefetch=True) for c in candidates]
     homes, room = choose_homes(packings, [c.job.state_ratio for c in candidates], budgets, floors)
     left = min(room.values())
     settled = []

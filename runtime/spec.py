@@ -30,7 +30,8 @@ class PackRuntime:
 
 @dataclass(frozen=True)
 class ModelRuntime:
-    """A job (a model, or a fused array of `members` models) as workers see it: its packs, loss and optimizer."""
+    """A job (a model, or a fused array of `members` models) as workers see it: its packs, loss and optimizer;
+    prefetch False when its budget leaves no room to copy a pack's weights in while another computes."""
 
     name: str
     packs: tuple[PackRuntime, ...]
@@ -40,6 +41,7 @@ class ModelRuntime:
     groups: int = 1
     home: str | None = None
     members: int = 1
+    prefetch: bool = True
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,7 @@ def describe(plan: RunPlan, codes: list[JobCode]) -> tuple[ModelRuntime, ...]:
                 groups=job.groups,
                 home=job.home,
                 members=len(job.members),
+                prefetch=job.packing.prefetch,
             )
         )
     return tuple(models)

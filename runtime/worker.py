@@ -199,7 +199,7 @@ class RunContext:
         if not self.spec.prefetch:
             return
         task = self.next_queued() or self.successor
-        if task is None:
+        if task is None or not self.spec.models[task.model].prefetch:
             return
         version, slot = self.versions(task.model).current(task.pack)
         if version != task.span:  # a swapped pack's span is its step: prefetch only the weights it will read

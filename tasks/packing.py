@@ -19,8 +19,15 @@ class LayerTooLarge(ValueError):
         self.description = description
         super().__init__(
             f"layer {first}{'' if stop == first + 1 else f'..{stop - 1}'} ({description}) needs "
-            f"{need.total:,} bytes on a device ({need.explain()}) but the device budget is {budget:,} bytes"
+            f"{self.alone:,} bytes on a device (weights {need.weights:,} + gradients {need.grads:,} + activations "
+            f"{need.workspace:,}), {need.total:,} to prefetch the next pack's weights beside it, but the device "
+            f"budget is {budget:,} bytes"
         )
+
+    @property
+    def alone(self) -> int:
+        """The smallest budget the layer runs in, without prefetching beside it."""
+        return self.need.total - self.need.prefetch
 
 
 @dataclass(frozen=True)
@@ -74,6 +81,7 @@ class Packing:
     packs: tuple[Pack, ...]
     budget: int
     microbatch_samples: int
+    prefetch: bool = True
 
     def explain(self) -> str:
         sizes = ", ".join(f"{pack.first}-{pack.stop - 1}" for pack in self.packs)
@@ -83,6 +91,7 @@ class Packing:
             f"{self.model}: {sum(p.stop - p.first for p in self.packs)} layers, {total:,} weight bytes -> "
             f"{len(self.packs)} pack{'s' if len(self.packs) != 1 else ''} (layers {sizes}); "
             f"peak need {peak:,} of {self.budget:,} bytes at micro-batch {self.microbatch_samples}"
+            + ("" if self.prefetch or len(self.packs) == 1 else "; no room to prefetch the next pack's weights")
         )
 
 
@@ -151,20 +160,23 @@ def _fixed_bytes(layers: tuple[LayerProfile, ...], first: int, stop: int, sample
 
 
 def _greedy(
-    layers: tuple[LayerProfile, ...], units: list[tuple[int, int]], budget: int, cap: int, samples: int
+    layers: tuple[LayerProfile, ...], units: list[tuple[int, int]], budget: int, cap: int, samples: int,
+    prefetch: bool = True,
 ) -> list[tuple[int, int]] | None:
-    """Longest packs from the front whose weights stay within cap and that fit beside a cap-sized prefetch."""
+    """Longest packs from the front whose weights stay within cap and that fit beside a cap-sized prefetch (with
+    prefetch; alone without)."""
+    reserve = cap if prefetch else 0
     bounds: list[tuple[int, int]] = []
     first = units[0][0]
     stop = first
     for unit_first, unit_stop in units:
         weights = sum(layer.weight_bytes for layer in layers[first:unit_stop])
-        if stop > first and (weights > cap or _fixed_bytes(layers, first, unit_stop, samples) + cap > budget):
+        if stop > first and (weights > cap or _fixed_bytes(layers, first, unit_stop, samples) + reserve > budget):
             bounds.append((first, stop))
             first = unit_first
         stop = unit_stop
         alone = sum(layer.weight_bytes for layer in layers[first:stop])
-        if alone > cap or _fixed_bytes(layers, first, stop, samples) + cap > budget:
+        if alone > cap or _fixed_bytes(layers, first, stop, samples) + reserve > budget:
             return None
     bounds.append((first, stop))
     return bounds
@@ -173,16 +185,22 @@ def _greedy(
 def cut_packs(profile: ModelProfile, budget: int, samples: int) -> Packing:
     """Cut profile's chain into the fewest packs that fit budget, preferring packs of similar compute.
 
-    Every pack's weights stay within a cap c, and every pack fits beside a prefetch buffer of c bytes
-    (the next pack's weights). Among caps giving the fewest packs, the one whose slowest pack is
-    fastest wins, which balances compute across packs.
+    A model that fits whole is one pack, with no prefetch buffer (there is no other pack to fetch; its weights stay
+    cached from step to step when the budget holds them). Otherwise every pack's weights stay within a cap c, and
+    every pack fits beside a prefetch buffer of c bytes (the next pack's weights); among caps giving the fewest
+    packs, the one whose slowest pack is fastest wins, which balances compute across packs. A budget with no room
+    for the buffer cuts packs that fit alone, and the model runs without prefetching (Packing.prefetch).
     """
     layers = profile.layers
+    if _fixed_bytes(layers, 0, len(layers), samples) <= budget:
+        return Packing(profile.name, (make_pack(profile, 0, 0, len(layers), samples, prefetch=0),), budget, samples)
     units = _units(layers)
     largest_unit = max(units, key=lambda u: sum(layer.weight_bytes for layer in layers[u[0] : u[1]]))
     floor = sum(layer.weight_bytes for layer in layers[largest_unit[0] : largest_unit[1]])
     unit_first, unit_stop = max(units, key=lambda u: _fixed_bytes(layers, u[0], u[1], samples))
-    if _fixed_bytes(layers, unit_first, unit_stop, samples) + floor > budget:
+    alone = _fixed_bytes(layers, unit_first, unit_stop, samples)
+    prefetch = alone + floor <= budget
+    if alone > budget:
         chunk = layers[unit_first:unit_stop]
         cost = PackCost(
             weights=sum(layer.weight_bytes for layer in chunk),
@@ -198,7 +216,7 @@ def cut_packs(profile: ModelProfile, budget: int, samples: int) -> Packing:
     candidates.update(sum(layer.weight_bytes for layer in layers[a:b]) for a, b in units)
     best: tuple[tuple[int, float], list[tuple[int, int]], int] | None = None
     for cap in sorted(c for c in candidates if floor <= c <= max(total, floor)):
-        bounds = _greedy(layers, units, budget, cap, samples)
+        bounds = _greedy(layers, units, budget, cap, samples, prefetch)
         if bounds is None:
             continue
         slowest = max(sum(layer.forward_seconds_per_sample for layer in layers[a:b]) for a, b in bounds)
@@ -208,10 +226,11 @@ def cut_packs(profile: ModelProfile, budget: int, samples: int) -> Packing:
     assert best is not None, "the floor cap always fits once every unit fits"
     _, bounds, cap = best
     packs = tuple(
-        make_pack(profile, index, first, stop, samples, prefetch=_neighbour_weights(layers, bounds, index))
+        make_pack(profile, index, first, stop, samples,
+                  prefetch=_neighbour_weights(layers, bounds, index) if prefetch else 0)
         for index, (first, stop) in enumerate(bounds)
     )
-    return Packing(profile.name, packs, budget, samples)
+    return Packing(profile.name, packs, budget, samples, prefetch)
 
 
 def _neighbour_weights(layers: tuple[LayerProfile, ...], bounds: list[tuple[int, int]], index: int) -> int:
@@ -223,10 +242,11 @@ def _neighbour_weights(layers: tuple[LayerProfile, ...], bounds: list[tuple[int,
     )
 
 
-def minimal_budget(profile: ModelProfile, samples: int) -> int:
-    """The smallest budget cut_packs accepts for profile: what its largest layer needs."""
+def minimal_budget(profile: ModelProfile, samples: int, prefetch: bool = False) -> int:
+    """The smallest budget cut_packs accepts for profile, what its largest layer needs: alone, or (prefetch)
+    beside a prefetch buffer of the largest layer's weights."""
     try:
         cut_packs(profile, 0, samples)
     except LayerTooLarge as error:
-        return error.need.total
+        return error.need.total if prefetch else error.alone
     return 0

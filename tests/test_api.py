@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import functools
+import re
 from collections.abc import Iterator
 
 import pytest
@@ -245,3 +247,25 @@ def test_batches_reach_the_workers_through_files_removed_once_read(no_leaks: Non
     assert len(loader.counts) >= len(batches), "the driver read the whole loader"
     assert max(loader.counts) > 0, "batches were shipped as files"
     assert max(loader.counts) <= 4, f"batch files piled up (an input and a target file per step): {loader.counts}"
+
+
+def test_a_budget_with_no_room_to_prefetch_trains_without_prefetching(no_leaks: None) -> None:
+    """The error for a budget too small names the smallest budget with and without prefetching; the smaller one
+    trains (no byte prefetched, none over budget) and equals plain PyTorch."""
+
+    model = deep_mlp(depth=6)
+    reference = copy.deepcopy(model)
+    batches = regression_batches(samples=32, batch=8)
+    sgd = functools.partial(torch.optim.SGD, lr=0.05)
+    with pytest.raises(harmony.InputError) as raised:
+        harmony.train(model, batches, nn.functional.mse_loss, sgd, device_memory=1_000, progress=False)
+    alone, beside = (int(n.replace(",", "")) for n in
+                     re.search(r"at least ([\d,]+) bytes \(([\d,]+) to prefetch\)", str(raised.value)).groups())
+    assert alone < beside
+    result = harmony.train(model, batches, nn.functional.mse_loss, sgd, device_memory=alone, devices=["cpu"],
+                           progress=False)
+    train_plain(reference, batches, nn.functional.mse_loss, sgd)
+    assert_same_weights(model, reference)
+    assert not result.packings[0].prefetch and len(result.packings[0].packs) > 1
+    assert result.stats.bytes_prefetched == 0
+    assert max(result.stats.peak_device_bytes.values()) <= alone

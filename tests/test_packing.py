@@ -63,10 +63,37 @@ def test_layer_too_large_says_how_many_bytes_it_needs() -> None:
     error = raised.value
     assert error.first == 1
     assert error.need.total > 20000
-    assert f"{error.need.total:,} bytes" in str(error)
+    assert f"needs {error.alone:,} bytes" in str(error) and f"{error.need.total:,} to prefetch" in str(error)
+    assert error.alone == error.need.total - error.need.prefetch
 
 
 def test_pack_tensor_names_match_a_sequential_of_its_layers() -> None:
     plan = cut_packs(profile([linear(4)] * 3), budget=10**9, samples=1)
     names = [spec.name for spec in plan.packs[0].weights]
     assert names == ["0.weight", "0.bias", "1.weight", "1.bias", "2.weight", "2.bias"]
+
+
+def test_a_model_that_fits_whole_is_one_pack_with_no_prefetch_buffer() -> None:
+    """One layer (a model that cannot be cut) needs its own bytes alone: there is no other pack to fetch."""
+    from harmony.tasks.packing import minimal_budget
+
+    whole = profile([linear(64)])
+    alone = minimal_budget(whole, 8)
+    assert minimal_budget(whole, 8, prefetch=True) == alone + 64 * 64 * 4 + 64 * 4
+    packing = cut_packs(whole, budget=alone, samples=8)
+    assert len(packing.packs) == 1 and packing.packs[0].cost.prefetch == 0
+    assert packing.packs[0].cost.total == alone
+    with pytest.raises(LayerTooLarge):
+        cut_packs(whole, budget=alone - 1, samples=8)
+
+
+def test_a_budget_with_no_room_to_prefetch_cuts_packs_that_fit_alone_and_says_so() -> None:
+    from harmony.tasks.packing import minimal_budget
+
+    layers = profile([linear(32)] * 6)
+    alone, beside = minimal_budget(layers, 4), minimal_budget(layers, 4, prefetch=True)
+    assert alone < beside
+    packing = cut_packs(layers, budget=alone, samples=4)
+    assert not packing.prefetch and "no room to prefetch" in packing.explain()
+    assert all(pack.cost.prefetch == 0 and pack.cost.total <= alone for pack in packing.packs)
+    assert cut_packs(layers, budget=beside, samples=4).prefetch

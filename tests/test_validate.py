@@ -166,7 +166,7 @@ def test_a_model_on_the_meta_device_or_with_nothing_to_train_is_refused_before_a
     with pytest.raises(InputError, match=r"model 0 \(Sequential\) has parameters on the meta device \(0.weight"):
         harmony.train(meta, batches, nn.functional.mse_loss, sgd, progress=False)
     frozen = deep_mlp(depth=2).requires_grad_(False)
-    with pytest.raises(InputError, match="model 1 .* has no trainable parameters"):
+    with pytest.raises(InputError, match=r"model 1 .* has no trainable parameters"):
         harmony.train([deep_mlp(depth=2), frozen], batches, nn.functional.mse_loss, sgd, progress=False)
 
 
