@@ -125,6 +125,9 @@ def _choose(
             except LayerTooLarge:
                 predicted[size] = None
                 continue
+            if not array.job.packing.prefetch and all(candidates[m].job.packing.prefetch for m in group):
+                predicted[size] = None  # it fits only without prefetching, where its members prefetch alone
+                continue
             built[tuple(group[:size])] = array
             arrays = [array] * len(split(group, size))
         predicted[size] = _predict(arrays, sizing)

@@ -45,13 +45,20 @@ from harmony.tasks.memory import BudgetExceeded
 Result = TypeVar("Result")
 
 
+def dropout_seed(base: int, pack: int, step: int, microbatch: int) -> int:
+    """The seed of the random stream (dropout masks) of one micro-batch through one pack of a job at a step:
+    those four alone decide it, wherever and however often the task runs. base is the job's seed (its index in
+    the plan); a micro-batch of group g is numbered g * 65_536 + its index in the group."""
+    return (((base * 1_000_003 + step) * 1_009 + pack) * 65_537 + microbatch) % (2**63 - 1)
+
+
 def _seed(device: torch.device, base: int, pack: int, step: int, microbatch: int) -> None:
     """Seed the device's RNG so that a pack's recompute in bwd draws what its fwd drew (dropout masks).
 
     Only the device's own generator: torch.manual_seed also queues seeding of every accelerator
     backend, which costs far more than a small pack's compute.
     """
-    seed = (((base * 1_000_003 + step) * 1_009 + pack) * 65_537 + microbatch) % (2**63 - 1)
+    seed = dropout_seed(base, pack, step, microbatch)
     if device.type == "cuda":
         torch.cuda.default_generators[device.index or 0].manual_seed(seed)
     else:

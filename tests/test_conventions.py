@@ -99,3 +99,15 @@ def test_a_model_without_its_own_loss_needs_a_loss_fn() -> None:
     batches = [(torch.randn(4, 3), torch.randn(4, 2))] * 2
     with pytest.raises(harmony.InputError, match=r"output.loss"):
         harmony.train(torch.nn.Linear(3, 2), batches, optimizer=adam(1e-3), devices=["cpu"], progress=False)
+
+
+def test_a_sweep_of_four_causal_lms_under_the_defaults_equals_the_unfused_run(no_leaks: None) -> None:
+    batches = token_batches(steps=4)
+    factories = [adam(rate) for rate in (1e-4, 3e-4, 1e-3, 3e-3)]
+    runs = []
+    for fuse in ("auto", False):
+        models = [gpt2(seed) for seed in range(4)]
+        harmony.train(models, batches, optimizer=factories, devices=["cpu", "cpu"], fuse=fuse, progress=False)
+        runs.append(models)
+    for default, unfused in zip(*runs):
+        assert_close(default, unfused)

@@ -108,3 +108,47 @@ def test_a_model_that_writes_its_input_in_place_reads_each_batch_as_loaded(no_le
     losses = train_plain(reference, [(x.clone(), y.clone()) for x, y in loaded], nn.functional.mse_loss, FACTORIES[0])
     assert_same_weights(model, reference)
     torch.testing.assert_close(torch.tensor(result.history[0]), torch.tensor(losses), rtol=1e-5, atol=1e-7)
+
+
+def dropout_mlp(seed: int) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Dropout(0.3), nn.Linear(64, 64), nn.Tanh(),
+                         nn.Dropout(0.3), nn.Linear(64, 4))
+
+
+def test_dropout_draws_from_each_models_own_stream_as_documented(no_leaks: None) -> None:
+    """Each (model, pack, step, micro-batch) draws its dropout masks from a stream seeded by those four alone
+    (runtime.bodies.dropout_seed), wherever and whenever its task runs, and a pack's recompute in backward draws
+    the masks its forward drew: a plain loop that seeds the same way gives the same weights."""
+    from harmony.runtime.bodies import dropout_seed
+
+    models = [dropout_mlp(0), dropout_mlp(1)]
+    references = clones(models)
+    batches = regression_batches(samples=48, batch=12)
+    sgd = lambda p: torch.optim.SGD(p, lr=0.05)  # noqa: E731
+    result = harmony.train(models, batches, nn.functional.mse_loss, sgd, microbatches=2, devices=["cpu", "cpu"],
+                           fuse=False, progress=False)
+    assert all(len(packing.packs) == 1 for packing in result.packings)
+    for index, reference in enumerate(references):
+        optimizer = sgd(reference.parameters())
+        for step, (x, y) in enumerate(batches):
+            optimizer.zero_grad()
+            for microbatch, (xs, ys) in enumerate(zip(x.split(6), y.split(6))):
+                torch.default_generator.manual_seed(dropout_seed(result.job_of(index), 0, step, microbatch))
+                (nn.functional.mse_loss(reference(xs), ys) / 2).backward()
+            optimizer.step()
+        assert_same_weights(models[index], reference)
+
+
+def test_a_swapped_model_with_dropout_trains_the_same_on_one_device_or_two(no_leaks: None) -> None:
+    """Masks depend on the model, pack, step and micro-batch, not on the device or the order tasks ran in."""
+    batches = regression_batches(samples=48, batch=12)
+    sgd = lambda p: torch.optim.SGD(p, lr=0.05)  # noqa: E731
+    trained = []
+    for devices in (["cpu"], ["cpu", "cpu"]):
+        model = dropout_mlp(3)
+        result = harmony.train(model, batches, nn.functional.mse_loss, sgd, microbatches=2, devices=devices,
+                               device_memory=80_000, mode="vpp", progress=False)
+        assert len(result.packings[0].packs) > 1
+        trained.append(model)
+    assert_same_weights(trained[0], trained[1])  # threads differ (2 vs 1 per device): reassociation alone
