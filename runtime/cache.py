@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from harmony.runtime.counters import Counters
 from harmony.runtime.stream import CopyEngine
-from harmony.tasks.memory import DeviceMemory
+from harmony.tasks.memory import BudgetExceeded, DeviceMemory
 
 
 @dataclass
@@ -86,9 +86,22 @@ class DeviceCache:
             self.tensors.pop(key, None)
 
     def _charge(self, nbytes: int, what: str) -> None:
-        with self._lock:
-            self._forget(self.memory.reserve(nbytes, what))
-            self.counters.raise_to("peak", self.memory.used)
+        """Reserve nbytes, evicting what it may; weights still arriving (a prefetch in flight) cannot be evicted
+        until their copy lands, so a reservation that needs their room waits for them first."""
+        while True:
+            with self._lock:
+                try:
+                    self._forget(self.memory.reserve(nbytes, what))
+                    self.counters.raise_to("peak", self.memory.used)
+                    return
+                except BudgetExceeded as error:
+                    arriving = [self.tensors[key] for key, entry in self.memory.entries.items()
+                                if entry.arriving and isinstance(self.tensors.get(key), CachedWeights)]
+                    if not arriving:
+                        error.add_note(self.memory.describe())
+                        raise
+            for entry in arriving:
+                entry.arrived.wait()
 
     def _release(self, nbytes: int) -> None:
         with self._lock:

@@ -75,6 +75,16 @@ class DeviceMemory:
         self.peak = max(self.peak, self.used)
         return evicted
 
+    def describe(self) -> str:
+        """What the device holds, for an error: each entry's bytes and why it stays, and the reserved bytes."""
+        reasons = []
+        for key, entry in self.entries.items():
+            why = [name for name, on in (("pinned", entry.pins), ("held", entry.held), ("arriving", entry.arriving))
+                   if on]
+            reasons.append(f"{key}: {entry.nbytes:,} ({', '.join(why) or 'evictable'})")
+        reserved = self.used - sum(entry.nbytes for entry in self.entries.values())
+        return f"device {self.name} holds {'; '.join(reasons) or 'no entry'}; reserved {reserved:,} bytes"
+
     def release(self, nbytes: int) -> None:
         """Give back reserved bytes."""
         self.used -= nbytes

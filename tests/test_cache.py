@@ -179,3 +179,15 @@ def test_a_kept_boundary_goes_to_its_consumer_only_and_never_takes_room_from_wei
     with cache.weights("p1", 0, store.create("v", 900)):
         assert cache.claim("next", 0) is None, "a kept boundary was not evicted for weights"
     cache.clear()
+
+
+def test_a_reservation_that_needs_a_prefetchs_room_waits_for_its_copy_instead_of_failing(store: HostStore) -> None:
+    counters = PublishingCounters(store.create("counters", BLOCK_BYTES))
+    cache = DeviceCache("cpu-0", torch.device("cpu"), 1000, counters, link_bandwidth=4000.0)  # 600 B: 0.15 s
+    host = torch.zeros(600, dtype=torch.uint8)
+    assert cache.prefetch(("m", 0), 0, host, keep_free=300)
+    assert cache.memory.entries[("m", 0)].arriving
+    with cache.scratch(700, "activations"):  # fits only once the prefetched weights may be evicted
+        assert ("m", 0) not in cache.memory.entries
+    assert cache.memory.used == 0
+    cache.clear()
