@@ -75,7 +75,7 @@ def pilot(args: Arguments, budget: int) -> list[Candidate]:
         if args.loss_fns[index] is not None:
             _check_loss(args, index, label, decomposition.output, target)
         packing = cut(decomposition.profile, budget, sizes[0], label)
-        logger.info("%s", packing.explain())
+        logger.info("%s%s", packing.explain(), "".join(f"; {note}" for note in decomposition.notes[:3]))
         job = Job(
             members=(index,),
             label=label,

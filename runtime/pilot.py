@@ -1,9 +1,10 @@
 """The pilot pass: decompose a model into a chain of layers and measure bytes and times on one micro-batch.
 
 A module is split into its children when it is an nn.Sequential, or when torch.fx shows that its
-forward does nothing but call each child once, feeding each the previous one's output (so a plain
-``fc1 -> act -> fc2`` module is a chain, while a residual block, a forward with data-dependent
-branches or one that also calls functions between children is kept whole). Layers that share a
+forward does nothing but call each child once, feeding each the previous one's output (a plain
+``fc1 -> act -> fc2`` module is a chain). Any other module with children is traced and cut into stages
+where one value flows (runtime.stages: between a ResNet's or a ViT's blocks, never inside a residual);
+one that cannot be traced, or has no such point, is kept whole, and the model's notes say why. Layers that share a
 parameter are merged into one layer, since a pack cut between them would hold the weight twice. The
 pass runs on the CPU in the driver before any worker starts; it leaves the model's buffers and the
 global RNG as it found them.
@@ -14,7 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ from torch.utils._pytree import tree_leaves
 
 from harmony.runtime.cache import tree_nbytes
 from harmony.runtime.hoststore import dtype_name
+from harmony.runtime.stages import trace_stages
 from harmony.tasks.layout import TensorSpec
 from harmony.tasks.profile import LayerProfile, ModelProfile
 
@@ -36,6 +38,7 @@ class Decomposition:
     layers: list[nn.Module]
     profile: ModelProfile
     output: Any
+    notes: list[str] = field(default_factory=list)
 
 
 @contextmanager
@@ -103,14 +106,21 @@ def chain_order(module: nn.Module) -> list[nn.Module] | None:
     return [children[name] for name in order]
 
 
-def _flatten(module: nn.Module, x: Any, layers: list[nn.Module]) -> Any:
+def _flatten(module: nn.Module, x: Any, layers: list[nn.Module], notes: list[str]) -> Any:
+    """Append module's layers to layers, running x through them; notes says how a module that is not a chain of
+    its children was cut, or why it was not."""
     order = chain_order(module)
     if order is not None:
         for child in order:
-            x = _flatten(child, x, layers)
+            x = _flatten(child, x, layers, notes)
         return x
-    layers.append(module)
-    return module(x)
+    stages, how = trace_stages(module) if any(True for _ in module.children()) else ([module], "")
+    if how:
+        notes.append(f"{type(module).__name__}: {how}")
+    for stage in stages:
+        layers.append(stage)
+        x = stage(x)
+    return x
 
 
 def _merge_shared(layers: list[nn.Module]) -> list[nn.Module]:
@@ -134,6 +144,8 @@ def _merge_shared(layers: list[nn.Module]) -> list[nn.Module]:
 
 
 def _describe(layer: nn.Module) -> str:
+    if hasattr(layer, "harmony_description"):
+        return f"{type(layer).__name__.removesuffix('Stage')} stage {layer.harmony_description}"
     text = repr(layer).replace("\n", " ")
     return text if len(text) <= 80 else type(layer).__name__
 
@@ -165,7 +177,8 @@ def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7) -> Dec
     samples = max(1, _batch_size(sample))
     with preserved_state(model), torch.no_grad():
         layers: list[nn.Module] = []
-        _flatten(model, sample, layers)
+        notes: list[str] = []
+        _flatten(model, sample, layers, notes)
         layers = _merge_shared(layers)
     profiles = []
     with preserved_state(model), torch.no_grad():
@@ -187,7 +200,7 @@ def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7) -> Dec
             x = layer(x)
         output = x
     profile = ModelProfile(name=name, layers=tuple(profiles), pilot_samples=samples)
-    return Decomposition(layers=layers, profile=profile, output=output)
+    return Decomposition(layers=layers, profile=profile, output=output, notes=notes)
 
 
 def _batch_size(tree: Any) -> int:

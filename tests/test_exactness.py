@@ -152,3 +152,49 @@ def test_a_swapped_model_with_dropout_trains_the_same_on_one_device_or_two(no_le
         assert len(result.packings[0].packs) > 1
         trained.append(model)
     assert_same_weights(trained[0], trained[1])  # threads differ (2 vs 1 per device): reassociation alone
+
+
+class ResidualBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.a = nn.Linear(width, width)
+        self.b = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.b(torch.relu(self.a(self.norm(x))))
+
+
+class ResidualNet(nn.Module):
+    """Not a chain of its children: blocks in a ModuleList, a parameter read in forward, a flatten."""
+
+    def __init__(self, width: int = 32, blocks: int = 12) -> None:
+        super().__init__()
+        self.stem = nn.Linear(32, width)
+        self.gain = nn.Parameter(torch.ones(width))
+        self.blocks = nn.ModuleList([ResidualBlock(width) for _ in range(blocks)])
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x) * self.gain
+        for block in self.blocks:
+            x = block(x)
+        return self.head(torch.flatten(x, 1))
+
+
+def test_a_model_that_is_not_a_chain_trains_in_packs_under_a_third_of_its_size(no_leaks: None) -> None:
+    """Traced and cut between its blocks (runtime.stages), under a budget of a third of its parameter bytes, on two
+    devices, in float64 with Adam: equal to plain PyTorch within 1e-9, the user's module trained in place."""
+    torch.manual_seed(0)
+    model = ResidualNet().double()
+    reference = clones([model])[0]
+    batches = [(x.double(), y.double()) for x, y in regression_batches(samples=64, batch=16)]
+    adam = lambda p: torch.optim.Adam(p, lr=1e-3)  # noqa: E731
+    budget = param_bytes(model) // 3
+    result = harmony.train(model, batches, nn.functional.mse_loss, adam, devices=["cpu", "cpu"],
+                           device_memory=budget, microbatches=2, progress=False)
+    assert len(result.packings[0].packs) >= 3
+    assert max(result.stats.peak_device_bytes.values()) <= budget
+    losses = train_plain(reference, batches, nn.functional.mse_loss, adam)
+    assert_same_weights(model, reference, rtol=0, atol=1e-9)
+    assert result.history[0] == pytest.approx(losses, abs=1e-9)

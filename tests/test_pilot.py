@@ -77,10 +77,22 @@ def test_children_are_taken_in_the_order_forward_calls_them() -> None:
     assert result.layers == [model.first, model.second]
 
 
-def test_a_forward_with_work_between_children_or_data_dependent_branches_stays_whole() -> None:
-    for model in (FunctionBetweenChildren(), DataDependent()):
-        result = decompose(model, torch.randn(3, 8), "m")
-        assert result.layers == [model]
+def test_a_forward_with_work_between_children_is_cut_where_one_value_flows() -> None:
+    model = FunctionBetweenChildren()
+    x = torch.randn(3, 8)
+    result = decompose(model, x, "m")
+    assert len(result.layers) == 3 and "stages where one value flows" in result.notes[0]
+    assert [layer.harmony_description for layer in result.layers] == ["a", "operations", "b"]
+    assert result.layers[0].a.weight is model.a.weight
+    torch.testing.assert_close(result.output, model(x), rtol=0, atol=0)
+
+
+def test_a_forward_with_data_dependent_branches_stays_whole_and_says_why() -> None:
+    model = DataDependent()
+    result = decompose(model, torch.randn(3, 8), "m")
+    assert result.layers == [model]
+    assert result.notes == [f"DataDependent: {result.notes[0].split(': ', 1)[1]}"]
+    assert "not traceable by torch.fx" in result.notes[0]
 
 
 def test_nested_sequentials_flatten_to_leaf_layers() -> None:
