@@ -198,3 +198,25 @@ def test_a_model_that_is_not_a_chain_trains_in_packs_under_a_third_of_its_size(n
     losses = train_plain(reference, batches, nn.functional.mse_loss, adam)
     assert_same_weights(model, reference, rtol=0, atol=1e-9)
     assert result.history[0] == pytest.approx(losses, abs=1e-9)
+
+
+def test_torchvisions_vit_trains_in_packs_under_a_third_of_its_size(no_leaks: None) -> None:
+    """torchvision's VisionTransformer (12 encoder layers) is cut between its encoder layers by tracing; it trains
+    on two devices under a third of its parameter bytes and equals plain PyTorch in float64 within 1e-9."""
+    vision = pytest.importorskip("torchvision.models.vision_transformer")
+    torch.manual_seed(0)
+    model = vision.VisionTransformer(image_size=16, patch_size=4, num_layers=12, num_heads=2, hidden_dim=32,
+                                     mlp_dim=64, num_classes=4).double()
+    reference = clones([model])[0]
+    generator = torch.Generator().manual_seed(3)
+    images = torch.randn(32, 3, 16, 16, generator=generator, dtype=torch.float64)
+    labels = torch.randint(0, 4, (32,), generator=generator)
+    batches = [(images[i : i + 8], labels[i : i + 8]) for i in range(0, 32, 8)]
+    adam = lambda p: torch.optim.Adam(p, lr=1e-3)  # noqa: E731
+    budget = param_bytes(model) // 3
+    result = harmony.train(model, batches, nn.functional.cross_entropy, adam, devices=["cpu", "cpu"],
+                           device_memory=budget, progress=False)
+    assert len(result.packings[0].packs) >= 3
+    assert max(result.stats.peak_device_bytes.values()) <= budget
+    train_plain(reference, batches, nn.functional.cross_entropy, adam)
+    assert_same_weights(model, reference, rtol=0, atol=1e-9)
