@@ -1,0 +1,119 @@
+"""Benchmark: how large a model Harmony trains under a fixed device budget, and at what step time.
+
+A GPT-style chain (byte embeddings, pre-norm transformer blocks, a head: examples/gpt_sweep.py's model) grows in
+blocks under one fixed budget: Harmony cuts it into packs that fit and swaps them through the host store on one
+CPU device. Against it, in the same run: plain PyTorch with the whole model in memory (the step time to match),
+and, where Hugging Face `accelerate` installs, its hooks-based per-layer offload (`cpu_offload`, which on a CPU
+device moves nothing and measures the hooks' cost alone). The table gives, per depth, the model's training bytes
+(weights, gradients and Adam's state) over the budget and each way's median step time relative to the in-memory
+step, with the range over the measured steps.
+
+    python -m benchmarks.large_model [--quick]
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import logging
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import harmony
+from benchmarks.report import arguments, report
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "gpt_sweep.py"
+_spec = importlib.util.spec_from_file_location("gpt_sweep", EXAMPLE)
+assert _spec is not None and _spec.loader is not None
+example = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(example)  # the example's model, as a user builds it (examples are scripts, not a package)
+gpt, next_byte_loss = example.gpt, example.next_byte_loss
+
+WIDTH = 256
+CONTEXT = 64
+BATCH = 16
+STEPS = 12
+WARMUP = 3
+BUDGET = 8 * 2**20  # bytes of device memory, fixed while the model grows
+
+
+def training_bytes(model: nn.Module) -> int:
+    """Weights, gradients and Adam's two moments."""
+    return 4 * sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def data(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 256, (steps, BATCH, CONTEXT + 1), generator=generator)
+    return [(row[:, :-1], row[:, 1:]) for row in ids]
+
+
+def plain_steps(model: nn.Module, batches: list) -> list[float]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    times = []
+    for x, y in batches:
+        started = time.perf_counter()
+        optimizer.zero_grad()
+        next_byte_loss(model(x), y).backward()
+        optimizer.step()
+        times.append(time.perf_counter() - started)
+    return times[WARMUP:]
+
+
+def offload_steps(model: nn.Module, batches: list) -> list[float] | None:
+    try:
+        from accelerate import cpu_offload
+    except ImportError:
+        return None
+    cpu_offload(model, execution_device=torch.device("cpu"))
+    return plain_steps(model, batches)
+
+
+def harmony_steps(model: nn.Module, batches: list) -> tuple[list[float], int]:
+    result = harmony.train(model, batches, next_byte_loss, lambda p: torch.optim.AdamW(p, lr=1e-3),
+                           devices=["cpu"], device_memory=BUDGET, progress=False)
+    times = result.stats.step_seconds[0]
+    return [b - a for a, b in zip(times[WARMUP:], times[WARMUP + 1 :])], len(result.packings[0].packs)
+
+
+def summary(times: list[float] | None, base: float) -> tuple[Any, Any]:
+    if not times:
+        return "-", "-"
+    ratios = sorted(t / base for t in times)
+    return statistics.median(ratios), f"{ratios[0]:.2f}-{ratios[-1]:.2f}"
+
+
+def main() -> None:
+    args = arguments(__doc__.splitlines()[0])
+    logging.getLogger("distributed").setLevel(logging.ERROR)
+    depths = (4, 12) if args.quick else (4, 12, 24)
+    steps = 6 if args.quick else STEPS
+    global WARMUP
+    WARMUP = 2 if args.quick else WARMUP
+    batches = data(steps)
+    rows = []
+    for depth in depths:
+        model = gpt(WIDTH, depth, CONTEXT, seed=0)
+        plain = plain_steps(copy.deepcopy(model), batches)
+        base = statistics.median(plain)
+        offload = offload_steps(copy.deepcopy(model), batches)
+        steps_h, packs = harmony_steps(copy.deepcopy(model), batches)
+        harmony_median, harmony_range = summary(steps_h, base)
+        offload_median, offload_range = summary(offload, base)
+        rows.append({"blocks": depth, "training MiB": training_bytes(model) / 2**20,
+                     "model/budget": training_bytes(model) / BUDGET, "packs": packs,
+                     "in-memory step s": base, "harmony / in-memory": harmony_median, "harmony range": harmony_range,
+                     "cpu_offload / in-memory": offload_median, "cpu_offload range": offload_range})
+        print(f"{depth} blocks: in-memory {base * 1e3:.0f} ms, harmony x{harmony_median:.2f}", flush=True)
+    report("large_model", f"GPT-style chains under a fixed {BUDGET / 2**20:.0f} MiB budget on one CPU device", rows,
+           args.out, notes="model/budget counts weights, gradients and AdamW's state; ratios are medians of the "
+           "steps after the first few, ranges min-max")
+
+
+if __name__ == "__main__":
+    main()
