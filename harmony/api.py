@@ -16,7 +16,7 @@ from torch import nn
 from harmony.conventions import training_conventions
 from harmony.errors import InputError, ModelError
 from harmony.planner import build, codes_for, pilot, replan_machines
-from harmony.progress import ProgressLine, wants_progress
+from harmony.progress import display, wants_progress
 from harmony.result import TrainResult
 from harmony.runtime.batching import unbatched
 from harmony.runtime.calibrate import measured_hardware
@@ -101,7 +101,7 @@ def _execute(
         readers = [start for job, start in zip(plan.jobs, starts) if job.feed == index]
         feed = LoaderFeed(loader.loader, loader.iterator, loader.first, args.options.epochs, args.options.steps)
         feeds.append(SharedFeed(feed, readers))
-    line = ProgressLine() if wants_progress(progress) else None
+    line = display() if wants_progress(progress) else None
     try:
         outcome = execute(plan, codes, feeds, specs, handle, on_progress=line, host_memory=args.host_memory,
                           checkpoints=checkpoints, starts=starts, users=(args.models, args.optimizers))

@@ -1,4 +1,8 @@
-"""A live one-line progress display for a terminal, with a line of its own for each model that stops."""
+"""A live progress display for a terminal or a notebook, with a line of its own for each model that stops.
+
+With tqdm installed (a dependency of transformers; ``pip install tqdm``) it is a tqdm bar (``tqdm.auto``: a widget
+in Jupyter) counting model-steps, with their rate and the time left; without it, a line rewritten in place.
+"""
 
 from __future__ import annotations
 
@@ -53,6 +57,63 @@ class ProgressLine:
     def close(self) -> None:
         self.stream.write("\n")
         self.stream.flush()
+
+
+class ProgressBar:
+    """A tqdm bar of the model-steps done by all models (rate and time left from tqdm), the tasks run and the
+    models stopped beside it; a model that stops is written once above the bar, as it happens."""
+
+    def __init__(self, stream: TextIO | None = None, interval: float = 0.2) -> None:
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(file=stream or sys.stderr, unit=" model-steps", dynamic_ncols=True, mininterval=interval,
+                        desc="harmony", smoothing=0.1)
+        self.interval = interval
+        self.last = 0.0
+        self.reported: set[int] = set()
+
+    def __call__(self, state: BindingState, stopped_members: Callable[[], dict[int, int]] | None = None) -> None:
+        """Show state; stopped_members, when given, reads which members of fused arrays stopped (model -> step)."""
+        members = [len(job.members) for job in state.jobs]  # a fused array's step is a step of each member
+        totals = [(state.steps_trained[job] if job in state.failed else spans.steps) * count  # a stopped job ends
+                  for job, (spans, count) in enumerate(zip(state.spans, members)) if spans.steps is not None]
+        if len(totals) == len(state.spans) and self.bar.total != sum(totals):
+            self.bar.total = sum(totals)
+        now = time.perf_counter()
+        if now - self.last >= self.interval or state.finished:  # reading stopped members costs file reads
+            self.last = now
+            self._report_stopped(state, stopped_members)
+        done = sum(steps * count for steps, count in zip(state.steps_trained, members))
+        postfix = f"{sum(members)} models, {state.tasks_finished} tasks" + (
+            f", {len(self.reported)} stopped" if self.reported else "")
+        if postfix != self.bar.postfix:
+            self.bar.set_postfix_str(postfix, refresh=False)
+        self.bar.update(done - self.bar.n)
+
+    def _report_stopped(self, state: BindingState, stopped_members: Callable[[], dict[int, int]] | None) -> None:
+        """Write a line above the bar for each model that stopped since the last call."""
+        stopped = {model: (failure["step"], str(failure["reason"]))
+                   for job, failure in state.failed.items() for model in state.jobs[job].members}
+        for model, step in (stopped_members() if stopped_members is not None else {}).items():
+            stopped.setdefault(model, (step, f"its loss stopped being finite at step {step}"))
+        for model in sorted(set(stopped) - self.reported):
+            step, reason = stopped[model]
+            reason = reason if len(reason) <= REASON_CHARS else reason[: REASON_CHARS - 1] + "…"
+            self.bar.write(f"harmony: model {model} stopped at step {step}: {reason}", file=self.bar.fp)
+            self.reported.add(model)
+
+    def close(self) -> None:
+        self.bar.refresh()
+        self.bar.close()
+
+
+def display(stream: TextIO | None = None) -> ProgressBar | ProgressLine:
+    """The progress display: a tqdm bar where tqdm is installed, else the line."""
+    try:
+        import tqdm  # noqa: F401
+    except ImportError:
+        return ProgressLine(stream)
+    return ProgressBar(stream)
 
 
 def wants_progress(progress: bool | None) -> bool:
