@@ -117,4 +117,8 @@ def display(stream: TextIO | None = None) -> ProgressBar | ProgressLine:
 
 
 def wants_progress(progress: bool | None) -> bool:
-    return sys.stderr.isatty() if progress is None else bool(progress)
+    """Whether to show progress: as asked, or (None) in a terminal or a Jupyter kernel (whose stderr is no
+    terminal, but where tqdm.auto draws a widget)."""
+    if progress is not None:
+        return bool(progress)
+    return sys.stderr.isatty() or "ipykernel" in sys.modules

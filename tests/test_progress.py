@@ -55,3 +55,20 @@ def test_the_bar_counts_model_steps_with_rate_and_time_left_and_says_which_stopp
     assert 24 < done < 36, last
     assert re.search(rf"harmony: 100%\|.*\| {done}/{done} \[\d\d:\d\d<\d\d:\d\d, +[\d.]+ model-steps/s, "
                      r"3 models, \d+ tasks, 1 stopped\]", last), last
+
+
+def test_progress_is_on_in_a_terminal_or_a_notebook_and_off_when_asked_or_when_neither(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import sys
+
+    from harmony.progress import wants_progress
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
+    monkeypatch.delitem(sys.modules, "ipykernel", raising=False)
+    assert not wants_progress(None) and wants_progress(True)
+    monkeypatch.setitem(sys.modules, "ipykernel", object())
+    assert wants_progress(None) and not wants_progress(False)
+    monkeypatch.delitem(sys.modules, "ipykernel")
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    assert wants_progress(None)
