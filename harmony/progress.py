@@ -16,6 +16,23 @@ from harmony.tasks.binding import BindingState
 REASON_CHARS = 100
 
 
+def newly_stopped(state: BindingState, stopped_members: Callable[[], dict[int, int]] | None,
+                  reported: set[int]) -> list[str]:
+    """A line for each model that stopped (a job that failed, a fused member whose loss stopped being finite) and
+    is not in reported yet; adds them to reported."""
+    stopped = {model: (failure["step"], str(failure["reason"]))
+               for job, failure in state.failed.items() for model in state.jobs[job].members}
+    for model, step in (stopped_members() if stopped_members is not None else {}).items():
+        stopped.setdefault(model, (step, f"its loss stopped being finite at step {step}"))
+    lines = []
+    for model in sorted(set(stopped) - reported):
+        step, reason = stopped[model]
+        reason = reason if len(reason) <= REASON_CHARS else reason[: REASON_CHARS - 1] + "…"
+        lines.append(f"harmony: model {model} stopped at step {step}: {reason}")
+        reported.add(model)
+    return lines
+
+
 class ProgressLine:
     """Rewrites one line on a stream: steps done by all models, tasks run, models stopped, elapsed time. A model that
     stops (its loss no longer finite, or its own code raised) is written once above the line, as it happens."""
@@ -33,15 +50,9 @@ class ProgressLine:
         if now - self.last < self.interval and not state.finished:
             return
         self.last = now
-        stopped = {model: (failure["step"], str(failure["reason"]))
-                   for job, failure in state.failed.items() for model in state.jobs[job].members}
-        for model, step in (stopped_members() if stopped_members is not None else {}).items():
-            stopped.setdefault(model, (step, f"its loss stopped being finite at step {step}"))
-        for model in sorted(set(stopped) - self.reported):
-            step, reason = stopped[model]
-            reason = reason if len(reason) <= REASON_CHARS else reason[: REASON_CHARS - 1] + "…"
-            self.stream.write(f"\rharmony: model {model} stopped at step {step}: {reason}\033[K\n")
-            self.reported.add(model)
+        for line in newly_stopped(state, stopped_members, self.reported):
+            self.stream.write(f"\r{line}\033[K\n")
+        stopped = self.reported
         members = [len(job.members) for job in state.jobs]  # a fused array's step is a step of each member
         done = sum(steps * count for steps, count in zip(state.steps_trained, members))
         totals = [spans.steps * count for spans, count in zip(state.spans, members) if spans.steps is not None]
@@ -92,15 +103,8 @@ class ProgressBar:
 
     def _report_stopped(self, state: BindingState, stopped_members: Callable[[], dict[int, int]] | None) -> None:
         """Write a line above the bar for each model that stopped since the last call."""
-        stopped = {model: (failure["step"], str(failure["reason"]))
-                   for job, failure in state.failed.items() for model in state.jobs[job].members}
-        for model, step in (stopped_members() if stopped_members is not None else {}).items():
-            stopped.setdefault(model, (step, f"its loss stopped being finite at step {step}"))
-        for model in sorted(set(stopped) - self.reported):
-            step, reason = stopped[model]
-            reason = reason if len(reason) <= REASON_CHARS else reason[: REASON_CHARS - 1] + "…"
-            self.bar.write(f"harmony: model {model} stopped at step {step}: {reason}", file=self.bar.fp)
-            self.reported.add(model)
+        for line in newly_stopped(state, stopped_members, self.reported):
+            self.bar.write(line, file=self.bar.fp)
 
     def close(self) -> None:
         self.bar.refresh()
