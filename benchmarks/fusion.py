@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 import harmony
+from benchmarks.models import train_sequentially
 from benchmarks.report import arguments, report
 from harmony.result import steady_seconds
 from harmony.runtime.cluster import start_embedded
@@ -79,14 +80,7 @@ def sgd(lr: float) -> Callable[[list[nn.Parameter]], torch.optim.Optimizer]:
 
 
 def plain_sequential(models: list[nn.Module], data: list) -> float:
-    started = time.perf_counter()
-    for model, lr in zip(models, LEARNING_RATES):
-        optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-        for x, y in data:
-            optimizer.zero_grad()
-            nn.functional.cross_entropy(model(x), y).backward()
-            optimizer.step()
-    return time.perf_counter() - started
+    return train_sequentially(models, LEARNING_RATES, data, nn.functional.cross_entropy)
 
 
 def plain_lockstep(models: list[nn.Module], data: list) -> float:

@@ -30,7 +30,7 @@ from distributed import Scheduler
 from torch import nn
 
 import harmony
-from benchmarks.models import mlp, regression
+from benchmarks.models import mlp, regression, train_sequentially
 from benchmarks.report import arguments, report
 
 MODELS = 256
@@ -82,14 +82,7 @@ def plain_seconds(models: list[nn.Module], rates: list[float], data: list) -> fl
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        started = time.perf_counter()
-        for model, rate in zip(models, rates):
-            optimizer = torch.optim.SGD(model.parameters(), lr=rate)
-            for x, y in data:
-                optimizer.zero_grad()
-                nn.functional.mse_loss(model(x), y).backward()
-                optimizer.step()
-        return time.perf_counter() - started
+        return train_sequentially(models, rates, data, nn.functional.mse_loss)
     finally:
         torch.set_num_threads(threads)
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -23,3 +27,15 @@ def regression(steps: int, batch: int, width: int, outputs: int = 8, seed: int =
     x = torch.randn(steps * batch, width, generator=generator)
     y = torch.randn(steps * batch, outputs, generator=generator)
     return [(x[i : i + batch], y[i : i + batch]) for i in range(0, steps * batch, batch)]
+
+
+def train_sequentially(models: list[nn.Module], rates: list[float], data: list, loss_fn: Callable[..., Any]) -> float:
+    """The plain way: each model trained in turn (SGD at its rate, one step per batch); returns the seconds."""
+    started = time.perf_counter()
+    for model, rate in zip(models, rates):
+        optimizer = torch.optim.SGD(model.parameters(), lr=rate)
+        for x, y in data:
+            optimizer.zero_grad()
+            loss_fn(model(x), y).backward()
+            optimizer.step()
+    return time.perf_counter() - started

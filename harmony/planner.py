@@ -179,8 +179,8 @@ def codes_for(plan: RunPlan, candidates: list[Candidate], args: Arguments, budge
 
 
 def on_machines(jobs: list[Job], budgets: dict[str, int], machines: dict[str, str]) -> list[Job]:
-    """The jobs, each homed on a machine (tasks.machines) where the devices are on more than the driver's; a job
-    already homed on a device (a resumed plan's) stays on that device's machine."""
+    """The jobs, each homed on a machine (tasks.homes.assign_machines) where the devices are on more than the
+    driver's; a job already homed on a device (a resumed plan's) stays on that device's machine."""
     if not any(machines.values()):
         return [dataclasses.replace(job, machine="") for job in jobs]
     work = [job.step_seconds * (job.steps or 1) for job in jobs]

@@ -304,7 +304,6 @@ class Driver:
         self.values[task] = future
         future.add_done_callback(self.heard.put)
 
-
     def cancel(self) -> None:
         """Drop every value: the futures of whatever is still in flight (Dask then forgets those tasks) and the batch
         files."""

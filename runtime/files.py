@@ -161,6 +161,20 @@ class RunFiles:
         """Bring the job's files (those named, else all) from its machine; False when they are out of reach."""
         return self.stores[job].pull(names or (f"m{job}-",))
 
+    def pull_results(self) -> None:
+        """Bring from machines the driver does not map what a finished run reads: every job's weights, versions,
+        losses and stopped members and every device's counters (not gradients or optimizer state), one pull per
+        store."""
+        wanted: dict[int, tuple[HostStore, list[str]]] = {}
+        for job, runtime in enumerate(self.models):
+            names = [*(weights_name(job, pack) for pack in range(len(runtime.packs))), versions_name(job),
+                     f"m{job}-losses", f"m{job}-g", diverged_name(job)]  # m<job>-g<group>-losses<block>
+            wanted.setdefault(id(self.stores[job]), (self.stores[job], []))[1].extend(names)
+        for index, store in enumerate(self.device_stores):
+            wanted.setdefault(id(store), (store, []))[1].append(counters_name(index))
+        for store, names in wanted.values():
+            store.pull(tuple(names))
+
     def create(self, codes: list[JobCode]) -> None:
         """Every job's weights (copied in from its layers), gradients, versions and timing, every device's counters."""
         for m, (job, code, runtime) in enumerate(zip(self.plan.jobs, codes, self.models)):

@@ -34,7 +34,7 @@ from typing import Any
 from distributed import Client, Future, fire_and_forget
 
 from harmony.runtime.cache import tree_nbytes
-from harmony.runtime.hoststore import PREFIX, HostStore, identity
+from harmony.runtime.hoststore import PREFIX, HostStore
 from harmony.runtime.shipping import BatchFiles, ShippedTensors
 
 STORE_DIRECTORY = "/dev/shm"  # where a machine the driver is not on keeps its files
@@ -238,8 +238,3 @@ class RemoteBatches:
                                        store.remote_directory, value, key="release"))
         elif isinstance(value, ShippedTensors):
             raise TypeError("a local batch was given to a remote machine's batches")
-
-
-def worker_identity() -> str:
-    """On a worker (through client.run): its machine."""
-    return identity()

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import dask
-from distributed import Client, Scheduler, SchedulerPlugin
+from distributed import Scheduler, SchedulerPlugin
 from distributed.protocol.pickle import dumps
 from torch import nn
 
@@ -95,20 +95,21 @@ def execute(
     run = secrets.token_hex(6)
     sweep()
     machines = group_machines({device.name: device.machine for device in devices})
-    local = HostStore(run, budget=host_memory) if any(m.local for m in machines) else None
-    stores: dict[str, HostStore] = {}
+    stores: dict[str, HostStore] = {}  # by machine identity ("" for the driver's)
+    if any(machine.local for machine in machines):
+        stores[""] = HostStore(run, budget=host_memory)
+    owned = any(not machine.local for machine in machines)
     driver: Driver | None = None
     plugin = f"harmony-{run}"
-    registered = owned = False
+    registered = False
     try:
-        if local is not None:
-            claim(local)
-        if any(not m.local for m in machines):
-            owned = own_remote_files(handle.client, run)
+        if "" in stores:
+            claim(stores[""])
+        if owned:
+            handle.client.register_plugin(RunOwner(run, handle.client.id), name=f"harmony-owner-{run}")
         for machine in machines:
-            stores[machine.identity] = (local if machine.local
-                                        else RemoteStore(run, machine, handle.client, handle.workers))
             if not machine.local:
+                stores[machine.identity] = RemoteStore(run, machine, handle.client, handle.workers)
                 claim_remote(stores[machine.identity], run)
         models = describe(plan, codes)
         job_stores = [stores[job.machine or ""] for job in plan.jobs]
@@ -121,7 +122,7 @@ def execute(
                     raise RuntimeError(f"the checkpoint of job {job} changed while the run resumed it")
         for store in stores.values():
             store.push_all()
-        spec = RunSpec(run, str(shm_directory() if local is None else local.directory), models, tuple(devices),
+        spec = RunSpec(run, str(stores[""].directory if "" in stores else shm_directory()), models, tuple(devices),
                        plan.options.prefetch, plan.options.group)
         handle.client.register_plugin(DevicePlugin(spec), name=plugin)
         registered = True
@@ -148,8 +149,7 @@ def execute(
         started = time.perf_counter()
         driver.run_to_completion()
         run_seconds = time.perf_counter() - started
-        for store in stores.values():
-            store.pull()
+        files.pull_results()
         files.copy_back(codes)
         executed = handle.client.run(_executed, run)
         names = {address: name for name, address in handle.workers.items()}
@@ -184,8 +184,6 @@ def execute(
             handle.close()
         for store in stores.values():
             store.unlink_all()
-        if local is not None:
-            local.unlink_all()  # also when the run failed before it knew its stores
 
 
 def _executed(run: str, dask_worker: Any) -> list[str]:
@@ -202,16 +200,7 @@ class RunOwner(SchedulerPlugin):
         self.run = run
         self.client = client
 
-    async def start(self, scheduler: Scheduler) -> None:
-        self.scheduler = scheduler
-
     def remove_client(self, scheduler: Scheduler, client: str) -> None:
         if client == self.client:
             message = {"op": "run", "function": dumps(remove_run), "args": dumps((self.run, STORE_DIRECTORY))}
-            self.removal = asyncio.ensure_future(scheduler.broadcast(msg=message))
-
-
-def own_remote_files(client: Client, run: str) -> bool:
-    """Register the run's RunOwner on the scheduler."""
-    client.register_plugin(RunOwner(run, client.id), name=f"harmony-owner-{run}")
-    return True
+            self.removal = asyncio.ensure_future(scheduler.broadcast(msg=message))  # held: a task must be kept
