@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -33,7 +34,7 @@ from harmony.runtime.replicas import replicas_kept
 from harmony.runtime.run import RunOutcome, execute
 from harmony.runtime.shipping import SPARE_FILES
 from harmony.tasks.runplan import Job, RunPlan
-from harmony.validate import Arguments, check_checkpoints, describe_run, read_options, validate
+from harmony.validate import Arguments, check_checkpoints, check_validation, describe_run, read_options, validate
 
 logger = logging.getLogger("harmony")
 
@@ -103,8 +104,11 @@ def _execute(
         feeds.append(SharedFeed(feed, readers))
     line = display() if wants_progress(progress) else None
     try:
+        validation = ([args.validation[args.validation_of[job.members[0]]] for job in plan.jobs]
+                      if args.validation else None)
         outcome = execute(plan, codes, feeds, specs, handle, on_progress=line, host_memory=args.host_memory,
-                          checkpoints=checkpoints, starts=starts, users=(args.models, args.optimizers))
+                          checkpoints=checkpoints, starts=starts, users=(args.models, args.optimizers),
+                          validation=validation, metrics=args.metrics)
     except ModelFailure as failure:
         raise model_error(plan, failure) from None
     finally:
@@ -155,6 +159,10 @@ def train(
     resume: bool = False,
     host: str = LOOPBACK,
     dashboard_address: str = ":8787",
+    val_loaders: Any = None,
+    eval_every: int | None = None,
+    metrics: Any = None,
+    names: list[str] | None = None,
 ) -> TrainResult:
     """Train every model on its data through fine-grained tasks on Dask device workers.
 
@@ -200,6 +208,13 @@ def train(
     dashboard_address (":8787" is that port on host). On your own cluster (cluster=), the workers may be on many
     machines: each machine's workers share a host store, and each model is trained on one machine's devices.
     device_memory may then be a dict of worker name -> budget.
+
+    val_loaders (one loader for every model, or one per model, like loaders) evaluates every model every eval_every
+    steps and at its end: forward only, no gradients, in eval mode, with its weights after that step (a swapped model
+    pack by pack, on its devices); the loss is the mean over the validation samples (result.val_history). metrics,
+    a callable(output, target) -> number (or a dict of numbers), or a dict of name -> such callable, adds figures
+    averaged the same way (result.val_metrics). names (one per model) label the models in result.best(), the
+    metrics and the report.
     """
     options = read_options(locals())  # first: locals() are the arguments alone
     for name, value in (("host", host), ("dashboard_address", dashboard_address)):
@@ -207,6 +222,8 @@ def train(
             raise InputError(f"{name}={value!r} must be a string such as '127.0.0.1' or ':8787'")
     args = validate(models, loaders, loss_fn, optimizer, options, devices, device_memory, cluster, link_bandwidth,
                     host_memory=host_memory)
+    validation, validation_of, names = check_validation(val_loaders, metrics, names, options, args.models)
+    args = dataclasses.replace(args, validation=validation, validation_of=validation_of, metrics=metrics, names=names)
     directory = check_checkpoints(checkpoint_dir, checkpoint_every, resume)
     with watching_interrupts(), training_conventions(args.models), user_cluster(args.cluster) as user:
         specs = (build_specs(args.devices, args.device_memory, args.links) if user is None
@@ -236,7 +253,7 @@ def train(
             logger.info("harmony: dashboard at %s", handle.dashboard_link)
             outcome = _execute(plan, codes, args, specs, handle, progress, checkpoints, starts)
             wall_seconds = time.perf_counter() - started
-    return TrainResult.assemble(args.models, plan, outcome, wall_seconds, handle.dashboard_link)
+    return TrainResult.assemble(args.models, plan, outcome, wall_seconds, handle.dashboard_link, names)
 
 
 def open_checkpoints(

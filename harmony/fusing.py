@@ -32,10 +32,12 @@ logger = logging.getLogger("harmony")
 
 
 def fusion_key(candidate: Candidate, args: Arguments) -> Hashable:
-    """What must agree for two models to be fused: loader, optimizer class and every layer's signature."""
+    """What must agree for two models to be fused: loader, validation loader, optimizer class and every layer's
+    signature."""
     index = candidate.job.members[0]
     layers = tuple(layer_signature(layer) for layer in candidate.code.layers)
-    return (candidate.job.feed, args.optimizer_classes[index], layers)
+    validation = args.validation_of[index] if args.validation_of else None
+    return (candidate.job.feed, validation, args.optimizer_classes[index], layers)
 
 
 def _label(members: list[int], args: Arguments) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -84,6 +85,19 @@ class Stats:
         }
 
 
+@dataclass(frozen=True)
+class Best:
+    """The model with the lowest final validation loss: its index, name (when names were given), final
+    validation loss and metrics, the step they were measured at, and its last training loss."""
+
+    index: int
+    name: str | None
+    val_loss: float
+    step: int
+    loss: float | None
+    metrics: dict[str, float]
+
+
 @dataclass
 class TrainResult:
     """The outcome of harmony.train.
@@ -95,6 +109,8 @@ class TrainResult:
     it); fusion says, per group of fusable models, which sub-array size was chosen and why. failed maps each model
     that stopped before the end to the step it stopped at and why (its weights are those of its last complete
     step); events lists, in order, the device workers lost and joined (and what was run again) and the failures.
+    val_history is per model its (step, validation loss) pairs, val_metrics its (step, {metric: value}) pairs (with
+    val_loaders); names the models' names (names=), or None.
     """
 
     models: list[nn.Module]
@@ -109,6 +125,26 @@ class TrainResult:
     fusion: list[FusionChoice] = field(default_factory=list)
     failed: dict[int, dict[str, object]] = field(default_factory=dict)
     events: list[dict[str, object]] = field(default_factory=list)
+    val_history: list[list[tuple[int, float]]] = field(default_factory=list)
+    val_metrics: list[list[tuple[int, dict[str, float]]]] = field(default_factory=list)
+    names: list[str] | None = None
+
+    def name(self, model: int) -> str:
+        """The model's name (names=), else "model <index>"."""
+        return self.names[model] if self.names else f"model {model}"
+
+    def best(self) -> Best:
+        """The model with the lowest final validation loss (among those whose loss is finite); needs val_loaders."""
+        finals = [(history[-1][1], model) for model, history in enumerate(self.val_history)
+                  if history and math.isfinite(history[-1][1])]
+        if not finals:
+            raise ValueError("best() ranks models by their final validation loss: train with val_loaders= "
+                             "(and a model whose validation loss is finite)")
+        val_loss, model = min(finals)
+        step = self.val_history[model][-1][0]
+        metrics = self.val_metrics[model][-1][1] if self.val_metrics[model] else {}
+        loss = self.history[model][-1] if self.history[model] else None
+        return Best(model, self.names[model] if self.names else None, val_loss, step, loss, dict(metrics))
 
     def job_of(self, model: int) -> int:
         """The index of the job (in packings and arrays, and the m<job> of task keys) that trained model."""
@@ -120,10 +156,20 @@ class TrainResult:
 
     @staticmethod
     def assemble(
-        models: list[nn.Module], plan: RunPlan, outcome: RunOutcome, wall_seconds: float, dashboard_link: str | None
+        models: list[nn.Module], plan: RunPlan, outcome: RunOutcome, wall_seconds: float, dashboard_link: str | None,
+        names: list[str] | None = None,
     ) -> TrainResult:
         """The result of a finished run: every job's figures handed to each of its models."""
         history: list[list[float]] = [[] for _ in models]
+        val_history: list[list[tuple[int, float]]] = [[] for _ in models]
+        val_metrics: list[list[tuple[int, dict[str, float]]]] = [[] for _ in models]
+        for index, evaluations in enumerate(outcome.validation):
+            for position, model in enumerate(plan.jobs[index].members):
+                for step, figures in evaluations:
+                    val_history[model].append((step, figures["loss"][position]))
+                    others = {name: values[position] for name, values in figures.items() if name != "loss"}
+                    if others:
+                        val_metrics[model].append((step, others))
         steps = [0] * len(models)
         finish = [0.0] * len(models)
         step_seconds: list[list[float]] = [[] for _ in models]
@@ -179,4 +225,7 @@ class TrainResult:
             fusion=list(plan.fusion),
             failed=failed,
             events=list(outcome.events),
+            val_history=val_history,
+            val_metrics=val_metrics,
+            names=names,
         )

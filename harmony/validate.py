@@ -53,6 +53,10 @@ class Arguments:
     links: list[float | None]
     cluster: str | Client | None
     host_memory: int | None = None
+    validation: list[list[tuple[Any, Any]]] = dataclasses.field(default_factory=list)
+    validation_of: list[int] = dataclasses.field(default_factory=list)
+    metrics: Any = None
+    names: list[str] | None = None
 
     def expected_steps(self, model: int) -> int | None:
         """How many steps a model will train, when its loader knows its length (or steps= says)."""
@@ -184,14 +188,14 @@ def _looks_like_batch(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and isinstance(value[0], (torch.Tensor, dict))
 
 
-def _loaders(loaders: Any, count: int, passes: bool) -> tuple[list[Loader], list[int]]:
+def _loaders(loaders: Any, count: int, passes: bool, argument: str = "loaders") -> tuple[list[Loader], list[int]]:
     """One loader shared by every model, or one per model; a list of batches is one loader."""
     per_model = isinstance(loaders, (list, tuple)) and not (loaders and _looks_like_batch(loaders[0]))
     if not per_model:
-        return [_peek(loaders, "loaders", passes)], [0] * count
+        return [_peek(loaders, argument, passes)], [0] * count
     if len(loaders) != count:
         raise InputError(
-            f"got {len(loaders)} loaders for {count} models; pass one loader shared by all models or "
+            f"got {len(loaders)} {argument} for {count} models; pass one loader shared by all models or "
             "a list with exactly one loader per model"
         )
     peeked: list[Loader] = []
@@ -199,7 +203,7 @@ def _loaders(loaders: Any, count: int, passes: bool) -> tuple[list[Loader], list
     for index, loader in enumerate(loaders):
         shared = next((i for i, known in enumerate(peeked) if known.source is loader), None)
         if shared is None:
-            peeked.append(_peek(loader, f"loaders[{index}] (for model {index})", passes))
+            peeked.append(_peek(loader, f"{argument}[{index}] (for model {index})", passes))
             shared = len(peeked) - 1
         loader_of.append(shared)
     return peeked, loader_of
@@ -355,6 +359,38 @@ def validate(
     )
 
 
+def check_validation(
+    val_loaders: Any, metrics: Any, names: Any, options: Options, models: list[nn.Module]
+) -> tuple[list[list[tuple[Any, Any]]], list[int], list[str] | None]:
+    """The validation batches (every batch of each validation loader, read once), which of them each model is
+    evaluated on, and the models' names; eval_every and metrics need val_loaders."""
+    if val_loaders is None:
+        for argument, value in (("eval_every", options.eval_every), ("metrics", metrics)):
+            if value is not None:
+                raise InputError(f"{argument} needs val_loaders: the validation data every model is evaluated on")
+        sets, validation_of = [], []
+    else:
+        loaders, validation_of = _loaders(val_loaders, len(models), passes=False, argument="val_loaders")
+        sets = []
+        for index, loader in enumerate(loaders):
+            batches = []
+            for batch in [loader.first, *loader.iterator]:
+                if not (loader.keywords or _is_batch(batch)):
+                    raise InputError(f"val_loaders: loader {index} yields a {type(batch).__name__} after its first "
+                                     "batch; every batch must be like the first")
+                batches.append((batch[0], batch[1]))
+            sets.append(batches)
+    if metrics is not None and not callable(metrics) and not (
+            isinstance(metrics, Mapping) and all(callable(fn) for fn in metrics.values())):
+        raise InputError(f"metrics={metrics!r} must be a callable(output, target) -> number (or dict of numbers), "
+                         "or a dict of name -> such callable")
+    if names is not None:
+        if not isinstance(names, (list, tuple)) or len(names) != len(models):
+            raise InputError(f"names must be a list of one name per model ({len(models)}), got {names!r}")
+        names = [str(name) for name in names]
+    return sets, validation_of, names
+
+
 def device_budgets(device_memory: Any) -> int | dict[str, int] | None:
     """device_memory as bytes: one budget for every device, or per device (worker) name."""
     if device_memory is None:
@@ -368,7 +404,7 @@ def device_budgets(device_memory: Any) -> int | dict[str, int] | None:
 
 def read_options(arguments: Mapping[str, Any]) -> Options:
     """The run's options from harmony.train's keyword arguments (every field of Options by name)."""
-    values = {field.name: arguments[field.name] for field in dataclasses.fields(Options)}
+    values = {field.name: arguments.get(field.name, field.default) for field in dataclasses.fields(Options)}
     flags = {name: bool(values[name]) for name in ("prefetch", "group", "resident", "fail_fast")}
     return Options(**{**values, **flags})
 
@@ -385,6 +421,7 @@ def check_options(options: Options) -> None:
     check_fuse(options.fuse)
     check_steps_per_task(options.steps_per_task)
     _positive_int(options.checkpoint_every, "checkpoint_every", allow_none=True)
+    _positive_int(options.eval_every, "eval_every", allow_none=True)
 
 
 def check_checkpoints(checkpoint_dir: Any, checkpoint_every: int | None, resume: bool) -> Path | None:

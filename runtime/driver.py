@@ -32,6 +32,7 @@ from distributed import Client, Future
 from harmony.runtime import bodies
 from harmony.runtime.data import SharedFeed, batch_size, split_tree
 from harmony.runtime.errors import ModelFailure
+from harmony.runtime.evaluation import Evaluations, Metrics
 from harmony.runtime.files import SPAN_TIMING_BYTES, span_timing_name
 from harmony.runtime.handoff import LocalResult
 from harmony.runtime.hoststore import HostStore
@@ -43,6 +44,7 @@ from harmony.tasks.events import (
     BatchReady,
     Cancel,
     Checkpoint,
+    Evaluate,
     Event,
     Fail,
     Fetch,
@@ -82,6 +84,8 @@ class Driver:
         on_step: Callable[[int, int], None] | None = None,
         on_progress: Callable[[BindingState], None] | None = None,
         on_checkpoint: Callable[[int, int], None] | None = None,
+        validation: list[list[tuple[Any, Any]] | None] | None = None,
+        metrics: Metrics = None,
     ) -> None:
         self.client = client
         self.run = run
@@ -100,6 +104,8 @@ class Driver:
         self.devices = {address: name for name, address in workers.items()}
         self.stranded_since: dict[str, float] = {}
         self.started = time.perf_counter()
+        self.evaluations = Evaluations(client, run, validation or [None] * len(feeds), microbatches, metrics,
+                                       self.heard.put)
 
     def run_to_completion(self) -> None:
         """Carry out the state's instructions and report what happens until every model has trained (or failed)."""
@@ -143,7 +149,8 @@ class Driver:
                 raise RuntimeError(f"harmony: every device's worker has been lost for {DEVICE_TIMEOUT:.0f} s; "
                                    "the run cannot go on")
             return since if since is not None else now
-        if not self.state.bound and not self.state.finished and self.state.fetching is None:
+        if (not self.state.bound and not self.state.finished and self.state.fetching is None
+                and not self.state.evaluating):
             raise RuntimeError("harmony driver: no task in flight and none ready before training finished")
         return None
 
@@ -160,6 +167,7 @@ class Driver:
         if isinstance(heard, tuple):
             action, address = heard
             if action == "remove-worker":
+                self.evaluations.forget_worker(address)
                 name = self.devices.pop(address, None)
                 return None if name is None else WorkerLost(name, at)
             name = self._worker_name(address)
@@ -168,6 +176,8 @@ class Driver:
             self.workers[name] = address
             self.devices[address] = name
             return WorkerJoined(name, at)
+        if str(heard.key).startswith("val-"):
+            return self.evaluations.heard(heard, at)
         parsed = parse_key(heard.key)
         if parsed is None:
             return None
@@ -221,6 +231,9 @@ class Driver:
             timing = store.attach(span_timing_name(instruction.model), SPAN_TIMING_BYTES)
             seconds, steps = timing.view(torch.float64).tolist()
             return StepTimed(instruction.model, seconds, int(steps))
+        elif isinstance(instruction, Evaluate):
+            self.evaluations.submit(instruction, self.workers[instruction.device],
+                                    len(self.state.jobs[instruction.model].packing.packs))
         elif isinstance(instruction, Fail):
             raise instruction.error
         else:
@@ -313,3 +326,4 @@ class Driver:
                 value.release()
         self.values.clear()
         self.loss_weights.clear()
+        self.evaluations.close()

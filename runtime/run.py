@@ -27,6 +27,7 @@ from harmony.runtime.code import JobCode
 from harmony.runtime.data import SharedFeed
 from harmony.runtime.devices import DeviceSpec
 from harmony.runtime.driver import Driver
+from harmony.runtime.evaluation import Metrics
 from harmony.runtime.files import RunFiles
 from harmony.runtime.hoststore import HostStore, shm_directory
 from harmony.runtime.machines import STORE_DIRECTORY, RemoteBatches, RemoteStore, group_machines, remove_run
@@ -65,6 +66,7 @@ class RunOutcome:
     stopped: dict[int, dict[int, int]]
     events: list[dict[str, object]]
     traffic: dict[str, int] = field(default_factory=dict)
+    validation: list[list[tuple[int, dict[str, list[float]]]]] = field(default_factory=list)
 
 
 def traffic(stores: Iterable[HostStore], batches: Iterable[BatchFiles | RemoteBatches]) -> dict[str, int]:
@@ -85,13 +87,16 @@ def execute(
     checkpoints: Checkpoints | None = None,
     starts: list[int] | None = None,
     users: tuple[list[nn.Module], list[Any]] = ([], []),
+    validation: list[list[tuple[Any, Any]] | None] | None = None,
+    metrics: Metrics = None,
 ) -> RunOutcome:
     """Train the plan's jobs to completion on the cluster whose workers are the devices; cleans up whatever
     happens. The user's modules hold the trained weights when it returns.
 
     With checkpoints, every job is checkpointed as the plan's options say (users: the user's models and optimizer
     factories, whose state dicts each checkpoint writes too); with starts, each job first takes up its latest
-    checkpoint, which holds that many steps."""
+    checkpoint, which holds that many steps. With validation (per job, its validation batches), every job is
+    evaluated every eval_every steps of the plan's options and at its end, with metrics beside the loss."""
     run = secrets.token_hex(6)
     sweep()
     machines = group_machines({device.name: device.machine for device in devices})
@@ -131,7 +136,8 @@ def execute(
                              checkpoint_every=(plan.options.checkpoint_every or END) if checkpoints else None,
                              start=starts,
                              allowed_failures=dask.config.get("distributed.scheduler.allowed-failures"),
-                             machines=dict(plan.machines))
+                             machines=dict(plan.machines), evaluate=validation is not None,
+                             eval_every=plan.options.eval_every)
 
         def checkpoint(job: int, step: int) -> None:
             assert checkpoints is not None
@@ -145,7 +151,8 @@ def execute(
                         [feeds[job.feed] for job in plan.jobs], handle.workers,
                         plan.options.microbatches, on_step=files.open_step,
                         on_progress=None if on_progress is None else lambda s: on_progress(s, files.members_stopped),
-                        on_checkpoint=checkpoint if checkpoints is not None else None)
+                        on_checkpoint=checkpoint if checkpoints is not None else None,
+                        validation=validation, metrics=metrics)
         started = time.perf_counter()
         driver.run_to_completion()
         run_seconds = time.perf_counter() - started
@@ -167,6 +174,7 @@ def execute(
             stopped={m: stopped for m in range(len(plan.jobs)) if (stopped := files.stopped(m))},
             events=list(state.events),
             traffic=traffic(stores.values(), batches.values()),
+            validation=driver.evaluations.results,
         )
     finally:
         if driver is not None:

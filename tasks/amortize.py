@@ -71,12 +71,17 @@ class Spans:
         """Whether the model's tasks may each run several steps (their data then shipped step by step)."""
         return self.depth > 1 or self.adaptive
 
-    def next_span(self) -> tuple[int, int]:
-        """The first step and the length of the next span (0 steps once all are opened)."""
+    def next_span(self, until: int | None = None) -> tuple[int, int]:
+        """The first step and the length of the next span (0 steps once all are opened); a span ends at step until
+        (an evaluation's) rather than cross it."""
         if self.steps is None:
-            return self.opened, self.depth
-        left = max(0, self.steps - self.opened)
-        return self.opened, left if left * SHORT_TAIL < self.depth * (SHORT_TAIL + 1) else self.depth
+            count = self.depth
+        else:
+            left = max(0, self.steps - self.opened)
+            count = left if left * SHORT_TAIL < self.depth * (SHORT_TAIL + 1) else self.depth
+        if until is not None and self.opened < until < self.opened + count:
+            count = until - self.opened
+        return self.opened, count
 
     def open(self, count: int) -> None:
         """A span of count steps was opened (fewer than asked when the loader ran dry)."""

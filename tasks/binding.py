@@ -22,6 +22,8 @@ from harmony.tasks.events import (
     BatchReady,
     Cancel,
     Checkpoint,
+    Evaluate,
+    Evaluated,
     Event,
     Fail,
     Fetch,
@@ -84,6 +86,8 @@ class BindingState:
         start: list[int] | None = None,
         allowed_failures: int = 3,
         machines: dict[str, str] | None = None,
+        evaluate: bool = False,
+        eval_every: int | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy={policy!r}; use one of {POLICIES}")
@@ -128,6 +132,12 @@ class BindingState:
         self._unmet: dict[TaskId, set[TaskId]] = {}
         self._dependents: dict[TaskId, list[TaskId]] = {}
         self._ready: set[TaskId] = set()
+        self.evaluate = evaluate
+        self.eval_every = eval_every if evaluate else None
+        self.evaluated = [0] * len(jobs)
+        self.evaluating: dict[int, Evaluate] = {}
+        self.evaluations_owed: dict[int, int] = {}
+        self.attempts_evaluated: dict[int, int] = {}
         for model, steps in enumerate(start or []):
             self._resume(model, steps)
 
@@ -139,12 +149,13 @@ class BindingState:
         self.step_times[model] = [0.0] * steps
         if not self.spans[model].multistep:
             self.spans_opened[model] = self.spans_done[model] = steps
+        self.evaluated[model] = steps
 
     # Events
 
     def start(self) -> list[Instruction]:
         """The run begins: the first batches to fetch."""
-        return self._record(None, self._advance())
+        return self._record(None, self._advance() + self._evaluations())
 
     def handle(self, event: Event) -> list[Instruction]:
         """Take one event; return what the driver must do now, in order."""
@@ -164,9 +175,11 @@ class BindingState:
             instructions = self._worker_joined(event)
         elif isinstance(event, MachineLost):
             instructions = self._machine_lost(event)
+        elif isinstance(event, Evaluated):
+            instructions = self._evaluated(event)
         else:
             raise TypeError(f"not an event: {event!r}")
-        return self._record(event, instructions)
+        return self._record(event, instructions + self._evaluations())
 
     def _record(self, event: Event | None, instructions: list[Instruction]) -> list[Instruction]:
         self.story.append((event, tuple(instructions)))
@@ -236,6 +249,8 @@ class BindingState:
                     self.readers.pop(value, None)
                     instructions.append(Release(value))
         self.failed[model] = {"step": step, "reason": reason, "steps": self.steps_trained[model]}
+        self.evaluating.pop(model, None)
+        self.evaluations_owed.pop(model, None)
         self.finish_times.setdefault(model, at)
         self.events.append({"at": at, "event": "job failed", "job": model, "step": step, "reason": reason})
         self.timing.discard(model)
@@ -305,6 +320,11 @@ class BindingState:
             if self.homes.get(model) == device and self.live_devices(model):
                 self.homes[model] = self._home_for(model)
             redone[model] = self.homes.get(model, "any device")
+        for model, evaluation in list(self.evaluating.items()):
+            if evaluation.device == device and model not in self.failed:
+                del self.evaluating[model]
+                self.evaluations_owed[model] = evaluation.step
+                redone.setdefault(model, f"its evaluation at step {evaluation.step}")
         self.events.append({"at": event.at, "event": "worker lost", "device": device, "jobs redone": redone})
         return instructions + self._advance()
 
@@ -369,7 +389,10 @@ class BindingState:
                 released.append(Release(value))
         total = self.total_spans(model)
         ended = total is not None and self.spans_done[model] >= total
-        if ended:
+        if self.evaluate and self.steps_trained[model] > self.evaluated[model] and (
+                ended or self.steps_trained[model] == self.next_evaluation(model)):
+            self.evaluations_owed[model] = self.steps_trained[model]
+        elif ended:
             self.finish_times.setdefault(model, at)
         every = self.checkpoint_every
         if every and (ended or before // every < self.steps_trained[model] // every):
@@ -411,6 +434,9 @@ class BindingState:
                 continue
             total = self.total_spans(model)
             groups = self.jobs[model].groups
+            point = self.next_evaluation(model)
+            if point is not None and self.spans[model].opened >= point:
+                continue  # its weights at point are evaluated before any later step may change them
             span = opened
             while (total is None or span < total) and (
                 span < 2 or all(self._is_done(TaskId("bwd", model, 0, span - 2, g)) for g in range(groups))
@@ -427,7 +453,7 @@ class BindingState:
         wanted = self.wanted_batches()
         if wanted:
             model, span = wanted[0]
-            first, count = self.spans[model].next_span()
+            first, count = self.spans[model].next_span(until=self.next_evaluation(model))
             self.fetching = Fetch(model, span, first, count, self.jobs[model].groups, self.spans[model].multistep)
             return [self.fetching]
         return self._bind_all()
@@ -637,6 +663,49 @@ class BindingState:
             task.group,
         )
 
+    # Evaluation
+
+    def next_evaluation(self, model: int) -> int | None:
+        """The step after which the model is evaluated next within the run (every eval_every steps), or None:
+        only at its end, or no evaluation at all."""
+        if self.eval_every is None:
+            return None
+        return (self.evaluated[model] // self.eval_every + 1) * self.eval_every
+
+    def _evaluations(self) -> list[Instruction]:
+        """Evaluations owed that a live device of their job's machine can run now: the job's home, else its
+        device with the fewest tasks."""
+        instructions: list[Instruction] = []
+        for model, step in sorted(self.evaluations_owed.items()):
+            live = self.live_devices(model)
+            if not live:
+                continue
+            home = self.homes.get(model)
+            device = home if home in live else min(live, key=lambda name: (len(self.running[name]), live.index(name)))
+            del self.evaluations_owed[model]
+            self.evaluating[model] = Evaluate(model, step, device, self.attempts_evaluated.get(model, 0))
+            self.attempts_evaluated[model] = self.evaluating[model].attempt + 1
+            instructions.append(self.evaluating[model])
+        return instructions
+
+    def _evaluated(self, event: Evaluated) -> list[Instruction]:
+        """An evaluation finished: the job goes on past its step (or ends); one that failed fails the job alone
+        when its own code raised (else the run)."""
+        evaluation = self.evaluating.get(event.model)
+        if evaluation is None or (evaluation.step, evaluation.attempt) != (event.step, event.attempt):
+            return []  # an attempt replaced since (its device was lost) or of a job that failed
+        del self.evaluating[event.model]
+        if event.error is not None:
+            if self.fail_fast or not event.isolated:
+                return [Fail(event.model, event.error)]
+            instructions = self._fail_job(event.model, event.step, str(event.error), event.at)
+            self.failed[event.model]["error"] = event.error
+            return instructions + self._advance()
+        self.evaluated[event.model] = event.step
+        if self._job_finished(event.model):
+            self.finish_times.setdefault(event.model, event.at)
+        return self._advance()
+
     # What the run has done
 
     def total_spans(self, model: int) -> int | None:
@@ -650,9 +719,12 @@ class BindingState:
         return all(m in self.failed or self._job_finished(m) for m in range(len(self.jobs)))
 
     def _job_finished(self, model: int) -> bool:
-        """Whether a job has run every span of its data."""
+        """Whether a job has run every span of its data (and, with evaluation, been evaluated at its end)."""
         total = self.total_spans(model)
-        return total is not None and self.spans_done[model] >= total
+        if total is None or self.spans_done[model] < total:
+            return False
+        return not self.evaluate or (self.evaluated[model] >= self.steps_trained[model]
+                                     and model not in self.evaluating and model not in self.evaluations_owed)
 
     def validate_state(self) -> None:
         """Check every invariant of the state; raises AssertionError naming the first one broken."""
@@ -685,6 +757,12 @@ class BindingState:
             assert self.spans_done[model] <= self.spans_opened[model], f"model {model} finished unopened spans"
             assert len(self.step_times[model]) == self.steps_trained[model], f"model {model}'s steps are miscounted"
             assert spans.opened >= self.steps_trained[model], f"model {model} trained steps it never opened"
+        for model, evaluation in self.evaluating.items():
+            assert model not in self.failed and model not in self.evaluations_owed, f"model {model} evaluates twice"
+            assert evaluation.step == self.steps_trained[model], f"model {model} evaluates stale weights"
+            assert self.spans[model].opened == evaluation.step, f"model {model} opened steps past its evaluation"
+        for model, step in self.evaluations_owed.items():
+            assert step == self.steps_trained[model] == self.spans[model].opened, f"model {model}'s evaluation is stale"
         for (model, span), (first, count) in self.open_spans.items():
             assert self.spans_done[model] <= span < self.spans_opened[model], f"span {span} of model {model} is stale"
             assert count >= 1 and first >= self.steps_trained[model], f"span {span} of model {model} is miscut"

@@ -78,7 +78,20 @@ class MachineLost:
     at: float
 
 
-Event = BatchReady | TaskFinished | TaskFailed | StepTimed | WorkerLost | WorkerJoined | MachineLost
+@dataclass(frozen=True)
+class Evaluated:
+    """A model's evaluation at step (its validation loss with the weights of that many trained steps) finished;
+    with error, it failed (isolated: the model's own code raised)."""
+
+    model: int
+    step: int
+    attempt: int
+    at: float
+    error: BaseException | None = None
+    isolated: bool = False
+
+
+Event = BatchReady | TaskFinished | TaskFailed | StepTimed | WorkerLost | WorkerJoined | MachineLost | Evaluated
 
 # Instructions
 
@@ -171,4 +184,15 @@ class Fail:
     error: BaseException
 
 
-Instruction = Fetch | Submit | Release | Cancel | Leave | Checkpoint | ReadTiming | Fail
+@dataclass(frozen=True)
+class Evaluate:
+    """Evaluate the model on its validation data on device, with its weights after step training steps (forward
+    only, pack by pack); answer with Evaluated. A new attempt replaces an earlier one (its device was lost)."""
+
+    model: int
+    step: int
+    device: str
+    attempt: int
+
+
+Instruction = Fetch | Submit | Release | Cancel | Leave | Checkpoint | ReadTiming | Fail | Evaluate

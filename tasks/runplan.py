@@ -35,6 +35,7 @@ class Options:
     steps_per_task: int | str = "auto"
     fail_fast: bool = False
     checkpoint_every: int | None = None
+    eval_every: int | None = None
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,8 @@ from harmony.tasks.binding import BindingState
 from harmony.tasks.events import (
     BatchReady,
     Cancel,
+    Evaluate,
+    Evaluated,
     Fail,
     Fetch,
     Instruction,
@@ -51,6 +53,7 @@ class Player:
         self.fetched: list[Fetch] = []
         self.cancelled: list[TaskId] = []
         self.left: list[Leave] = []
+        self.evaluations: list[Evaluate] = []
         self.clock = 0.0
 
     def carry_out(self, instructions: list[Instruction]) -> None:
@@ -72,6 +75,8 @@ class Player:
                 self.in_flight = [submit for submit in self.in_flight if submit.task != instruction.task]
             elif isinstance(instruction, Leave):
                 self.left.append(instruction)
+            elif isinstance(instruction, Evaluate):
+                self.evaluations.append(instruction)
             elif isinstance(instruction, ReadTiming):
                 seconds, steps = self.timings.get(instruction.model, (0.0, 0))
                 queue += self.state.handle(StepTimed(instruction.model, seconds, steps))
@@ -91,6 +96,12 @@ class Player:
         finished (as Dask would run them); the bindings in order."""
         self.carry_out(self.state.start())
         while not self.state.finished:
+            if not self.in_flight and self.state.evaluating:
+                evaluation = next(iter(self.state.evaluating.values()))
+                self.clock += 1.0
+                self.carry_out(self.state.handle(Evaluated(evaluation.model, evaluation.step, evaluation.attempt,
+                                                           self.clock)))
+                continue
             assert self.in_flight, "the binder stalled"
             if pick is None:
                 self.finish(self.in_flight[0])
@@ -417,3 +428,48 @@ def test_a_machine_lost_for_good_fails_its_jobs_alone() -> None:
     while not state.finished:
         player.finish(player.in_flight[0])
     assert state.steps_trained[0] == 3
+
+
+def test_evaluations_come_every_eval_every_steps_and_at_the_end_with_no_later_step_applied_first() -> None:
+    """Spans end at evaluation points, nothing past a point opens before its evaluation is done, the end is
+    evaluated once (also when it is a point), and a job is finished only once its last evaluation is."""
+    jobs = [job(10, 10, steps=7), job(10, steps=12, step_seconds=0.05, depth=4, home="cpu-1")]
+    state = BindingState(jobs, {"cpu-0": 1000, "cpu-1": 1000}, homes={1: "cpu-1"}, validate=True, evaluate=True,
+                         eval_every=3)
+    player = Player(state, {0: 7, 1: 12})
+    player.carry_out(state.start())
+    while not state.finished:
+        if player.in_flight:
+            player.finish(player.in_flight[0])
+            continue
+        assert state.evaluating, "the binder stalled"
+        evaluation = min(state.evaluating.values(), key=lambda e: e.model)
+        steps_opened = state.spans[evaluation.model].opened
+        assert steps_opened == evaluation.step, "no step past an evaluation's opened before it is done"
+        player.clock += 1.0
+        player.carry_out(state.handle(Evaluated(evaluation.model, evaluation.step, evaluation.attempt, player.clock)))
+    assert [(e.model, e.step) for e in player.evaluations if e.model == 0] == [(0, 3), (0, 6), (0, 7)]
+    assert [(e.model, e.step, e.device) for e in player.evaluations if e.model == 1] == [
+        (1, 3, "cpu-1"), (1, 6, "cpu-1"), (1, 9, "cpu-1"), (1, 12, "cpu-1")], "a homed job evaluates at home"
+    assert [(f.first, f.count) for f in player.fetched if f.model == 1] == [(0, 3), (3, 3), (6, 3), (9, 3)]
+    assert state.steps_trained == [7, 12]
+
+
+def test_an_evaluation_on_a_lost_device_runs_again_and_a_failed_one_fails_its_job_alone() -> None:
+    jobs = [job(10, steps=2), job(10, steps=2)]
+    state = BindingState(jobs, {"cpu-0": 1000, "cpu-1": 1000}, validate=True, evaluate=True)
+    player = Player(state, {0: 2, 1: 2})
+    player.carry_out(state.start())
+    while player.in_flight:
+        player.finish(player.in_flight[0])
+    assert set(state.evaluating) == {0, 1} and not state.finished
+    lost = state.evaluating[0]
+    player.handle(WorkerLost(lost.device, 10.0))
+    again = state.evaluating[0]
+    assert again.device != lost.device and again.attempt == lost.attempt + 1 and again.step == 2
+    assert player.handle(Evaluated(0, 2, lost.attempt, 11.0)) == [], "the lost attempt is not heard"
+    player.handle(Evaluated(0, 2, again.attempt, 12.0))
+    failure = ValueError("the model's own error")
+    player.handle(Evaluated(1, 2, state.evaluating[1].attempt, 13.0, error=failure, isolated=True))
+    assert state.finished and state.failed[1]["error"] is failure and 0 not in state.failed
+    assert state.finish_times[0] == 12.0

@@ -1,0 +1,187 @@
+"""Evaluation: a job's validation loss (and metrics) with its weights after a given step, run as Dask tasks.
+
+The binder decides when (every eval_every steps and at the end, with no later step applied meanwhile) and where
+(the job's home, else one device of its machine); this module does it. One ``evl`` task per pack and validation
+batch runs the batch's micro-batches through the pack forward with no gradients, in eval mode (dropout off,
+running statistics read, not written), with the pack's weights at that step's version swapped in as a training
+task would; the last pack computes the loss and the metrics, and one ``val`` task sums them. The validation
+batches are scattered to the device's worker once and kept there for the run.
+
+Figures are means over the validation samples: each batch's loss (a mean over its samples, as a training loss
+is) weighted by its share of the samples; a fused array's members each get their own.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from distributed import Client, Future
+from torch.func import functional_call
+
+from harmony.runtime.array import member_slice
+from harmony.runtime.bodies import task_body
+from harmony.runtime.data import batch_size, split_tree
+from harmony.runtime.errors import ModelFailure
+from harmony.runtime.hoststore import tensors_at
+from harmony.runtime.worker import RunContext
+from harmony.tasks.events import Evaluate, Evaluated
+from harmony.tasks.microbatch import split_sizes
+
+Metrics = Callable[[Any, Any], Any] | Mapping[str, Callable[[Any, Any], Any]] | None
+
+
+def metric_values(metrics: Metrics, output: Any, target: Any) -> dict[str, float]:
+    """The metrics of one output as named floats: a callable's own name for a single value, its keys for a dict
+    it returns, or the names of a dict of callables."""
+    if metrics is None:
+        return {}
+    if isinstance(metrics, Mapping):
+        return {name: float(fn(output, target)) for name, fn in metrics.items()}
+    value = metrics(output, target)
+    if isinstance(value, Mapping):
+        return {name: float(item) for name, item in value.items()}
+    return {getattr(metrics, "__name__", "metric"): float(value)}
+
+
+@task_body("evl")
+def evaluation(
+    ctx: RunContext, model: int, pack: int, span: int, inputs: list[Any], targets: list[Any] | None,
+    metrics: Metrics, group: int, first: int, steps: None,
+) -> Any:
+    """One validation batch's micro-batches through a pack with its weights after step first: the outputs (host
+    copies), or for the last pack each member's loss and metrics summed over the batch's samples."""
+    spec = ctx.spec.models[model]
+    runtime = spec.packs[pack]
+    module = ctx.module(model, pack)
+    last = pack == len(spec.packs) - 1
+    outputs: list[Any] = []
+    sums: dict[str, torch.Tensor] = {"loss": torch.zeros(spec.members, dtype=torch.float64)}
+    samples = 0
+    with ctx.cache.weights((model, pack), first, ctx.host_weights(model, pack, first)) as weights:
+        tensors = tensors_at(weights, runtime.weights)
+        module.eval()
+        try:
+            for index, microbatch in enumerate(inputs):
+                with ctx.cache.scratch(runtime.workspace, f"activations of pack {pack}"), torch.no_grad():
+                    x = ctx.cache.copy_in(microbatch, "activations" if pack else "inputs")
+                    y = functional_call(module, tensors, (x,))
+                    if not last:
+                        outputs.append(ctx.cache.copy_out(y, "activations"))
+                        continue
+                    assert targets is not None
+                    target = ctx.cache.copy_in(targets[index], "inputs")
+                    count = batch_size(microbatch)
+                    losses = ctx.loss_fn(model)(y, target).reshape(-1).to("cpu", torch.float64)
+                    sums["loss"] += losses * count
+                    for member in range(spec.members):
+                        output = member_slice(y, member) if spec.members > 1 else y
+                        for name, value in metric_values(metrics, output, target).items():
+                            sums.setdefault(name, torch.zeros(spec.members, dtype=torch.float64))[member] += (
+                                value * count)
+                    samples += count
+        finally:
+            module.train()
+    return {"sums": sums, "samples": samples} if last else outputs
+
+
+def total(parts: Sequence[dict[str, Any]]) -> dict[str, list[float]]:
+    """Per figure (the loss, each metric), each member's mean over the samples of every validation batch."""
+    samples = sum(part["samples"] for part in parts)
+    names = dict.fromkeys(name for part in parts for name in part["sums"])
+    return {name: (sum(part["sums"][name] for part in parts if name in part["sums"]) / samples).tolist()
+            for name in names}
+
+
+class Evaluations:
+    """The driver's side: each job's validation batches (split into micro-batches once), the evaluations in
+    flight and what they found, per job as (step, {figure: per-member values})."""
+
+    def __init__(self, client: Client, run: str, batches: list[list[tuple[Any, Any]] | None], microbatches: int,
+                 metrics: Metrics, on_done: Callable[[Future], None]) -> None:
+        self.client = client
+        self.run = run
+        self.batches = [None if job is None else [_split(batch, microbatches) for batch in job] for job in batches]
+        self.metrics = metrics
+        self.on_done = on_done
+        self.scattered: dict[tuple[int, str], list[Any]] = {}
+        self.flight: dict[int, tuple[Evaluate, list[Future]]] = {}
+        self.results: list[list[tuple[int, dict[str, list[float]]]]] = [[] for _ in batches]
+        self.started: float = time.perf_counter()
+
+    def submit(self, evaluate: Evaluate, worker: str, packs: int) -> None:
+        """The evaluation's tasks, all restricted to worker; its sum task's future reports to on_done."""
+        self.release(evaluate.model)
+        model, step = evaluate.model, evaluate.step
+        batches = self.batches[model]
+        assert batches, f"job {model} has no validation data"
+        data = self.scattered.get((model, worker))
+        if data is None:
+            data = self.scattered[(model, worker)] = self.client.scatter(
+                [part for batch in batches for part in batch], workers=[worker], hash=False)
+        futures: list[Future] = []
+        lasts = []
+        suffix = f"-r{evaluate.attempt}" if evaluate.attempt else ""
+        for index in range(len(batches)):
+            value: Any = data[2 * index]
+            targets = data[2 * index + 1]
+            for pack in range(packs):
+                value = self.client.submit(
+                    evaluation, self.run, model, pack, step, value, targets if pack == packs - 1 else None,
+                    self.metrics, first=step,
+                    key=f"evl-m{model}-p{pack}-s{step}-b{index}-{self.run}{suffix}",
+                    workers=[worker], allow_other_workers=False, pure=False, priority=2)
+                futures.append(value)
+            lasts.append(value)
+        summed = self.client.submit(total, lasts, key=f"val-m{model}-s{step}-{self.run}{suffix}", workers=[worker],
+                                    allow_other_workers=False, pure=False, priority=2)
+        futures.append(summed)
+        self.flight[model] = (evaluate, futures)
+        summed.add_done_callback(self.on_done)
+
+    def heard(self, future: Future, at: float) -> Evaluated | None:
+        """The event a finished sum task means, or None for a future not (or no longer) in flight."""
+        model = next((job for job, (_, futures) in self.flight.items() if futures[-1] is future), None)
+        if model is None:
+            return None
+        evaluate, _ = self.flight[model]
+        if future.status == "cancelled":
+            return None  # its worker is gone: the binder hears that and runs the evaluation again
+        if future.status == "error":
+            error = future.exception()
+            self.release(model)
+            return Evaluated(model, evaluate.step, evaluate.attempt, at, error.with_traceback(future.traceback()),
+                             isolated=isinstance(error, ModelFailure))
+        figures = future.result()
+        self.release(model)
+        self.results[model].append((evaluate.step, figures))
+        return Evaluated(model, evaluate.step, evaluate.attempt, at)
+
+    def release(self, model: int) -> None:
+        """Forget the futures of the model's evaluation in flight (Dask then drops its tasks)."""
+        _, futures = self.flight.pop(model, (None, []))
+        for future in futures:
+            future.release()
+
+    def forget_worker(self, worker: str) -> None:
+        """A worker left: the batches scattered to it are gone with it."""
+        for key in [key for key in self.scattered if key[1] == worker]:
+            del self.scattered[key]
+
+    def close(self) -> None:
+        for model in list(self.flight):
+            self.release(model)
+        for data in self.scattered.values():
+            for future in data:
+                future.release()
+        self.scattered.clear()
+
+
+def _split(batch: tuple[Any, Any], microbatches: int) -> tuple[list[Any], list[Any]]:
+    inputs, targets = batch
+    sizes = split_sizes(batch_size(inputs), microbatches)
+    if len(sizes) == 1:
+        return [inputs], [targets]
+    return split_tree(inputs, sizes), split_tree(targets, sizes)

@@ -1,0 +1,122 @@
+"""Evaluation through harmony.train: validation losses and metrics equal a plain torch.no_grad() loop at the same
+steps, for resident, swapped and fused models; best() and names."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import harmony
+from harmony.errors import InputError
+from harmony.runtime.evaluation import metric_values, total
+from tests.conftest import clones, deep_mlp, param_bytes, regression_batches
+
+EVERY = 3
+STEPS = 7
+
+
+def sgd(parameters: object) -> torch.optim.Optimizer:
+    return torch.optim.SGD(parameters, lr=0.05, momentum=0.9)  # type: ignore[arg-type]
+
+
+def within(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """A metric: the share of outputs within 1 of their target."""
+    return ((output - target).abs() < 1).double().mean()
+
+
+def plain_validation(model: nn.Module, batches: list, val: list, every: int) -> tuple[list, list]:
+    """Train model the plain way; after every `every` steps and at the end, its validation loss and metric as a
+    plain no_grad loop in eval mode gives them (means over the validation samples)."""
+    optimizer = sgd(model.parameters())
+    losses, metrics = [], []
+    samples = sum(len(x) for x, _ in val)
+    for step, (x, y) in enumerate(batches, start=1):
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        if step % every == 0 or step == len(batches):
+            model.eval()
+            with torch.no_grad():
+                outputs = [(model(vx), vy, len(vx)) for vx, vy in val]
+            model.train()
+            losses.append((step, sum(nn.functional.mse_loss(o, t).item() * n for o, t, n in outputs) / samples))
+            metrics.append((step, {"within": sum(within(o, t).item() * n for o, t, n in outputs) / samples}))
+    return losses, metrics
+
+
+def double(batches: list) -> list:
+    return [(x.double(), y.double()) for x, y in batches]
+
+
+def models_in_float64(count: int) -> list[nn.Module]:
+    return [deep_mlp(seed=seed).double() for seed in range(count)]
+
+
+@pytest.mark.parametrize("case", ["resident", "swapped", "fused"])
+def test_validation_equals_a_plain_no_grad_loop(case: str, no_leaks: None) -> None:
+    models = models_in_float64(3)
+    references = clones(models)
+    batches = double(regression_batches(samples=8 * STEPS, batch=8))
+    val = double(regression_batches(samples=20, batch=8, seed=7))  # batches of 8, 8 and 4: a weighted mean
+    budget = param_bytes(models[0]) // 3 if case == "swapped" else None
+    result = harmony.train(models, batches, nn.functional.mse_loss, sgd, devices=2, device_memory=budget,
+                           microbatches=2, fuse=case == "fused", val_loaders=val, eval_every=EVERY, metrics=within,
+                           progress=False)
+    if case == "swapped":
+        assert all(len(packing.packs) > 2 for packing in result.packings) and not result.homes
+        assert all(peak <= budget for peak in result.stats.peak_device_bytes.values())
+    if case == "fused":
+        assert result.arrays == [[0, 1, 2]]
+    for index, reference in enumerate(references):
+        losses, metrics = plain_validation(reference, batches, val, EVERY)
+        assert [step for step, _ in result.val_history[index]] == [3, 6, 7]
+        torch.testing.assert_close(torch.tensor(result.val_history[index]), torch.tensor(losses), rtol=1e-9, atol=0)
+        assert result.val_metrics[index] == [(step, pytest.approx(values)) for step, values in metrics]
+    assert not result.failed
+
+
+def test_best_is_the_model_with_the_lowest_final_validation_loss_and_carries_its_name(no_leaks: None) -> None:
+    models = [nn.Linear(4, 1) for _ in range(3)]
+    torch.manual_seed(0)
+    x = torch.randn(32, 4)
+    y = x.sum(1, keepdim=True)
+    batches = [(x[i : i + 8], y[i : i + 8]) for i in range(0, 32, 8)]
+    result = harmony.train(models, batches, nn.functional.mse_loss,
+                           [lambda p, lr=lr: torch.optim.SGD(p, lr=lr) for lr in (1e-4, 0.1, 1e-3)],
+                           epochs=5, val_loaders=[batches[:2]] * 3, names=["tiny", "right", "small"], progress=False)
+    finals = [history[-1][1] for history in result.val_history]
+    assert [step for step, _ in result.val_history[0]] == [20], "without eval_every: at the end alone"
+    best = result.best()
+    assert best.index == min(range(3), key=finals.__getitem__) == 1
+    assert (best.name, best.val_loss, best.step) == ("right", finals[1], 20)
+    assert best.loss == result.history[1][-1] and result.name(2) == "small"
+
+
+def test_best_without_validation_says_what_it_needs(no_leaks: None) -> None:
+    result = harmony.train(nn.Linear(4, 1), [(torch.randn(4, 4), torch.randn(4, 1))], nn.functional.mse_loss,
+                           lambda p: torch.optim.SGD(p, lr=0.1), progress=False)
+    with pytest.raises(ValueError, match="val_loaders"):
+        result.best()
+
+
+@pytest.mark.parametrize("arguments, message", [
+    ({"eval_every": 2}, "eval_every needs val_loaders"),
+    ({"metrics": within}, "metrics needs val_loaders"),
+    ({"val_loaders": [(torch.randn(2, 4), torch.randn(2, 1))], "metrics": 3}, "metrics=3 must be"),
+    ({"val_loaders": [(torch.randn(2, 4), torch.randn(2, 1))], "names": ["a", "b"]}, "one name per model"),
+    ({"val_loaders": [(torch.randn(2, 4), torch.randn(2, 1))], "eval_every": 0}, "eval_every=0"),
+])
+def test_bad_validation_arguments_are_refused_before_work_starts(arguments: dict, message: str) -> None:
+    with pytest.raises(InputError, match=message):
+        harmony.train(nn.Linear(4, 1), [(torch.randn(4, 4), torch.randn(4, 1))], nn.functional.mse_loss,
+                      lambda p: torch.optim.SGD(p, lr=0.1), progress=False, **arguments)
+
+
+def test_metric_values_and_totals_are_means_over_samples() -> None:
+    assert metric_values(within, torch.zeros(2), torch.tensor([0.5, 3.0])) == {"within": 0.5}
+    assert metric_values({"a": lambda o, t: 1, "b": lambda o, t: 2.0}, None, None) == {"a": 1.0, "b": 2.0}
+    assert metric_values(lambda o, t: {"x": torch.tensor(3.0)}, None, None) == {"x": 3.0}
+    parts = [{"sums": {"loss": torch.tensor([8.0, 4.0], dtype=torch.float64)}, "samples": 8},
+             {"sums": {"loss": torch.tensor([2.0, 0.0], dtype=torch.float64)}, "samples": 2}]
+    assert total(parts) == {"loss": [1.0, 0.4]}
