@@ -16,6 +16,7 @@ from torch import nn
 
 from harmony.conventions import training_conventions
 from harmony.errors import InputError, ModelError
+from harmony.metrics import MetricsLog, initial_lr
 from harmony.planner import build, codes_for, pilot, replan_machines
 from harmony.progress import display, wants_progress
 from harmony.result import TrainResult
@@ -24,7 +25,7 @@ from harmony.runtime.calibrate import measured_hardware
 from harmony.runtime.checkpoint import Checkpoints, fingerprint
 from harmony.runtime.cluster import LOOPBACK, ClusterHandle, connect, external_devices, start_embedded, worker_threads
 from harmony.runtime.code import JobCode
-from harmony.runtime.data import LoaderFeed, SharedFeed
+from harmony.runtime.data import LoaderFeed, SharedFeed, batch_size
 from harmony.runtime.devices import DeviceSpec, build_specs
 from harmony.runtime.errors import ModelFailure
 from harmony.runtime.files import estimate
@@ -33,6 +34,7 @@ from harmony.runtime.interrupt import watching_interrupts
 from harmony.runtime.replicas import replicas_kept
 from harmony.runtime.run import RunOutcome, execute
 from harmony.runtime.shipping import SPARE_FILES
+from harmony.runtime.view import RunView
 from harmony.tasks.runplan import Job, RunPlan
 from harmony.validate import Arguments, check_checkpoints, check_validation, describe_run, read_options, validate
 
@@ -94,19 +96,27 @@ def check_host_memory(jobs: list[Job], budget: int | None) -> None:
 
 def _execute(
     plan: RunPlan, codes: list[JobCode], args: Arguments, specs: list[DeviceSpec], handle: ClusterHandle,
-    progress: bool | None, checkpoints: Checkpoints | None, starts: list[int],
+    progress: bool | None, checkpoints: Checkpoints | None, starts: list[int], log: MetricsLog | None,
 ) -> RunOutcome:
-    """Run the plan with a progress line when wanted; a model's failure is a ModelError naming the model."""
+    """Run the plan with a progress display when wanted and the metrics log when asked; a model's failure is a
+    ModelError naming the model."""
     feeds = []
     for index, loader in enumerate(args.loaders):
         readers = [start for job, start in zip(plan.jobs, starts) if job.feed == index]
         feed = LoaderFeed(loader.loader, loader.iterator, loader.first, args.options.epochs, args.options.steps)
         feeds.append(SharedFeed(feed, readers))
-    line = display() if wants_progress(progress) else None
+    line = display(names=args.names) if wants_progress(progress) else None
+    watchers = [watcher for watcher in (line, log) if watcher is not None]
+
+    def watch(view: RunView) -> None:
+        for watcher in watchers:
+            watcher(view)
+
     try:
         validation = ([args.validation[args.validation_of[job.members[0]]] for job in plan.jobs]
                       if args.validation else None)
-        outcome = execute(plan, codes, feeds, specs, handle, on_progress=line, host_memory=args.host_memory,
+        outcome = execute(plan, codes, feeds, specs, handle, on_progress=watch if watchers else None,
+                          host_memory=args.host_memory,
                           checkpoints=checkpoints, starts=starts, users=(args.models, args.optimizers),
                           validation=validation, metrics=args.metrics)
     except ModelFailure as failure:
@@ -163,6 +173,7 @@ def train(
     eval_every: int | None = None,
     metrics: Any = None,
     names: list[str] | None = None,
+    log_dir: str | os.PathLike[str] | None = None,
 ) -> TrainResult:
     """Train every model on its data through fine-grained tasks on Dask device workers.
 
@@ -215,6 +226,10 @@ def train(
     a callable(output, target) -> number (or a dict of numbers), or a dict of name -> such callable, adds figures
     averaged the same way (result.val_metrics). names (one per model) label the models in result.best(), the
     metrics and the report.
+
+    log_dir writes the run's metrics there as it goes, one JSON-lines file per run (per model and step its loss,
+    validation loss, learning rate and samples/s; per device its cached bytes, bytes in and out, busy share: see
+    harmony.metrics), and TensorBoard event files beside it where tensorboard is installed.
     """
     options = read_options(locals())  # first: locals() are the arguments alone
     for name, value in (("host", host), ("dashboard_address", dashboard_address)):
@@ -251,9 +266,20 @@ def train(
                 checkpoints.begin(plan, ", ".join(job.label for job in plan.jobs))
                 starts = [checkpoints.version(job) if recorded is not None else 0 for job in range(len(plan.jobs))]
             logger.info("harmony: dashboard at %s", handle.dashboard_link)
-            outcome = _execute(plan, codes, args, specs, handle, progress, checkpoints, starts)
-            wall_seconds = time.perf_counter() - started
-    return TrainResult.assemble(args.models, plan, outcome, wall_seconds, handle.dashboard_link, names)
+            log = None if log_dir is None else MetricsLog(
+                log_dir, plan, names, [initial_lr(factory) for factory in args.optimizers],
+                [batch_size(args.first_batch(model)[0]) for model in range(len(args.models))])
+            try:
+                outcome = _execute(plan, codes, args, specs, handle, progress, checkpoints, starts, log)
+                wall_seconds = time.perf_counter() - started
+                result = TrainResult.assemble(args.models, plan, outcome, wall_seconds, handle.dashboard_link, names)
+                if log is not None:
+                    log.finish(result.history, result.stats.step_seconds, outcome.validation)
+                    logger.info("harmony: metrics in %s", log.path)
+            finally:
+                if log is not None:
+                    log.close()
+    return result
 
 
 def open_checkpoints(

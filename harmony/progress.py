@@ -1,28 +1,31 @@
-"""A live progress display for a terminal or a notebook, with a line of its own for each model that stops.
+"""A live progress display for a terminal or a notebook: steps with rate and time left, each model's latest loss and
+validation loss, the devices' busy share, and a line of its own for each model that stops.
 
 With tqdm installed (a dependency of transformers; ``pip install tqdm``) it is a tqdm bar (``tqdm.auto``: a widget
-in Jupyter) counting model-steps, with their rate and the time left; without it, a line rewritten in place.
+in Jupyter) counting model-steps, with one status row per model (the best ROWS when there are more) under it;
+without it, a line rewritten in place.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 import time
-from collections.abc import Callable
-from typing import TextIO
+from typing import Any, TextIO
 
-from harmony.tasks.binding import BindingState
+from harmony.runtime.view import RunView
 
 REASON_CHARS = 100
+ROWS = 8
 
 
-def newly_stopped(state: BindingState, stopped_members: Callable[[], dict[int, int]] | None,
-                  reported: set[int]) -> list[str]:
+def newly_stopped(view: RunView, reported: set[int]) -> list[str]:
     """A line for each model that stopped (a job that failed, a fused member whose loss stopped being finite) and
     is not in reported yet; adds them to reported."""
+    state = view.state
     stopped = {model: (failure["step"], str(failure["reason"]))
                for job, failure in state.failed.items() for model in state.jobs[job].members}
-    for model, step in (stopped_members() if stopped_members is not None else {}).items():
+    for model, step in view.stopped_members().items():
         stopped.setdefault(model, (step, f"its loss stopped being finite at step {step}"))
     lines = []
     for model in sorted(set(stopped) - reported):
@@ -33,35 +36,66 @@ def newly_stopped(state: BindingState, stopped_members: Callable[[], dict[int, i
     return lines
 
 
-class ProgressLine:
-    """Rewrites one line on a stream: steps done by all models, tasks run, models stopped, elapsed time. A model that
-    stops (its loss no longer finite, or its own code raised) is written once above the line, as it happens."""
+def model_rows(view: RunView, names: list[str] | None = None) -> list[tuple[float, str]]:
+    """Per model, its latest loss and validation loss as a line, with the figure it ranks by (the validation loss,
+    else the loss; lower first)."""
+    state = view.state
+    rows = []
+    for job, spec in enumerate(state.jobs):
+        steps = state.steps_trained[job]
+        losses = view.losses(job, steps) if steps else None
+        validation = view.validation[job][-1] if job < len(view.validation) and view.validation[job] else None
+        for position, model in enumerate(spec.members):
+            loss = losses[position][-1] if losses and losses[position] else None
+            val = validation[1]["loss"][position] if validation else None
+            label = names[model] if names else f"model {model}"
+            text = f"{label}: step {steps}"
+            text += f", loss {loss:.4g}" if loss is not None else ""
+            text += f", val {val:.4g} (step {validation[0]})" if val is not None and validation else ""
+            rank = val if val is not None else loss if loss is not None else math.inf
+            rows.append((rank if math.isfinite(rank) else math.inf, text))
+    return rows
 
-    def __init__(self, stream: TextIO | None = None, interval: float = 0.2) -> None:
+
+def busy_share(view: RunView) -> float | None:
+    """The devices' share of the run's time spent running tasks, so far."""
+    devices = view.devices()
+    seconds = view.seconds * len(devices)
+    if not devices or seconds <= 0:
+        return None
+    return min(1.0, sum(values["busy_ns"] for values in devices.values()) / 1e9 / seconds)
+
+
+class ProgressLine:
+    """Rewrites one line on a stream: steps done by all models, tasks run, the best loss, models stopped, elapsed
+    time. A model that stops (its loss no longer finite, or its own code raised) is written once above the line."""
+
+    def __init__(self, stream: TextIO | None = None, interval: float = 0.2, names: list[str] | None = None) -> None:
         self.stream = stream or sys.stderr
         self.interval = interval
+        self.names = names
         self.started = time.perf_counter()
         self.last = 0.0
         self.reported: set[int] = set()
 
-    def __call__(self, state: BindingState, stopped_members: Callable[[], dict[int, int]] | None = None) -> None:
-        """Show state; stopped_members, when given, reads which members of fused arrays stopped (model -> step)."""
+    def __call__(self, view: RunView) -> None:
+        state = view.state
         now = time.perf_counter()
         if now - self.last < self.interval and not state.finished:
             return
         self.last = now
-        for line in newly_stopped(state, stopped_members, self.reported):
+        for line in newly_stopped(view, self.reported):
             self.stream.write(f"\r{line}\033[K\n")
-        stopped = self.reported
         members = [len(job.members) for job in state.jobs]  # a fused array's step is a step of each member
         done = sum(steps * count for steps, count in zip(state.steps_trained, members))
         totals = [spans.steps * count for spans, count in zip(state.spans, members) if spans.steps is not None]
         total = f"/{sum(totals)}" if len(totals) == len(state.spans) else ""
-        models = sum(members)
-        failures = f", {len(stopped)} stopped" if stopped else ""
+        failures = f", {len(self.reported)} stopped" if self.reported else ""
+        rows = sorted(model_rows(view, self.names))
+        best = f", best {rows[0][1]}" if rows and math.isfinite(rows[0][0]) else ""
         self.stream.write(
-            f"\rharmony: {models} models, steps {done}{total}, {state.tasks_finished} tasks{failures}, "
-            f"{now - self.started:.1f}s\033[K"
+            f"\rharmony: {sum(members)} models, steps {done}{total}, {state.tasks_finished} tasks{failures}, "
+            f"{now - self.started:.1f}s{best}\033[K"
         )
         self.stream.flush()
 
@@ -71,53 +105,70 @@ class ProgressLine:
 
 
 class ProgressBar:
-    """A tqdm bar of the model-steps done by all models (rate and time left from tqdm), the tasks run and the
-    models stopped beside it; a model that stops is written once above the bar, as it happens."""
+    """A tqdm bar of the model-steps done by all models (rate and time left from tqdm), the tasks run, the devices'
+    busy share and the models stopped beside it, and under it one row per model (its step, latest loss and
+    validation loss; the best ROWS by validation loss, else loss, when there are more); a model that stops is
+    written once above the bar, as it happens."""
 
-    def __init__(self, stream: TextIO | None = None, interval: float = 0.2) -> None:
+    def __init__(self, stream: TextIO | None = None, interval: float = 0.2, names: list[str] | None = None) -> None:
         from tqdm.auto import tqdm
 
-        self.bar = tqdm(file=stream or sys.stderr, unit=" model-steps", dynamic_ncols=True, mininterval=interval,
+        self.tqdm = tqdm
+        self.stream = stream or sys.stderr
+        self.bar = tqdm(file=self.stream, unit=" model-steps", dynamic_ncols=True, mininterval=interval,
                         desc="harmony", smoothing=0.1)
+        self.rows: list[Any] = []
+        self.names = names
         self.interval = interval
         self.last = 0.0
         self.reported: set[int] = set()
 
-    def __call__(self, state: BindingState, stopped_members: Callable[[], dict[int, int]] | None = None) -> None:
-        """Show state; stopped_members, when given, reads which members of fused arrays stopped (model -> step)."""
+    def __call__(self, view: RunView) -> None:
+        state = view.state
         members = [len(job.members) for job in state.jobs]  # a fused array's step is a step of each member
         totals = [(state.steps_trained[job] if job in state.failed else spans.steps) * count  # a stopped job ends
                   for job, (spans, count) in enumerate(zip(state.spans, members)) if spans.steps is not None]
         if len(totals) == len(state.spans) and self.bar.total != sum(totals):
             self.bar.total = sum(totals)
-        now = time.perf_counter()
-        if now - self.last >= self.interval or state.finished:  # reading stopped members costs file reads
-            self.last = now
-            self._report_stopped(state, stopped_members)
         done = sum(steps * count for steps, count in zip(state.steps_trained, members))
-        postfix = f"{sum(members)} models, {state.tasks_finished} tasks" + (
-            f", {len(self.reported)} stopped" if self.reported else "")
-        if postfix != self.bar.postfix:
+        now = time.perf_counter()
+        if now - self.last >= self.interval or state.finished:  # what follows reads files
+            self.last = now
+            for line in newly_stopped(view, self.reported):
+                self.bar.write(line, file=self.bar.fp)
+            busy = busy_share(view)
+            postfix = f"{sum(members)} models, {state.tasks_finished} tasks" + (
+                f", devices {busy:.0%} busy" if busy is not None else "") + (
+                f", {len(self.reported)} stopped" if self.reported else "")
             self.bar.set_postfix_str(postfix, refresh=False)
+            self._show_rows(view)
         self.bar.update(done - self.bar.n)
 
-    def _report_stopped(self, state: BindingState, stopped_members: Callable[[], dict[int, int]] | None) -> None:
-        """Write a line above the bar for each model that stopped since the last call."""
-        for line in newly_stopped(state, stopped_members, self.reported):
-            self.bar.write(line, file=self.bar.fp)
+    def _show_rows(self, view: RunView) -> None:
+        rows = model_rows(view, self.names)
+        shown = [text for _, text in (sorted(rows)[:ROWS] if len(rows) > ROWS else rows)]
+        if len(rows) > ROWS:
+            shown[-1] += f"  (best {ROWS} of {len(rows)} shown)"
+        while len(self.rows) < len(shown):
+            self.rows.append(self.tqdm(file=self.stream, bar_format="  {desc}", position=len(self.rows) + 1,
+                                       leave=True, dynamic_ncols=True))
+        for row, text in zip(self.rows, shown):
+            row.set_description_str(text, refresh=True)
 
     def close(self) -> None:
         self.bar.refresh()
         self.bar.close()
+        for row in self.rows:
+            row.close()
 
 
-def display(stream: TextIO | None = None) -> ProgressBar | ProgressLine:
+def display(stream: TextIO | None = None, names: list[str] | None = None) -> ProgressBar | ProgressLine:
     """The progress display: a tqdm bar where tqdm is installed, else the line."""
     try:
         import tqdm  # noqa: F401
     except ImportError:
-        return ProgressLine(stream)
-    return ProgressBar(stream)
+        return ProgressLine(stream, names=names)
+    return ProgressBar(stream, names=names)
 
 
 def wants_progress(progress: bool | None) -> bool:

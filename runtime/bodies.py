@@ -120,6 +120,7 @@ def task_body(kind: str) -> Callable[[Callable[..., Result]], Callable[..., Resu
             finally:
                 ctx.counters.add("busy_ns", time.perf_counter_ns() - started)
                 ctx.counters.add("tasks", 1)
+                ctx.counters.set("used", ctx.cache.memory.used)
                 ctx.counters.publish()
 
         return run

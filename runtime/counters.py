@@ -15,6 +15,7 @@ NAMES = (
     "prefetched",
     "kept",
     "peak",
+    "used",
     "busy_ns",
     "tasks",
 )
@@ -42,6 +43,10 @@ class Counters:
         with self._lock:
             if value > self.values[name]:
                 self.values[name] = int(value)
+
+    def set(self, name: str, value: int) -> None:
+        with self._lock:
+            self.values[name] = int(value)
 
     def publish(self) -> None:
         with self._lock:

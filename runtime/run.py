@@ -34,6 +34,7 @@ from harmony.runtime.machines import STORE_DIRECTORY, RemoteBatches, RemoteStore
 from harmony.runtime.orphans import claim, claim_remote, sweep
 from harmony.runtime.shipping import BatchFiles
 from harmony.runtime.spec import RunSpec, describe
+from harmony.runtime.view import RunView
 from harmony.runtime.worker import RUNS, DevicePlugin
 from harmony.tasks.binding import BindingState
 from harmony.tasks.runplan import RunPlan
@@ -82,7 +83,7 @@ def execute(
     feeds: list[SharedFeed],
     devices: list[DeviceSpec],
     handle: ClusterHandle,
-    on_progress: Callable[[BindingState, Callable[[], dict[int, int]]], None] | None = None,
+    on_progress: Callable[[RunView], None] | None = None,
     host_memory: int | None = None,
     checkpoints: Checkpoints | None = None,
     starts: list[int] | None = None,
@@ -150,10 +151,11 @@ def execute(
         driver = Driver(handle.client, run, job_stores, [batches[job.machine or ""] for job in plan.jobs], state,
                         [feeds[job.feed] for job in plan.jobs], handle.workers,
                         plan.options.microbatches, on_step=files.open_step,
-                        on_progress=None if on_progress is None else lambda s: on_progress(s, files.members_stopped),
+                        on_progress=None if on_progress is None else lambda _: on_progress(view),
                         on_checkpoint=checkpoint if checkpoints is not None else None,
                         validation=validation, metrics=metrics)
         started = time.perf_counter()
+        view = RunView(state, files, driver.evaluations.results, started)
         driver.run_to_completion()
         run_seconds = time.perf_counter() - started
         files.pull_results()

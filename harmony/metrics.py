@@ -1,0 +1,175 @@
+"""The run's metrics as JSON lines (and TensorBoard scalars where tensorboard is installed), written as it goes.
+
+One file per run in log_dir, ``harmony-<date>-<time>-<pid>.jsonl``, readable by its owner alone. Records, one per
+line, each with "kind" and "time" (seconds since the run started):
+
+- "step": one per model per training step: model, name, step (1-based: the weights after it), loss, lr (the
+  optimizer's initial learning rate), samples_per_s (the model's samples over the time its step, or its span of
+  steps in one task, took), and val_loss plus the metrics where the model was evaluated after that step;
+- "val": one per evaluation: model, name, step, val_loss and each metric;
+- "device": every second or so and at the end, per device: budget, cached (accounted bytes), bytes_in and
+  bytes_out (totals so far; the devices count bytes, not models), busy (share of the run so far).
+
+A step's record waits for its evaluation when one is due after it, so that it carries the validation loss. Jobs on
+machines the driver does not map have their step records written at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+from harmony.runtime.counters import IN_KINDS, OUT_KINDS
+from harmony.runtime.view import RunView
+from harmony.tasks.runplan import RunPlan
+
+DEVICE_INTERVAL = 1.0
+
+
+def initial_lr(factory: Any) -> float | None:
+    """The learning rate an optimizer factory starts at (None where it cannot be built on a probe tensor)."""
+    try:
+        optimizer = factory([torch.zeros(1, requires_grad=True)])
+        return float(optimizer.param_groups[0]["lr"])
+    except Exception:
+        return None
+
+
+def _number(value: float) -> float | None:
+    return value if math.isfinite(value) else None  # JSON has no NaN
+
+
+class MetricsLog:
+    """Writes a run's records as it goes (call it with the run's view) and the rest at the end (finish)."""
+
+    def __init__(self, directory: str | os.PathLike[str], plan: RunPlan, names: list[str] | None,
+                 lrs: list[float | None], samples: list[int]) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        self.path = self.directory / f"harmony-{stamp}-{os.getpid()}.jsonl"
+        self.stream: TextIO = os.fdopen(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w")
+        self.plan = plan
+        self.names = names
+        self.lrs = lrs
+        self.samples = samples
+        self.written = [0] * len(plan.jobs)
+        self.evaluations = [0] * len(plan.jobs)
+        self.last_device = -math.inf
+        self.board = _tensorboard(self.directory / self.path.stem)
+
+    def name(self, model: int) -> str:
+        return self.names[model] if self.names else f"model {model}"
+
+    def __call__(self, view: RunView) -> None:
+        """Write what the run has done since the last call: new evaluations, new steps, the devices each second."""
+        state = view.state
+        for job in range(len(self.plan.jobs)):
+            validation = view.validation[job]
+            self._evaluations(job, validation)
+            held = {evaluation.step for evaluation in state.evaluating.values() if evaluation.model == job}
+            held |= {step for model, step in state.evaluations_owed.items() if model == job}
+            steps = min([state.steps_trained[job], *(step - 1 for step in held)])
+            if steps > self.written[job] and view.mapped(job):
+                losses = view.losses(job, steps)
+                assert losses is not None
+                self._steps(job, steps, losses, state.step_times[job], dict(validation))
+        if view.seconds - self.last_device >= DEVICE_INTERVAL or state.finished:
+            self.last_device = view.seconds
+            self._devices(view)
+        self.stream.flush()
+
+    def finish(self, history: list[list[float]], step_seconds: list[list[float]],
+               validation: list[list[tuple[int, dict[str, list[float]]]]]) -> None:
+        """Write every step and evaluation not written yet (history and step_seconds per model, validation per job),
+        then close the file."""
+        for job, spec in enumerate(self.plan.jobs):
+            self._evaluations(job, validation[job] if job < len(validation) else [])
+            steps = min(len(history[model]) for model in spec.members)
+            if steps > self.written[job]:
+                losses = [history[model] for model in spec.members]
+                self._steps(job, steps, losses, step_seconds[spec.members[0]],
+                            dict(validation[job]) if job < len(validation) else {})
+        self.close()
+
+    def close(self) -> None:
+        if not self.stream.closed:
+            self.stream.close()
+        if self.board is not None:
+            self.board.close()
+            self.board = None
+
+    def _write(self, record: dict[str, Any]) -> None:
+        self.stream.write(json.dumps(record) + "\n")
+
+    def _steps(self, job: int, steps: int, losses: list[list[float]], times: list[float],
+               validation: dict[int, dict[str, list[float]]]) -> None:
+        members = self.plan.jobs[job].members
+        together, done, began = 1, None, 0.0
+        for step in range(self.written[job], steps):
+            if step >= len(times):
+                done, together = None, 1
+            elif times[step] != done:  # the steps one task ran finish together: a rate over all of them
+                done = times[step]
+                start = step
+                while start > 0 and times[start - 1] == done:
+                    start -= 1
+                end = step
+                while end < len(times) and times[end] == done:
+                    end += 1
+                began, together = (times[start - 1] if start else 0.0), end - start
+            for position, model in enumerate(members):
+                rate = (self.samples[model] * together / (done - began)
+                        if done is not None and done > began else None)
+                loss = losses[position][step]
+                record: dict[str, Any] = {"kind": "step", "time": done, "model": model, "name": self.name(model),
+                                          "step": step + 1, "loss": _number(loss), "lr": self.lrs[model],
+                                          "samples_per_s": rate}
+                figures = validation.get(step + 1)
+                if figures is not None:
+                    record.update({"val_loss" if name == "loss" else name: _number(values[position])
+                                   for name, values in figures.items()})
+                self._write(record)
+                if self.board is not None:
+                    self.board.add_scalar(f"loss/{self.name(model)}", loss, step + 1)
+        self.written[job] = steps
+
+    def _evaluations(self, job: int, validation: list[tuple[int, dict[str, list[float]]]]) -> None:
+        for step, figures in validation[self.evaluations[job]:]:
+            for position, model in enumerate(self.plan.jobs[job].members):
+                values = {"val_loss" if name == "loss" else name: _number(values[position])
+                          for name, values in figures.items()}
+                self._write({"kind": "val", "model": model, "name": self.name(model), "step": step, **values})
+                if self.board is not None:
+                    for name, value in values.items():
+                        if value is not None:
+                            self.board.add_scalar(f"{name}/{self.name(model)}", value, step)
+        self.evaluations[job] = len(validation)
+
+    def _devices(self, view: RunView) -> None:
+        seconds = view.seconds
+        for name, values in view.devices().items():
+            record = {"kind": "device", "time": seconds, "device": name, "budget": values["budget"],
+                      "cached": values["used"], "peak": values["peak"],
+                      "bytes_in": sum(values[f"in_{kind}"] for kind in IN_KINDS),
+                      "bytes_out": sum(values[f"out_{kind}"] for kind in OUT_KINDS),
+                      "busy": min(1.0, values["busy_ns"] / 1e9 / seconds) if seconds > 0 else 0.0}
+            self._write(record)
+            if self.board is not None:
+                for figure in ("cached", "bytes_in", "bytes_out", "busy"):
+                    self.board.add_scalar(f"{figure}/{name}", record[figure], int(seconds * 1000))
+
+
+def _tensorboard(directory: Path) -> Any:
+    """A TensorBoard writer into directory where tensorboard is installed, else None."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        return None
+    return SummaryWriter(str(directory))
