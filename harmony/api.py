@@ -266,13 +266,14 @@ def train(
                 checkpoints.begin(plan, ", ".join(job.label for job in plan.jobs))
                 starts = [checkpoints.version(job) if recorded is not None else 0 for job in range(len(plan.jobs))]
             logger.info("harmony: dashboard at %s", handle.dashboard_link)
+            samples = [batch_size(args.first_batch(model)[0]) for model in range(len(args.models))]
             log = None if log_dir is None else MetricsLog(
-                log_dir, plan, names, [initial_lr(factory) for factory in args.optimizers],
-                [batch_size(args.first_batch(model)[0]) for model in range(len(args.models))])
+                log_dir, plan, names, [initial_lr(factory) for factory in args.optimizers], samples)
             try:
                 outcome = _execute(plan, codes, args, specs, handle, progress, checkpoints, starts, log)
                 wall_seconds = time.perf_counter() - started
-                result = TrainResult.assemble(args.models, plan, outcome, wall_seconds, handle.dashboard_link, names)
+                result = TrainResult.assemble(args.models, plan, outcome, wall_seconds, handle.dashboard_link, names,
+                                              samples)
                 if log is not None:
                     log.finish(result.history, result.stats.step_seconds, outcome.validation)
                     logger.info("harmony: metrics in %s", log.path)

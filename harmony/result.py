@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from torch import nn
 
+from harmony.report import to_dataframe, write_report
 from harmony.runtime.counters import IN_KINDS, OUT_KINDS
 from harmony.runtime.run import RunOutcome
 from harmony.tasks.fusion import FusionChoice
@@ -50,7 +54,9 @@ class Stats:
     measured before the run (a chain of dependent empty tasks per device worker), from which
     steps_per_task="auto" chose those depths and the simulator predicted; bytes_machines: what crossed between
     the driver and machines it is not on (a cluster of several), "state" (model state out), "home" (state back,
-    the trained weights and checkpoints), "batches" (each step's batches, once per machine).
+    the trained weights and checkpoints), "batches" (each step's batches, once per machine); timeline: per device,
+    each task it ran as (start, end, seconds waiting for copies, key), seconds from the moment the driver started
+    (wall clocks: across machines as close as theirs agree).
     """
 
     peak_device_bytes: dict[str, int]
@@ -71,6 +77,7 @@ class Stats:
     steps_per_task: list[int] = field(default_factory=list)
     task_seconds: float = 0.0
     bytes_machines: dict[str, int] = field(default_factory=dict)
+    timeline: dict[str, list[tuple[float, float, float, str]]] = field(default_factory=dict)
 
     def steady_seconds_per_step(self, model: int = 0, skip: float = 0.2) -> float:
         """Seconds per step of model once running: the time between the step that ends the first skip share of
@@ -110,7 +117,7 @@ class TrainResult:
     that stopped before the end to the step it stopped at and why (its weights are those of its last complete
     step); events lists, in order, the device workers lost and joined (and what was run again) and the failures.
     val_history is per model its (step, validation loss) pairs, val_metrics its (step, {metric: value}) pairs (with
-    val_loaders); names the models' names (names=), or None.
+    val_loaders); names the models' names (names=), or None; samples each model's samples per step (its first batch).
     """
 
     models: list[nn.Module]
@@ -128,6 +135,19 @@ class TrainResult:
     val_history: list[list[tuple[int, float]]] = field(default_factory=list)
     val_metrics: list[list[tuple[int, dict[str, float]]]] = field(default_factory=list)
     names: list[str] | None = None
+    samples: list[int] = field(default_factory=list)
+
+    def report(self, path: str | os.PathLike[str]) -> Path:
+        """Write the run on one page (path ending in .png: an image; .html: the image and the tables): every model's
+        training and validation curves, a table of final losses, throughput and stops, and each device's timeline
+        (computing, waiting for copies, idle). Needs matplotlib."""
+        return write_report(self, path)
+
+    def to_dataframe(self, kind: str = "models") -> Any:
+        """The run's figures as a pandas DataFrame: "models" (per model: steps, final loss and validation loss,
+        best validation loss, samples/s, why it stopped), "steps" (per model and step) or "devices" (per device:
+        budget, peak bytes, busy and copy-waiting shares). Needs pandas."""
+        return to_dataframe(self, kind)
 
     def name(self, model: int) -> str:
         """The model's name (names=), else "model <index>"."""
@@ -157,7 +177,7 @@ class TrainResult:
     @staticmethod
     def assemble(
         models: list[nn.Module], plan: RunPlan, outcome: RunOutcome, wall_seconds: float, dashboard_link: str | None,
-        names: list[str] | None = None,
+        names: list[str] | None = None, samples: list[int] | None = None,
     ) -> TrainResult:
         """The result of a finished run: every job's figures handed to each of its models."""
         history: list[list[float]] = [[] for _ in models]
@@ -211,6 +231,7 @@ class TrainResult:
             steps_per_task=depths,
             task_seconds=plan.hardware.task_overhead,
             bytes_machines=dict(outcome.traffic),
+            timeline=dict(outcome.timeline),
         )
         return TrainResult(
             models=models,
@@ -228,4 +249,5 @@ class TrainResult:
             val_history=val_history,
             val_metrics=val_metrics,
             names=names,
+            samples=list(samples or []),
         )

@@ -104,9 +104,10 @@ def task_body(kind: str) -> Callable[[Callable[..., Result]], Callable[..., Resu
                 raise _failure(model, where, error) from None
             ctx.successor = successor
             ctx.use_threads()
+            waited = ctx.counters.values["wait_ns"]
+            began = time.time()
             started = time.perf_counter_ns()
             key = str(get_worker().get_current_task())  # with its attempt's suffix: what local readers name
-            ctx.executed.append(key)
             ctx.counters.add("p2p", sum(tree_nbytes(arg) for arg, remote in zip(args, peers) if remote))
             try:
                 result = body(ctx, model, pack, span, *received, group=group, first=first, steps=steps)
@@ -119,6 +120,7 @@ def task_body(kind: str) -> Callable[[Callable[..., Result]], Callable[..., Resu
                 raise _failure(model, where, error) from None
             finally:
                 ctx.counters.add("busy_ns", time.perf_counter_ns() - started)
+                ctx.timeline.append((key, began, time.time(), (ctx.counters.values["wait_ns"] - waited) / 1e9))
                 ctx.counters.add("tasks", 1)
                 ctx.counters.set("used", ctx.cache.memory.used)
                 ctx.counters.publish()

@@ -208,9 +208,11 @@ class DeviceCache:
             entry = self.tensors[key]
             self.memory.pin(key)
         try:
+            started = time.perf_counter_ns()
             if copy:
                 self._copy_weights(key, entry, host)
             self._wait_arrived(key, entry)
+            self.counters.add("wait_ns", time.perf_counter_ns() - started)
             yield entry.buffer
         finally:
             with self._lock:
@@ -285,6 +287,7 @@ class DeviceCache:
             copied = tree_map(lambda leaf: copy(leaf) if isinstance(leaf, torch.Tensor) else leaf, tree)
         self._over_link(nbytes, started)
         self.counters.add(f"in_{kind}", nbytes)
+        self.counters.add("wait_ns", round((time.perf_counter() - started) * 1e9))
         self._unsettled = self._unsettled or asynchronous
         return copied
 
@@ -299,6 +302,7 @@ class DeviceCache:
         copied = tree_map(lambda leaf: self._host_copy(leaf) if isinstance(leaf, torch.Tensor) else leaf, tree)
         self._over_link(nbytes, started)
         self.counters.add(f"out_{kind}", nbytes)
+        self.counters.add("wait_ns", round((time.perf_counter() - started) * 1e9))
         return copied
 
     def _host_copy(self, leaf: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ NAMES = (
     "peak",
     "used",
     "busy_ns",
+    "wait_ns",
     "tasks",
 )
 BLOCK_BYTES = 8 * len(NAMES)

@@ -68,6 +68,7 @@ class RunOutcome:
     events: list[dict[str, object]]
     traffic: dict[str, int] = field(default_factory=dict)
     validation: list[list[tuple[int, dict[str, list[float]]]]] = field(default_factory=list)
+    timeline: dict[str, list[tuple[float, float, float, str]]] = field(default_factory=dict)
 
 
 def traffic(stores: Iterable[HostStore], batches: Iterable[BatchFiles | RemoteBatches]) -> dict[str, int]:
@@ -155,6 +156,7 @@ def execute(
                         on_checkpoint=checkpoint if checkpoints is not None else None,
                         validation=validation, metrics=metrics)
         started = time.perf_counter()
+        wall = time.time()
         view = RunView(state, files, driver.evaluations.results, started)
         driver.run_to_completion()
         run_seconds = time.perf_counter() - started
@@ -171,7 +173,10 @@ def execute(
             counters=files.counters(),
             tasks=state.tasks_finished,
             run_seconds=run_seconds,
-            schedule={names[address]: keys for address, keys in executed.items() if address in names},
+            schedule={names[address]: [key for key, *_ in tasks] for address, tasks in executed.items()
+                      if address in names},
+            timeline={names[address]: [(begin - wall, end - wall, wait, key) for key, begin, end, wait in tasks]
+                      for address, tasks in executed.items() if address in names},
             failed=dict(state.failed),
             stopped={m: stopped for m in range(len(plan.jobs)) if (stopped := files.stopped(m))},
             events=list(state.events),
@@ -196,10 +201,11 @@ def execute(
             store.unlink_all()
 
 
-def _executed(run: str, dask_worker: Any) -> list[str]:
-    """On a worker (through client.run): the keys of this run's tasks in the order it ran them."""
+def _executed(run: str, dask_worker: Any) -> list[tuple[str, float, float, float]]:
+    """On a worker (through client.run): this run's tasks in the order it ran them, each as its key, wall-clock
+    start and end, and the seconds it waited for copies."""
     context = RUNS.get((run, dask_worker.address))
-    return list(context.executed) if context is not None else []
+    return list(context.timeline) if context is not None else []
 
 
 class RunOwner(SchedulerPlugin):

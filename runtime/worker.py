@@ -62,7 +62,7 @@ class RunContext:
         self.cache = DeviceCache(
             self.device_spec.name, self.device, self.device_spec.budget, counters, self.device_spec.link_bandwidth
         )
-        self.executed: list[str] = []
+        self.timeline: list[tuple[str, float, float, float]] = []  # per task: key, wall start, end, copy seconds
         self.finished = FinishedKeys()
         self.early_starts: Counter[str] = Counter()
         self.successor: TaskId | None = None
