@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
+import pty
 import re
+import struct
+import subprocess
+import sys
+import termios
+from pathlib import Path
 
 import pytest
 import torch
@@ -50,11 +58,10 @@ def test_the_bar_counts_model_steps_with_rate_and_time_left_and_says_which_stopp
     shown = capsys.readouterr().err
     step = result.failed[1]["step"]
     assert len(re.findall(rf"harmony: model 1 stopped at step {step}: .*its loss became inf", shown)) == 1
-    last = shown.rstrip("\n").split("\r")[-1]
-    done = int(re.search(r"\| (\d+)/\1 \[", last).group(1))  # the stopped model's steps end where it stopped
-    assert 24 < done < 36, last
+    done = int(re.findall(r"\| (\d+)/\1 \[", shown)[-1])  # the stopped model's steps end where it stopped
+    assert 24 < done < 36, shown
     assert re.search(rf"harmony: 100%\|.*\| {done}/{done} \[\d\d:\d\d<\d\d:\d\d, +[\d.]+ model-steps/s, "
-                     r"3 models, \d+ tasks, 1 stopped\]", last), last
+                     r"3 models, \d+ tasks, devices \d+% busy, 1 stopped\]", shown), shown
 
 
 def test_progress_is_on_in_a_terminal_or_a_notebook_and_off_when_asked_or_when_neither(
@@ -72,3 +79,45 @@ def test_progress_is_on_in_a_terminal_or_a_notebook_and_off_when_asked_or_when_n
     monkeypatch.delitem(sys.modules, "ipykernel")
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
     assert wants_progress(None)
+
+
+SCRIPT = """
+import torch
+from torch import nn
+import harmony
+torch.manual_seed(0)
+batches = [(torch.randn(8, 4), torch.randn(8, 1)) for _ in range(40)]
+models = [nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1)) for _ in range(3)]
+harmony.train(models, batches, nn.functional.mse_loss, lambda p: torch.optim.SGD(p, lr=0.01), devices=1,
+              val_loaders=batches[:2], eval_every=10, names=["alpha", "beta", "gamma"])
+"""
+
+
+def test_under_a_terminal_the_display_shows_each_models_losses_and_the_time_left(tmp_path: Path) -> None:
+    """Run as a user would in a terminal (a pseudo-terminal); with stderr a pipe, nothing is shown."""
+    pytest.importorskip("tqdm")
+    script = tmp_path / "sweep.py"
+    script.write_text(SCRIPT)
+    primary, secondary = pty.openpty()
+    fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))  # a terminal's size
+    process = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.DEVNULL, stdout=secondary,
+                               stderr=secondary, cwd=Path(__file__).parents[1])
+    os.close(secondary)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(primary, 65536)
+        except OSError:  # the terminal closed with the process
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.close(primary)
+    assert process.wait(timeout=120) == 0, shown.decode(errors="replace")
+    text = shown.decode(errors="replace")
+    assert re.search(r"harmony: +\d+%\|.*\| \d+/120 \[\d\d:\d\d<\d\d:\d\d", text), text  # steps, time left
+    for name in ("alpha", "beta", "gamma"):
+        assert re.search(rf"{name}: step 40, loss [\d.e-]+, val [\d.e-]+ \(step 40\)", text), text
+    quiet = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                           cwd=Path(__file__).parents[1])
+    assert quiet.returncode == 0 and quiet.stderr == "" and quiet.stdout == "", quiet.stderr
