@@ -118,7 +118,7 @@ def _execute(
         outcome = execute(plan, codes, feeds, specs, handle, on_progress=watch if watchers else None,
                           host_memory=args.host_memory,
                           checkpoints=checkpoints, starts=starts, users=(args.models, args.optimizers),
-                          validation=validation, metrics=args.metrics)
+                          validation=validation, metrics=args.metrics, names=args.names)
     except ModelFailure as failure:
         raise model_error(plan, failure) from None
     finally:

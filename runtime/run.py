@@ -24,6 +24,7 @@ from torch import nn
 from harmony.runtime.checkpoint import Checkpoints
 from harmony.runtime.cluster import ClusterHandle
 from harmony.runtime.code import JobCode
+from harmony.runtime.dashboard import PLUGIN, DashboardPage, Publisher
 from harmony.runtime.data import SharedFeed
 from harmony.runtime.devices import DeviceSpec
 from harmony.runtime.driver import Driver
@@ -91,6 +92,7 @@ def execute(
     users: tuple[list[nn.Module], list[Any]] = ([], []),
     validation: list[list[tuple[Any, Any]] | None] | None = None,
     metrics: Metrics = None,
+    names: list[str] | None = None,
 ) -> RunOutcome:
     """Train the plan's jobs to completion on the cluster whose workers are the devices; cleans up whatever
     happens. The user's modules hold the trained weights when it returns.
@@ -108,7 +110,7 @@ def execute(
     owned = any(not machine.local for machine in machines)
     driver: Driver | None = None
     plugin = f"harmony-{run}"
-    registered = False
+    registered = paged = False
     try:
         if "" in stores:
             claim(stores[""])
@@ -133,6 +135,12 @@ def execute(
                        plan.options.prefetch, plan.options.group)
         handle.client.register_plugin(DevicePlugin(spec), name=plugin)
         registered = True
+        try:
+            handle.client.register_plugin(DashboardPage(run), name=PLUGIN)
+            paged = True
+        except Exception as error:  # a scheduler that cannot import harmony: no page, the run goes on
+            logger.warning("harmony: no /harmony page on this cluster's dashboard (%s: %s)", type(error).__name__,
+                           error)
         state = BindingState(list(plan.jobs), plan.devices, policy=plan.options.policy, mode=plan.mode,
                              homes=plan.homes, fail_fast=plan.options.fail_fast,
                              checkpoint_every=(plan.options.checkpoint_every or END) if checkpoints else None,
@@ -152,9 +160,17 @@ def execute(
         driver = Driver(handle.client, run, job_stores, [batches[job.machine or ""] for job in plan.jobs], state,
                         [feeds[job.feed] for job in plan.jobs], handle.workers,
                         plan.options.microbatches, on_step=files.open_step,
-                        on_progress=None if on_progress is None else lambda _: on_progress(view),
+                        on_progress=lambda _: watch(view),
                         on_checkpoint=checkpoint if checkpoints is not None else None,
                         validation=validation, metrics=metrics)
+        publisher = Publisher(handle.client, run, names)
+
+        def watch(view: RunView) -> None:
+            if paged:
+                publisher(view)
+            if on_progress is not None:
+                on_progress(view)
+
         started = time.perf_counter()
         wall = time.time()
         view = RunView(state, files, driver.evaluations.results, started)
@@ -190,6 +206,9 @@ def execute(
         if registered:
             with contextlib.suppress(Exception):
                 handle.client.unregister_worker_plugin(plugin)
+        if paged:
+            with contextlib.suppress(Exception):
+                handle.client.unregister_scheduler_plugin(PLUGIN)
         if owned:
             with contextlib.suppress(Exception):
                 handle.client.run(remove_run, run, STORE_DIRECTORY)

@@ -267,8 +267,13 @@ class DevicePlugin(WorkerPlugin):
         if gone(self.spec.run, directory):
             return  # the scheduler keeps a dead driver's plugin and gives it to workers that join later
         RUNS[(self.spec.run, worker.address)] = RunContext(self.spec, str(worker.name))
+        from harmony.runtime.dashboard import device_metrics  # it imports this module
+
+        worker.metrics.update(device_metrics(self.spec.run))
 
     def teardown(self, worker: Any) -> None:
+        for name in [name for name in worker.metrics if name.startswith("harmony_")]:
+            del worker.metrics[name]
         context = RUNS.pop((self.spec.run, worker.address), None)
         if context is not None:
             context.close()

@@ -1,0 +1,171 @@
+"""The Harmony page on the scheduler's dashboard (``/harmony``), and the device figures workers report.
+
+Each device worker reports its figures as Dask worker metrics (``harmony_budget``, ``harmony_cached``,
+``harmony_in``, ``harmony_out``, ``harmony_busy``), which travel with the workers' heartbeats and show in Dask's
+own worker table; the driver publishes each model's step, loss and validation loss as scheduler events (topic
+``harmony``). A scheduler plugin samples both every second into bounded series and serves them: ``/harmony`` is
+a page that draws them (plain SVG, redrawn every second from ``/harmony/data.json``). The routes are added to the
+scheduler's own HTTP server, so the embedded cluster and a user's cluster serve them alike while a run is going
+(the scheduler needs harmony importable); between runs the page says that none is going.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from distributed import Scheduler, SchedulerPlugin
+from tornado import web
+from tornado.ioloop import PeriodicCallback
+
+from harmony.runtime.counters import IN_KINDS, OUT_KINDS
+from harmony.runtime.worker import RUNS, RunContext
+
+TOPIC = "harmony"
+PLUGIN = "harmony-dashboard"
+SAMPLES = 900  # seconds of history kept per series
+PAGE = Path(__file__).with_name("dashboard.html")
+
+
+def device_metrics(run: str) -> dict[str, Any]:
+    """The worker metrics of a run's device: callables of the worker, read at each heartbeat."""
+    last = {"at": time.perf_counter(), "busy_ns": 0}
+
+    def figures(worker: Any) -> RunContext | None:
+        return RUNS.get((run, worker.address))
+
+    def busy(worker: Any) -> float:
+        context = figures(worker)
+        if context is None:
+            return 0.0
+        now, busy_ns = time.perf_counter(), context.counters.values["busy_ns"]
+        share = (busy_ns - last["busy_ns"]) / 1e9 / max(now - last["at"], 1e-9)
+        last.update(at=now, busy_ns=busy_ns)
+        return round(min(1.0, max(0.0, share)), 3)
+
+    def counter(*names: str) -> Any:
+        def read(worker: Any) -> int:
+            context = figures(worker)
+            return 0 if context is None else sum(context.counters.values[name] for name in names)
+        return read
+
+    return {
+        "harmony_budget": lambda worker: 0 if figures(worker) is None else figures(worker).cache.budget,
+        "harmony_cached": lambda worker: 0 if figures(worker) is None else figures(worker).cache.memory.used,
+        "harmony_in": counter(*(f"in_{kind}" for kind in IN_KINDS)),
+        "harmony_out": counter(*(f"out_{kind}" for kind in OUT_KINDS)),
+        "harmony_busy": busy,
+    }
+
+
+class DashboardPage(SchedulerPlugin):
+    """On the scheduler: samples the devices' metrics and the run's model events each second and serves the page."""
+
+    name = PLUGIN
+
+    def __init__(self, run: str) -> None:
+        self.run = run
+
+    async def start(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.started = time.time()
+        self.devices: dict[str, deque[list[float]]] = {}
+        self.models: dict[str, deque[list[Any]]] = {}
+        self.latest: dict[str, Any] = {}
+        application = getattr(scheduler, "http_application", None)
+        if application is not None and not getattr(application, "harmony_routes", False):
+            application.add_handlers(r".*", [(r"/harmony/?", PageHandler),
+                                             (r"/harmony/data\.json", DataHandler, {"scheduler": scheduler})])
+            application.harmony_routes = True
+        self.sampler = PeriodicCallback(self.sample, 1000)
+        self.sampler.start()
+        self.sample()
+
+    async def close(self) -> None:
+        self.sampler.stop()
+
+    def sample(self) -> None:
+        """One sample of every device's figures and of the models' latest event."""
+        at = round(time.time() - self.started, 2)
+        for worker in self.scheduler.workers.values():
+            metrics = worker.metrics
+            if "harmony_budget" not in metrics or not metrics["harmony_budget"]:
+                continue
+            series = self.devices.setdefault(str(worker.name), deque(maxlen=SAMPLES))
+            series.append([at, *(metrics.get(f"harmony_{name}", 0) for name in ("budget", "cached", "in", "out",
+                                                                                  "busy"))])
+        events = self.scheduler.get_events(TOPIC)
+        for _, message in reversed(events):  # type: ignore[arg-type]
+            if isinstance(message, dict) and message.get("run") == self.run:
+                self.latest = message
+                break
+        for name, step, loss, val in self.latest.get("models", []):
+            self.models.setdefault(name, deque(maxlen=SAMPLES)).append([at, step, loss, val])
+
+    def data(self) -> dict[str, Any]:
+        """What the page draws."""
+        return {"run": self.run, "seconds": round(time.time() - self.started, 2),
+                "devices": {name: list(series) for name, series in self.devices.items()},
+                "models": {name: list(series) for name, series in self.models.items()},
+                "steps": self.latest.get("steps"), "total": self.latest.get("total")}
+
+
+class PageHandler(web.RequestHandler):
+    def get(self) -> None:
+        self.set_header("Content-Type", "text/html; charset=utf-8")
+        self.write(PAGE.read_text())
+
+
+class DataHandler(web.RequestHandler):
+    def initialize(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+
+    def get(self) -> None:
+        plugin = self.scheduler.plugins.get(PLUGIN)
+        self.set_header("Content-Type", "application/json")
+        self.set_header("Cache-Control", "no-store")
+        self.write(json.dumps(plugin.data() if isinstance(plugin, DashboardPage) else {"run": None}))
+
+
+class Publisher:
+    """On the driver: publishes the models' figures for the page about once a second, and when the run is done."""
+
+    def __init__(self, client: Any, run: str, names: list[str] | None, interval: float = 1.0) -> None:
+        self.client = client
+        self.run = run
+        self.names = names
+        self.interval = interval
+        self.last = -float("inf")
+
+    def __call__(self, view: Any) -> None:
+        now = time.perf_counter()
+        if now - self.last < self.interval and not view.state.finished:
+            return
+        self.last = now
+        self.client.log_event(TOPIC, model_snapshot(self.run, view, self.names))
+
+
+def model_snapshot(run: str, view: Any, names: list[str] | None) -> dict[str, Any]:
+    """What the driver publishes each second: per model its name, step, latest loss and validation loss."""
+    state = view.state
+    models = []
+    for job, spec in enumerate(state.jobs):
+        steps = state.steps_trained[job]
+        losses = view.losses(job, steps) if steps else None
+        validation = view.validation[job][-1][1]["loss"] if view.validation[job] else None
+        for position, model in enumerate(spec.members):
+            loss = losses[position][-1] if losses and losses[position] else None
+            val = validation[position] if validation else None
+            models.append([names[model] if names else f"model {model}", steps, _finite(loss), _finite(val)])
+    members = [len(job.members) for job in state.jobs]
+    totals = [spans.steps * count for spans, count in zip(state.spans, members) if spans.steps is not None]
+    return {"run": run, "models": models,
+            "steps": sum(steps * count for steps, count in zip(state.steps_trained, members)),
+            "total": sum(totals) if len(totals) == len(state.spans) else None}
+
+
+def _finite(value: float | None) -> float | None:
+    return value if value is not None and value == value and abs(value) != float("inf") else None
