@@ -88,8 +88,10 @@ def compare(base: nn.Module, data: list, microbatches: int, rounds: int, cluster
         ratios.append(steady[-1] / plain[-1])
         busy.append(sum(result.stats.busy_seconds.values()) / steps)
         tasks.append(result.stats.tasks / steps)
+    harmony.shutdown()  # a fresh run: no warm cluster kept by an earlier one
     started = time.perf_counter()
     harmony_run(copy.deepcopy(base), data, microbatches)
+    harmony.shutdown()
     end_to_end = time.perf_counter() - started
     return {
         "width": x.shape[1],

@@ -4,7 +4,9 @@ from harmony.api import train
 from harmony.errors import HarmonyError, InputError, ModelError
 from harmony.plan import Forecast, plan
 from harmony.result import Stats, TrainResult
+from harmony.runtime.cluster import shutdown
 from harmony.tasks.hardware import Hardware
 
-__all__ = ["Forecast", "Hardware", "HarmonyError", "InputError", "ModelError", "Stats", "TrainResult", "plan", "train"]
+__all__ = ["Forecast", "Hardware", "HarmonyError", "InputError", "ModelError", "Stats", "TrainResult", "plan",
+           "shutdown", "train"]
 __version__ = "0.1.0"

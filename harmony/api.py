@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import os
 import shutil
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,20 +24,29 @@ from harmony.result import TrainResult
 from harmony.runtime.batching import unbatched
 from harmony.runtime.calibrate import measured_hardware
 from harmony.runtime.checkpoint import Checkpoints, fingerprint
-from harmony.runtime.cluster import LOOPBACK, ClusterHandle, connect, external_devices, start_embedded, worker_threads
+from harmony.runtime.cluster import LOOPBACK, ClusterHandle, connect, embedded, external_devices, worker_threads
 from harmony.runtime.code import JobCode
 from harmony.runtime.data import LoaderFeed, SharedFeed, batch_size
 from harmony.runtime.devices import DeviceSpec, build_specs
 from harmony.runtime.errors import ModelFailure
 from harmony.runtime.files import estimate
 from harmony.runtime.hoststore import shm_directory
-from harmony.runtime.interrupt import watching_interrupts
+from harmony.runtime.interrupt import raise_if_interrupted, watching_interrupts
 from harmony.runtime.replicas import replicas_kept
 from harmony.runtime.run import RunOutcome, execute
 from harmony.runtime.shipping import SPARE_FILES
 from harmony.runtime.view import RunView
 from harmony.tasks.runplan import Job, RunPlan
-from harmony.validate import Arguments, check_checkpoints, check_validation, describe_run, read_options, validate
+from harmony.validate import (
+    Arguments,
+    check_checkpoints,
+    check_devices,
+    check_options,
+    check_validation,
+    describe_run,
+    read_options,
+    validate,
+)
 
 logger = logging.getLogger("harmony")
 
@@ -62,21 +72,53 @@ def user_cluster(cluster: Any) -> Iterator[ClusterHandle | None]:
         handle.close()
 
 
-@contextmanager
-def device_cluster(user: ClusterHandle | None, specs: list[DeviceSpec], host: str = LOOPBACK,
-                   dashboard_address: str = ":8787") -> Iterator[ClusterHandle]:
-    """The cluster the run's tasks go to: the user's, or an embedded one with a worker per device.
+class Starting:
+    """The embedded cluster, started in a thread of its own while the driver checks the models and data, runs the
+    pilot pass and plans (the warm one at once where it has these devices, see runtime.cluster). A call that then
+    fails on its input has reported it as soon as it would have without the start, and leaves the cluster up, warm
+    for the call that follows."""
 
-    execute stops an embedded cluster itself before removing the run's files; closing it here as well covers a
-    failure before the run starts (closing twice is harmless)."""
+    def __init__(self, specs: list[DeviceSpec], host: str, dashboard_address: str) -> None:
+        self.handle: ClusterHandle | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._start, args=(specs, host, dashboard_address),
+                                       name="harmony-cluster-start", daemon=True)
+        self.thread.start()
+
+    def _start(self, specs: list[DeviceSpec], host: str, dashboard_address: str) -> None:
+        try:
+            self.handle = embedded(specs, dashboard_address=dashboard_address, host=host)
+        except BaseException as error:
+            self.error = error
+
+    def result(self) -> ClusterHandle:
+        """The started cluster (waiting for its workers), or what stopped it from starting."""
+        while self.thread.is_alive():
+            self.thread.join(timeout=1.0)
+            raise_if_interrupted()
+        if self.error is not None:
+            raise self.error
+        assert self.handle is not None
+        return self.handle
+
+
+@contextmanager
+def device_cluster(user: ClusterHandle | None, starting: Starting | None) -> Iterator[ClusterHandle]:
+    """The cluster the run's tasks go to: the user's, or the embedded one with a worker per device.
+
+    execute keeps the embedded one warm after a clean run or stops it before removing the run's files; stopping it
+    here as well covers a failure before the run starts."""
     if user is not None:
         yield user
         return
-    handle = start_embedded(specs, dashboard_address=dashboard_address, host=host)
+    assert starting is not None
+    handle = starting.result()
+    clean = False
     try:
         yield handle
+        clean = True
     finally:
-        handle.close()
+        handle.finish(clean)
 
 
 def check_host_memory(jobs: list[Job], budget: int | None) -> None:
@@ -235,6 +277,11 @@ def train(
     for name, value in (("host", host), ("dashboard_address", dashboard_address)):
         if not isinstance(value, str):
             raise InputError(f"{name}={value!r} must be a string such as '127.0.0.1' or ':8787'")
+    check_options(options)
+    starting = None
+    if cluster is None:  # the embedded cluster's workers start while the rest is checked and the driver plans
+        device_list, budget, links = check_devices(devices, device_memory, link_bandwidth, cluster)
+        starting = Starting(build_specs(device_list, budget, links), host, dashboard_address)
     args = validate(models, loaders, loss_fn, optimizer, options, devices, device_memory, cluster, link_bandwidth,
                     host_memory=host_memory)
     validation, validation_of, names = check_validation(val_loaders, metrics, names, options, args.models)
@@ -249,7 +296,7 @@ def train(
         checkpoints, recorded = open_checkpoints(directory, args, budgets, resume)
         started = time.perf_counter()
         with (
-            device_cluster(user, specs, host, dashboard_address) as handle,
+            device_cluster(user, starting) as handle,
             unbatched(handle.client, list(handle.workers.values()), restore=not handle.embedded),
             replicas_kept(handle.client),
         ):

@@ -56,7 +56,9 @@ class Stats:
     the driver and machines it is not on (a cluster of several), "state" (model state out), "home" (state back,
     the trained weights and checkpoints), "batches" (each step's batches, once per machine); timeline: per device,
     each task it ran as (start, end, seconds waiting for copies, key), seconds from the moment the driver started
-    (wall clocks: across machines as close as theirs agree).
+    (wall clocks: across machines as close as theirs agree); run_seconds: the training itself, from the driver's
+    first instruction to every model's end (wall_seconds less it is what the call cost besides: the cluster's
+    start, calibration, planning, setting the run up and taking it down).
     """
 
     peak_device_bytes: dict[str, int]
@@ -78,6 +80,7 @@ class Stats:
     task_seconds: float = 0.0
     bytes_machines: dict[str, int] = field(default_factory=dict)
     timeline: dict[str, list[tuple[float, float, float, str]]] = field(default_factory=dict)
+    run_seconds: float = 0.0
 
     def steady_seconds_per_step(self, model: int = 0, skip: float = 0.2) -> float:
         """Seconds per step of model once running: the time between the step that ends the first skip share of
@@ -232,6 +235,7 @@ class TrainResult:
             task_seconds=plan.hardware.task_overhead,
             bytes_machines=dict(outcome.traffic),
             timeline=dict(outcome.timeline),
+            run_seconds=outcome.run_seconds,
         )
         return TrainResult(
             models=models,

@@ -329,19 +329,11 @@ def validate(
                 f"{model_label(index, model_list[index])}'s loader ({samples} samples); use at most {samples} "
                 "micro-batches or larger batches"
             )
+    device_list, budget, links = check_devices(devices, device_memory, link_bandwidth, cluster, for_training)
     try:
-        device_list = parse_devices(devices) if for_training or not isinstance(devices, int) else ["cpu"] * devices
-    except DeviceSpecError as error:
-        raise InputError(str(error)) from None
-    try:
-        budget = device_budgets(device_memory)
         host_budget = None if host_memory is None else parse_size(host_memory, "host_memory")
-        links = parse_bandwidths(link_bandwidth, len(device_list))
     except ValueError as error:
         raise InputError(str(error)) from None
-    if cluster is not None and not isinstance(cluster, (str, Client)):
-        raise InputError(f"cluster={cluster!r} must be None (an embedded cluster), a scheduler address such as "
-                         "'tcp://host:8786', or a distributed.Client")
     return Arguments(
         models=model_list,
         loaders=loader_list,
@@ -389,6 +381,25 @@ def check_validation(
             raise InputError(f"names must be a list of one name per model ({len(models)}), got {names!r}")
         names = [str(name) for name in names]
     return sets, validation_of, names
+
+
+def check_devices(devices: Any, device_memory: Any, link_bandwidth: Any, cluster: Any, for_training: bool = True
+                  ) -> tuple[list[str], int | dict[str, int] | None, list[float | None]]:
+    """The devices, their budgets and links, and the cluster argument, checked: what starting the embedded cluster
+    needs, so that it can start before the models are checked."""
+    try:
+        device_list = parse_devices(devices) if for_training or not isinstance(devices, int) else ["cpu"] * devices
+    except DeviceSpecError as error:
+        raise InputError(str(error)) from None
+    try:
+        budget = device_budgets(device_memory)
+        links = parse_bandwidths(link_bandwidth, len(device_list))
+    except ValueError as error:
+        raise InputError(str(error)) from None
+    if cluster is not None and not isinstance(cluster, (str, Client)):
+        raise InputError(f"cluster={cluster!r} must be None (an embedded cluster), a scheduler address such as "
+                         "'tcp://host:8786', or a distributed.Client")
+    return device_list, budget, links
 
 
 def device_budgets(device_memory: Any) -> int | dict[str, int] | None:

@@ -5,18 +5,25 @@ rather than through multiprocessing, so they never re-import the user's ``__main
 calls harmony.train at top level with no ``if __name__ == "__main__"`` guard works, and so does a
 notebook. The workers inherit the driver's sys.path, so classes from the user's modules unpickle.
 The scheduler (and its dashboard) runs in the driver's process.
+
+An embedded cluster stays up after a run that ended well, warm for the next call in the process that asks for the
+same devices (a notebook's re-run cell starts no process); it is closed by ``shutdown()`` (harmony.shutdown), at
+interpreter exit, when a call needs other devices, and after a run that failed or was interrupted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import json
 import logging
 import os
 import sys
+import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 import dask
 import torch
@@ -165,6 +172,7 @@ class ClusterHandle:
     cluster: SpecCluster | None = None
     owns_client: bool = False
     workers: dict[str, str] = field(default_factory=dict)
+    warm: bool = False
 
     @property
     def embedded(self) -> bool:
@@ -178,13 +186,78 @@ class ClusterHandle:
         except Exception:
             return None
 
+    def finish(self, clean: bool) -> None:
+        """The run on this cluster is over: a warm embedded cluster stays up after a clean end once its workers run
+        nothing of the run's (else it is closed: a failed or interrupted run leaves no worker that may still be in
+        one of its tasks); any other embedded cluster is closed; a user's is left alone."""
+        if self.cluster is None:
+            return
+        if self.warm and clean and _idle(self.client):
+            return
+        self.close()
+
     def close(self) -> None:
+        global WARM
+        if WARM is not None and WARM[1] is self:
+            WARM = None
+        if self.cluster is not None:  # first: a client closed before its scheduler is reported to a closed comm
+            with contextlib.suppress(Exception):
+                self.cluster.close()
         if self.owns_client:
             with contextlib.suppress(Exception):
                 self.client.close()
-        if self.cluster is not None:
-            with contextlib.suppress(Exception):
-                self.cluster.close()
+
+
+WARM: tuple[tuple[object, ...], ClusterHandle] | None = None  # the warm embedded cluster and the devices it has
+IDLE_TIMEOUT = 10.0
+
+
+def _executing(dask_worker: Any) -> int:
+    return len(dask_worker.state.executing)
+
+
+def _idle(client: Client) -> bool:
+    """Whether no worker runs a task now (waiting up to IDLE_TIMEOUT for the ones that do)."""
+    deadline = time.monotonic() + IDLE_TIMEOUT
+    while time.monotonic() < deadline:
+        try:
+            if not any(client.run(_executing).values()):
+                return True
+        except Exception:
+            return False
+        time.sleep(0.05)
+    return False
+
+
+def embedded(devices: list[DeviceSpec], dashboard_address: str = ":8787", host: str = LOOPBACK) -> ClusterHandle:
+    """The embedded cluster for these devices: the warm one when it has them (every worker up again, under new
+    addresses where one was restarted), else a new one, kept warm after the run (the warm one closed first)."""
+    global WARM
+    key = (tuple((device.name, device.kind, device.threads) for device in devices), dashboard_address, host)
+    if WARM is not None:
+        known, handle = WARM
+        if known == key:
+            try:
+                handle.client.wait_for_workers(len(devices), timeout=WORKER_START_TIMEOUT)
+                handle.workers = worker_addresses(handle.client)
+                if set(handle.workers) == {device.name for device in devices}:
+                    return handle
+            except Exception as error:
+                logger.info("harmony: the warm cluster cannot be reused (%s); starting another", error)
+        shutdown()
+    handle = start_embedded(devices, dashboard_address, host)
+    handle.warm = True
+    WARM = (key, handle)
+    return handle
+
+
+def shutdown() -> None:
+    """Close the warm embedded cluster (its scheduler, dashboard and device workers), if there is one."""
+    if WARM is not None:
+        WARM[1].close()
+
+
+atexit.register(shutdown)
 
 
 def start_embedded(devices: list[DeviceSpec], dashboard_address: str = ":8787", host: str = LOOPBACK) -> ClusterHandle:

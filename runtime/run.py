@@ -110,7 +110,7 @@ def execute(
     owned = any(not machine.local for machine in machines)
     driver: Driver | None = None
     plugin = f"harmony-{run}"
-    registered = paged = False
+    registered = paged = clean = False
     try:
         if "" in stores:
             claim(stores[""])
@@ -180,7 +180,7 @@ def execute(
         files.copy_back(codes)
         executed = handle.client.run(_executed, run)
         names = {address: name for name, address in handle.workers.items()}
-        return RunOutcome(
+        outcome = RunOutcome(
             history=[files.history(m, files.trained(m)) for m in range(len(plan.jobs))],
             steps=[files.trained(m) for m in range(len(plan.jobs))],
             step_seconds=state.step_times,
@@ -199,6 +199,8 @@ def execute(
             traffic=traffic(stores.values(), batches.values()),
             validation=driver.evaluations.results,
         )
+        clean = True
+        return outcome
     finally:
         if driver is not None:
             with contextlib.suppress(Exception):
@@ -214,8 +216,7 @@ def execute(
                 handle.client.run(remove_run, run, STORE_DIRECTORY)
             with contextlib.suppress(Exception):
                 handle.client.unregister_scheduler_plugin(f"harmony-owner-{run}")
-        if handle.embedded:
-            handle.close()
+        handle.finish(clean)  # before the files go: no task of the run may outlive them
         for store in stores.values():
             store.unlink_all()
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from harmony.runtime.cluster import shutdown
 from harmony.runtime.hoststore import PREFIX, HostStore, shm_directory
 
 
@@ -107,11 +108,20 @@ def nothing_outlives_the_suite() -> Iterator[None]:
     assert not alive, f"worker processes left alive: {[p.pid for p in alive]}"
 
 
+@pytest.fixture(autouse=True)
+def cold_cluster() -> Iterator[None]:
+    """Every test starts without the warm cluster a test before it kept (its workers may have been killed)."""
+    yield
+    shutdown()
+
+
 @pytest.fixture
 def no_leaks() -> Iterator[None]:
-    """The same check around one test, so the test that leaks is the one that fails."""
+    """The same check around one test, so the test that leaks is the one that fails (after the warm cluster a
+    clean run keeps is shut down, as harmony.shutdown() or the interpreter's exit does)."""
     before = set(harmony_files())
     yield
+    shutdown()
     assert set(harmony_files()) - before == set(), "this test left shared-memory files behind"
     alive = [p for p in worker_processes() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not alive, f"this test left worker processes alive: {[p.pid for p in alive]}"

@@ -16,7 +16,7 @@ def no_cluster_may_start(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("harmony.plan started a cluster")
 
-    monkeypatch.setattr("harmony.api.start_embedded", refuse)
+    monkeypatch.setattr("harmony.api.embedded", refuse)
     yield
 
 
