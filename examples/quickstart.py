@@ -5,9 +5,13 @@ optimizers x three learning rates) train concurrently; the three models of each 
 fused into an array (one stacked computation for all three); each device may hold only part of an
 array at a time, so Harmony cuts it into layer packs and swaps them through the host store.
 
-    python examples/quickstart.py
+    python examples/quickstart.py [--report run.png]
+
+Each model is evaluated on held-out points every 16 steps and at the end (loss and accuracy); the best one is
+printed, and --report writes the run's page (curves, table, device timeline).
 """
 
+import argparse
 import math
 import time
 
@@ -33,9 +37,19 @@ def mlp(width: int = 64, depth: int = 4) -> nn.Sequential:
     return nn.Sequential(*layers, nn.Linear(width, 2))
 
 
+def accuracy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return (output.argmax(dim=1) == target).float().mean()
+
+
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--report", default=None, help="write the run's report page here (.png or .html)")
+options = parser.parse_args()
+
 torch.manual_seed(0)
 x, y = spirals(2048)
+val_x, val_y = spirals(512, seed=1)
 batches = [(x[i : i + 128], y[i : i + 128]) for i in range(0, len(x), 128)]
+validation = [(val_x[i : i + 256], val_y[i : i + 256]) for i in range(0, len(val_x), 256)]
 grid = [("SGD+momentum", lr, lambda p, lr=lr: torch.optim.SGD(p, lr=lr, momentum=0.9)) for lr in (0.02, 0.05, 0.1)]
 grid += [("Adam", lr, lambda p, lr=lr: torch.optim.Adam(p, lr=lr)) for lr in (1e-3, 3e-3, 1e-2)]
 models = [mlp() for _ in grid]
@@ -50,17 +64,24 @@ result = harmony.train(
     microbatches=4,
     devices=["cpu", "cpu"],
     device_memory="300kB",
+    val_loaders=validation,
+    eval_every=16,
+    metrics=accuracy,
+    names=[f"{name} lr={lr:g}" for name, lr, _ in grid],
 )
 elapsed = time.perf_counter() - started
 
 print(f"\ntrained {len(models)} models in {elapsed:.1f}s (mode {result.mode})")
 print(f"dashboard was at {result.dashboard_link}")
-print(f"{'optimizer':<14}{'lr':>8}{'array':>7}{'packs':>7}{'first loss':>12}{'last loss':>11}{'accuracy':>10}")
-with torch.no_grad():
-    for index, ((name, lr, _), model, losses) in enumerate(zip(grid, result.models, result.history)):
-        accuracy = (model(x).argmax(dim=1) == y).float().mean().item()
-        job, packs = result.job_of(index), len(result.packing_of(index).packs)
-        print(f"{name:<14}{lr:>8g}{job:>7}{packs:>7}{losses[0]:>12.4f}{losses[-1]:>11.4f}{accuracy:>10.1%}")
+print(f"{'model':<22}{'array':>6}{'packs':>6}{'first loss':>11}{'last loss':>10}{'val loss':>10}{'val accuracy':>14}")
+for index, losses in enumerate(result.history):
+    job, packs = result.job_of(index), len(result.packing_of(index).packs)
+    _, val_loss = result.val_history[index][-1]
+    _, figures = result.val_metrics[index][-1]
+    print(f"{result.name(index):<22}{job:>6}{packs:>6}{losses[0]:>11.4f}{losses[-1]:>10.4f}{val_loss:>10.4f}"
+          f"{figures['accuracy']:>14.1%}")
+best = result.best()
+print(f"best: {best.name} (validation loss {best.val_loss:.4f}, accuracy {best.metrics['accuracy']:.1%})")
 for choice in result.fusion:
     print(choice.explain("MLP"))
 stats = result.stats
@@ -68,3 +89,5 @@ print(
     f"\npeak device bytes {stats.peak_device_bytes} (budget 300kB each); weights swapped in "
     f"{stats.bytes_in['weights']:,} B, gradients out {stats.bytes_out['grads']:,} B over {sum(stats.steps)} steps"
 )
+if options.report:
+    print(f"report written to {result.report(options.report)}")

@@ -148,6 +148,9 @@ def _execute(
         feed = LoaderFeed(loader.loader, loader.iterator, loader.first, args.options.epochs, args.options.steps)
         feeds.append(SharedFeed(feed, readers))
     line = display(names=args.names) if wants_progress(progress) else None
+    if line is not None and handle.dashboard_link:
+        page = handle.dashboard_link.rsplit("/", 1)[0] + "/harmony"
+        line.note(f"harmony: dashboard at {handle.dashboard_link} (Harmony's page: {page})")
     watchers = [watcher for watcher in (line, log) if watcher is not None]
 
     def watch(view: RunView) -> None:

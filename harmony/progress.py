@@ -99,6 +99,11 @@ class ProgressLine:
         )
         self.stream.flush()
 
+    def note(self, text: str) -> None:
+        """A line above the display (the dashboard's address)."""
+        self.stream.write(f"\r{text}\033[K\n")
+        self.stream.flush()
+
     def close(self) -> None:
         self.stream.write("\n")
         self.stream.flush()
@@ -154,6 +159,10 @@ class ProgressBar:
                                        leave=True, dynamic_ncols=True))
         for row, text in zip(self.rows, shown):
             row.set_description_str(text, refresh=True)
+
+    def note(self, text: str) -> None:
+        """A line above the bar (the dashboard's address)."""
+        self.bar.write(text, file=self.bar.fp)
 
     def close(self) -> None:
         self.bar.refresh()

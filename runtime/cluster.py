@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -229,9 +230,18 @@ def _idle(client: Client) -> bool:
     return False
 
 
+STARTING = threading.RLock()  # held while the warm cluster is started, reused or closed
+
+
 def embedded(devices: list[DeviceSpec], dashboard_address: str = ":8787", host: str = LOOPBACK) -> ClusterHandle:
     """The embedded cluster for these devices: the warm one when it has them (every worker up again, under new
-    addresses where one was restarted), else a new one, kept warm after the run (the warm one closed first)."""
+    addresses where one was restarted), else a new one, kept warm after the run (the warm one closed first). One
+    at a time: a call's start in the background may still be going when the next call (or shutdown) comes."""
+    with STARTING:
+        return _embedded(devices, dashboard_address, host)
+
+
+def _embedded(devices: list[DeviceSpec], dashboard_address: str, host: str) -> ClusterHandle:
     global WARM
     key = (tuple((device.name, device.kind, device.threads) for device in devices), dashboard_address, host)
     if WARM is not None:
@@ -252,9 +262,11 @@ def embedded(devices: list[DeviceSpec], dashboard_address: str = ":8787", host: 
 
 
 def shutdown() -> None:
-    """Close the warm embedded cluster (its scheduler, dashboard and device workers), if there is one."""
-    if WARM is not None:
-        WARM[1].close()
+    """Close the warm embedded cluster (its scheduler, dashboard and device workers), if there is one (waiting for
+    one being started)."""
+    with STARTING:
+        if WARM is not None:
+            WARM[1].close()
 
 
 atexit.register(shutdown)

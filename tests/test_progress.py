@@ -116,6 +116,8 @@ def test_under_a_terminal_the_display_shows_each_models_losses_and_the_time_left
     assert process.wait(timeout=120) == 0, shown.decode(errors="replace")
     text = shown.decode(errors="replace")
     assert re.search(r"harmony: +\d+%\|.*\| \d+/120 \[\d\d:\d\d<\d\d:\d\d", text), text  # steps, time left
+    assert re.search(r"harmony: dashboard at http://127\.0\.0\.1:\d+/status \(Harmony's page: "
+                     r"http://127\.0\.0\.1:\d+/harmony\)", text), text
     for name in ("alpha", "beta", "gamma"):
         assert re.search(rf"{name}: step 40, loss [\d.e-]+, val [\d.e-]+ \(step 40\)", text), text
     quiet = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,

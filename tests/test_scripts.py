@@ -143,3 +143,18 @@ def test_the_gpt_sweep_example_runs_and_picks_the_best_configuration(no_leaks: N
     assert len(rows) == 4 and all(int(row[3]) > 1 for row in rows if row[0] == "64"), done.stdout
     losses = {float(row[6]) for row in rows}
     assert f"validation loss {min(losses):.3f}" in done.stdout.splitlines()[-1]
+
+
+def test_the_quickstart_trains_the_grid_evaluates_it_and_writes_its_report(tmp_path: Path, no_leaks: None) -> None:
+    """examples/quickstart.py --report: six models in two fused arrays under a 300 kB budget, evaluated on held-out
+    points; it prints every model's validation loss and accuracy and the best, and writes the report page."""
+    example = Path(__file__).parent.parent / "examples" / "quickstart.py"
+    page = tmp_path / "run.png"
+    done = subprocess.run([sys.executable, str(example), "--report", str(page)], text=True, capture_output=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith(("SGD", "Adam"))]
+    assert len(rows) == 6, done.stdout
+    best = min(rows, key=lambda row: float(row.split()[-2]))
+    assert f"best: {best[:22].strip()} (validation loss {float(best.split()[-2]):.4f}" in done.stdout, done.stdout
+    assert page.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
