@@ -36,11 +36,13 @@ from harmony.runtime.replicas import replicas_kept
 from harmony.runtime.run import RunOutcome, execute
 from harmony.runtime.shipping import SPARE_FILES
 from harmony.runtime.view import RunView
+from harmony.runtime.worker import wait_for_warmup
 from harmony.tasks.runplan import Job, RunPlan
 from harmony.validate import (
     Arguments,
     check_checkpoints,
     check_devices,
+    check_models,
     check_options,
     check_validation,
     describe_run,
@@ -73,10 +75,12 @@ def user_cluster(cluster: Any) -> Iterator[ClusterHandle | None]:
 
 
 class Starting:
-    """The embedded cluster, started in a thread of its own while the driver checks the models and data, runs the
-    pilot pass and plans (the warm one at once where it has these devices, see runtime.cluster). A call that then
-    fails on its input has reported it as soon as it would have without the start, and leaves the cluster up, warm
-    for the call that follows."""
+    """The embedded cluster, started in a thread of its own while the driver checks the data, losses and optimizers
+    (the warm one at once where it has these devices, see runtime.cluster). That check builds the first optimizer of
+    the driver's process, which imports torch._dynamo: a second or more that the workers' own start overlaps. The
+    pilot pass waits for the workers to be ready (their own imports done), since its layer timings, which plan the
+    run, would be skewed by processes starting on the same cores (docs/performance.md, "Start-up"). A call that
+    fails on its input leaves the cluster up, warm for the call that follows."""
 
     def __init__(self, specs: list[DeviceSpec], host: str, dashboard_address: str) -> None:
         self.handle: ClusterHandle | None = None
@@ -90,6 +94,10 @@ class Starting:
             self.handle = embedded(specs, dashboard_address=dashboard_address, host=host)
         except BaseException as error:
             self.error = error
+
+    def ready(self) -> None:
+        """Return once the cluster's workers have started and finished their background imports."""
+        self.result().client.run(wait_for_warmup)
 
     def result(self) -> ClusterHandle:
         """The started cluster (waiting for its workers), or what stopped it from starting."""
@@ -281,8 +289,9 @@ def train(
         if not isinstance(value, str):
             raise InputError(f"{name}={value!r} must be a string such as '127.0.0.1' or ':8787'")
     check_options(options)
+    check_models(models)
     starting = None
-    if cluster is None:  # the embedded cluster's workers start while the rest is checked and the driver plans
+    if cluster is None:  # the embedded cluster's workers start while the rest is checked (see Starting)
         device_list, budget, links = check_devices(devices, device_memory, link_bandwidth, cluster)
         starting = Starting(build_specs(device_list, budget, links), host, dashboard_address)
     args = validate(models, loaders, loss_fn, optimizer, options, devices, device_memory, cluster, link_bandwidth,
@@ -294,6 +303,8 @@ def train(
         specs = (build_specs(args.devices, args.device_memory, args.links) if user is None
                  else external_devices(user, args.device_memory))
         budgets = {spec.name: spec.budget for spec in specs}
+        if starting is not None:
+            starting.ready()  # before the pilot times layers: workers starting on the same cores would skew them
         candidates = pilot(args, min(budgets.values()))
         check_host_memory([candidate.job for candidate in candidates], args.host_memory)
         checkpoints, recorded = open_checkpoints(directory, args, budgets, resume)

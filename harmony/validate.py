@@ -89,6 +89,11 @@ def _check_parameters(index: int, model: nn.Module) -> None:
                          "nothing to train")
 
 
+def check_models(models: Any) -> list[nn.Module]:
+    """The models as a list, each a distinct module with values to train (meta-device parameters refused)."""
+    return _models(models)
+
+
 def _models(models: Any) -> list[nn.Module]:
     if isinstance(models, nn.Module):
         models = [models]

