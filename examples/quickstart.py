@@ -1,9 +1,9 @@
 """Quickstart: a small hyperparameter grid trained at once on two CPU devices with a tight memory budget.
 
 The data is generated here: points on two interleaved spirals, labelled by spiral. Six MLPs (two
-optimizers x three learning rates) train concurrently; the three models of each optimizer class are
-fused into an array (one stacked computation for all three); each device may hold only part of an
-array at a time, so Harmony cuts it into layer packs and swaps them through the host store.
+optimizers x three learning rates) train concurrently. The three models of each optimizer class may be fused
+into an array (one stacked computation for all three), cut into layer packs where an array does not fit the
+300 kB budget; Harmony runs whichever its simulator predicts fastest, and the last lines say which and why.
 
     python examples/quickstart.py [--report run.png]
 
@@ -73,7 +73,7 @@ elapsed = time.perf_counter() - started
 
 print(f"\ntrained {len(models)} models in {elapsed:.1f}s (mode {result.mode})")
 print(f"dashboard was at {result.dashboard_link}")
-print(f"{'model':<22}{'array':>6}{'packs':>6}{'first loss':>11}{'last loss':>10}{'val loss':>10}{'val accuracy':>14}")
+print(f"{'model':<22}{'job':>6}{'packs':>6}{'first loss':>11}{'last loss':>10}{'val loss':>10}{'val accuracy':>14}")
 for index, losses in enumerate(result.history):
     job, packs = result.job_of(index), len(result.packing_of(index).packs)
     _, val_loss = result.val_history[index][-1]

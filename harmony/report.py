@@ -97,7 +97,7 @@ def figure(result: TrainResult) -> Any:
     except ImportError:
         raise ImportError("the report needs matplotlib: pip install matplotlib") from None
     models = model_rows(result)
-    devices = list(result.stats.timeline) or list(result.stats.peak_device_bytes)
+    devices = sorted(result.stats.timeline) or sorted(result.stats.peak_device_bytes)
     shown = models if len(models) <= 24 else sorted(models, key=_rank)[:24]
     fig = pyplot.figure(figsize=(11, 4 + 0.25 * len(shown) + 0.45 * len(devices) + 3.5), layout="constrained")
     grid = fig.add_gridspec(3, 1, height_ratios=[3.5, 0.6 + 0.25 * len(shown), 0.8 + 0.45 * len(devices)])
@@ -170,6 +170,7 @@ def _table(axes: Any, rows: list[dict[str, Any]], total: int) -> None:
         table = axes.table(cellText=cells, colLabels=columns, loc="upper center", cellLoc="right")
         table.auto_set_font_size(False)
         table.set_fontsize(8)
+        table.auto_set_column_width(list(range(len(columns))))
 
 
 def _timeline(axes: Any, result: TrainResult, devices: list[str]) -> None:

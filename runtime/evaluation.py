@@ -5,7 +5,8 @@ The binder decides when (every eval_every steps and at the end, with no later st
 batch runs the batch's micro-batches through the pack forward with no gradients, in eval mode (dropout off,
 running statistics read, not written), with the pack's weights at that step's version swapped in as a training
 task would; the last pack computes the loss and the metrics, and one ``val`` task sums them. The validation
-batches are scattered to the device's worker once and kept there for the run.
+batches are scattered to a device's worker once per validation set (jobs on one loader share them) and kept there
+for the run.
 
 Figures are means over the validation samples: each batch's loss (a mean over its samples, as a training loss
 is) weighted by its share of the samples; a fused array's members each get their own.
@@ -103,10 +104,13 @@ class Evaluations:
                  metrics: Metrics, on_done: Callable[[Future], None]) -> None:
         self.client = client
         self.run = run
-        self.batches = [None if job is None else [_split(batch, microbatches) for batch in job] for job in batches]
+        split: dict[int, list[tuple[list[Any], list[Any]]]] = {}  # jobs that share validation data share its split
+        self.sets = [None if job is None else id(job) for job in batches]
+        self.batches = [None if job is None else split.setdefault(id(job), [_split(b, microbatches) for b in job])
+                        for job in batches]
         self.metrics = metrics
         self.on_done = on_done
-        self.scattered: dict[tuple[int, str], list[Any]] = {}
+        self.scattered: dict[tuple[int | None, str], list[Any]] = {}  # per validation set and worker
         self.flight: dict[int, tuple[Evaluate, list[Future]]] = {}
         self.results: list[list[tuple[int, dict[str, list[float]]]]] = [[] for _ in batches]
         self.started: float = time.perf_counter()
@@ -117,9 +121,9 @@ class Evaluations:
         model, step = evaluate.model, evaluate.step
         batches = self.batches[model]
         assert batches, f"job {model} has no validation data"
-        data = self.scattered.get((model, worker))
-        if data is None:
-            data = self.scattered[(model, worker)] = self.client.scatter(
+        data = self.scattered.get((self.sets[model], worker))
+        if data is None:  # once per validation set and device: a scatter is a round trip that holds the driver
+            data = self.scattered[(self.sets[model], worker)] = self.client.scatter(
                 [part for batch in batches for part in batch], workers=[worker], hash=False)
         futures: list[Future] = []
         lasts = []
