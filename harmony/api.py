@@ -227,6 +227,7 @@ def train(
     metrics: Any = None,
     names: list[str] | None = None,
     log_dir: str | os.PathLike[str] | None = None,
+    precision: str = "fp32",
 ) -> TrainResult:
     """Train every model on its data through fine-grained tasks on Dask device workers.
 
@@ -283,6 +284,10 @@ def train(
     log_dir writes the run's metrics there as it goes, one JSON-lines file per run (per model and step its loss,
     validation loss, learning rate and samples/s; per device its cached bytes, bytes in and out, busy share: see
     harmony.metrics), and TensorBoard event files beside it where tensorboard is installed.
+
+    precision="bf16" runs every forward and backward (and the loss) under torch.autocast in bfloat16, as a plain
+    loop inside ``torch.autocast(device_type, torch.bfloat16)`` would; weights, gradients and optimizer state stay
+    float32 (the host store's master copy). "fp32" (the default) computes as the models' own dtypes say.
     """
     options = read_options(locals())  # first: locals() are the arguments alone
     for name, value in (("host", host), ("dashboard_address", dashboard_address)):

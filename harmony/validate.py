@@ -18,7 +18,7 @@ from harmony.runtime.data import batch_size
 from harmony.runtime.devices import DeviceSpecError, parse_devices
 from harmony.sizes import parse_bandwidths, parse_size
 from harmony.tasks.binding import MODES, POLICIES
-from harmony.tasks.runplan import Options
+from harmony.tasks.runplan import PRECISIONS, Options
 
 
 @dataclass
@@ -438,6 +438,11 @@ def check_options(options: Options) -> None:
     check_steps_per_task(options.steps_per_task)
     _positive_int(options.checkpoint_every, "checkpoint_every", allow_none=True)
     _positive_int(options.eval_every, "eval_every", allow_none=True)
+    if options.precision == "fp16":
+        raise InputError("precision='fp16' needs a gradient scaler whose skipped steps every pack agrees on, which "
+                         "pack-by-pack updates do not have yet; use precision='bf16' (no scaler needed) or 'fp32'")
+    if options.precision not in PRECISIONS:
+        raise InputError(f"precision={options.precision!r} is not a precision; use one of {sorted(PRECISIONS)}")
 
 
 def check_checkpoints(checkpoint_dir: Any, checkpoint_every: int | None, resume: bool) -> Path | None:

@@ -167,7 +167,8 @@ def forward(
             with ctx.cache.scratch(runtime.workspace, f"activations of pack {pack}"), torch.no_grad():
                 x = kept if kept is not None else ctx.cache.copy_in(microbatch, "activations" if pack else "inputs")
                 _seed(ctx.device, spec.seed, pack, step, group * 65_536 + index)
-                y = functional_call(module, tensors, (x,))
+                with ctx.autocast():
+                    y = functional_call(module, tensors, (x,))
                 outputs.append(ctx.cache.copy_out(y, "activations"))
             if ctx.successor is not None:
                 ctx.cache.keep(ctx.successor, index, y, keep_free=runtime.workspace if index + 1 < len(inputs) else 0)
@@ -275,7 +276,8 @@ def _homed_steps(
                         x = ctx.cache.copy_in(x, "inputs")
                         target = ctx.cache.copy_in(target, "inputs")
                         _seed(ctx.device, spec.seed, 0, step, group * 65_536 + microbatch)
-                        step_losses = loss_fn(state.module(x), target)
+                        with ctx.autocast():
+                            step_losses = loss_fn(state.module(x), target)
                         state.stop(members.check(step_losses, step))  # a sync per step (see divergence)
                         losses.add(index, _backpropagate_loss(step_losses, weight), weight)
                 state.step(step)  # after the activations are gone, as in a plain loop (its state is charged then)
@@ -388,11 +390,13 @@ def _backward_step(
                 x.requires_grad_(x.is_floating_point())
             _seed(ctx.device, spec.seed, pack, step, group * 65_536 + index)
             with torch.enable_grad():
-                y = functional_call(module, {**tensors, **_leaves(tensors, grads)}, (x,))
+                with ctx.autocast():
+                    y = functional_call(module, {**tensors, **_leaves(tensors, grads)}, (x,))
                 if last:
                     target = ctx.cache.copy_in(gradients_or_targets[index], "inputs")
                     weight = loss_weights[index]
-                    step_losses = ctx.loss_fn(model)(y, target)
+                    with ctx.autocast():
+                        step_losses = ctx.loss_fn(model)(y, target)
                     ctx.members(model).check(step_losses, step)  # before anything is backpropagated or updated
                     losses.add(0, _backpropagate_loss(step_losses, weight), weight)
                 else:

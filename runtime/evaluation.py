@@ -68,14 +68,16 @@ def evaluation(
             for index, microbatch in enumerate(inputs):
                 with ctx.cache.scratch(runtime.workspace, f"activations of pack {pack}"), torch.no_grad():
                     x = ctx.cache.copy_in(microbatch, "activations" if pack else "inputs")
-                    y = functional_call(module, tensors, (x,))
+                    with ctx.autocast():
+                        y = functional_call(module, tensors, (x,))
                     if not last:
                         outputs.append(ctx.cache.copy_out(y, "activations"))
                         continue
                     assert targets is not None
                     target = ctx.cache.copy_in(targets[index], "inputs")
                     count = batch_size(microbatch)
-                    losses = ctx.loss_fn(model)(y, target).reshape(-1).to("cpu", torch.float64)
+                    with ctx.autocast():
+                        losses = ctx.loss_fn(model)(y, target).reshape(-1).to("cpu", torch.float64)
                     sums["loss"] += losses * count
                     for member in range(spec.members):
                         output = member_slice(y, member) if spec.members > 1 else y

@@ -38,7 +38,7 @@ from harmony.runtime.spec import RunSpec, describe
 from harmony.runtime.view import RunView
 from harmony.runtime.worker import RUNS, DevicePlugin
 from harmony.tasks.binding import BindingState
-from harmony.tasks.runplan import RunPlan
+from harmony.tasks.runplan import PRECISIONS, RunPlan
 
 logger = logging.getLogger("harmony")
 END = 2**62  # checkpoint_every when only the end of a job is checkpointed
@@ -132,7 +132,7 @@ def execute(
         for store in stores.values():
             store.push_all()
         spec = RunSpec(run, str(stores[""].directory if "" in stores else shm_directory()), models, tuple(devices),
-                       plan.options.prefetch, plan.options.group)
+                       plan.options.prefetch, plan.options.group, autocast=PRECISIONS[plan.options.precision])
         handle.client.register_plugin(DevicePlugin(spec), name=plugin)
         registered = True
         try:

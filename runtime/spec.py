@@ -54,6 +54,7 @@ class RunSpec:
     devices: tuple[DeviceSpec, ...]
     prefetch: bool = True
     group: bool = True
+    autocast: str | None = None  # the dtype forward and backward compute in under torch.autocast (None: as is)
 
     def device_index(self, worker_name: str) -> int:
         for index, device in enumerate(self.devices):

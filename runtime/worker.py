@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections import Counter
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,13 @@ class RunContext:
         """Give torch this device's share of the CPU cores, in the thread that runs the tasks."""
         if torch.get_num_threads() != self.device_spec.threads:
             torch.set_num_threads(self.device_spec.threads)
+
+    def autocast(self) -> AbstractContextManager[object]:
+        """Where forward and backward compute (and a loss is taken): under torch.autocast in the run's precision
+        (bf16: weights, gradients and optimizer state stay float32), else as the model's dtypes say."""
+        if self.spec.autocast is None:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=getattr(torch, self.spec.autocast))
 
     def module(self, model: int, pack: int) -> nn.Module:
         key = (model, pack)

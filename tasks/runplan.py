@@ -18,6 +18,8 @@ from harmony.tasks.hardware import Hardware
 from harmony.tasks.layout import TensorSpec
 from harmony.tasks.packing import Pack, PackCost, Packing
 
+PRECISIONS = {"fp32": None, "bf16": "bfloat16"}  # precision -> the dtype autocast computes in (None: no autocast)
+
 
 @dataclass(frozen=True)
 class Options:
@@ -36,6 +38,7 @@ class Options:
     fail_fast: bool = False
     checkpoint_every: int | None = None
     eval_every: int | None = None
+    precision: str = "fp32"
 
 
 @dataclass(frozen=True)
