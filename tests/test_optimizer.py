@@ -71,3 +71,18 @@ def test_a_packs_updates_alternate_slots_keep_their_state_in_the_store_and_apply
         torch.testing.assert_close(tensors_at(weights(slot), runtime.weights)[name], p.detach(), rtol=1e-6, atol=1e-7)
     with pytest.raises(RuntimeError, match="came before"):
         update(runtime, versions, 0, 6, weights, optimizer, [])
+
+
+def test_host_updates_use_the_fused_cpu_kernel_unless_the_factory_chose_an_implementation() -> None:
+    from harmony.runtime.optimizer import fused_on_host
+
+    def built(factory: object) -> torch.optim.Optimizer:
+        optimizer = factory([nn.Parameter(torch.randn(3))])  # type: ignore[operator]
+        fused_on_host(optimizer)
+        return optimizer
+
+    assert built(lambda p: torch.optim.Adam(p, lr=0.1)).param_groups[0]["fused"] is True
+    assert built(lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)).param_groups[0]["fused"] is True
+    assert built(lambda p: torch.optim.Adam(p, lr=0.1, foreach=False)).param_groups[0]["fused"] is None
+    assert built(lambda p: torch.optim.Adam(p, lr=0.1, fused=False)).param_groups[0]["fused"] is False
+    assert "fused" not in built(lambda p: torch.optim.RMSprop(p, lr=0.1)).param_groups[0]
