@@ -389,10 +389,7 @@ class BindingState:
                 released.append(Release(value))
         total = self.total_spans(model)
         ended = total is not None and self.spans_done[model] >= total
-        if self.evaluate and self.steps_trained[model] > self.evaluated[model] and (
-                ended or self.steps_trained[model] == self.next_evaluation(model)):
-            self.evaluations_owed[model] = self.steps_trained[model]
-        elif ended:
+        if not self._owe_evaluation(model, ended) and ended:
             self.finish_times.setdefault(model, at)
         every = self.checkpoint_every
         if every and (ended or before // every < self.steps_trained[model] // every):
@@ -435,8 +432,8 @@ class BindingState:
             total = self.total_spans(model)
             groups = self.jobs[model].groups
             point = self.next_evaluation(model)
-            if point is not None and self.spans[model].opened >= point:
-                continue  # its weights at point are evaluated before any later step may change them
+            if point is not None and self.spans[model].opened >= point + self.ahead(model):
+                continue  # its weights at point are evaluated before a later step may overwrite them
             span = opened
             while (total is None or span < total) and (
                 span < 2 or all(self._is_done(TaskId("bwd", model, 0, span - 2, g)) for g in range(groups))
@@ -672,13 +669,19 @@ class BindingState:
             return None
         return (self.evaluated[model] // self.eval_every + 1) * self.eval_every
 
+    def ahead(self, model: int) -> int:
+        """How many steps past an evaluation's a job may take while it is evaluated: one for a swapped job (its
+        update writes the host store's other slot, leaving the evaluated version whole; the one after would
+        overwrite it), none for a homed job (its update changes the device weights the evaluation reads)."""
+        return 0 if model in self.homes else 1
+
     def _evaluations(self) -> list[Instruction]:
-        """Evaluations owed that a live device of their job's machine can run now: the job's home, else its
-        device with the fewest tasks."""
+        """Evaluations owed that a live device of their job's machine can run now (one at a time per job): the
+        job's home, else its device with the fewest tasks."""
         instructions: list[Instruction] = []
         for model, step in sorted(self.evaluations_owed.items()):
             live = self.live_devices(model)
-            if not live:
+            if not live or model in self.evaluating:
                 continue
             home = self.homes.get(model)
             device = home if home in live else min(live, key=lambda name: (len(self.running[name]), live.index(name)))
@@ -702,9 +705,22 @@ class BindingState:
             self.failed[event.model]["error"] = event.error
             return instructions + self._advance()
         self.evaluated[event.model] = event.step
+        total = self.total_spans(event.model)
+        self._owe_evaluation(event.model, total is not None and self.spans_done[event.model] >= total)
         if self._job_finished(event.model):
             self.finish_times.setdefault(event.model, event.at)
         return self._advance()
+
+    def _owe_evaluation(self, model: int, ended: bool) -> bool:
+        """Owe an evaluation of the job's weights as they are now, when its steps trained reach its next evaluation
+        point or its end (ended) and they are not evaluated yet; returns whether one is owed. Called when a span is
+        done and when an evaluation is (a swapped job may have reached its next point meanwhile)."""
+        trained = self.steps_trained[model]
+        if not self.evaluate or trained <= self.evaluated[model]:
+            return False
+        if ended or trained == self.next_evaluation(model):
+            self.evaluations_owed[model] = trained
+        return model in self.evaluations_owed
 
     # What the run has done
 
@@ -758,11 +774,14 @@ class BindingState:
             assert len(self.step_times[model]) == self.steps_trained[model], f"model {model}'s steps are miscounted"
             assert spans.opened >= self.steps_trained[model], f"model {model} trained steps it never opened"
         for model, evaluation in self.evaluating.items():
-            assert model not in self.failed and model not in self.evaluations_owed, f"model {model} evaluates twice"
-            assert evaluation.step == self.steps_trained[model], f"model {model} evaluates stale weights"
-            assert self.spans[model].opened == evaluation.step, f"model {model} opened steps past its evaluation"
+            assert model not in self.failed, f"failed model {model} is evaluated"
+            assert self.evaluations_owed.get(model, evaluation.step + 1) > evaluation.step, f"{model} evaluates twice"
+            ahead = self.ahead(model)
+            assert 0 <= self.steps_trained[model] - evaluation.step <= ahead, f"model {model} evaluates stale weights"
+            assert self.spans[model].opened <= evaluation.step + ahead, f"{model} opened steps past its evaluation"
         for model, step in self.evaluations_owed.items():
-            assert step == self.steps_trained[model] == self.spans[model].opened, f"model {model}'s evaluation is stale"
+            assert step <= self.steps_trained[model] <= step + self.ahead(model), f"model {model}'s evaluation is stale"
+            assert self.spans[model].opened <= step + self.ahead(model), f"{model} opened steps past its evaluation"
         for (model, span), (first, count) in self.open_spans.items():
             assert self.spans_done[model] <= span < self.spans_opened[model], f"span {span} of model {model} is stale"
             assert count >= 1 and first >= self.steps_trained[model], f"span {span} of model {model} is miscut"
