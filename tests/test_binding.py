@@ -4,6 +4,7 @@ after every event (validate=True)."""
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 from harmony.tasks.binding import BindingState
 from harmony.tasks.events import (
@@ -111,6 +112,21 @@ class Player:
             assert runnable, "tasks in flight wait for each other"
             self.finish(pick.choice(runnable))
         return [(submit.task, submit.device) for submit in self.submitted]
+
+    def play_evaluating(self, check: Callable[[Evaluate], None]) -> None:
+        """Run to the end, finishing every task in flight before answering an evaluation (the lowest job's first,
+        after check has looked at the state it is asked in)."""
+        self.carry_out(self.state.start())
+        while not self.state.finished:
+            if self.in_flight:
+                self.finish(self.in_flight[0])
+                continue
+            assert self.state.evaluating, "the binder stalled"
+            evaluation = min(self.state.evaluating.values(), key=lambda e: e.model)
+            check(evaluation)
+            self.clock += 1.0
+            self.carry_out(self.state.handle(Evaluated(evaluation.model, evaluation.step, evaluation.attempt,
+                                                       self.clock)))
 
 
 def test_runs_every_task_once_in_dependency_order() -> None:
@@ -438,18 +454,13 @@ def test_evaluations_come_every_eval_every_steps_and_at_the_end_with_no_later_st
     state = BindingState(jobs, {"cpu-0": 1000, "cpu-1": 1000}, homes={1: "cpu-1"}, validate=True, evaluate=True,
                          eval_every=3)
     player = Player(state, {0: 7, 1: 12})
-    player.carry_out(state.start())
-    while not state.finished:
-        if player.in_flight:
-            player.finish(player.in_flight[0])
-            continue
-        assert state.evaluating, "the binder stalled"
-        evaluation = min(state.evaluating.values(), key=lambda e: e.model)
-        steps_opened = state.spans[evaluation.model].opened
+
+    def check(evaluation: Evaluate) -> None:
         ahead = 0 if evaluation.model in state.homes else 1  # a swapped job's next update writes the other slot
-        assert steps_opened <= evaluation.step + ahead, "no step past an evaluation's opened before it is done"
-        player.clock += 1.0
-        player.carry_out(state.handle(Evaluated(evaluation.model, evaluation.step, evaluation.attempt, player.clock)))
+        assert state.spans[evaluation.model].opened <= evaluation.step + ahead, (
+            "no step past an evaluation's opened before it is done")
+
+    player.play_evaluating(check)
     assert [(e.model, e.step) for e in player.evaluations if e.model == 0] == [(0, 3), (0, 6), (0, 7)]
     assert [(e.model, e.step, e.device) for e in player.evaluations if e.model == 1] == [
         (1, 3, "cpu-1"), (1, 6, "cpu-1"), (1, 9, "cpu-1"), (1, 12, "cpu-1")], "a homed job evaluates at home"
@@ -482,14 +493,7 @@ def test_a_swapped_job_evaluated_every_step_takes_one_step_while_each_evaluation
     the evaluation it reached meanwhile is asked for once the one before is done."""
     state = BindingState([job(10, 10, steps=4)], {"cpu-0": 1000}, validate=True, evaluate=True, eval_every=1)
     player = Player(state, {0: 4})
-    player.carry_out(state.start())
-    while not state.finished:
-        if player.in_flight:
-            player.finish(player.in_flight[0])
-            continue
-        assert state.evaluating, "the binder stalled"
-        [evaluation] = state.evaluating.values()
-        assert state.steps_trained[0] in (evaluation.step, evaluation.step + 1)
-        player.clock += 1.0
-        player.carry_out(state.handle(Evaluated(0, evaluation.step, evaluation.attempt, player.clock)))
+    trained_while: list[int] = []
+    player.play_evaluating(lambda evaluation: trained_while.append(state.steps_trained[0] - evaluation.step))
+    assert set(trained_while) <= {0, 1} and 1 in trained_while, "one step, no more, runs while an evaluation does"
     assert [e.step for e in player.evaluations] == [1, 2, 3, 4]
