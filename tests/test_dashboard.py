@@ -75,7 +75,8 @@ def look(base: str, client: Client, loader: HeldLoader, seen: dict[str, Any]) ->
             shot = ARTIFACTS / "harmony-page.png"
             shot.unlink(missing_ok=True)
             seen["chromium"] = subprocess.run(
-                [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", f"--screenshot={shot}",
+                [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                 "--hide-scrollbars", f"--screenshot={shot}",
                  "--window-size=1300,1000", "--virtual-time-budget=4000", f"{base}/harmony"],
                 capture_output=True, text=True, timeout=60)
             seen["shot"] = shot
