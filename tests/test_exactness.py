@@ -8,7 +8,15 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import harmony
-from tests.conftest import assert_same_weights, clones, deep_mlp, param_bytes, regression_batches, train_plain
+from tests.conftest import (
+    ResidualNet,
+    assert_same_weights,
+    clones,
+    deep_mlp,
+    param_bytes,
+    regression_batches,
+    train_plain,
+)
 
 FACTORIES = [
     lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
@@ -164,34 +172,6 @@ def test_a_swapped_model_with_dropout_trains_the_same_on_one_device_or_two(
         trained.append(model)
     assert cuts[0] == cuts[1]
     assert_same_weights(trained[0], trained[1])  # threads differ (2 vs 1 per device): reassociation alone
-
-
-class ResidualBlock(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.a = nn.Linear(width, width)
-        self.b = nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.b(torch.relu(self.a(self.norm(x))))
-
-
-class ResidualNet(nn.Module):
-    """Not a chain of its children: blocks in a ModuleList, a parameter read in forward, a flatten."""
-
-    def __init__(self, width: int = 32, blocks: int = 12) -> None:
-        super().__init__()
-        self.stem = nn.Linear(32, width)
-        self.gain = nn.Parameter(torch.ones(width))
-        self.blocks = nn.ModuleList([ResidualBlock(width) for _ in range(blocks)])
-        self.head = nn.Linear(width, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.stem(x) * self.gain
-        for block in self.blocks:
-            x = block(x)
-        return self.head(torch.flatten(x, 1))
 
 
 def test_a_model_that_is_not_a_chain_trains_in_packs_under_a_third_of_its_size(no_leaks: None) -> None:

@@ -7,33 +7,7 @@ import torch
 from torch import nn
 
 from harmony.runtime.stages import trace_stages
-
-
-class Residual(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.a = nn.Linear(width, width)
-        self.b = nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(x + self.b(torch.relu(self.a(x))))
-
-
-class ResidualNet(nn.Module):
-    """Not a chain: a scale parameter read in the forward, blocks in a ModuleList, a flatten before the head."""
-
-    def __init__(self, width: int = 16, blocks: int = 4) -> None:
-        super().__init__()
-        self.stem = nn.Linear(8, width)
-        self.scale = nn.Parameter(torch.ones(width))
-        self.blocks = nn.ModuleList([Residual(width) for _ in range(blocks)])
-        self.head = nn.Linear(width, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.stem(x) * self.scale
-        for block in self.blocks:
-            x = block(x)
-        return self.head(torch.flatten(x, 1))
+from tests.conftest import ResidualBlock, ResidualNet
 
 
 class DataDependent(nn.Module):
@@ -48,11 +22,11 @@ class DataDependent(nn.Module):
 
 def test_a_residual_net_is_cut_between_its_blocks_and_computes_what_it_computed() -> None:
     torch.manual_seed(0)
-    net = ResidualNet()
+    net = ResidualNet(width=16, blocks=4, inputs=8, outputs=3)
     stages, how = trace_stages(net)
     assert "stages where one value flows" in how
     descriptions = [stage.harmony_description for stage in stages]
-    assert "blocks.0.a .. blocks.0.b" in descriptions and descriptions[-1] == "head"
+    assert "blocks.0.norm .. blocks.0.b" in descriptions and descriptions[-1] == "head"
     assert not any("blocks.0" in d and "blocks.1" in d for d in descriptions), "a residual block is never split"
     x = torch.randn(5, 8)
     y = x
@@ -63,18 +37,8 @@ def test_a_residual_net_is_cut_between_its_blocks_and_computes_what_it_computed(
     assert sum(p.numel() for stage in stages for p in stage.parameters()) == sum(p.numel() for p in net.parameters())
 
 
-class PlainResidual(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.a = nn.Linear(width, width)
-        self.b = nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.b(torch.relu(self.a(x)))
-
-
 def test_a_block_whose_residual_is_live_throughout_is_not_cut_and_an_untraceable_one_says_why() -> None:
-    block = PlainResidual(8)
+    block = ResidualBlock(8)
     stages, how = trace_stages(block)
     assert stages == [block] and "no point" in how
     untraceable = DataDependent()
@@ -83,7 +47,7 @@ def test_a_block_whose_residual_is_live_throughout_is_not_cut_and_an_untraceable
 
 
 def test_a_stage_travels_to_workers_as_a_pickle() -> None:
-    stages, _ = trace_stages(ResidualNet())
+    stages, _ = trace_stages(ResidualNet(width=16, blocks=4, inputs=8, outputs=3))
     copy = cloudpickle.loads(cloudpickle.dumps(stages[2]))
     x = torch.randn(3, 16)
     torch.testing.assert_close(copy(x), stages[2](x))
