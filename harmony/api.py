@@ -295,18 +295,19 @@ def train(
             raise InputError(f"{name}={value!r} must be a string such as '127.0.0.1' or ':8787'")
     check_options(options)
     check_models(models)
-    starting = None
+    starting = specs = None
     if cluster is None:  # the embedded cluster's workers start while the rest is checked (see Starting)
-        device_list, budget, links = check_devices(devices, device_memory, link_bandwidth, cluster)
-        starting = Starting(build_specs(device_list, budget, links), host, dashboard_address)
+        specs = build_specs(*check_devices(devices, device_memory, link_bandwidth, cluster))
+        starting = Starting(specs, host, dashboard_address)
     args = validate(models, loaders, loss_fn, optimizer, options, devices, device_memory, cluster, link_bandwidth,
                     host_memory=host_memory)
     validation, validation_of, names = check_validation(val_loaders, metrics, names, options, args.models)
     args = dataclasses.replace(args, validation=validation, validation_of=validation_of, metrics=metrics, names=names)
     directory = check_checkpoints(checkpoint_dir, checkpoint_every, resume)
     with watching_interrupts(), training_conventions(args.models), user_cluster(args.cluster) as user:
-        specs = (build_specs(args.devices, args.device_memory, args.links) if user is None
-                 else external_devices(user, args.device_memory))
+        if user is not None:
+            specs = external_devices(user, args.device_memory)
+        assert specs is not None
         budgets = {spec.name: spec.budget for spec in specs}
         if starting is not None:
             starting.ready()  # before the pilot times layers: workers starting on the same cores would skew them

@@ -26,7 +26,7 @@ from typing import Any, TextIO
 import torch
 
 from harmony.runtime.counters import IN_KINDS, OUT_KINDS
-from harmony.runtime.view import RunView
+from harmony.runtime.view import RunView, finite
 from harmony.tasks.runplan import RunPlan
 
 DEVICE_INTERVAL = 1.0
@@ -39,10 +39,6 @@ def initial_lr(factory: Any) -> float | None:
         return float(optimizer.param_groups[0]["lr"])
     except Exception:
         return None
-
-
-def _number(value: float) -> float | None:
-    return value if math.isfinite(value) else None  # JSON has no NaN
 
 
 class MetricsLog:
@@ -129,11 +125,11 @@ class MetricsLog:
                         if done is not None and done > began else None)
                 loss = losses[position][step]
                 record: dict[str, Any] = {"kind": "step", "time": done, "model": model, "name": self.name(model),
-                                          "step": step + 1, "loss": _number(loss), "lr": self.lrs[model],
+                                          "step": step + 1, "loss": finite(loss), "lr": self.lrs[model],
                                           "samples_per_s": rate}
                 figures = validation.get(step + 1)
                 if figures is not None:
-                    record.update({"val_loss" if name == "loss" else name: _number(values[position])
+                    record.update({"val_loss" if name == "loss" else name: finite(values[position])
                                    for name, values in figures.items()})
                 self._write(record)
                 if self.board is not None:
@@ -143,7 +139,7 @@ class MetricsLog:
     def _evaluations(self, job: int, validation: list[tuple[int, dict[str, list[float]]]]) -> None:
         for step, figures in validation[self.evaluations[job]:]:
             for position, model in enumerate(self.plan.jobs[job].members):
-                values = {"val_loss" if name == "loss" else name: _number(values[position])
+                values = {"val_loss" if name == "loss" else name: finite(values[position])
                           for name, values in figures.items()}
                 self._write({"kind": "val", "model": model, "name": self.name(model), "step": step, **values})
                 if self.board is not None:

@@ -39,21 +39,14 @@ def newly_stopped(view: RunView, reported: set[int]) -> list[str]:
 def model_rows(view: RunView, names: list[str] | None = None) -> list[tuple[float, str]]:
     """Per model, its latest loss and validation loss as a line, with the figure it ranks by (the validation loss,
     else the loss; lower first)."""
-    state = view.state
     rows = []
-    for job, spec in enumerate(state.jobs):
-        steps = state.steps_trained[job]
-        losses = view.losses(job, steps) if steps else None
-        validation = view.validation[job][-1] if job < len(view.validation) and view.validation[job] else None
-        for position, model in enumerate(spec.members):
-            loss = losses[position][-1] if losses and losses[position] else None
-            val = validation[1]["loss"][position] if validation else None
-            label = names[model] if names else f"model {model}"
-            text = f"{label}: step {steps}"
-            text += f", loss {loss:.4g}" if loss is not None else ""
-            text += f", val {val:.4g} (step {validation[0]})" if val is not None and validation else ""
-            rank = val if val is not None else loss if loss is not None else math.inf
-            rows.append((rank if math.isfinite(rank) else math.inf, text))
+    for latest in view.latest():
+        label = names[latest.model] if names else f"model {latest.model}"
+        text = f"{label}: step {latest.steps}"
+        text += f", loss {latest.loss:.4g}" if latest.loss is not None else ""
+        text += f", val {latest.val_loss:.4g} (step {latest.val_step})" if latest.val_loss is not None else ""
+        rank = latest.val_loss if latest.val_loss is not None else latest.loss if latest.loss is not None else math.inf
+        rows.append((rank if math.isfinite(rank) else math.inf, text))
     return rows
 
 
@@ -86,15 +79,14 @@ class ProgressLine:
         self.last = now
         for line in newly_stopped(view, self.reported):
             self.stream.write(f"\r{line}\033[K\n")
-        members = [len(job.members) for job in state.jobs]  # a fused array's step is a step of each member
-        done = sum(steps * count for steps, count in zip(state.steps_trained, members))
-        totals = [spans.steps * count for spans, count in zip(state.spans, members) if spans.steps is not None]
-        total = f"/{sum(totals)}" if len(totals) == len(state.spans) else ""
+        done, total = state.model_steps()
+        models = sum(len(job.members) for job in state.jobs)
         failures = f", {len(self.reported)} stopped" if self.reported else ""
         rows = sorted(model_rows(view, self.names))
         best = f", best {rows[0][1]}" if rows and math.isfinite(rows[0][0]) else ""
         self.stream.write(
-            f"\rharmony: {sum(members)} models, steps {done}{total}, {state.tasks_finished} tasks{failures}, "
+            f"\rharmony: {models} models, steps {done}{'' if total is None else f'/{total}'}, "
+            f"{state.tasks_finished} tasks{failures}, "
             f"{now - self.started:.1f}s{best}\033[K"
         )
         self.stream.flush()
@@ -130,19 +122,16 @@ class ProgressBar:
 
     def __call__(self, view: RunView) -> None:
         state = view.state
-        members = [len(job.members) for job in state.jobs]  # a fused array's step is a step of each member
-        totals = [(state.steps_trained[job] if job in state.failed else spans.steps) * count  # a stopped job ends
-                  for job, (spans, count) in enumerate(zip(state.spans, members)) if spans.steps is not None]
-        if len(totals) == len(state.spans) and self.bar.total != sum(totals):
-            self.bar.total = sum(totals)
-        done = sum(steps * count for steps, count in zip(state.steps_trained, members))
+        done, total = state.model_steps()
+        if total is not None and self.bar.total != total:
+            self.bar.total = total
         now = time.perf_counter()
         if now - self.last >= self.interval or state.finished:  # what follows reads files
             self.last = now
             for line in newly_stopped(view, self.reported):
                 self.bar.write(line, file=self.bar.fp)
             busy = busy_share(view)
-            postfix = f"{sum(members)} models, {state.tasks_finished} tasks" + (
+            postfix = f"{sum(len(job.members) for job in state.jobs)} models, {state.tasks_finished} tasks" + (
                 f", devices {busy:.0%} busy" if busy is not None else "") + (
                 f", {len(self.reported)} stopped" if self.reported else "")
             self.bar.set_postfix_str(postfix, refresh=False)

@@ -91,10 +91,6 @@ def _check_parameters(index: int, model: nn.Module) -> None:
 
 def check_models(models: Any) -> list[nn.Module]:
     """The models as a list, each a distinct module with values to train (meta-device parameters refused)."""
-    return _models(models)
-
-
-def _models(models: Any) -> list[nn.Module]:
     if isinstance(models, nn.Module):
         models = [models]
     if not isinstance(models, (list, tuple)):
@@ -315,7 +311,7 @@ def validate(
 
     Planning needs no loss or optimizer: with for_training=False they may be None.
     """
-    model_list = _models(models)
+    model_list = check_models(models)
     check_options(options)
     planning_only = not for_training
     loss_fns = [None] * len(model_list) if planning_only and loss_fn is None else _loss_fns(loss_fn, model_list)

@@ -22,6 +22,7 @@ from tornado import web
 from tornado.ioloop import PeriodicCallback
 
 from harmony.runtime.counters import IN_KINDS, OUT_KINDS
+from harmony.runtime.view import RunView, finite
 from harmony.runtime.worker import RUNS, RunContext
 
 TOPIC = "harmony"
@@ -140,7 +141,7 @@ class Publisher:
         self.interval = interval
         self.last = -float("inf")
 
-    def __call__(self, view: Any) -> None:
+    def __call__(self, view: RunView) -> None:
         now = time.perf_counter()
         if now - self.last < self.interval and not view.state.finished:
             return
@@ -148,24 +149,9 @@ class Publisher:
         self.client.log_event(TOPIC, model_snapshot(self.run, view, self.names))
 
 
-def model_snapshot(run: str, view: Any, names: list[str] | None) -> dict[str, Any]:
+def model_snapshot(run: str, view: RunView, names: list[str] | None) -> dict[str, Any]:
     """What the driver publishes each second: per model its name, step, latest loss and validation loss."""
-    state = view.state
-    models = []
-    for job, spec in enumerate(state.jobs):
-        steps = state.steps_trained[job]
-        losses = view.losses(job, steps) if steps else None
-        validation = view.validation[job][-1][1]["loss"] if view.validation[job] else None
-        for position, model in enumerate(spec.members):
-            loss = losses[position][-1] if losses and losses[position] else None
-            val = validation[position] if validation else None
-            models.append([names[model] if names else f"model {model}", steps, _finite(loss), _finite(val)])
-    members = [len(job.members) for job in state.jobs]
-    totals = [spans.steps * count for spans, count in zip(state.spans, members) if spans.steps is not None]
-    return {"run": run, "models": models,
-            "steps": sum(steps * count for steps, count in zip(state.steps_trained, members)),
-            "total": sum(totals) if len(totals) == len(state.spans) else None}
-
-
-def _finite(value: float | None) -> float | None:
-    return value if value is not None and value == value and abs(value) != float("inf") else None
+    models = [[names[latest.model] if names else f"model {latest.model}", latest.steps, finite(latest.loss),
+               finite(latest.val_loss)] for latest in view.latest()]
+    steps, total = view.state.model_steps()
+    return {"run": run, "models": models, "steps": steps, "total": total}

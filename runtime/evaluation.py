@@ -14,7 +14,6 @@ is) weighted by its share of the samples; a fused array's members each get their
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -115,7 +114,6 @@ class Evaluations:
         self.scattered: dict[tuple[int | None, str], list[Any]] = {}  # per validation set and worker
         self.flight: dict[int, tuple[Evaluate, list[Future]]] = {}
         self.results: list[list[tuple[int, dict[str, list[float]]]]] = [[] for _ in batches]
-        self.started: float = time.perf_counter()
 
     def submit(self, evaluate: Evaluate, worker: str, packs: int) -> None:
         """The evaluation's tasks, all restricted to worker; its sum task's future reports to on_done."""

@@ -179,7 +179,7 @@ def execute(
         files.pull_results()
         files.copy_back(codes)
         executed = handle.client.run(_executed, run)
-        names = {address: name for name, address in handle.workers.items()}
+        device_of = {address: name for name, address in handle.workers.items()}
         outcome = RunOutcome(
             history=[files.history(m, files.trained(m)) for m in range(len(plan.jobs))],
             steps=[files.trained(m) for m in range(len(plan.jobs))],
@@ -189,10 +189,10 @@ def execute(
             counters=files.counters(),
             tasks=state.tasks_finished,
             run_seconds=run_seconds,
-            schedule={names[address]: [key for key, *_ in tasks] for address, tasks in executed.items()
-                      if address in names},
-            timeline={names[address]: [(begin - wall, end - wall, wait, key) for key, begin, end, wait in tasks]
-                      for address, tasks in executed.items() if address in names},
+            schedule={device_of[address]: [key for key, *_ in tasks] for address, tasks in executed.items()
+                      if address in device_of},
+            timeline={device_of[address]: [(begin - wall, end - wall, wait, key) for key, begin, end, wait in tasks]
+                      for address, tasks in executed.items() if address in device_of},
             failed=dict(state.failed),
             stopped={m: stopped for m in range(len(plan.jobs)) if (stopped := files.stopped(m))},
             events=list(state.events),

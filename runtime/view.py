@@ -8,12 +8,30 @@ are views of shared memory. A job on a machine the driver does not map has no lo
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
 from harmony.runtime.files import RunFiles
 from harmony.runtime.machines import RemoteStore
 from harmony.tasks.binding import BindingState
+
+
+def finite(value: float | None) -> float | None:
+    """value where it is a finite number, else None (JSON and the page have no NaN or infinity)."""
+    return value if value is not None and math.isfinite(value) else None
+
+
+@dataclass(frozen=True)
+class Latest:
+    """One model's latest figures: its steps trained, its last step's loss, and its last validation loss and the
+    step it was taken at (None where there is none yet, or the job's losses cannot be read here)."""
+
+    model: int
+    steps: int
+    loss: float | None
+    val_loss: float | None
+    val_step: int | None
 
 
 @dataclass
@@ -44,6 +62,19 @@ class RunView:
         if not self.mapped(job):
             return None
         return self.files.history(job, steps)
+
+    def latest(self) -> list[Latest]:
+        """Every model's latest figures, job by job (a fused array's members in order)."""
+        figures = []
+        for job, spec in enumerate(self.state.jobs):
+            steps = self.state.steps_trained[job]
+            losses = self.losses(job, steps) if steps else None
+            evaluated = self.validation[job][-1] if job < len(self.validation) and self.validation[job] else None
+            for position, model in enumerate(spec.members):
+                loss = losses[position][-1] if losses and losses[position] else None
+                val = evaluated[1]["loss"][position] if evaluated else None
+                figures.append(Latest(model, steps, loss, val, evaluated[0] if evaluated else None))
+        return figures
 
     def devices(self) -> dict[str, dict[str, int]]:
         """Per device, its budget and what its worker last published (bytes moved, accounted bytes, busy time)."""

@@ -730,6 +730,15 @@ class BindingState:
         left = self.spans[model].spans_left()
         return None if left is None else self.spans_opened[model] + left
 
+    def model_steps(self) -> tuple[int, int | None]:
+        """The steps every model has trained, a fused array's step counting once per member, and how many they
+        train in all (None while a loader's length is unknown; a failed job's count ends where it stopped)."""
+        members = [len(job.members) for job in self.jobs]
+        done = sum(steps * count for steps, count in zip(self.steps_trained, members))
+        totals = [(self.steps_trained[job] if job in self.failed else spans.steps) * count
+                  for job, (spans, count) in enumerate(zip(self.spans, members)) if spans.steps is not None]
+        return done, sum(totals) if len(totals) == len(self.spans) else None
+
     @property
     def finished(self) -> bool:
         return all(m in self.failed or self._job_finished(m) for m in range(len(self.jobs)))
