@@ -77,7 +77,7 @@ def user_cluster(cluster: Any) -> Iterator[ClusterHandle | None]:
 class Starting:
     """The embedded cluster, started in a thread of its own while the driver checks the data, losses and optimizers
     (the warm one at once where it has these devices, see runtime.cluster). That check builds the first optimizer of
-    the driver's process, which imports torch._dynamo: a second or more that the workers' own start overlaps. The
+    the driver's process, which imports torch._dynamo, an import the workers' own start overlaps. The
     pilot pass waits for the workers to be ready (their own imports done), since its layer timings, which plan the
     run, would be skewed by processes starting on the same cores (docs/performance.md, "Start-up"). A call that
     fails on its input leaves the cluster up, warm for the call that follows."""

@@ -73,7 +73,7 @@ class MetricsLog:
             held |= {step for model, step in state.evaluations_owed.items() if model == job}
             steps = min([state.steps_trained[job], *(step - 1 for step in held)])
             if steps > self.written[job] and view.mapped(job):
-                losses = view.losses(job, steps)
+                losses = view.losses(job, steps, self.written[job])
                 assert losses is not None
                 self._steps(job, steps, losses, state.step_times[job], dict(validation))
         if view.seconds - self.last_device >= DEVICE_INTERVAL or state.finished:
@@ -89,7 +89,7 @@ class MetricsLog:
             self._evaluations(job, validation[job] if job < len(validation) else [])
             steps = min(len(history[model]) for model in spec.members)
             if steps > self.written[job]:
-                losses = [history[model] for model in spec.members]
+                losses = [history[model][self.written[job]:] for model in spec.members]
                 self._steps(job, steps, losses, step_seconds[spec.members[0]],
                             dict(validation[job]) if job < len(validation) else {})
         self.close()
@@ -106,7 +106,9 @@ class MetricsLog:
 
     def _steps(self, job: int, steps: int, losses: list[list[float]], times: list[float],
                validation: dict[int, dict[str, list[float]]]) -> None:
+        """Records of the job's steps written .. steps - 1; losses per member hold those steps' losses alone."""
         members = self.plan.jobs[job].members
+        first = self.written[job]
         together, done, began = 1, None, 0.0
         for step in range(self.written[job], steps):
             if step >= len(times):
@@ -123,7 +125,7 @@ class MetricsLog:
             for position, model in enumerate(members):
                 rate = (self.samples[model] * together / (done - began)
                         if done is not None and done > began else None)
-                loss = losses[position][step]
+                loss = losses[position][step - first]
                 record: dict[str, Any] = {"kind": "step", "time": done, "model": model, "name": self.name(model),
                                           "step": step + 1, "loss": finite(loss), "lr": self.lrs[model],
                                           "samples_per_s": rate}

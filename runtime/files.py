@@ -206,16 +206,18 @@ class RunFiles:
                 self.stores[model].create(name, nbytes)
                 self.stores[model].push([name])
 
-    def history(self, model: int, steps: int) -> list[list[float]]:
-        """Per member of a job, the loss of every step: the sum over micro-batch groups of their shares."""
+    def history(self, model: int, steps: int, first: int = 0) -> list[list[float]]:
+        """Per member of a job, the loss of steps first .. steps - 1: the sum over micro-batch groups of their
+        shares (only the blocks holding those steps are read: a display reads the latest ones while a run goes)."""
         members = self.models[model].members
         blocks = []
-        for block in range(-(-steps // LOSS_BLOCK)):
+        for block in range(first // LOSS_BLOCK, -(-steps // LOSS_BLOCK)):
+            start = max(0, first - block * LOSS_BLOCK)
             size = min(LOSS_BLOCK, steps - block * LOSS_BLOCK)
             shares = [
                 self.stores[model].attach(losses_name(model, block, group), 8 * LOSS_BLOCK * members)
                 .view(torch.float64)
-                .view(LOSS_BLOCK, members)[:size]
+                .view(LOSS_BLOCK, members)[start:size]
                 for group in range(self.plan.jobs[model].groups)
             ]
             blocks.append(sum(shares[1:], shares[0].clone()))

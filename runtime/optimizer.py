@@ -56,9 +56,9 @@ class PackOptimizer:
 
 def fused_on_host(optimizer: torch.optim.Optimizer) -> None:
     """Step with torch's fused CPU kernel where the optimizer has one and its factory chose no implementation
-    (neither fused nor foreach): on the host store it updates 1.7-3.8x the bytes per second of torch's default
-    per-tensor loop (benchmarks/host_update.py), and differs from it by rounding alone (an ulp of float64 after 50
-    Adam steps). Parameters that are not floating point or not on the CPU keep the default."""
+    (neither fused nor foreach): on the host store it is several times torch's default per-tensor loop and differs
+    from it by rounding alone (docs/performance.md, "The host optimizer"). Parameters that are not floating point
+    or not on the CPU keep the default."""
     defaults = optimizer.defaults
     if defaults.get("fused", False) is not None or defaults.get("foreach") is not None:
         return

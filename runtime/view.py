@@ -57,18 +57,18 @@ class RunView:
         """Whether the job's losses can be read here while it runs (its host store is the driver's)."""
         return not isinstance(self.files.stores[job], RemoteStore)
 
-    def losses(self, job: int, steps: int) -> list[list[float]] | None:
-        """Per member of a job, the loss of its first steps steps (None where they cannot be read yet)."""
+    def losses(self, job: int, steps: int, first: int = 0) -> list[list[float]] | None:
+        """Per member of a job, the loss of its steps first .. steps - 1 (None where they cannot be read yet)."""
         if not self.mapped(job):
             return None
-        return self.files.history(job, steps)
+        return self.files.history(job, steps, first)
 
     def latest(self) -> list[Latest]:
         """Every model's latest figures, job by job (a fused array's members in order)."""
         figures = []
         for job, spec in enumerate(self.state.jobs):
             steps = self.state.steps_trained[job]
-            losses = self.losses(job, steps) if steps else None
+            losses = self.losses(job, steps, steps - 1) if steps else None
             evaluated = self.validation[job][-1] if job < len(self.validation) and self.validation[job] else None
             for position, model in enumerate(spec.members):
                 loss = losses[position][-1] if losses and losses[position] else None
