@@ -387,8 +387,7 @@ class BindingState:
             for value in (BatchInput(model, span, group), BatchTargets(model, span, group)):
                 self.readers.pop(value, None)
                 released.append(Release(value))
-        total = self.total_spans(model)
-        ended = total is not None and self.spans_done[model] >= total
+        ended = self._all_spans_done(model)
         if not self._owe_evaluation(model, ended) and ended:
             self.finish_times.setdefault(model, at)
         every = self.checkpoint_every
@@ -705,8 +704,7 @@ class BindingState:
             self.failed[event.model]["error"] = event.error
             return instructions + self._advance()
         self.evaluated[event.model] = event.step
-        total = self.total_spans(event.model)
-        self._owe_evaluation(event.model, total is not None and self.spans_done[event.model] >= total)
+        self._owe_evaluation(event.model, self._all_spans_done(event.model))
         if self._job_finished(event.model):
             self.finish_times.setdefault(event.model, event.at)
         return self._advance()
@@ -743,10 +741,14 @@ class BindingState:
     def finished(self) -> bool:
         return all(m in self.failed or self._job_finished(m) for m in range(len(self.jobs)))
 
+    def _all_spans_done(self, model: int) -> bool:
+        """Whether a job has run every span of its data."""
+        total = self.total_spans(model)
+        return total is not None and self.spans_done[model] >= total
+
     def _job_finished(self, model: int) -> bool:
         """Whether a job has run every span of its data (and, with evaluation, been evaluated at its end)."""
-        total = self.total_spans(model)
-        if total is None or self.spans_done[model] < total:
+        if not self._all_spans_done(model):
             return False
         return not self.evaluate or (self.evaluated[model] >= self.steps_trained[model]
                                      and model not in self.evaluating and model not in self.evaluations_owed)
