@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 import harmony
+from benchmarks.models import train_sequentially
 from benchmarks.report import arguments, report
 
 ROUNDS = 3
@@ -40,14 +41,7 @@ def sweep(seed: int = 0) -> tuple[list[nn.Module], list[tuple[torch.Tensor, torc
 def plain_seconds() -> float:
     """The plain loop: each model trained on the loader in turn."""
     models, data = sweep()
-    started = time.perf_counter()
-    for model in models:
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-        for x, y in data:
-            optimizer.zero_grad()
-            nn.functional.mse_loss(model(x), y).backward()
-            optimizer.step()
-    return time.perf_counter() - started
+    return train_sequentially(models, [0.01] * len(models), data, nn.functional.mse_loss)
 
 
 def harmony_call() -> dict[str, float]:

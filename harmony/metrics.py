@@ -26,7 +26,7 @@ from typing import Any, TextIO
 import torch
 
 from harmony.runtime.counters import IN_KINDS, OUT_KINDS
-from harmony.runtime.view import RunView, finite
+from harmony.runtime.view import RunView, finite, model_name
 from harmony.tasks.runplan import RunPlan
 
 DEVICE_INTERVAL = 1.0
@@ -61,7 +61,7 @@ class MetricsLog:
         self.board = _tensorboard(self.directory / self.path.stem)
 
     def name(self, model: int) -> str:
-        return self.names[model] if self.names else f"model {model}"
+        return model_name(model, self.names)
 
     def __call__(self, view: RunView) -> None:
         """Write what the run has done since the last call: new evaluations, new steps, the devices each second."""

@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Any, TextIO
 
-from harmony.runtime.view import RunView
+from harmony.runtime.view import RunView, model_name
 
 REASON_CHARS = 100
 ROWS = 8
@@ -41,8 +41,7 @@ def model_rows(view: RunView, names: list[str] | None = None) -> list[tuple[floa
     else the loss; lower first)."""
     rows = []
     for latest in view.latest():
-        label = names[latest.model] if names else f"model {latest.model}"
-        text = f"{label}: step {latest.steps}"
+        text = f"{model_name(latest.model, names)}: step {latest.steps}"
         text += f", loss {latest.loss:.4g}" if latest.loss is not None else ""
         text += f", val {latest.val_loss:.4g} (step {latest.val_step})" if latest.val_loss is not None else ""
         rank = latest.val_loss if latest.val_loss is not None else latest.loss if latest.loss is not None else math.inf

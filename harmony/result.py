@@ -14,6 +14,7 @@ from torch import nn
 from harmony.report import to_dataframe, write_report
 from harmony.runtime.counters import IN_KINDS, OUT_KINDS
 from harmony.runtime.run import RunOutcome
+from harmony.runtime.view import model_name
 from harmony.tasks.fusion import FusionChoice
 from harmony.tasks.packing import Packing
 from harmony.tasks.runplan import RunPlan
@@ -154,7 +155,7 @@ class TrainResult:
 
     def name(self, model: int) -> str:
         """The model's name (names=), else "model <index>"."""
-        return self.names[model] if self.names else f"model {model}"
+        return model_name(model, self.names)
 
     def best(self) -> Best:
         """The model with the lowest final validation loss (among those whose loss is finite); needs val_loaders."""

@@ -1,12 +1,12 @@
-"""The Harmony page on the scheduler's dashboard (``/harmony``), and the device figures workers report.
+"""The Harmony page on the scheduler's dashboard (``/harmony``): what it samples, serves and is fed by the driver.
 
 Each device worker reports its figures as Dask worker metrics (``harmony_budget``, ``harmony_cached``,
-``harmony_in``, ``harmony_out``, ``harmony_busy``), which travel with the workers' heartbeats and show in Dask's
-own worker table; the driver publishes each model's step, loss and validation loss as scheduler events (topic
-``harmony``). A scheduler plugin samples both every second into bounded series and serves them: ``/harmony`` is
-a page that draws them (plain SVG, redrawn every second from ``/harmony/data.json``). The routes are added to the
-scheduler's own HTTP server, so the embedded cluster and a user's cluster serve them alike while a run is going
-(the scheduler needs harmony importable); between runs the page says that none is going.
+``harmony_in``, ``harmony_out``, ``harmony_busy``: runtime.worker.device_metrics), which travel with the workers'
+heartbeats and show in Dask's own worker table; the driver publishes each model's step, loss and validation loss as
+scheduler events (topic ``harmony``). A scheduler plugin samples both every second into bounded series and serves
+them: ``/harmony`` is a page that draws them (plain SVG, redrawn every second from ``/harmony/data.json``). The
+routes are added to the scheduler's own HTTP server, so the embedded cluster and a user's cluster serve them alike
+while a run is going (the scheduler needs harmony importable); between runs the page says that none is going.
 """
 
 from __future__ import annotations
@@ -21,45 +21,12 @@ from distributed import Scheduler, SchedulerPlugin
 from tornado import web
 from tornado.ioloop import PeriodicCallback
 
-from harmony.runtime.counters import IN_KINDS, OUT_KINDS
-from harmony.runtime.view import RunView, finite
-from harmony.runtime.worker import RUNS, RunContext
+from harmony.runtime.view import RunView, finite, model_name
 
 TOPIC = "harmony"
 PLUGIN = "harmony-dashboard"
 SAMPLES = 900  # seconds of history kept per series
 PAGE = Path(__file__).with_name("dashboard.html")
-
-
-def device_metrics(run: str) -> dict[str, Any]:
-    """The worker metrics of a run's device: callables of the worker, read at each heartbeat."""
-    last = {"at": time.perf_counter(), "busy_ns": 0}
-
-    def figures(worker: Any) -> RunContext | None:
-        return RUNS.get((run, worker.address))
-
-    def busy(worker: Any) -> float:
-        context = figures(worker)
-        if context is None:
-            return 0.0
-        now, busy_ns = time.perf_counter(), context.counters.values["busy_ns"]
-        share = (busy_ns - last["busy_ns"]) / 1e9 / max(now - last["at"], 1e-9)
-        last.update(at=now, busy_ns=busy_ns)
-        return round(min(1.0, max(0.0, share)), 3)
-
-    def counter(*names: str) -> Any:
-        def read(worker: Any) -> int:
-            context = figures(worker)
-            return 0 if context is None else sum(context.counters.values[name] for name in names)
-        return read
-
-    return {
-        "harmony_budget": lambda worker: 0 if figures(worker) is None else figures(worker).cache.budget,
-        "harmony_cached": lambda worker: 0 if figures(worker) is None else figures(worker).cache.memory.used,
-        "harmony_in": counter(*(f"in_{kind}" for kind in IN_KINDS)),
-        "harmony_out": counter(*(f"out_{kind}" for kind in OUT_KINDS)),
-        "harmony_busy": busy,
-    }
 
 
 class DashboardPage(SchedulerPlugin):
@@ -151,7 +118,7 @@ class Publisher:
 
 def model_snapshot(run: str, view: RunView, names: list[str] | None) -> dict[str, Any]:
     """What the driver publishes each second: per model its name, step, latest loss and validation loss."""
-    models = [[names[latest.model] if names else f"model {latest.model}", latest.steps, finite(latest.loss),
+    models = [[model_name(latest.model, names), latest.steps, finite(latest.loss),
                finite(latest.val_loss)] for latest in view.latest()]
     steps, total = view.state.model_steps()
     return {"run": run, "models": models, "steps": steps, "total": total}

@@ -17,6 +17,11 @@ from harmony.runtime.machines import RemoteStore
 from harmony.tasks.binding import BindingState
 
 
+def model_name(model: int, names: list[str] | None) -> str:
+    """How displays, the metrics log and the result call a model: its name (names=), else "model <index>"."""
+    return names[model] if names else f"model {model}"
+
+
 def finite(value: float | None) -> float | None:
     """value where it is a finite number, else None (JSON and the page have no NaN or infinity)."""
     return value if value is not None and math.isfinite(value) else None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from collections import Counter
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -23,7 +24,7 @@ from torch import nn
 from harmony.runtime import serialization  # noqa: F401  (tensor serializers on every worker)
 from harmony.runtime.allocator import keep_freed_memory
 from harmony.runtime.cache import DeviceCache
-from harmony.runtime.counters import BLOCK_BYTES, Counters
+from harmony.runtime.counters import BLOCK_BYTES, IN_KINDS, OUT_KINDS, Counters
 from harmony.runtime.divergence import Members
 from harmony.runtime.files import (
     Versions,
@@ -260,6 +261,38 @@ def wait_for_warmup() -> None:
         warmup.wait()
 
 
+def device_metrics(run: str) -> dict[str, Any]:
+    """The worker metrics of a run's device (the /harmony page's figures, runtime.dashboard): callables of the
+    worker, read at each heartbeat."""
+    last = {"at": time.perf_counter(), "busy_ns": 0}
+
+    def figures(worker: Any) -> RunContext | None:
+        return RUNS.get((run, worker.address))
+
+    def busy(worker: Any) -> float:
+        context = figures(worker)
+        if context is None:
+            return 0.0
+        now, busy_ns = time.perf_counter(), context.counters.values["busy_ns"]
+        share = (busy_ns - last["busy_ns"]) / 1e9 / max(now - last["at"], 1e-9)
+        last.update(at=now, busy_ns=busy_ns)
+        return round(min(1.0, max(0.0, share)), 3)
+
+    def counter(*names: str) -> Any:
+        def read(worker: Any) -> int:
+            context = figures(worker)
+            return 0 if context is None else sum(context.counters.values[name] for name in names)
+        return read
+
+    return {
+        "harmony_budget": lambda worker: 0 if figures(worker) is None else figures(worker).cache.budget,
+        "harmony_cached": lambda worker: 0 if figures(worker) is None else figures(worker).cache.memory.used,
+        "harmony_in": counter(*(f"in_{kind}" for kind in IN_KINDS)),
+        "harmony_out": counter(*(f"out_{kind}" for kind in OUT_KINDS)),
+        "harmony_busy": busy,
+    }
+
+
 class DevicePlugin(WorkerPlugin):
     """Sets up a run on every device worker and tears it down when the driver unregisters it."""
 
@@ -275,8 +308,6 @@ class DevicePlugin(WorkerPlugin):
         if gone(self.spec.run, directory):
             return  # the scheduler keeps a dead driver's plugin and gives it to workers that join later
         RUNS[(self.spec.run, worker.address)] = RunContext(self.spec, str(worker.name))
-        from harmony.runtime.dashboard import device_metrics  # it imports this module
-
         worker.metrics.update(device_metrics(self.spec.run))
 
     def teardown(self, worker: Any) -> None:
