@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections import Counter
 
 from distributed import Client, as_completed, get_worker
 
@@ -25,7 +24,7 @@ FINISHED = FinishedKeys()  # on a worker: the calibration tasks that have run th
 
 def _nothing(index: int, previous: LocalResult | None = None) -> int:
     """An empty task that, like a training task, first checks that the task before it on its worker has run."""
-    receive(previous, FINISHED, Counter())
+    receive(previous, FINISHED, {})
     FINISHED.add(str(get_worker().get_current_task()))
     return index
 

@@ -9,21 +9,25 @@ its result is in the worker's memory, held there by the driver's future until it
 Anything the producer itself waits for through the scheduler, the task waits for too (the driver passes
 those edges on), so a task never becomes runnable on the worker before its local producers do.
 
-A task can still come early (a message batch delivered it before its producer): it goes back to the scheduler
-and comes again behind the producer. A result must stay in its worker's memory until its local readers ran, so
-Dask's active memory manager, which would drop a copy another worker also holds, does not run meanwhile
-(runtime.replicas); a result missing all the same is a LostResult, never a wait.
+A task can still come early (a message batch delivered it before its producer, or the producer itself went back
+because its own producer had not come yet, or it waits here for data from another machine): it goes back to the
+scheduler and comes again behind the producer. How long that takes depends on the other machines and the
+scheduler's load, not on a count of returns, so a producer counts as lost only after PATIENCE seconds unseen.
+
+A result must stay in its worker's memory until its local readers ran, so Dask's active memory manager, which
+would drop a copy another worker also holds, does not run meanwhile (runtime.replicas); a result missing all
+the same is a LostResult, never a wait.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from distributed import Reschedule, get_worker
 
-MAX_EARLY_STARTS = 1000
+PATIENCE = 120.0
 RECENT_KEYS = 65_536
 
 
@@ -62,12 +66,13 @@ class LostResult(RuntimeError):
     """A local producer failed, or never ran on this worker."""
 
 
-def receive(value: Any, finished: FinishedKeys, early_starts: Counter[str]) -> Any:
+def receive(value: Any, finished: FinishedKeys, early_starts: dict[str, float]) -> Any:
     """value, with a LocalResult replaced by the result it names.
 
     finished holds the keys of the tasks this worker has run to completion. A producer it has not (it came
-    later, or went back to the scheduler itself) means the task came early: Reschedule. early_starts counts
-    those returns per producer, so that a producer that never comes is an error, not an endless loop.
+    later, or went back to the scheduler itself) means the task came early: Reschedule. early_starts holds, per
+    producer, when a reader first came before it, so that a producer that never comes is an error, not an
+    endless loop.
     """
     if not isinstance(value, LocalResult):
         return value
@@ -82,7 +87,7 @@ def receive(value: Any, finished: FinishedKeys, early_starts: Counter[str]) -> A
     return None
 
 
-def wait_for(value: Any, finished: FinishedKeys, early_starts: Counter[str]) -> None:
+def wait_for(value: Any, finished: FinishedKeys, early_starts: dict[str, float]) -> None:
     """Return if value is not a LocalResult or its task has finished on this worker; else send the calling task
     back to the scheduler (see receive), or fail if its producer failed or never came."""
     if not isinstance(value, LocalResult):
@@ -94,8 +99,9 @@ def wait_for(value: Any, finished: FinishedKeys, early_starts: Counter[str]) -> 
     state = worker.state.tasks.get(value.key)
     if state is not None and state.state == "error":
         raise LostResult(f"{value.key}, which this task waits for, failed")
-    early_starts[value.key] += 1
-    if early_starts[value.key] > MAX_EARLY_STARTS:
+    now = time.monotonic()
+    since = early_starts.setdefault(value.key, now)
+    if now - since > PATIENCE:
         seen = "not known to this worker" if state is None else f"{state.state} here, waiting for " + ", ".join(
             str(dependency.key) for dependency in state.dependencies if dependency.state != "memory")
         raise LostResult(f"{value.key}, which this task waits for, never ran on this worker ({seen})")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections import Counter
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -66,7 +65,7 @@ class RunContext:
         )
         self.timeline: list[tuple[str, float, float, float]] = []  # per task: key, wall start, end, copy seconds
         self.finished = FinishedKeys()
-        self.early_starts: Counter[str] = Counter()
+        self.early_starts: dict[str, float] = {}  # producer key: when a reader first came before it
         self.successor: TaskId | None = None
         self.homed_models: dict[int, HomedModel] = {}
         self._modules: dict[tuple[int, int], nn.Module] = {}

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import time
 import types
-from collections import Counter
 
 import pytest
 import torch
@@ -23,7 +23,7 @@ def test_a_local_result_is_read_from_the_worker_or_the_reader_comes_back_later(m
     finished = handoff.FinishedKeys(capacity=2)
     finished.add("done")
     finished.add("moved")
-    early: Counter[str] = Counter()
+    early: dict[str, float] = {}
     assert handoff.receive("plain", finished, early) == "plain"
     assert handoff.receive(LocalResult("done"), finished, early) is worker.data["done"]
     with pytest.raises(LostResult, match="no longer in this worker's memory"):
@@ -39,6 +39,8 @@ def test_a_local_result_is_read_from_the_worker_or_the_reader_comes_back_later(m
     finished.add("later")
     assert "done" not in finished and "moved" in finished and len(finished) == 2, "the oldest key goes"
     handoff.wait_for(LocalResult("done"), finished, early)  # its result is still in the worker's memory
-    early["not-arrived"] = handoff.MAX_EARLY_STARTS
+    with pytest.raises(Reschedule):
+        handoff.receive(LocalResult("not-arrived"), finished, early)  # however often it came early before
+    early["not-arrived"] = time.monotonic() - handoff.PATIENCE - 1
     with pytest.raises(LostResult, match="never ran"):
         handoff.receive(LocalResult("not-arrived"), finished, early)
