@@ -23,7 +23,7 @@ from harmony.errors import InputError, ModelError
 from harmony.fusing import build_array, fuse
 from harmony.runtime.cache import tree_nbytes
 from harmony.runtime.code import JobCode
-from harmony.runtime.pilot import KeywordCall, decompose
+from harmony.runtime.pilot import Decomposition, KeywordCall, decompose
 from harmony.tasks.amortize import steps_per_task
 from harmony.tasks.binding import MODES
 from harmony.tasks.hardware import Hardware
@@ -34,6 +34,9 @@ from harmony.tasks.runplan import Job, RunPlan
 from harmony.tasks.simulator import model_step_seconds, simulate
 from harmony.validate import Arguments, model_label
 
+# A traced block is cut at its children when its weights exceed this share of the budget: a pack holds its weights,
+# their gradients and the next pack's weights being prefetched, with room left for activations.
+BLOCK_SHARE = 4
 logger = logging.getLogger("harmony")
 
 def _check_loss(args: Arguments, index: int, label: str, output: Any, target: Any) -> None:
@@ -54,11 +57,15 @@ def cut(profile: ModelProfile, budget: int, samples: int, label: str) -> Any:
     try:
         return cut_packs(profile, budget, samples)
     except LayerTooLarge as error:
-        raise InputError(
-            f"device_memory is too small for {label}: {error}. Raise device_memory to at least "
-            f"{error.alone:,} bytes ({error.need.total:,} to prefetch), or use more micro-batches to shrink the "
-            "activations"
-        ) from None
+        raise cut_error(error, label) from None
+
+
+def cut_error(error: LayerTooLarge, label: str) -> InputError:
+    return InputError(
+        f"device_memory is too small for {label}: {error}. Raise device_memory to at least "
+        f"{error.alone:,} bytes ({error.need.total:,} to prefetch), or use more micro-batches to shrink the "
+        "activations"
+    )
 
 
 def pilot(args: Arguments, budget: int) -> list[Candidate]:
@@ -67,14 +74,7 @@ def pilot(args: Arguments, budget: int) -> list[Candidate]:
     for index, model in enumerate(args.models):
         label = model_label(index, model)
         sample, target, sizes = pilot_batch(args, index)
-        try:
-            decomposition = decompose(KeywordCall(model) if isinstance(sample, Mapping) else model, sample, label)
-        except Exception as error:
-            raise ModelError(index, f"{label} raised {type(error).__name__}: {error} in its forward "
-                             "during the pilot pass") from error
-        if args.loss_fns[index] is not None:
-            _check_loss(args, index, label, decomposition.output, target)
-        packing = cut(decomposition.profile, budget, sizes[0], label)
+        decomposition, packing = _decompose_and_cut(args, index, sample, target, sizes[0], budget)
         logger.info("%s%s", packing.explain(), "".join(f"; {note}" for note in decomposition.notes[:3]))
         job = Job(
             members=(index,),
@@ -90,6 +90,34 @@ def pilot(args: Arguments, budget: int) -> list[Candidate]:
         code = JobCode(tuple(decomposition.layers), args.loss_fns[index], args.optimizers[index])
         candidates.append(Candidate(job, code, decomposition.profile))
     return candidates
+
+
+def _decompose_and_cut(args: Arguments, index: int, sample: Any, target: Any, samples: int,
+                       budget: int) -> tuple[Decomposition, Any]:
+    """Decompose model index and cut it into packs for budget. A traced block is cut at its children when its
+    weights exceed a share of the budget (BLOCK_SHARE); when a layer still does not fit (its activations), the
+    blocks as large as that layer's weights are cut finer, until the layer fits or nothing is left to cut."""
+    model, label = args.models[index], model_label(index, args.models[index])
+    largest = budget // BLOCK_SHARE
+    layers = 0
+    while True:
+        try:
+            decomposition = decompose(KeywordCall(model) if isinstance(sample, Mapping) else model, sample, label,
+                                      largest=largest)
+        except Exception as error:
+            raise ModelError(index, f"{label} raised {type(error).__name__}: {error} in its forward "
+                             "during the pilot pass") from error
+        if args.loss_fns[index] is not None and not layers:
+            _check_loss(args, index, label, decomposition.output, target)
+        try:
+            return decomposition, cut_packs(decomposition.profile, budget, samples)
+        except LayerTooLarge as error:
+            if len(decomposition.layers) <= layers:
+                raise cut_error(error, label) from None
+            layers = len(decomposition.layers)
+            failing = decomposition.profile.layers[error.first : error.stop]
+            largest = min(largest, max(sum(spec.nbytes for spec in (*layer.params, *layer.buffers))
+                                       for layer in failing) - 1)
 
 
 def groups_for(mode: str, devices: int, microbatches: int) -> int:

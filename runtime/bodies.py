@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 import torch
 from distributed import Reschedule, get_worker
 from torch.func import functional_call
+from torch.utils._pytree import tree_leaves, tree_map
 
 from harmony.runtime import shipping
 from harmony.runtime.cache import tree_nbytes
@@ -387,7 +388,7 @@ def _backward_step(
             x = kept_input if kept_input is not None else ctx.cache.copy_in(
                 microbatch, "inputs" if pack == 0 else "activations")
             if pack > 0:
-                x.requires_grad_(x.is_floating_point())
+                _track(x)
             _seed(ctx.device, spec.seed, pack, step, group * 65_536 + index)
             with torch.enable_grad():
                 with ctx.autocast():
@@ -402,10 +403,9 @@ def _backward_step(
                 else:
                     upstream = kept_grad if kept_grad is not None else ctx.cache.copy_in(
                         gradients_or_targets[index], "activations")
-                    if y.requires_grad:
-                        y.backward(upstream)
+                    _backward_from(y, upstream)
             if pack > 0:
-                grad = x.grad if x.grad is not None else torch.zeros_like(x)
+                grad = _input_grad(x)
                 input_grads.append(ctx.cache.copy_out(grad, "activations"))
             if saved_buffers is not None:
                 weights[runtime.buffers_offset :].copy_(saved_buffers)
@@ -414,6 +414,43 @@ def _backward_step(
     if last:
         _record_losses(ctx, model, step, group, losses.totals())
     return input_grads
+
+
+def _track(x: Any) -> None:
+    """Make the floating-point tensors of a pack's input (one, or the several a stage boundary carries) autograd
+    leaves, so that backward leaves their gradients in them."""
+    if isinstance(x, torch.Tensor):
+        x.requires_grad_(x.is_floating_point())
+        return
+    for leaf in tree_leaves(x):
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+            leaf.requires_grad_()
+
+
+def _backward_from(y: Any, upstream: Any) -> None:
+    """Backpropagate the upstream gradients of a pack's output, a tensor or a tuple of them, leaf by leaf."""
+    if isinstance(y, torch.Tensor):
+        if y.requires_grad:
+            y.backward(upstream)
+        return
+    pairs = [(out, grad) for out, grad in zip(tree_leaves(y), tree_leaves(upstream), strict=True)
+             if isinstance(out, torch.Tensor) and out.requires_grad]
+    if pairs:
+        torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
+
+
+def _input_grad(x: Any) -> Any:
+    """The gradient of a pack's input, shaped like the input: zeros for a floating-point tensor nothing reached, an
+    empty tensor in place of one that takes no gradient (an integer mask or position ids)."""
+    if isinstance(x, torch.Tensor):
+        return x.grad if x.grad is not None else torch.zeros_like(x)
+
+    def grad_of(leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor) or not leaf.is_floating_point():
+            return torch.empty(0, device=leaf.device if isinstance(leaf, torch.Tensor) else None)
+        return leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+
+    return tree_map(grad_of, x)
 
 
 def _leaves(tensors: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -2,9 +2,9 @@
 
 A module is split into its children when it is an nn.Sequential, or when torch.fx shows that its
 forward does nothing but call each child once, feeding each the previous one's output (a plain
-``fc1 -> act -> fc2`` module is a chain). Any other module with children is traced and cut into stages
-where one value flows (runtime.stages: between a ResNet's or a ViT's blocks, never inside a residual);
-one that cannot be traced, or has no such point, is kept whole, and the model's notes say why. Layers that share a
+``fc1 -> act -> fc2`` module is a chain). Any other module with children is traced and cut into stages at its
+repeated blocks, and inside a block too large for one pack at the block's children (runtime.stages); a boundary
+may carry several tensors. One that cannot be traced is kept whole, and the model's notes say why. Layers that share a
 parameter are merged into one layer, since a pack cut between them would hold the weight twice. The
 pass runs on the CPU in the driver before any worker starts; it leaves the model's buffers and the
 global RNG as it found them.
@@ -106,15 +106,15 @@ def chain_order(module: nn.Module) -> list[nn.Module] | None:
     return [children[name] for name in order]
 
 
-def _flatten(module: nn.Module, x: Any, layers: list[nn.Module], notes: list[str]) -> Any:
+def _flatten(module: nn.Module, x: Any, layers: list[nn.Module], notes: list[str], largest: int | None) -> Any:
     """Append module's layers to layers, running x through them; notes says how a module that is not a chain of
-    its children was cut, or why it was not."""
+    its children was cut, or why it was not (largest: see trace_stages)."""
     order = chain_order(module)
     if order is not None:
         for child in order:
-            x = _flatten(child, x, layers, notes)
+            x = _flatten(child, x, layers, notes, largest)
         return x
-    stages, how = trace_stages(module) if any(True for _ in module.children()) else ([module], "")
+    stages, how = trace_stages(module, largest) if any(True for _ in module.children()) else ([module], "")
     if how:
         notes.append(f"{type(module).__name__}: {how}")
     for stage in stages:
@@ -172,13 +172,14 @@ def _fastest_call(layer: nn.Module, x: Any, repeats: int) -> tuple[Any, float]:
     return y, fastest
 
 
-def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7) -> Decomposition:
-    """Decompose model into a chain and profile it on sample (one micro-batch of inputs)."""
+def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7, largest: int | None = None) -> Decomposition:
+    """Decompose model into a chain and profile it on sample (one micro-batch of inputs); a traced block holding more
+    than largest bytes of weights is cut at its children."""
     samples = max(1, _batch_size(sample))
     with preserved_state(model), torch.no_grad():
         layers: list[nn.Module] = []
         notes: list[str] = []
-        _flatten(model, sample, layers, notes)
+        _flatten(model, sample, layers, notes, largest)
         layers = _merge_shared(layers)
     profiles = []
     with preserved_state(model), torch.no_grad():
@@ -192,15 +193,28 @@ def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7) -> Dec
                     buffers=_specs(layer.named_buffers()),
                     frozen=frozenset(n for n, p in layer.named_parameters() if not p.requires_grad),
                     input_bytes_per_sample=tree_nbytes(x) / samples,
-                    output_bytes_per_sample=tree_nbytes(y) / samples,
+                    output_bytes_per_sample=_new_bytes(y, x) / samples,
                     forward_seconds_per_sample=seconds / samples,
-                    cut_before=isinstance(x, torch.Tensor),
+                    cut_before=is_boundary(x),
                 )
             )
             x = layer(x)
         output = x
     profile = ModelProfile(name=name, layers=tuple(profiles), pilot_samples=samples)
     return Decomposition(layers=layers, profile=profile, output=output, notes=notes)
+
+
+def _new_bytes(y: Any, x: Any) -> int:
+    """The bytes of y's tensors that are not x's own: a value a stage passes on to a later one (the residual beside
+    a branch) is memory its input already holds."""
+    passed = {id(leaf) for leaf in tree_leaves(x) if isinstance(leaf, torch.Tensor)}
+    return sum(leaf.nbytes for leaf in tree_leaves(y) if isinstance(leaf, torch.Tensor) and id(leaf) not in passed)
+
+
+def is_boundary(x: Any) -> bool:
+    """Whether packs may be cut where x flows: a tensor, or a tuple of them (a traced stage boundary)."""
+    return isinstance(x, torch.Tensor) or (
+        isinstance(x, tuple) and bool(x) and all(isinstance(value, torch.Tensor) for value in x))
 
 
 def _batch_size(tree: Any) -> int:

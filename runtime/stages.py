@@ -1,27 +1,39 @@
-"""Stages: a module that is not a chain of its children, cut by tracing its forward where a single value flows.
+"""Stages: a module that is not a chain of its children, cut into a chain by tracing its forward.
 
-torch.fx traces the forward down to torch's own layers (Linear, Conv2d, LayerNorm, ... stay whole) and gives the
-operations in order. Between two operations the forward may be cut when exactly one value computed before is
-still needed after: the residual stream between two blocks of a ResNet or a ViT, the features before a
-classifier's flatten. Each run of operations between cuts becomes a stage, an ``fx.GraphModule`` that takes that
-one value and returns the next: the stages are a chain, and packs are cut from it like any chain of layers.
-Where more than one value is live (inside a residual block: its input and its branch; across the blocks of a
-model that computes an attention mask once for all of them) the forward is not cut, so such a span stays in one
-stage. A parameter a stage reads by attribute is read from the user's module itself (the stage holds a
-reference), so training the stages trains the user's model; a parameter read by two stages (tied weights) makes
-the chain merge them (pilot's merge of shared layers). A forward that torch.fx cannot trace (control flow on
-tensor values, an unsupported call) is not cut, and ``trace_stages`` says why.
+torch.fx traces the forward down to torch's own layers (Linear, Conv2d, LayerNorm, MultiheadAttention ... stay
+whole) and gives the operations in order, each with the stack of modules it ran in. Every operation belongs to a
+unit: the repeated block it runs in (an entry of a ModuleList or Sequential: ``blocks.3``, ``layer2.1``,
+``encoder.layers.encoder_layer_5``), or the model's child it runs in when it runs in no block (a stem, a head).
+A unit whose weights exceed ``largest`` bytes is replaced by its children (an attention, an MLP, a convolution),
+level by level. An operation outside every module (a flatten between children), and one that takes an item of a
+layer's tuple output, joins the unit before it. The forward is cut wherever the unit changes, and also wherever a
+single value flows (between the halves of a transformer block: such a cut costs one tensor). Each run of
+operations between cuts becomes a stage, an ``fx.GraphModule`` that takes the values live at its start and returns
+those live at its end: one tensor, or a tuple of them where several flow (a residual beside its branch inside a
+block, a mask computed once for all blocks, a skip from an early layer). The stages are a chain, and packs are cut
+from it like any chain of layers; the values at a boundary are what a pack keeps for its backward and what
+moves between devices.
+
+A parameter a stage reads by attribute is read from the user's module itself (the stage holds a reference), so
+training the stages trains the user's model; a parameter read by two stages (tied weights) makes the chain merge
+them (pilot's merge of shared layers). A forward that torch.fx cannot trace (control flow on tensor values, an
+unsupported call) is not cut, and ``trace_stages`` says why.
 """
 
 from __future__ import annotations
 
-import itertools
+import operator
+import re
 
 from torch import fx, nn
 
+CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
-def trace_stages(module: nn.Module) -> tuple[list[nn.Module], str]:
-    """module as a chain of stages, and how it was cut (or why it was not: then the list holds module alone)."""
+
+def trace_stages(module: nn.Module, largest: int | None = None) -> tuple[list[nn.Module], str]:
+    """module as a chain of stages, and how it was cut (or why it was not: then the list holds module alone).
+
+    largest: the most weight bytes a unit may hold before it is cut at its children (None: never)."""
     try:
         graph = fx.Tracer().trace(module)
     except Exception as error:  # torch.fx raises many kinds for what it cannot trace
@@ -30,39 +42,148 @@ def trace_stages(module: nn.Module) -> tuple[list[nn.Module], str]:
     placeholders = [node for node in nodes if node.op == "placeholder"]
     if len(placeholders) != 1:
         return [module], f"its forward takes {len(placeholders)} inputs"
+    position = {node: index for index, node in enumerate(nodes)}
     last_use: dict[fx.Node, int] = {}
     for index, node in enumerate(nodes):
         for used in node.all_input_nodes:
             last_use[used] = index
-    cuts = []
+    single = _single_value_points(nodes, last_use)
+    units = Units(module, largest)
+    computed = [node for node in nodes if node.op not in ("placeholder", "get_attr", "output")]
+    segments: list[list[fx.Node]] = []
+    current: str | None = None
+    for node in computed:
+        unit = None if _takes_apart(node, segments) else units.of(node)
+        if not segments or (unit is not None and unit != current and current is not None) or (
+                unit is not None and segments[-1][-1] in single):
+            segments.append([])
+        if unit is not None:
+            current = unit
+        segments[-1].append(node)
+    if len(segments) < 2:
+        return [module], "its forward runs in one block"
+    output = nodes[-1].args[0]
+    stages: list[nn.Module] = []
+    flowing = [placeholders[0]]
+    for segment in segments:
+        end = position[segment[-1]]
+        if segment is segments[-1]:
+            result, live = output, []
+        else:
+            defined = [*flowing, *segment]
+            live = [value for value in defined if last_use.get(value, -1) > end]
+            result = live[0] if len(live) == 1 else tuple(live)
+        stages.append(_stage(module, segment, flowing, result))
+        flowing = live
+    widest = max(len(stage.harmony_inputs) for stage in stages)
+    crossing = "one value crosses each cut" if widest == 1 else f"up to {widest} values cross a cut"
+    return stages, f"traced by torch.fx and cut into {len(stages)} stages at {units.blocks_cut()}; {crossing}"
+
+
+class Units:
+    """Which unit each traced operation belongs to (see the module docstring), and which units were cut finer."""
+
+    def __init__(self, root: nn.Module, largest: int | None) -> None:
+        self.root = root
+        self.largest = largest
+        self.seen: dict[str, None] = {}
+        self.split: dict[str, None] = {}
+        self._weights: dict[str, int] = {}
+
+    def of(self, node: fx.Node) -> str | None:
+        stack = node.meta.get("nn_module_stack") or {}
+        if not stack:
+            return None
+        path = re.sub(r"@\d+$", "", next(reversed(stack)))
+        parts = path.split(".")
+        depth = next((k for k in range(2, len(parts) + 1) if self._is_entry(parts[:k])), None)
+        if depth is None:  # in no block: the model's child, or its child's where that child holds the blocks
+            depth = 1
+            while depth < len(parts) and self._holds_blocks(parts[:depth]):
+                depth += 1
+        while depth < len(parts) and self._too_large(parts[:depth]):
+            self.split[".".join(parts[:depth])] = None
+            depth += 1
+            while depth < len(parts) and isinstance(self.root.get_submodule(".".join(parts[:depth])), CONTAINERS):
+                depth += 1
+        unit = ".".join(parts[:depth])
+        self.seen[unit] = None
+        return unit
+
+    def _is_entry(self, parts: list[str]) -> bool:
+        """Whether the module at parts is an entry of a container (a repeated block)."""
+        return isinstance(self.root.get_submodule(".".join(parts[:-1])), CONTAINERS)
+
+    def _holds_blocks(self, parts: list[str]) -> bool:
+        return any(isinstance(sub, CONTAINERS) for sub in self.root.get_submodule(".".join(parts)).modules())
+
+    def _too_large(self, parts: list[str]) -> bool:
+        if self.largest is None:
+            return False
+        path = ".".join(parts)
+        if path not in self._weights:
+            sub = self.root.get_submodule(path)
+            self._weights[path] = sum(t.numel() * t.element_size() for t in [*sub.parameters(), *sub.buffers()])
+        return self._weights[path] > self.largest
+
+    def blocks_cut(self) -> str:
+        """The units, briefly and in order: a run of repeated blocks as ``blocks.0-11``, then which units were
+        cut at their children."""
+        items: list[tuple[str, list[str]]] = []  # (container or unit, entries of the container)
+        for unit in self.seen:
+            parts = unit.split(".")
+            depth = next((k for k in range(2, len(parts) + 1) if self._is_entry(parts[:k])), None)
+            if depth is None:
+                items.append((unit, []))
+                continue
+            container, entry = ".".join(parts[: depth - 1]), parts[depth - 1]
+            if items and items[-1][0] == container and items[-1][1]:
+                if items[-1][1][-1] != entry:
+                    items[-1][1].append(entry)
+            else:
+                items.append((container, [entry]))
+        text = ", ".join(
+            name if not entries else f"{name}.{entries[0]}" if len(entries) == 1
+            else f"{name}.{entries[0]}-{entries[-1]}" if entries[0].isdigit() else f"{name}.{entries[0]}..{entries[-1]}"
+            for name, entries in items
+        )
+        if self.split:
+            text += f" (inside {', '.join(self.split)}, too large for one pack, at their children)"
+        return text
+
+
+def _single_value_points(nodes: list[fx.Node], last_use: dict[fx.Node, int]) -> set[fx.Node]:
+    """The operations after which their own value is the only one the rest of the forward needs: cutting there
+    costs one tensor, inside a block as between blocks."""
+    points = set()
     live: set[fx.Node] = set()
     for index, node in enumerate(nodes[:-1]):
         if node.op != "get_attr":
             live.add(node)
         live = {value for value in live if last_use.get(value, -1) > index}
         if live == {node} and node.op != "placeholder":
-            cuts.append(index)
-    if not cuts:
-        return [module], "no point of its forward carries a single value"
-    bounds = [0, *[cut + 1 for cut in cuts], len(nodes) - 1]  # the output node ends the last stage
-    stages: list[nn.Module] = []
-    flowing = placeholders[0]
-    for first, stop in itertools.pairwise(bounds):
-        segment = [node for node in nodes[first:stop] if node.op not in ("placeholder", "get_attr")]
-        if segment:
-            result = segment[-1] if stop < len(nodes) - 1 else nodes[-1].args[0]
-            stages.append(_stage(module, segment, flowing, result))
-            flowing = segment[-1]
-    if len(stages) < 2:
-        return [module], "no point of its forward carries a single value"
-    return stages, f"traced and cut into {len(stages)} stages where one value flows"
+            points.add(node)
+    return points
 
 
-def _stage(module: nn.Module, segment: list[fx.Node], flowing: fx.Node, result: fx.node.Argument) -> fx.GraphModule:
-    """The operations of segment as a module of their own: flowing in, result out; the attributes they read
-    (parameters, buffers, submodules) are module's own, by reference."""
+def _takes_apart(node: fx.Node, segments: list[list[fx.Node]]) -> bool:
+    """Whether node takes an item of a value computed in the current segment (a layer's tuple output): it stays with
+    that value, so that a cut carries the tensors, not the tuple."""
+    return (node.op == "call_function" and node.target is operator.getitem and bool(segments)
+            and isinstance(node.args[0], fx.Node) and node.args[0] in segments[-1])
+
+
+def _stage(module: nn.Module, segment: list[fx.Node], flowing: list[fx.Node], result: fx.node.Argument) -> nn.Module:
+    """The operations of segment as a module of their own: the flowing values in (one, or a tuple), result out; the
+    attributes they read (parameters, buffers, submodules) are module's own, by reference."""
     graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {flowing: graph.placeholder("x")}
+    x = graph.placeholder("x")
+    env: dict[fx.Node, fx.Node] = {}
+    if len(flowing) == 1:
+        env[flowing[0]] = x
+    else:
+        for index, value in enumerate(flowing):
+            env[value] = graph.call_function(operator.getitem, (x, index))
 
     def lookup(value: fx.Node) -> fx.Node:
         if value not in env and value.op == "get_attr":
@@ -74,6 +195,7 @@ def _stage(module: nn.Module, segment: list[fx.Node], flowing: fx.Node, result: 
     graph.output(fx.map_arg(result, lookup))
     stage = fx.GraphModule(module, graph, class_name=f"{type(module).__name__}Stage")
     stage.harmony_description = _describe(segment)
+    stage.harmony_inputs = tuple(value.name for value in flowing)
     return stage
 
 
@@ -83,3 +205,4 @@ def _describe(segment: list[fx.Node]) -> str:
     if not called:
         return "operations"
     return called[0] if len(called) == 1 else f"{called[0]} .. {called[-1]}"
+

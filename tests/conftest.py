@@ -57,6 +57,22 @@ class ResidualNet(nn.Module):
         return self.head(torch.flatten(x, 1))
 
 
+class GatedNet(nn.Module):
+    """Blocks that all read a gate computed once from the input: several values flow between blocks."""
+
+    def __init__(self, width: int = 16, blocks: int = 3) -> None:
+        super().__init__()
+        self.gate = nn.Linear(width, width)
+        self.blocks = nn.ModuleList([ResidualBlock(width) for _ in range(blocks)])
+        self.head = nn.Linear(width, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = torch.sigmoid(self.gate(x))
+        for block in self.blocks:
+            x = block(x) * gate
+        return self.head(x)
+
+
 def param_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 

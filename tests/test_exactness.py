@@ -8,6 +8,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import harmony
+from harmony.planner import BLOCK_SHARE
+from harmony.runtime.stages import trace_stages
 from tests.conftest import (
     ResidualNet,
     assert_same_weights,
@@ -15,6 +17,7 @@ from tests.conftest import (
     deep_mlp,
     param_bytes,
     regression_batches,
+    torch_threads,
     train_plain,
 )
 
@@ -212,3 +215,53 @@ def test_torchvisions_vit_trains_in_packs_under_a_third_of_its_size(no_leaks: No
     assert max(result.stats.peak_device_bytes.values()) <= budget
     train_plain(reference, batches, nn.functional.cross_entropy, adam)
     assert_same_weights(model, reference, rtol=0, atol=1e-9)
+
+
+def narrow_resnet50(divisor: int = 4, classes: int = 4) -> nn.Module:
+    """torchvision's ResNet-50 (Bottleneck, 3-4-6-3 blocks) with every block's width divided by divisor."""
+    resnet = pytest.importorskip("torchvision.models.resnet")
+
+    class NarrowResNet50(resnet.ResNet):
+        def __init__(self) -> None:
+            super().__init__(resnet.Bottleneck, [3, 4, 6, 3], num_classes=classes)
+            self.fc = nn.Linear(512 * resnet.Bottleneck.expansion // divisor, classes)
+
+        def _make_layer(self, block: type, planes: int, blocks: int, stride: int = 1,
+                        dilate: bool = False) -> nn.Sequential:
+            return super()._make_layer(block, planes // divisor, blocks, stride, dilate)
+
+    return NarrowResNet50()
+
+
+def test_a_resnet50_is_cut_inside_its_largest_bottlenecks_and_trains_under_half_its_size(no_leaks: None) -> None:
+    """A layer4 bottleneck and its gradients alone fill half the model's bytes: packs are cut inside it, at
+    boundaries that carry the residual beside the branch. On two devices, float64, Adam, batch norm in training
+    mode: the weights and running statistics equal plain PyTorch's within 3x what plain PyTorch itself moves between
+    one and two threads (Adam turns reassociation on the gradients of a convolution followed by batch norm into
+    lr-sized steps), measured here; and within the budget."""
+    torch.manual_seed(0)
+    model = narrow_resnet50().double()
+    generator = torch.Generator().manual_seed(3)
+    images = torch.randn(32, 3, 16, 16, generator=generator, dtype=torch.float64)
+    labels = torch.randint(0, 4, (32,), generator=generator)
+    batches = [(images[i : i + 8], labels[i : i + 8]) for i in range(0, 32, 8)]
+    adam = lambda p: torch.optim.Adam(p, lr=1e-3)  # noqa: E731
+    plain = {}
+    for threads in (1, 2):
+        with torch_threads(threads):
+            plain[threads] = clones([model])[0]
+            train_plain(plain[threads], batches, nn.functional.cross_entropy, adam)
+    noise = max((a - b).abs().max().item() for a, b in zip(plain[1].state_dict().values(),
+                                                             plain[2].state_dict().values()))
+    budget = param_bytes(model) // 2
+    block = sum(t.numel() * t.element_size() for t in [*model.layer4[0].parameters(), *model.layer4[0].buffers()])
+    assert 2 * block > budget, "the largest bottleneck with its gradients must not fit the budget whole"
+    result = harmony.train(model, batches, nn.functional.cross_entropy, adam, devices=["cpu", "cpu"],
+                           device_memory=budget, progress=False)
+    stages, _ = trace_stages(model, largest=budget // BLOCK_SHARE)  # the chain the pilot cut the packs from
+    firsts = [stages[pack.first].harmony_description for pack in result.packings[0].packs]
+    inside = [d for d in firsts if d.startswith("layer4.") and not d.split(" ")[0].endswith(".conv1")]
+    assert inside, f"no pack starts inside a bottleneck: {firsts}"
+    assert max(result.stats.peak_device_bytes.values()) <= budget
+    for (name, ours), theirs in zip(model.state_dict().items(), plain[1].state_dict().values()):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=3 * noise, msg=lambda m, name=name: f"{name}: {m}")

@@ -14,7 +14,15 @@ from torch import nn
 import harmony
 from harmony import planner
 from harmony.runtime.shipping import BatchFiles
-from tests.conftest import assert_same_weights, clones, deep_mlp, regression_batches, train_plain
+from tests.conftest import (
+    GatedNet,
+    assert_same_weights,
+    clones,
+    deep_mlp,
+    param_bytes,
+    regression_batches,
+    train_plain,
+)
 
 Factory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -288,3 +296,23 @@ def test_a_resident_array_of_members_with_a_merged_optimizer_matches_plain_pytor
                            microbatches=2, steps_per_task=3, devices=["cpu"], progress=False)
     assert result.arrays == [[0, 1, 2]] and set(result.homes) == {0, 1, 2}
     check_against_plain(result, models, references, batches, [nn.functional.mse_loss] * 3, factories)
+
+
+def test_swapped_arrays_of_traced_models_carry_several_tensors_across_their_cuts(no_leaks: None) -> None:
+    """Every block of a GatedNet reads a gate computed once from the input, so two values cross each cut between
+    blocks: fused into an array, in packs under three quarters of the array's bytes on two devices, in float64, the
+    members equal plain PyTorch within 1e-9."""
+    torch.manual_seed(0)
+    models = [GatedNet(width=64, blocks=6).double() for _ in range(2)]
+    references = clones(models)
+    factories: list[Factory] = [functools.partial(torch.optim.Adam, lr=1e-3 * (i + 1)) for i in range(2)]
+    batches = [(x.double(), y.double()) for x, y in regression_batches(samples=16 * 4, batch=16, width=64, out=2)]
+    budget = 3 * param_bytes(models[0]) // 2
+    result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss, optimizer=factories, fuse=2,
+                           devices=["cpu", "cpu"], device_memory=budget, progress=False)
+    assert result.arrays == [[0, 1]] and len(result.packings[0].packs) >= 3
+    assert max(result.stats.peak_device_bytes.values()) <= budget
+    for model, reference, factory in zip(models, references, factories):
+        losses = train_plain(reference, batches, nn.functional.mse_loss, factory)
+        assert_same_weights(model, reference, rtol=0, atol=1e-9)
+    assert result.history[1] == pytest.approx(losses, abs=1e-9)

@@ -77,12 +77,13 @@ def test_children_are_taken_in_the_order_forward_calls_them() -> None:
     assert result.layers == [model.first, model.second]
 
 
-def test_a_forward_with_work_between_children_is_cut_where_one_value_flows() -> None:
+def test_a_forward_with_work_between_children_is_cut_at_them_the_work_going_with_the_child_before() -> None:
     model = FunctionBetweenChildren()
     x = torch.randn(3, 8)
     result = decompose(model, x, "m")
-    assert len(result.layers) == 3 and "stages where one value flows" in result.notes[0]
-    assert [layer.harmony_description for layer in result.layers] == ["a", "operations", "b"]
+    assert result.notes == ["FunctionBetweenChildren: traced by torch.fx and cut into 2 stages at a, b; one value "
+                            "crosses each cut"]
+    assert [layer.harmony_description for layer in result.layers] == ["a", "b"]
     assert result.layers[0].a.weight is model.a.weight
     torch.testing.assert_close(result.output, model(x), rtol=0, atol=0)
 

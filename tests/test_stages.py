@@ -1,13 +1,15 @@
-"""Stages: a module that is not a chain, cut by tracing its forward where a single value flows."""
+"""Stages: a module that is not a chain, cut by tracing its forward at its blocks, inside a block too large at its
+children, with boundaries that carry one value or several."""
 
 from __future__ import annotations
 
 import cloudpickle
+import pytest
 import torch
 from torch import nn
 
 from harmony.runtime.stages import trace_stages
-from tests.conftest import ResidualBlock, ResidualNet
+from tests.conftest import GatedNet, ResidualBlock, ResidualNet
 
 
 class DataDependent(nn.Module):
@@ -20,27 +22,92 @@ class DataDependent(nn.Module):
         return self.a(x) if x.sum() > 0 else self.b(x)
 
 
+def run_chain(stages: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
+    for stage in stages:
+        x = stage(x)
+    return x
+
+
 def test_a_residual_net_is_cut_between_its_blocks_and_computes_what_it_computed() -> None:
     torch.manual_seed(0)
     net = ResidualNet(width=16, blocks=4, inputs=8, outputs=3)
     stages, how = trace_stages(net)
-    assert "stages where one value flows" in how
+    assert how == ("traced by torch.fx and cut into 6 stages at stem, blocks.0-3, head; one value crosses each cut")
     descriptions = [stage.harmony_description for stage in stages]
-    assert "blocks.0.norm .. blocks.0.b" in descriptions and descriptions[-1] == "head"
-    assert not any("blocks.0" in d and "blocks.1" in d for d in descriptions), "a residual block is never split"
+    assert descriptions == ["stem", *[f"blocks.{i}.norm .. blocks.{i}.b" for i in range(4)], "head"]
     x = torch.randn(5, 8)
-    y = x
-    for stage in stages:
-        y = stage(y)
-    torch.testing.assert_close(y, net(x), rtol=0, atol=0)
+    torch.testing.assert_close(run_chain(stages, x), net(x), rtol=0, atol=0)
     assert stages[0].stem.weight is net.stem.weight, "stages train the user's own parameters"
     assert sum(p.numel() for stage in stages for p in stage.parameters()) == sum(p.numel() for p in net.parameters())
 
 
-def test_a_block_whose_residual_is_live_throughout_is_not_cut_and_an_untraceable_one_says_why() -> None:
+def test_a_block_too_large_is_cut_at_its_children_with_the_residual_crossing_beside_the_branch() -> None:
+    torch.manual_seed(0)
+    net = ResidualNet(width=16, blocks=4, inputs=8, outputs=3)
+    block_bytes = sum(p.numel() * p.element_size() for p in net.blocks[0].parameters())
+    stages, how = trace_stages(net, largest=block_bytes - 1)
+    assert "inside blocks.0, blocks.1, blocks.2, blocks.3, too large for one pack, at their children" in how
+    assert "up to 2 values cross a cut" in how
+    descriptions = [stage.harmony_description for stage in stages]
+    assert descriptions[1:5] == ["blocks.0.norm", "blocks.0.a", "operations", "blocks.0.b"]
+    assert [len(stage.harmony_inputs) for stage in stages[1:6]] == [1, 2, 2, 2, 2], "the block's input rides along"
+    x = torch.randn(5, 8)
+    torch.testing.assert_close(run_chain(stages, x), net(x), rtol=0, atol=0)
+    middle = stages[2](stages[1](stages[0](x)))
+    assert isinstance(middle, tuple) and len(middle) == 2
+    unsplit, _ = trace_stages(net, largest=block_bytes)
+    assert len(unsplit) == 6, "a block within the limit stays whole"
+
+
+def test_a_value_computed_once_for_every_block_flows_through_each_cut() -> None:
+    torch.manual_seed(0)
+    net = GatedNet()
+    stages, how = trace_stages(net)
+    assert "at gate, blocks.0-2, head" in how and "up to 2 values cross a cut" in how
+    assert [len(stage.harmony_inputs) for stage in stages] == [1, 2, 2, 2, 1]
+    x = torch.randn(4, 16)
+    torch.testing.assert_close(run_chain(stages, x), net(x), rtol=0, atol=0)
+    gradients = [torch.autograd.grad(out.sum(), list(net.parameters())) for out in (run_chain(stages, x), net(x))]
+    for ours, theirs in zip(*gradients):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+def test_torchvisions_resnet_is_cut_at_its_bottlenecks_and_inside_the_largest() -> None:
+    models = pytest.importorskip("torchvision.models")
+    net = models.resnet50(width_per_group=8, num_classes=3).eval()
+    def size(block: nn.Module) -> int:
+        return sum(t.numel() * t.element_size() for t in [*block.parameters(), *block.buffers()])
+
+    largest = max(size(block) for block in net.layer3)
+    too_large = [f"layer4.{i}" for i, block in enumerate(net.layer4) if size(block) > largest]
+    assert too_large, "the test needs a bottleneck larger than every block before it"
+    stages, how = trace_stages(net, largest=largest)
+    assert "layer1.0-2, layer2.0-3, layer3.0-5, layer4.0-2" in how
+    assert f"(inside {', '.join(too_large)}, too large for one pack, at their children)" in how
+    assert any(stage.harmony_description.startswith("layer4.0.conv2") for stage in stages)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(run_chain(stages, x), net(x), rtol=0, atol=0)
+
+
+class Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = ResidualBlock(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) * 2 + x
+
+
+def test_a_module_of_children_is_cut_at_them_one_of_one_child_is_not_and_an_untraceable_one_says_why() -> None:
     block = ResidualBlock(8)
     stages, how = trace_stages(block)
-    assert stages == [block] and "no point" in how
+    assert "3 stages at norm, a, b" in how and [len(stage.harmony_inputs) for stage in stages] == [1, 2, 2]
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(run_chain(stages, x), block(x), rtol=0, atol=0)
+    scaled = Scaled()
+    stages, how = trace_stages(scaled)
+    assert stages == [scaled] and how == "its forward runs in one block"
     untraceable = DataDependent()
     stages, how = trace_stages(untraceable)
     assert stages == [untraceable] and "not traceable by torch.fx" in how
