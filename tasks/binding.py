@@ -106,7 +106,7 @@ class BindingState:
         self.device_names = list(budgets)
         self.machines = {name: (machines or {}).get(name, "") for name in budgets}
         self.memory = {name: DeviceMemory(name, budget) for name, budget in budgets.items()}
-        self.running: dict[str, set[TaskId]] = {name: set() for name in budgets}
+        self.running: dict[str, dict[TaskId, int]] = {name: {} for name in budgets}  # task: when it was bound
         self.spans = [Spans(job.steps, job.depth, job.task_seconds, job.batch_bytes) for job in jobs]
         self.spans_opened = [0] * len(jobs)
         self.spans_done = [0] * len(jobs)
@@ -203,7 +203,7 @@ class BindingState:
         if task not in self.bound:
             return []  # a run of a task that was cancelled meanwhile (its job rolled back or failed)
         device = self.bound.pop(task)
-        self.running[device].discard(task)
+        self.running[device].pop(task, None)
         self.done.add(task)
         self.tasks_finished += 1
         del self._deps[task]
@@ -263,7 +263,7 @@ class BindingState:
         for task in span_tasks(model, packs(job), span, job.groups):
             device = self.bound.pop(task, None)
             if device is not None:
-                self.running.get(device, set()).discard(task)
+                self.running.get(device, {}).pop(task, None)
             if device is not None or task in self.done or task in self.placed:
                 cancelled.append(Cancel(task))
             self.done.discard(task)
@@ -302,7 +302,9 @@ class BindingState:
             return []
         self.device_names.remove(device)
         del self.memory[device]
-        suspects = {task.model for task in self.running.pop(device)}  # their tasks may be what killed it
+        running = self.running.pop(device)
+        # what it was running when it died, and so may have killed it: its first task, as the worker runs them in order
+        suspects = {min(running, key=running.__getitem__).model} if running else set()
         affected = (suspects
                     | {task.model for task, at in self.placed.items() if at == device}
                     | {model for model, home in self.homes.items() if home == device})
@@ -336,7 +338,7 @@ class BindingState:
             return []
         self.device_names = [name for name in self.budgets if name in self.memory or name == device]
         self.memory[device] = DeviceMemory(device, self.budgets[device])
-        self.running[device] = set()
+        self.running[device] = {}
         for model, home in self.homes.items():
             if home not in self.memory and self.machines[device] == self.jobs[model].machine:
                 self.homes[model] = device
@@ -508,7 +510,7 @@ class BindingState:
         self.bound[task] = device
         self.placed[task] = device
         self._satisfy(task)
-        self.running[device].add(task)
+        self.running[device][task] = self.submitted
         job = self.jobs[task.model]
         follower = successor(task, packs(job))
         if follower is not None:

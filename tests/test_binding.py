@@ -381,8 +381,19 @@ def test_losses_count_against_a_job_only_in_a_row() -> None:
     assert state.steps_trained == [20, 20]
 
 
+def test_a_lost_worker_counts_against_the_job_of_the_task_it_ran_first_not_every_job_queued_there() -> None:
+    state = BindingState([job(10), job(10)], {"a": 1000}, validate=True)
+    player = Player(state, {0: 2, 1: 2})
+    player.carry_out(state.start())
+    queued = [submit.task for submit in player.in_flight if submit.device == "a"]
+    assert {task.model for task in queued} == {0, 1}, "both jobs have tasks queued on the device"
+    player.handle(WorkerLost("a", 1.0))
+    assert dict(state.losses) == {queued[0].model: 1}, "the worker runs its tasks in order: the first one ran"
+
+
 def test_a_job_lost_with_its_device_again_and_again_fails_alone() -> None:
-    state = BindingState([job(10, home="a"), job(10)], {"a": 1000, "b": 1000}, homes={0: "a"}, validate=True)
+    state = BindingState([job(10, home="a"), job(10, home="c")], {"a": 1000, "b": 1000, "c": 1000},
+                         homes={0: "a", 1: "c"}, validate=True)  # job 0 moves between a and b, job 1 stays on c
     player = Player(state, {0: 2, 1: 2})
     player.carry_out(state.start())
     for when in range(4):
