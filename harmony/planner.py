@@ -96,14 +96,17 @@ def _decompose_and_cut(args: Arguments, index: int, sample: Any, target: Any, sa
                        budget: int) -> tuple[Decomposition, Any]:
     """Decompose model index and cut it into packs for budget. A traced block is cut at its children when its
     weights exceed a share of the budget (BLOCK_SHARE); when a layer still does not fit (its activations), the
-    blocks as large as that layer's weights are cut finer, until the layer fits or nothing is left to cut."""
+    blocks as large as that layer's weights are cut finer, until the layer fits or nothing is left to cut. A model
+    torch.fx cannot trace is exported with torch.export when it does not fit whole (an export costs a second or
+    more, and a model that fits trains as it is)."""
     model, label = args.models[index], model_label(index, args.models[index])
     largest = budget // BLOCK_SHARE
     layers = 0
+    export = False
     while True:
         try:
             decomposition = decompose(KeywordCall(model) if isinstance(sample, Mapping) else model, sample, label,
-                                      largest=largest)
+                                      largest=largest, export=export)
         except Exception as error:
             raise ModelError(index, f"{label} raised {type(error).__name__}: {error} in its forward "
                              "during the pilot pass") from error
@@ -112,6 +115,9 @@ def _decompose_and_cut(args: Arguments, index: int, sample: Any, target: Any, sa
         try:
             return decomposition, cut_packs(decomposition.profile, budget, samples)
         except LayerTooLarge as error:
+            if not export and any("not traceable by torch.fx" in note for note in decomposition.notes):
+                export = True  # it does not fit whole: worth the export
+                continue
             if len(decomposition.layers) <= layers:
                 raise cut_error(error, label) from None
             layers = len(decomposition.layers)

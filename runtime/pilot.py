@@ -59,6 +59,8 @@ class KeywordCall(nn.Module):
     """A model that takes a batch dict as its keyword arguments (a Hugging Face batch), as one layer that takes the
     dict: what the chain of layers starts with when batches are dicts."""
 
+    harmony_prefix = "model."  # how the model's own module names start, seen from here
+
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
@@ -106,17 +108,22 @@ def chain_order(module: nn.Module) -> list[nn.Module] | None:
     return [children[name] for name in order]
 
 
-def _flatten(module: nn.Module, x: Any, layers: list[nn.Module], notes: list[str], largest: int | None) -> Any:
+def _flatten(module: nn.Module, x: Any, layers: list[nn.Module], notes: list[str], largest: int | None,
+             export: bool) -> Any:
     """Append module's layers to layers, running x through them; notes says how a module that is not a chain of
-    its children was cut, or why it was not (largest: see trace_stages)."""
+    its children was cut, or why it was not (largest, and export: whether to try torch.export: see trace_stages)."""
     order = chain_order(module)
     if order is not None:
         for child in order:
-            x = _flatten(child, x, layers, notes, largest)
+            x = _flatten(child, x, layers, notes, largest, export)
         return x
-    stages, how = trace_stages(module, largest) if any(True for _ in module.children()) else ([module], "")
+    if not any(True for _ in module.children()):
+        stages, how = [module], ""
+    else:
+        stages, how = trace_stages(module, largest, x if export else None)
     if how:
-        notes.append(f"{type(module).__name__}: {how}")
+        named = module.model if isinstance(module, KeywordCall) else module
+        notes.append(f"{type(named).__name__}: {how}")
     for stage in stages:
         layers.append(stage)
         x = stage(x)
@@ -172,14 +179,16 @@ def _fastest_call(layer: nn.Module, x: Any, repeats: int) -> tuple[Any, float]:
     return y, fastest
 
 
-def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7, largest: int | None = None) -> Decomposition:
+def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7, largest: int | None = None,
+              export: bool = False) -> Decomposition:
     """Decompose model into a chain and profile it on sample (one micro-batch of inputs); a traced block holding more
-    than largest bytes of weights is cut at its children."""
+    than largest bytes of weights is cut at its children; with export, a module torch.fx cannot trace is exported
+    with torch.export and cut the same way."""
     samples = max(1, _batch_size(sample))
     with preserved_state(model), torch.no_grad():
         layers: list[nn.Module] = []
         notes: list[str] = []
-        _flatten(model, sample, layers, notes, largest)
+        _flatten(model, sample, layers, notes, largest, export)
         layers = _merge_shared(layers)
     profiles = []
     with preserved_state(model), torch.no_grad():

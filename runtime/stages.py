@@ -24,31 +24,66 @@ from __future__ import annotations
 
 import operator
 import re
+from typing import Any
 
+import torch
 from torch import fx, nn
+from torch.utils._pytree import TreeSpec, tree_leaves, tree_map, tree_unflatten
 
 CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
 
-def trace_stages(module: nn.Module, largest: int | None = None) -> tuple[list[nn.Module], str]:
+def trace_stages(module: nn.Module, largest: int | None = None, sample: Any = None) -> tuple[list[nn.Module], str]:
     """module as a chain of stages, and how it was cut (or why it was not: then the list holds module alone).
 
-    largest: the most weight bytes a unit may hold before it is cut at its children (None: never)."""
+    largest: the most weight bytes a unit may hold before it is cut at its children (None: never). sample: an input
+    to export the module with when torch.fx cannot trace it (None: do not try)."""
     try:
         graph = fx.Tracer().trace(module)
     except Exception as error:  # torch.fx raises many kinds for what it cannot trace
-        return [module], f"not traceable by torch.fx ({type(error).__name__}: {str(error).splitlines()[0][:120]})"
-    nodes = list(graph.nodes)
-    placeholders = [node for node in nodes if node.op == "placeholder"]
+        why = f"not traceable by torch.fx ({_first_line(error)})"
+        if sample is None:
+            return [module], why
+        try:
+            exported = _export(module, sample)
+        except Exception as export_error:  # so does torch.export
+            return [module], f"{why} nor by torch.export ({_first_line(export_error)})"
+        root = exported.module()
+        nodes = [node for node in root.graph.nodes if not (node.op == "call_module" and node.target == "_guards_fn")]
+        stages, how = _cut(root, nodes, Units(module, largest))
+        if len(stages) < 2:
+            return [module], how
+        stages[0] = Entry(stages[0])
+        stages[-1] = Exit(stages[-1], exported.call_spec.out_spec)
+        return stages, how.replace("traced by torch.fx", "exported by torch.export")
+    placeholders = [node for node in graph.nodes if node.op == "placeholder"]
     if len(placeholders) != 1:
         return [module], f"its forward takes {len(placeholders)} inputs"
+    stages, how = _cut(module, list(graph.nodes), Units(module, largest))
+    return (stages, how) if len(stages) > 1 else ([module], how)
+
+
+def _first_line(error: Exception) -> str:
+    return f"{type(error).__name__}: {str(error).strip().splitlines()[0][:120] if str(error).strip() else ''}"
+
+
+def _export(module: nn.Module, sample: Any) -> torch.export.ExportedProgram:
+    """module exported for inputs shaped like sample, every dimension of its tensors free to vary (a shorter last
+    batch, another sequence length) where the model allows it."""
+    dims = tree_map(lambda leaf: dict.fromkeys(range(leaf.dim()), torch.export.Dim.AUTO)
+                    if isinstance(leaf, torch.Tensor) else None, sample)
+    return torch.export.export(module, (sample,), dynamic_shapes=(dims,), strict=False)
+
+
+def _cut(root: nn.Module, nodes: list[fx.Node], units: Units) -> tuple[list[nn.Module], str]:
+    """The operations of a traced forward (nodes, reading attributes of root) cut into stages (module docstring)."""
+    placeholders = [node for node in nodes if node.op == "placeholder"]
     position = {node: index for index, node in enumerate(nodes)}
     last_use: dict[fx.Node, int] = {}
     for index, node in enumerate(nodes):
         for used in node.all_input_nodes:
             last_use[used] = index
     single = _single_value_points(nodes, last_use)
-    units = Units(module, largest)
     computed = [node for node in nodes if node.op not in ("placeholder", "get_attr", "output")]
     segments: list[list[fx.Node]] = []
     current: str | None = None
@@ -61,23 +96,71 @@ def trace_stages(module: nn.Module, largest: int | None = None) -> tuple[list[nn
             current = unit
         segments[-1].append(node)
     if len(segments) < 2:
-        return [module], "its forward runs in one block"
+        return [root], "its forward runs in one block"
     output = nodes[-1].args[0]
     stages: list[nn.Module] = []
-    flowing = [placeholders[0]]
+    flowing = placeholders
     for segment in segments:
         end = position[segment[-1]]
         if segment is segments[-1]:
             result, live = output, []
         else:
-            defined = [*flowing, *segment]
-            live = [value for value in defined if last_use.get(value, -1) > end]
+            live = _needed_later([*flowing, *segment], last_use, end)
             result = live[0] if len(live) == 1 else tuple(live)
-        stages.append(_stage(module, segment, flowing, result))
+        stages.append(_stage(root, segment, flowing, result))
         flowing = live
-    widest = max(len(stage.harmony_inputs) for stage in stages)
+    widest = max(len(stage.harmony_inputs) for stage in stages[1:])
     crossing = "one value crosses each cut" if widest == 1 else f"up to {widest} values cross a cut"
     return stages, f"traced by torch.fx and cut into {len(stages)} stages at {units.blocks_cut()}; {crossing}"
+
+
+def _needed_later(defined: list[fx.Node], last_use: dict[fx.Node, int], end: int) -> list[fx.Node]:
+    """The values of defined that operations after position end read: what crosses a cut there. A size the export
+    made symbolic (a batch or sequence length) does not cross when a crossing tensor has it: the next stage reads
+    it off that tensor."""
+    live = [value for value in defined if last_use.get(value, -1) > end]
+    carried = {_symbol(size) for value in live for size in _shape(value)}
+    return [value for value in live if _symbol(value.meta.get("val")) not in carried - {None}]
+
+
+def _shape(value: fx.Node) -> tuple[Any, ...]:
+    fake = value.meta.get("val")
+    return tuple(fake.shape) if isinstance(fake, torch.Tensor) else ()
+
+
+def _symbol(size: Any) -> str | None:
+    """The symbol of a size torch.export left free (s0, s1, ...), None for a fixed one."""
+    return str(size.node.expr) if isinstance(size, torch.SymInt) else None
+
+
+class Entry(nn.Module):
+    """An exported model's first stage, given the model's input as the model is: its tensors, flattened as the
+    export flattened them, are the stage's inputs."""
+
+    def __init__(self, stage: nn.Module) -> None:
+        super().__init__()
+        self.stage = stage
+        self.harmony_description = stage.harmony_description
+        self.harmony_inputs = stage.harmony_inputs
+
+    def forward(self, x: Any) -> Any:
+        leaves = tree_leaves(((x,), {}))
+        return self.stage(leaves[0] if len(leaves) == 1 else tuple(leaves))
+
+
+class Exit(nn.Module):
+    """An exported model's last stage, returning what the model returns (a ModelOutput, a tuple), not the flat
+    values of the exported graph."""
+
+    def __init__(self, stage: nn.Module, spec: TreeSpec) -> None:
+        super().__init__()
+        self.stage = stage
+        self.spec = spec
+        self.harmony_description = stage.harmony_description
+        self.harmony_inputs = stage.harmony_inputs
+
+    def forward(self, x: Any) -> Any:
+        return tree_unflatten(list(self.stage(x)), self.spec)
 
 
 class Units:
@@ -91,10 +174,14 @@ class Units:
         self._weights: dict[str, int] = {}
 
     def of(self, node: fx.Node) -> str | None:
-        stack = node.meta.get("nn_module_stack") or {}
-        if not stack:
+        paths = [value[0] for value in (node.meta.get("nn_module_stack") or {}).values() if value[0]]
+        if not paths:
             return None
-        path = re.sub(r"@\d+$", "", next(reversed(stack)))
+        path = re.sub(r"@\d+$", "", paths[-1])
+        try:
+            self.root.get_submodule(path)
+        except AttributeError:  # a hook's name torch.export records, not a module
+            return None
         parts = path.split(".")
         depth = next((k for k in range(2, len(parts) + 1) if self._is_entry(parts[:k])), None)
         if depth is None:  # in no block: the model's child, or its child's where that child holds the blocks
@@ -142,13 +229,16 @@ class Units:
                     items[-1][1].append(entry)
             else:
                 items.append((container, [entry]))
+        prefix = getattr(self.root, "harmony_prefix", "")
+        items = [(name.removeprefix(prefix), entries) for name, entries in items if name != prefix.rstrip(".")]
         text = ", ".join(
             name if not entries else f"{name}.{entries[0]}" if len(entries) == 1
             else f"{name}.{entries[0]}-{entries[-1]}" if entries[0].isdigit() else f"{name}.{entries[0]}..{entries[-1]}"
             for name, entries in items
         )
         if self.split:
-            text += f" (inside {', '.join(self.split)}, too large for one pack, at their children)"
+            inside = ", ".join(name.removeprefix(prefix) for name in self.split)
+            text += f" (inside {inside}, too large for one pack, at their children)"
         return text
 
 
@@ -185,13 +275,28 @@ def _stage(module: nn.Module, segment: list[fx.Node], flowing: list[fx.Node], re
         for index, value in enumerate(flowing):
             env[value] = graph.call_function(operator.getitem, (x, index))
 
+    sizes = {}  # symbolic size: (a flowing tensor that has it, its dimension)
+    for value in flowing:
+        for dim, size in enumerate(_shape(value)):
+            if _symbol(size) is not None:
+                sizes.setdefault(_symbol(size), (env[value], dim))
+
     def lookup(value: fx.Node) -> fx.Node:
         if value not in env and value.op == "get_attr":
             env[value] = graph.node_copy(value)
+        elif value not in env and _symbol(value.meta.get("val")) in sizes:  # a size read off a flowing tensor
+            tensor, dim = sizes[_symbol(value.meta["val"])]
+            env[value] = graph.call_function(torch.ops.aten.sym_size.int, (tensor, dim))
         return env[value]
 
+    tensors = [env[value] for value in flowing if isinstance(value.meta.get("val"), torch.Tensor)]
+    device = graph.call_function(getattr, (tensors[0], "device")) if tensors else None
     for node in segment:
-        env[node] = graph.node_copy(node, lookup)
+        copied = graph.node_copy(node, lookup)
+        if device is not None:  # an exported graph names the device it was exported on: compute where its input is
+            copied.args, copied.kwargs = tree_map(lambda arg: device if isinstance(arg, torch.device) else arg,
+                                                  (copied.args, copied.kwargs))
+        env[node] = copied
     graph.output(fx.map_arg(result, lookup))
     stage = fx.GraphModule(module, graph, class_name=f"{type(module).__name__}Stage")
     stage.harmony_description = _describe(segment)
