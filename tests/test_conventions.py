@@ -142,3 +142,38 @@ def test_a_twelve_block_causal_lm_equals_plain_micro_batching_exactly_and_whole_
 
     noise = max(largest(micro, whole), torch.finfo(torch.float64).eps)
     assert largest(model, micro) <= 3 * noise and largest(model, whole) <= 3 * noise, noise
+
+
+def llama(seed: int, layers: int = 12) -> torch.nn.Module:
+    """A small Llama-style causal LM in float64 (untied embeddings, the Llama default)."""
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=32, intermediate_size=64,
+                                      num_attention_heads=2, num_key_value_heads=2, vocab_size=VOCAB,
+                                      max_position_embeddings=32, bos_token_id=0, eos_token_id=0)
+    return transformers.LlamaForCausalLM(config).double()
+
+
+def test_a_causal_lm_larger_than_the_device_is_exported_cut_at_its_layers_and_equals_plain_pytorch(
+    no_leaks: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A 12-layer Llama-style LM that torch.fx cannot trace, under a third of its bytes on two devices: exported,
+    cut at its decoder layers (its rotary position embeddings and causal mask cross the cuts beside the hidden
+    states), trained with its own loss on dict batches in two micro-batches: equal to plain PyTorch in float64."""
+    model = llama(0)
+    reference = copy.deepcopy(model)
+    batches = token_batches(steps=4, batch=8, length=12)
+    budget = sum(p.numel() * p.element_size() for p in model.parameters()) // 3
+    factory = functools.partial(torch.optim.Adam, lr=1e-3)
+    with caplog.at_level("INFO", logger="harmony"):
+        result = harmony.train(model, batches, None, factory, devices=["cpu", "cpu"], device_memory=budget,
+                               microbatches=2, progress=False)
+    assert ("LlamaForCausalLM: exported by torch.export and cut into 19 stages at model.embed_tokens, model, "
+            "model.rotary_emb, model.layers.0-11, model.norm, lm_head" in caplog.text)
+    assert len(result.packings[0].packs) >= 6 and result.models[0] is model
+    assert max(result.stats.peak_device_bytes.values()) <= budget
+    losses = train_plain(reference, batches, factory, keywords=True)
+    for (name, ours), theirs in zip(model.state_dict().items(), reference.state_dict().values()):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-9, msg=lambda m, name=name: f"{name}: {m}")
+    # the model's own loss is float32 (transformers upcasts the logits with .float()): two micro-batches' losses
+    # averaged differ from the whole batch's at float32 rounding
+    assert result.history[0] == pytest.approx(losses, rel=2 * torch.finfo(torch.float32).eps)

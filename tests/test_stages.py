@@ -118,3 +118,37 @@ def test_a_stage_travels_to_workers_as_a_pickle() -> None:
     copy = cloudpickle.loads(cloudpickle.dumps(stages[2]))
     x = torch.randn(3, 16)
     torch.testing.assert_close(copy(x), stages[2](x))
+
+
+def test_a_model_torch_fx_cannot_trace_is_exported_cut_at_its_layers_and_runs_other_shapes_on_workers() -> None:
+    """A Hugging Face model (its forward branches on its inputs) is exported and cut at its decoder layers; the
+    stages, rebuilt from skeletons as a worker rebuilds them, compute the model's own output for another batch
+    size and sequence length than the export saw."""
+    transformers = pytest.importorskip("transformers")
+    from harmony.runtime.pilot import KeywordCall
+    from harmony.runtime.skeleton import dump_skeleton, load_skeleton
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(num_hidden_layers=3, hidden_size=16, intermediate_size=32,
+                                      num_attention_heads=2, num_key_value_heads=2, vocab_size=50,
+                                      bos_token_id=0, eos_token_id=0, use_cache=False)
+    model = transformers.LlamaForCausalLM(config).double().eval()
+    ids = torch.randint(0, 50, (4, 12))
+    stages, how = trace_stages(KeywordCall(model))
+    assert stages[0].model is model and how.startswith("not traceable by torch.fx")
+    stages, how = trace_stages(KeywordCall(model), sample={"input_ids": ids, "labels": ids})
+    assert how.startswith("exported by torch.export and cut into 10 stages at model.embed_tokens")
+    assert "model.layers.0-2" in how and "up to 5 values cross a cut" in how
+    rebuilt = []
+    for stage in stages:
+        skeleton = load_skeleton(dump_skeleton(stage))
+        rebuilt.append((skeleton, {**dict(stage.named_parameters()), **dict(stage.named_buffers())}))
+    other = ids[:3, :7]
+    x: object = {"input_ids": other, "labels": other}
+    with torch.no_grad():
+        for skeleton, tensors in rebuilt:
+            x = torch.func.functional_call(skeleton, tensors, (x,))
+        expected = model(input_ids=other, labels=other)
+    assert type(x) is type(expected)
+    torch.testing.assert_close(x.logits, expected.logits, rtol=0, atol=0)
+    torch.testing.assert_close(x.loss, expected.loss, rtol=0, atol=0)
