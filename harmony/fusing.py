@@ -35,6 +35,8 @@ def fusion_key(candidate: Candidate, args: Arguments) -> Hashable:
     """What must agree for two models to be fused: loader, validation loader, optimizer class and every layer's
     signature."""
     index = candidate.job.members[0]
+    if any(layer.borrowed for layer in candidate.profile.layers):
+        return ("tied across layers", index)  # an array stacks each layer's weights: a tie between layers would break
     layers = tuple(layer_signature(layer) for layer in candidate.code.layers)
     validation = args.validation_of[index] if args.validation_of else None
     return (candidate.job.feed, validation, args.optimizer_classes[index], layers)

@@ -158,9 +158,9 @@ def forward(
     outputs = []
     this = TaskId("fwd", model, pack, span, group)
     ctx.cache.drop_boundaries(this)
-    with ctx.cache.weights((model, pack), step, host) as weights:
+    with ctx.cache.weights((model, pack), step, host) as weights, ctx.borrowed(model, pack, step) as borrowed:
         ctx.prefetch_next(keep_free=runtime.workspace)
-        tensors = tensors_at(weights, runtime.weights)
+        tensors = {**tensors_at(weights, runtime.weights), **borrowed}
         for index, microbatch in enumerate(inputs):
             if index and not ctx.spec.group:
                 ctx.cache.reload((model, pack), host)
@@ -213,6 +213,7 @@ def backward(
     with (
         ctx.cache.weights((model, pack), first, host) as weights,
         nullcontext() if homed else ctx.cache.scratch(runtime.grads.nbytes, f"gradients of pack {pack}"),
+        ctx.borrowed(model, pack, first) as borrowed,
     ):
         ctx.prefetch_next(keep_free=runtime.workspace)
         if homed:
@@ -225,8 +226,9 @@ def backward(
                 _record_span_timing(ctx, model, seconds, timed)
         else:
             grad_bytes = torch.zeros(runtime.grads.nbytes, dtype=torch.uint8, device=ctx.device)
-            tensors = tensors_at(weights, runtime.weights)
+            tensors = {**tensors_at(weights, runtime.weights), **borrowed}
             grads = tensors_at(grad_bytes, runtime.grads)
+            ctx.add_lent_grads(model, pack, group, grads)
             for index, (step_inputs, step_targets, step_weights) in enumerate(per_step):
                 input_grads = _backward_step(ctx, model, pack, span, first + index, weights, tensors, grads,
                                              step_inputs, step_targets, step_weights, group)

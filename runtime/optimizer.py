@@ -39,10 +39,13 @@ class PackOptimizer:
         by_name = {slot.spec.name: slot for slot in runtime.weights.slots}
         params = []
         for grad_slot in runtime.grads.slots:
+            if grad_slot.spec.name not in by_name:
+                continue  # a tied weight another pack holds: that pack steps it, with this gradient added
             param = nn.Parameter(tensor_at(weights, by_name[grad_slot.spec.name]))
             param.grad = tensor_at(grads, grad_slot)
             params.append(param)
-        self.optimizer = build_optimizer(factory, params, [slot.spec.name for slot in runtime.grads.slots])
+        self.optimizer = build_optimizer(factory, params,
+                                         [slot.spec.name for slot in runtime.grads.slots if slot.spec.name in by_name])
         fused_on_host(self.optimizer)
         self.params = optimizer_params(self.optimizer)
         self.state = state
@@ -99,14 +102,15 @@ def update(
     if current < step:
         raise RuntimeError(f"the update of step {step} of pack {pack} came before step {current}'s")
     following = 1 - slot
-    if runtime.grads.slots:  # a pack of activations or frozen layers has nothing to step
+    own = {entry.spec.name for entry in runtime.weights.slots}
+    if any(entry.spec.name in own for entry in runtime.grads.slots):  # else: activations, frozen or tied layers
         source, target = weights(slot), weights(following)
         copy_trainable(runtime, source, target)
         stepping = optimizer(following)
         stepping.state.copy_slot(slot, following)
         stepping.step(following)
         if stopped:
-            names = [entry.spec.name for entry in runtime.grads.slots]
+            names = [entry.spec.name for entry in runtime.grads.slots if entry.spec.name in own]
             after, before = tensors_at(target, runtime.weights), tensors_at(source, runtime.weights)
             keep_stopped([after[name] for name in names], [before[name][stopped] for name in names], stopped)
     versions.publish(pack, step + 1, following)

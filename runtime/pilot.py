@@ -4,10 +4,10 @@ A module is split into its children when it is an nn.Sequential, or when torch.f
 forward does nothing but call each child once, feeding each the previous one's output (a plain
 ``fc1 -> act -> fc2`` module is a chain). Any other module with children is traced and cut into stages at its
 repeated blocks, and inside a block too large for one pack at the block's children (runtime.stages); a boundary
-may carry several tensors. One that cannot be traced is kept whole, and the model's notes say why. Layers that share a
-parameter are merged into one layer, since a pack cut between them would hold the weight twice. The
-pass runs on the CPU in the driver before any worker starts; it leaves the model's buffers and the
-global RNG as it found them.
+may carry several tensors. One that cannot be traced is kept whole, and the model's notes say why. A parameter
+two layers share (tied weights) is held by the first and borrowed by the later ones (LayerProfile.borrowed);
+layers that share a buffer, or are the same module, are merged into one layer. The pass runs on the CPU in the
+driver before any worker starts; it leaves the model's buffers and the global RNG as it found them.
 """
 
 from __future__ import annotations
@@ -131,12 +131,13 @@ def _flatten(module: nn.Module, x: Any, layers: list[nn.Module], notes: list[str
 
 
 def _merge_shared(layers: list[nn.Module]) -> list[nn.Module]:
-    """Merge every run of layers that share a parameter (or are the same module) into one layer."""
+    """Merge every run of layers that share a buffer or are the same module into one layer (a parameter two
+    layers share is borrowed instead: see _borrowings)."""
     while True:
         first_seen: dict[int, int] = {}
         span = None
         for index, layer in enumerate(layers):
-            for tensor in [*layer.parameters(), *layer.buffers()]:
+            for tensor in [layer, *layer.buffers()]:
                 owner = first_seen.setdefault(id(tensor), index)
                 if owner != index:
                     span = (owner, index)
@@ -148,6 +149,22 @@ def _merge_shared(layers: list[nn.Module]) -> list[nn.Module]:
         first, last = span
         merged = nn.Sequential(*layers[first : last + 1])
         layers = [*layers[:first], merged, *layers[last + 1 :]]
+
+
+def _borrowings(layers: list[nn.Module]) -> list[dict[str, tuple[int, str]]]:
+    """Per layer, the parameters an earlier layer holds (tied weights), by this layer's name for them: the lending
+    layer and its name for it."""
+    held: dict[int, tuple[int, str]] = {}
+    borrowed: list[dict[str, tuple[int, str]]] = []
+    for index, layer in enumerate(layers):
+        mine = {}
+        for name, param in layer.named_parameters():
+            if id(param) in held:
+                mine[name] = held[id(param)]
+            else:
+                held[id(param)] = (index, name)
+        borrowed.append(mine)
+    return borrowed
 
 
 def _describe(layer: nn.Module) -> str:
@@ -193,18 +210,21 @@ def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7, larges
     profiles = []
     with preserved_state(model), torch.no_grad():
         x = sample
-        for layer in layers:
+        for layer, borrowed in zip(layers, _borrowings(layers)):
             y, seconds = _fastest_call(layer, x, repeats)
+            named = list(layer.named_parameters())
             profiles.append(
                 LayerProfile(
                     description=_describe(layer),
-                    params=_specs(layer.named_parameters()),
+                    params=_specs(iter([(n, p) for n, p in named if n not in borrowed])),
                     buffers=_specs(layer.named_buffers()),
-                    frozen=frozenset(n for n, p in layer.named_parameters() if not p.requires_grad),
+                    frozen=frozenset(n for n, p in named if not p.requires_grad),
                     input_bytes_per_sample=tree_nbytes(x) / samples,
                     output_bytes_per_sample=_new_bytes(y, x) / samples,
                     forward_seconds_per_sample=seconds / samples,
                     cut_before=is_boundary(x),
+                    borrowed=_specs(iter([(n, p) for n, p in named if n in borrowed])),
+                    lenders=tuple(borrowed[n] for n, _ in named if n in borrowed),
                 )
             )
             x = layer(x)

@@ -22,6 +22,8 @@ class PackRuntime:
     grads: BufferLayout
     buffers_offset: int
     workspace: int
+    borrowed: tuple[tuple[str, int, str], ...] = ()  # tied weights another pack holds: (name here, pack, name there)
+    lent: tuple[tuple[int, str, str], ...] = ()  # own weights later packs borrow: (pack, name there, name here)
 
     @property
     def has_buffers(self) -> bool:
@@ -81,6 +83,9 @@ def describe(plan: RunPlan, codes: list[JobCode]) -> tuple[ModelRuntime, ...]:
                         default=weights.nbytes,
                     ),
                     workspace=pack.cost.workspace,
+                    borrowed=pack.borrowed,
+                    lent=tuple((later.index, there, here) for later in reversed(job.packing.packs)
+                               for there, owner, here in later.borrowed if owner == index),
                 )
             )
         models.append(

@@ -263,6 +263,14 @@ def _takes_apart(node: fx.Node, segments: list[list[fx.Node]]) -> bool:
             and isinstance(node.args[0], fx.Node) and node.args[0] in segments[-1])
 
 
+class StageTracer(fx.Tracer):
+    """How a worker rebuilds a stage it unpickles (torch.fx re-traces a GraphModule's code): a buffer it reads stays
+    an attribute read, as a parameter does. By default fx would compute an operation on buffers alone (a position
+    id slice) there and then, on the skeleton's meta buffers, and fold the result into the graph as a constant."""
+
+    proxy_buffer_attributes = True
+
+
 def _stage(module: nn.Module, segment: list[fx.Node], flowing: list[fx.Node], result: fx.node.Argument) -> nn.Module:
     """The operations of segment as a module of their own: the flowing values in (one, or a tuple), result out; the
     attributes they read (parameters, buffers, submodules) are module's own, by reference."""
@@ -298,6 +306,7 @@ def _stage(module: nn.Module, segment: list[fx.Node], flowing: list[fx.Node], re
                                                   (copied.args, copied.kwargs))
         env[node] = copied
     graph.output(fx.map_arg(result, lookup))
+    graph._tracer_cls = StageTracer
     stage = fx.GraphModule(module, graph, class_name=f"{type(module).__name__}Stage")
     stage.harmony_description = _describe(segment)
     stage.harmony_inputs = tuple(value.name for value in flowing)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +120,29 @@ class RunContext:
     def next_weights(self, model: int, pack: int, version: int) -> torch.Tensor:
         """The slot the version after version goes into (the other one): where a step's buffers are written."""
         return self.weights_slot(model, pack, 1 - self.versions(model).slot(pack, version))
+
+    @contextmanager
+    def borrowed(self, model: int, pack: int, version: int) -> Iterator[dict[str, torch.Tensor]]:
+        """Device copies, at version, of the tied weights the pack reads from the packs that hold them, by the pack's
+        names for them; their bytes are charged while the block runs."""
+        runtime = self.spec.models[model].packs[pack]
+        if not runtime.borrowed:
+            yield {}
+            return
+        packs = self.spec.models[model].packs
+        sources = {here: tensors_at(self.host_weights(model, owner, version), packs[owner].weights)[there]
+                   for here, owner, there in runtime.borrowed}
+        with self.cache.scratch(sum(tensor.nbytes for tensor in sources.values()), f"tied weights of pack {pack}"):
+            yield {here: self.cache.copy_in(tensor, "weights") for here, tensor in sources.items()}
+
+    def add_lent_grads(self, model: int, pack: int, group: int, grads: dict[str, torch.Tensor]) -> None:
+        """Add to the pack's gradients those that later packs computed for the weights they borrow from it, in
+        backward order (as autograd accumulates a tied weight's uses)."""
+        packs = self.spec.models[model].packs
+        for later, there, here in packs[pack].lent:
+            their = tensors_at(self.host_grads(model, later, group), packs[later].grads)
+            if there in their and here in grads:
+                grads[here].add_(self.cache.copy_in(their[there], "grads"))
 
     def host_grads(self, model: int, pack: int, group: int = 0) -> torch.Tensor:
         return self.store.attach(grads_name(model, pack, group), self.spec.models[model].packs[pack].grads.nbytes)

@@ -63,6 +63,7 @@ class Pack:
     cost: PackCost
     forward_seconds_per_sample: float
     input_bytes_per_sample: float = 0.0
+    borrowed: tuple[tuple[str, int, str], ...] = ()  # (name here, pack that holds it, its name there): tied weights
 
     @property
     def weight_bytes(self) -> int:
@@ -118,16 +119,30 @@ def _prefixed(layers: list[LayerProfile], pick: str) -> tuple[TensorSpec, ...]:
     )
 
 
-def make_pack(profile: ModelProfile, index: int, first: int, stop: int, samples: int, prefetch: int) -> Pack:
-    """Describe layers [first, stop) as a pack, with tensor names as they appear in nn.Sequential(*layers)."""
+def make_pack(profile: ModelProfile, index: int, first: int, stop: int, samples: int, prefetch: int,
+              bounds: list[tuple[int, int]] | None = None) -> Pack:
+    """Describe layers [first, stop) as a pack, with tensor names as they appear in nn.Sequential(*layers).
+
+    A parameter a layer borrows from a layer of another pack (bounds: every pack's layers) is not the pack's own:
+    it is read from the lender's pack, and its gradient, in the pack's gradients, is added to the lender's."""
     layers = list(profile.layers[first:stop])
     frozen = {f"{offset}.{name}" for offset, layer in enumerate(layers) for name in layer.frozen}
     params = _prefixed(layers, "params")
     buffers = _prefixed(layers, "buffers")
-    trainable = tuple(spec for spec in params if spec.name not in frozen)
+    borrowed, lent_grads = [], []
+    for offset, layer in enumerate(layers):
+        for spec, (lender, name) in zip(layer.borrowed, layer.lenders):
+            if first <= lender < stop:
+                continue
+            owner = next(i for i, (a, b) in enumerate(bounds or [(0, len(profile.layers))]) if a <= lender < b)
+            local = f"{offset}.{spec.name}"
+            borrowed.append((local, owner, f"{lender - (bounds or [(0, 0)])[owner][0]}.{name}"))
+            if local not in frozen:
+                lent_grads.append(TensorSpec(local, spec.dtype, spec.shape))
+    trainable = tuple(spec for spec in params if spec.name not in frozen) + tuple(lent_grads)
     cost = PackCost(
-        weights=sum(layer.weight_bytes for layer in layers),
-        grads=sum(layer.grad_bytes for layer in layers),
+        weights=chunk_weight_bytes(profile.layers, first, stop),
+        grads=chunk_grad_bytes(profile.layers, first, stop),
         workspace=workspace_bytes(layers, samples),
         prefetch=prefetch,
     )
@@ -141,7 +156,23 @@ def make_pack(profile: ModelProfile, index: int, first: int, stop: int, samples:
         cost=cost,
         forward_seconds_per_sample=sum(layer.forward_seconds_per_sample for layer in layers),
         input_bytes_per_sample=layers[0].input_bytes_per_sample,
+        borrowed=tuple(borrowed),
     )
+
+
+def _shared_inside(layers: tuple[LayerProfile, ...], first: int, stop: int, grads: bool) -> int:
+    """Bytes of the parameters layers [first, stop) borrow from one another (counted once, with the lender)."""
+    return sum(spec.nbytes for layer in layers[first:stop] for spec, (lender, _) in zip(layer.borrowed, layer.lenders)
+               if first <= lender < stop and not (grads and spec.name in layer.frozen))
+
+
+def chunk_weight_bytes(layers: tuple[LayerProfile, ...], first: int, stop: int) -> int:
+    """The weights layers [first, stop) hold as one pack: a tied parameter they all read, once."""
+    return sum(layer.weight_bytes for layer in layers[first:stop]) - _shared_inside(layers, first, stop, False)
+
+
+def chunk_grad_bytes(layers: tuple[LayerProfile, ...], first: int, stop: int) -> int:
+    return sum(layer.grad_bytes for layer in layers[first:stop]) - _shared_inside(layers, first, stop, True)
 
 
 def _units(layers: tuple[LayerProfile, ...]) -> list[tuple[int, int]]:
@@ -151,12 +182,8 @@ def _units(layers: tuple[LayerProfile, ...]) -> list[tuple[int, int]]:
 
 
 def _fixed_bytes(layers: tuple[LayerProfile, ...], first: int, stop: int, samples: int) -> int:
-    chunk = layers[first:stop]
-    return (
-        sum(layer.weight_bytes for layer in chunk)
-        + sum(layer.grad_bytes for layer in chunk)
-        + workspace_bytes(chunk, samples)
-    )
+    return (chunk_weight_bytes(layers, first, stop) + chunk_grad_bytes(layers, first, stop)
+            + workspace_bytes(layers[first:stop], samples))
 
 
 def _greedy(
@@ -170,12 +197,12 @@ def _greedy(
     first = units[0][0]
     stop = first
     for unit_first, unit_stop in units:
-        weights = sum(layer.weight_bytes for layer in layers[first:unit_stop])
+        weights = chunk_weight_bytes(layers, first, unit_stop)
         if stop > first and (weights > cap or _fixed_bytes(layers, first, unit_stop, samples) + reserve > budget):
             bounds.append((first, stop))
             first = unit_first
         stop = unit_stop
-        alone = sum(layer.weight_bytes for layer in layers[first:stop])
+        alone = chunk_weight_bytes(layers, first, stop)
         if alone > cap or _fixed_bytes(layers, first, stop, samples) + reserve > budget:
             return None
     bounds.append((first, stop))
@@ -195,16 +222,15 @@ def cut_packs(profile: ModelProfile, budget: int, samples: int) -> Packing:
     if _fixed_bytes(layers, 0, len(layers), samples) <= budget:
         return Packing(profile.name, (make_pack(profile, 0, 0, len(layers), samples, prefetch=0),), budget, samples)
     units = _units(layers)
-    largest_unit = max(units, key=lambda u: sum(layer.weight_bytes for layer in layers[u[0] : u[1]]))
-    floor = sum(layer.weight_bytes for layer in layers[largest_unit[0] : largest_unit[1]])
+    floor = max(chunk_weight_bytes(layers, a, b) for a, b in units)
     unit_first, unit_stop = max(units, key=lambda u: _fixed_bytes(layers, u[0], u[1], samples))
     alone = _fixed_bytes(layers, unit_first, unit_stop, samples)
     prefetch = alone + floor <= budget
     if alone > budget:
         chunk = layers[unit_first:unit_stop]
         cost = PackCost(
-            weights=sum(layer.weight_bytes for layer in chunk),
-            grads=sum(layer.grad_bytes for layer in chunk),
+            weights=chunk_weight_bytes(layers, unit_first, unit_stop),
+            grads=chunk_grad_bytes(layers, unit_first, unit_stop),
             workspace=workspace_bytes(chunk, samples),
             prefetch=floor,
         )
@@ -213,7 +239,7 @@ def cut_packs(profile: ModelProfile, budget: int, samples: int) -> Packing:
     steps = 48
     candidates = {floor, total}
     candidates.update(floor + (total - floor) * k // steps for k in range(steps + 1))
-    candidates.update(sum(layer.weight_bytes for layer in layers[a:b]) for a, b in units)
+    candidates.update(chunk_weight_bytes(layers, a, b) for a, b in units)
     best: tuple[tuple[int, float], list[tuple[int, int]], int] | None = None
     for cap in sorted(c for c in candidates if floor <= c <= max(total, floor)):
         bounds = _greedy(layers, units, budget, cap, samples, prefetch)
@@ -227,7 +253,7 @@ def cut_packs(profile: ModelProfile, budget: int, samples: int) -> Packing:
     _, bounds, cap = best
     packs = tuple(
         make_pack(profile, index, first, stop, samples,
-                  prefetch=_neighbour_weights(layers, bounds, index) if prefetch else 0)
+                  prefetch=_neighbour_weights(layers, bounds, index) if prefetch else 0, bounds=bounds)
         for index, (first, stop) in enumerate(bounds)
     )
     return Packing(profile.name, packs, budget, samples, prefetch)
@@ -236,10 +262,7 @@ def cut_packs(profile: ModelProfile, budget: int, samples: int) -> Packing:
 def _neighbour_weights(layers: tuple[LayerProfile, ...], bounds: list[tuple[int, int]], index: int) -> int:
     """Weights of the packs prefetched while this one runs: the next in forward, the previous in backward."""
     neighbours = [i for i in (index - 1, index + 1) if 0 <= i < len(bounds)]
-    return max(
-        (sum(layer.weight_bytes for layer in layers[bounds[i][0] : bounds[i][1]]) for i in neighbours),
-        default=0,
-    )
+    return max((chunk_weight_bytes(layers, *bounds[i]) for i in neighbours), default=0)
 
 
 def minimal_budget(profile: ModelProfile, samples: int, prefetch: bool = False) -> int:

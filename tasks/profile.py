@@ -12,8 +12,11 @@ class LayerProfile:
     """One layer of a model's chain.
 
     Byte counts of activations are per sample so that they scale with the micro-batch size.
-    ``cut_before`` says whether a pack may start at this layer: the value flowing into it is one
-    tensor and no parameter is shared with an earlier layer.
+    ``cut_before`` says whether a pack may start at this layer: the values flowing into it are tensors.
+    ``borrowed`` are parameters the layer reads that an earlier layer holds (tied weights: a language model's
+    head reading its embedding), named as this layer names them; ``lenders`` says, for each, which layer holds
+    it and under what name. Their bytes count as this layer's weights and gradients (a pack without the lender
+    copies them in and computes their gradients), but they are not its own parameters.
     """
 
     description: str
@@ -24,10 +27,16 @@ class LayerProfile:
     output_bytes_per_sample: float = 0.0
     forward_seconds_per_sample: float = 0.0
     cut_before: bool = True
+    borrowed: tuple[TensorSpec, ...] = ()
+    lenders: tuple[tuple[int, str], ...] = ()
 
     @property
     def param_bytes(self) -> int:
         return sum(spec.nbytes for spec in self.params)
+
+    @property
+    def borrowed_bytes(self) -> int:
+        return sum(spec.nbytes for spec in self.borrowed)
 
     @property
     def buffer_bytes(self) -> int:
@@ -35,16 +44,16 @@ class LayerProfile:
 
     @property
     def weight_bytes(self) -> int:
-        """Everything that is swapped in for the layer to run: parameters and buffers."""
-        return self.param_bytes + self.buffer_bytes
+        """Everything that is swapped in for the layer to run: parameters (borrowed ones too) and buffers."""
+        return self.param_bytes + self.buffer_bytes + self.borrowed_bytes
 
     @property
     def grad_bytes(self) -> int:
-        return sum(spec.nbytes for spec in self.params if spec.name not in self.frozen)
+        return sum(spec.nbytes for spec in (*self.params, *self.borrowed) if spec.name not in self.frozen)
 
     @property
     def largest_param_bytes(self) -> int:
-        return max((spec.nbytes for spec in self.params), default=0)
+        return max((spec.nbytes for spec in (*self.params, *self.borrowed)), default=0)
 
 
 @dataclass(frozen=True)
@@ -62,4 +71,5 @@ class ModelProfile:
 
     @property
     def weight_bytes(self) -> int:
-        return sum(layer.weight_bytes for layer in self.layers)
+        """The model's weights, each tied parameter once."""
+        return sum(layer.weight_bytes - layer.borrowed_bytes for layer in self.layers)

@@ -177,3 +177,38 @@ def test_a_causal_lm_larger_than_the_device_is_exported_cut_at_its_layers_and_eq
     # the model's own loss is float32 (transformers upcasts the logits with .float()): two micro-batches' losses
     # averaged differ from the whole batch's at float32 rounding
     assert result.history[0] == pytest.approx(losses, rel=2 * torch.finfo(torch.float32).eps)
+
+
+def bert(seed: int, layers: int = 12) -> torch.nn.Module:
+    """A small BERT-style masked LM in float64, its decoder tied to its word embeddings, without dropout."""
+    torch.manual_seed(seed)
+    config = transformers.BertConfig(num_hidden_layers=layers, hidden_size=32, intermediate_size=64,
+                                     num_attention_heads=2, vocab_size=VOCAB, max_position_embeddings=32,
+                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return transformers.BertForMaskedLM(config).double()
+
+
+@pytest.mark.parametrize("build", [gpt2, bert], ids=["gpt2", "bert"])
+def test_tied_embeddings_are_held_once_and_borrowed_by_the_head_across_packs(
+    build: object, no_leaks: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """12 blocks under a third of the model's bytes on two devices: the word embeddings live in the first pack's
+    host store and the output head, packs later, reads them at the same version and sends back its gradient, which
+    the first pack adds before its update (autograd's order). Equal to plain PyTorch in float64; the tie holds."""
+    model = build(0, layers=12)  # type: ignore[operator]
+    reference = copy.deepcopy(model)
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    assert head.weight is embedding.weight
+    batches = token_batches(steps=4, batch=8, length=12)
+    budget = sum(p.numel() * p.element_size() for p in model.parameters()) // 3
+    factory = functools.partial(torch.optim.Adam, lr=1e-3)
+    with caplog.at_level("INFO", logger="harmony"):
+        result = harmony.train(model, batches, None, factory, devices=["cpu", "cpu"], device_memory=budget,
+                               microbatches=2, progress=False)
+    assert "exported by torch.export" in caplog.text and len(result.packings[0].packs) >= 6
+    borrowing = [pack for pack in result.packings[0].packs if pack.borrowed]
+    assert len(borrowing) == 1 and borrowing[0].index > 1 and borrowing[0].borrowed[0][1] < borrowing[0].index
+    assert max(result.stats.peak_device_bytes.values()) <= budget
+    train_plain(reference, batches, factory, keywords=True)
+    assert_close(model, reference)
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight

@@ -97,3 +97,21 @@ def test_a_budget_with_no_room_to_prefetch_cuts_packs_that_fit_alone_and_says_so
     assert not packing.prefetch and "no room to prefetch" in packing.explain()
     assert all(pack.cost.prefetch == 0 and pack.cost.total <= alone for pack in packing.packs)
     assert cut_packs(layers, budget=beside, samples=4).prefetch
+
+
+def test_a_tied_weight_counts_once_in_the_pack_that_holds_it_and_is_borrowed_across_a_cut() -> None:
+    embedding = linear(16)
+    head = LayerProfile(description="head", params=(), buffers=(), input_bytes_per_sample=64,
+                        output_bytes_per_sample=64, borrowed=(TensorSpec("tied", "float32", (16, 16)),),
+                        lenders=((0, "weight"),))
+    layers = [embedding, linear(16), linear(16), head]
+    whole = cut_packs(profile(layers), budget=10**9, samples=8)
+    [pack] = whole.packs
+    assert not pack.borrowed and pack.cost.weights == 3 * (16 * 16 + 16) * 4, "the tied weight counted once"
+    assert "3.tied" not in {spec.name for spec in pack.trainable}
+    split = cut_packs(profile(layers), budget=6_400, samples=8)
+    assert len(split.packs) == 4
+    last = split.packs[-1]
+    assert last.borrowed == (("0.tied", 0, "0.weight"),) and not last.weights
+    assert [spec.name for spec in last.trainable] == ["0.tied"], "its gradient is computed there, for the lender"
+    assert last.cost.weights == last.cost.grads == 16 * 16 * 4

@@ -114,10 +114,15 @@ def test_a_residual_block_stays_one_layer() -> None:
     assert [type(layer).__name__ for layer in result.layers] == ["Linear", "Residual", "Linear"]
 
 
-def test_layers_sharing_a_weight_are_merged() -> None:
+def test_a_weight_two_layers_share_is_held_by_the_first_and_borrowed_by_the_later() -> None:
     result = decompose(Tied(), torch.randn(3, 8), "m")
-    assert len(result.layers) == 1
-    assert result.profile.layers[0].param_bytes == 8 * 8 * 4
+    first, _, last = result.profile.layers
+    assert [spec.name for spec in first.params] == ["weight"] and not first.borrowed
+    assert not last.params and [spec.name for spec in last.borrowed] == ["weight"] and last.lenders == ((0, "weight"),)
+    assert last.weight_bytes == last.grad_bytes == 8 * 8 * 4 and result.profile.weight_bytes == 8 * 8 * 4
+    shared = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))
+    model = nn.Sequential(shared, nn.Tanh(), shared)
+    assert len(decompose(model, torch.randn(3, 8), "m").layers) == 3, "the same module twice is one layer"
 
 
 def test_profile_measures_bytes_per_sample() -> None:
