@@ -20,6 +20,7 @@ from harmony.runtime.array import ArrayLayer, array_loss, layer_signature
 from harmony.runtime.array_optimizer import ArrayOptimizer
 from harmony.runtime.code import JobCode
 from harmony.runtime.pilot import decompose
+from harmony.runtime.stages import Entry
 from harmony.tasks.fusion import FusionChoice, candidate_sizes, choose_size, fusion_groups, split
 from harmony.tasks.hardware import Hardware
 from harmony.tasks.homes import choose_homes
@@ -37,6 +38,8 @@ def fusion_key(candidate: Candidate, args: Arguments) -> Hashable:
     index = candidate.job.members[0]
     if any(layer.borrowed for layer in candidate.profile.layers):
         return ("tied across layers", index)  # an array stacks each layer's weights: a tie between layers would break
+    if any(isinstance(module, Entry) for layer in candidate.code.layers for module in layer.modules()):
+        return ("exported", index)  # torch.func.vmap has no batching rule for the symbolic sizes an export reads
     layers = tuple(layer_signature(layer) for layer in candidate.code.layers)
     validation = args.validation_of[index] if args.validation_of else None
     return (candidate.job.feed, validation, args.optimizer_classes[index], layers)

@@ -153,30 +153,32 @@ def llama(seed: int, layers: int = 12) -> torch.nn.Module:
     return transformers.LlamaForCausalLM(config).double()
 
 
-def test_a_causal_lm_larger_than_the_device_is_exported_cut_at_its_layers_and_equals_plain_pytorch(
+def test_causal_lms_larger_than_the_device_are_exported_cut_at_their_layers_and_equal_plain_pytorch(
     no_leaks: None, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A 12-layer Llama-style LM that torch.fx cannot trace, under a third of its bytes on two devices: exported,
-    cut at its decoder layers (its rotary position embeddings and causal mask cross the cuts beside the hidden
-    states), trained with its own loss on dict batches in two micro-batches: equal to plain PyTorch in float64."""
-    model = llama(0)
-    reference = copy.deepcopy(model)
+    """Two 12-layer Llama-style LMs that torch.fx cannot trace, with the defaults (fuse="auto"), under a third of
+    their bytes on two devices: exported, cut at their decoder layers (the rotary position embeddings and the
+    causal mask cross the cuts beside the hidden states), trained with their own loss on dict batches in two
+    micro-batches, unfused (an exported model is not fused): equal to plain PyTorch in float64."""
+    models = [llama(0), llama(1)]
+    references = copy.deepcopy(models)
     batches = token_batches(steps=4, batch=8, length=12)
-    budget = sum(p.numel() * p.element_size() for p in model.parameters()) // 3
-    factory = functools.partial(torch.optim.Adam, lr=1e-3)
+    budget = sum(p.numel() * p.element_size() for p in models[0].parameters()) // 3
+    factories = [adam(1e-3), adam(3e-3)]
     with caplog.at_level("INFO", logger="harmony"):
-        result = harmony.train(model, batches, None, factory, devices=["cpu", "cpu"], device_memory=budget,
+        result = harmony.train(models, batches, None, factories, devices=["cpu", "cpu"], device_memory=budget,
                                microbatches=2, progress=False)
     assert ("LlamaForCausalLM: exported by torch.export and cut into 19 stages at model.embed_tokens, model, "
             "model.rotary_emb, model.layers.0-11, model.norm, lm_head" in caplog.text)
-    assert len(result.packings[0].packs) >= 6 and result.models[0] is model
+    assert result.arrays == [[0], [1]] and all(len(packing.packs) >= 6 for packing in result.packings)
+    assert result.models == models
     assert max(result.stats.peak_device_bytes.values()) <= budget
-    losses = train_plain(reference, batches, factory, keywords=True)
-    for (name, ours), theirs in zip(model.state_dict().items(), reference.state_dict().values()):
-        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-9, msg=lambda m, name=name: f"{name}: {m}")
-    # the model's own loss is float32 (transformers upcasts the logits with .float()): two micro-batches' losses
-    # averaged differ from the whole batch's at float32 rounding
-    assert result.history[0] == pytest.approx(losses, rel=2 * torch.finfo(torch.float32).eps)
+    for index, (model, reference, factory) in enumerate(zip(models, references, factories)):
+        losses = train_plain(reference, batches, factory, keywords=True)
+        assert_close(model, reference)
+        # the model's own loss is float32 (transformers upcasts the logits with .float()): two micro-batches'
+        # losses averaged differ from the whole batch's at float32 rounding
+        assert result.history[index] == pytest.approx(losses, rel=2 * torch.finfo(torch.float32).eps)
 
 
 def bert(seed: int, layers: int = 12) -> torch.nn.Module:
