@@ -1,12 +1,13 @@
 """Benchmark: how large a model Harmony trains under a fixed device budget, and at what step time.
 
-A GPT-style chain (byte embeddings, pre-norm transformer blocks, a head: examples/gpt_sweep.py's model) grows in
-blocks under one fixed budget: Harmony cuts it into packs that fit and swaps them through the host store on one
-CPU device. Against it, in the same run: plain PyTorch with the whole model in memory (the step time to match),
-and, where Hugging Face `accelerate` installs, its hooks-based per-layer offload (`cpu_offload`, which on a CPU
-device moves nothing and measures the hooks' cost alone). The table gives, per depth, the model's training bytes
-(weights, gradients and Adam's state) over the budget and each way's median step time relative to the in-memory
-step, with the range over the measured steps.
+Two models grow in blocks under one fixed budget: a GPT-style chain (byte embeddings, pre-norm transformer blocks,
+a head: examples/gpt_sweep.py's model) and, where transformers installs, Hugging Face's GPT2LMHeadModel of the
+same width (exported and cut at its blocks, its embeddings tied to its head). Harmony cuts each into packs that
+fit and swaps them through the host store on one CPU device. Against it, in the same run: plain PyTorch with the
+whole model in memory (the step time to match), and, where Hugging Face `accelerate` installs, its hooks-based
+per-layer offload (`cpu_offload`, which on a CPU device moves nothing and measures the hooks' cost alone). The
+table gives, per depth, the model's training bytes (weights, gradients and Adam's state) over the budget and each
+way's median step time relative to the in-memory step, with the range over the measured steps.
 
     python -m benchmarks.large_model [--quick]
 """
@@ -54,29 +55,48 @@ def data(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(row[:, :-1], row[:, 1:]) for row in ids]
 
 
-def plain_steps(model: nn.Module, batches: list) -> list[float]:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    times = []
-    for x, y in batches:
-        started = time.perf_counter()
-        optimizer.zero_grad()
-        next_byte_loss(model(x), y).backward()
-        optimizer.step()
-        times.append(time.perf_counter() - started)
-    return times[WARMUP:]
-
-
-def offload_steps(model: nn.Module, batches: list) -> list[float] | None:
+def offload_steps(model: nn.Module, batches: list, loss_fn: Any = None) -> list[float] | None:
     try:
         from accelerate import cpu_offload
     except ImportError:
         return None
     cpu_offload(model, execution_device=torch.device("cpu"))
-    return plain_steps(model, batches)
+    return plain_steps(model, batches, loss_fn)
 
 
-def harmony_steps(model: nn.Module, batches: list) -> tuple[list[float], int]:
-    result = harmony.train(model, batches, next_byte_loss, lambda p: torch.optim.AdamW(p, lr=1e-3),
+def hf_gpt2(depth: int, seed: int) -> nn.Module | None:
+    """Hugging Face's GPT-2 of the chain's width and context over bytes, without dropout; None without
+    transformers."""
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel
+    except ImportError:
+        return None
+    torch.manual_seed(seed)
+    config = GPT2Config(n_layer=depth, n_embd=WIDTH, n_head=4, vocab_size=256, n_positions=CONTEXT, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, use_cache=False)
+    return GPT2LMHeadModel(config)
+
+
+def logits_loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
+    """next_byte_loss on a Hugging Face model's logits."""
+    return next_byte_loss(output.logits, targets)
+
+
+def plain_steps(model: nn.Module, batches: list, loss_fn: Any = None) -> list[float]:
+    loss_fn = loss_fn or next_byte_loss
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    times = []
+    for x, y in batches:
+        started = time.perf_counter()
+        optimizer.zero_grad()
+        loss_fn(model(x), y).backward()
+        optimizer.step()
+        times.append(time.perf_counter() - started)
+    return times[WARMUP:]
+
+
+def harmony_steps(model: nn.Module, batches: list, loss_fn: Any = None) -> tuple[list[float], int]:
+    result = harmony.train(model, batches, loss_fn or next_byte_loss, lambda p: torch.optim.AdamW(p, lr=1e-3),
                            devices=["cpu"], device_memory=BUDGET, microbatches=MICROBATCHES, progress=False)
     times = result.stats.step_seconds[0]
     return [b - a for a, b in zip(times[WARMUP:], times[WARMUP + 1 :])], len(result.packings[0].packs)
@@ -98,20 +118,27 @@ def main() -> None:
     WARMUP = 2 if args.quick else WARMUP
     batches = data(steps)
     rows = []
-    for depth in depths:
-        model = gpt(WIDTH, depth, CONTEXT, seed=0)
-        plain = plain_steps(copy.deepcopy(model), batches)
-        base = statistics.median(plain)
-        offload = offload_steps(copy.deepcopy(model), batches)
-        steps_h, packs = harmony_steps(copy.deepcopy(model), batches)
-        harmony_median, harmony_range = summary(steps_h, base)
-        offload_median, offload_range = summary(offload, base)
-        rows.append({"blocks": depth, "training MiB": training_bytes(model) / 2**20,
-                     "model/budget": training_bytes(model) / BUDGET, "packs": packs,
-                     "in-memory step s": base, "harmony / in-memory": harmony_median, "harmony range": harmony_range,
-                     "cpu_offload / in-memory": offload_median, "cpu_offload range": offload_range})
-        print(f"{depth} blocks: in-memory {base * 1e3:.0f} ms, harmony x{harmony_median:.2f}", flush=True)
-    report("large_model", f"GPT-style chains under a fixed {BUDGET / 2**20:.0f} MiB budget on one CPU device", rows,
+    for family, build, loss_fn in (("GPT-style chain", lambda depth: gpt(WIDTH, depth, CONTEXT, seed=0), None),
+                                   ("HF GPT2LMHeadModel", lambda depth: hf_gpt2(depth, seed=0), logits_loss)):
+        for depth in depths:
+            model = build(depth)
+            if model is None:
+                break
+            plain = plain_steps(copy.deepcopy(model), batches, loss_fn)
+            base = statistics.median(plain)
+            offload = offload_steps(copy.deepcopy(model), batches, loss_fn)
+            steps_h, packs = harmony_steps(copy.deepcopy(model), batches, loss_fn)
+            harmony_median, harmony_range = summary(steps_h, base)
+            offload_median, offload_range = summary(offload, base)
+            rows.append({"model": family, "blocks": depth, "training MiB": training_bytes(model) / 2**20,
+                         "model/budget": training_bytes(model) / BUDGET, "packs": packs,
+                         "in-memory step s": base, "harmony / in-memory": harmony_median,
+                         "harmony range": harmony_range, "cpu_offload / in-memory": offload_median,
+                         "cpu_offload range": offload_range})
+            print(f"{family}, {depth} blocks: in-memory {base * 1e3:.0f} ms, harmony x{harmony_median:.2f}",
+                  flush=True)
+    report("large_model", f"GPT-style chains and GPT-2s under a fixed {BUDGET / 2**20:.0f} MiB budget on one CPU "
+           "device", rows,
            args.out, notes="model/budget counts weights, gradients and AdamW's state; ratios are medians of the "
            "steps after the first few, ranges min-max")
 

@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_leaves
 
 from harmony.runtime.cache import tree_nbytes
 from harmony.runtime.hoststore import dtype_name
-from harmony.runtime.stages import trace_stages
+from harmony.runtime.stages import CONTAINERS, trace_stages
 from harmony.tasks.layout import TensorSpec
 from harmony.tasks.profile import LayerProfile, ModelProfile
 
@@ -109,15 +109,17 @@ def chain_order(module: nn.Module) -> list[nn.Module] | None:
 
 
 def _flatten(module: nn.Module, x: Any, layers: list[nn.Module], notes: list[str], largest: int | None,
-             export: bool) -> Any:
+             export: bool, block: bool = False) -> Any:
     """Append module's layers to layers, running x through them; notes says how a module that is not a chain of
-    its children was cut, or why it was not (largest, and export: whether to try torch.export: see trace_stages)."""
+    its children was cut, or why it was not (largest, and export: whether to try torch.export: see trace_stages).
+    A block (an entry of a Sequential or ModuleList) is one layer unless its weights exceed largest."""
     order = chain_order(module)
     if order is not None:
         for child in order:
-            x = _flatten(child, x, layers, notes, largest, export)
+            x = _flatten(child, x, layers, notes, largest, export, isinstance(module, CONTAINERS))
         return x
-    if not any(True for _ in module.children()):
+    whole_block = block and (largest is None or _weight_bytes(module) <= largest)
+    if whole_block or not any(True for _ in module.children()):
         stages, how = [module], ""
     else:
         stages, how = trace_stages(module, largest, x if export else None)
@@ -128,6 +130,10 @@ def _flatten(module: nn.Module, x: Any, layers: list[nn.Module], notes: list[str
         layers.append(stage)
         x = stage(x)
     return x
+
+
+def _weight_bytes(module: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
 
 
 def _merge_shared(layers: list[nn.Module]) -> list[nn.Module]:

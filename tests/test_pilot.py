@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from harmony.runtime.pilot import decompose
+from tests.conftest import ResidualBlock
 
 
 class Chain(nn.Module):
@@ -146,3 +147,15 @@ def test_pilot_leaves_buffers_and_rng_untouched() -> None:
     assert torch.equal(torch.rand(3), expected_draw)
     for key, value in model.state_dict().items():
         assert torch.equal(value, before[key]), key
+
+
+def test_a_block_in_a_sequential_stays_whole_unless_its_weights_exceed_the_limit() -> None:
+    blocks = nn.Sequential(ResidualBlock(8), ResidualBlock(8), nn.Linear(8, 2))
+    x = torch.randn(3, 8)
+    whole = decompose(blocks, x, "m", largest=10**6)
+    assert [type(layer).__name__ for layer in whole.layers] == ["ResidualBlock", "ResidualBlock", "Linear"]
+    assert not whole.notes
+    block_bytes = sum(p.numel() * p.element_size() for p in blocks[0].parameters())
+    cut = decompose(blocks, x, "m", largest=block_bytes - 1)
+    assert len(cut.layers) == 7 and cut.notes[0].startswith("ResidualBlock: traced by torch.fx and cut into 3 stages")
+    torch.testing.assert_close(cut.output, blocks(x), rtol=0, atol=0)
