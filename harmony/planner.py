@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -29,14 +29,11 @@ from harmony.tasks.binding import MODES
 from harmony.tasks.hardware import Hardware
 from harmony.tasks.homes import assign_machines, choose_homes
 from harmony.tasks.packing import LayerTooLarge, cut_packs, minimal_budget
-from harmony.tasks.profile import ModelProfile
+from harmony.tasks.profile import LayerProfile, ModelProfile
 from harmony.tasks.runplan import Job, RunPlan
 from harmony.tasks.simulator import model_step_seconds, simulate
 from harmony.validate import Arguments, model_label
 
-# A traced block is cut at its children when its weights exceed this share of the budget: a pack holds its weights,
-# their gradients and the next pack's weights being prefetched, with room left for activations.
-BLOCK_SHARE = 4
 logger = logging.getLogger("harmony")
 
 def _check_loss(args: Arguments, index: int, label: str, output: Any, target: Any) -> None:
@@ -94,15 +91,18 @@ def pilot(args: Arguments, budget: int) -> list[Candidate]:
 
 def _decompose_and_cut(args: Arguments, index: int, sample: Any, target: Any, samples: int,
                        budget: int) -> tuple[Decomposition, Any]:
-    """Decompose model index and cut it into packs for budget. A traced block is cut at its children when its
-    weights exceed a share of the budget (BLOCK_SHARE); when a layer still does not fit (its activations), the
-    blocks as large as that layer's weights are cut finer, until the layer fits or nothing is left to cut. A model
-    torch.fx cannot trace is exported with torch.export when it does not fit whole (an export costs a second or
-    more, and a model that fits trains as it is)."""
+    """Decompose model index and cut it into packs for budget, its blocks whole where they fit.
+
+    When a layer does not fit, the blocks holding as many weights as it are cut at their children, finer and finer,
+    until it fits or nothing is left to cut. When the packs fit only without room to prefetch, the largest blocks
+    are cut finer once, and that decomposition is kept if its packs leave room. A model torch.fx cannot trace is
+    exported with torch.export when it does not fit whole (an export costs a second or more, and a model that fits
+    trains as it is)."""
     model, label = args.models[index], model_label(index, args.models[index])
-    largest = budget // BLOCK_SHARE
-    layers = 0
+    largest: int | None = None
     export = False
+    layers = 0
+    without_prefetch: tuple[Decomposition, Any] | None = None
     while True:
         try:
             decomposition = decompose(KeywordCall(model) if isinstance(sample, Mapping) else model, sample, label,
@@ -113,17 +113,32 @@ def _decompose_and_cut(args: Arguments, index: int, sample: Any, target: Any, sa
         if args.loss_fns[index] is not None and not layers:
             _check_loss(args, index, label, decomposition.output, target)
         try:
-            return decomposition, cut_packs(decomposition.profile, budget, samples)
+            packing = cut_packs(decomposition.profile, budget, samples)
         except LayerTooLarge as error:
+            if without_prefetch is not None:
+                return without_prefetch
             if not export and any("not traceable by torch.fx" in note for note in decomposition.notes):
                 export = True  # it does not fit whole: worth the export
                 continue
             if len(decomposition.layers) <= layers:
                 raise cut_error(error, label) from None
             layers = len(decomposition.layers)
-            failing = decomposition.profile.layers[error.first : error.stop]
-            largest = min(largest, max(sum(spec.nbytes for spec in (*layer.params, *layer.buffers))
-                                       for layer in failing) - 1)
+            largest = _finer(largest, decomposition.profile.layers[error.first : error.stop])
+            continue
+        if without_prefetch is not None:
+            finer = packing.prefetch and len(decomposition.layers) > len(without_prefetch[0].layers)
+            return (decomposition, packing) if finer else without_prefetch
+        if packing.prefetch or len(packing.packs) == 1:
+            return decomposition, packing
+        without_prefetch = (decomposition, packing)
+        layers = len(decomposition.layers)
+        largest = _finer(largest, decomposition.profile.layers)
+
+
+def _finer(largest: int | None, layers: Sequence[LayerProfile]) -> int:
+    """A limit on a block's weights under which the largest of layers is cut."""
+    limit = max(sum(spec.nbytes for spec in (*layer.params, *layer.buffers)) for layer in layers) - 1
+    return limit if largest is None else min(largest, limit)
 
 
 def groups_for(mode: str, devices: int, microbatches: int) -> int:
