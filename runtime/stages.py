@@ -107,7 +107,7 @@ def _cut(root: nn.Module, nodes: list[fx.Node], units: Units) -> tuple[list[nn.M
         else:
             live = _needed_later([*flowing, *segment], last_use, end)
             result = live[0] if len(live) == 1 else tuple(live)
-        stages.append(_stage(root, segment, flowing, result))
+        stages.append(_stage(root, segment, flowing, result, units.model_name()))
         flowing = live
     widest = max(len(stage.harmony_inputs) for stage in stages[1:])
     crossing = "one value crosses each cut" if widest == 1 else f"up to {widest} values cross a cut"
@@ -213,6 +213,11 @@ class Units:
             self._weights[path] = sum(t.numel() * t.element_size() for t in [*sub.parameters(), *sub.buffers()])
         return self._weights[path] > self.largest
 
+    def model_name(self) -> str:
+        """The class name of the user's model (the one a batch-dict wrapper calls)."""
+        model = self.root.model if hasattr(self.root, "harmony_prefix") else self.root
+        return type(model).__name__
+
     def blocks_cut(self) -> str:
         """The units, briefly and in order: a run of repeated blocks as ``blocks.0-11``, then which units were
         cut at their children."""
@@ -271,7 +276,8 @@ class StageTracer(fx.Tracer):
     proxy_buffer_attributes = True
 
 
-def _stage(module: nn.Module, segment: list[fx.Node], flowing: list[fx.Node], result: fx.node.Argument) -> nn.Module:
+def _stage(module: nn.Module, segment: list[fx.Node], flowing: list[fx.Node], result: fx.node.Argument,
+           name: str) -> nn.Module:
     """The operations of segment as a module of their own: the flowing values in (one, or a tuple), result out; the
     attributes they read (parameters, buffers, submodules) are module's own, by reference."""
     graph = fx.Graph()
@@ -307,16 +313,25 @@ def _stage(module: nn.Module, segment: list[fx.Node], flowing: list[fx.Node], re
         env[node] = copied
     graph.output(fx.map_arg(result, lookup))
     graph._tracer_cls = StageTracer
-    stage = fx.GraphModule(module, graph, class_name=f"{type(module).__name__}Stage")
+    stage = fx.GraphModule(module, graph, class_name=f"{name}Stage")
     stage.harmony_description = _describe(segment)
     stage.harmony_inputs = tuple(value.name for value in flowing)
     return stage
 
 
 def _describe(segment: list[fx.Node]) -> str:
-    """The modules a stage calls, first to last."""
+    """The modules a stage calls, first to last (for an exported graph, the modules its operations ran in)."""
     called = [str(node.target) for node in segment if node.op == "call_module"]
     if not called:
+        called = [path for node in segment for path in _innermost(node)]
+    if not called:
         return "operations"
-    return called[0] if len(called) == 1 else f"{called[0]} .. {called[-1]}"
+    return called[0] if len(called) == 1 or called[0] == called[-1] else f"{called[0]} .. {called[-1]}"
+
+
+def _innermost(node: fx.Node) -> list[str]:
+    """The module an exported operation ran in, as a list of none or one path."""
+    paths = [value[0] for value in (node.meta.get("nn_module_stack") or {}).values()
+             if value[0] and not value[0].startswith("_")]
+    return paths[-1:]
 
