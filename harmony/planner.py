@@ -137,7 +137,7 @@ def _decompose_and_cut(args: Arguments, index: int, sample: Any, target: Any, sa
 
 def _finer(largest: int | None, layers: Sequence[LayerProfile]) -> int:
     """A limit on a block's weights under which the largest of layers is cut."""
-    limit = max(sum(spec.nbytes for spec in (*layer.params, *layer.buffers)) for layer in layers) - 1
+    limit = max(layer.param_bytes + layer.buffer_bytes for layer in layers) - 1  # its own, not what it borrows
     return limit if largest is None else min(largest, limit)
 
 

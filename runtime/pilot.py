@@ -13,7 +13,7 @@ driver before any worker starts; it leaves the model's buffers and the global RN
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_leaves
 
 from harmony.runtime.cache import tree_nbytes
 from harmony.runtime.hoststore import dtype_name
-from harmony.runtime.stages import CONTAINERS, trace_stages
+from harmony.runtime.stages import CONTAINERS, trace_stages, weight_bytes
 from harmony.tasks.layout import TensorSpec
 from harmony.tasks.profile import LayerProfile, ModelProfile
 
@@ -118,7 +118,7 @@ def _flatten(module: nn.Module, x: Any, layers: list[nn.Module], notes: list[str
         for child in order:
             x = _flatten(child, x, layers, notes, largest, export, isinstance(module, CONTAINERS))
         return x
-    whole_block = block and (largest is None or _weight_bytes(module) <= largest)
+    whole_block = block and (largest is None or weight_bytes(module) <= largest)
     if whole_block or not any(True for _ in module.children()):
         stages, how = [module], ""
     else:
@@ -130,10 +130,6 @@ def _flatten(module: nn.Module, x: Any, layers: list[nn.Module], notes: list[str
         layers.append(stage)
         x = stage(x)
     return x
-
-
-def _weight_bytes(module: nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
 
 
 def _merge_shared(layers: list[nn.Module]) -> list[nn.Module]:
@@ -180,7 +176,7 @@ def _describe(layer: nn.Module) -> str:
     return text if len(text) <= 80 else type(layer).__name__
 
 
-def _specs(named: Iterator[tuple[str, torch.Tensor]]) -> tuple[TensorSpec, ...]:
+def _specs(named: Iterable[tuple[str, torch.Tensor]]) -> tuple[TensorSpec, ...]:
     return tuple(TensorSpec(name, dtype_name(t.dtype), tuple(t.shape)) for name, t in named)
 
 
@@ -222,14 +218,14 @@ def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7, larges
             profiles.append(
                 LayerProfile(
                     description=_describe(layer),
-                    params=_specs(iter([(n, p) for n, p in named if n not in borrowed])),
+                    params=_specs((n, p) for n, p in named if n not in borrowed),
                     buffers=_specs(layer.named_buffers()),
                     frozen=frozenset(n for n, p in named if not p.requires_grad),
                     input_bytes_per_sample=tree_nbytes(x) / samples,
                     output_bytes_per_sample=_new_bytes(y, x) / samples,
                     forward_seconds_per_sample=seconds / samples,
                     cut_before=is_boundary(x),
-                    borrowed=_specs(iter([(n, p) for n, p in named if n in borrowed])),
+                    borrowed=_specs((n, p) for n, p in named if n in borrowed),
                     lenders=tuple(borrowed[n] for n, _ in named if n in borrowed),
                 )
             )

@@ -15,9 +15,10 @@ from it like any chain of layers; the values at a boundary are what a pack keeps
 moves between devices.
 
 A parameter a stage reads by attribute is read from the user's module itself (the stage holds a reference), so
-training the stages trains the user's model; a parameter read by two stages (tied weights) makes the chain merge
-them (pilot's merge of shared layers). A forward that torch.fx cannot trace (control flow on tensor values, an
-unsupported call) is not cut, and ``trace_stages`` says why.
+training the stages trains the user's model; a parameter two stages read (tied weights) is held by the first and
+borrowed by the later ones (runtime.pilot). A forward that torch.fx cannot trace (control flow on tensor values, an
+unsupported call) is exported with torch.export instead when the caller gives a sample input, and cut the same
+way; one that neither can trace is not cut, and ``trace_stages`` says why.
 """
 
 from __future__ import annotations
@@ -50,16 +51,16 @@ def trace_stages(module: nn.Module, largest: int | None = None, sample: Any = No
             return [module], f"{why} nor by torch.export ({_first_line(export_error)})"
         root = exported.module()
         nodes = [node for node in root.graph.nodes if not (node.op == "call_module" and node.target == "_guards_fn")]
-        stages, how = _cut(root, nodes, Units(module, largest))
+        stages, how = _cut(root, nodes, Units(module, largest), "exported by torch.export")
         if len(stages) < 2:
             return [module], how
         stages[0] = Entry(stages[0])
         stages[-1] = Exit(stages[-1], exported.call_spec.out_spec)
-        return stages, how.replace("traced by torch.fx", "exported by torch.export")
+        return stages, how
     placeholders = [node for node in graph.nodes if node.op == "placeholder"]
     if len(placeholders) != 1:
         return [module], f"its forward takes {len(placeholders)} inputs"
-    stages, how = _cut(module, list(graph.nodes), Units(module, largest))
+    stages, how = _cut(module, list(graph.nodes), Units(module, largest), "traced by torch.fx")
     return (stages, how) if len(stages) > 1 else ([module], how)
 
 
@@ -75,8 +76,9 @@ def _export(module: nn.Module, sample: Any) -> torch.export.ExportedProgram:
     return torch.export.export(module, (sample,), dynamic_shapes=(dims,), strict=False)
 
 
-def _cut(root: nn.Module, nodes: list[fx.Node], units: Units) -> tuple[list[nn.Module], str]:
-    """The operations of a traced forward (nodes, reading attributes of root) cut into stages (module docstring)."""
+def _cut(root: nn.Module, nodes: list[fx.Node], units: Units, traced: str) -> tuple[list[nn.Module], str]:
+    """The operations of a traced forward (nodes, reading attributes of root) cut into stages (module docstring),
+    and how (traced: by which tool)."""
     placeholders = [node for node in nodes if node.op == "placeholder"]
     position = {node: index for index, node in enumerate(nodes)}
     last_use: dict[fx.Node, int] = {}
@@ -111,7 +113,7 @@ def _cut(root: nn.Module, nodes: list[fx.Node], units: Units) -> tuple[list[nn.M
         flowing = live
     widest = max(len(stage.harmony_inputs) for stage in stages[1:])
     crossing = "one value crosses each cut" if widest == 1 else f"up to {widest} values cross a cut"
-    return stages, f"traced by torch.fx and cut into {len(stages)} stages at {units.blocks_cut()}; {crossing}"
+    return stages, f"{traced} and cut into {len(stages)} stages at {units.blocks_cut()}; {crossing}"
 
 
 def _needed_later(defined: list[fx.Node], last_use: dict[fx.Node, int], end: int) -> list[fx.Node]:
@@ -133,9 +135,8 @@ def _symbol(size: Any) -> str | None:
     return str(size.node.expr) if isinstance(size, torch.SymInt) else None
 
 
-class Entry(nn.Module):
-    """An exported model's first stage, given the model's input as the model is: its tensors, flattened as the
-    export flattened them, are the stage's inputs."""
+class _Wrapped(nn.Module):
+    """A stage inside a module that adapts its input or output; it keeps the stage's description."""
 
     def __init__(self, stage: nn.Module) -> None:
         super().__init__()
@@ -143,24 +144,39 @@ class Entry(nn.Module):
         self.harmony_description = stage.harmony_description
         self.harmony_inputs = stage.harmony_inputs
 
+
+class Entry(_Wrapped):
+    """An exported model's first stage, given the model's input as the model is: its tensors, flattened as the
+    export flattened them, are the stage's inputs."""
+
     def forward(self, x: Any) -> Any:
         leaves = tree_leaves(((x,), {}))
         return self.stage(leaves[0] if len(leaves) == 1 else tuple(leaves))
 
 
-class Exit(nn.Module):
+class Exit(_Wrapped):
     """An exported model's last stage, returning what the model returns (a ModelOutput, a tuple), not the flat
     values of the exported graph."""
 
     def __init__(self, stage: nn.Module, spec: TreeSpec) -> None:
-        super().__init__()
-        self.stage = stage
+        super().__init__(stage)
         self.spec = spec
-        self.harmony_description = stage.harmony_description
-        self.harmony_inputs = stage.harmony_inputs
 
     def forward(self, x: Any) -> Any:
         return tree_unflatten(list(self.stage(x)), self.spec)
+
+
+def weight_bytes(module: nn.Module) -> int:
+    """The bytes of a module's parameters and buffers."""
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+
+
+def _module_path(node: fx.Node) -> str | None:
+    """The module a traced operation ran in (the innermost of its stack; a module called twice is one path), None
+    outside every module or in a hook torch.export names like a module (``_empty_nn_module_stack...``)."""
+    paths = [value[0] for value in (node.meta.get("nn_module_stack") or {}).values()
+             if value[0] and not value[0].startswith("_")]
+    return re.sub(r"@\d+$", "", paths[-1]) if paths else None
 
 
 class Units:
@@ -174,16 +190,15 @@ class Units:
         self._weights: dict[str, int] = {}
 
     def of(self, node: fx.Node) -> str | None:
-        paths = [value[0] for value in (node.meta.get("nn_module_stack") or {}).values() if value[0]]
-        if not paths:
+        path = _module_path(node)
+        if path is None:
             return None
-        path = re.sub(r"@\d+$", "", paths[-1])
         try:
             self.root.get_submodule(path)
-        except AttributeError:  # a hook's name torch.export records, not a module
+        except AttributeError:  # a name torch.export records that is not one of the model's modules
             return None
         parts = path.split(".")
-        depth = next((k for k in range(2, len(parts) + 1) if self._is_entry(parts[:k])), None)
+        depth = self._entry_depth(parts)
         if depth is None:  # in no block: the model's child, or its child's where that child holds the blocks
             depth = 1
             while depth < len(parts) and self._holds_blocks(parts[:depth]):
@@ -197,9 +212,10 @@ class Units:
         self.seen[unit] = None
         return unit
 
-    def _is_entry(self, parts: list[str]) -> bool:
-        """Whether the module at parts is an entry of a container (a repeated block)."""
-        return isinstance(self.root.get_submodule(".".join(parts[:-1])), CONTAINERS)
+    def _entry_depth(self, parts: list[str]) -> int | None:
+        """How many parts of a module path name the repeated block it is in (an entry of a container), if any."""
+        return next((k for k in range(2, len(parts) + 1)
+                     if isinstance(self.root.get_submodule(".".join(parts[: k - 1])), CONTAINERS)), None)
 
     def _holds_blocks(self, parts: list[str]) -> bool:
         return any(isinstance(sub, CONTAINERS) for sub in self.root.get_submodule(".".join(parts)).modules())
@@ -209,8 +225,7 @@ class Units:
             return False
         path = ".".join(parts)
         if path not in self._weights:
-            sub = self.root.get_submodule(path)
-            self._weights[path] = sum(t.numel() * t.element_size() for t in [*sub.parameters(), *sub.buffers()])
+            self._weights[path] = weight_bytes(self.root.get_submodule(path))
         return self._weights[path] > self.largest
 
     def model_name(self) -> str:
@@ -224,7 +239,7 @@ class Units:
         items: list[tuple[str, list[str]]] = []  # (container or unit, entries of the container)
         for unit in self.seen:
             parts = unit.split(".")
-            depth = next((k for k in range(2, len(parts) + 1) if self._is_entry(parts[:k])), None)
+            depth = self._entry_depth(parts)
             if depth is None:
                 items.append((unit, []))
                 continue
@@ -323,15 +338,7 @@ def _describe(segment: list[fx.Node]) -> str:
     """The modules a stage calls, first to last (for an exported graph, the modules its operations ran in)."""
     called = [str(node.target) for node in segment if node.op == "call_module"]
     if not called:
-        called = [path for node in segment for path in _innermost(node)]
+        called = [path for path in map(_module_path, segment) if path is not None]
     if not called:
         return "operations"
     return called[0] if len(called) == 1 or called[0] == called[-1] else f"{called[0]} .. {called[-1]}"
-
-
-def _innermost(node: fx.Node) -> list[str]:
-    """The module an exported operation ran in, as a list of none or one path."""
-    paths = [value[0] for value in (node.meta.get("nn_module_stack") or {}).values()
-             if value[0] and not value[0].startswith("_")]
-    return paths[-1:]
-

@@ -133,10 +133,11 @@ def make_pack(profile: ModelProfile, index: int, first: int, stop: int, samples:
     for offset, layer in enumerate(layers):
         for spec, (lender, name) in zip(layer.borrowed, layer.lenders):
             if first <= lender < stop:
-                continue
-            owner = next(i for i, (a, b) in enumerate(bounds or [(0, len(profile.layers))]) if a <= lender < b)
+                continue  # the pack holds the lender too: the tie is inside it
+            assert bounds is not None, "a pack that borrows from another needs every pack's bounds"
+            owner = next(i for i, (a, b) in enumerate(bounds) if a <= lender < b)
             local = f"{offset}.{spec.name}"
-            borrowed.append((local, owner, f"{lender - (bounds or [(0, 0)])[owner][0]}.{name}"))
+            borrowed.append((local, owner, f"{lender - bounds[owner][0]}.{name}"))
             if local not in frozen:
                 lent_grads.append(TensorSpec(local, spec.dtype, spec.shape))
     trainable = tuple(spec for spec in params if spec.name not in frozen) + tuple(lent_grads)
