@@ -218,7 +218,7 @@ class Checkpoints:
         plan_job, runtime = files.plan.jobs[job], files.models[job]
         versions = files.versions(job)
         for pack, pack_runtime in enumerate(runtime.packs):
-            names = [slot.spec.name for slot in pack_runtime.grads.slots]
+            names = [slot.spec.name for slot in pack_runtime.stepped]  # as its optimizer was built (optimizer.py)
             if not names:
                 continue
             saved = OptimizerState(files.store(job), job, pack)
@@ -226,7 +226,7 @@ class Checkpoints:
             if not tensors:
                 continue
             ghosts = [nn.Parameter(torch.empty(slot.spec.shape, device="meta", dtype=getattr(torch, slot.spec.dtype)))
-                      for slot in pack_runtime.grads.slots]
+                      for slot in pack_runtime.stepped]
             built = build_optimizer(code.optimizer, ghosts, names)  # type: ignore[arg-type]
             origins = param_origins(built, ghosts, names)
             owners = self._owners(code, plan_job.packing, pack, position)

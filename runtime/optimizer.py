@@ -38,14 +38,11 @@ class PackOptimizer:
     ) -> None:
         by_name = {slot.spec.name: slot for slot in runtime.weights.slots}
         params = []
-        for grad_slot in runtime.grads.slots:
-            if grad_slot.spec.name not in by_name:
-                continue  # a tied weight another pack holds: that pack steps it, with this gradient added
+        for grad_slot in runtime.stepped:
             param = nn.Parameter(tensor_at(weights, by_name[grad_slot.spec.name]))
             param.grad = tensor_at(grads, grad_slot)
             params.append(param)
-        self.optimizer = build_optimizer(factory, params,
-                                         [slot.spec.name for slot in runtime.grads.slots if slot.spec.name in by_name])
+        self.optimizer = build_optimizer(factory, params, [slot.spec.name for slot in runtime.stepped])
         fused_on_host(self.optimizer)
         self.params = optimizer_params(self.optimizer)
         self.state = state
@@ -102,15 +99,14 @@ def update(
     if current < step:
         raise RuntimeError(f"the update of step {step} of pack {pack} came before step {current}'s")
     following = 1 - slot
-    own = {entry.spec.name for entry in runtime.weights.slots}
-    if any(entry.spec.name in own for entry in runtime.grads.slots):  # else: activations, frozen or tied layers
+    if runtime.stepped:  # a pack of activations, frozen layers or borrowed weights has nothing to step
         source, target = weights(slot), weights(following)
         copy_trainable(runtime, source, target)
         stepping = optimizer(following)
         stepping.state.copy_slot(slot, following)
         stepping.step(following)
         if stopped:
-            names = [entry.spec.name for entry in runtime.grads.slots if entry.spec.name in own]
+            names = [entry.spec.name for entry in runtime.stepped]
             after, before = tensors_at(target, runtime.weights), tensors_at(source, runtime.weights)
             keep_stopped([after[name] for name in names], [before[name][stopped] for name in names], stopped)
     versions.publish(pack, step + 1, following)

@@ -9,7 +9,7 @@ import cloudpickle
 from harmony.runtime.code import JobCode
 from harmony.runtime.devices import DeviceSpec
 from harmony.runtime.skeleton import dump_skeleton
-from harmony.tasks.layout import BufferLayout, lay_out
+from harmony.tasks.layout import BufferLayout, Slot, lay_out
 from harmony.tasks.runplan import RunPlan
 
 
@@ -24,6 +24,13 @@ class PackRuntime:
     workspace: int
     borrowed: tuple[tuple[str, int, str], ...] = ()  # tied weights another pack holds: (name here, pack, name there)
     lent: tuple[tuple[int, str, str], ...] = ()  # own weights later packs borrow: (pack, name there, name here)
+
+    @property
+    def stepped(self) -> list[Slot]:
+        """The gradients of the weights this pack holds and steps (not of those it borrows: their holder steps
+        them, with these gradients added)."""
+        borrowed = {here for here, _, _ in self.borrowed}
+        return [slot for slot in self.grads.slots if slot.spec.name not in borrowed]
 
     @property
     def has_buffers(self) -> bool:

@@ -387,6 +387,50 @@ def test_resuming_with_other_arguments_is_refused(tmp_path: Path, no_leaks: None
                       resume=True)
 
 
+class TiedEnds(nn.Module):
+    """A chain whose last linear layer reads its first one's weight (a tie that spans packs under a small budget)
+    and has a bias of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = nn.Linear(32, 32, bias=False)
+        self.middle = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(4)])
+        self.last = nn.Linear(32, 32)
+        self.last.weight = self.first.weight
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.last(self.middle(self.first(x))))
+
+
+def test_a_checkpoint_of_a_model_tied_across_packs_holds_plain_pytorchs_optimizer_state(
+    tmp_path: Path, no_leaks: None
+) -> None:
+    """The pack that borrows the tied weight steps nothing for it: the checkpoint's plain optimizer state is read
+    pack by pack as each pack's optimizer was built, and equals a plain loop's, the tied weight's included."""
+    model = TiedEnds().double()
+    reference = clones([model])[0]
+    batches = [(x.double(), y.double()) for x, y in regression_batches(samples=64, batch=16)]
+    adam = lambda p: torch.optim.Adam(p, lr=1e-3)  # noqa: E731
+    result = harmony.train(model, batches, loss_fn=nn.functional.mse_loss, optimizer=adam, devices=["cpu"],
+                           device_memory=60_000, progress=False, checkpoint_dir=tmp_path, checkpoint_every=4)
+    assert any(pack.borrowed for pack in result.packings[0].packs), "the tie must span packs"
+    optimizer = adam(reference.parameters())
+    for x, y in batches:
+        optimizer.zero_grad()
+        nn.functional.mse_loss(reference(x), y).backward()
+        optimizer.step()
+    saved = torch.load(tmp_path / "model-0.pt")
+    restored = TiedEnds().double()
+    restored.load_state_dict(saved["model"])
+    loaded = adam(restored.parameters())
+    loaded.load_state_dict(saved["optimizer"])
+    for ours, theirs in zip(restored.parameters(), reference.parameters()):
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(loaded.state[ours][key], optimizer.state[theirs][key], rtol=0, atol=1e-12)
+
+
 INTERRUPTED_WRITE = """
 import os, signal, torch
 from torch import nn
