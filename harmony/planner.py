@@ -96,8 +96,8 @@ def _decompose_and_cut(args: Arguments, index: int, sample: Any, target: Any, sa
     When a layer does not fit, the blocks holding as many weights as it are cut at their children, finer and finer,
     until it fits or nothing is left to cut. When the packs fit only without room to prefetch, the largest blocks
     are cut finer once, and that decomposition is kept if its packs leave room. A model torch.fx cannot trace is
-    exported with torch.export when it does not fit whole (an export costs a second or more, and a model that fits
-    trains as it is)."""
+    exported with torch.export only when it does not fit whole (exporting is slow; a model that fits trains as
+    it is)."""
     model, label = args.models[index], model_label(index, args.models[index])
     largest: int | None = None
     export = False
