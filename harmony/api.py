@@ -228,6 +228,7 @@ def train(
     names: list[str] | None = None,
     log_dir: str | os.PathLike[str] | None = None,
     precision: str = "fp32",
+    overlap_update: bool | None = None,
 ) -> TrainResult:
     """Train every model on its data through fine-grained tasks on Dask device workers.
 
@@ -288,6 +289,12 @@ def train(
     precision="bf16" runs every forward and backward (and the loss) under torch.autocast in bfloat16, as a plain
     loop inside ``torch.autocast(device_type, torch.bfloat16)`` would; weights, gradients and optimizer state stay
     float32 (the host store's master copy). "fp32" (the default) computes as the models' own dtypes say.
+
+    overlap_update=True steps a swapped model's optimizer on the host store in a task of its own, on a host thread
+    beside the device, which goes on with the backward of the model's earlier packs meanwhile (as ZeRO-Offload
+    overlaps its CPU optimizer); False steps it in the pack's backward task; None (the default) chooses by the
+    simulator's prediction, which on CPU devices (whose host threads take the same cores) keeps it in backward.
+    The weights are the same either way.
     """
     options = read_options(locals())  # first: locals() are the arguments alone
     for name, value in (("host", host), ("dashboard_address", dashboard_address)):

@@ -109,9 +109,10 @@ class Forecast:
         for index, packing in enumerate(self.packings):
             packs = " | ".join(f"{p.first}-{p.stop - 1}" for p in packing.packs)
             weights = sum(p.weight_bytes for p in packing.packs)
+            updates = ", updates beside the device" if self.plan.jobs[index].overlap else ""
             lines.append(
                 f"  {packing.model}: {len(packing.packs)} packs [{packs}], {weights:,} weight bytes, "
-                f"{self.steps[index]} steps on {', '.join(self.devices_of(index))}"
+                f"{self.steps[index]} steps on {', '.join(self.devices_of(index))}{updates}"
             )
         lines.append("  device      budget         predicted peak")
         for device, budget in self.budgets.items():
@@ -167,8 +168,9 @@ def plan(
     options = read_options(given)
     args = validate(models, loaders, loss_fn, optimizer, options, devices, device_memory, for_training=False)
     if hardware is None:
-        budgets = {spec.name: spec.budget for spec in build_specs(args.devices, args.device_memory)}
-        hardware = this_machine()
+        specs = build_specs(args.devices, args.device_memory)
+        budgets = {spec.name: spec.budget for spec in specs}
+        hardware = dataclasses.replace(this_machine(), shared_cores=any(spec.kind == "cpu" for spec in specs))
     else:
         budgets = {f"dev-{k}-{i}" if machines > 1 else f"dev-{i}": args.device_memory  # type: ignore[misc]
                    for k in range(machines) for i in range(len(args.devices))}
@@ -208,7 +210,7 @@ def simulate_machines(plan: RunPlan, counts: list[int], samples: list[int], mach
         run = simulate([jobs[index].packing for index in own], [counts[index] for index in own],
                        [samples[index] for index in own], budgets, plan.hardware, prefetch=options.prefetch,
                        policy=options.policy, mode=plan.mode, groups=[jobs[index].groups for index in own],
-                       homes=homes)
+                       homes=homes, overlap=[jobs[index].overlap for index in own])
         renamed = {task: dataclasses.replace(task, model=own[task.model]) for task in run.times}
         order.update({device: [renamed[task] for task in tasks] for device, tasks in run.order.items()})
         times.update({renamed[task]: span for task, span in run.times.items()})

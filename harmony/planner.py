@@ -216,6 +216,33 @@ def with_depth(job: Job, depth: int | str, hardware: Hardware) -> Job:
                                depth=steps_per_task(job.step_seconds, task_seconds, job.batch_bytes, job.steps))
 
 
+def with_overlap(jobs: list[Job], args: Arguments, budgets: dict[str, int], hardware: Hardware, mode: str
+                 ) -> list[Job]:
+    """The jobs with their updates overlapped (upd tasks beside the device, tasks.graph) or in their bwd tasks: as
+    overlap_update says, or with None as the simulator predicts faster for the swapped jobs together."""
+    swapped = [job.home is None for job in jobs]
+    choice = args.options.overlap_update
+    if choice is None and any(swapped):
+        steps = [min(job.steps or 1, RANKING_STEPS) for job in jobs]
+        samples = [step_samples(args, job) for job in jobs]
+        predicted = {
+            beside: simulate([job.packing for job in jobs], steps, samples, budgets, hardware,
+                             prefetch=args.options.prefetch, policy=args.options.policy, mode=mode,
+                             groups=[job.groups for job in jobs], homes=homes_of(jobs),
+                             overlap=[beside and here for here in swapped]).step_seconds()
+            for beside in (False, True)
+        }
+        choice = predicted[True] < predicted[False]
+        logger.info("overlap_update auto: predicted %.1f ms per step in backward, %.1f ms beside; %s",
+                    predicted[False] * 1e3, predicted[True] * 1e3, "beside" if choice else "in backward")
+    return [dataclasses.replace(job, overlap=bool(choice) and here) for job, here in zip(jobs, swapped)]
+
+
+def homes_of(jobs: list[Job]) -> dict[int, str]:
+    """Job index -> home device, for the homed jobs."""
+    return {index: job.home for index, job in enumerate(jobs) if job.home is not None}
+
+
 def codes_for(plan: RunPlan, candidates: list[Candidate], args: Arguments, budget: int) -> list[JobCode]:
     """What each job of a recorded plan (a resumed run's) computes with: a model's own layers, or its array's."""
     codes = []
@@ -255,6 +282,7 @@ def build(
     groups = groups_for(mode, len(budgets), options.microbatches)
     jobs = [with_depth(dataclasses.replace(c.job, groups=groups), options.steps_per_task, hardware)
             for c in candidates]
+    jobs = with_overlap(jobs, args, budgets, hardware, mode)
     plan = RunPlan(
         jobs=tuple(jobs),
         budgets=tuple(budgets.items()),

@@ -52,7 +52,7 @@ def device_rows(result: TrainResult) -> list[dict[str, Any]]:
     rows = []
     run = max((end for tasks in result.stats.timeline.values() for _, end, _, _ in tasks), default=0.0)
     for name, peak in result.stats.peak_device_bytes.items():
-        tasks = result.stats.timeline.get(name, [])
+        tasks = [task for task in result.stats.timeline.get(name, []) if not task[3].startswith("upd-")]
         busy = sum(end - start for start, end, _, _ in tasks)
         waiting = sum(wait for _, _, wait, _ in tasks)
         rows.append({"device": name, "budget": result.stats.budgets.get(name), "peak_bytes": peak,
@@ -174,17 +174,21 @@ def _table(axes: Any, rows: list[dict[str, Any]], total: int) -> None:
 
 
 def _timeline(axes: Any, result: TrainResult, devices: list[str]) -> None:
-    """Per device a row: computing (blue), waiting for copies (orange), idle (blank)."""
+    """Per device a row: computing (blue), waiting for copies (orange), idle (blank), and under it the updates its
+    host thread ran beside it (green)."""
     for row, name in enumerate(devices):
-        tasks = result.stats.timeline.get(name, [])
+        tasks = [task for task in result.stats.timeline.get(name, []) if not task[3].startswith("upd-")]
+        updates = [(start, end - start) for start, end, _, key in result.stats.timeline.get(name, [])
+                   if key.startswith("upd-")]
         computing = [(start, end - start) for start, end, _, _ in tasks]
         waiting = [(start, min(wait, end - start)) for start, end, wait, _ in tasks if wait > 0]
-        axes.broken_barh(computing, (row - 0.35, 0.7), color="#4c72b0")
-        axes.broken_barh(waiting, (row - 0.35, 0.7), color="#dd8452")
+        axes.broken_barh(computing, (row - 0.35, 0.55), color="#4c72b0")
+        axes.broken_barh(waiting, (row - 0.35, 0.55), color="#dd8452")
+        axes.broken_barh(updates, (row + 0.22, 0.13), color="#55a868")
     axes.set_yticks(range(len(devices)), devices)
     axes.set_xlabel("seconds since the run started")
-    axes.set_title("Devices: computing (blue), waiting for copies (orange, drawn at each task's start), idle",
-                   loc="left")
+    axes.set_title("Devices: computing (blue), waiting for copies (orange, drawn at each task's start), idle; "
+                   "host updates beside them (green)", loc="left")
     axes.invert_yaxis()
 
 

@@ -56,7 +56,8 @@ class Stats:
     steps_per_task="auto" chose those depths and the simulator predicted; bytes_machines: what crossed between
     the driver and machines it is not on (a cluster of several), "state" (model state out), "home" (state back,
     the trained weights and checkpoints), "batches" (each step's batches, once per machine); timeline: per device,
-    each task it ran as (start, end, seconds waiting for copies, key), seconds from the moment the driver started
+    each task it ran as (start, end, seconds waiting for copies, key), an upd task (key "upd-...") on its host
+    thread beside the device's tasks, seconds from the moment the driver started
     (wall clocks: across machines as close as theirs agree); run_seconds: the training itself, from the driver's
     first instruction to every model's end (wall_seconds less it is what the call cost besides: the cluster's
     start, calibration, planning, setting the run up and taking it down).

@@ -439,6 +439,9 @@ def check_options(options: Options) -> None:
                          "pack-by-pack updates do not have yet; use precision='bf16' (no scaler needed) or 'fp32'")
     if options.precision not in PRECISIONS:
         raise InputError(f"precision={options.precision!r} is not a precision; use one of {sorted(PRECISIONS)}")
+    if not any(options.overlap_update is value for value in (None, True, False)):
+        raise InputError(f"overlap_update={options.overlap_update!r} must be True, False or None (chosen by "
+                         "prediction)")
 
 
 def check_checkpoints(checkpoint_dir: Any, checkpoint_every: int | None, resume: bool) -> Path | None:

@@ -7,10 +7,10 @@ starts there next it takes it instead of copying the host copy in; any other tas
 pack from its boundary inputs and backpropagates each micro-batch, accumulating weight gradients on
 the device, and sends them to the host store once; the last pack's bwd runs forward, loss and
 backward together, and with one micro-batch group a bwd then steps the pack's optimizer on the host store;
-with several (vDP) an upd task reduces the groups' gradients and steps it. A homed model's weights,
-gradients and optimizer state stay on its home device for the whole run, and its bwd applies its updates
-there. A fused array is one job here whose loss is a vector (one per member). Packs are cut only where
-one tensor flows, so the boundary values between packs (and their gradients) are single tensors.
+with several (vDP), or with the job's updates overlapped, an upd task does, on a host thread beside the device
+(reducing the groups' gradients first). A homed model's weights, gradients and optimizer state stay on its home
+device for the whole run, and its bwd applies its updates there. A fused array is one job here whose loss is a
+vector (one per member). A boundary value between packs (and its gradient) is a tensor or a tuple of them.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-from distributed import Reschedule, get_worker
+from distributed import Reschedule, get_worker, secede
 from torch.func import functional_call
 from torch.utils._pytree import tree_leaves, tree_map
 
@@ -66,9 +66,13 @@ def _seed(device: torch.device, base: int, pack: int, step: int, microbatch: int
         torch.default_generator.manual_seed(seed)
 
 
-def task_body(kind: str) -> Callable[[Callable[..., Result]], Callable[..., Result]]:
+def task_body(kind: str, host: bool = False) -> Callable[[Callable[..., Result]], Callable[..., Result]]:
     """Look the run up, take the task's inputs (results of earlier tasks on this worker are read from its
     memory, see handoff), give torch the device's threads, time the task, and report user errors by model.
+
+    A host task (upd) leaves the worker's task thread as soon as it starts (Dask's secede): it runs on a thread
+    of its own while the worker goes on with the device's next task, and does not count as the device's busy
+    time (its timeline has it, by its key).
 
     ``first`` is the training step the task starts at and ``steps``, for a multi-step task, how many it runs
     (its data then per step); ``after`` holds the results of tasks on other devices that must finish first
@@ -103,12 +107,23 @@ def task_body(kind: str) -> Callable[[Callable[..., Result]], Callable[..., Resu
                 raise
             except Exception as error:
                 raise _failure(model, where, error) from None
+            key = str(get_worker().get_current_task())  # with its attempt's suffix: what local readers name
+            if host:
+                secede()
+                began = time.time()
+                try:
+                    return body(ctx, model, pack, span, *received, group=group, first=first, steps=steps)
+                except (ModelFailure, Reschedule):
+                    raise
+                except Exception as error:
+                    raise _failure(model, where, error) from None
+                finally:
+                    ctx.timeline.append((key, began, time.time(), 0.0))
             ctx.successor = successor
             ctx.use_threads()
             waited = ctx.counters.values["wait_ns"]
             began = time.time()
             started = time.perf_counter_ns()
-            key = str(get_worker().get_current_task())  # with its attempt's suffix: what local readers name
             ctx.counters.add("p2p", sum(tree_nbytes(arg) for arg, remote in zip(args, peers) if remote))
             try:
                 result = body(ctx, model, pack, span, *received, group=group, first=first, steps=steps)
@@ -236,7 +251,7 @@ def backward(
         if pack == len(spec.packs) - 1 and runtime.has_buffers and not homed:
             following = ctx.next_weights(model, pack, first)
             ctx.cache.write_back(weights[runtime.buffers_offset :], following[runtime.buffers_offset :], "buffers")
-    if not homed and updates_in_backward(spec.groups):
+    if not homed and updates_in_backward(spec.groups, spec.overlap):
         ctx.update(model, pack, first)
     return input_grads if pack > 0 else None
 
@@ -465,8 +480,10 @@ def _leaves(tensors: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) ->
     return leaves
 
 
-@task_body("upd")
+@task_body("upd", host=True)
 def update(ctx: RunContext, model: int, pack: int, span: int, group: int, first: int, steps: None) -> None:
-    """vDP's update: sum the groups' gradients, then step the pack's optimizer on the host store, once."""
-    ctx.reduce_grads(model, pack)
+    """A pack's update beside the device: sum the groups' gradients (vDP), then step the pack's optimizer on the
+    host store, once."""
+    if ctx.spec.models[model].groups > 1:
+        ctx.reduce_grads(model, pack)
     ctx.update(model, pack, first)

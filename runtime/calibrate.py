@@ -105,5 +105,5 @@ def measured_hardware(client: Client, workers: dict[str, str], cpu_compute: bool
         while len(MEASURED) >= KEPT:
             del MEASURED[next(iter(MEASURED))]
         MEASURED[key] = dataclasses.replace(this_machine(), task_overhead=latency,
-                                            task_cpu=cpu if cpu_compute else 0.0)
+                                            task_cpu=cpu if cpu_compute else 0.0, shared_cores=cpu_compute)
     return MEASURED[key]

@@ -154,11 +154,14 @@ class HostStore:
         mapped = self._mapped.get(name)
         if mapped is None:
             with _CREATING:  # torch.from_file would make the file anew, were a sweep to remove it meanwhile
-                check_private(self.path(name))
-                mapped = torch.from_file(str(self.path(name)), shared=True, size=max(nbytes, 1), dtype=torch.uint8)
-            self._mapped[name] = mapped
-            if self.pin:
-                self._register(name, mapped)
+                mapped = self._mapped.get(name)  # mapped meanwhile by another thread (an update beside a task)
+                if mapped is None:
+                    check_private(self.path(name))
+                    mapped = torch.from_file(str(self.path(name)), shared=True, size=max(nbytes, 1),
+                                             dtype=torch.uint8)
+                    if self.pin:
+                        self._register(name, mapped)
+                    self._mapped[name] = mapped
         return mapped[:nbytes]
 
     def _register(self, name: str, mapped: torch.Tensor) -> None:

@@ -40,7 +40,8 @@ class PackRuntime:
 @dataclass(frozen=True)
 class ModelRuntime:
     """A job (a model, or a fused array of `members` models) as workers see it: its packs, loss and optimizer;
-    prefetch False when its budget leaves no room to copy a pack's weights in while another computes."""
+    prefetch False when its budget leaves no room to copy a pack's weights in while another computes; overlap
+    when its updates run in upd tasks beside the device rather than in its bwd tasks (tasks.graph)."""
 
     name: str
     packs: tuple[PackRuntime, ...]
@@ -51,6 +52,7 @@ class ModelRuntime:
     home: str | None = None
     members: int = 1
     prefetch: bool = True
+    overlap: bool = False
 
 
 @dataclass(frozen=True)
@@ -106,6 +108,7 @@ def describe(plan: RunPlan, codes: list[JobCode]) -> tuple[ModelRuntime, ...]:
                 home=job.home,
                 members=len(job.members),
                 prefetch=job.packing.prefetch,
+                overlap=job.overlap,
             )
         )
     return tuple(models)

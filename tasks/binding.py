@@ -211,7 +211,7 @@ class BindingState:
         job = self.jobs[task.model]
         first, count = self.open_spans[(task.model, task.span)]
         key = (task.model, task.pack)
-        applied = task == updater(task.model, task.pack, task.span, job.groups)
+        applied = task == updater(task.model, task.pack, task.span, job.groups, job.overlap)
         if task.kind != "upd":
             self._remember(device, key, first, job.packing.packs[task.pack].weight_bytes)
         if applied and task.model in self.homes:
@@ -220,7 +220,8 @@ class BindingState:
             for memory in self.memory.values():  # the update made every device's copy of the pack stale
                 memory.drop(key)
         instructions: list[Instruction] = [Release(value) for value in self._released(task, packs(job))]
-        if applied and all(self._is_done(updater(task.model, p, task.span, job.groups)) for p in range(packs(job))):
+        if applied and all(self._is_done(updater(task.model, p, task.span, job.groups, job.overlap))
+                           for p in range(packs(job))):
             instructions += self._span_done(task.model, task.span, event.at)
         return instructions + self._advance()
 
@@ -260,7 +261,7 @@ class BindingState:
         """Forget every task of an open span (bound or finished), cancelling its run; returns the cancellations."""
         job = self.jobs[model]
         cancelled: list[Instruction] = []
-        for task in span_tasks(model, packs(job), span, job.groups):
+        for task in span_tasks(model, packs(job), span, job.groups, job.overlap):
             device = self.bound.pop(task, None)
             if device is not None:
                 self.running.get(device, {}).pop(task, None)
@@ -289,7 +290,7 @@ class BindingState:
             for group in range(job.groups):
                 for value in (BatchInput(model, span, group), BatchTargets(model, span, group)):
                     self.readers[value] = len(consumers(value, packs(job)))
-            for task in span_tasks(model, packs(job), span, job.groups):
+            for task in span_tasks(model, packs(job), span, job.groups, job.overlap):
                 self.attempts[task] = self.attempts.get(task, 0) + 1
                 self._add_task(task)
         return instructions
@@ -461,12 +462,12 @@ class BindingState:
         assert span == self.spans_opened[model], f"spans open in order: expected {self.spans_opened[model]}, got {span}"
         self.open_spans[(model, span)] = (first, count)
         self.spans[model].open(count)
-        packs = len(self.jobs[model].packing.packs)
-        groups = self.jobs[model].groups
-        for group in range(groups):
+        job = self.jobs[model]
+        packs = len(job.packing.packs)
+        for group in range(job.groups):
             for value in (BatchInput(model, span, group), BatchTargets(model, span, group)):
                 self.readers[value] = len(consumers(value, packs))
-        for task in span_tasks(model, packs, span, groups):
+        for task in span_tasks(model, packs, span, job.groups, job.overlap):
             self._add_task(task)
         self.spans_opened[model] = span + 1
 
@@ -474,7 +475,7 @@ class BindingState:
         """A task of an open span becomes a candidate: who reads it, what it waits for."""
         job = self.jobs[task.model]
         self.readers[task] = len(consumers(task, len(job.packing.packs)))
-        deps = self._deps[task] = dependencies(task, len(job.packing.packs), job.groups)
+        deps = self._deps[task] = dependencies(task, len(job.packing.packs), job.groups, job.overlap)
         unmet = {dep for dep in deps if not self._is_done(dep) and dep not in self.bound}
         for dep in unmet:
             self._dependents.setdefault(dep, []).append(task)
@@ -499,10 +500,11 @@ class BindingState:
         return instructions
 
     def bind(self, device: str) -> TaskId | None:
-        """Choose the ready task that device should run next, or None if there is none or no free slot."""
-        if len(self.running[device]) >= self.slots:
-            return None
+        """Choose the ready task that device should run next, or None if there is none or no free slot (an upd task,
+        which runs beside the device, needs none: it is bound as soon as its bwd is, beside that bwd's device)."""
         candidates = self.ready(device)
+        if self.occupied(device) >= self.slots:
+            candidates = [task for task in candidates if task.kind == "upd"]
         if not candidates:
             return None
         task = min(candidates, key=lambda t: self.score(t, device))
@@ -519,21 +521,25 @@ class BindingState:
             self._remember(device, (follower.model, follower.pack), first, nbytes)
         return task
 
+    def occupied(self, device: str) -> int:
+        """The device's slots taken: its bound fwd and bwd tasks (an upd runs on a host thread beside the device)."""
+        return sum(1 for task in self.running[device] if task.kind != "upd")
+
     def _submission(self, task: TaskId, device: str) -> Submit:
         """How task goes to device: which of its inputs its own worker hands over, what it waits for elsewhere.
 
         A producer on the same device is queued on its worker before task is, and the worker runs its tasks one
         at a time in submission order (runtime.handoff): task reads that result from the worker's memory and has
         no edge through the scheduler. It inherits what such a producer waits for on other devices, so that it
-        never becomes runnable before its local producers do. vDP's upd tasks, which run before other tasks on a
-        worker, keep their edges.
+        never becomes runnable before its local producers do. upd tasks keep their edges both ways: they run beside
+        the device's tasks (a host thread), not in their order.
         """
         job = self.jobs[task.model]
         reads = inputs(task, packs(job))
         deps = self.dependencies(task)
         local = frozenset(
             value for value in (*reads, *deps)
-            if isinstance(value, TaskId) and task.kind != "upd" and self.placed.get(value) == device
+            if isinstance(value, TaskId) and "upd" not in (task.kind, value.kind) and self.placed.get(value) == device
         )
         edges = {value: self.placed[value] for value in reads if isinstance(value, TaskId) and value not in local}
         after: list[TaskId] = []
@@ -580,12 +586,16 @@ class BindingState:
 
         vpp spreads packs round-robin over devices (pack p of model m on device (m + p) mod D), so that
         activations flow device to device; vdp gives micro-batch group g to device g mod D, each device
-        running every pack for its group. vdp's upd tasks run on the host store and may go anywhere. A homed
+        running every pack for its group. An upd task runs on a host thread beside the device that ran its pack's
+        (first group's) bwd, which holds that result: waiting for it elsewhere would copy it there. A homed
         model runs everything, its updates included, on its home device.
         """
         if task.model in self.homes:
             return self.homes[task.model]
-        if self.mode == "free" or task.kind == "upd":
+        if task.kind == "upd":
+            device = self.placed.get(TaskId("bwd", task.model, task.pack, task.span))
+            return device if device in self.memory else None
+        if self.mode == "free":
             return None
         live = self.live_devices(task.model)
         if not live:
@@ -620,7 +630,7 @@ class BindingState:
         if cached is not None:
             return cached
         job = self.jobs[task.model]
-        return dependencies(task, packs(job), job.groups)
+        return dependencies(task, packs(job), job.groups, job.overlap)
 
     def _is_done(self, task: TaskId) -> bool:
         """Whether task has finished (every task of a span before the model's last finished one has)."""
@@ -758,7 +768,8 @@ class BindingState:
     def validate_state(self) -> None:
         """Check every invariant of the state; raises AssertionError naming the first one broken."""
         for device, tasks in self.running.items():
-            assert len(tasks) <= self.slots, f"{device} runs {len(tasks)} tasks with {self.slots} slots"
+            busy = self.occupied(device)
+            assert busy <= self.slots, f"{device} runs {busy} tasks with {self.slots} slots"
             assert all(self.bound.get(task) == device for task in tasks), f"{device}'s tasks are bound elsewhere"
             self.memory[device].validate()
         assert sum(len(tasks) for tasks in self.running.values()) == len(self.bound), "a bound task runs nowhere"

@@ -5,8 +5,9 @@ run several consecutive steps each (see amortize); a model's spans are numbered 
 micro-batches form one group, or in vDP mode one group per device: each group runs every
 pack forward and backward on its own micro-batches. With one group, a pack's bwd applies the pack's
 update itself as soon as its gradients are out, so the span has no upd tasks (one task fewer per pack on
-the chain through the scheduler); with several, the pack's upd waits for every group's gradients, which it
-reduces before stepping the optimizer.
+the chain through the scheduler), unless the job's updates are overlapped: then, as with several groups, a
+pack's upd task steps its optimizer on the host store once its bwd (every group's, which it first reduces) is
+done, on a host thread beside the device, which goes on with the backward of earlier packs.
 """
 
 from __future__ import annotations
@@ -77,16 +78,17 @@ def parse_key(key: str) -> tuple[TaskId, str] | None:
     return TaskId(parts[0], model, pack, span, group), parts[-1]  # type: ignore[arg-type]
 
 
-def updates_in_backward(groups: int) -> bool:
-    """Whether a model's bwd tasks apply its updates (one micro-batch group: nothing to reduce first)."""
-    return groups == 1
+def updates_in_backward(groups: int, overlap: bool = False) -> bool:
+    """Whether a model's bwd tasks apply its updates (one micro-batch group, nothing to reduce first, and updates
+    not overlapped with the device's next tasks)."""
+    return groups == 1 and not overlap
 
 
-def span_tasks(model: int, packs: int, span: int, groups: int = 1) -> list[TaskId]:
+def span_tasks(model: int, packs: int, span: int, groups: int = 1, overlap: bool = False) -> list[TaskId]:
     """Every task of one model's span, in a valid execution order."""
     forward = [TaskId("fwd", model, p, span, g) for g in range(groups) for p in range(packs - 1)]
     backward = [TaskId("bwd", model, p, span, g) for g in range(groups) for p in reversed(range(packs))]
-    if updates_in_backward(groups):
+    if updates_in_backward(groups, overlap):
         return forward + backward
     update = [TaskId("upd", model, p, span) for p in reversed(range(packs))]
     return forward + backward + update
@@ -103,12 +105,14 @@ def successor(task: TaskId, packs: int) -> TaskId | None:
     return None
 
 
-def updater(model: int, pack: int, span: int, groups: int = 1) -> TaskId:
-    """The task that applies a pack's updates for a span: its bwd with one group, else its upd."""
-    return TaskId("bwd", model, pack, span) if updates_in_backward(groups) else TaskId("upd", model, pack, span)
+def updater(model: int, pack: int, span: int, groups: int = 1, overlap: bool = False) -> TaskId:
+    """The task that applies a pack's updates for a span: its bwd, or its upd (several groups, or overlapped)."""
+    if updates_in_backward(groups, overlap):
+        return TaskId("bwd", model, pack, span)
+    return TaskId("upd", model, pack, span)
 
 
-def dependencies(task: TaskId, packs: int, groups: int = 1) -> list[TaskId]:
+def dependencies(task: TaskId, packs: int, groups: int = 1, overlap: bool = False) -> list[TaskId]:
     """Tasks that must finish before task may run: the pack's previous span's update, and its inputs' producers."""
     m, p, s, g = task.model, task.pack, task.span, task.group
     if task.kind == "upd":
@@ -119,7 +123,7 @@ def dependencies(task: TaskId, packs: int, groups: int = 1) -> list[TaskId]:
     if task.kind == "bwd" and p < packs - 1:
         deps.append(TaskId("bwd", m, p + 1, s, g))
     if s > 0:
-        deps.append(updater(m, p, s - 1, groups))
+        deps.append(updater(m, p, s - 1, groups, overlap))
     return deps
 
 

@@ -13,7 +13,9 @@ class Hardware:
     (None: copies cost nothing), peer_link device<->device; task_overhead is the runtime's fixed cost
     per task (Dask's scheduling, about a millisecond on a server, a few on a small machine); task_cpu is the
     CPU time a task takes from the cores the devices compute with (the driver's, the scheduler's and the
-    worker's work for it; 0 where the devices compute elsewhere).
+    worker's work for it; 0 where the devices compute elsewhere); shared_cores says the devices compute on the
+    host's cores (CPU devices), so that work on a host thread beside a device (an overlapped update) takes its
+    time from the device's compute instead of hiding behind it.
     """
 
     name: str = "this machine"
@@ -23,3 +25,4 @@ class Hardware:
     task_overhead: float = 0.003
     task_cpu: float = 0.0
     optimizer_bytes_per_second: float = 5e9
+    shared_cores: bool = False

@@ -39,6 +39,7 @@ class Options:
     checkpoint_every: int | None = None
     eval_every: int | None = None
     precision: str = "fp32"
+    overlap_update: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,8 @@ class Job:
     micro-batch groups per step (vDP), depth the training steps its first tasks each run (more than one only
     for a homed single-pack job; with task_seconds > 0 the later ones are re-cut from their measured step time).
     steps is the run's length when known; step_seconds the predicted compute of one step; batch_bytes the bytes
-    of one step's batch; state_ratio the optimizer-state bytes per gradient byte.
+    of one step's batch; state_ratio the optimizer-state bytes per gradient byte. overlap: a swapped job's updates
+    run in upd tasks on a host thread beside its device instead of in its bwd tasks (see tasks.graph).
     """
 
     members: tuple[int, ...]
@@ -67,6 +69,7 @@ class Job:
     depth: int = 1
     task_seconds: float = 0.0
     machine: str = ""
+    overlap: bool = False
 
     @property
     def fused(self) -> bool:

@@ -212,21 +212,27 @@ def simulate(
     mode: str = "free",
     groups: list[int] | None = None,
     homes: dict[int, str] | None = None,
+    overlap: list[bool] | None = None,
 ) -> Simulation:
     """Predict the schedule and its times: the driver's binding state on a simulated clock.
 
     Each device runs one task at a time; a task starts when its device is free and its inputs exist;
     it takes the task overhead, its compute, and its copies (weights in unless the device caches them,
     boundary activations in and out, less the one its producer left on the device when it ran just before),
-    where with prefetch a weight copy overlaps the previous task's compute.
-    samples are per job and step; with groups (vDP) each group computes its share of them.
+    where with prefetch a weight copy overlaps the previous task's compute. An upd task runs on a host thread
+    beside its device: one at a time per device, from when its bwd ends, taking the device's time only where the
+    device computes on the host's cores (hardware.shared_cores).
+    samples are per job and step; with groups (vDP) each group computes its share of them; overlap says per job
+    whether its updates are overlapped (upd tasks) rather than applied in its bwd tasks.
     """
     groups = groups or [1] * len(packings)
     homes = homes or {}
+    overlap = overlap or [False] * len(packings)
     jobs = [
         Job(members=(index,), label=packing.model, feed=index, seed=index, packing=packing, steps=count,
-            step_seconds=model_step_seconds(packing, n, hardware), batch_bytes=0, groups=g, home=homes.get(index))
-        for index, (packing, count, n, g) in enumerate(zip(packings, steps, samples, groups))
+            step_seconds=model_step_seconds(packing, n, hardware), batch_bytes=0, groups=g, home=homes.get(index),
+            overlap=beside)
+        for index, (packing, count, n, g, beside) in enumerate(zip(packings, steps, samples, groups, overlap))
     ]
     state = BindingState(jobs, budgets, slots_per_device=1, policy=policy, mode=mode, homes=homes)
     clock = _Clock(jobs, samples, budgets, hardware, prefetch)
@@ -250,6 +256,7 @@ class _Clock:
         self.hardware = hardware
         self.prefetch = prefetch
         self.free_at = dict.fromkeys(budgets, 0.0)
+        self.host_free_at = dict.fromkeys(budgets, 0.0)
         self.last_compute = dict.fromkeys(budgets, 0.0)
         self.memory = {name: DeviceMemory(name, budget) for name, budget in budgets.items()}
         self.previous: dict[str, TaskId] = {}
@@ -275,21 +282,36 @@ class _Clock:
         task, device = submit.task, submit.device
         job = self.jobs[task.model]
         packing = job.packing
+        if task.kind == "upd":
+            self.run_beside(task, device, ready)
+            return
         n = -(-self.samples[task.model] // job.groups)
         start = max([self.free_at[device], *ready])
         compute = task_seconds(task, packing, n, self.hardware)
         homed = job.home is not None
-        if task.kind == "bwd" and not homed and updates_in_backward(job.groups):
+        if task.kind == "bwd" and not homed and updates_in_backward(job.groups, job.overlap):
             compute += update_seconds(packing, task.pack, self.hardware)
-        copy = self._copy_seconds(task, device, submit.first, n) if task.kind != "upd" else 0.0
+        copy = self._copy_seconds(task, device, submit.first, n)
         end = start + self.hardware.task_overhead + compute + copy
         self.times[task] = (start, end)
         self.order[device].append(task)
-        if task.kind != "upd":
-            self.previous[device] = task
+        self.previous[device] = task
         self.busy[device] += end - start
         self.free_at[device] = end
         self.last_compute[device] = compute
+        heapq.heappush(self.events, (end, len(self.times), task))
+
+    def run_beside(self, task: TaskId, device: str, ready: list[float]) -> None:
+        """An upd task on the device's host thread: its own Dask task (the task overhead) and the optimizer's
+        passes, from when its bwd ends; on shared cores the device loses that compute."""
+        start = max([self.host_free_at[device], *ready])
+        compute = update_seconds(self.jobs[task.model].packing, task.pack, self.hardware)
+        end = start + self.hardware.task_overhead + compute
+        if self.hardware.shared_cores:
+            self.free_at[device] = max(self.free_at[device], start) + compute
+        self.times[task] = (start, end)
+        self.order[device].append(task)
+        self.host_free_at[device] = end
         heapq.heappush(self.events, (end, len(self.times), task))
 
     def _copy_seconds(self, task: TaskId, device: str, first: int, samples: int) -> float:

@@ -158,6 +158,28 @@ def test_with_one_group_the_next_step_waits_for_the_backward_that_updated_the_pa
     assert all(position[TaskId("fwd", 1, 0, s + 1)] > position[TaskId("bwd", 1, 0, s)] for s in range(2))
 
 
+def test_overlapped_updates_run_beside_the_device_that_ran_their_backward_and_take_none_of_its_slots() -> None:
+    """An upd task goes to the device of its pack's bwd (which holds that result), is never handed over in the
+    worker's order (it runs on a host thread, not in the device's order: its readers wait for it through Dask),
+    and does not count against the device's slots; every step's tasks wait for the update of the step before."""
+    jobs = [job(100, 100, 100, overlap=True), job(100, 100, overlap=True)]
+    state = BindingState(jobs, {"cpu-0": 10_000, "cpu-1": 10_000}, slots_per_device=2, mode="vpp", validate=True)
+    player = Player(state, {0: 3, 1: 3})
+    order = player.play()
+    assert state.spans_done == [3, 3]
+    device_of = dict(order)
+    updates = [task for task, _ in order if task.kind == "upd"]
+    assert len(updates) == 3 * 3 + 3 * 2
+    for task in updates:
+        assert device_of[task] == device_of[TaskId("bwd", task.model, task.pack, task.span)]
+    position = {task: index for index, (task, _) in enumerate(order)}
+    for submit in player.submitted:
+        assert not any(isinstance(value, TaskId) and value.kind == "upd" for value in (*submit.local, *submit.checks))
+        if submit.task.kind != "upd" and submit.task.span > 0:
+            update = TaskId("upd", submit.task.model, submit.task.pack, submit.task.span - 1)
+            assert position[update] < position[submit.task]
+
+
 def test_models_are_interleaved_not_run_one_after_another() -> None:
     state = BindingState([job(10, 10), job(10, 10)], {"cpu-0": 10_000}, slots_per_device=1, validate=True)
     order = Player(state, {0: 3, 1: 3}).play()

@@ -115,8 +115,9 @@ def test_an_embedded_worker_killed_mid_step_costs_only_that_step(kind: str, tmp_
     assert result.stats.steps == [STEPS, STEPS] and not result.failed
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["in-backward", "beside-the-device"])
 def test_a_worker_killed_during_an_update_leaves_the_weights_it_was_writing_intact(
-    tmp_path: Path, no_leaks: None
+    overlap: bool, tmp_path: Path, no_leaks: None
 ) -> None:
     marker = str(tmp_path / "killed")
     killing = lambda p: KillingSGD(p, marker, calls=7, lr=0.05, momentum=0.9)  # noqa: E731
@@ -124,8 +125,10 @@ def test_a_worker_killed_during_an_update_leaves_the_weights_it_was_writing_inta
     references = clones(models)
     batches = regression_batches(samples=16 * STEPS, batch=16)
     result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss, optimizer=[killing, sgd],
-                           microbatches=2, devices=["cpu", "cpu"], device_memory=24_000, progress=False, fuse=False)
+                           microbatches=2, devices=["cpu", "cpu"], device_memory=24_000, progress=False, fuse=False,
+                           overlap_update=overlap)
     assert Path(marker).read_text() == "update"
+    assert all(job.overlap == overlap for job in result.plan.jobs)
     check_against_plain(models, references, batches, [sgd, sgd])
     assert [event["event"] for event in result.events].count("worker lost") == 1
 

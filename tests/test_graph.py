@@ -37,3 +37,13 @@ def test_dask_groups_keys_by_task_kind() -> None:
 
     assert key_split(TaskId("fwd", 3, 2, 17).key("a1b2c3")) == "fwd"
     assert key_split(TaskId("upd", 0, 0, 0).key("abcdef")) == "upd"
+
+
+def test_an_overlapped_jobs_updates_are_upd_tasks_that_the_next_step_waits_for() -> None:
+    tasks = span_tasks(model=1, packs=3, span=2, overlap=True)
+    assert [t.kind for t in tasks] == ["fwd", "fwd", "bwd", "bwd", "bwd", "upd", "upd", "upd"]
+    assert dependencies(TaskId("upd", 1, 2, 2), 3, overlap=True) == [TaskId("bwd", 1, 2, 2)]
+    assert dependencies(TaskId("fwd", 1, 0, 3), 3, overlap=True) == [TaskId("upd", 1, 0, 2)]
+    assert dependencies(TaskId("bwd", 1, 2, 3), 3, overlap=True) == [TaskId("fwd", 1, 1, 3), TaskId("upd", 1, 2, 2)]
+    assert dependencies(TaskId("bwd", 1, 1, 2), 3, overlap=True)[:2] == [TaskId("fwd", 1, 0, 2), TaskId("bwd", 1, 2, 2)]
+    assert consumers(TaskId("upd", 1, 0, 2), 3) == []

@@ -86,3 +86,103 @@ def test_host_updates_use_the_fused_cpu_kernel_unless_the_factory_chose_an_imple
     assert built(lambda p: torch.optim.Adam(p, lr=0.1, foreach=False)).param_groups[0]["fused"] is None
     assert built(lambda p: torch.optim.Adam(p, lr=0.1, fused=False)).param_groups[0]["fused"] is False
     assert "fused" not in built(lambda p: torch.optim.RMSprop(p, lr=0.1)).param_groups[0]
+
+
+def _batchnormed_mlp(seed: int) -> nn.Sequential:
+    """A 12-layer MLP with batch norm in it (running statistics written beside the updates); the layer before it
+    has no bias, whose gradient would be rounding noise that Adam turns into lr-sized steps."""
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for index in range(6):
+        layers += [nn.Linear(32, 32, bias=index != 2), nn.BatchNorm1d(32) if index == 2 else nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(32, 4)).double()
+
+
+def test_overlapped_updates_give_the_weights_of_updates_in_backward_and_of_plain_pytorch(no_leaks: None) -> None:
+    """Updates beside the device (upd tasks on a host thread) equal updates in bwd bit for bit, and plain PyTorch
+    in float64 (whole batches: batch norm's statistics are per micro-batch); the run has upd tasks only when
+    overlapped."""
+    import harmony
+    from tests.conftest import regression_batches, train_plain
+
+    factory = lambda p: torch.optim.Adam(p, lr=1e-2)  # noqa: E731
+    batches = [(x.double(), y.double()) for x, y in regression_batches(samples=16 * 6, batch=16)]
+    trained = {}
+    for overlap in (True, False):
+        models = [_batchnormed_mlp(seed) for seed in range(2)]
+        result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss, optimizer=factory,
+                               devices=["cpu", "cpu"], device_memory=60_000, progress=False, fuse=False,
+                               overlap_update=overlap)
+        assert all(len(packing.packs) > 2 and job.overlap == overlap
+                   for packing, job in zip(result.packings, result.plan.jobs))
+        keys = [key for keys in result.stats.schedule.values() for key in keys]
+        assert any(key.startswith("upd-") for key in keys) == overlap
+        for device, peak in result.stats.peak_device_bytes.items():
+            assert peak <= 60_000, f"{device} peaked at {peak:,} bytes"
+        trained[overlap] = models
+    for seed, (beside, inline) in enumerate(zip(trained[True], trained[False])):
+        reference = _batchnormed_mlp(seed)
+        train_plain(reference, batches, nn.functional.mse_loss, factory)
+        for (name, a), b, c in zip(beside.state_dict().items(), inline.state_dict().values(),
+                                   reference.state_dict().values()):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
+            torch.testing.assert_close(a, c, rtol=1e-9, atol=1e-12, msg=lambda m, name=name: f"{name}: {m}")
+
+
+class Signal(nn.Module):
+    """An identity layer that, run with gradients on (a bwd task's recompute), leaves a file behind."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            open(self.path, "a").close()
+        return x
+
+
+class WaitingSGD(torch.optim.SGD):
+    """SGD whose steps of the model's last layer wait for a Signal's file: they finish only if the backward of an
+    earlier pack runs while they wait (an update that blocked its device would wait out WAIT seconds and fail)."""
+
+    WAIT = 60.0
+
+    def __init__(self, params: object, path: str) -> None:
+        super().__init__(params, lr=0.05)  # type: ignore[arg-type]
+        self.path = path
+
+    @torch.no_grad()
+    def step(self, closure: object = None) -> None:  # type: ignore[override]
+        import os
+        import time
+
+        last = any(tuple(p.shape) == (4, 32) for group in self.param_groups for p in group["params"])
+        deadline = time.monotonic() + self.WAIT
+        while last and not os.path.exists(self.path):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the update waited for a backward that never ran: it blocked its device")
+            time.sleep(0.01)
+        super().step()
+
+
+def test_an_overlapped_update_runs_while_its_device_goes_on_with_the_backward_of_earlier_packs(
+    tmp_path, no_leaks: None
+) -> None:
+    """The last pack's update waits until the device has run an earlier pack's backward: only an update beside the
+    device's task thread lets that happen (in the bwd task it would wait for itself)."""
+    import harmony
+    from tests.conftest import deep_mlp, regression_batches, train_plain
+
+    signal = str(tmp_path / "backward-ran")
+    layers = list(deep_mlp(seed=0))
+    model = nn.Sequential(*layers[:2], Signal(signal), *layers[2:])
+    reference = copy.deepcopy(model)
+    factory = lambda p: WaitingSGD(p, signal)  # noqa: E731
+    batches = regression_batches(samples=16 * 3, batch=16)
+    result = harmony.train([model], batches, loss_fn=nn.functional.mse_loss, optimizer=factory, devices=["cpu"],
+                           device_memory=24_000, progress=False, overlap_update=True)
+    assert len(result.packings[0].packs) > 2 and not result.failed
+    train_plain(reference, batches, nn.functional.mse_loss, lambda p: torch.optim.SGD(p, lr=0.05))
+    for a, b in zip(model.state_dict().values(), reference.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)

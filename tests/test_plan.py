@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import harmony
+from harmony.tasks.graph import TaskId
 from tests.conftest import deep_mlp, param_bytes, regression_batches
 
 
@@ -81,3 +82,23 @@ def test_plan_takes_trains_arguments_and_refuses_others() -> None:
         harmony.plan([deep_mlp()], regression_batches(64, 16), epoch=2)
     forecast = harmony.plan([deep_mlp()], regression_batches(64, 16), epochs=2, device_memory=1_000_000)
     assert forecast.steps == [8] and forecast.plan.options.epochs == 2 and forecast.plan.options.fuse == "auto"
+
+
+def test_updates_are_overlapped_where_the_simulator_predicts_it_faster_and_the_plan_says_so() -> None:
+    """On this machine's CPU devices a host thread takes the devices' own cores: updates stay in backward. On
+    accelerators of their own, whose backward takes longer than a pack's update, they go beside the device; asked
+    for, they go there anyway."""
+    models, batches = [deep_mlp(seed=0)], regression_batches(64, 16)
+    here = harmony.plan(models, batches, devices=1, device_memory=24_000)
+    assert not here.plan.jobs[0].overlap and "updates beside" not in str(here)
+    accelerators = harmony.Hardware("accelerators", compute_scale=0.01, host_link=25e9, task_overhead=1e-4,
+                                    optimizer_bytes_per_second=1e7)
+    there = harmony.plan(models, batches, devices=1, device_memory=24_000, hardware=accelerators)
+    assert there.plan.jobs[0].overlap and "updates beside the device" in str(there)
+    assert there.simulation.order["dev-0"].count(TaskId("upd", 0, 0, 0)) == 1
+    asked = harmony.plan(models, batches, devices=1, device_memory=24_000, overlap_update=True)
+    assert asked.plan.jobs[0].overlap
+    homed = harmony.plan(models, batches, devices=1, overlap_update=True)
+    assert homed.plan.jobs[0].home is not None and not homed.plan.jobs[0].overlap, "a homed job updates on its device"
+    with pytest.raises(harmony.InputError, match="overlap_update"):
+        harmony.plan(models, batches, overlap_update=1)

@@ -80,3 +80,23 @@ def test_replay_keeps_a_boundary_for_the_task_that_reads_it_next_where_it_fits()
         "a boundary outlived a task that was not its consumer")
     tight = replay_memory(order, [packing], {"d": 6000}, microbatch_samples=[[2, 2]])
     assert tight.peak["d"] <= 6000
+
+
+def test_overlapped_updates_hide_behind_earlier_packs_backward_unless_the_host_shares_the_devices_cores() -> None:
+    packing = chain_packing(layers=6, budget=7000)
+    slow_optimizer = {"task_overhead": 1e-4, "optimizer_bytes_per_second": 2e6}
+    for shared in (False, True):
+        hardware = Hardware(shared_cores=shared, **slow_optimizer)
+        inline = simulate([packing], [3], [8], {"d": 7000}, hardware)
+        beside = simulate([packing], [3], [8], {"d": 7000}, hardware, overlap=[True])
+        updates = [task for task in beside.order["d"] if task.kind == "upd"]
+        assert len(updates) == 3 * len(packing.packs)
+        for task in updates:
+            start, _ = beside.times[task]
+            assert start >= beside.times[TaskId("bwd", 0, task.pack, task.span)][1], "an update before its backward"
+        if shared:
+            assert beside.makespan >= inline.makespan, "on the devices' own cores nothing hides"
+        else:
+            assert beside.makespan < 0.85 * inline.makespan, "the updates of later packs hide behind earlier backward"
+            next_forward = beside.times[TaskId("fwd", 0, 0, 1)][0]
+            assert next_forward >= beside.times[TaskId("upd", 0, 0, 0)][1], "a step read weights not yet updated"
