@@ -229,6 +229,7 @@ def train(
     log_dir: str | os.PathLike[str] | None = None,
     precision: str = "fp32",
     overlap_update: bool | None = None,
+    packs_per_task: int | str = 1,
 ) -> TrainResult:
     """Train every model on its data through fine-grained tasks on Dask device workers.
 
@@ -295,6 +296,12 @@ def train(
     overlaps its CPU optimizer); False steps it in the pack's backward task; None (the default) chooses by the
     simulator's prediction, which on CPU devices (whose host threads take the same cores) keeps it in backward.
     The weights are the same either way.
+
+    packs_per_task is how many consecutive packs one task of a swapped model runs, swapping them in one after the
+    other inside the task (each one's weights copied in while the one before computes), so that Dask's cost per
+    task is paid once for them all: "auto" takes as many as keep that cost, measured on the cluster, a tenth of
+    their forward. The budget holds as with one pack per task; a backward task of several packs recomputes their
+    inputs first (one more forward of all but its last pack). The weights are the same either way.
     """
     options = read_options(locals())  # first: locals() are the arguments alone
     for name, value in (("host", host), ("dashboard_address", dashboard_address)):

@@ -109,7 +109,10 @@ class Forecast:
         for index, packing in enumerate(self.packings):
             packs = " | ".join(f"{p.first}-{p.stop - 1}" for p in packing.packs)
             weights = sum(p.weight_bytes for p in packing.packs)
-            updates = ", updates beside the device" if self.plan.jobs[index].overlap else ""
+            job = self.plan.jobs[index]
+            updates = ", updates beside the device" if job.overlap else ""
+            if job.sections:
+                updates += f", {job.section_count} tasks a pass ({len(packing.packs)} packs)"
             lines.append(
                 f"  {packing.model}: {len(packing.packs)} packs [{packs}], {weights:,} weight bytes, "
                 f"{self.steps[index]} steps on {', '.join(self.devices_of(index))}{updates}"
@@ -187,7 +190,7 @@ def plan(
     microbatches = [split_sizes(n, options.microbatches) for n in samples]
     try:
         memory = replay_memory(simulation.order, [job.packing for job in jobs], budgets, run_plan.homes,
-                               [job.state_ratio for job in jobs], microbatches)
+                               [job.state_ratio for job in jobs], microbatches, [job.sections for job in jobs])
     except ScheduleExceedsBudget as error:
         raise InputError(f"the planned schedule would not fit: {error}") from None
     return Forecast(run_plan, simulation, memory, counts, names=[type(model).__name__ for model in args.models])
@@ -210,7 +213,8 @@ def simulate_machines(plan: RunPlan, counts: list[int], samples: list[int], mach
         run = simulate([jobs[index].packing for index in own], [counts[index] for index in own],
                        [samples[index] for index in own], budgets, plan.hardware, prefetch=options.prefetch,
                        policy=options.policy, mode=plan.mode, groups=[jobs[index].groups for index in own],
-                       homes=homes, overlap=[jobs[index].overlap for index in own])
+                       homes=homes, overlap=[jobs[index].overlap for index in own],
+                       sections=[jobs[index].sections for index in own])
         renamed = {task: dataclasses.replace(task, model=own[task.model]) for task in run.times}
         order.update({device: [renamed[task] for task in tasks] for device, tasks in run.order.items()})
         times.update({renamed[task]: span for task, span in run.times.items()})

@@ -24,7 +24,7 @@ from harmony.fusing import build_array, fuse
 from harmony.runtime.cache import tree_nbytes
 from harmony.runtime.code import JobCode
 from harmony.runtime.pilot import Decomposition, KeywordCall, decompose
-from harmony.tasks.amortize import steps_per_task
+from harmony.tasks.amortize import even_sections, pack_sections, steps_per_task
 from harmony.tasks.binding import MODES
 from harmony.tasks.hardware import Hardware
 from harmony.tasks.homes import assign_machines, choose_homes
@@ -216,6 +216,20 @@ def with_depth(job: Job, depth: int | str, hardware: Hardware) -> Job:
                                depth=steps_per_task(job.step_seconds, task_seconds, job.batch_bytes, job.steps))
 
 
+def with_sections(job: Job, per_task: int | str, hardware: Hardware, fewest: int) -> Job:
+    """A swapped job with the packs each of its tasks runs: per_task as given, or with "auto" as many as keep Dask's
+    cost per task (measured on the cluster) a small share of the section's compute (tasks.amortize), in at least
+    fewest sections (one per device in vpp, whose devices each run their own)."""
+    if job.home is not None or len(job.packing.packs) < 2:
+        return job
+    if isinstance(per_task, int):
+        return dataclasses.replace(job, sections=even_sections(len(job.packing.packs), per_task))
+    samples = job.packing.microbatch_samples
+    seconds = [pack.forward_seconds_per_sample * samples / hardware.compute_scale for pack in job.packing.packs]
+    overhead = max(hardware.task_overhead, hardware.task_cpu)
+    return dataclasses.replace(job, sections=pack_sections(seconds, overhead, fewest))
+
+
 def with_overlap(jobs: list[Job], args: Arguments, budgets: dict[str, int], hardware: Hardware, mode: str
                  ) -> list[Job]:
     """The jobs with their updates overlapped (upd tasks beside the device, tasks.graph) or in their bwd tasks: as
@@ -229,7 +243,8 @@ def with_overlap(jobs: list[Job], args: Arguments, budgets: dict[str, int], hard
             beside: simulate([job.packing for job in jobs], steps, samples, budgets, hardware,
                              prefetch=args.options.prefetch, policy=args.options.policy, mode=mode,
                              groups=[job.groups for job in jobs], homes=homes_of(jobs),
-                             overlap=[beside and here for here in swapped]).step_seconds()
+                             overlap=[beside and here for here in swapped],
+                             sections=[job.sections for job in jobs]).step_seconds()
             for beside in (False, True)
         }
         choice = predicted[True] < predicted[False]
@@ -282,6 +297,8 @@ def build(
     groups = groups_for(mode, len(budgets), options.microbatches)
     jobs = [with_depth(dataclasses.replace(c.job, groups=groups), options.steps_per_task, hardware)
             for c in candidates]
+    jobs = [with_sections(job, options.packs_per_task, hardware, len(budgets) if mode == "vpp" else 1)
+            for job in jobs]
     jobs = with_overlap(jobs, args, budgets, hardware, mode)
     plan = RunPlan(
         jobs=tuple(jobs),

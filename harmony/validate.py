@@ -432,6 +432,7 @@ def check_options(options: Options) -> None:
         raise InputError(f"mode={options.mode!r} is not an execution mode; use 'auto', 'free', 'vpp' or 'vdp'")
     check_fuse(options.fuse)
     check_steps_per_task(options.steps_per_task)
+    check_packs_per_task(options.packs_per_task)
     _positive_int(options.checkpoint_every, "checkpoint_every", allow_none=True)
     _positive_int(options.eval_every, "eval_every", allow_none=True)
     if options.precision == "fp16":
@@ -522,3 +523,13 @@ def check_steps_per_task(steps_per_task: Any) -> None:
         return
     raise InputError(f"steps_per_task={steps_per_task!r} must be 'auto' (chosen from the measured step time) or a "
                      "positive int (how many consecutive steps one task of a homed model runs)")
+
+
+def check_packs_per_task(packs_per_task: Any) -> None:
+    """packs_per_task as train takes it: "auto" or a positive int."""
+    if packs_per_task == "auto" or (
+        isinstance(packs_per_task, int) and not isinstance(packs_per_task, bool) and packs_per_task >= 1
+    ):
+        return
+    raise InputError(f"packs_per_task={packs_per_task!r} must be 'auto' (chosen from the measured task cost) or a "
+                     "positive int (how many consecutive packs one task of a swapped model runs)")

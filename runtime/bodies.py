@@ -20,7 +20,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Iterable
-from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -163,35 +163,73 @@ def _failure(model: int, where: str, error: Exception) -> Exception:
 def forward(
     ctx: RunContext, model: int, pack: int, span: int, inputs: list[Any], group: int, first: int, steps: None
 ) -> list[Any]:
-    """One step's micro-batches through a pack, with its weights at that step's version; the buffers it updates
-    (running statistics) go into the next version's slot."""
-    spec = ctx.spec.models[model]
-    runtime = spec.packs[pack]
-    module = ctx.module(model, pack)
-    step = first
-    host = ctx.host_weights(model, pack, step)
-    outputs = []
+    """One step's micro-batches through the packs of a section (pack is the section's index), each pack's weights
+    at that step's version, swapped in once; the buffers they update (running statistics) go into the next
+    version's slot. Returns the last pack's outputs."""
     this = TaskId("fwd", model, pack, span, group)
     ctx.cache.drop_boundaries(this)
+    section = ctx.spec.models[model].section(pack)
+    values = inputs
+    for index in section:
+        values = _forward_pack(ctx, model, index, first, values, group, claim=this if index == section[0] else
+                               Within(this, index), keep=ctx.successor if index == section[-1] else
+                               Within(this, index + 1), following=index + 1 if index < section[-1] else None)
+    return values
+
+
+@dataclass(frozen=True)
+class Within:
+    """The consumer of a boundary value that stays inside its task: the task's pack that reads it next (a value
+    kept on the device between the packs of one section, see DeviceCache.keep)."""
+
+    task: TaskId
+    pack: int
+    gradient: bool = False
+
+
+def _forward_pack(
+    ctx: RunContext, model: int, pack: int, step: int, inputs: list[Any], group: int, claim: Any, keep: Any,
+    following: int | None, recompute: bool = False,
+) -> list[Any]:
+    """Every micro-batch through one pack without gradients, its weights swapped in once: the outputs as host
+    copies, each also kept on the device for keep where it fits; an input kept for claim is taken from the device.
+    While it computes the weights of the pack following it in the task (else the next task's) are copied in. A
+    forward recomputed in bwd (recompute) leaves the buffers as it found them; else they go into the next slot."""
+    runtime = ctx.spec.models[model].packs[pack]
+    module = ctx.module(model, pack)
+    host = ctx.host_weights(model, pack, step)
+    outputs = []
     with ctx.cache.weights((model, pack), step, host) as weights, ctx.borrowed(model, pack, step) as borrowed:
-        ctx.prefetch_next(keep_free=runtime.workspace)
+        _prefetch(ctx, model, following, step, runtime.workspace)
         tensors = {**tensors_at(weights, runtime.weights), **borrowed}
+        saved = weights[runtime.buffers_offset :].clone() if recompute and runtime.has_buffers else None
         for index, microbatch in enumerate(inputs):
             if index and not ctx.spec.group:
                 ctx.cache.reload((model, pack), host)
-            kept = ctx.cache.claim(this, index)
+            kept = ctx.cache.claim(claim, index)
             with ctx.cache.scratch(runtime.workspace, f"activations of pack {pack}"), torch.no_grad():
                 x = kept if kept is not None else ctx.cache.copy_in(microbatch, "activations" if pack else "inputs")
-                _seed(ctx.device, spec.seed, pack, step, group * 65_536 + index)
+                _seed(ctx.device, ctx.spec.models[model].seed, pack, step, group * 65_536 + index)
                 with ctx.autocast():
                     y = functional_call(module, tensors, (x,))
                 outputs.append(ctx.cache.copy_out(y, "activations"))
-            if ctx.successor is not None:
-                ctx.cache.keep(ctx.successor, index, y, keep_free=runtime.workspace if index + 1 < len(inputs) else 0)
-        if runtime.has_buffers:
-            following = ctx.next_weights(model, pack, step)
-            ctx.cache.write_back(weights[runtime.buffers_offset :], following[runtime.buffers_offset :], "buffers")
+            if saved is not None:
+                weights[runtime.buffers_offset :].copy_(saved)
+            if keep is not None:
+                ctx.cache.keep(keep, index, y, keep_free=runtime.workspace if index + 1 < len(inputs) else 0)
+        if runtime.has_buffers and not recompute:
+            following_slot = ctx.next_weights(model, pack, step)
+            ctx.cache.write_back(weights[runtime.buffers_offset :], following_slot[runtime.buffers_offset :], "buffers")
     return outputs
+
+
+def _prefetch(ctx: RunContext, model: int, pack: int | None, version: int, keep_free: int) -> None:
+    """Copy in the weights the running task reads next: those of pack (of the same task) if given, else the next
+    task's."""
+    if pack is None:
+        ctx.prefetch_next(keep_free=keep_free)
+    else:
+        ctx.prefetch_pack(model, pack, version, keep_free)
 
 
 @task_body("bwd")
@@ -207,53 +245,97 @@ def backward(
     first: int,
     steps: int | None,
 ) -> list[Any] | None:
-    """Backward of one pack for step first, or, with steps, of a homed model's last (only) pack for that many
-    consecutive steps from first, inputs, targets and loss weights given per step. A homed model's updates all
-    run here, on its device, after each step's backward; a swapped model's with one group run here too, on the
-    host store, once its gradients are out."""
+    """Backward of the packs of a section (pack is its index) for step first, or, with steps, of a homed model's
+    last (only) pack for that many consecutive steps from first, inputs, targets and loss weights given per step. A
+    homed model's updates all run here, on its device, after each step's backward; a swapped model's with one group
+    run here too, on the host store, once each pack's gradients are out, unless they are overlapped.
+
+    Over several packs, the inputs of every pack but the last are recomputed first (forward, no gradients), then
+    each pack from the last backpropagates as a one-pack task would, its input's gradient the upstream gradient
+    of the pack before it."""
     spec = ctx.spec.models[model]
-    runtime = spec.packs[pack]
-    homed = spec.home is not None
+    this = TaskId("bwd", model, pack, span, group)
+    ctx.cache.drop_boundaries(this)
+    if spec.home is not None:
+        return _homed_backward(ctx, model, first, steps, inputs, gradients_or_targets, loss_weights, group)
+    section = spec.section(pack)
+    last_section = section[-1] == len(spec.packs) - 1
+    boundaries = {section[0]: inputs}
+    for index in section[:-1]:
+        section_input = this if last_section else None  # what fwd kept for this task; else an upstream gradient
+        boundaries[index + 1] = _forward_pack(
+            ctx, model, index, first, boundaries[index], group, claim=section_input if index == section[0] else
+            Within(this, index), keep=Within(this, index + 1), following=index + 1, recompute=True)
+    upstream = gradients_or_targets
+    for index in reversed(section):
+        claim_input: Any = Within(this, index) if index != section[0] else (
+            this if last_section and len(section) == 1 else None)
+        claim_upstream: Any = Within(this, index, gradient=True) if index != section[-1] else (
+            None if last_section else this)
+        keep = ctx.successor if index == section[0] else Within(this, index - 1, gradient=True)
+        following = index - 1 if index > section[0] else None
+        upstream = _backward_pack(ctx, model, index, span, first, boundaries[index], upstream, loss_weights, group,
+                                  claim_input, claim_upstream, keep, following)
+    return upstream if section[0] > 0 else None
+
+
+def _homed_backward(
+    ctx: RunContext, model: int, first: int, steps: int | None, inputs: list[Any], targets: list[Any],
+    loss_weights: list[Any], group: int,
+) -> None:
+    """A homed model's steps from first (its whole state on the device, its updates applied there)."""
+    spec = ctx.spec.models[model]
+    runtime = spec.packs[0]
     count = 1 if steps is None else steps
-    if homed and homed_span_applied(ctx.homed_next_step(model), first, count, model):
+    if homed_span_applied(ctx.homed_next_step(model), first, count, model):
         return None
     if steps is not None:  # per step, taken as the steps run (a stacked span makes each step's views then)
-        assert len(inputs) == len(gradients_or_targets) == len(loss_weights) == count, f"span {span}: steps of data"
-        per_step: Iterable[tuple[Any, Any, Any]] = zip(inputs, gradients_or_targets, loss_weights)
+        assert len(inputs) == len(targets) == len(loss_weights) == count, f"{count} steps of data"
+        per_step: Iterable[tuple[Any, Any, Any]] = zip(inputs, targets, loss_weights)
     else:
-        per_step = [(inputs, gradients_or_targets, loss_weights)]
-    host = ctx.host_weights(model, pack, first)
-    input_grads: list[Any] = []
-    ctx.cache.drop_boundaries(TaskId("bwd", model, pack, span, group))
-    with (
-        ctx.cache.weights((model, pack), first, host) as weights,
-        nullcontext() if homed else ctx.cache.scratch(runtime.grads.nbytes, f"gradients of pack {pack}"),
-        ctx.borrowed(model, pack, first) as borrowed,
-    ):
+        per_step = [(inputs, targets, loss_weights)]
+    host = ctx.host_weights(model, 0, first)
+    with ctx.cache.weights((model, 0), first, host) as weights:
         ctx.prefetch_next(keep_free=runtime.workspace)
-        if homed:
-            seconds, timed, diverged = _homed_steps(ctx, model, first, count, per_step, group,
-                                                    ctx.homed(model, weights))
-            ctx.flush_homed(model)
-            if diverged is not None:
-                raise diverged
-            if steps is not None:
-                _record_span_timing(ctx, model, seconds, timed)
-        else:
-            grad_bytes = torch.zeros(runtime.grads.nbytes, dtype=torch.uint8, device=ctx.device)
-            tensors = {**tensors_at(weights, runtime.weights), **borrowed}
-            grads = tensors_at(grad_bytes, runtime.grads)
-            ctx.add_lent_grads(model, pack, group, grads)
-            for index, (step_inputs, step_targets, step_weights) in enumerate(per_step):
-                input_grads = _backward_step(ctx, model, pack, span, first + index, weights, tensors, grads,
-                                             step_inputs, step_targets, step_weights, group)
-            ctx.cache.write_back(grad_bytes, ctx.host_grads(model, pack, group), "grads")
-        if pack == len(spec.packs) - 1 and runtime.has_buffers and not homed:
-            following = ctx.next_weights(model, pack, first)
-            ctx.cache.write_back(weights[runtime.buffers_offset :], following[runtime.buffers_offset :], "buffers")
-    if not homed and updates_in_backward(spec.groups, spec.overlap):
-        ctx.update(model, pack, first)
-    return input_grads if pack > 0 else None
+        seconds, timed, diverged = _homed_steps(ctx, model, first, count, per_step, group, ctx.homed(model, weights))
+        ctx.flush_homed(model)
+        if diverged is not None:
+            raise diverged
+        if steps is not None:
+            _record_span_timing(ctx, model, seconds, timed)
+    return None
+
+
+def _backward_pack(
+    ctx: RunContext, model: int, pack: int, span: int, step: int, inputs: list[Any], gradients_or_targets: list[Any],
+    loss_weights: list[Any], group: int, claim_input: Any, claim_upstream: Any, keep: Any, following: int | None,
+) -> list[Any]:
+    """One swapped pack's backward for step: its weights swapped in once, its gradients accumulated over the
+    micro-batches on the device and sent to the host store once (with those of the tied weights later packs
+    borrow from it), then, with one group and updates not overlapped, its update on the host store. Returns its
+    input's gradients (host copies, each also kept on the device for keep where it fits)."""
+    spec = ctx.spec.models[model]
+    runtime = spec.packs[pack]
+    host = ctx.host_weights(model, pack, step)
+    with (
+        ctx.cache.weights((model, pack), step, host) as weights,
+        ctx.cache.scratch(runtime.grads.nbytes, f"gradients of pack {pack}"),
+        ctx.borrowed(model, pack, step) as borrowed,
+    ):
+        _prefetch(ctx, model, following, step, runtime.workspace)
+        grad_bytes = torch.zeros(runtime.grads.nbytes, dtype=torch.uint8, device=ctx.device)
+        tensors = {**tensors_at(weights, runtime.weights), **borrowed}
+        grads = tensors_at(grad_bytes, runtime.grads)
+        ctx.add_lent_grads(model, pack, group, grads)
+        input_grads = _backward_step(ctx, model, pack, span, step, weights, tensors, grads, inputs,
+                                     gradients_or_targets, loss_weights, group, claim_input, claim_upstream, keep)
+        ctx.cache.write_back(grad_bytes, ctx.host_grads(model, pack, group), "grads")
+        if pack == len(spec.packs) - 1 and runtime.has_buffers:
+            following_slot = ctx.next_weights(model, pack, step)
+            ctx.cache.write_back(weights[runtime.buffers_offset :], following_slot[runtime.buffers_offset :], "buffers")
+    if updates_in_backward(spec.groups, spec.overlap):
+        ctx.update(model, pack, step)
+    return input_grads
 
 
 def _homed_steps(
@@ -385,22 +467,26 @@ def _backward_step(
     gradients_or_targets: list[Any],
     loss_weights: list[float],
     group: int,
+    claim_input: Any,
+    claim_upstream: Any,
+    keep: Any,
 ) -> list[Any]:
     """One step's micro-batches through a swapped pack's backward, accumulating into grads (views of the
-    gradient buffer; tensors are views of weights); the last pack records the losses."""
+    gradient buffer; tensors are views of weights); the last pack records the losses. An input or upstream
+    gradient kept on the device for claim_input or claim_upstream is taken there; each input's gradient is kept
+    on the device for keep where it fits."""
     spec = ctx.spec.models[model]
     runtime = spec.packs[pack]
     last = pack == len(spec.packs) - 1
     module = ctx.module(model, pack)
     input_grads = []
-    this = TaskId("bwd", model, pack, span, group)
     losses = StepLosses(1)
     saved_buffers = weights[runtime.buffers_offset :].clone() if runtime.has_buffers and not last else None
     for index, microbatch in enumerate(inputs):
         if index and not ctx.spec.group:
             ctx.cache.reload((model, pack), ctx.host_weights(model, pack, step))
-        kept = ctx.cache.claim(this, index)  # the last pack's input from the last fwd, else the upstream gradient
-        kept_input, kept_grad = (kept, None) if last else (None, kept)
+        kept_input = ctx.cache.claim(claim_input, index) if claim_input is not None else None
+        kept_grad = ctx.cache.claim(claim_upstream, index) if claim_upstream is not None else None
         with ctx.cache.scratch(runtime.workspace, f"activations of pack {pack}"):
             x = kept_input if kept_input is not None else ctx.cache.copy_in(
                 microbatch, "inputs" if pack == 0 else "activations")
@@ -426,8 +512,8 @@ def _backward_step(
                 input_grads.append(ctx.cache.copy_out(grad, "activations"))
             if saved_buffers is not None:
                 weights[runtime.buffers_offset :].copy_(saved_buffers)
-        if pack > 0 and ctx.successor is not None:
-            ctx.cache.keep(ctx.successor, index, grad, keep_free=runtime.workspace if index + 1 < len(inputs) else 0)
+        if pack > 0 and keep is not None:
+            ctx.cache.keep(keep, index, grad, keep_free=runtime.workspace if index + 1 < len(inputs) else 0)
     if last:
         _record_losses(ctx, model, step, group, losses.totals())
     return input_grads
@@ -482,8 +568,10 @@ def _leaves(tensors: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) ->
 
 @task_body("upd", host=True)
 def update(ctx: RunContext, model: int, pack: int, span: int, group: int, first: int, steps: None) -> None:
-    """A pack's update beside the device: sum the groups' gradients (vDP), then step the pack's optimizer on the
-    host store, once."""
-    if ctx.spec.models[model].groups > 1:
-        ctx.reduce_grads(model, pack)
-    ctx.update(model, pack, first)
+    """The updates of a section's packs beside the device, from its last: sum the groups' gradients (vDP), then
+    step each pack's optimizer on the host store, once."""
+    spec = ctx.spec.models[model]
+    for index in reversed(spec.section(pack)):
+        if spec.groups > 1:
+            ctx.reduce_grads(model, index)
+        ctx.update(model, index, first)

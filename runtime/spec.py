@@ -10,7 +10,7 @@ from harmony.runtime.code import JobCode
 from harmony.runtime.devices import DeviceSpec
 from harmony.runtime.skeleton import dump_skeleton
 from harmony.tasks.layout import BufferLayout, Slot, lay_out
-from harmony.tasks.runplan import RunPlan
+from harmony.tasks.runplan import RunPlan, section_packs
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,8 @@ class PackRuntime:
 class ModelRuntime:
     """A job (a model, or a fused array of `members` models) as workers see it: its packs, loss and optimizer;
     prefetch False when its budget leaves no room to copy a pack's weights in while another computes; overlap
-    when its updates run in upd tasks beside the device rather than in its bwd tasks (tasks.graph)."""
+    when its updates run in upd tasks beside the device rather than in its bwd tasks (tasks.graph); sections the
+    first packs of the packs each of its tasks runs (tasks.runplan.Job.sections)."""
 
     name: str
     packs: tuple[PackRuntime, ...]
@@ -53,6 +54,11 @@ class ModelRuntime:
     members: int = 1
     prefetch: bool = True
     overlap: bool = False
+    sections: tuple[int, ...] = ()
+
+    def section(self, index: int) -> range:
+        """The packs that the tasks of section index run, in order."""
+        return section_packs(self.sections, len(self.packs), index)
 
 
 @dataclass(frozen=True)
@@ -109,6 +115,7 @@ def describe(plan: RunPlan, codes: list[JobCode]) -> tuple[ModelRuntime, ...]:
                 members=len(job.members),
                 prefetch=job.packing.prefetch,
                 overlap=job.overlap,
+                sections=job.sections,
             )
         )
     return tuple(models)

@@ -233,10 +233,17 @@ class RunContext:
         task = self.next_queued() or self.successor
         if task is None or not self.spec.models[task.model].prefetch:
             return
-        version, slot = self.versions(task.model).current(task.pack)
-        if version != task.span:  # a swapped pack's span is its step: prefetch only the weights it will read
+        self.prefetch_pack(task.model, self.spec.models[task.model].section(task.pack)[0], task.span, keep_free)
+
+    def prefetch_pack(self, model: int, pack: int, version: int, keep_free: int) -> None:
+        """Copy a pack's weights at version in while the running task computes, if the host store has that version
+        (a swapped pack's span is its step: prefetch only the weights it will read) and they fit beside keep_free."""
+        if not self.spec.prefetch or not self.spec.models[model].prefetch:
             return
-        self.cache.prefetch((task.model, task.pack), version, self.weights_slot(task.model, task.pack, slot), keep_free)
+        current, slot = self.versions(model).current(pack)
+        if current != version:
+            return
+        self.cache.prefetch((model, pack), version, self.weights_slot(model, pack, slot), keep_free)
 
     def pack_optimizer(self, model: int, pack: int, slot: int) -> PackOptimizer:
         """The optimizer of a swapped pack over one slot of its host weights (built once per slot)."""

@@ -1,4 +1,5 @@
-"""How many consecutive training steps one task of a homed model runs, so Dask's cost per task amortizes.
+"""How many consecutive training steps one task of a homed model runs, and how many consecutive packs one task of
+a swapped model runs, so Dask's cost per task amortizes.
 
 A homed single-pack model (or fused array) needs one task per step (its backward, which also runs
 the forward, the loss and the update). When a step takes about as long as scheduling a task, most of
@@ -43,6 +44,37 @@ def steps_per_task(
     if steps is not None:
         depth = min(depth, max(1, steps // 4))
     return max(1, depth)
+
+
+PACK_OVERHEAD_SHARE = 0.1
+
+
+def pack_sections(pack_seconds: list[float], task_overhead: float, fewest: int = 1,
+                  share: float = PACK_OVERHEAD_SHARE) -> tuple[int, ...]:
+    """The first packs of sections of consecutive packs, each section one task: packs join the section before them
+    until its forward takes task_overhead / share (scheduling stays under share of a section's work), with at least
+    `fewest` sections (as many packs in each, at most, as that leaves). Returns () for one pack per task.
+
+    A section's packs swap in one after the other inside its task, each one's weights copied while the one before
+    computes, so that a section may hold more weights than the device: only the task cost is amortized, not the
+    budget. The share is coarser than a homed span's: the packs of a section no longer pipeline across devices.
+    """
+    if task_overhead <= 0 or len(pack_seconds) < 2:
+        return ()
+    most = max(1, len(pack_seconds) // max(1, fewest))
+    target = task_overhead / share
+    starts, total = [0], 0.0
+    for pack, seconds in enumerate(pack_seconds):
+        if pack > starts[-1] and (total >= target or pack - starts[-1] >= most):
+            starts.append(pack)
+            total = 0.0
+        total += seconds
+    return () if len(starts) == len(pack_seconds) else tuple(starts)
+
+
+def even_sections(packs: int, per_task: int) -> tuple[int, ...]:
+    """Sections of per_task packs each (the last may hold fewer); () for one pack per task."""
+    return () if per_task <= 1 or packs < 2 else tuple(range(0, packs, per_task))
 
 
 @dataclass

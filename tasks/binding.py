@@ -61,7 +61,8 @@ STORY = 10_000
 
 
 def packs(job: Job) -> int:
-    return len(job.packing.packs)
+    """The tasks of one pass of a job's step: one per section of packs (tasks.graph counts these as packs)."""
+    return job.section_count
 
 
 class BindingState:
@@ -213,7 +214,7 @@ class BindingState:
         key = (task.model, task.pack)
         applied = task == updater(task.model, task.pack, task.span, job.groups, job.overlap)
         if task.kind != "upd":
-            self._remember(device, key, first, job.packing.packs[task.pack].weight_bytes)
+            self._remember(device, key, first, job.section_bytes(task.pack))
         if applied and task.model in self.homes:
             self.memory[device].set_version(key, first + count)
         elif applied:
@@ -463,7 +464,7 @@ class BindingState:
         self.open_spans[(model, span)] = (first, count)
         self.spans[model].open(count)
         job = self.jobs[model]
-        packs = len(job.packing.packs)
+        packs = job.section_count
         for group in range(job.groups):
             for value in (BatchInput(model, span, group), BatchTargets(model, span, group)):
                 self.readers[value] = len(consumers(value, packs))
@@ -474,8 +475,8 @@ class BindingState:
     def _add_task(self, task: TaskId) -> None:
         """A task of an open span becomes a candidate: who reads it, what it waits for."""
         job = self.jobs[task.model]
-        self.readers[task] = len(consumers(task, len(job.packing.packs)))
-        deps = self._deps[task] = dependencies(task, len(job.packing.packs), job.groups, job.overlap)
+        self.readers[task] = len(consumers(task, job.section_count))
+        deps = self._deps[task] = dependencies(task, job.section_count, job.groups, job.overlap)
         unmet = {dep for dep in deps if not self._is_done(dep) and dep not in self.bound}
         for dep in unmet:
             self._dependents.setdefault(dep, []).append(task)
@@ -517,7 +518,7 @@ class BindingState:
         follower = successor(task, packs(job))
         if follower is not None:
             first, _ = self.open_spans[(task.model, task.span)]
-            nbytes = job.packing.packs[follower.pack].weight_bytes
+            nbytes = job.section_bytes(follower.pack)
             self._remember(device, (follower.model, follower.pack), first, nbytes)
         return task
 

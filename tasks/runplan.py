@@ -40,6 +40,7 @@ class Options:
     eval_every: int | None = None
     precision: str = "fp32"
     overlap_update: bool | None = None
+    packs_per_task: int | str = 1
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,9 @@ class Job:
     for a homed single-pack job; with task_seconds > 0 the later ones are re-cut from their measured step time).
     steps is the run's length when known; step_seconds the predicted compute of one step; batch_bytes the bytes
     of one step's batch; state_ratio the optimizer-state bytes per gradient byte. overlap: a swapped job's updates
-    run in upd tasks on a host thread beside its device instead of in its bwd tasks (see tasks.graph).
+    run in upd tasks on a host thread beside its device instead of in its bwd tasks (see tasks.graph). sections
+    are the first packs of the consecutive packs each of its tasks runs (a task's "pack" in tasks.graph is then its
+    section's index); empty, one pack per task.
     """
 
     members: tuple[int, ...]
@@ -70,11 +73,34 @@ class Job:
     task_seconds: float = 0.0
     machine: str = ""
     overlap: bool = False
+    sections: tuple[int, ...] = ()
 
     @property
     def fused(self) -> bool:
         """Whether the job is a fused array of several models."""
         return len(self.members) > 1
+
+    @property
+    def section_count(self) -> int:
+        """How many tasks one pass (forward or backward) of a step has: one per section."""
+        return len(self.sections) if self.sections else len(self.packing.packs)
+
+    def section(self, index: int) -> range:
+        """The packs the tasks of section index run, in order."""
+        return section_packs(self.sections, len(self.packing.packs), index)
+
+    def section_bytes(self, index: int) -> int:
+        """The weight bytes of a section's packs (a task holds one or two of them on its device at a time)."""
+        return sum(self.packing.packs[pack].weight_bytes for pack in self.section(index))
+
+
+def section_packs(sections: tuple[int, ...], packs: int, index: int) -> range:
+    """The packs of section index of a job cut into packs packs whose sections start at sections (empty: one pack
+    per section)."""
+    if not sections:
+        return range(index, index + 1)
+    stop = sections[index + 1] if index + 1 < len(sections) else packs
+    return range(sections[index], stop)
 
 
 @dataclass(frozen=True)

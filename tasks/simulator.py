@@ -11,6 +11,7 @@ order it would produce with predicted times.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from collections import deque
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from harmony.tasks.hardware import Hardware
 from harmony.tasks.memory import BudgetExceeded, DeviceMemory
 from harmony.tasks.microbatch import group_sizes
 from harmony.tasks.packing import Packing
-from harmony.tasks.runplan import Job
+from harmony.tasks.runplan import Job, section_packs
 
 
 class ScheduleExceedsBudget(ValueError):
@@ -54,6 +55,7 @@ def replay_memory(
     homes: dict[int, str] | None = None,
     optimizer_state_ratios: list[float] | None = None,
     microbatch_samples: list[list[int]] | None = None,
+    sections: list[tuple[int, ...]] | None = None,
 ) -> MemoryReport:
     """Replay each device's task order against its budget, as the runtime's device cache accounts it.
 
@@ -62,9 +64,12 @@ def replay_memory(
     gradient byte); their weights are written back after each task instead of gradients every step.
     microbatch_samples gives per model the samples of each micro-batch of a step (split among its groups
     in order); with it, the boundary values that producers keep on the device for their consumers are
-    replayed too (kept: the bytes consumers then took there instead of copying them in).
+    replayed too (kept: the bytes consumers then took there instead of copying them in). sections gives per model
+    the first packs of its tasks' sections (tasks.runplan.Job.sections): a task of several packs is replayed pack
+    by pack, as the tasks of one pack each that it stands for (pack_tasks).
     """
     homes = homes or {}
+    sections = sections or [()] * len(packings)
     ratios = optimizer_state_ratios or [2.0] * len(packings)
     groups = [1] * len(packings)
     for task in (task for tasks in order.values() for task in tasks):
@@ -77,9 +82,10 @@ def replay_memory(
             if task.kind == "upd":
                 continue
             try:
-                _replay_task(memory, task, packings[task.model], task.model in homes, report,
-                             None if microbatch_samples is None else _group_microbatches(
-                                 microbatch_samples[task.model], groups[task.model], task.group))
+                for part in pack_tasks(task, sections[task.model], len(packings[task.model].packs)):
+                    _replay_task(memory, part, packings[task.model], task.model in homes, report,
+                                 None if microbatch_samples is None else _group_microbatches(
+                                     microbatch_samples[task.model], groups[task.model], task.group))
                 if task.kind == "bwd" and task.model in homes and task.model not in stateful:
                     stateful.add(task.model)
                     memory.reserve(round(ratios[task.model] * packings[task.model].packs[task.pack].grad_bytes),
@@ -88,6 +94,16 @@ def replay_memory(
                 raise ScheduleExceedsBudget(device, task, error.need, error.held, error.budget) from None
         report.peak[device] = memory.peak
     return report
+
+
+def pack_tasks(task: TaskId, sections: tuple[int, ...], packs: int) -> list[TaskId]:
+    """What a task of a section does, as tasks of one pack each: fwd runs its packs forward; bwd runs every pack but
+    the last forward (their inputs, recomputed), then each backward from the last."""
+    section = section_packs(sections, packs, task.pack)
+    if task.kind == "fwd":
+        return [dataclasses.replace(task, pack=pack) for pack in section]
+    ahead = [dataclasses.replace(task, kind="fwd", pack=pack) for pack in section[:-1]]
+    return ahead + [dataclasses.replace(task, pack=pack) for pack in reversed(section)]
 
 
 def _replay_task(
@@ -155,16 +171,19 @@ def order_from_keys(schedule: dict[str, list[str]]) -> dict[str, list[TaskId]]:
     return order
 
 
-def task_seconds(task: TaskId, packing: Packing, samples: int, hardware: Hardware) -> float:
-    """Predicted compute time of a task: forward once for fwd, forward three times' worth for bwd (the
-    recompute plus a backward that costs about two forwards), the optimizer's passes for upd."""
-    pack = packing.packs[task.pack]
-    forward = pack.forward_seconds_per_sample * samples / hardware.compute_scale
+def task_seconds(task: TaskId, packing: Packing, samples: int, hardware: Hardware, packs: range | None = None
+                 ) -> float:
+    """Predicted compute time of a task over its packs (task.pack alone unless given): forward once for fwd,
+    forward three times' worth for bwd (the recompute plus a backward that costs about two forwards) and, over
+    several packs, once more for every pack but the last (the inputs of each, recomputed first), the optimizer's
+    passes for upd."""
+    packs = packs or range(task.pack, task.pack + 1)
+    forwards = [packing.packs[pack].forward_seconds_per_sample * samples / hardware.compute_scale for pack in packs]
     if task.kind == "fwd":
-        return forward
+        return sum(forwards)
     if task.kind == "bwd":
-        return 3 * forward
-    return update_seconds(packing, task.pack, hardware)
+        return 3 * sum(forwards) + sum(forwards[:-1])
+    return sum(update_seconds(packing, pack, hardware) for pack in packs)
 
 
 def update_seconds(packing: Packing, pack: int, hardware: Hardware) -> float:
@@ -213,6 +232,7 @@ def simulate(
     groups: list[int] | None = None,
     homes: dict[int, str] | None = None,
     overlap: list[bool] | None = None,
+    sections: list[tuple[int, ...]] | None = None,
 ) -> Simulation:
     """Predict the schedule and its times: the driver's binding state on a simulated clock.
 
@@ -223,16 +243,20 @@ def simulate(
     beside its device: one at a time per device, from when its bwd ends, taking the device's time only where the
     device computes on the host's cores (hardware.shared_cores).
     samples are per job and step; with groups (vDP) each group computes its share of them; overlap says per job
-    whether its updates are overlapped (upd tasks) rather than applied in its bwd tasks.
+    whether its updates are overlapped (upd tasks) rather than applied in its bwd tasks, sections where its tasks
+    run several packs each (tasks.runplan.Job.sections): such a task's copies hide behind the compute of the pack
+    before them in the task.
     """
     groups = groups or [1] * len(packings)
     homes = homes or {}
     overlap = overlap or [False] * len(packings)
+    sections = sections or [()] * len(packings)
     jobs = [
         Job(members=(index,), label=packing.model, feed=index, seed=index, packing=packing, steps=count,
             step_seconds=model_step_seconds(packing, n, hardware), batch_bytes=0, groups=g, home=homes.get(index),
-            overlap=beside)
-        for index, (packing, count, n, g, beside) in enumerate(zip(packings, steps, samples, groups, overlap))
+            overlap=beside, sections=starts)
+        for index, (packing, count, n, g, beside, starts)
+        in enumerate(zip(packings, steps, samples, groups, overlap, sections))
     ]
     state = BindingState(jobs, budgets, slots_per_device=1, policy=policy, mode=mode, homes=homes)
     clock = _Clock(jobs, samples, budgets, hardware, prefetch)
@@ -287,11 +311,12 @@ class _Clock:
             return
         n = -(-self.samples[task.model] // job.groups)
         start = max([self.free_at[device], *ready])
-        compute = task_seconds(task, packing, n, self.hardware)
+        packs = job.section(task.pack)
+        compute = task_seconds(task, packing, n, self.hardware, packs)
         homed = job.home is not None
         if task.kind == "bwd" and not homed and updates_in_backward(job.groups, job.overlap):
-            compute += update_seconds(packing, task.pack, self.hardware)
-        copy = self._copy_seconds(task, device, submit.first, n)
+            compute += sum(update_seconds(packing, pack, self.hardware) for pack in packs)
+        copy = self._copy_seconds(task, device, submit.first, n, compute)
         end = start + self.hardware.task_overhead + compute + copy
         self.times[task] = (start, end)
         self.order[device].append(task)
@@ -305,7 +330,8 @@ class _Clock:
         """An upd task on the device's host thread: its own Dask task (the task overhead) and the optimizer's
         passes, from when its bwd ends; on shared cores the device loses that compute."""
         start = max([self.host_free_at[device], *ready])
-        compute = update_seconds(self.jobs[task.model].packing, task.pack, self.hardware)
+        job = self.jobs[task.model]
+        compute = sum(update_seconds(job.packing, pack, self.hardware) for pack in job.section(task.pack))
         end = start + self.hardware.task_overhead + compute
         if self.hardware.shared_cores:
             self.free_at[device] = max(self.free_at[device], start) + compute
@@ -314,27 +340,32 @@ class _Clock:
         self.host_free_at[device] = end
         heapq.heappush(self.events, (end, len(self.times), task))
 
-    def _copy_seconds(self, task: TaskId, device: str, first: int, samples: int) -> float:
+    def _copy_seconds(self, task: TaskId, device: str, first: int, samples: int, compute: float) -> float:
         """Seconds of the task's copies over the host link: weights the device does not cache (hidden behind the
-        previous task's compute with prefetch), boundary values and a swapped pack's gradients."""
+        previous task's compute, or the previous pack's in the task, with prefetch), boundary values and a swapped
+        pack's gradients."""
         link = self.hardware.host_link
         if not link:
             return 0.0
         job = self.jobs[task.model]
         packing = job.packing
         homed = job.home is not None
+        packs = job.section(task.pack)
         copy = 0.0
-        nbytes = packing.packs[task.pack].weight_bytes
-        try:
-            copied, _ = self.memory[device].load((task.model, task.pack), 0 if homed else first, nbytes)
-        except BudgetExceeded:
-            copied = True
-        if copied:
-            copy += max(0.0, nbytes / link - self.last_compute[device]) if self.prefetch else nbytes / link
-        boundary = boundary_bytes(task, packing, samples)
+        hiding = self.last_compute[device]
+        for pack in packs:
+            nbytes = packing.packs[pack].weight_bytes
+            try:
+                copied, _ = self.memory[device].load((task.model, pack), 0 if homed else first, nbytes)
+            except BudgetExceeded:
+                copied = True
+            if copied:
+                copy += max(0.0, nbytes / link - hiding) if self.prefetch else nbytes / link
+            hiding = compute / len(packs)
+        boundary = boundary_bytes(dataclasses.replace(task, pack=packs[0]), packing, samples)
         previous = self.previous.get(device)
-        kept = previous is not None and successor(previous, len(packing.packs)) == task
+        kept = previous is not None and successor(previous, job.section_count) == task
         copy += ((2 if task.kind == "fwd" else 3) - kept) * boundary / link
         if task.kind == "bwd" and not homed:
-            copy += packing.packs[task.pack].grad_bytes / link
+            copy += sum(packing.packs[pack].grad_bytes for pack in packs) / link
         return copy
