@@ -4,9 +4,12 @@ On one CUDA device, an MLP whose weights are four times the budget Harmony is gi
 beside two plain-PyTorch ways of doing the same work in the same run: the model resident on the GPU
 (it fits the real card: the compute floor) and a hand-written loop that swaps each layer in before its
 forward and again before its backward, takes its gradients out and steps SGD on the host (synchronous
-copies from pinned memory: the same 2W in and 1W out per step as Harmony). Harmony runs with prefetch
-(next pack copied on the copy stream while this one computes) and without. Each row: steady seconds per
-step, weight bytes in per step, and the ideal max(compute, copy) at the measured pinned copy speed.
+copies from pinned memory: the same 2W in and 1W out per step as Harmony). Harmony runs without prefetch, with
+prefetch (next pack copied on the copy stream while this one computes) one pack per task with its update in the
+backward task, and as planned (packs per task from the measured task cost, updates beside the device where the
+simulator predicts it faster). Each row: steady seconds per step, its throughput over the resident loop's, weight
+bytes in per step, and the ideal max(compute, copy) at the measured pinned copy speed, at several batch sizes
+(samples served per weight load).
 
     python -m benchmarks.gpu_swap
 """
@@ -96,11 +99,20 @@ def plain_swapping(model: nn.Module, data: list, device: torch.device) -> tuple[
     return steady(timings), moved
 
 
-def harmony_run(model: nn.Module, data: list, budget: int, prefetch: bool) -> harmony.TrainResult:
+WAYS = {  # Harmony's ways: (prefetch, packs_per_task, overlap_update)
+    "harmony, no prefetch, a pack a task": (False, 1, False),
+    "harmony, a pack a task, update in bwd": (True, 1, False),
+    "harmony, as planned": (True, "auto", None),
+}
+
+
+def harmony_run(model: nn.Module, data: list, budget: int, prefetch: bool, packs_per_task: int | str,
+                overlap_update: bool | None) -> harmony.TrainResult:
     """Harmony on the GPU under budget, in micro-batches of 512 samples (the activations must fit beside a pack)."""
     return harmony.train(model, data, loss_fn=nn.functional.mse_loss, optimizer=lambda p: torch.optim.SGD(p, lr=LR),
                          microbatches=max(1, len(data[0][0]) // 512), devices=["cuda:0"], device_memory=budget,
-                         prefetch=prefetch, fuse=False, progress=False)
+                         prefetch=prefetch, fuse=False, progress=False, packs_per_task=packs_per_task,
+                         overlap_update=overlap_update)
 
 
 def main() -> None:
@@ -109,12 +121,12 @@ def main() -> None:
         raise SystemExit("benchmarks.gpu_swap needs a CUDA GPU")
     logging.getLogger("distributed").setLevel(logging.ERROR)
     device = torch.device("cuda:0")
-    width, depth, steps = (1024, 32, 6) if args.quick else (4096, 32, 10)
+    width, depth, steps = (1024, 32, 6) if args.quick else (2048, 32, 10)
     host_to_device, device_to_host = pinned_bandwidth(device)
     weights = parameter_bytes(mlp(width, depth))
     budget = weights // 4
     rows = []
-    for batch in ((512, 2048) if args.quick else (1024, 8192)):
+    for batch in ((512, 2048) if args.quick else (1024, 4096, 16384, 65536)):  # samples per weight load
         data = regression(steps, batch, width)
         resident = plain_resident(mlp(width, depth), data, device)
         swapping, moved = plain_swapping(mlp(width, depth), data, device)
@@ -122,10 +134,12 @@ def main() -> None:
         common = {"batch": batch, "compute s": resident, "copy s": copy, "ideal max": max(resident, copy)}
         rows.append({"way": "plain, resident on the GPU", **common, "step s": resident, "weights in/step": 0})
         rows.append({"way": "plain, swapping layers", **common, "step s": swapping, "weights in/step": moved})
-        for prefetch in (False, True):
-            result = harmony_run(mlp(width, depth), data, budget, prefetch)
+        for way, (prefetch, packs_per_task, overlap_update) in WAYS.items():
+            result = harmony_run(mlp(width, depth), data, budget, prefetch, packs_per_task, overlap_update)
+            job = result.plan.jobs[0]
             rows.append({
-                "way": f"harmony, prefetch={prefetch}", **common, "step s": result.stats.steady_seconds_per_step(0),
+                "way": f"{way} ({job.section_count} tasks a pass, updates {'beside' if job.overlap else 'in bwd'})",
+                **common, "step s": result.stats.steady_seconds_per_step(0),
                 "weights in/step": result.stats.bytes_in["weights"] // steps,
                 "prefetched %": 100 * result.stats.bytes_prefetched / max(result.stats.bytes_in["weights"], 1),
                 "peak": max(result.stats.peak_device_bytes.values()), "budget": budget,
@@ -135,6 +149,7 @@ def main() -> None:
                                             + result.stats.bytes_out["activations"]) // steps,
             })
     for row in rows:
+        row["throughput / resident"] = row["compute s"] / row["step s"]
         row.setdefault("prefetched %", 0.0)
         row.setdefault("peak", 0)
         row.setdefault("budget", budget)
@@ -142,7 +157,8 @@ def main() -> None:
             row.setdefault(column, 0)
     report("gpu_swap", f"Swapping on {torch.cuda.get_device_name(device)}: one MLP of {weights:,} B, budget "
            f"{budget:,} B; pinned copies {host_to_device / 1e9:.1f} GB/s in, {device_to_host / 1e9:.1f} GB/s out",
-           rows, args.out, notes="compute s: the resident plain loop; copy s: 2W in + 1W out at the measured speed; "
+           rows, args.out, notes="batch: samples per weight load (issue 28's goal: 90% of the resident throughput from "
+           "16k); compute s: the resident plain loop; copy s: 2W in + 1W out at the measured speed; "
            "busy: time inside Harmony's task bodies; activations: boundary bytes between host and GPU")
 
 

@@ -229,7 +229,7 @@ def train(
     log_dir: str | os.PathLike[str] | None = None,
     precision: str = "fp32",
     overlap_update: bool | None = None,
-    packs_per_task: int | str = 1,
+    packs_per_task: int | str = "auto",
 ) -> TrainResult:
     """Train every model on its data through fine-grained tasks on Dask device workers.
 

@@ -250,7 +250,8 @@ def backward(
     homed model's updates all run here, on its device, after each step's backward; a swapped model's with one group
     run here too, on the host store, once each pack's gradients are out, unless they are overlapped.
 
-    Over several packs, the inputs of every pack but the last are recomputed first (forward, no gradients), then
+    Over several packs, the inputs of every pack but the last are recomputed first (forward, no gradients; in the
+    last section, which has no fwd task, this is the step's forward, whose buffers go into the next slot), then
     each pack from the last backpropagates as a one-pack task would, its input's gradient the upstream gradient
     of the pack before it."""
     spec = ctx.spec.models[model]
@@ -263,9 +264,9 @@ def backward(
     boundaries = {section[0]: inputs}
     for index in section[:-1]:
         section_input = this if last_section else None  # what fwd kept for this task; else an upstream gradient
-        boundaries[index + 1] = _forward_pack(
+        boundaries[index + 1] = _forward_pack(  # the last section has no fwd task: this is the step's forward
             ctx, model, index, first, boundaries[index], group, claim=section_input if index == section[0] else
-            Within(this, index), keep=Within(this, index + 1), following=index + 1, recompute=True)
+            Within(this, index), keep=Within(this, index + 1), following=index + 1, recompute=not last_section)
     upstream = gradients_or_targets
     for index in reversed(section):
         claim_input: Any = Within(this, index) if index != section[0] else (

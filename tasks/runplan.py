@@ -40,7 +40,7 @@ class Options:
     eval_every: int | None = None
     precision: str = "fp32"
     overlap_update: bool | None = None
-    packs_per_task: int | str = 1
+    packs_per_task: int | str = "auto"
 
 
 @dataclass(frozen=True)

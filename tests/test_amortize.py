@@ -1,8 +1,8 @@
-"""Steps per task and the cutting of a homed model's steps into spans."""
+"""Steps per task and the cutting of a homed model's steps into spans; packs per task (sections)."""
 
 from __future__ import annotations
 
-from harmony.tasks.amortize import MAX_DEPTH, MAX_SHIPPED_BYTES, Spans, steps_per_task
+from harmony.tasks.amortize import MAX_DEPTH, MAX_SHIPPED_BYTES, Spans, even_sections, pack_sections, steps_per_task
 
 
 def test_steps_per_task_keeps_scheduling_near_one_percent_within_its_limits() -> None:
@@ -64,3 +64,14 @@ def test_spans_of_unknown_length_are_cut_full_until_the_loader_ends() -> None:
     plan.open(1)
     plan.end()
     assert plan.steps == 5 and plan.spans_left() == 0 and plan.next_span() == (5, 0)
+
+
+def test_packs_join_a_section_until_its_forward_is_ten_times_the_task_cost() -> None:
+    assert pack_sections([0.1] * 6, 0.003) == (), "long packs run one per task"
+    assert pack_sections([0.01] * 10, 0.003) == (0, 3, 6, 9), "3 ms is a tenth of 3 packs' 30 ms"
+    assert pack_sections([0.01] * 10, 0.003, share=0.05) == (0, 6), "a twentieth of 6 packs' 60 ms"
+    assert pack_sections([1e-6] * 12, 0.003) == (0,), "tiny packs: one task for the whole pass"
+    assert pack_sections([1e-6] * 12, 0.003, fewest=4) == (0, 3, 6, 9), "at least one section per device (vpp)"
+    assert pack_sections([0.02, 1e-6, 1e-6, 0.02, 1e-6], 0.001) == (0, 1, 4), "a section closes once it is long enough"
+    assert pack_sections([1e-6], 0.003) == () and pack_sections([1e-6] * 4, 0.0) == ()
+    assert even_sections(7, 3) == (0, 3, 6) and even_sections(7, 1) == () and even_sections(1, 4) == ()

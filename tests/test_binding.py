@@ -180,6 +180,21 @@ def test_overlapped_updates_run_beside_the_device_that_ran_their_backward_and_ta
             assert position[update] < position[submit.task]
 
 
+def test_a_job_whose_tasks_run_sections_of_packs_has_one_task_per_section_and_pass() -> None:
+    """Sections are what the graph numbers as packs: a 5-pack job in sections (0, 2) runs fwd s0, bwd s1, bwd s0 a
+    step; the device's cache is predicted for a section's bytes."""
+    jobs = [job(100, 100, 100, 100, 100, sections=(0, 2)), job(100, 100, 100, sections=(0, 2), overlap=True)]
+    state = BindingState(jobs, {"cpu-0": 10_000, "cpu-1": 10_000}, validate=True)
+    assert jobs[0].section(1) == range(2, 5) and jobs[0].section_bytes(1) == 300
+    order = Player(state, {0: 2, 1: 2}).play()
+    assert state.spans_done == [2, 2]
+    assert sorted(task for task, _ in order if task.model == 0 and task.span == 0) == [
+        TaskId("bwd", 0, 0, 0), TaskId("bwd", 0, 1, 0), TaskId("fwd", 0, 0, 0)]
+    assert sorted(task for task, _ in order if task.model == 1 and task.span == 1) == [
+        TaskId("bwd", 1, 0, 1), TaskId("bwd", 1, 1, 1), TaskId("fwd", 1, 0, 1), TaskId("upd", 1, 0, 1),
+        TaskId("upd", 1, 1, 1)]
+
+
 def test_models_are_interleaved_not_run_one_after_another() -> None:
     state = BindingState([job(10, 10), job(10, 10)], {"cpu-0": 10_000}, slots_per_device=1, validate=True)
     order = Player(state, {0: 3, 1: 3}).play()

@@ -175,6 +175,58 @@ def test_a_swapped_model_with_dropout_trains_the_same_on_one_device_or_two(
     assert_same_weights(trained[0], trained[1])  # threads differ (2 vs 1 per device): reassociation alone
 
 
+@pytest.mark.parametrize("packs_per_task", [1, 5, 64], ids=["one-pack", "five-packs", "every-pack"])
+def test_tasks_of_several_packs_give_plain_pytorchs_weights_within_the_budget(
+    packs_per_task: int, no_leaks: None
+) -> None:
+    """A task may run several consecutive packs, swapping them in one after the other: in float64 with Adam on two
+    devices, 2 micro-batches, the weights are plain PyTorch's within 1e-9, each device's peak within its budget, and
+    a step has one fwd and one bwd task per section (the last has none of its own fwd)."""
+    models = [deep_mlp(seed=seed).double() for seed in range(2)]
+    references = clones(models)
+    batches = [(x.double(), y.double()) for x, y in regression_batches(samples=16 * STEPS, batch=16)]
+    adam = lambda p: torch.optim.Adam(p, lr=1e-2)  # noqa: E731
+    budget = 2 * BUDGET
+    result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss, optimizer=adam, microbatches=2,
+                           devices=["cpu", "cpu"], device_memory=budget, fuse=False, packs_per_task=packs_per_task,
+                           progress=False)
+    for job, packing in zip(result.plan.jobs, result.packings):
+        assert len(packing.packs) > 5 and job.home is None
+        assert job.section_count == -(-len(packing.packs) // packs_per_task)
+    keys = [key for keys in result.stats.schedule.values() for key in keys]
+    for model, job in enumerate(result.plan.jobs):
+        for kind, count in (("fwd", job.section_count - 1), ("bwd", job.section_count)):
+            assert sum(key.startswith(f"{kind}-m{model}-") for key in keys) == count * STEPS
+    for device, peak in result.stats.peak_device_bytes.items():
+        assert 0 < peak <= budget, f"{device} peaked at {peak:,} bytes over its {budget:,}-byte budget"
+    for model, reference in zip(models, references):
+        train_plain(reference, batches, nn.functional.mse_loss, adam)
+        assert_same_weights(model, reference, rtol=1e-9, atol=1e-12)
+
+
+def test_tasks_of_several_packs_draw_the_dropout_masks_and_keep_the_statistics_of_one_pack_tasks(
+    no_leaks: None
+) -> None:
+    """Dropout masks are drawn per pack and batch norm's running statistics written per pack, so sections change
+    nothing: the weights and buffers equal those of one pack per task, bit for bit."""
+    def model() -> nn.Sequential:
+        torch.manual_seed(5)
+        return nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Dropout(0.3), nn.Linear(64, 64),
+                             nn.Tanh(), nn.Dropout(0.3), nn.Linear(64, 64), nn.BatchNorm1d(64), nn.Linear(64, 4))
+
+    batches = regression_batches(samples=48, batch=12)
+    trained = []
+    for packs_per_task in (1, 2, 5):  # a section in the middle; the whole pass (its first forward in bwd)
+        network = model()
+        result = harmony.train(network, batches, nn.functional.mse_loss, FACTORIES[1], microbatches=2,
+                               devices=["cpu"], device_memory=75_000, packs_per_task=packs_per_task, progress=False)
+        assert len(result.packings[0].packs) == 5
+        trained.append(network)
+    for other in trained[1:]:
+        for (name, a), b in zip(trained[0].state_dict().items(), other.state_dict().values()):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
+
+
 def test_a_model_that_is_not_a_chain_trains_in_packs_under_a_third_of_its_size(no_leaks: None) -> None:
     """Traced and cut between its blocks (runtime.stages), under a budget of a third of its parameter bytes, on two
     devices, in float64 with Adam: equal to plain PyTorch within 1e-9, the user's module trained in place."""

@@ -8,7 +8,14 @@ from harmony.tasks.graph import TaskId, span_tasks
 from harmony.tasks.layout import TensorSpec
 from harmony.tasks.packing import Packing, cut_packs
 from harmony.tasks.profile import LayerProfile, ModelProfile
-from harmony.tasks.simulator import Hardware, ScheduleExceedsBudget, replay_memory, simulate
+from harmony.tasks.simulator import (
+    Hardware,
+    ScheduleExceedsBudget,
+    pack_tasks,
+    replay_memory,
+    simulate,
+    task_seconds,
+)
 
 
 def chain_packing(layers: int = 4, width: int = 16, seconds: float = 1e-4, budget: int = 10**9) -> Packing:
@@ -100,3 +107,27 @@ def test_overlapped_updates_hide_behind_earlier_packs_backward_unless_the_host_s
             assert beside.makespan < 0.85 * inline.makespan, "the updates of later packs hide behind earlier backward"
             next_forward = beside.times[TaskId("fwd", 0, 0, 1)][0]
             assert next_forward >= beside.times[TaskId("upd", 0, 0, 0)][1], "a step read weights not yet updated"
+
+
+def test_a_task_of_several_packs_is_predicted_and_replayed_pack_by_pack() -> None:
+    """A section's task costs its packs' compute (bwd: their inputs recomputed first) plus one task overhead, its
+    weights are swapped one pack after another within the budget, and a pass has one task per section."""
+    packing = chain_packing(layers=6, budget=7000)
+    packs = len(packing.packs)
+    assert packs == 6
+    assert pack_tasks(TaskId("bwd", 0, 1, 2), (0, 2, 5), packs) == [
+        TaskId("fwd", 0, 2, 2), TaskId("fwd", 0, 3, 2), TaskId("bwd", 0, 4, 2), TaskId("bwd", 0, 3, 2),
+        TaskId("bwd", 0, 2, 2)]
+    assert pack_tasks(TaskId("fwd", 0, 0, 2), (0, 2, 5), packs) == [TaskId("fwd", 0, 0, 2), TaskId("fwd", 0, 1, 2)]
+    forward = packing.packs[0].forward_seconds_per_sample * 8
+    hardware = Hardware(task_overhead=0.01)
+    assert task_seconds(TaskId("bwd", 0, 0, 0), packing, 8, hardware, range(0, 3)) == pytest.approx(11 * forward)
+    single = simulate([packing], [3], [8], {"d": 7000}, hardware)
+    sectioned = simulate([packing], [3], [8], {"d": 7000}, hardware, sections=[(0, 3)])
+    assert len(sectioned.order["d"]) == 3 * 3, "a step: one fwd section, two bwd sections"
+    assert sectioned.makespan < single.makespan, "fewer task costs, a little more compute"
+    report = replay_memory(sectioned.order, [packing], {"d": 7000}, sections=[(0, 3)],
+                           microbatch_samples=[[4, 4]])
+    assert report.peak["d"] <= 7000
+    assert report.grads_out == 3 * sum(pack.grad_bytes for pack in packing.packs)
+    assert report.weights_in >= 3 * sum(pack.weight_bytes for pack in packing.packs)
