@@ -98,15 +98,19 @@ def check_against_plain(models: list[nn.Module], references: list[nn.Module], ba
         assert_same_weights(model, reference)
 
 
-@pytest.mark.parametrize("kind", ["fwd", "bwd"], ids=["during-a-forward", "during-a-backward"])
-def test_an_embedded_worker_killed_mid_step_costs_only_that_step(kind: str, tmp_path: Path, no_leaks: None) -> None:
+@pytest.mark.parametrize("kind,packs_per_task", [("fwd", 1), ("bwd", 1), ("bwd", 4)],
+                         ids=["during-a-forward", "during-a-backward", "inside-a-section"])
+def test_an_embedded_worker_killed_mid_step_costs_only_that_step(
+    kind: str, packs_per_task: int, tmp_path: Path, no_leaks: None
+) -> None:
     marker = str(tmp_path / "killed")
     models = [swapped_model(marker, kind, calls=5), deep_mlp(depth=2, seed=3)]
     references = clones(models)
     batches = regression_batches(samples=16 * STEPS, batch=16)
     started = time.monotonic()
     result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss, optimizer=sgd, microbatches=2,
-                           devices=["cpu", "cpu"], device_memory=24_000, progress=False, fuse=False)
+                           devices=["cpu", "cpu"], device_memory=24_000, progress=False, fuse=False,
+                           packs_per_task=packs_per_task)
     assert time.monotonic() - started < 120
     assert Path(marker).read_text().startswith(kind), "the worker was not killed where the test meant"
     check_against_plain(models, references, batches, [sgd, sgd])
@@ -205,7 +209,7 @@ def test_users_workers_killed_in_a_forward_a_backward_an_update_and_a_span_cost_
     started = time.monotonic()
     result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss, optimizer=[sgd, sgd, killing, adam],
                            cluster=users_cluster, device_memory=32_000, microbatches=2, steps_per_task=4,
-                           progress=False, fuse=False)
+                           packs_per_task=1, progress=False, fuse=False)
     assert time.monotonic() - started < 240
     assert Path(markers["fwd"]).read_text().startswith("fwd") and Path(markers["bwd"]).read_text().startswith("bwd")
     assert Path(markers["update"]).read_text() == "update" and Path(markers["span"]).exists()

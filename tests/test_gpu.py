@@ -1,6 +1,10 @@
-"""The CUDA device path: pinned host store, copy stream and events, exactness and budget; skipped without a GPU."""
+"""The CUDA device path: pinned host store, copy stream and events (a slowed copy never read early), accounting
+against torch.cuda.memory_allocated, exactness and budget with sections, updates beside the device and bf16;
+skipped without a GPU."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -77,3 +81,81 @@ def test_a_fused_array_on_cuda_matches_plain_pytorch(no_leaks: None) -> None:
     for model, reference, factory in zip(models, references, factories):
         train_plain(reference, batches, nn.functional.mse_loss, factory)
         assert_same_weights(model, reference, rtol=1e-4, atol=1e-6)
+
+
+def test_a_slowed_copy_is_never_read_before_it_arrives(pinned_store: HostStore) -> None:
+    """The copy stream is held up by a GPU sleep before the prefetch is enqueued: the compute stream must wait for the
+    copy's event, so the weights it reads are the host's, not what the reused block held before."""
+    device = torch.device("cuda:0")
+    nbytes = 64 << 20
+    stale = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    del stale  # the block the prefetch will most likely be given, full of zeros
+    cache = DeviceCache("cuda-0", device, 1 << 30, Counters(pinned_store.create("counters", BLOCK_BYTES)))
+    host = pinned_store.create("w", nbytes)
+    host.copy_(torch.arange(nbytes, dtype=torch.int64).remainder(251).add(1).to(torch.uint8))
+    expected = int(host.to(torch.int64).sum())
+    with torch.cuda.stream(cache.engine.stream):
+        torch.cuda._sleep(2_000_000_000)  # about a second of GPU cycles on the copy stream, ahead of the copy
+    assert cache.prefetch("p0", 0, host, keep_free=0)
+    with cache.weights("p0", 0, host) as device_bytes:
+        assert int(device_bytes.to(torch.int64).sum()) == expected
+    cache.clear()
+
+
+def test_accounted_bytes_agree_with_torch_cuda_memory_allocated(pinned_store: HostStore) -> None:
+    device = torch.device("cuda:0")
+    torch.cuda.synchronize(device)
+    cache = DeviceCache("cuda-0", device, 3 << 20, Counters(pinned_store.create("counters", BLOCK_BYTES)))
+    before = torch.cuda.memory_allocated(device)
+    hosts = [pinned_store.create(f"w{index}", 1 << 20) for index in range(2)]
+    for index, host in enumerate(hosts):
+        with cache.weights(f"p{index}", 0, host):
+            assert torch.cuda.memory_allocated(device) - before == cache.memory.used == (index + 1) << 20
+    buffer = cache.allocate(512 << 10, "gradients")
+    assert torch.cuda.memory_allocated(device) - before == cache.memory.used == (5 << 19)
+    del buffer
+    cache.clear()
+
+
+@pytest.mark.parametrize("packs_per_task,overlap", [(1, True), (4, False), (4, True)],
+                         ids=["updates-beside", "sections", "sections-and-updates-beside"])
+def test_sections_and_overlapped_updates_on_cuda_match_plain_pytorch(
+    packs_per_task: int, overlap: bool, no_leaks: None
+) -> None:
+    models = [deep_mlp(seed=s).double() for s in range(2)]
+    references = clones(models)
+    batches = [(x.double(), y.double()) for x, y in regression_batches(samples=64, batch=16)]
+    factory = lambda p: torch.optim.Adam(p, lr=1e-2)  # noqa: E731
+    result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss, optimizer=factory, microbatches=2,
+                           devices=["cuda:0"], device_memory=48_000, fuse=False, progress=False,
+                           packs_per_task=packs_per_task, overlap_update=overlap)
+    assert all(job.overlap == overlap and job.home is None for job in result.plan.jobs)
+    for model, reference in zip(models, references):
+        train_plain(reference, batches, nn.functional.mse_loss, factory)
+        assert_same_weights(model, reference, rtol=1e-9, atol=1e-12)
+    assert max(result.stats.peak_device_bytes.values()) <= 48_000
+
+
+def test_bf16_on_cuda_trains_as_a_plain_loop_under_cuda_autocast(no_leaks: None) -> None:
+    model = deep_mlp(seed=0)
+    reference = clones([model])[0].cuda()
+    batches = regression_batches(samples=16 * 6, batch=16)
+    factory = lambda p: torch.optim.Adam(p, lr=1e-3)  # noqa: E731
+    harmony.train(model, batches, nn.functional.mse_loss, factory, microbatches=2, devices=["cuda:0"],
+                  device_memory=24_000, precision="bf16", progress=False)
+
+    def plain(network: nn.Module, microbatches: int) -> nn.Module:
+        optimizer = factory(network.parameters())
+        for x, y in batches:
+            optimizer.zero_grad()
+            for xs, ys in zip(x.cuda().chunk(microbatches), y.cuda().chunk(microbatches)):
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss = nn.functional.mse_loss(network(xs), ys) * (len(xs) / len(x))
+                loss.backward()
+            optimizer.step()
+        return network.cpu()
+
+    micro, whole = plain(copy.deepcopy(reference), 2), plain(copy.deepcopy(reference), 1)
+    noise = max((p - q).abs().max().item() for p, q in zip(micro.parameters(), whole.parameters()))
+    difference = max((p - q).abs().max().item() for p, q in zip(model.parameters(), micro.parameters()))
+    assert noise > 0 and difference <= 3 * noise, (difference, noise)

@@ -67,7 +67,7 @@ def test_runtime_peaks_and_swaps_match_the_simulator_for_the_same_schedule(devic
     result = harmony.train([*swapped, resident], batches, loss_fn=nn.functional.mse_loss,
                            optimizer=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), microbatches=4,
                            devices=devices, device_memory=budget, prefetch=False, progress=False, fuse=False,
-                           mode="free")
+                           mode="free", packs_per_task=1)  # a section's replay is pack by pack, not byte-exact
     assert list(result.homes) == [2]
     assert all(len(packing.packs) > 1 for packing in result.packings[:2])
     order = order_from_keys(result.stats.schedule)
@@ -143,7 +143,8 @@ def test_a_task_waits_at_the_scheduler_only_for_work_on_other_devices(no_leaks: 
         if task.kind == "upd":
             assert waits <= {TaskId("bwd", task.model, task.pack, task.span, g).key(run) for g in range(2)}
             continue
-        same_worker = [dep for dep in waits if recorder.worker.get(dep) == recorder.worker[key]]
+        same_worker = [dep for dep in waits if recorder.worker.get(dep) == recorder.worker[key]
+                       and not dep.startswith("upd-")]  # an update runs beside the device: waited for through Dask
         assert not same_worker, f"{key} waits at the scheduler for {same_worker} on its own worker"
         if task.pack > 0:
             producer = TaskId("fwd", task.model, task.pack - 1, task.span, task.group).key(run)
