@@ -230,6 +230,7 @@ def train(
     precision: str = "fp32",
     overlap_update: bool | None = None,
     packs_per_task: int | str = "auto",
+    grad_scaler: dict[str, float] | None = None,
 ) -> TrainResult:
     """Train every model on its data through fine-grained tasks on Dask device workers.
 
@@ -289,7 +290,12 @@ def train(
 
     precision="bf16" runs every forward and backward (and the loss) under torch.autocast in bfloat16, as a plain
     loop inside ``torch.autocast(device_type, torch.bfloat16)`` would; weights, gradients and optimizer state stay
-    float32 (the host store's master copy). "fp32" (the default) computes as the models' own dtypes say.
+    float32 (the host store's master copy). "fp16" does the same in float16 with a gradient scaler, as a plain loop
+    with ``torch.amp.GradScaler`` does: the loss scaled, the gradients unscaled, a step whose gradients are not all
+    finite skipped (for every pack of the model: its updates wait for its whole backward), the scale backed off
+    and grown; grad_scaler takes GradScaler's arguments (init_scale, growth_factor, backoff_factor,
+    growth_interval). fp16 models are not fused (each skips its own steps). "fp32" (the default) computes as the
+    models' own dtypes say.
 
     overlap_update=True steps a swapped model's optimizer on the host store in a task of its own, on a host thread
     beside the device, which goes on with the backward of the model's earlier packs meanwhile (as ZeRO-Offload

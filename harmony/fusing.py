@@ -40,6 +40,8 @@ def fusion_key(candidate: Candidate, args: Arguments) -> Hashable:
         return ("tied across layers", index)  # an array stacks each layer's weights: a tie between layers would break
     if any(isinstance(module, Entry) for layer in candidate.code.layers for module in layer.modules()):
         return ("exported", index)  # torch.func.vmap has no batching rule for the symbolic sizes an export reads
+    if args.options.precision == "fp16":
+        return ("loss-scaled", index)  # each member skips the steps its own scale overflows: not one array step
     layers = tuple(layer_signature(layer) for layer in candidate.code.layers)
     validation = args.validation_of[index] if args.validation_of else None
     return (candidate.job.feed, validation, args.optimizer_classes[index], layers)

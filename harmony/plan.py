@@ -214,7 +214,8 @@ def simulate_machines(plan: RunPlan, counts: list[int], samples: list[int], mach
                        [samples[index] for index in own], budgets, plan.hardware, prefetch=options.prefetch,
                        policy=options.policy, mode=plan.mode, groups=[jobs[index].groups for index in own],
                        homes=homes, overlap=[jobs[index].overlap for index in own],
-                       sections=[jobs[index].sections for index in own])
+                       sections=[jobs[index].sections for index in own],
+                       scaled=[jobs[index].scaled for index in own])
         renamed = {task: dataclasses.replace(task, model=own[task.model]) for task in run.times}
         order.update({device: [renamed[task] for task in tasks] for device, tasks in run.order.items()})
         times.update({renamed[task]: span for task, span in run.times.items()})

@@ -233,9 +233,12 @@ def with_sections(job: Job, per_task: int | str, hardware: Hardware, fewest: int
 def with_overlap(jobs: list[Job], args: Arguments, budgets: dict[str, int], hardware: Hardware, mode: str
                  ) -> list[Job]:
     """The jobs with their updates overlapped (upd tasks beside the device, tasks.graph) or in their bwd tasks: as
-    overlap_update says, or with None as the simulator predicts faster for the swapped jobs together."""
+    overlap_update says, or with None as the simulator predicts faster for the swapped jobs together; with a scaled
+    loss (fp16), always upd tasks."""
     swapped = [job.home is None for job in jobs]
     choice = args.options.overlap_update
+    if any(job.scaled for job in jobs):
+        choice = True  # a scaled step's updates wait for its whole backward: upd tasks (see runtime.scaler)
     if choice is None and any(swapped):
         steps = [min(job.steps or 1, RANKING_STEPS) for job in jobs]
         samples = [step_samples(args, job) for job in jobs]
@@ -244,7 +247,8 @@ def with_overlap(jobs: list[Job], args: Arguments, budgets: dict[str, int], hard
                              prefetch=args.options.prefetch, policy=args.options.policy, mode=mode,
                              groups=[job.groups for job in jobs], homes=homes_of(jobs),
                              overlap=[beside and here for here in swapped],
-                             sections=[job.sections for job in jobs]).step_seconds()
+                             sections=[job.sections for job in jobs],
+                             scaled=[job.scaled for job in jobs]).step_seconds()
             for beside in (False, True)
         }
         choice = predicted[True] < predicted[False]
@@ -295,7 +299,8 @@ def build(
     if options.resident and options.group and mode != "vdp":
         candidates = settle_homes(candidates, budgets, machines)
     groups = groups_for(mode, len(budgets), options.microbatches)
-    jobs = [with_depth(dataclasses.replace(c.job, groups=groups), options.steps_per_task, hardware)
+    scaled = options.precision == "fp16"
+    jobs = [with_depth(dataclasses.replace(c.job, groups=groups, scaled=scaled), options.steps_per_task, hardware)
             for c in candidates]
     jobs = [with_sections(job, options.packs_per_task, hardware, len(budgets) if mode == "vpp" else 1)
             for job in jobs]

@@ -435,11 +435,12 @@ def check_options(options: Options) -> None:
     check_packs_per_task(options.packs_per_task)
     _positive_int(options.checkpoint_every, "checkpoint_every", allow_none=True)
     _positive_int(options.eval_every, "eval_every", allow_none=True)
-    if options.precision == "fp16":
-        raise InputError("precision='fp16' needs a gradient scaler whose skipped steps every pack agrees on, which "
-                         "pack-by-pack updates do not have yet; use precision='bf16' (no scaler needed) or 'fp32'")
     if options.precision not in PRECISIONS:
         raise InputError(f"precision={options.precision!r} is not a precision; use one of {sorted(PRECISIONS)}")
+    check_grad_scaler(options.grad_scaler, options.precision)
+    if options.precision == "fp16" and options.overlap_update is False:
+        raise InputError("precision='fp16' steps a swapped model's packs in upd tasks once its whole backward is done "
+                         "(whether the step is skipped depends on every gradient): leave overlap_update as None")
     if not any(options.overlap_update is value for value in (None, True, False)):
         raise InputError(f"overlap_update={options.overlap_update!r} must be True, False or None (chosen by "
                          "prediction)")
@@ -533,3 +534,21 @@ def check_packs_per_task(packs_per_task: Any) -> None:
         return
     raise InputError(f"packs_per_task={packs_per_task!r} must be 'auto' (chosen from the measured task cost) or a "
                      "positive int (how many consecutive packs one task of a swapped model runs)")
+
+
+SCALER_ARGUMENTS = {"init_scale": float, "growth_factor": float, "backoff_factor": float, "growth_interval": int}
+
+
+def check_grad_scaler(grad_scaler: Any, precision: str) -> None:
+    """grad_scaler as train takes it: None, or with precision="fp16" a dict of torch.amp.GradScaler's arguments."""
+    if grad_scaler is None:
+        return
+    if precision != "fp16":
+        raise InputError(f"grad_scaler is for precision='fp16' (the loss is scaled only then), not {precision!r}")
+    if not isinstance(grad_scaler, dict) or set(grad_scaler) - set(SCALER_ARGUMENTS):
+        raise InputError(f"grad_scaler={grad_scaler!r} must be a dict of torch.amp.GradScaler's arguments: "
+                         f"{', '.join(SCALER_ARGUMENTS)}")
+    for name, value in grad_scaler.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0 or (
+                SCALER_ARGUMENTS[name] is int and not isinstance(value, int)):
+            raise InputError(f"grad_scaler[{name!r}]={value!r} must be a positive {SCALER_ARGUMENTS[name].__name__}")

@@ -37,6 +37,7 @@ from harmony.runtime.files import LOSS_BLOCK, SPAN_TIMING_BYTES, losses_name, sp
 from harmony.runtime.handoff import receive, wait_for
 from harmony.runtime.homed import HomedModel
 from harmony.runtime.hoststore import tensors_at
+from harmony.runtime.scaler import finite
 from harmony.runtime.shipping import unship
 from harmony.runtime.worker import RunContext, context
 from harmony.tasks import graph
@@ -330,6 +331,8 @@ def _backward_pack(
         ctx.add_lent_grads(model, pack, group, grads)
         input_grads = _backward_step(ctx, model, pack, span, step, weights, tensors, grads, inputs,
                                      gradients_or_targets, loss_weights, group, claim_input, claim_upstream, keep)
+        if spec.scaled:
+            ctx.scaler(model).flag(step, pack, group, not finite(grads))
         ctx.cache.write_back(grad_bytes, ctx.host_grads(model, pack, group), "grads")
         if pack == len(spec.packs) - 1 and runtime.has_buffers:
             following_slot = ctx.next_weights(model, pack, step)
@@ -380,7 +383,7 @@ def _homed_steps(
                         with ctx.autocast():
                             step_losses = loss_fn(state.module(x), target)
                         state.stop(members.check(step_losses, step))  # a sync per step (see divergence)
-                        losses.add(index, _backpropagate_loss(step_losses, weight), weight)
+                        losses.add(index, _backpropagate_loss(step_losses, weight, state.loss_scale()), weight)
                 state.step(step)  # after the activations are gone, as in a plain loop (its state is charged then)
                 done = index + 1
     except Diverged as diverged:
@@ -422,11 +425,12 @@ class StepLosses:
         return totals
 
 
-def _backpropagate_loss(losses: torch.Tensor, weight: float) -> torch.Tensor:
+def _backpropagate_loss(losses: torch.Tensor, weight: float, scale: float | None = None) -> torch.Tensor:
     """Backpropagate a micro-batch's per-member losses weighted by its share of the mini-batch (their weighted
-    sum's gradient, given to backward directly rather than through a sum node); returns them detached."""
+    sum's gradient, given to backward directly rather than through a sum node); returns them detached. With a loss
+    scale (fp16) the gradient is the scale times the share, rounded as a plain loop's (loss * share) * scale."""
     losses = losses.reshape(-1)
-    losses.backward(torch.full_like(losses, weight))
+    losses.backward(torch.full_like(losses, weight) if scale is None else torch.full_like(losses, scale) * weight)
     return losses.detach()
 
 
@@ -503,7 +507,8 @@ def _backward_step(
                     with ctx.autocast():
                         step_losses = ctx.loss_fn(model)(y, target)
                     ctx.members(model).check(step_losses, step)  # before anything is backpropagated or updated
-                    losses.add(0, _backpropagate_loss(step_losses, weight), weight)
+                    scale = ctx.scaler(model).state(step)[0] if spec.scaled else None
+                    losses.add(0, _backpropagate_loss(step_losses, weight, scale), weight)
                 else:
                     upstream = kept_grad if kept_grad is not None else ctx.cache.copy_in(
                         gradients_or_targets[index], "activations")

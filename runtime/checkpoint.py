@@ -9,7 +9,8 @@ written it: the driver writes it before it opens the job's next spans). Its dire
   job-<j>/v<step>/             that checkpoint: per pack its weights, its optimizer state (layout, bytes,
                                description), the members' divergence steps, the loss history, and per member
                                model model-<i>.pt: torch.save({"model": state_dict, "optimizer": state_dict,
-                               "step", "history"}), the state dicts of the user's module and of the user's
+                               "step", "history"}, and with fp16 "scaler": a torch.amp.GradScaler state dict), the
+                               state dicts of the user's module and of the user's
                                optimizer factory over its parameters. Written into a temporary directory first
                                and renamed, so that a process killed while writing leaves the previous one whole;
   model-<i>.pt                 a link to the model's newest model-<i>.pt, replaced atomically after latest.
@@ -152,6 +153,8 @@ class Checkpoints:
         stopped = store.attach(diverged_name(job), 8 * members).view(torch.float64)
         described["diverged"] = [step if step < version else TRAINING for step in stopped.tolist()]  # the span after
         described["history"] = files.history(job, version)
+        if files.plan.jobs[job].scaled:
+            described["scaler"] = list(files.scaler(job).state(version))
         replace_file(folder / "checkpoint.msgpack", msgpack.packb(described))
 
     def restore(self, job: int, files: RunFiles) -> int:
@@ -176,6 +179,9 @@ class Checkpoints:
             versions.publish(pack, version, 0)
         stopped = store.attach(diverged_name(job), 8 * runtime.members).view(torch.float64)
         stopped.copy_(torch.tensor(described["diverged"], dtype=torch.float64))
+        if "scaler" in described:
+            scale, tracker = described["scaler"]
+            files.scaler(job).reset(version, scale, tracker)
         history = torch.tensor(described["history"], dtype=torch.float64).reshape(runtime.members, -1).T
         for block in range(-(-version // LOSS_BLOCK)):
             files.open_step(job, block * LOSS_BLOCK)
@@ -206,6 +212,8 @@ class Checkpoints:
                 "step": version,
                 "history": history[position],
             }
+            if plan_job.scaled:
+                record["scaler"] = files.settings.state_dict(*files.scaler(job).state(version))
             torch.save(record, folder / f"model-{model_index}.pt")
 
     def _plain_optimizer(self, job: int, files: RunFiles, code: JobCode, model: nn.Module, factory: Any,

@@ -6,14 +6,17 @@ Per job (``m<job>``) and pack:
             publishes it, so a worker that dies in the middle leaves the current version intact, and a swapped
             pack's previous version stays readable while its step may be run again;
   grads     one file per micro-batch group, written by bwd tasks; with several groups the update sums them into
-            the reduced file (out of place: an update run again sums the same groups again);
+            the reduced file (out of place: an update run again sums the same groups again), and with a scaled
+            loss (fp16) unscales them there (runtime.scaler);
   optim     the optimizer's state per slot (runtime.optimstate), with a layout and a msgpack description.
 Per job:
   versions  per pack, the version its host weights are at and the slot it is in, one int64 (version * 2 + slot,
             written at once): an update is applied once, by version (``Versions``);
   timing    a homed job's multi-step tasks' timed seconds and steps, added up (2 float64; the driver reads it);
   diverged  per member, the step at which its loss stopped being finite, -1 while it trains (runtime.divergence);
-  losses    blocks of LOSS_BLOCK steps x members float64, one per micro-batch group: each step's share of the loss.
+  losses    blocks of LOSS_BLOCK steps x members float64, one per micro-batch group: each step's share of the loss;
+  scaler, found  with a scaled loss (fp16), the scale of each step and which packs' gradients were not finite
+            (runtime.scaler).
 Per device:
   counters  bytes moved by kind, peak, busy time (runtime.counters), published by its worker after every task.
 Batch files (``batch-<n>``) belong to shipping.
@@ -26,6 +29,7 @@ import torch
 from harmony.runtime.code import JobCode, named_state
 from harmony.runtime.counters import BLOCK_BYTES, Counters
 from harmony.runtime.hoststore import HostStore, tensors_at
+from harmony.runtime.scaler import Scaler, Settings
 from harmony.runtime.spec import ModelRuntime
 from harmony.tasks.runplan import Job, RunPlan
 
@@ -152,6 +156,11 @@ class RunFiles:
         self.device_stores = device_stores
         self.plan = plan
         self.models = models
+        self.settings = Settings(**(plan.options.grad_scaler or {}))
+
+    def scaler(self, job: int) -> Scaler:
+        """The loss-scaling state of a job whose loss is scaled (fp16)."""
+        return Scaler(self.stores[job], job, len(self.models[job].packs), self.plan.jobs[job].groups, self.settings)
 
     def store(self, job: int) -> HostStore:
         """The host store of the job's machine."""
@@ -189,11 +198,13 @@ class RunFiles:
                             view.copy_(state[name].detach().cpu())
                 for group in range(job.groups):
                     store.create(grads_name(m, p, group), pack.grads.nbytes)
-                if job.groups > 1:
+                if job.groups > 1 or job.scaled:
                     store.create(reduced_grads_name(m, p), pack.grads.nbytes)
             store.create(versions_name(m), 8 * len(runtime.packs))
             store.create(span_timing_name(m), SPAN_TIMING_BYTES)
             store.create(diverged_name(m), 8 * runtime.members).view(torch.float64).fill_(-1.0)
+            if job.scaled:
+                Scaler.create(store, m, len(runtime.packs), job.groups, self.settings)
         for index, store in enumerate(self.device_stores):
             store.create(counters_name(index), BLOCK_BYTES)
 

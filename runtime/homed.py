@@ -3,9 +3,10 @@
 Its weights are copied in once and pinned; its module is bound to them once (parameters that view the
 device weights), so that every step runs the module directly, as a plain PyTorch loop would; the update
 steps the optimizer over the same parameters, whose state is charged to the device budget after its first
-step. After each of its tasks its weights and optimizer state go to the host store as the next version (a task
-runs a span of steps sized so that this costs about as little as the task itself): a model whose device is
-lost is taken up from there, on its device when it comes back or on another.
+step (with a loss scaler for fp16, through torch.amp.GradScaler, its state flushed beside the weights). After
+each of its tasks its weights and optimizer state go to the host store as the next version (a task runs a span
+of steps sized so that this costs about as little as the task itself): a model whose device is lost is taken up
+from there, on its device when it comes back or on another.
 """
 
 from __future__ import annotations
@@ -57,8 +58,10 @@ class HomedModel:
         saved: OptimizerState,
         version: int,
         slot: int,
+        scaler: torch.amp.GradScaler | None = None,
     ) -> None:
         self.cache = cache
+        self.scaler = scaler
         self.model = model
         self.weights = weights
         cache.hold((model, 0))
@@ -107,9 +110,18 @@ class HomedModel:
             index = torch.tensor(self.stopped, device=self.params[0].device)
             self.kept = [param.detach().index_select(0, index) for param in self.params]
 
+    def loss_scale(self) -> float | None:
+        """The scale the step's loss is multiplied by before backward (fp16), or None."""
+        return None if self.scaler is None else self.scaler.get_scale()
+
     def step(self, step: int) -> None:
-        """Apply the update on the device; the device weights become version step + 1."""
-        step_optimizer(self.optimizer)
+        """Apply the update on the device; the device weights become version step + 1. With a loss scaler, as a
+        plain loop with torch.amp.GradScaler: unscaled, skipped when a gradient is not finite, the scale updated."""
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            step_optimizer(self.optimizer)
         if self.stopped:
             keep_stopped([param.detach() for param in self.params], self.kept, self.stopped)
         self._charge_state()

@@ -88,11 +88,13 @@ def update(
     weights: Callable[[int], torch.Tensor],
     optimizer: Callable[[int], PackOptimizer],
     stopped: list[int],
+    skip: bool = False,
 ) -> bool:
     """Apply a pack's update for step once: from the slot of version step into the other slot, then publish
     version step + 1. weights gives a slot's bytes, optimizer the pack's optimizer over a slot; stopped are the
-    members of an array that keep their weights (see divergence). Returns whether it applied the update (not
-    when the version says it was applied already). The caller holds the pack's lock."""
+    members of an array that keep their weights (see divergence); skip carries the weights and the optimizer's
+    state over unchanged (a step a loss scaler skips). Returns whether it applied the update (not when the version
+    says it was applied already). The caller holds the pack's lock."""
     current, slot = versions.current(pack)
     if current > step:
         return False
@@ -104,7 +106,8 @@ def update(
         copy_trainable(runtime, source, target)
         stepping = optimizer(following)
         stepping.state.copy_slot(slot, following)
-        stepping.step(following)
+        if not skip:
+            stepping.step(following)
         if stopped:
             names = [entry.spec.name for entry in runtime.stepped]
             after, before = tensors_at(target, runtime.weights), tensors_at(source, runtime.weights)

@@ -33,6 +33,7 @@ from harmony.runtime.files import RunFiles
 from harmony.runtime.hoststore import HostStore, shm_directory
 from harmony.runtime.machines import STORE_DIRECTORY, RemoteBatches, RemoteStore, group_machines, remove_run
 from harmony.runtime.orphans import claim, claim_remote, sweep
+from harmony.runtime.scaler import Settings
 from harmony.runtime.shipping import BatchFiles
 from harmony.runtime.spec import RunSpec, describe
 from harmony.runtime.view import RunView
@@ -132,7 +133,8 @@ def execute(
         for store in stores.values():
             store.push_all()
         spec = RunSpec(run, str(stores[""].directory if "" in stores else shm_directory()), models, tuple(devices),
-                       plan.options.prefetch, plan.options.group, autocast=PRECISIONS[plan.options.precision])
+                       plan.options.prefetch, plan.options.group, autocast=PRECISIONS[plan.options.precision],
+                       scaler=Settings(**(plan.options.grad_scaler or {})))
         handle.client.register_plugin(DevicePlugin(spec), name=plugin)
         registered = True
         try:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import cloudpickle
 
 from harmony.runtime.code import JobCode
 from harmony.runtime.devices import DeviceSpec
+from harmony.runtime.scaler import Settings
 from harmony.runtime.skeleton import dump_skeleton
 from harmony.tasks.layout import BufferLayout, Slot, lay_out
 from harmony.tasks.runplan import RunPlan, section_packs
@@ -55,6 +56,7 @@ class ModelRuntime:
     prefetch: bool = True
     overlap: bool = False
     sections: tuple[int, ...] = ()
+    scaled: bool = False
 
     def section(self, index: int) -> range:
         """The packs that the tasks of section index run, in order."""
@@ -72,6 +74,7 @@ class RunSpec:
     prefetch: bool = True
     group: bool = True
     autocast: str | None = None  # the dtype forward and backward compute in under torch.autocast (None: as is)
+    scaler: Settings = field(default_factory=Settings)  # the loss scaler's arguments (jobs whose loss is scaled)
 
     def device_index(self, worker_name: str) -> int:
         for index, device in enumerate(self.devices):
@@ -116,6 +119,7 @@ def describe(plan: RunPlan, codes: list[JobCode]) -> tuple[ModelRuntime, ...]:
                 prefetch=job.packing.prefetch,
                 overlap=job.overlap,
                 sections=job.sections,
+                scaled=job.scaled,
             )
         )
     return tuple(models)

@@ -42,6 +42,7 @@ from harmony.runtime.hoststore import HostStore, tensors_at
 from harmony.runtime.optimizer import PackOptimizer, pack_lock, update
 from harmony.runtime.optimstate import OptimizerState
 from harmony.runtime.orphans import gone, sweep
+from harmony.runtime.scaler import Scaler
 from harmony.runtime.skeleton import load_skeleton
 from harmony.runtime.spec import RunSpec
 from harmony.tasks.graph import TaskId, parse_key
@@ -75,6 +76,7 @@ class RunContext:
         self._optimizers: dict[tuple[int, int, int], PackOptimizer] = {}
         self._states: dict[tuple[int, int], OptimizerState] = {}
         self._members: dict[int, Members] = {}
+        self._scalers: dict[int, Scaler] = {}
 
     @property
     def counters(self) -> Counters:
@@ -163,9 +165,14 @@ class RunContext:
         lost takes up where its last flush left it)."""
         if model not in self.homed_models:
             runtime = self.spec.models[model].packs[0]
+            version, slot = self.versions(model).current(0)
+            scaler = None
+            if self.spec.models[model].scaled:
+                scaler = torch.amp.GradScaler(self.device.type)
+                scaler.load_state_dict(self.spec.scaler.state_dict(*self.scaler(model).state(version)))
             self.homed_models[model] = HomedModel(
                 self.cache, model, runtime, weights, load_skeleton(runtime.skeleton), self.optimizer_factory(model),
-                self.optimizer_state(model, 0), *self.versions(model).current(0),
+                self.optimizer_state(model, 0), version, slot, scaler,
             )
             self.homed_models[model].stop(self.members(model).stopped())
         return self.homed_models[model]
@@ -182,8 +189,11 @@ class RunContext:
         state = self.homed_models[model]
         with pack_lock(self.store, weights_name(model, 0)):
             versions = self.versions(model)
-            _, slot = versions.current(0)
+            version, slot = versions.current(0)
             state.flush(self.weights_slot(model, 0, 1 - slot), self.optimizer_state(model, 0), 1 - slot)
+            if state.scaler is not None:
+                self.scaler(model).save(state.next_step, state.scaler.get_scale(),
+                                        state.scaler._get_growth_tracker(), after=version)
             versions.publish(0, state.next_step, 1 - slot)
 
     def versions(self, model: int) -> Versions:
@@ -202,14 +212,33 @@ class RunContext:
             self._states[key] = OptimizerState(self.store, model, pack)
         return self._states[key]
 
+    def scaler(self, model: int) -> Scaler:
+        """The loss-scaling state of a job whose loss is scaled (fp16, see runtime.scaler)."""
+        if model not in self._scalers:
+            spec = self.spec.models[model]
+            self._scalers[model] = Scaler(self.store, model, len(spec.packs), spec.groups, self.spec.scaler)
+        return self._scalers[model]
+
     def update(self, model: int, pack: int, step: int) -> None:
-        """Apply a swapped pack's update for step on the host store, once (see runtime.optimizer)."""
+        """Apply a swapped pack's update for step on the host store, once (see runtime.optimizer). With a scaled loss
+        its gradients are unscaled first, the update is skipped (the version still advances) when any gradient of
+        the step was not finite, and the model's last pack writes the next step's scale (see runtime.scaler)."""
         spec = self.spec.models[model]
+        runtime = spec.packs[pack]
         stopped = self.members(model).stopped() if spec.members > 1 else []
         with pack_lock(self.store, weights_name(model, pack)):
-            update(spec.packs[pack], self.versions(model), pack, step,
-                   lambda slot: self.weights_slot(model, pack, slot),
-                   lambda slot: self.pack_optimizer(model, pack, slot), stopped)
+            skip = False
+            if spec.scaled and self.versions(model).current(pack)[0] == step:
+                scaler = self.scaler(model)
+                skip = scaler.found(step)
+                reduced = self.store.attach(reduced_grads_name(model, pack), runtime.grads.nbytes)
+                if not skip:
+                    scaler.unscale(reduced if spec.groups > 1 else self.host_grads(model, pack), reduced,
+                                   runtime.grads, step)
+            update(runtime, self.versions(model), pack, step, lambda slot: self.weights_slot(model, pack, slot),
+                   lambda slot: self.pack_optimizer(model, pack, slot), stopped, skip)
+            if spec.scaled and pack == len(spec.packs) - 1 and not self.scaler(model).holds(step + 1):
+                self.scaler(model).advance(step)
 
     def next_queued(self) -> TaskId | None:
         """The fwd or bwd task of this run that this worker will run next, read off its task queue."""
@@ -251,8 +280,8 @@ class RunContext:
         if key not in self._optimizers:
             spec = self.spec.models[model]
             runtime = spec.packs[pack]
-            grads = (self.store.attach(reduced_grads_name(model, pack), runtime.grads.nbytes) if spec.groups > 1
-                     else self.host_grads(model, pack))
+            grads = (self.store.attach(reduced_grads_name(model, pack), runtime.grads.nbytes)
+                     if spec.groups > 1 or spec.scaled else self.host_grads(model, pack))
             self._optimizers[key] = PackOptimizer(self.optimizer_factory(model), self.weights_slot(model, pack, slot),
                                                   grads, runtime, self.optimizer_state(model, pack))
         return self._optimizers[key]

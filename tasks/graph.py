@@ -112,11 +112,15 @@ def updater(model: int, pack: int, span: int, groups: int = 1, overlap: bool = F
     return TaskId("upd", model, pack, span)
 
 
-def dependencies(task: TaskId, packs: int, groups: int = 1, overlap: bool = False) -> list[TaskId]:
-    """Tasks that must finish before task may run: the pack's previous span's update, and its inputs' producers."""
+def dependencies(task: TaskId, packs: int, groups: int = 1, overlap: bool = False, scaled: bool = False
+                 ) -> list[TaskId]:
+    """Tasks that must finish before task may run: the pack's previous span's update, and its inputs' producers; an
+    upd, its pack's bwd in every group, or with a scaled loss (fp16) every bwd of its span (whether any gradient
+    of the step is not finite decides whether any pack is updated)."""
     m, p, s, g = task.model, task.pack, task.span, task.group
     if task.kind == "upd":
-        return [TaskId("bwd", m, p, s, group) for group in range(groups)]
+        return [TaskId("bwd", m, pack, s, group) for pack in (range(packs) if scaled else (p,))
+                for group in range(groups)]
     deps: list[TaskId] = []
     if p > 0:
         deps.append(TaskId("fwd", m, p - 1, s, g))

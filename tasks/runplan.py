@@ -18,7 +18,7 @@ from harmony.tasks.hardware import Hardware
 from harmony.tasks.layout import TensorSpec
 from harmony.tasks.packing import Pack, PackCost, Packing
 
-PRECISIONS = {"fp32": None, "bf16": "bfloat16"}  # precision -> the dtype autocast computes in (None: no autocast)
+PRECISIONS = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}  # -> the dtype autocast computes in (None: none)
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,7 @@ class Options:
     precision: str = "fp32"
     overlap_update: bool | None = None
     packs_per_task: int | str = "auto"
+    grad_scaler: dict[str, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,8 @@ class Job:
     of one step's batch; state_ratio the optimizer-state bytes per gradient byte. overlap: a swapped job's updates
     run in upd tasks on a host thread beside its device instead of in its bwd tasks (see tasks.graph). sections
     are the first packs of the consecutive packs each of its tasks runs (a task's "pack" in tasks.graph is then its
-    section's index); empty, one pack per task.
+    section's index); empty, one pack per task. scaled: its loss is scaled for fp16 (runtime.scaler), so that every
+    update of a step waits for every backward of it.
     """
 
     members: tuple[int, ...]
@@ -74,6 +76,7 @@ class Job:
     machine: str = ""
     overlap: bool = False
     sections: tuple[int, ...] = ()
+    scaled: bool = False
 
     @property
     def fused(self) -> bool:

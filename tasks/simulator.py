@@ -233,6 +233,7 @@ def simulate(
     homes: dict[int, str] | None = None,
     overlap: list[bool] | None = None,
     sections: list[tuple[int, ...]] | None = None,
+    scaled: list[bool] | None = None,
 ) -> Simulation:
     """Predict the schedule and its times: the driver's binding state on a simulated clock.
 
@@ -245,18 +246,19 @@ def simulate(
     samples are per job and step; with groups (vDP) each group computes its share of them; overlap says per job
     whether its updates are overlapped (upd tasks) rather than applied in its bwd tasks, sections where its tasks
     run several packs each (tasks.runplan.Job.sections): such a task's copies hide behind the compute of the pack
-    before them in the task.
+    before them in the task; scaled where its loss is scaled (fp16: every upd of a step waits for all of its bwd).
     """
     groups = groups or [1] * len(packings)
     homes = homes or {}
     overlap = overlap or [False] * len(packings)
     sections = sections or [()] * len(packings)
+    scaled = scaled or [False] * len(packings)
     jobs = [
         Job(members=(index,), label=packing.model, feed=index, seed=index, packing=packing, steps=count,
             step_seconds=model_step_seconds(packing, n, hardware), batch_bytes=0, groups=g, home=homes.get(index),
-            overlap=beside, sections=starts)
-        for index, (packing, count, n, g, beside, starts)
-        in enumerate(zip(packings, steps, samples, groups, overlap, sections))
+            overlap=beside, sections=starts, scaled=scale)
+        for index, (packing, count, n, g, beside, starts, scale)
+        in enumerate(zip(packings, steps, samples, groups, overlap, sections, scaled))
     ]
     state = BindingState(jobs, budgets, slots_per_device=1, policy=policy, mode=mode, homes=homes)
     clock = _Clock(jobs, samples, budgets, hardware, prefetch)

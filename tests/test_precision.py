@@ -1,5 +1,6 @@
 """Mixed precision: precision="bf16" trains as a plain loop under torch.autocast(bfloat16) does, for swapped,
-homed and fused models; weights and optimizer state stay float32."""
+homed and fused models; precision="fp16" as one under autocast(float16) with torch.amp.GradScaler, skipped steps
+and the scale's history included; weights and optimizer state stay float32."""
 
 from __future__ import annotations
 
@@ -62,8 +63,68 @@ def test_bf16_trains_as_a_plain_loop_under_autocast(case: str, no_leaks: None) -
         assert distance(model, full) > 10 * distance(model, micro), "it computed in bfloat16, not float32"
 
 
-def test_fp16_and_unknown_precisions_are_refused_before_work_starts() -> None:
-    for precision, message in (("fp16", "gradient scaler"), ("int8", "is not a precision")):
+SCALER = {"init_scale": 2.0**24, "growth_interval": 3}  # overflows first, then backs off and grows again
+
+
+def plain_scaled(model: nn.Module, batches: list, microbatches: int) -> tuple[nn.Module, torch.amp.GradScaler, int]:
+    """The plain fp16 loop: autocast(float16), torch.amp.GradScaler; returns the model, its scaler and the steps the
+    scaler skipped."""
+    optimizer = adam(model.parameters())
+    scaler = torch.amp.GradScaler("cpu", **SCALER)  # type: ignore[arg-type]
+    skipped = 0
+    for x, y in batches:
+        optimizer.zero_grad()
+        for xs, ys in zip(x.chunk(microbatches), y.chunk(microbatches)):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.mse_loss(model(xs), ys) * (len(xs) / len(x))
+            scaler.scale(loss).backward()
+        before = scaler.get_scale()
+        scaler.step(optimizer)
+        scaler.update()
+        skipped += scaler.get_scale() < before
+    return model, scaler, skipped
+
+
+@pytest.mark.parametrize("case", ["swapped", "sections", "vdp", "homed"])
+def test_fp16_trains_as_a_plain_loop_with_a_grad_scaler(case: str, tmp_path, no_leaks: None) -> None:
+    """Every pack of a swapped model skips the steps whose gradients (any pack's) overflow, the scale backs off and
+    grows as torch.amp.GradScaler's, and the weights are a plain fp16 loop's within its own micro-batching noise;
+    the checkpoint holds the plain scaler's state."""
+    model = deep_mlp(seed=0)
+    reference = copy.deepcopy(model)
+    batches = regression_batches(samples=16 * 12, batch=16)
+    options = {"swapped": {"device_memory": 24_000, "packs_per_task": 1},
+               "sections": {"device_memory": 24_000, "packs_per_task": 4},
+               "vdp": {"device_memory": 24_000, "devices": 2, "mode": "vdp", "packs_per_task": 1},
+               "homed": {}}[case]
+    result = harmony.train(model, batches, nn.functional.mse_loss, adam, microbatches=MICROBATCHES,
+                           precision="fp16", grad_scaler=SCALER, checkpoint_dir=tmp_path, progress=False,
+                           **{"devices": 1, **options})
+    job = result.plan.jobs[0]
+    assert (job.home is not None) == (case == "homed") and job.scaled
+    if case != "homed":
+        assert job.overlap and len(result.packings[0].packs) > 2
+    if case == "vdp":
+        assert job.groups == 2
+    micro, scaler, skipped = plain_scaled(copy.deepcopy(reference), batches, MICROBATCHES)
+    whole, _, _ = plain_scaled(copy.deepcopy(reference), batches, 1)
+    assert skipped >= 2, "the scale overflowed and backed off"
+    assert scaler.get_scale() > SCALER["init_scale"] / 2**skipped, "and grew again"
+    saved = torch.load(tmp_path / "model-0.pt", weights_only=False)
+    assert saved["scaler"] == scaler.state_dict()
+    noise = distance(micro, whole)
+    assert noise > 0
+    assert distance(model, micro) <= noise, (distance(model, micro), noise)
+    full = plain(copy.deepcopy(reference), batches, MICROBATCHES, autocast=False)
+    assert distance(model, full) > 10 * distance(model, micro), "it computed in float16, not float32"
+
+
+def test_unknown_precisions_and_misplaced_scaler_arguments_are_refused_before_work_starts() -> None:
+    layer, data = nn.Linear(4, 1), [(torch.randn(4, 4), torch.randn(4, 1))]
+    for arguments, message in (({"precision": "int8"}, "is not a precision"),
+                               ({"grad_scaler": {"init_scale": 8.0}}, "is for precision='fp16'"),
+                               ({"precision": "fp16", "grad_scaler": {"scale": 8.0}}, "GradScaler's arguments"),
+                               ({"precision": "fp16", "grad_scaler": {"growth_interval": 2.5}}, "positive int"),
+                               ({"precision": "fp16", "overlap_update": False}, "leave overlap_update")):
         with pytest.raises(InputError, match=message):
-            harmony.train(nn.Linear(4, 1), [(torch.randn(4, 4), torch.randn(4, 1))], nn.functional.mse_loss, adam,
-                          precision=precision, progress=False)
+            harmony.train(layer, data, nn.functional.mse_loss, adam, progress=False, **arguments)
