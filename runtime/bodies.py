@@ -383,7 +383,7 @@ def _homed_steps(
                         with ctx.autocast():
                             step_losses = loss_fn(state.module(x), target)
                         state.stop(members.check(step_losses, step))  # a sync per step (see divergence)
-                        losses.add(index, _backpropagate_loss(step_losses, weight, state.loss_scale()), weight)
+                        losses.add(index, _backpropagate_loss(step_losses, weight, state.scaled), weight)
                 state.step(step)  # after the activations are gone, as in a plain loop (its state is charged then)
                 done = index + 1
     except Diverged as diverged:
@@ -425,12 +425,16 @@ class StepLosses:
         return totals
 
 
-def _backpropagate_loss(losses: torch.Tensor, weight: float, scale: float | None = None) -> torch.Tensor:
+def _backpropagate_loss(
+    losses: torch.Tensor, weight: float, scaled: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> torch.Tensor:
     """Backpropagate a micro-batch's per-member losses weighted by its share of the mini-batch (their weighted
     sum's gradient, given to backward directly rather than through a sum node); returns them detached. With a loss
-    scale (fp16) the gradient is the scale times the share, rounded as a plain loop's (loss * share) * scale."""
+    scale (fp16), scaled multiplies that gradient by it (a float32 product, as a plain loop's (loss * share) *
+    scale backpropagates)."""
     losses = losses.reshape(-1)
-    losses.backward(torch.full_like(losses, weight) if scale is None else torch.full_like(losses, scale) * weight)
+    gradient = torch.full_like(losses, weight)
+    losses.backward(gradient if scaled is None else scaled(gradient))
     return losses.detach()
 
 
@@ -508,7 +512,8 @@ def _backward_step(
                         step_losses = ctx.loss_fn(model)(y, target)
                     ctx.members(model).check(step_losses, step)  # before anything is backpropagated or updated
                     scale = ctx.scaler(model).state(step)[0] if spec.scaled else None
-                    losses.add(0, _backpropagate_loss(step_losses, weight, scale), weight)
+                    scaled = None if scale is None else lambda gradient: gradient * scale  # noqa: B023 (used now)
+                    losses.add(0, _backpropagate_loss(step_losses, weight, scaled), weight)
                 else:
                     upstream = kept_grad if kept_grad is not None else ctx.cache.copy_in(
                         gradients_or_targets[index], "activations")

@@ -110,9 +110,10 @@ class HomedModel:
             index = torch.tensor(self.stopped, device=self.params[0].device)
             self.kept = [param.detach().index_select(0, index) for param in self.params]
 
-    def loss_scale(self) -> float | None:
-        """The scale the step's loss is multiplied by before backward (fp16), or None."""
-        return None if self.scaler is None else self.scaler.get_scale()
+    @property
+    def scaled(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """What multiplies the gradient of the step's loss by its scale (fp16: GradScaler.scale), or None."""
+        return None if self.scaler is None else self.scaler.scale
 
     def step(self, step: int) -> None:
         """Apply the update on the device; the device weights become version step + 1. With a loss scaler, as a
