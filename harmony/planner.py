@@ -216,18 +216,37 @@ def with_depth(job: Job, depth: int | str, hardware: Hardware) -> Job:
                                depth=steps_per_task(job.step_seconds, task_seconds, job.batch_bytes, job.steps))
 
 
-def with_sections(job: Job, per_task: int | str, hardware: Hardware, fewest: int) -> Job:
-    """A swapped job with the packs each of its tasks runs: per_task as given, or with "auto" as many as keep Dask's
-    cost per task (measured on the cluster) a small share of the section's compute (tasks.amortize), in at least
-    fewest sections (one per device in vpp, whose devices each run their own)."""
-    if job.home is not None or len(job.packing.packs) < 2:
-        return job
+def with_sections(jobs: list[Job], args: Arguments, budgets: dict[str, int], hardware: Hardware, mode: str
+                  ) -> list[Job]:
+    """The swapped jobs with the packs each of their tasks runs: packs_per_task as given, or with "auto" as many as
+    keep Dask's cost per task (measured on the cluster) a small share of a section's forward (tasks.amortize), in at
+    least one section per device in vpp (whose devices each run their own), where the simulator predicts the
+    sweep faster so (a section other than a pass's last recomputes its packs' inputs: one more forward, and its
+    weights read once more)."""
+    per_task = args.options.packs_per_task
+    cut = [job.home is None and len(job.packing.packs) > 1 for job in jobs]
     if isinstance(per_task, int):
-        return dataclasses.replace(job, sections=even_sections(len(job.packing.packs), per_task))
-    samples = job.packing.microbatch_samples
-    seconds = [pack.forward_seconds_per_sample * samples / hardware.compute_scale for pack in job.packing.packs]
+        return [dataclasses.replace(job, sections=even_sections(len(job.packing.packs), per_task)) if here else job
+                for job, here in zip(jobs, cut)]
     overhead = max(hardware.task_overhead, hardware.task_cpu)
-    return dataclasses.replace(job, sections=pack_sections(seconds, overhead, fewest))
+    fewest = len(budgets) if mode == "vpp" else 1
+    proposed = [
+        dataclasses.replace(job, sections=pack_sections(
+            [pack.forward_seconds_per_sample * job.packing.microbatch_samples / hardware.compute_scale
+             for pack in job.packing.packs], overhead, fewest)) if here else job
+        for job, here in zip(jobs, cut)]
+    if all(job.sections == () for job in proposed):
+        return jobs
+    steps = [min(job.steps or 1, RANKING_STEPS) for job in jobs]
+    samples = [step_samples(args, job) for job in jobs]
+    predicted = [simulate([job.packing for job in ways], steps, samples, budgets, hardware,
+                          prefetch=args.options.prefetch, policy=args.options.policy, mode=mode,
+                          groups=[job.groups for job in ways], homes=homes_of(ways),
+                          sections=[job.sections for job in ways]).step_seconds()
+                 for ways in (jobs, proposed)]
+    logger.info("packs_per_task auto: predicted %.1f ms per step with a pack a task, %.1f ms in sections; %s",
+                predicted[0] * 1e3, predicted[1] * 1e3, "sections" if predicted[1] < predicted[0] else "a pack a task")
+    return proposed if predicted[1] < predicted[0] else jobs
 
 
 def with_overlap(jobs: list[Job], args: Arguments, budgets: dict[str, int], hardware: Hardware, mode: str
@@ -302,8 +321,7 @@ def build(
     scaled = options.precision == "fp16"
     jobs = [with_depth(dataclasses.replace(c.job, groups=groups, scaled=scaled), options.steps_per_task, hardware)
             for c in candidates]
-    jobs = [with_sections(job, options.packs_per_task, hardware, len(budgets) if mode == "vpp" else 1)
-            for job in jobs]
+    jobs = with_sections(jobs, args, budgets, hardware, mode)
     jobs = with_overlap(jobs, args, budgets, hardware, mode)
     plan = RunPlan(
         jobs=tuple(jobs),

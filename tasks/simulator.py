@@ -355,7 +355,8 @@ class _Clock:
         packs = job.section(task.pack)
         copy = 0.0
         hiding = self.last_compute[device]
-        for pack in packs:
+        loads = [part.pack for part in pack_tasks(task, job.sections, len(packing.packs))]  # bwd: inputs first
+        for pack in loads:
             nbytes = packing.packs[pack].weight_bytes
             try:
                 copied, _ = self.memory[device].load((task.model, pack), 0 if homed else first, nbytes)
@@ -363,7 +364,7 @@ class _Clock:
                 copied = True
             if copied:
                 copy += max(0.0, nbytes / link - hiding) if self.prefetch else nbytes / link
-            hiding = compute / len(packs)
+            hiding = compute / len(loads)
         boundary = boundary_bytes(dataclasses.replace(task, pack=packs[0]), packing, samples)
         previous = self.previous.get(device)
         kept = previous is not None and successor(previous, job.section_count) == task
