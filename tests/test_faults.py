@@ -316,7 +316,7 @@ loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch
 factories = [lambda p, lr=lr: torch.optim.Adam(p, lr=lr) for lr in (1e-3, 3e-3, 1e-2)]
 result = harmony.train(models, loader, loss_fn=nn.functional.mse_loss, optimizer=factories, epochs={epochs},
                        devices=["cpu", "cpu"], device_memory={budget}, progress=False, fuse={fuse},
-                       checkpoint_dir={directory!r}, checkpoint_every=8, resume={resume})
+                       checkpoint_dir={directory!r}, checkpoint_every=8, resume={resume}, **{extra})
 torch.save({{"models": [m.state_dict() for m in models], "history": result.history}}, {out!r})
 print("DONE")
 """
@@ -330,19 +330,23 @@ def run_script(path: Path, source: str, timeout: float = 300) -> subprocess.Comp
                           text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("fuse", [False, True], ids=["unfused", "fused"])
+FP16 = {"precision": "fp16", "grad_scaler": {"init_scale": 2.0**24, "growth_interval": 3}}
+
+
+@pytest.mark.parametrize("fuse,extra", [(False, {}), (True, {}), (False, FP16)], ids=["unfused", "fused", "fp16"])
 def test_a_killed_driver_leaves_nothing_and_its_run_resumes_to_the_uninterrupted_result(
-    fuse: bool, tmp_path: Path
+    fuse: bool, extra: dict, tmp_path: Path
 ) -> None:
     from tests.conftest import worker_processes
 
     budget = 6_000 if not fuse else None
     whole = run_script(tmp_path / "whole.py", CHECKPOINTED.format(
-        epochs=2, budget=budget, fuse=fuse, directory=str(tmp_path / "whole"), resume=False, out=str(tmp_path / "a")))
+        epochs=2, budget=budget, fuse=fuse, directory=str(tmp_path / "whole"), resume=False, out=str(tmp_path / "a"),
+        extra=extra))
     assert whole.returncode == 0, whole.stderr
     script = tmp_path / "killed.py"
     script.write_text(CHECKPOINTED.format(epochs=2, budget=budget, fuse=fuse, directory=str(tmp_path / "ckpt"),
-                                          resume=True, out=str(tmp_path / "b")))
+                                          resume=True, out=str(tmp_path / "b"), extra=extra))
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(),
                                                                              os.environ.get("PYTHONPATH")]))}
     before_files = set(harmony_files())
@@ -376,6 +380,13 @@ def test_a_killed_driver_leaves_nothing_and_its_run_resumes_to_the_uninterrupted
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     optimizer.load_state_dict(plain["optimizer"])
     assert plain["step"] == 80 and len(plain["history"]) == 80
+    if extra:  # fp16: the scaler skipped steps (their updates and the optimizer's count), and says so
+        scaler = torch.amp.GradScaler("cpu")
+        scaler.load_state_dict(plain["scaler"])
+        skipped = 80 - int(optimizer.state[next(iter(model.parameters()))]["step"])
+        assert skipped > 0 and scaler.get_scale() < FP16["grad_scaler"]["init_scale"]
+        assert plain["scaler"] == torch.load(tmp_path / "whole" / "model-0.pt")["scaler"]
+        return
     assert int(optimizer.state[next(iter(model.parameters()))]["step"]) == 80, "plain optimizer state dict"
 
 
