@@ -133,7 +133,8 @@ def test_a_task_waits_at_the_scheduler_only_for_work_on_other_devices(no_leaks: 
     ):
         cluster.scheduler.add_plugin(recorder)
         result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss, optimizer=factory, microbatches=4,
-                               cluster=client, device_memory=24_000, mode="vdp", resident=False, progress=False)
+                               cluster=client, device_memory=24_000, mode="vdp", resident=False, progress=False,
+                               packs_per_task=1)  # a task per pack: activations handed from task to task
     for model, reference in zip(models, references):
         train_plain(reference, batches, nn.functional.mse_loss, factory)
         assert_same_weights(model, reference)
