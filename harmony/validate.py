@@ -431,8 +431,10 @@ def check_options(options: Options) -> None:
     if options.mode not in ("auto", *MODES):
         raise InputError(f"mode={options.mode!r} is not an execution mode; use 'auto', 'free', 'vpp' or 'vdp'")
     check_fuse(options.fuse)
-    check_steps_per_task(options.steps_per_task)
-    check_packs_per_task(options.packs_per_task)
+    check_per_task("steps_per_task", options.steps_per_task,
+                   "how many consecutive steps one task of a homed model runs", "the measured step time")
+    check_per_task("packs_per_task", options.packs_per_task,
+                   "how many consecutive packs one task of a swapped model runs", "the measured task cost")
     _positive_int(options.checkpoint_every, "checkpoint_every", allow_none=True)
     _positive_int(options.eval_every, "eval_every", allow_none=True)
     if options.precision not in PRECISIONS:
@@ -516,24 +518,11 @@ def check_fuse(fuse: Any) -> None:
                      "positive int (the largest sub-array size to use)")
 
 
-def check_steps_per_task(steps_per_task: Any) -> None:
-    """steps_per_task as train takes it: "auto" or a positive int."""
-    if steps_per_task == "auto" or (
-        isinstance(steps_per_task, int) and not isinstance(steps_per_task, bool) and steps_per_task >= 1
-    ):
+def check_per_task(name: str, value: Any, meaning: str, auto: str) -> None:
+    """steps_per_task or packs_per_task as train takes it: "auto" or a positive int."""
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
         return
-    raise InputError(f"steps_per_task={steps_per_task!r} must be 'auto' (chosen from the measured step time) or a "
-                     "positive int (how many consecutive steps one task of a homed model runs)")
-
-
-def check_packs_per_task(packs_per_task: Any) -> None:
-    """packs_per_task as train takes it: "auto" or a positive int."""
-    if packs_per_task == "auto" or (
-        isinstance(packs_per_task, int) and not isinstance(packs_per_task, bool) and packs_per_task >= 1
-    ):
-        return
-    raise InputError(f"packs_per_task={packs_per_task!r} must be 'auto' (chosen from the measured task cost) or a "
-                     "positive int (how many consecutive packs one task of a swapped model runs)")
+    raise InputError(f"{name}={value!r} must be 'auto' (chosen from {auto}) or a positive int ({meaning})")
 
 
 SCALER_ARGUMENTS = {"init_scale": float, "growth_factor": float, "backoff_factor": float, "growth_interval": int}
