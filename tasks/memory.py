@@ -177,9 +177,11 @@ class DeviceMemory:
         self.drop(key)
         return entry.nbytes
 
-    def drop_boundaries(self, running: Hashable) -> list[Hashable]:
-        """Drop every kept boundary value that is not for the task now starting; returns their keys."""
-        stale = [key for key, entry in self.entries.items() if entry.consumer is not None and entry.consumer != running]
+    def drop_boundaries(self, *running: Hashable) -> list[Hashable]:
+        """Drop every kept boundary value that is not for the task now starting (any of running: a task replayed as
+        the one-pack tasks it stands for); returns their keys."""
+        stale = [key for key, entry in self.entries.items()
+                 if entry.consumer is not None and entry.consumer not in running]
         for key in stale:
             self.drop(key)
         return stale

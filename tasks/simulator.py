@@ -15,6 +15,7 @@ import dataclasses
 import heapq
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from harmony.tasks.binding import BindingState
 from harmony.tasks.events import BatchReady, Fetch, Instruction, Submit, TaskFinished
@@ -82,10 +83,14 @@ def replay_memory(
             if task.kind == "upd":
                 continue
             try:
-                for part in pack_tasks(task, sections[task.model], len(packings[task.model].packs)):
+                parts = pack_tasks(task, sections[task.model], len(packings[task.model].packs))
+                memory.drop_boundaries(*parts)
+                midway = _midway_input(task, parts, len(packings[task.model].packs))
+                for part in parts:
                     _replay_task(memory, part, packings[task.model], task.model in homes, report,
                                  None if microbatch_samples is None else _group_microbatches(
-                                     microbatch_samples[task.model], groups[task.model], task.group))
+                                     microbatch_samples[task.model], groups[task.model], task.group),
+                                 midway)
                 if task.kind == "bwd" and task.model in homes and task.model not in stateful:
                     stateful.add(task.model)
                     memory.reserve(round(ratios[task.model] * packings[task.model].packs[task.pack].grad_bytes),
@@ -106,15 +111,24 @@ def pack_tasks(task: TaskId, sections: tuple[int, ...], packs: int) -> list[Task
     return ahead + [dataclasses.replace(task, pack=pack) for pack in reversed(section)]
 
 
+def _midway_input(task: TaskId, parts: list[TaskId], packs: int) -> tuple[TaskId, TaskId] | None:
+    """In the bwd of a section that is not a pass's last, the forward that recomputes the last pack's input keeps
+    it for that pack's backward, which takes it beside its upstream gradient: (that forward, that backward)."""
+    forwards = [part for part in parts if part.kind == "fwd"]
+    if task.kind != "bwd" or not forwards or forwards[-1].pack + 1 == packs - 1:
+        return None
+    return forwards[-1], dataclasses.replace(forwards[-1], kind="bwd", pack=forwards[-1].pack + 1)
+
+
 def _replay_task(
     memory: DeviceMemory, task: TaskId, packing: Packing, homed: bool, report: MemoryReport,
-    microbatches: list[int] | None,
+    microbatches: list[int] | None, midway: tuple[TaskId, TaskId] | None = None,
 ) -> None:
     """One task's bytes on its device: its weights (pinned while it runs), its gradient buffer (a homed model's
-    held for the run), each micro-batch's workspace in turn, and the boundary values it leaves for its successor."""
+    held for the run), each micro-batch's workspace in turn, and the boundary values it leaves for its successor
+    (midway: see _midway_input). The boundaries kept for others were dropped when its section's task started."""
     pack = packing.packs[task.pack]
     key = (task.model, task.pack)
-    memory.drop_boundaries(task)
     copied, _ = memory.load(key, task.span, pack.weight_bytes)
     if copied:
         report.weights_in += pack.weight_bytes
@@ -130,11 +144,14 @@ def _replay_task(
     for index, samples in enumerate(microbatches or [0]):
         if microbatches is not None:
             report.kept += memory.claim(("boundary", task, index)) or 0
+            if midway is not None and task == midway[1]:
+                report.kept += memory.claim(("boundary", ("input", task), index)) or 0
         memory.reserve(pack.cost.workspace, "activations")
         memory.release(pack.cost.workspace)
         if microbatches is not None:
             later = pack.cost.workspace if index + 1 < len(microbatches) else 0
-            _keep_boundary(memory, task, packing, index, samples, later)
+            consumer = ("input", midway[1]) if midway is not None and task == midway[0] else None
+            _keep_boundary(memory, task, packing, index, samples, later, consumer)
     if task.kind == "bwd" and not homed:
         memory.release(pack.grad_bytes)
     if task.kind == "bwd" and homed:
@@ -150,12 +167,13 @@ def _group_microbatches(sizes: list[int], groups: int, group: int) -> list[int]:
 
 
 def _keep_boundary(
-    memory: DeviceMemory, task: TaskId, packing: Packing, microbatch: int, samples: int, keep_free: int
+    memory: DeviceMemory, task: TaskId, packing: Packing, microbatch: int, samples: int, keep_free: int,
+    consumer: Any = None,
 ) -> None:
-    """What a task leaves on the device for its successor: fwd its output (the next pack's input), bwd its
-    input's gradient (the previous pack's upstream gradient, shaped like this pack's input), beside the
+    """What a task leaves on the device for its successor (or consumer): fwd its output (the next pack's input), bwd
+    its input's gradient (the previous pack's upstream gradient, shaped like this pack's input), beside the
     workspace the task still reserves (keep_free)."""
-    consumer = successor(task, len(packing.packs))
+    consumer = consumer or successor(task, len(packing.packs))
     if consumer is not None:
         reads = task.pack + 1 if task.kind == "fwd" else task.pack
         nbytes = round(packing.packs[reads].input_bytes_per_sample * samples)
