@@ -159,3 +159,45 @@ def test_bf16_on_cuda_trains_as_a_plain_loop_under_cuda_autocast(no_leaks: None)
     noise = max((p - q).abs().max().item() for p, q in zip(micro.parameters(), whole.parameters()))
     difference = max((p - q).abs().max().item() for p, q in zip(model.parameters(), micro.parameters()))
     assert noise > 0 and difference <= 3 * noise, (difference, noise)
+
+
+def test_a_dask_cuda_cluster_is_a_users_cluster_with_one_device_per_gpu(tmp_path) -> None:
+    """`dask cuda worker` starts one worker per GPU, each seeing its own GPU as cuda:0: Harmony takes each worker as
+    one CUDA device and trains on them as plain PyTorch would."""
+    import os
+    import subprocess
+    import sys
+
+    from distributed import Client
+
+    pytest.importorskip("dask_cuda")
+    port = 8950 + os.getpid() % 40
+    address = f"tcp://127.0.0.1:{port}"
+    processes = [subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
+                                   "--port", str(port), "--dashboard-address", "127.0.0.1:0"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    processes.append(subprocess.Popen(["dask", "cuda", "worker", address, "--host", "127.0.0.1"],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    try:
+        gpus = torch.cuda.device_count()
+        with Client(address) as client:
+            client.wait_for_workers(gpus, timeout=120)
+        models = [deep_mlp(seed=s) for s in range(2)]
+        references = clones(models)
+        batches = regression_batches(samples=64, batch=16)
+        factory = lambda p: torch.optim.Adam(p, lr=1e-3)  # noqa: E731
+        result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss, optimizer=factory, cluster=address,
+                               device_memory=24_000, microbatches=2, fuse=False, progress=False)
+        assert len(result.stats.peak_device_bytes) == gpus
+        assert max(result.stats.peak_device_bytes.values()) <= 24_000
+        for model, reference in zip(models, references):
+            train_plain(reference, batches, nn.functional.mse_loss, factory)
+            assert_same_weights(model, reference, rtol=1e-4, atol=1e-6)
+    finally:
+        for process in reversed(processes):
+            process.terminate()
+        for process in processes:
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
