@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import subprocess
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -179,3 +180,14 @@ def store() -> Iterator[HostStore]:
     host = HostStore("unittest")
     yield host
     host.unlink_all()
+
+
+def stop(processes: list[subprocess.Popen]) -> None:
+    """End processes a test started (scheduler, workers): terminated in reverse order, killed after 30 s."""
+    for process in reversed(processes):
+        process.terminate()
+    for process in processes:
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()

@@ -18,7 +18,15 @@ from distributed import get_worker
 from torch import nn
 
 import harmony
-from tests.conftest import assert_same_weights, clones, deep_mlp, harmony_files, regression_batches, train_plain
+from tests.conftest import (
+    assert_same_weights,
+    clones,
+    deep_mlp,
+    harmony_files,
+    regression_batches,
+    stop,
+    train_plain,
+)
 
 STEPS = 6
 
@@ -176,13 +184,7 @@ def users_cluster(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[st
     try:
         yield address
     finally:
-        for process in reversed(processes):
-            process.terminate()
-        for process in processes:
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        stop(processes)
 
 
 @pytest.mark.parametrize("users_cluster", [(True, 2), (False, 5)], ids=["nanny", "no-nanny"], indirect=True)

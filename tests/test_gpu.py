@@ -14,7 +14,7 @@ import harmony
 from harmony.runtime.cache import DeviceCache
 from harmony.runtime.counters import BLOCK_BYTES, Counters
 from harmony.runtime.hoststore import HostStore
-from tests.conftest import assert_same_weights, clones, deep_mlp, regression_batches, train_plain
+from tests.conftest import assert_same_weights, clones, deep_mlp, regression_batches, stop, train_plain
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -194,10 +194,4 @@ def test_a_dask_cuda_cluster_is_a_users_cluster_with_one_device_per_gpu(tmp_path
             train_plain(reference, batches, nn.functional.mse_loss, factory)
             assert_same_weights(model, reference, rtol=1e-4, atol=1e-6)
     finally:
-        for process in reversed(processes):
-            process.terminate()
-        for process in processes:
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        stop(processes)
