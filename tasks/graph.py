@@ -7,7 +7,11 @@ pack forward and backward on its own micro-batches. With one group, a pack's bwd
 update itself as soon as its gradients are out, so the span has no upd tasks (one task fewer per pack on
 the chain through the scheduler), unless the job's updates are overlapped: then, as with several groups, a
 pack's upd task steps its optimizer on the host store once its bwd (every group's, which it first reduces) is
-done, on a host thread beside the device, which goes on with the backward of earlier packs.
+done, on a host thread beside the device, which goes on with the backward of earlier packs (with a scaled fp16
+loss, once every bwd of its span is done: whether any gradient overflowed decides every pack's update).
+
+Here a "pack" is what one task runs: a pack, or a section of consecutive packs when the job's tasks run several
+(tasks.runplan.Job.sections); the graph is the same, and a pass has one task per section.
 """
 
 from __future__ import annotations
