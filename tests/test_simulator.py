@@ -131,3 +131,14 @@ def test_a_task_of_several_packs_is_predicted_and_replayed_pack_by_pack() -> Non
     assert report.peak["d"] <= 7000
     assert report.grads_out == 3 * sum(pack.grad_bytes for pack in packing.packs)
     assert report.weights_in >= 3 * sum(pack.weight_bytes for pack in packing.packs)
+
+
+def test_a_sections_replay_keeps_what_the_section_itself_reads_later() -> None:
+    """In the bwd of a section that is not a pass's last, the upstream gradient kept for it survives the forwards that
+    recompute its packs' inputs, and the recomputed input of its last pack is kept for that pack's backward: every
+    boundary of one step is taken on the device (12 of them, per micro-batch), none copied in again."""
+    packing = chain_packing(layers=6, budget=7000)
+    order = {"d": [TaskId("fwd", 0, 0, 0), TaskId("bwd", 0, 1, 0), TaskId("bwd", 0, 0, 0)]}
+    report = replay_memory(order, [packing], {"d": 10**6}, microbatch_samples=[[4, 4]], sections=[(0, 3)])
+    boundary = packing.packs[1].input_bytes_per_sample * 4
+    assert report.kept == 12 * 2 * boundary
