@@ -325,7 +325,7 @@ def _backward_pack(
         ctx.borrowed(model, pack, step) as borrowed,
     ):
         _prefetch(ctx, model, following, step, runtime.workspace)
-        grad_bytes = torch.zeros(runtime.grads.nbytes, dtype=torch.uint8, device=ctx.device)
+        grad_bytes = ctx.cache.zeros(runtime.grads.nbytes)
         tensors = {**tensors_at(weights, runtime.weights), **borrowed}
         grads = tensors_at(grad_bytes, runtime.grads)
         ctx.add_lent_grads(model, pack, group, grads)

@@ -24,6 +24,7 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
 from harmony.runtime.counters import Counters
+from harmony.runtime.serial_copy import copy_small
 from harmony.runtime.stream import CopyEngine
 from harmony.tasks.memory import BudgetExceeded, DeviceMemory
 
@@ -267,6 +268,13 @@ class DeviceCache:
         with self._lock:
             self._forget(self.memory.drop_boundaries(running))
 
+    def zeros(self, nbytes: int) -> torch.Tensor:
+        """nbytes of zeroed device memory (a gradient buffer). On a CPU device they are filled as float64 words: a
+        fill of more than 32k elements wakes the pool's threads, which for a small pack costs more than the fill."""
+        if self.device.type != "cpu":
+            return torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+        return torch.zeros(-(-nbytes // 8), dtype=torch.float64).view(torch.uint8)[:nbytes]
+
     def copy_in(self, tree: Any, kind: str) -> Any:
         """A device copy of every tensor in tree, counted as bytes_in[kind].
 
@@ -323,6 +331,9 @@ class DeviceCache:
     def write_back(self, device_bytes: torch.Tensor, host: torch.Tensor, kind: str) -> None:
         """Copy device bytes into a host store buffer, counted as bytes_out[kind]."""
         started = time.perf_counter()
-        host.copy_(device_bytes)
+        if self.device.type == "cpu":
+            copy_small(host, device_bytes)
+        else:
+            host.copy_(device_bytes)
         self._over_link(device_bytes.numel(), started)
         self.counters.add(f"out_{kind}", device_bytes.numel())

@@ -24,6 +24,7 @@ from harmony.runtime.divergence import keep_stopped
 from harmony.runtime.files import Versions
 from harmony.runtime.hoststore import HostStore, tensor_at, tensors_at
 from harmony.runtime.optimstate import OptimizerState
+from harmony.runtime.serial_copy import copy_serially
 from harmony.runtime.spec import PackRuntime
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -120,8 +121,7 @@ def copy_trainable(runtime: PackRuntime, source: torch.Tensor, target: torch.Ten
     """Copy the trainable parameters' bytes of one weights slot into another (buffers and frozen parameters are
     written elsewhere: buffers by the step's tasks, frozen parameters into both slots when the run starts)."""
     trainable = {slot.spec.name for slot in runtime.grads.slots}
-    with torch.no_grad():
-        for slot in runtime.weights.slots:
-            if slot.spec.name in trainable:
-                stop = slot.offset + slot.spec.nbytes
-                target[slot.offset : stop].copy_(source[slot.offset : stop])
+    for slot in runtime.weights.slots:
+        if slot.spec.name in trainable:
+            stop = slot.offset + slot.spec.nbytes
+            copy_serially(target[slot.offset : stop], source[slot.offset : stop])  # on an upd's thread: no pool

@@ -34,6 +34,18 @@ def copy_to_address(address: int, source: torch.Tensor) -> None:
     ctypes.memmove(address, source.data_ptr(), source.numel() * source.element_size())
 
 
+SMALL_BYTES = 1 << 20
+
+
+def copy_small(target: torch.Tensor, source: torch.Tensor) -> None:
+    """target.copy_(source) on the compute thread: with memmove below SMALL_BYTES, where waking the pool's threads
+    costs more than they save; with torch's parallel copy above."""
+    if source.numel() * source.element_size() < SMALL_BYTES:
+        copy_serially(target, source)
+    else:
+        target.copy_(source)
+
+
 def copy_serially(target: torch.Tensor, source: torch.Tensor) -> None:
     """target.copy_(source) for CPU tensors, with memmove on this thread where both are plain and alike (same
     dtype and shape); other copies go through torch (whose pool a large one wakes)."""
