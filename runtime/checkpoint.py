@@ -114,8 +114,8 @@ class Checkpoints:
         scratch = folder / f".v{version}.{os.getpid()}.tmp"
         shutil.rmtree(scratch, ignore_errors=True)
         scratch.mkdir(mode=0o700)
-        self._write_native(scratch, job, files, version)
-        self._write_plain(scratch, job, files, codes, models, factories, version)
+        scaler = self._write_native(scratch, job, files, version)
+        self._write_plain(scratch, job, files, codes, models, factories, version, scaler)
         if final.exists():
             shutil.rmtree(final)
         os.replace(scratch, final)
@@ -131,7 +131,9 @@ class Checkpoints:
                 shutil.rmtree(old, ignore_errors=True)
         return True
 
-    def _write_native(self, folder: Path, job: int, files: RunFiles, version: int) -> None:
+    def _write_native(self, folder: Path, job: int, files: RunFiles, version: int) -> tuple[float, int] | None:
+        """The job's own files of the checkpoint; returns the loss scaler's state at version (fp16), read once for
+        both files: a homed job's next flushes may replace it while the checkpoint is written."""
         store, runtime = files.store(job), files.models[job]
         versions = files.versions(job)
         described: dict[str, Any] = {"version": version, "packs": []}
@@ -153,9 +155,11 @@ class Checkpoints:
         stopped = store.attach(diverged_name(job), 8 * members).view(torch.float64)
         described["diverged"] = [step if step < version else TRAINING for step in stopped.tolist()]  # the span after
         described["history"] = files.history(job, version)
-        if files.plan.jobs[job].scaled:
-            described["scaler"] = list(files.scaler(job).state(version))
+        scaler = files.scaler(job).state(version) if files.plan.jobs[job].scaled else None
+        if scaler is not None:
+            described["scaler"] = list(scaler)
         replace_file(folder / "checkpoint.msgpack", msgpack.packb(described))
+        return scaler
 
     def restore(self, job: int, files: RunFiles) -> int:
         """Put a job's latest checkpoint into the run's host store (as version v, in slot 0); returns v (0 with
@@ -191,7 +195,7 @@ class Checkpoints:
         return version
 
     def _write_plain(self, folder: Path, job: int, files: RunFiles, codes: list[JobCode], models: list[nn.Module],
-                     factories: list[Any], version: int) -> None:
+                     factories: list[Any], version: int, scaler: tuple[float, int] | None) -> None:
         """Per member model, its module's and its optimizer's state dicts at version, as torch.save writes them."""
         plan_job, code, runtime = files.plan.jobs[job], codes[job], files.models[job]
         versions = files.versions(job)
@@ -212,8 +216,8 @@ class Checkpoints:
                 "step": version,
                 "history": history[position],
             }
-            if plan_job.scaled:
-                record["scaler"] = files.settings.state_dict(*files.scaler(job).state(version))
+            if scaler is not None:
+                record["scaler"] = files.settings.state_dict(*scaler)
             torch.save(record, folder / f"model-{model_index}.pt")
 
     def _plain_optimizer(self, job: int, files: RunFiles, code: JobCode, model: nn.Module, factory: Any,
