@@ -424,23 +424,22 @@ class BindingState:
     def wanted_batches(self) -> list[tuple[int, int]]:
         """(model, span) pairs whose batch may be fetched now, in order.
 
-        A model's span opens once the backward of the span before the previous one has finished, so that at
-        most two spans are open: the next span's tasks can be queued on a device (waiting on the updates
-        they depend on) before the current span ends, with no round trip through the driver.
+        A model's span opens once the span before the previous one is done (its updates applied: with upd tasks,
+        after its backward), so that at most two spans are open: the next span's tasks can be queued on a device
+        (waiting on the updates they depend on) before the current span ends, with no round trip through the
+        driver, and a checkpoint written when a span is done has at most one span running past it (the host store
+        keeps two versions).
         """
         wanted = []
         for model, opened in enumerate(self.spans_opened):
             if model in self.failed:
                 continue
             total = self.total_spans(model)
-            groups = self.jobs[model].groups
             point = self.next_evaluation(model)
             if point is not None and self.spans[model].opened >= point + self.ahead(model):
                 continue  # its weights at point are evaluated before a later step may overwrite them
             span = opened
-            while (total is None or span < total) and (
-                span < 2 or all(self._is_done(TaskId("bwd", model, 0, span - 2, g)) for g in range(groups))
-            ):
+            while (total is None or span < total) and (span < 2 or self.spans_done[model] >= span - 1):
                 wanted.append((model, span))
                 span += 1
         return wanted

@@ -10,6 +10,7 @@ from harmony.tasks.binding import BindingState
 from harmony.tasks.events import (
     BatchReady,
     Cancel,
+    Checkpoint,
     Evaluate,
     Evaluated,
     Fail,
@@ -193,6 +194,25 @@ def test_a_job_whose_tasks_run_sections_of_packs_has_one_task_per_section_and_pa
     assert sorted(task for task, _ in order if task.model == 1 and task.span == 1) == [
         TaskId("bwd", 1, 0, 1), TaskId("bwd", 1, 1, 1), TaskId("fwd", 1, 0, 1), TaskId("upd", 1, 0, 1),
         TaskId("upd", 1, 1, 1)]
+
+
+def test_a_checkpoint_comes_before_a_second_span_past_it_is_submitted_even_with_upd_tasks() -> None:
+    """The host store keeps two versions of a pack: a checkpoint of step s, written when span s - 1 is done, must find
+    at most span s run past it. With upd tasks (updates beside the device, vDP) a span's backward ends before its
+    updates do, so the span after next opens only once a span is done, not once its backward is."""
+    class Checking(Player):
+        def carry_out(self, instructions: list[Instruction]) -> None:
+            for instruction in instructions:
+                if isinstance(instruction, Checkpoint):
+                    spans = [submit.task.span for submit in self.submitted if submit.task.model == instruction.model]
+                    assert max(spans) <= instruction.step, (instruction, max(spans))
+            super().carry_out(instructions)
+
+    for seed in range(20):  # tasks finish in any order their dependencies allow, upd tasks late among them
+        jobs = [job(100, 100, 100, overlap=True), job(100, 100, groups=2)]
+        state = BindingState(jobs, {"cpu-0": 10_000, "cpu-1": 10_000}, checkpoint_every=1, mode="vdp", validate=True)
+        Checking(state, {0: 6, 1: 6}).play(random.Random(seed))
+        assert state.spans_done == [6, 6]
 
 
 def test_models_are_interleaved_not_run_one_after_another() -> None:
