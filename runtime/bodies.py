@@ -263,8 +263,8 @@ def backward(
     section = spec.section(pack)
     last_section = section[-1] == len(spec.packs) - 1
     boundaries = {section[0]: inputs}
+    section_input = this if last_section else None  # what fwd kept for this task; else an upstream gradient
     for index in section[:-1]:
-        section_input = this if last_section else None  # what fwd kept for this task; else an upstream gradient
         boundaries[index + 1] = _forward_pack(  # the last section has no fwd task: this is the step's forward
             ctx, model, index, first, boundaries[index], group, claim=section_input if index == section[0] else
             Within(this, index), keep=Within(this, index + 1), following=index + 1, recompute=not last_section)

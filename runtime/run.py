@@ -33,7 +33,6 @@ from harmony.runtime.files import RunFiles
 from harmony.runtime.hoststore import HostStore, shm_directory
 from harmony.runtime.machines import STORE_DIRECTORY, RemoteBatches, RemoteStore, group_machines, remove_run
 from harmony.runtime.orphans import claim, claim_remote, sweep
-from harmony.runtime.scaler import Settings
 from harmony.runtime.shipping import BatchFiles
 from harmony.runtime.spec import RunSpec, describe
 from harmony.runtime.view import RunView
@@ -134,7 +133,7 @@ def execute(
             store.push_all()
         spec = RunSpec(run, str(stores[""].directory if "" in stores else shm_directory()), models, tuple(devices),
                        plan.options.prefetch, plan.options.group, autocast=PRECISIONS[plan.options.precision],
-                       scaler=Settings(**(plan.options.grad_scaler or {})))
+                       scaler=files.settings)
         handle.client.register_plugin(DevicePlugin(spec), name=plugin)
         registered = True
         try:

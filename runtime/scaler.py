@@ -67,13 +67,11 @@ class Scaler:
             2, packs, groups)
 
     @staticmethod
-    def create(store: HostStore, model: int, packs: int, groups: int, settings: Settings, step: int = 0,
-               scale: float | None = None, tracker: int = 0) -> None:
-        """The job's files, its state at step (a fresh run's: the initial scale at step 0)."""
-        slots = store.create(scaler_name(model), SCALER_BYTES).view(torch.float64).view(2, 3)
-        slots[0] = torch.tensor([step, settings.init_scale if scale is None else scale, tracker], dtype=torch.float64)
-        slots[1] = torch.tensor([-1.0, 0.0, 0.0], dtype=torch.float64)
+    def create(store: HostStore, model: int, packs: int, groups: int, settings: Settings) -> None:
+        """The job's files, holding a fresh run's state: the initial scale at step 0."""
+        store.create(scaler_name(model), SCALER_BYTES)
         store.create(found_name(model), found_bytes(packs, groups)).zero_()
+        Scaler(store, model, packs, groups, settings).reset(0, settings.init_scale, 0)
 
     def state(self, step: int) -> tuple[float, int]:
         """The scale and growth tracker step runs with."""

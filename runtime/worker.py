@@ -260,7 +260,7 @@ class RunContext:
         if not self.spec.prefetch:
             return
         task = self.next_queued() or self.successor
-        if task is None or not self.spec.models[task.model].prefetch:
+        if task is None:
             return
         self.prefetch_pack(task.model, self.spec.models[task.model].section(task.pack)[0], task.span, keep_free)
 

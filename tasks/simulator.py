@@ -201,12 +201,12 @@ def task_seconds(task: TaskId, packing: Packing, samples: int, hardware: Hardwar
         return sum(forwards)
     if task.kind == "bwd":
         return 3 * sum(forwards) + sum(forwards[:-1])
-    return sum(update_seconds(packing, pack, hardware) for pack in packs)
+    return update_seconds(packing, packs, hardware)
 
 
-def update_seconds(packing: Packing, pack: int, hardware: Hardware) -> float:
-    """Predicted time of a pack's optimizer step on the host store: a few passes over its weights."""
-    return 4 * packing.packs[pack].weight_bytes / hardware.optimizer_bytes_per_second
+def update_seconds(packing: Packing, packs: range, hardware: Hardware) -> float:
+    """Predicted time of the optimizer steps of packs on the host store: a few passes over their weights."""
+    return 4 * sum(packing.packs[pack].weight_bytes for pack in packs) / hardware.optimizer_bytes_per_second
 
 
 def boundary_bytes(task: TaskId, packing: Packing, samples: int) -> int:
@@ -335,7 +335,7 @@ class _Clock:
         compute = task_seconds(task, packing, n, self.hardware, packs)
         homed = job.home is not None
         if task.kind == "bwd" and not homed and updates_in_backward(job.groups, job.overlap):
-            compute += sum(update_seconds(packing, pack, self.hardware) for pack in packs)
+            compute += update_seconds(packing, packs, self.hardware)
         copy = self._copy_seconds(task, device, submit.first, n, compute)
         end = start + self.hardware.task_overhead + compute + copy
         self.times[task] = (start, end)
@@ -351,7 +351,7 @@ class _Clock:
         passes, from when its bwd ends; on shared cores the device loses that compute."""
         start = max([self.host_free_at[device], *ready])
         job = self.jobs[task.model]
-        compute = sum(update_seconds(job.packing, pack, self.hardware) for pack in job.section(task.pack))
+        compute = update_seconds(job.packing, job.section(task.pack), self.hardware)
         end = start + self.hardware.task_overhead + compute
         if self.hardware.shared_cores:
             self.free_at[device] = max(self.free_at[device], start) + compute
