@@ -30,7 +30,7 @@ from harmony.tasks.hardware import Hardware
 from harmony.tasks.homes import assign_machines, choose_homes
 from harmony.tasks.packing import LayerTooLarge, cut_packs, minimal_budget
 from harmony.tasks.profile import LayerProfile, ModelProfile
-from harmony.tasks.runplan import Job, RunPlan
+from harmony.tasks.runplan import PRECISIONS, Job, RunPlan
 from harmony.tasks.simulator import model_step_seconds, simulate
 from harmony.validate import Arguments, model_label
 
@@ -106,7 +106,7 @@ def _decompose_and_cut(args: Arguments, index: int, sample: Any, target: Any, sa
     while True:
         try:
             decomposition = decompose(KeywordCall(model) if isinstance(sample, Mapping) else model, sample, label,
-                                      largest=largest, export=export)
+                                      largest=largest, export=export, autocast=PRECISIONS[args.options.precision])
         except Exception as error:
             raise ModelError(index, f"{label} raised {type(error).__name__}: {error} in its forward "
                              "during the pilot pass") from error

@@ -198,12 +198,13 @@ def _forward_pack(
     forward recomputed in bwd (recompute) leaves the buffers as it found them; else they go into the next slot."""
     runtime = ctx.spec.models[model].packs[pack]
     module = ctx.module(model, pack)
-    host = ctx.host_weights(model, pack, step)
+    host = ctx.device_source(model, pack, step)
+    buffers = runtime.device_buffers_offset
     outputs = []
     with ctx.cache.weights((model, pack), step, host) as weights, ctx.borrowed(model, pack, step) as borrowed:
         _prefetch(ctx, model, following, step, runtime.workspace)
-        tensors = {**tensors_at(weights, runtime.weights), **borrowed}
-        saved = weights[runtime.buffers_offset :].clone() if recompute and runtime.has_buffers else None
+        tensors = {**tensors_at(weights, runtime.device_weights), **borrowed}
+        saved = weights[buffers:].clone() if recompute and runtime.has_buffers else None
         for index, microbatch in enumerate(inputs):
             if index and not ctx.spec.group:
                 ctx.cache.reload((model, pack), host)
@@ -215,12 +216,12 @@ def _forward_pack(
                     y = functional_call(module, tensors, (x,))
                 outputs.append(ctx.cache.copy_out(y, "activations"))
             if saved is not None:
-                weights[runtime.buffers_offset :].copy_(saved)
+                weights[buffers:].copy_(saved)
             if keep is not None:
                 ctx.cache.keep(keep, index, y, keep_free=runtime.workspace if index + 1 < len(inputs) else 0)
         if runtime.has_buffers and not recompute:
             following_slot = ctx.next_weights(model, pack, step)
-            ctx.cache.write_back(weights[runtime.buffers_offset :], following_slot[runtime.buffers_offset :], "buffers")
+            ctx.cache.write_back(weights[buffers:], following_slot[runtime.buffers_offset :], "buffers")
     return outputs
 
 
@@ -318,7 +319,7 @@ def _backward_pack(
     input's gradients (host copies, each also kept on the device for keep where it fits)."""
     spec = ctx.spec.models[model]
     runtime = spec.packs[pack]
-    host = ctx.host_weights(model, pack, step)
+    host = ctx.device_source(model, pack, step)
     with (
         ctx.cache.weights((model, pack), step, host) as weights,
         ctx.cache.scratch(runtime.grads.nbytes, f"gradients of pack {pack}"),
@@ -326,7 +327,7 @@ def _backward_pack(
     ):
         _prefetch(ctx, model, following, step, runtime.workspace)
         grad_bytes = ctx.cache.zeros(runtime.grads.nbytes)
-        tensors = {**tensors_at(weights, runtime.weights), **borrowed}
+        tensors = {**tensors_at(weights, runtime.device_weights), **borrowed}
         grads = tensors_at(grad_bytes, runtime.grads)
         ctx.add_lent_grads(model, pack, group, grads)
         input_grads = _backward_step(ctx, model, pack, span, step, weights, tensors, grads, inputs,
@@ -336,7 +337,8 @@ def _backward_pack(
         ctx.cache.write_back(grad_bytes, ctx.host_grads(model, pack, group), "grads")
         if pack == len(spec.packs) - 1 and runtime.has_buffers:
             following_slot = ctx.next_weights(model, pack, step)
-            ctx.cache.write_back(weights[runtime.buffers_offset :], following_slot[runtime.buffers_offset :], "buffers")
+            ctx.cache.write_back(weights[runtime.device_buffers_offset :], following_slot[runtime.buffers_offset :],
+                                 "buffers")
     if updates_in_backward(spec.groups, spec.overlap):
         ctx.update(model, pack, step)
     return input_grads
@@ -490,10 +492,12 @@ def _backward_step(
     module = ctx.module(model, pack)
     input_grads = []
     losses = StepLosses(1)
-    saved_buffers = weights[runtime.buffers_offset :].clone() if runtime.has_buffers and not last else None
+    buffers = runtime.device_buffers_offset
+    saved_buffers = weights[buffers:].clone() if runtime.has_buffers and not last else None
+    halved = runtime.halved.names & grads.keys() if runtime.halved is not None else set()
     for index, microbatch in enumerate(inputs):
         if index and not ctx.spec.group:
-            ctx.cache.reload((model, pack), ctx.host_weights(model, pack, step))
+            ctx.cache.reload((model, pack), ctx.device_source(model, pack, step))
         kept_input = ctx.cache.claim(claim_input, index) if claim_input is not None else None
         kept_grad = ctx.cache.claim(claim_upstream, index) if claim_upstream is not None else None
         with ctx.cache.scratch(runtime.workspace, f"activations of pack {pack}"):
@@ -503,8 +507,9 @@ def _backward_step(
                 _track(x)
             _seed(ctx.device, spec.seed, pack, step, group * 65_536 + index)
             with torch.enable_grad():
+                leaves = _leaves(tensors, grads, halved)
                 with ctx.autocast():
-                    y = functional_call(module, {**tensors, **_leaves(tensors, grads)}, (x,))
+                    y = functional_call(module, {**tensors, **leaves}, (x,))
                 if last:
                     target = ctx.cache.copy_in(gradients_or_targets[index], "inputs")
                     weight = loss_weights[index]
@@ -518,11 +523,14 @@ def _backward_step(
                     upstream = kept_grad if kept_grad is not None else ctx.cache.copy_in(
                         gradients_or_targets[index], "activations")
                     _backward_from(y, upstream)
+            for name in halved:  # as autocast casts a weight's gradient back after its op, added in float32
+                if leaves[name].grad is not None:
+                    grads[name].add_(leaves[name].grad)
             if pack > 0:
                 grad = _input_grad(x)
                 input_grads.append(ctx.cache.copy_out(grad, "activations"))
             if saved_buffers is not None:
-                weights[runtime.buffers_offset :].copy_(saved_buffers)
+                weights[buffers:].copy_(saved_buffers)
         if pack > 0 and keep is not None:
             ctx.cache.keep(keep, index, grad, keep_free=runtime.workspace if index + 1 < len(inputs) else 0)
     if last:
@@ -567,12 +575,16 @@ def _input_grad(x: Any) -> Any:
     return tree_map(grad_of, x)
 
 
-def _leaves(tensors: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Trainable weights as autograd leaves whose gradients accumulate into grads."""
+def _leaves(
+    tensors: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], halved: set[str]
+) -> dict[str, torch.Tensor]:
+    """Trainable weights as autograd leaves whose gradients accumulate into grads; a halved weight's gradient (in
+    autocast's dtype) is left in its leaf, for the caller to add."""
     leaves = {}
     for name, grad in grads.items():
         leaf = tensors[name].detach().requires_grad_()
-        leaf.grad = grad
+        if name not in halved:
+            leaf.grad = grad
         leaves[name] = leaf
     return leaves
 

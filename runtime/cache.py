@@ -44,6 +44,13 @@ def boundary_key(consumer: Any, microbatch: int) -> tuple[str, Any, int]:
     return ("boundary", consumer, microbatch)
 
 
+Source = torch.Tensor | tuple[torch.Tensor, ...]  # host bytes a device copy of weights is made of, in order
+
+
+def source_bytes(source: Source) -> int:
+    return source.numel() if isinstance(source, torch.Tensor) else sum(part.numel() for part in source)
+
+
 def tree_nbytes(tree: Any) -> int:
     return sum(leaf.nbytes for leaf in tree_leaves(tree) if isinstance(leaf, torch.Tensor))
 
@@ -126,19 +133,24 @@ class DeviceCache:
             if remaining > 0:
                 time.sleep(remaining)
 
-    def _copy_weights(self, key: Any, entry: CachedWeights, host: torch.Tensor, prefetched: bool = False) -> None:
-        """Copy host weight bytes into entry over the link, count them, and mark them arrived.
+    def _copy_weights(self, key: Any, entry: CachedWeights, host: Source, prefetched: bool = False) -> None:
+        """Copy host weight bytes (a buffer, or parts laid one after another) into entry over the link, count them,
+        and mark them arrived.
 
         On CUDA the copy is only enqueued: entry.done marks its end for the stream that reads the weights.
         A copy that fails marks the entry arrived with its error, so that a task waiting for it raises.
         """
         started = time.perf_counter()
+        nbytes = source_bytes(host)
         try:
-            entry.done = self.engine.copy(entry.buffer, host)
-            self._over_link(host.numel(), started)
-            self.counters.add("in_weights", host.numel())
+            offset = 0
+            for part in (host,) if isinstance(host, torch.Tensor) else host:
+                entry.done = self.engine.copy(entry.buffer[offset : offset + part.numel()], part)
+                offset += part.numel()
+            self._over_link(nbytes, started)
+            self.counters.add("in_weights", nbytes)
             if prefetched:
-                self.counters.add("prefetched", host.numel())
+                self.counters.add("prefetched", nbytes)
         except BaseException as error:
             entry.failed = error
             raise
@@ -178,7 +190,7 @@ class DeviceCache:
         with self._lock:
             self.memory.set_version(key, version)
 
-    def reload(self, key: Any, host: torch.Tensor) -> None:
+    def reload(self, key: Any, host: Source) -> None:
         """Copy cached weights in again: what swapping per micro-batch costs (a baseline)."""
         with self._lock:
             entry = self.tensors[key]
@@ -195,17 +207,18 @@ class DeviceCache:
             self._release(nbytes)
 
     @contextmanager
-    def weights(self, key: Any, version: int, host: torch.Tensor) -> Iterator[torch.Tensor]:
+    def weights(self, key: Any, version: int, host: Source) -> Iterator[torch.Tensor]:
         """The pack's weight bytes on the device at version, copied in from host unless already there.
 
         A prefetch of the same weights still in flight is waited for rather than repeated.
         """
         with self._lock:
-            copy, evicted = self.memory.load(key, version, host.numel())
+            copy, evicted = self.memory.load(key, version, source_bytes(host))
             self._forget(evicted)
             self.counters.raise_to("peak", self.memory.used)
             if copy:
-                self.tensors[key] = CachedWeights(torch.empty(host.numel(), dtype=torch.uint8, device=self.device))
+                self.tensors[key] = CachedWeights(torch.empty(source_bytes(host), dtype=torch.uint8,
+                                                              device=self.device))
             entry = self.tensors[key]
             self.memory.pin(key)
         try:
@@ -220,19 +233,20 @@ class DeviceCache:
                 if self.tensors.get(key) is entry:
                     self.memory.unpin(key)
 
-    def prefetch(self, key: Any, version: int, host: torch.Tensor, keep_free: int) -> bool:
+    def prefetch(self, key: Any, version: int, host: Source, keep_free: int) -> bool:
         """Start copying a pack's weights in on the copy engine, if they fit beside keep_free bytes.
 
         keep_free is what the running task will still reserve; a prefetch never takes that room and
         never evicts weights a task holds. Returns whether a copy was started.
         """
         with self._lock:
-            admitted, evicted = self.memory.prefetch(key, version, host.numel(), keep_free)
+            admitted, evicted = self.memory.prefetch(key, version, source_bytes(host), keep_free)
             self._forget(evicted)
             if not admitted:
                 return False
             self.counters.raise_to("peak", self.memory.used)
-            entry = self.tensors[key] = CachedWeights(torch.empty(host.numel(), dtype=torch.uint8, device=self.device))
+            entry = self.tensors[key] = CachedWeights(torch.empty(source_bytes(host), dtype=torch.uint8,
+                                                                  device=self.device))
         self.engine.submit(self._copy_weights, key, entry, host, True)
         return True
 

@@ -60,9 +60,9 @@ def evaluation(
     outputs: list[Any] = []
     sums: dict[str, torch.Tensor] = {"loss": torch.zeros(spec.members, dtype=torch.float64)}
     samples = 0
-    with (ctx.cache.weights((model, pack), first, ctx.host_weights(model, pack, first)) as weights,
+    with (ctx.cache.weights((model, pack), first, ctx.device_source(model, pack, first)) as weights,
           ctx.borrowed(model, pack, first) as borrowed):
-        tensors = {**tensors_at(weights, runtime.weights), **borrowed}
+        tensors = {**tensors_at(weights, runtime.device_weights), **borrowed}
         module.eval()
         try:
             for index, microbatch in enumerate(inputs):

@@ -5,6 +5,10 @@ Per job (``m<job>``) and pack:
             (or a homed job's flush) writes the next version into the slot the current one is not in and then
             publishes it, so a worker that dies in the middle leaves the current version intact, and a swapped
             pack's previous version stays readable while its step may be run again;
+  halved    where a pack's device copy holds weights in autocast's dtype (PackRuntime.halved): a header saying, per
+            slot, which version it was made from (version + 1; 0 none), then two slots of those weights in that
+            dtype, made from the weights slot of the same number by the first reader of a version or by the update
+            that wrote it (RunContext.mirror), so that a swap copies them in at half the bytes;
   grads     one file per micro-batch group, written by bwd tasks; with several groups the update sums them into
             the reduced file (out of place: an update run again sums the same groups again), and with a scaled
             loss (fp16) unscales them there (runtime.scaler);
@@ -87,6 +91,19 @@ class Versions:
         return int(self.words.min()) // 2
 
 
+def mirror_name(model: int, pack: int) -> str:
+    """A pack's halved weights in autocast's dtype, per slot (see the module)."""
+    return f"m{model}-p{pack}-halved"
+
+
+MIRROR_HEADER = SLOT_ALIGNMENT  # the made-from versions of the two slots (int64 each), padded
+
+
+def mirror_bytes(nbytes: int) -> int:
+    """The bytes of a mirror file whose slots hold nbytes each."""
+    return MIRROR_HEADER + 2 * slot_bytes(nbytes)
+
+
 def reduced_grads_name(model: int, pack: int) -> str:
     """A pack's gradients summed over its micro-batch groups (vDP), what its optimizer steps with."""
     return f"m{model}-p{pack}-grads-reduced"
@@ -133,13 +150,17 @@ def losses_name(model: int, block: int, group: int = 0) -> str:
 
 
 def estimate(jobs: list[Job], batch_files: int) -> int:
-    """The host store's bytes for these jobs before they run: two slots of every pack's weights, its gradients,
-    two slots of its optimizer state, the loss blocks and versions, and batch_files files of the largest batch."""
+    """The host store's bytes for these jobs before they run: two slots of every pack's weights (and of the mirror
+    of its halved weights), its gradients, two slots of its optimizer state, the loss blocks and versions, and
+    batch_files files of the largest batch."""
     total = 0
     for job in jobs:
-        for pack in job.packing.packs:
+        for index, pack in enumerate(job.packing.packs):
             state = round(job.state_ratio * pack.grad_bytes)
             total += 2 * slot_bytes(pack.weight_bytes) + pack.grad_bytes * job.groups + 2 * state
+            halved = job.halved(index)
+            if halved:  # a mirror in a 2-byte dtype: half the float32 bytes, twice
+                total += mirror_bytes(sum(spec.nbytes for spec in pack.weights if spec.name in halved) // 2)
         total += 8 * LOSS_BLOCK * len(job.members) * job.groups + 8 * len(job.packing.packs) + SPAN_TIMING_BYTES
     return total + batch_files * max((job.batch_bytes for job in jobs), default=0)
 
@@ -196,6 +217,8 @@ class RunFiles:
                         host = weights_slot(mapped, slot, pack.weights.nbytes)
                         for name, view in tensors_at(host, pack.weights).items():
                             view.copy_(state[name].detach().cpu())
+                if pack.halved is not None:
+                    store.create(mirror_name(m, p), mirror_bytes(pack.halved.device_split))
                 for group in range(job.groups):
                     store.create(grads_name(m, p, group), pack.grads.nbytes)
                 if job.groups > 1 or job.scaled:

@@ -23,6 +23,7 @@ from torch import fx, nn
 from torch.utils._pytree import tree_leaves
 
 from harmony.runtime.cache import tree_nbytes
+from harmony.runtime.halving import cast_only
 from harmony.runtime.hoststore import dtype_name
 from harmony.runtime.stages import CONTAINERS, trace_stages, weight_bytes
 from harmony.tasks.layout import TensorSpec
@@ -199,10 +200,11 @@ def _fastest_call(layer: nn.Module, x: Any, repeats: int) -> tuple[Any, float]:
 
 
 def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7, largest: int | None = None,
-              export: bool = False) -> Decomposition:
+              export: bool = False, autocast: str | None = None) -> Decomposition:
     """Decompose model into a chain and profile it on sample (one micro-batch of inputs); a traced block holding more
     than largest bytes of weights is cut at its children; with export, a module torch.fx cannot trace is exported
-    with torch.export and cut the same way."""
+    with torch.export and cut the same way; with autocast (a dtype's name), each layer's parameters that autocast
+    only casts to it are found (LayerProfile.halved)."""
     samples = max(1, _batch_size(sample))
     with preserved_state(model), torch.no_grad():
         layers: list[nn.Module] = []
@@ -215,6 +217,9 @@ def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7, larges
         for layer, borrowed in zip(layers, _borrowings(layers)):
             y, seconds = _fastest_call(layer, x, repeats)
             named = list(layer.named_parameters())
+            own = {n for n, _ in named if n not in borrowed}
+            with preserved_state(layer):
+                halved = cast_only(layer, x, getattr(torch, autocast), own) if autocast else frozenset()
             profiles.append(
                 LayerProfile(
                     description=_describe(layer),
@@ -227,6 +232,7 @@ def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7, larges
                     cut_before=is_boundary(x),
                     borrowed=_specs((n, p) for n, p in named if n in borrowed),
                     lenders=tuple(borrowed[n] for n, _ in named if n in borrowed),
+                    halved=halved,
                 )
             )
             x = layer(x)

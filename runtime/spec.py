@@ -10,13 +10,18 @@ from harmony.runtime.code import JobCode
 from harmony.runtime.devices import DeviceSpec
 from harmony.runtime.scaler import Settings
 from harmony.runtime.skeleton import dump_skeleton
-from harmony.tasks.layout import BufferLayout, Slot, lay_out
-from harmony.tasks.runplan import RunPlan, section_packs
+from harmony.tasks.layout import BufferLayout, Halved, Slot, halve, lay_out
+from harmony.tasks.runplan import PRECISIONS, RunPlan, section_packs
 
 
 @dataclass(frozen=True)
 class PackRuntime:
-    """A pack as a worker runs it: its skeleton module, its weight and gradient layouts, its workspace."""
+    """A pack as a worker runs it: its skeleton module, its weight and gradient layouts, its workspace.
+
+    weights is the layout of a slot of its host weights; the device copy's is device_weights, which differs where
+    weights are halved: the halved tensors come first in both, so that the rest (other weights, buffers) is one
+    contiguous copy from the host slot, and the halved part one copy from the host's mirror of them (runtime.files).
+    Gradients are always in the weights' own dtypes."""
 
     skeleton: bytes
     weights: BufferLayout
@@ -25,6 +30,19 @@ class PackRuntime:
     workspace: int
     borrowed: tuple[tuple[str, int, str], ...] = ()  # tied weights another pack holds: (name here, pack, name there)
     lent: tuple[tuple[int, str, str], ...] = ()  # own weights later packs borrow: (pack, name there, name here)
+    halved: Halved | None = None  # weights whose device copy is in autocast's dtype (weights is then halved.host)
+
+    @property
+    def device_weights(self) -> BufferLayout:
+        """The layout of the pack's weights on the device (and in the cache's bytes)."""
+        return self.weights if self.halved is None else self.halved.device
+
+    @property
+    def device_buffers_offset(self) -> int:
+        """Where the buffers start in the device copy (they follow the halved weights' split, as on the host)."""
+        if self.halved is None:
+            return self.buffers_offset
+        return self.buffers_offset - self.halved.host_split + self.halved.device_split
 
     @property
     def stepped(self) -> list[Slot]:
@@ -85,11 +103,14 @@ class RunSpec:
 
 def describe(plan: RunPlan, codes: list[JobCode]) -> tuple[ModelRuntime, ...]:
     """Every job of the plan as workers run it: per pack, its modules without weights and its byte layouts."""
+    autocast = PRECISIONS[plan.options.precision]
     models = []
     for job, code in zip(plan.jobs, codes):
         packs = []
         for index, pack in enumerate(job.packing.packs):
-            weights = lay_out(pack.weights)
+            halved_names = job.halved(index)
+            halved = halve(pack.weights, halved_names, autocast) if halved_names and autocast else None
+            weights = lay_out(pack.weights) if halved is None else halved.host
             buffer_names = {spec.name for spec in pack.buffers}
             packs.append(
                 PackRuntime(
@@ -104,6 +125,7 @@ def describe(plan: RunPlan, codes: list[JobCode]) -> tuple[ModelRuntime, ...]:
                     borrowed=pack.borrowed,
                     lent=tuple((later.index, there, here) for later in reversed(job.packing.packs)
                                for there, owner, here in later.borrowed if owner == index),
+                    halved=halved,
                 )
             )
         models.append(

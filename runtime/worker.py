@@ -23,13 +23,16 @@ from torch import nn
 
 from harmony.runtime import serialization  # noqa: F401  (tensor serializers on every worker)
 from harmony.runtime.allocator import keep_freed_memory
-from harmony.runtime.cache import DeviceCache
+from harmony.runtime.cache import DeviceCache, Source
 from harmony.runtime.counters import BLOCK_BYTES, IN_KINDS, OUT_KINDS, Counters
 from harmony.runtime.divergence import Members
 from harmony.runtime.files import (
+    MIRROR_HEADER,
     Versions,
     counters_name,
     grads_name,
+    mirror_bytes,
+    mirror_name,
     reduced_grads_name,
     slot_bytes,
     versions_name,
@@ -118,6 +121,38 @@ class RunContext:
     def host_weights(self, model: int, pack: int, version: int) -> torch.Tensor:
         """A pack's host weights at version: the current one, or the one before it (a step being run again)."""
         return self.weights_slot(model, pack, self.versions(model).slot(pack, version))
+
+    def device_source(self, model: int, pack: int, version: int) -> Source:
+        """What the device copy of a pack's weights at version is copied from: the host slot of that version, or,
+        where weights are halved, their mirror (see mirror) followed by the rest of the slot."""
+        halved = self.spec.models[model].packs[pack].halved
+        slot = self.versions(model).slot(pack, version)
+        host = self.weights_slot(model, pack, slot)
+        if halved is None:
+            return host
+        return self.mirror(model, pack, version, slot), host[halved.host_split :]
+
+    def mirror(self, model: int, pack: int, version: int, slot: int, locked: bool = False) -> torch.Tensor:
+        """The mirror of a pack's halved weights at version (in slot): made from the weights slot, under the pack's
+        lock (unless the caller holds it), by whoever needs it first. A slot's weights do not change while their
+        version is read (two slots, see runtime.files), so a mirror made from a version stays right until its
+        slot takes another."""
+        runtime = self.spec.models[model].packs[pack]
+        halved = runtime.halved
+        assert halved is not None
+        mapped = self.store.attach(mirror_name(model, pack), mirror_bytes(halved.device_split))
+        made = mapped[:16].view(torch.int64)
+        part = weights_slot(mapped[MIRROR_HEADER:], slot, halved.device_split)
+        if int(made[slot]) != version + 1:
+            with nullcontext() if locked else pack_lock(self.store, weights_name(model, pack)):
+                if int(made[slot]) != version + 1:
+                    made[slot] = 0
+                    host = tensors_at(self.weights_slot(model, pack, slot), runtime.weights)
+                    for name, view in tensors_at(part, halved.device).items():
+                        if name in halved.names:
+                            view.copy_(host[name])
+                    made[slot] = version + 1
+        return part
 
     def next_weights(self, model: int, pack: int, version: int) -> torch.Tensor:
         """The slot the version after version goes into (the other one): where a step's buffers are written."""
@@ -237,6 +272,9 @@ class RunContext:
                                    runtime.grads, step)
             update(runtime, self.versions(model), pack, step, lambda slot: self.weights_slot(model, pack, slot),
                    lambda slot: self.pack_optimizer(model, pack, slot), stopped, skip)
+            if runtime.halved is not None:  # here, beside the device, rather than at the next read
+                version, slot = self.versions(model).current(pack)
+                self.mirror(model, pack, version, slot, locked=True)
             if spec.scaled and pack == len(spec.packs) - 1 and not self.scaler(model).holds(step + 1):
                 self.scaler(model).advance(step)
 
@@ -269,10 +307,9 @@ class RunContext:
         (a swapped pack's span is its step: prefetch only the weights it will read) and they fit beside keep_free."""
         if not self.spec.prefetch or not self.spec.models[model].prefetch:
             return
-        current, slot = self.versions(model).current(pack)
-        if current != version:
+        if self.versions(model).current(pack)[0] != version:
             return
-        self.cache.prefetch((model, pack), version, self.weights_slot(model, pack, slot), keep_free)
+        self.cache.prefetch((model, pack), version, self.device_source(model, pack, version), keep_free)
 
     def pack_optimizer(self, model: int, pack: int, slot: int) -> PackOptimizer:
         """The optimizer of a swapped pack over one slot of its host weights (built once per slot)."""

@@ -76,3 +76,38 @@ def lay_out(specs: list[TensorSpec] | tuple[TensorSpec, ...]) -> BufferLayout:
         slots.append(Slot(spec, offset))
         offset += spec.nbytes
     return BufferLayout(tuple(slots), offset)
+
+
+SPLIT_ALIGNMENT = 16  # a multiple of every itemsize: what follows a split lines up on both sides of it
+
+
+@dataclass(frozen=True)
+class Halved:
+    """A pack's weights whose device copy holds some of them in a lower dtype (see runtime.halving).
+
+    host is the host slot's layout: the halved tensors first, in their float32, then from host_split everything else
+    (the other parameters, then the buffers); device is the device copy's: the same tensors in dtype up to
+    device_split, then everything else exactly as in host from host_split, so that the rest is one copy."""
+
+    names: frozenset[str]
+    dtype: str
+    host: BufferLayout
+    device: BufferLayout
+    host_split: int
+    device_split: int
+
+
+def halve(specs: list[TensorSpec] | tuple[TensorSpec, ...], names: frozenset[str], dtype: str) -> Halved:
+    """Lay out specs for a device copy holding names in dtype (the rest as they are); the host layout keeps every
+    tensor's own dtype, names first."""
+    halved = [spec for spec in specs if spec.name in names]
+    rest = [spec for spec in specs if spec.name not in names]
+    front = lay_out(halved)
+    lower = lay_out([TensorSpec(spec.name, dtype, spec.shape) for spec in halved])
+    host_split, device_split = align(front.nbytes, SPLIT_ALIGNMENT), align(lower.nbytes, SPLIT_ALIGNMENT)
+    back = lay_out(rest)
+    host = BufferLayout(front.slots + tuple(Slot(slot.spec, host_split + slot.offset) for slot in back.slots),
+                        host_split + back.nbytes)
+    device = BufferLayout(lower.slots + tuple(Slot(slot.spec, device_split + slot.offset) for slot in back.slots),
+                          device_split + back.nbytes)
+    return Halved(frozenset(names), dtype, host, device, host_split, device_split)

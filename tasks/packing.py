@@ -64,6 +64,7 @@ class Pack:
     forward_seconds_per_sample: float
     input_bytes_per_sample: float = 0.0
     borrowed: tuple[tuple[str, int, str], ...] = ()  # (name here, pack that holds it, its name there): tied weights
+    halved: tuple[str, ...] = ()  # own parameters autocast only casts (LayerProfile.halved)
 
     @property
     def weight_bytes(self) -> int:
@@ -158,6 +159,7 @@ def make_pack(profile: ModelProfile, index: int, first: int, stop: int, samples:
         forward_seconds_per_sample=sum(layer.forward_seconds_per_sample for layer in layers),
         input_bytes_per_sample=layers[0].input_bytes_per_sample,
         borrowed=tuple(borrowed),
+        halved=tuple(f"{offset}.{name}" for offset, layer in enumerate(layers) for name in sorted(layer.halved)),
     )
 
 

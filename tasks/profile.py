@@ -16,7 +16,9 @@ class LayerProfile:
     ``borrowed`` are parameters the layer reads that an earlier layer holds (tied weights: a language model's
     head reading its embedding), named as this layer names them; ``lenders`` says, for each, which layer holds
     it and under what name. Their bytes count as this layer's weights and gradients (a pack without the lender
-    copies them in and computes their gradients), but they are not its own parameters.
+    copies them in and computes their gradients), but they are not its own parameters. ``halved`` are the own
+    parameters that autocast only casts (measured under a lower precision, see runtime.halving): a swapped pack may
+    hold their device copy in autocast's dtype.
     """
 
     description: str
@@ -29,6 +31,7 @@ class LayerProfile:
     cut_before: bool = True
     borrowed: tuple[TensorSpec, ...] = ()
     lenders: tuple[tuple[int, str], ...] = ()
+    halved: frozenset[str] = frozenset()
 
     @property
     def param_bytes(self) -> int:

@@ -83,6 +83,15 @@ class Job:
         """Whether the job is a fused array of several models."""
         return len(self.members) > 1
 
+    def halved(self, pack: int) -> frozenset[str]:
+        """The pack's parameters whose device copy is in autocast's dtype (tasks.layout.halve): those autocast only
+        casts (Pack.halved), in a swapped model's packs (a homed model's weights never leave its device) that no later
+        pack borrows."""
+        if self.home is not None or self.fused:
+            return frozenset()
+        lent = {there for later in self.packing.packs for _, owner, there in later.borrowed if owner == pack}
+        return frozenset(self.packing.packs[pack].halved) - lent
+
     @property
     def section_count(self) -> int:
         """How many tasks one pass (forward or backward) of a step has: one per section."""

@@ -1,0 +1,78 @@
+"""Weights copied to the device in autocast's dtype: which ones may be, found by watching a layer run under autocast.
+
+Under precision="bf16" or "fp16" a plain loop keeps float32 weights and autocast casts them to the lower dtype where
+an op computes in it (a linear, a matmul, a convolution). A weight whose every use is such an op may as well be
+cast once on the host and copied in halved: the device computes with the very values autocast would have made, the
+swap moves half the bytes, and its gradient, which autocast would have cast back to float32 after the op, is cast
+when it is added to the float32 gradient buffer (runtime.bodies). A weight with any other use (an embedding, a
+layer norm, an elementwise op, a view, a use where the model turns autocast off) stays float32. The ops watched are
+those that autocast casts on CPU and on CUDA alike, seen as the layer's code calls them (a torch function mode,
+above autocast); a function the mode cannot see into (multi-head attention's fused path) counts as another use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
+
+CAST_BY_AUTOCAST: frozenset[Callable[..., Any]] = frozenset({
+    torch.nn.functional.linear, torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm,
+    torch.conv1d, torch.conv2d, torch.conv3d, torch.conv_transpose1d, torch.conv_transpose2d, torch.conv_transpose3d,
+    torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__, torch.Tensor.mm, torch.Tensor.bmm,
+    torch.Tensor.addmm, torch.Tensor.baddbmm,
+})
+METADATA = frozenset({"size", "dim", "numel", "stride", "is_floating_point", "is_contiguous", "element_size",
+                      "shape", "dtype", "device", "ndim", "requires_grad", "is_leaf", "layout", "is_cuda"})
+
+
+class _Uses(TorchFunctionMode):
+    """Records, per watched weight, whether it was an argument of anything but an op autocast casts it for."""
+
+    def __init__(self, weights: dict[int, str], device_type: str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weights = weights
+        self.device_type = device_type
+        self.dtype = dtype
+        self.cast: set[str] = set()
+        self.other: set[str] = set()
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        used = {self.weights[id(leaf)] for leaf in tree_leaves((args, kwargs))
+                if isinstance(leaf, torch.Tensor) and id(leaf) in self.weights}
+        if used and not _metadata(func):
+            cast = (func in CAST_BY_AUTOCAST and torch.is_autocast_enabled(self.device_type)
+                    and torch.get_autocast_dtype(self.device_type) == self.dtype)
+            (self.cast if cast else self.other).update(used)
+        return func(*args, **kwargs)
+
+
+def _metadata(func: Any) -> bool:
+    """Whether func only reads a tensor's metadata (its shape, dtype, ...), not its values."""
+    name = getattr(func, "__name__", "")
+    if name == "__get__":
+        name = getattr(getattr(func, "__self__", None), "__name__", "")
+    return name in METADATA
+
+
+def cast_only(layer: nn.Module, x: Any, dtype: torch.dtype, names: set[str]) -> frozenset[str]:
+    """The float32 parameters among names (layer's own) that one forward of layer on x under autocast(dtype) reads
+    only through ops autocast casts them for: those whose device copy may be in dtype (none where the forward
+    raises under autocast)."""
+    device = next((leaf.device for leaf in tree_leaves(x) if isinstance(leaf, torch.Tensor)), torch.device("cpu"))
+    weights = {id(parameter): name for name, parameter in layer.named_parameters()
+               if name in names and parameter.dtype == torch.float32}
+    if not weights:
+        return frozenset()
+    uses = _Uses(weights, device.type, dtype)
+    try:
+        with torch.no_grad(), torch.autocast(device.type, dtype=dtype), uses:
+            layer(x)
+    except Exception:
+        return frozenset()
+    return frozenset(uses.cast - uses.other)
