@@ -165,8 +165,8 @@ def forward(
     ctx: RunContext, model: int, pack: int, span: int, inputs: list[Any], group: int, first: int, steps: None
 ) -> list[Any]:
     """One step's micro-batches through the packs of a section (pack is the section's index), each pack's weights
-    at that step's version, swapped in once; the buffers they update (running statistics) go into the next
-    version's slot. Returns the last pack's outputs."""
+    at that step's version, swapped in once; the buffers they update (running statistics; with micro-batch groups,
+    group 0's) go into the next version's slot. Returns the last pack's outputs."""
     this = TaskId("fwd", model, pack, span, group)
     ctx.cache.drop_boundaries(this)
     section = ctx.spec.models[model].section(pack)
@@ -204,7 +204,7 @@ def _forward_pack(
     with ctx.cache.weights((model, pack), step, host) as weights, ctx.borrowed(model, pack, step) as borrowed:
         _prefetch(ctx, model, following, step, runtime.workspace)
         tensors = {**tensors_at(weights, runtime.device_weights), **borrowed}
-        saved = weights[buffers:].clone() if recompute and runtime.has_buffers else None
+        start = weights[buffers:].clone() if runtime.has_buffers else None
         for index, microbatch in enumerate(inputs):
             if index and not ctx.spec.group:
                 ctx.cache.reload((model, pack), host)
@@ -215,13 +215,15 @@ def _forward_pack(
                 with ctx.autocast():
                     y = functional_call(module, tensors, (x,))
                 outputs.append(ctx.cache.copy_out(y, "activations"))
-            if saved is not None:
-                weights[buffers:].copy_(saved)
+            if recompute and start is not None:
+                weights[buffers:].copy_(start)
             if keep is not None:
                 ctx.cache.keep(keep, index, y, keep_free=runtime.workspace if index + 1 < len(inputs) else 0)
-        if runtime.has_buffers and not recompute:
-            following_slot = ctx.next_weights(model, pack, step)
-            ctx.cache.write_back(weights[buffers:], following_slot[runtime.buffers_offset :], "buffers")
+        if start is not None and not recompute:
+            if group == 0:  # with micro-batch groups (vDP) group 0's statistics, as DDP keeps rank 0's
+                following_slot = ctx.next_weights(model, pack, step)
+                ctx.cache.write_back(weights[buffers:], following_slot[runtime.buffers_offset :], "buffers")
+            weights[buffers:].copy_(start)  # the cached copy stays the version it is cached as (an evaluation reads it)
     return outputs
 
 
@@ -328,6 +330,8 @@ def _backward_pack(
         _prefetch(ctx, model, following, step, runtime.workspace)
         grad_bytes = ctx.cache.zeros(runtime.grads.nbytes)
         tensors = {**tensors_at(weights, runtime.device_weights), **borrowed}
+        last = pack == len(spec.packs) - 1
+        start = weights[runtime.device_buffers_offset :].clone() if last and runtime.has_buffers else None
         grads = tensors_at(grad_bytes, runtime.grads)
         ctx.add_lent_grads(model, pack, group, grads)
         input_grads = _backward_step(ctx, model, pack, span, step, weights, tensors, grads, inputs,
@@ -335,10 +339,12 @@ def _backward_pack(
         if spec.scaled:
             ctx.scaler(model).flag(step, pack, group, not finite(grads))
         ctx.cache.write_back(grad_bytes, ctx.host_grads(model, pack, group), "grads")
-        if pack == len(spec.packs) - 1 and runtime.has_buffers:
-            following_slot = ctx.next_weights(model, pack, step)
-            ctx.cache.write_back(weights[runtime.device_buffers_offset :], following_slot[runtime.buffers_offset :],
-                                 "buffers")
+        if start is not None:  # the last pack's forward ran here: its buffers go into the next slot (as in fwd)
+            if group == 0:
+                following_slot = ctx.next_weights(model, pack, step)
+                ctx.cache.write_back(weights[runtime.device_buffers_offset :],
+                                     following_slot[runtime.buffers_offset :], "buffers")
+            weights[runtime.device_buffers_offset :].copy_(start)
     if updates_in_backward(spec.groups, spec.overlap):
         ctx.update(model, pack, step)
     return input_grads

@@ -41,7 +41,7 @@ from harmony.runtime.files import (
 )
 from harmony.runtime.handoff import FinishedKeys
 from harmony.runtime.homed import HomedModel
-from harmony.runtime.hoststore import HostStore, tensors_at
+from harmony.runtime.hoststore import HostStore, tensor_at, tensors_at
 from harmony.runtime.optimizer import PackOptimizer, pack_lock, update
 from harmony.runtime.optimstate import OptimizerState
 from harmony.runtime.orphans import gone, sweep
@@ -148,9 +148,8 @@ class RunContext:
                 if int(made[slot]) != version + 1:
                     made[slot] = 0
                     host = tensors_at(self.weights_slot(model, pack, slot), runtime.weights)
-                    for name, view in tensors_at(part, halved.device).items():
-                        if name in halved.names:
-                            view.copy_(host[name])
+                    for place in halved.device.slots[: len(halved.names)]:  # the halved ones come first
+                        tensor_at(part, place).copy_(host[place.spec.name])
                     made[slot] = version + 1
         return part
 

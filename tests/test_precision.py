@@ -48,6 +48,8 @@ def test_bf16_trains_as_a_plain_loop_under_autocast(case: str, no_leaks: None) -
                            device_memory=budget, fuse=case == "fused", precision="bf16", progress=False)
     if case == "swapped":
         assert len(result.packings[0].packs) > 1 and not result.homes
+        assert all(result.plan.jobs[0].halved(pack) for pack in range(len(result.packings[0].packs))), \
+            "every linear's device copy is bfloat16"
     if case == "homed":
         assert result.homes
     if case == "fused":
@@ -128,3 +130,49 @@ def test_unknown_precisions_and_misplaced_scaler_arguments_are_refused_before_wo
                                ({"precision": "fp16", "overlap_update": False}, "leave overlap_update")):
         with pytest.raises(InputError, match=message):
             harmony.train(layer, data, nn.functional.mse_loss, adam, progress=False, **arguments)
+
+
+def mixed(seed: int = 0) -> nn.Sequential:
+    """Linear weights that are halved beside batch norms, a layer norm and dropout that are not."""
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for _ in range(5):
+        layers += [nn.Linear(32, 32), nn.BatchNorm1d(32), nn.Dropout(0.2), nn.Tanh()]
+    return nn.Sequential(*layers, nn.LayerNorm(32), nn.Linear(32, 4))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_weights_copied_in_halved_train_bit_for_bit_as_float32_copies_under_autocast(
+    precision: str, monkeypatch: pytest.MonkeyPatch, no_leaks: None
+) -> None:
+    """A swapped model whose linear weights are copied to the devices in autocast's dtype (from the host's mirror of
+    them) ends with the weights, running statistics and validation losses of the same run copying float32 weights
+    in (which autocast then casts), bit for bit, with dropout, in sections of packs, in at most 0.6 of the weight
+    bytes, and within the budget."""
+    batches = regression_batches(samples=16 * 6, batch=16)
+    budget = 40_000  # a third of the model
+    forecast = str(harmony.plan(mixed(), batches, nn.functional.mse_loss, adam, microbatches=MICROBATCHES, devices=2,
+                                device_memory=budget, precision=precision))
+    assert f"of them copied in as {precision} (half the bytes)" in forecast, forecast
+    runs = {}
+    halved_names = []
+    for halving in (True, False):
+        if not halving:
+            monkeypatch.setattr("harmony.tasks.runplan.Job.halved", lambda job, pack: frozenset())
+        model = mixed()
+        result = harmony.train(model, batches, nn.functional.mse_loss, adam, microbatches=MICROBATCHES, devices=2,
+                               device_memory=budget, precision=precision, packs_per_task=2, mode="free",
+                               val_loaders=batches[:2],
+                               eval_every=3, progress=False,
+                               **({"grad_scaler": {"init_scale": 2.0**8}} if precision == "fp16" else {}))
+        runs[halving] = (model, result)
+        job = result.plan.jobs[0]
+        halved_names += [name for pack in range(len(result.packings[0].packs)) for name in job.halved(pack)]
+        assert len(result.packings[0].packs) > 3 and not result.homes and job.sections
+    (halved, with_halves), (plain_copies, without) = runs[True], runs[False]
+    assert len(halved_names) == 12, "the six linears' weights and biases, no norm's"
+    for ours, theirs in zip(halved.state_dict().values(), plain_copies.state_dict().values(), strict=True):
+        assert torch.equal(ours, theirs)
+    assert with_halves.val_history == without.val_history
+    assert with_halves.stats.bytes_in["weights"] <= 0.6 * without.stats.bytes_in["weights"]
+    assert max(with_halves.stats.peak_device_bytes.values()) <= budget
