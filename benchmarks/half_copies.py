@@ -54,7 +54,7 @@ def run(width: int, depth: int, data: list, budget: int, link: float, precision:
 def main() -> None:
     args = arguments(__doc__.splitlines()[0])
     logging.getLogger("distributed").setLevel(logging.ERROR)
-    width, depth, batch, steps = (256, 12, 64, 4) if args.quick else (1024, 16, 256, 6)
+    width, depth, batch, steps = (256, 24, 64, 4) if args.quick else (1024, 16, 256, 6)
     weights = parameter_bytes(mlp(width, depth))
     budget = weights // 4
     link = 2 * weights / 0.5  # the float32 weights of a step (read about twice) take half a second over it
