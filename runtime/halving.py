@@ -6,8 +6,9 @@ cast once on the host and copied in halved: the device computes with the very va
 swap moves half the bytes, and its gradient, which autocast would have cast back to float32 after the op, is cast
 when it is added to the float32 gradient buffer (runtime.bodies). A weight with any other use (an embedding, a
 layer norm, an elementwise op, a view, a use where the model turns autocast off) stays float32. The ops watched are
-those that autocast casts on CPU and on CUDA alike, seen as the layer's code calls them (a torch function mode,
-above autocast); a function the mode cannot see into (multi-head attention's fused path) counts as another use.
+those that autocast casts on CPU and on CUDA alike, seen as the layer's code (or an exported stage's graph) calls
+them, through a torch function mode above autocast, and only where the op's result did come out in that dtype; a
+function the mode cannot see into (multi-head attention's fused path) counts as another use.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ CAST_BY_AUTOCAST: frozenset[Callable[..., Any]] = frozenset({
     torch.conv1d, torch.conv2d, torch.conv3d, torch.conv_transpose1d, torch.conv_transpose2d, torch.conv_transpose3d,
     torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__, torch.Tensor.mm, torch.Tensor.bmm,
     torch.Tensor.addmm, torch.Tensor.baddbmm,
+    *(getattr(torch.ops.aten, name).default for name in (  # as an exported stage calls them
+        "linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "conv1d", "conv2d", "conv3d")),
 })
 METADATA = frozenset({"size", "dim", "numel", "stride", "is_floating_point", "is_contiguous", "element_size",
                       "shape", "dtype", "device", "ndim", "requires_grad", "is_leaf", "layout", "is_cuda"})
@@ -45,11 +48,13 @@ class _Uses(TorchFunctionMode):
         kwargs = kwargs or {}
         used = {self.weights[id(leaf)] for leaf in tree_leaves((args, kwargs))
                 if isinstance(leaf, torch.Tensor) and id(leaf) in self.weights}
+        result = func(*args, **kwargs)
         if used and not _metadata(func):
             cast = (func in CAST_BY_AUTOCAST and torch.is_autocast_enabled(self.device_type)
-                    and torch.get_autocast_dtype(self.device_type) == self.dtype)
+                    and torch.get_autocast_dtype(self.device_type) == self.dtype
+                    and isinstance(result, torch.Tensor) and result.dtype == self.dtype)  # it did compute in dtype
             (self.cast if cast else self.other).update(used)
-        return func(*args, **kwargs)
+        return result
 
 
 def _metadata(func: Any) -> bool:

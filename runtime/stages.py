@@ -34,6 +34,10 @@ from torch.utils._pytree import TreeSpec, tree_leaves, tree_map, tree_unflatten
 CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
 
+ASSERT_DTYPE = torch.ops.aten._assert_tensor_metadata.default  # export's check of a .to()'s input: under autocast
+# the stage's inputs come in autocast's dtype (a model's logits.float() gets bfloat16 logits), as in the eager model
+
+
 def trace_stages(module: nn.Module, largest: int | None = None, sample: Any = None) -> tuple[list[nn.Module], str]:
     """module as a chain of stages, and how it was cut (or why it was not: then the list holds module alone).
 
@@ -50,7 +54,8 @@ def trace_stages(module: nn.Module, largest: int | None = None, sample: Any = No
         except Exception as export_error:  # so does torch.export
             return [module], f"{why} nor by torch.export ({_first_line(export_error)})"
         root = exported.module()
-        nodes = [node for node in root.graph.nodes if not (node.op == "call_module" and node.target == "_guards_fn")]
+        nodes = [node for node in root.graph.nodes if not (node.op == "call_module" and node.target == "_guards_fn")
+                 and node.target is not ASSERT_DTYPE]
         stages, how = _cut(root, nodes, Units(module, largest), "exported by torch.export")
         if len(stages) < 2:
             return [module], how

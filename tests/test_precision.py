@@ -176,3 +176,45 @@ def test_weights_copied_in_halved_train_bit_for_bit_as_float32_copies_under_auto
     assert with_halves.val_history == without.val_history
     assert with_halves.stats.bytes_in["weights"] <= 0.6 * without.stats.bytes_in["weights"]
     assert max(with_halves.stats.peak_device_bytes.values()) <= budget
+
+
+def test_an_exported_gpt2_trains_in_bf16_with_its_linear_weights_copied_in_halved(no_leaks: None) -> None:
+    """A Hugging Face GPT-2 that only torch.export can cut (its dtype checks of .to() calls dropped: under autocast
+    its logits come in bfloat16) trains under a third of its size in bf16, its blocks' Conv1D weights copied in as
+    bfloat16 and its tied embedding not, as a plain autocast loop does within that loop's own micro-batching noise."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=12, n_embd=64, n_head=4, vocab_size=128, n_positions=32,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config)
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 128, (4 * 8, 16), generator=torch.Generator().manual_seed(3))
+    batches = [{"input_ids": ids[i : i + 8], "labels": ids[i : i + 8]} for i in range(0, len(ids), 8)]
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+
+    def sgd(parameters: object) -> torch.optim.Optimizer:
+        return torch.optim.SGD(parameters, lr=0.1)  # type: ignore[arg-type]
+
+    result = harmony.train(model, batches, None, sgd, microbatches=4, devices=2, device_memory=size // 3,
+                           precision="bf16", progress=False)
+    job = result.plan.jobs[0]
+    halved = [name for pack in range(len(result.packings[0].packs)) for name in job.halved(pack)]
+    assert len(halved) == 12 * 4 * 2, "every block's four Conv1D weights and biases"
+    assert max(result.stats.peak_device_bytes.values()) <= size // 3
+    assert model.lm_head.weight is model.transformer.wte.weight
+
+    def plain_loop(microbatches: int) -> nn.Module:
+        trained = copy.deepcopy(reference)
+        optimizer = sgd(trained.parameters())
+        for batch in batches:
+            optimizer.zero_grad()
+            for part in zip(batch["input_ids"].chunk(microbatches), batch["labels"].chunk(microbatches)):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = trained(input_ids=part[0], labels=part[1], use_cache=False).loss / microbatches
+                loss.backward()
+            optimizer.step()
+        return trained
+
+    micro, whole = plain_loop(4), plain_loop(1)
+    noise = distance(micro, whole)
+    assert 0 < distance(model, micro) <= 3 * noise, (distance(model, micro), noise)
