@@ -1,6 +1,6 @@
 """The CUDA device path: pinned host store, copy stream and events (a slowed copy never read early), accounting
-against torch.cuda.memory_allocated, exactness and budget with sections, updates beside the device and bf16;
-skipped without a GPU."""
+against torch.cuda.memory_allocated, exactness and budget with sections, updates beside the device and bf16 (its
+weights copied in as bf16); skipped without a GPU."""
 
 from __future__ import annotations
 
@@ -141,8 +141,10 @@ def test_bf16_on_cuda_trains_as_a_plain_loop_under_cuda_autocast(no_leaks: None)
     reference = clones([model])[0].cuda()
     batches = regression_batches(samples=16 * 6, batch=16)
     factory = lambda p: torch.optim.Adam(p, lr=1e-3)  # noqa: E731
-    harmony.train(model, batches, nn.functional.mse_loss, factory, microbatches=2, devices=["cuda:0"],
-                  device_memory=24_000, precision="bf16", progress=False)
+    result = harmony.train(model, batches, nn.functional.mse_loss, factory, microbatches=2, devices=["cuda:0"],
+                           device_memory=24_000, precision="bf16", progress=False)
+    packs = range(len(result.packings[0].packs))
+    assert len(packs) > 1 and all(result.plan.jobs[0].halved(pack) for pack in packs), "linears copied in as bf16"
 
     def plain(network: nn.Module, microbatches: int) -> nn.Module:
         optimizer = factory(network.parameters())
