@@ -193,7 +193,7 @@ def plan(
     simulation = simulate_machines(run_plan, counts, samples, machine_of)
     microbatches = [split_sizes(n, options.microbatches) for n in samples]
     try:
-        memory = replay_memory(simulation.order, [job.packing for job in jobs], budgets, run_plan.homes,
+        memory = replay_memory(simulation.order, [job.device_packing for job in jobs], budgets, run_plan.homes,
                                [job.state_ratio for job in jobs], microbatches, [job.sections for job in jobs])
     except ScheduleExceedsBudget as error:
         raise InputError(f"the planned schedule would not fit: {error}") from None
@@ -214,7 +214,7 @@ def simulate_machines(plan: RunPlan, counts: list[int], samples: list[int], mach
             order.update({device: [] for device in budgets})
             continue
         homes = {position: jobs[index].home for position, index in enumerate(own) if jobs[index].home is not None}
-        run = simulate([jobs[index].packing for index in own], [counts[index] for index in own],
+        run = simulate([jobs[index].device_packing for index in own], [counts[index] for index in own],
                        [samples[index] for index in own], budgets, plan.hardware, prefetch=options.prefetch,
                        policy=options.policy, mode=plan.mode, groups=[jobs[index].groups for index in own],
                        homes=homes, overlap=[jobs[index].overlap for index in own],

@@ -155,7 +155,7 @@ def choose_mode(
     candidates_modes = MODES if options.mode == "auto" else (options.mode,)
     if options.mode == "auto" and len(budgets) == 1:
         candidates_modes = ("free",)
-    packings = [candidate.job.packing for candidate in candidates]
+    packings = [candidate.job.device_packing for candidate in candidates]
     steps = [min(candidate.job.steps or 1, RANKING_STEPS) for candidate in candidates]
     samples = [step_samples(args, candidate.job) for candidate in candidates]
     predicted = {}
@@ -239,7 +239,7 @@ def with_sections(jobs: list[Job], args: Arguments, budgets: dict[str, int], har
         return jobs
     steps = [min(job.steps or 1, RANKING_STEPS) for job in jobs]
     samples = [step_samples(args, job) for job in jobs]
-    predicted = [simulate([job.packing for job in ways], steps, samples, budgets, hardware,
+    predicted = [simulate([job.device_packing for job in ways], steps, samples, budgets, hardware,
                           prefetch=args.options.prefetch, policy=args.options.policy, mode=mode,
                           groups=[job.groups for job in ways], homes=homes_of(ways),
                           sections=[job.sections for job in ways]).step_seconds()
@@ -262,7 +262,7 @@ def with_overlap(jobs: list[Job], args: Arguments, budgets: dict[str, int], hard
         steps = [min(job.steps or 1, RANKING_STEPS) for job in jobs]
         samples = [step_samples(args, job) for job in jobs]
         predicted = {
-            beside: simulate([job.packing for job in jobs], steps, samples, budgets, hardware,
+            beside: simulate([job.device_packing for job in jobs], steps, samples, budgets, hardware,
                              prefetch=args.options.prefetch, policy=args.options.policy, mode=mode,
                              groups=[job.groups for job in jobs], homes=homes_of(jobs),
                              overlap=[beside and here for here in swapped],

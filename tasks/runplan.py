@@ -93,6 +93,18 @@ class Job:
         return frozenset(self.packing.packs[pack].halved) - lent
 
     @property
+    def device_packing(self) -> Packing:
+        """The packing as the devices hold it, what the simulator replays and times: each pack's weights at the bytes
+        of its device copy (its halved weights in a 2-byte dtype). Packs are still cut for float32 copies."""
+        packs = []
+        for index, pack in enumerate(self.packing.packs):
+            halved = self.halved(index)
+            saved = sum(spec.nbytes for spec in pack.weights if spec.name in halved) // 2
+            held = dataclasses.replace(pack.cost, weights=pack.cost.weights - saved)
+            packs.append(dataclasses.replace(pack, cost=held) if saved else pack)
+        return dataclasses.replace(self.packing, packs=tuple(packs))
+
+    @property
     def section_count(self) -> int:
         """How many tasks one pass (forward or backward) of a step has: one per section."""
         return len(self.sections) if self.sections else len(self.packing.packs)

@@ -53,3 +53,17 @@ def test_bytes_that_are_not_a_plan_are_refused() -> None:
 
     with pytest.raises(ValueError, match="run's plan"):
         RunPlan.from_msgpack(msgpack.packb({"jobs": []}))
+
+
+def test_the_device_packing_holds_halved_weights_at_two_bytes_and_a_homed_job_holds_float32() -> None:
+    args = validate([deep_mlp(depth=6, seed=0)], regression_batches(64, 16), nn.functional.mse_loss,
+                    lambda p: torch.optim.Adam(p, lr=1e-3), Options(microbatches=2, precision="bf16"),  # type: ignore[arg-type]
+                    ["cpu"], 20_000)
+    job = pilot(args, 20_000)[0].job
+    assert len(job.packing.packs) > 1 and job.home is None
+    for index, (pack, held) in enumerate(zip(job.packing.packs, job.device_packing.packs, strict=True)):
+        halved = sum(spec.nbytes for spec in pack.weights if spec.name in job.halved(index))
+        assert halved == pack.cost.weights, "an MLP's weights are all linears'"
+        assert held.cost.weights == pack.cost.weights // 2 and held.cost.grads == pack.cost.grads
+    homed = dataclasses.replace(job, home="cpu-0")
+    assert homed.device_packing == homed.packing
