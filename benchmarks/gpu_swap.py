@@ -49,15 +49,17 @@ def steady(timings: list[float], skip: int = 2) -> float:
     return sum(timings[skip:]) / len(timings[skip:])
 
 
-def plain_resident(model: nn.Module, data: list, device: torch.device) -> float:
-    """Seconds per step of a plain loop with the whole model on the GPU."""
+def plain_resident(model: nn.Module, data: list, device: torch.device, bf16: bool = False) -> float:
+    """Seconds per step of a plain loop with the whole model on the GPU (under bf16 autocast if asked)."""
     model = model.to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     timings = []
     for x, y in data:
         started = time.perf_counter()
         optimizer.zero_grad()
-        nn.functional.mse_loss(model(x.to(device)), y.to(device)).backward()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+            loss = nn.functional.mse_loss(model(x.to(device)), y.to(device))
+        loss.backward()
         optimizer.step()
         torch.cuda.synchronize(device)
         timings.append(time.perf_counter() - started)
@@ -99,20 +101,21 @@ def plain_swapping(model: nn.Module, data: list, device: torch.device) -> tuple[
     return steady(timings), moved
 
 
-WAYS = {  # Harmony's ways: (prefetch, packs_per_task, overlap_update)
-    "harmony, no prefetch, a pack a task": (False, 1, False),
-    "harmony, a pack a task, update in bwd": (True, 1, False),
-    "harmony, as planned": (True, "auto", None),
+WAYS = {  # Harmony's ways: (prefetch, packs_per_task, overlap_update, precision)
+    "harmony, no prefetch, a pack a task": (False, 1, False, "fp32"),
+    "harmony, a pack a task, update in bwd": (True, 1, False, "fp32"),
+    "harmony, as planned": (True, "auto", None, "fp32"),
+    "harmony bf16 (weights copied in as bf16), as planned": (True, "auto", None, "bf16"),
 }
 
 
 def harmony_run(model: nn.Module, data: list, budget: int, prefetch: bool, packs_per_task: int | str,
-                overlap_update: bool | None) -> harmony.TrainResult:
+                overlap_update: bool | None, precision: str) -> harmony.TrainResult:
     """Harmony on the GPU under budget, in micro-batches of 512 samples (the activations must fit beside a pack)."""
     return harmony.train(model, data, loss_fn=nn.functional.mse_loss, optimizer=lambda p: torch.optim.SGD(p, lr=LR),
                          microbatches=max(1, len(data[0][0]) // 512), devices=["cuda:0"], device_memory=budget,
                          prefetch=prefetch, fuse=False, progress=False, packs_per_task=packs_per_task,
-                         overlap_update=overlap_update)
+                         overlap_update=overlap_update, precision=precision)
 
 
 def main() -> None:
@@ -129,17 +132,21 @@ def main() -> None:
     for batch in ((512, 2048) if args.quick else (1024, 4096, 16384, 65536)):  # samples per weight load
         data = regression(steps, batch, width)
         resident = plain_resident(mlp(width, depth), data, device)
+        resident_bf16 = plain_resident(mlp(width, depth), data, device, bf16=True)
         swapping, moved = plain_swapping(mlp(width, depth), data, device)
         copy = 2 * weights / host_to_device + weights / device_to_host
         common = {"batch": batch, "compute s": resident, "copy s": copy, "ideal max": max(resident, copy)}
         rows.append({"way": "plain, resident on the GPU", **common, "step s": resident, "weights in/step": 0})
         rows.append({"way": "plain, swapping layers", **common, "step s": swapping, "weights in/step": moved})
-        for way, (prefetch, packs_per_task, overlap_update) in WAYS.items():
-            result = harmony_run(mlp(width, depth), data, budget, prefetch, packs_per_task, overlap_update)
+        rows.append({"way": "plain bf16 autocast, resident on the GPU", **common, "compute s": resident_bf16,
+                     "step s": resident_bf16, "weights in/step": 0})
+        for way, (prefetch, packs_per_task, overlap_update, precision) in WAYS.items():
+            result = harmony_run(mlp(width, depth), data, budget, prefetch, packs_per_task, overlap_update, precision)
             job = result.plan.jobs[0]
             rows.append({
                 "way": f"{way} ({job.section_count} tasks a pass, updates {'beside' if job.overlap else 'in bwd'})",
-                **common, "step s": result.stats.steady_seconds_per_step(0),
+                **common, **({"compute s": resident_bf16} if precision == "bf16" else {}),
+                "step s": result.stats.steady_seconds_per_step(0),
                 "weights in/step": result.stats.bytes_in["weights"] // steps,
                 "prefetched %": 100 * result.stats.bytes_prefetched / max(result.stats.bytes_in["weights"], 1),
                 "peak": max(result.stats.peak_device_bytes.values()), "budget": budget,
@@ -158,7 +165,7 @@ def main() -> None:
     report("gpu_swap", f"Swapping on {torch.cuda.get_device_name(device)}: one MLP of {weights:,} B, budget "
            f"{budget:,} B; pinned copies {host_to_device / 1e9:.1f} GB/s in, {device_to_host / 1e9:.1f} GB/s out",
            rows, args.out, notes="batch: samples per weight load (issue 28's goal: 90% of the resident throughput from "
-           "16k); compute s: the resident plain loop; copy s: 2W in + 1W out at the measured speed; "
+           "16k); compute s: the resident plain loop (for bf16 rows the resident bf16 autocast loop); copy s: 2W in + 1W out at the measured speed; "
            "busy: time inside Harmony's task bodies; activations: boundary bytes between host and GPU")
 
 
