@@ -165,7 +165,8 @@ def main() -> None:
     report("gpu_swap", f"Swapping on {torch.cuda.get_device_name(device)}: one MLP of {weights:,} B, budget "
            f"{budget:,} B; pinned copies {host_to_device / 1e9:.1f} GB/s in, {device_to_host / 1e9:.1f} GB/s out",
            rows, args.out, notes="batch: samples per weight load (issue 28's goal: 90% of the resident throughput from "
-           "16k); compute s: the resident plain loop (for bf16 rows the resident bf16 autocast loop); copy s: 2W in + 1W out at the measured speed; "
+           "16k); compute s: the resident plain loop (for bf16 rows the resident bf16 autocast loop); "
+           "copy s: 2W in + 1W out at the measured speed; "
            "busy: time inside Harmony's task bodies; activations: boundary bytes between host and GPU")
 
 
