@@ -221,7 +221,7 @@ class RunFiles:
                     store.create(mirror_name(m, p), mirror_bytes(pack.halved.device_split))
                 for group in range(job.groups):
                     store.create(grads_name(m, p, group), pack.grads.nbytes)
-                if job.groups > 1 or job.scaled:
+                if runtime.reduced:
                     store.create(reduced_grads_name(m, p), pack.grads.nbytes)
             store.create(versions_name(m), 8 * len(runtime.packs))
             store.create(span_timing_name(m), SPAN_TIMING_BYTES)

@@ -76,6 +76,12 @@ class ModelRuntime:
     sections: tuple[int, ...] = ()
     scaled: bool = False
 
+    @property
+    def reduced(self) -> bool:
+        """Whether its packs' optimizers step with the reduced gradients file (runtime.files): there are several
+        micro-batch groups' gradients to sum, or a scaled loss's to unscale out of place."""
+        return self.groups > 1 or self.scaled
+
     def section(self, index: int) -> range:
         """The packs that the tasks of section index run, in order."""
         return section_packs(self.sections, len(self.packs), index)

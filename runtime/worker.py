@@ -317,7 +317,7 @@ class RunContext:
             spec = self.spec.models[model]
             runtime = spec.packs[pack]
             grads = (self.store.attach(reduced_grads_name(model, pack), runtime.grads.nbytes)
-                     if spec.groups > 1 or spec.scaled else self.host_grads(model, pack))
+                     if spec.reduced else self.host_grads(model, pack))
             self._optimizers[key] = PackOptimizer(self.optimizer_factory(model), self.weights_slot(model, pack, slot),
                                                   grads, runtime, self.optimizer_state(model, pack))
         return self._optimizers[key]
