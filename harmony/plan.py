@@ -113,9 +113,8 @@ class Forecast:
             updates = ", updates beside the device" if job.overlap else ""
             if job.sections:
                 updates += f", {job.section_count} tasks a pass ({len(packing.packs)} packs)"
-            halved = sum(spec.nbytes for i, p in enumerate(packing.packs) for spec in p.weights
-                         if spec.name in job.halved(i))
-            if halved and self.plan.options.precision != "fp32":
+            halved = sum(job.halved_bytes(pack) for pack in range(len(packing.packs)))
+            if halved:
                 updates += f", {halved:,} of them copied in as {self.plan.options.precision} (half the bytes)"
             lines.append(
                 f"  {packing.model}: {len(packing.packs)} packs [{packs}], {weights:,} weight bytes, "

@@ -220,11 +220,22 @@ def _forward_pack(
             if keep is not None:
                 ctx.cache.keep(keep, index, y, keep_free=runtime.workspace if index + 1 < len(inputs) else 0)
         if start is not None and not recompute:
-            if group == 0:  # with micro-batch groups (vDP) group 0's statistics, as DDP keeps rank 0's
-                following_slot = ctx.next_weights(model, pack, step)
-                ctx.cache.write_back(weights[buffers:], following_slot[runtime.buffers_offset :], "buffers")
-            weights[buffers:].copy_(start)  # the cached copy stays the version it is cached as (an evaluation reads it)
+            _buffers_out(ctx, model, pack, step, group, weights, start)
     return outputs
+
+
+def _buffers_out(
+    ctx: RunContext, model: int, pack: int, step: int, group: int, weights: torch.Tensor, start: torch.Tensor
+) -> None:
+    """After a step's forward through a pack: its buffers (running statistics) into the next version's slot (with
+    micro-batch groups, vDP, group 0's, as DDP keeps rank 0's), and the cached copy back to its own version's
+    (start), which an evaluation of that step may read next."""
+    runtime = ctx.spec.models[model].packs[pack]
+    device = weights[runtime.device_buffers_offset :]
+    if group == 0:
+        following_slot = ctx.next_weights(model, pack, step)
+        ctx.cache.write_back(device, following_slot[runtime.buffers_offset :], "buffers")
+    device.copy_(start)
 
 
 def _prefetch(ctx: RunContext, model: int, pack: int | None, version: int, keep_free: int) -> None:
@@ -339,12 +350,8 @@ def _backward_pack(
         if spec.scaled:
             ctx.scaler(model).flag(step, pack, group, not finite(grads))
         ctx.cache.write_back(grad_bytes, ctx.host_grads(model, pack, group), "grads")
-        if start is not None:  # the last pack's forward ran here: its buffers go into the next slot (as in fwd)
-            if group == 0:
-                following_slot = ctx.next_weights(model, pack, step)
-                ctx.cache.write_back(weights[runtime.device_buffers_offset :],
-                                     following_slot[runtime.buffers_offset :], "buffers")
-            weights[runtime.device_buffers_offset :].copy_(start)
+        if start is not None:  # the last pack's forward ran here
+            _buffers_out(ctx, model, pack, step, group, weights, start)
     if updates_in_backward(spec.groups, spec.overlap):
         ctx.update(model, pack, step)
     return input_grads

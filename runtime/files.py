@@ -158,9 +158,9 @@ def estimate(jobs: list[Job], batch_files: int) -> int:
         for index, pack in enumerate(job.packing.packs):
             state = round(job.state_ratio * pack.grad_bytes)
             total += 2 * slot_bytes(pack.weight_bytes) + pack.grad_bytes * job.groups + 2 * state
-            halved = job.halved(index)
+            halved = job.halved_bytes(index)
             if halved:  # a mirror in a 2-byte dtype: half the float32 bytes, twice
-                total += mirror_bytes(sum(spec.nbytes for spec in pack.weights if spec.name in halved) // 2)
+                total += mirror_bytes(halved // 2)
         total += 8 * LOSS_BLOCK * len(job.members) * job.groups + 8 * len(job.packing.packs) + SPAN_TIMING_BYTES
     return total + batch_files * max((job.batch_bytes for job in jobs), default=0)
 

@@ -217,9 +217,10 @@ def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7, larges
         for layer, borrowed in zip(layers, _borrowings(layers)):
             y, seconds = _fastest_call(layer, x, repeats)
             named = list(layer.named_parameters())
-            own = {n for n, _ in named if n not in borrowed}
-            with preserved_state(layer):
-                halved = cast_only(layer, x, getattr(torch, autocast), own) if autocast else frozenset()
+            halved: frozenset[str] = frozenset()
+            if autocast:
+                with preserved_state(layer):
+                    halved = cast_only(layer, x, getattr(torch, autocast), {n for n, _ in named if n not in borrowed})
             profiles.append(
                 LayerProfile(
                     description=_describe(layer),

@@ -92,14 +92,18 @@ class Job:
         lent = {there for later in self.packing.packs for _, owner, there in later.borrowed if owner == pack}
         return frozenset(self.packing.packs[pack].halved) - lent
 
+    def halved_bytes(self, pack: int) -> int:
+        """The float32 bytes of the pack's weights whose device copy is in autocast's dtype (halved)."""
+        halved = self.halved(pack)
+        return sum(spec.nbytes for spec in self.packing.packs[pack].weights if spec.name in halved)
+
     @property
     def device_packing(self) -> Packing:
         """The packing as the devices hold it, what the simulator replays and times: each pack's weights at the bytes
         of its device copy (its halved weights in a 2-byte dtype). Packs are still cut for float32 copies."""
         packs = []
         for index, pack in enumerate(self.packing.packs):
-            halved = self.halved(index)
-            saved = sum(spec.nbytes for spec in pack.weights if spec.name in halved) // 2
+            saved = self.halved_bytes(index) // 2
             held = dataclasses.replace(pack.cost, weights=pack.cost.weights - saved)
             packs.append(dataclasses.replace(pack, cost=held) if saved else pack)
         return dataclasses.replace(self.packing, packs=tuple(packs))
