@@ -108,7 +108,7 @@ class Forecast:
             lines.append(f"  {choice.explain(self.names[choice.members[0]])}")
         for index, packing in enumerate(self.packings):
             packs = " | ".join(f"{p.first}-{p.stop - 1}" for p in packing.packs)
-            weights = sum(p.weight_bytes for p in packing.packs)
+            weights = sum(p.float_bytes for p in packing.packs)
             job = self.plan.jobs[index]
             updates = ", updates beside the device" if job.overlap else ""
             if job.sections:

@@ -210,7 +210,7 @@ def with_depth(job: Job, depth: int | str, hardware: Hardware) -> Job:
     if isinstance(depth, int):
         return dataclasses.replace(job, depth=depth)
     pack = job.packing.packs[0]
-    flushed = pack.weight_bytes + job.state_ratio * pack.grad_bytes
+    flushed = pack.float_bytes + job.state_ratio * pack.grad_bytes
     task_seconds = max(hardware.task_overhead, hardware.task_cpu) + flushed / (hardware.host_link or float("inf"))
     return dataclasses.replace(job, task_seconds=task_seconds,
                                depth=steps_per_task(job.step_seconds, task_seconds, job.batch_bytes, job.steps))

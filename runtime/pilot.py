@@ -204,7 +204,7 @@ def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7, larges
     """Decompose model into a chain and profile it on sample (one micro-batch of inputs); a traced block holding more
     than largest bytes of weights is cut at its children; with export, a module torch.fx cannot trace is exported
     with torch.export and cut the same way; with autocast (a dtype's name), each layer's parameters that autocast
-    only casts to it are found (LayerProfile.halved)."""
+    only casts to it are found (LayerProfile.halved; never a tied one, which another layer may read otherwise)."""
     samples = max(1, _batch_size(sample))
     with preserved_state(model), torch.no_grad():
         layers: list[nn.Module] = []
@@ -212,15 +212,18 @@ def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7, larges
         _flatten(model, sample, layers, notes, largest, export)
         layers = _merge_shared(layers)
     profiles = []
+    borrowings = _borrowings(layers)
+    lent = {lender for borrowed in borrowings for lender in borrowed.values()}
     with preserved_state(model), torch.no_grad():
         x = sample
-        for layer, borrowed in zip(layers, _borrowings(layers)):
+        for index, (layer, borrowed) in enumerate(zip(layers, borrowings)):
             y, seconds = _fastest_call(layer, x, repeats)
             named = list(layer.named_parameters())
             halved: frozenset[str] = frozenset()
             if autocast:
                 with preserved_state(layer):
-                    halved = cast_only(layer, x, getattr(torch, autocast), {n for n, _ in named if n not in borrowed})
+                    own = {n for n, _ in named if n not in borrowed and (index, n) not in lent}
+                    halved = cast_only(layer, x, getattr(torch, autocast), own)
             profiles.append(
                 LayerProfile(
                     description=_describe(layer),

@@ -25,7 +25,7 @@ def homed_bytes(packing: Packing, optimizer_state_ratio: float) -> int:
     (optimizer_state_ratio bytes per trainable parameter byte) and one micro-batch's workspace."""
     pack = packing.packs[0]
     state = round(optimizer_state_ratio * pack.grad_bytes)
-    return pack.weight_bytes + pack.grad_bytes + state + pack.cost.workspace
+    return pack.float_bytes + pack.grad_bytes + state + pack.cost.workspace
 
 
 def choose_homes(

@@ -32,7 +32,8 @@ class LayerTooLarge(ValueError):
 
 @dataclass(frozen=True)
 class PackCost:
-    """Bytes a pack holds on a device while its backward runs on one micro-batch."""
+    """Bytes a pack holds on a device while its backward runs on one micro-batch. weights are its device copy's: the
+    halved ones (Pack.halved) at two bytes."""
 
     weights: int
     grads: int
@@ -68,7 +69,19 @@ class Pack:
 
     @property
     def weight_bytes(self) -> int:
+        """What the pack's weights hold on a device (the halved ones in a 2-byte dtype)."""
         return self.cost.weights
+
+    @property
+    def halved_bytes(self) -> int:
+        """The float32 bytes of the weights whose device copy is in autocast's 2-byte dtype."""
+        return sum(spec.nbytes for spec in self.weights if spec.name in self.halved)
+
+    @property
+    def float_bytes(self) -> int:
+        """What the pack's weights hold in their own dtypes, as the host store, its optimizer and a device that
+        keeps them whole (a homed model) hold them."""
+        return self.cost.weights + self.halved_bytes // 2
 
     @property
     def grad_bytes(self) -> int:
@@ -88,7 +101,7 @@ class Packing:
     def explain(self) -> str:
         sizes = ", ".join(f"{pack.first}-{pack.stop - 1}" for pack in self.packs)
         peak = max(pack.cost.total for pack in self.packs)
-        total = sum(pack.weight_bytes for pack in self.packs)
+        total = sum(pack.float_bytes for pack in self.packs)
         return (
             f"{self.model}: {sum(p.stop - p.first for p in self.packs)} layers, {total:,} weight bytes -> "
             f"{len(self.packs)} pack{'s' if len(self.packs) != 1 else ''} (layers {sizes}); "
@@ -170,8 +183,9 @@ def _shared_inside(layers: tuple[LayerProfile, ...], first: int, stop: int, grad
 
 
 def chunk_weight_bytes(layers: tuple[LayerProfile, ...], first: int, stop: int) -> int:
-    """The weights layers [first, stop) hold as one pack: a tied parameter they all read, once."""
-    return sum(layer.weight_bytes for layer in layers[first:stop]) - _shared_inside(layers, first, stop, False)
+    """The weights layers [first, stop) hold as one pack on a device (LayerProfile.device_bytes): a tied parameter
+    they all read, once (a tied parameter is never halved)."""
+    return sum(layer.device_bytes for layer in layers[first:stop]) - _shared_inside(layers, first, stop, False)
 
 
 def chunk_grad_bytes(layers: tuple[LayerProfile, ...], first: int, stop: int) -> int:
@@ -219,7 +233,9 @@ def cut_packs(profile: ModelProfile, budget: int, samples: int) -> Packing:
     cached from step to step when the budget holds them). Otherwise every pack's weights stay within a cap c, and
     every pack fits beside a prefetch buffer of c bytes (the next pack's weights); among caps giving the fewest
     packs, the one whose slowest pack is fastest wins, which balances compute across packs. A budget with no room
-    for the buffer cuts packs that fit alone, and the model runs without prefetching (Packing.prefetch).
+    for the buffer cuts packs that fit alone, and the model runs without prefetching (Packing.prefetch). Weights
+    count at their device copy's bytes: a profile measured under autocast (LayerProfile.halved) is cut for halved
+    copies, which a job that does not halve them (homed, fused) must re-count (Job.device_packing).
     """
     layers = profile.layers
     if _fixed_bytes(layers, 0, len(layers), samples) <= budget:
@@ -238,7 +254,7 @@ def cut_packs(profile: ModelProfile, budget: int, samples: int) -> Packing:
             prefetch=floor,
         )
         raise LayerTooLarge(unit_first, unit_stop, cost, budget, chunk[0].description)
-    total = profile.weight_bytes
+    total = chunk_weight_bytes(layers, 0, len(layers))
     steps = 48
     candidates = {floor, total}
     candidates.update(floor + (total - floor) * k // steps for k in range(steps + 1))

@@ -51,6 +51,16 @@ class LayerProfile:
         return self.param_bytes + self.buffer_bytes + self.borrowed_bytes
 
     @property
+    def halved_bytes(self) -> int:
+        """The float32 bytes of the parameters whose device copy may be in autocast's 2-byte dtype."""
+        return sum(spec.nbytes for spec in self.params if spec.name in self.halved)
+
+    @property
+    def device_bytes(self) -> int:
+        """weight_bytes as a swapped pack holds them on its device: the halved parameters at half their bytes."""
+        return self.weight_bytes - self.halved_bytes // 2
+
+    @property
     def grad_bytes(self) -> int:
         return sum(spec.nbytes for spec in (*self.params, *self.borrowed) if spec.name not in self.frozen)
 

@@ -83,29 +83,30 @@ class Job:
         """Whether the job is a fused array of several models."""
         return len(self.members) > 1
 
+    @property
+    def halves(self) -> bool:
+        """Whether its packs' device copies hold their halved weights (Pack.halved) in autocast's dtype: a swapped
+        model's do (a homed model's weights never leave its device, a fused array's are stacked in float32)."""
+        return self.home is None and not self.fused
+
     def halved(self, pack: int) -> frozenset[str]:
-        """The pack's parameters whose device copy is in autocast's dtype (tasks.layout.halve): those autocast only
-        casts (Pack.halved), in a swapped model's packs (a homed model's weights never leave its device) that no later
-        pack borrows."""
-        if self.home is not None or self.fused:
-            return frozenset()
-        lent = {there for later in self.packing.packs for _, owner, there in later.borrowed if owner == pack}
-        return frozenset(self.packing.packs[pack].halved) - lent
+        """The pack's parameters whose device copy is in autocast's dtype (tasks.layout.halve)."""
+        return frozenset(self.packing.packs[pack].halved) if self.halves else frozenset()
 
     def halved_bytes(self, pack: int) -> int:
         """The float32 bytes of the pack's weights whose device copy is in autocast's dtype (halved)."""
-        halved = self.halved(pack)
-        return sum(spec.nbytes for spec in self.packing.packs[pack].weights if spec.name in halved)
+        return self.packing.packs[pack].halved_bytes if self.halves else 0
 
     @property
     def device_packing(self) -> Packing:
-        """The packing as the devices hold it, what the simulator replays and times: each pack's weights at the bytes
-        of its device copy (its halved weights in a 2-byte dtype). Packs are still cut for float32 copies."""
+        """The packing as the devices hold it, what the simulator replays and times. Packs are cut for halved copies
+        (tasks.packing); a job that does not halve holds its weights at their float32 bytes."""
+        if self.halves:
+            return self.packing
         packs = []
-        for index, pack in enumerate(self.packing.packs):
-            saved = self.halved_bytes(index) // 2
-            held = dataclasses.replace(pack.cost, weights=pack.cost.weights - saved)
-            packs.append(dataclasses.replace(pack, cost=held) if saved else pack)
+        for pack in self.packing.packs:
+            held = dataclasses.replace(pack.cost, weights=pack.float_bytes)
+            packs.append(dataclasses.replace(pack, cost=held) if pack.halved else pack)
         return dataclasses.replace(self.packing, packs=tuple(packs))
 
     @property

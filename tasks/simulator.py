@@ -206,7 +206,7 @@ def task_seconds(task: TaskId, packing: Packing, samples: int, hardware: Hardwar
 
 def update_seconds(packing: Packing, packs: range, hardware: Hardware) -> float:
     """Predicted time of the optimizer steps of packs on the host store: a few passes over their weights."""
-    return 4 * sum(packing.packs[pack].weight_bytes for pack in packs) / hardware.optimizer_bytes_per_second
+    return 4 * sum(packing.packs[pack].float_bytes for pack in packs) / hardware.optimizer_bytes_per_second
 
 
 def boundary_bytes(task: TaskId, packing: Packing, samples: int) -> int:

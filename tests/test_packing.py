@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from harmony.tasks.layout import TensorSpec
-from harmony.tasks.packing import LayerTooLarge, cut_packs
+from harmony.tasks.packing import LayerTooLarge, cut_packs, minimal_budget
 from harmony.tasks.profile import LayerProfile, ModelProfile
 
 
@@ -115,3 +117,16 @@ def test_a_tied_weight_counts_once_in_the_pack_that_holds_it_and_is_borrowed_acr
     assert last.borrowed == (("0.tied", 0, "0.weight"),) and not last.weights
     assert [spec.name for spec in last.trainable] == ["0.tied"], "its gradient is computed there, for the lender"
     assert last.cost.weights == last.cost.grads == 16 * 16 * 4
+
+
+def test_halved_weights_count_at_two_bytes_so_packs_hold_more_layers_and_a_smaller_budget_fits() -> None:
+    halved = dataclasses.replace(linear(16), halved=frozenset({"weight", "bias"}))
+    full, half = profile([linear(16)] * 10), profile([halved] * 10)
+    float_plan, half_plan = cut_packs(full, budget=8000, samples=4), cut_packs(half, budget=8000, samples=4)
+    assert len(half_plan.packs) < len(float_plan.packs)
+    for pack in half_plan.packs:
+        layers = pack.stop - pack.first
+        assert pack.float_bytes == pack.halved_bytes == layers * 1088 and pack.weight_bytes == layers * 544
+        assert pack.cost.total <= 8000 and pack.cost.grads == layers * 1088  # gradients stay float32
+    assert half_plan.explain().split(" weight bytes")[0] == float_plan.explain().split(" weight bytes")[0]
+    assert minimal_budget(half, 4, prefetch=True) == minimal_budget(full, 4, prefetch=True) - 2 * 544

@@ -159,3 +159,12 @@ def test_a_block_in_a_sequential_stays_whole_unless_its_weights_exceed_the_limit
     cut = decompose(blocks, x, "m", largest=block_bytes - 1)
     assert len(cut.layers) == 7 and cut.notes[0].startswith("ResidualBlock: traced by torch.fx and cut into 3 stages")
     torch.testing.assert_close(cut.output, blocks(x), rtol=0, atol=0)
+
+
+def test_under_autocast_the_linears_are_halved_and_a_tied_weight_is_not() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.Linear(8, 8))
+    model[3].weight = model[0].weight  # read by two layers: another could read it otherwise than autocast casts
+    result = decompose(model, torch.randn(3, 8), "m", autocast="bfloat16")
+    assert [set(layer.halved) for layer in result.profile.layers] == [{"bias"}, set(), {"weight", "bias"}, {"bias"}]
+    assert [layer.halved_bytes for layer in result.profile.layers] == [32, 0, 288, 32]
+    assert all(not layer.halved for layer in decompose(model, torch.randn(3, 8), "m").profile.layers)

@@ -10,7 +10,7 @@ from torch import nn
 
 from harmony.planner import build, pilot
 from harmony.tasks.hardware import Hardware
-from harmony.tasks.runplan import Options, RunPlan
+from harmony.tasks.runplan import Job, Options, RunPlan
 from harmony.validate import validate
 from tests.conftest import deep_mlp, regression_batches
 
@@ -55,15 +55,21 @@ def test_bytes_that_are_not_a_plan_are_refused() -> None:
         RunPlan.from_msgpack(msgpack.packb({"jobs": []}))
 
 
-def test_the_device_packing_holds_halved_weights_at_two_bytes_and_a_homed_job_holds_float32() -> None:
-    args = validate([deep_mlp(depth=6, seed=0)], regression_batches(64, 16), nn.functional.mse_loss,
-                    lambda p: torch.optim.Adam(p, lr=1e-3), Options(microbatches=2, precision="bf16"),  # type: ignore[arg-type]
-                    ["cpu"], 20_000)
-    job = pilot(args, 20_000)[0].job
-    assert len(job.packing.packs) > 1 and job.home is None
-    for index, (pack, held) in enumerate(zip(job.packing.packs, job.device_packing.packs, strict=True)):
+def test_a_bf16_model_is_cut_for_halved_copies_and_a_homed_job_holds_float32() -> None:
+    def job_at(precision: str) -> Job:
+        args = validate([deep_mlp(depth=6, seed=0)], regression_batches(64, 16), nn.functional.mse_loss,
+                        lambda p: torch.optim.Adam(p, lr=1e-3), Options(microbatches=2, precision=precision),  # type: ignore[arg-type]
+                        ["cpu"], 30_000)
+        return pilot(args, 30_000)[0].job
+
+    job, float32 = job_at("bf16"), job_at("fp32")
+    assert job.packing.prefetch and float32.packing.prefetch and job.home is None
+    assert 1 < len(job.packing.packs) < len(float32.packing.packs)
+    assert job.device_packing == job.packing
+    for index, pack in enumerate(job.packing.packs):
         halved = sum(spec.nbytes for spec in pack.weights if spec.name in job.halved(index))
-        assert halved == pack.cost.weights, "an MLP's weights are all linears'"
-        assert held.cost.weights == pack.cost.weights // 2 and held.cost.grads == pack.cost.grads
+        assert halved == pack.float_bytes == 2 * pack.cost.weights, "an MLP's weights are all linears'"
+        assert pack.cost.total <= 30_000
     homed = dataclasses.replace(job, home="cpu-0")
-    assert homed.device_packing == homed.packing
+    for pack, held in zip(job.packing.packs, homed.device_packing.packs, strict=True):
+        assert held.cost.weights == pack.float_bytes and held.cost.grads == pack.cost.grads
