@@ -60,7 +60,7 @@ def main() -> None:
     link = 2 * weights / 0.5  # the float32 weights of a step (read about twice) take half a second over it
     data = regression(steps, batch, width)
     rows = [{"way": "plain bf16 autocast loop, resident", "step s": plain_resident(width, depth, data),
-             "weights in/step": 0, "halved bytes": 0}]
+             "weights in/step": 0, "halved bytes": 0, "packs": 1}]
     ways = (("harmony fp32", "fp32", True), ("harmony bf16, float32 copies", "bf16", False),
             ("harmony bf16, bf16 copies (default)", "bf16", True))
     for way, precision, halving in ways:
@@ -69,7 +69,7 @@ def main() -> None:
             result = run(width, depth, data, budget, link, precision)
         job = result.plan.jobs[0]
         rows.append({
-            "way": way, "step s": result.stats.steady_seconds_per_step(0),
+            "way": way, "packs": len(result.packings[0].packs), "step s": result.stats.steady_seconds_per_step(0),
             "weights in/step": result.stats.bytes_in["weights"] // steps,
             "halved bytes": sum(spec.nbytes for index, pack in enumerate(result.packings[0].packs)
                                 for spec in pack.weights if spec.name in job.halved(index)),
@@ -78,8 +78,8 @@ def main() -> None:
         row["/ resident"] = row["step s"] / rows[0]["step s"]
     report("half_copies", f"bf16 weight copies: one MLP of {weights:,} B on one CPU device, budget {budget:,} B, "
            f"link {link / 1e6:.0f} MB/s", rows, args.out,
-           notes="weights in/step: bytes copied onto the device per step; halved bytes: float32 bytes of the "
-           "weights whose device copy is bf16")
+           notes="packs: what the model is cut into; weights in/step: bytes copied onto the device per step; "
+           "halved bytes: float32 bytes of the weights whose device copy is bf16")
 
 
 if __name__ == "__main__":
