@@ -231,6 +231,7 @@ def train(
     overlap_update: bool | None = None,
     packs_per_task: int | str = "auto",
     grad_scaler: dict[str, float] | None = None,
+    compile: bool = False,
 ) -> TrainResult:
     """Train every model on its data through fine-grained tasks on Dask device workers.
 
@@ -308,6 +309,13 @@ def train(
     task is paid once for them all: "auto" takes as many as keep that cost, measured on the cluster, a tenth of
     their forward. The budget holds as with one pack per task; a backward task of several packs recomputes their
     inputs first (one more forward of all but its last pack). The weights are the same either way.
+
+    compile=True runs every pack (and a homed model) through torch.compile on its worker: each pack compiles once
+    per worker for training, once for its recompute and once for evaluation (its first tasks take that time, a few
+    seconds each on a CPU), and again for a new micro-batch size. Random draws go through eager's generator
+    (inductor's ``fallback_random``), so that dropout draws the masks it draws uncompiled and a recompute its
+    forward's; the weights are plain PyTorch's up to the compiled kernels' rounding. Compiled models are not fused.
+    Whether it pays depends on the model and the device (benchmarks/compiled.py measures it).
     """
     options = read_options(locals())  # first: locals() are the arguments alone
     for name, value in (("host", host), ("dashboard_address", dashboard_address)):

@@ -26,7 +26,6 @@ from typing import Any, TypeVar
 
 import torch
 from distributed import Reschedule, get_worker, secede
-from torch.func import functional_call
 from torch.utils._pytree import tree_leaves, tree_map
 
 from harmony.runtime import shipping
@@ -197,7 +196,6 @@ def _forward_pack(
     While it computes the weights of the pack following it in the task (else the next task's) are copied in. A
     forward recomputed in bwd (recompute) leaves the buffers as it found them; else they go into the next slot."""
     runtime = ctx.spec.models[model].packs[pack]
-    module = ctx.module(model, pack)
     host = ctx.device_source(model, pack, step)
     buffers = runtime.device_buffers_offset
     outputs = []
@@ -213,7 +211,7 @@ def _forward_pack(
                 x = kept if kept is not None else ctx.cache.copy_in(microbatch, "activations" if pack else "inputs")
                 _seed(ctx.device, ctx.spec.models[model].seed, pack, step, group * 65_536 + index)
                 with ctx.autocast():
-                    y = functional_call(module, tensors, (x,))
+                    y = ctx.call(model, pack)(tensors, x)
                 outputs.append(ctx.cache.copy_out(y, "activations"))
             if recompute and start is not None:
                 weights[buffers:].copy_(start)
@@ -396,7 +394,7 @@ def _homed_steps(
                         target = ctx.cache.copy_in(target, "inputs")
                         _seed(ctx.device, spec.seed, 0, step, group * 65_536 + microbatch)
                         with ctx.autocast():
-                            step_losses = loss_fn(state.module(x), target)
+                            step_losses = loss_fn(state.forward(x), target)
                         state.stop(members.check(step_losses, step))  # a sync per step (see divergence)
                         losses.add(index, _backpropagate_loss(step_losses, weight, state.scaled), weight)
                 state.step(step)  # after the activations are gone, as in a plain loop (its state is charged then)
@@ -502,7 +500,6 @@ def _backward_step(
     spec = ctx.spec.models[model]
     runtime = spec.packs[pack]
     last = pack == len(spec.packs) - 1
-    module = ctx.module(model, pack)
     input_grads = []
     losses = StepLosses(1)
     buffers = runtime.device_buffers_offset
@@ -522,7 +519,7 @@ def _backward_step(
             with torch.enable_grad():
                 leaves = _leaves(tensors, grads, halved)
                 with ctx.autocast():
-                    y = functional_call(module, {**tensors, **leaves}, (x,))
+                    y = ctx.call(model, pack)({**tensors, **leaves}, x)
                 if last:
                     target = ctx.cache.copy_in(gradients_or_targets[index], "inputs")
                     weight = loss_weights[index]

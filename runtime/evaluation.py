@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 from distributed import Client, Future
-from torch.func import functional_call
 
 from harmony.runtime.array import member_slice
 from harmony.runtime.bodies import task_body
@@ -69,7 +68,7 @@ def evaluation(
                 with ctx.cache.scratch(runtime.workspace, f"activations of pack {pack}"), torch.no_grad():
                     x = ctx.cache.copy_in(microbatch, "activations" if pack else "inputs")
                     with ctx.autocast():
-                        y = functional_call(module, tensors, (x,))
+                        y = ctx.call(model, pack)(tensors, x)
                     if not last:
                         outputs.append(ctx.cache.copy_out(y, "activations"))
                         continue

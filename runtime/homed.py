@@ -18,6 +18,7 @@ from torch import nn
 
 from harmony.runtime.array_optimizer import build_optimizer, optimizer_params, step_optimizer
 from harmony.runtime.cache import DeviceCache
+from harmony.runtime.compiled import module_call
 from harmony.runtime.divergence import keep_stopped
 from harmony.runtime.hoststore import tensors_at
 from harmony.runtime.optimstate import OptimizerState
@@ -59,6 +60,7 @@ class HomedModel:
         version: int,
         slot: int,
         scaler: torch.amp.GradScaler | None = None,
+        compile: bool = False,
     ) -> None:
         self.cache = cache
         self.scaler = scaler
@@ -78,6 +80,7 @@ class HomedModel:
                 bound[name] = view
         bind(module, bound)
         self.module = module
+        self.forward = module_call(module, f"homed_model_{model}", compile)
         names = [slot.spec.name for slot in runtime.grads.slots]
         self.params = [bound[name] for name in names]
         self.optimizer = build_optimizer(factory, self.params, names)  # type: ignore[arg-type]

@@ -24,6 +24,7 @@ from torch import nn
 from harmony.runtime import serialization  # noqa: F401  (tensor serializers on every worker)
 from harmony.runtime.allocator import keep_freed_memory
 from harmony.runtime.cache import DeviceCache, Source
+from harmony.runtime.compiled import PackCall, pack_call
 from harmony.runtime.counters import BLOCK_BYTES, IN_KINDS, OUT_KINDS, Counters
 from harmony.runtime.divergence import Members
 from harmony.runtime.files import (
@@ -80,6 +81,7 @@ class RunContext:
         self._states: dict[tuple[int, int], OptimizerState] = {}
         self._members: dict[int, Members] = {}
         self._scalers: dict[int, Scaler] = {}
+        self._calls: dict[tuple[int, int], PackCall] = {}
 
     @property
     def counters(self) -> Counters:
@@ -102,6 +104,14 @@ class RunContext:
         if key not in self._modules:
             self._modules[key] = load_skeleton(self.spec.models[model].packs[pack].skeleton)
         return self._modules[key]
+
+    def call(self, model: int, pack: int) -> PackCall:
+        """What runs a pack: (its tensors by name, its input) -> its output, compiled where the run asks (once per
+        pack and worker, again where grad mode, training mode or shapes change; see runtime.compiled)."""
+        key = (model, pack)
+        if key not in self._calls:
+            self._calls[key] = pack_call(self.module(model, pack), f"model_{model}_pack_{pack}", self.spec.compile)
+        return self._calls[key]
 
     def loss_fn(self, model: int) -> Any:
         if model not in self._loss_fns:
@@ -206,7 +216,7 @@ class RunContext:
                 scaler.load_state_dict(self.spec.scaler.state_dict(*self.scaler(model).state(version)))
             self.homed_models[model] = HomedModel(
                 self.cache, model, runtime, weights, load_skeleton(runtime.skeleton), self.optimizer_factory(model),
-                self.optimizer_state(model, 0), version, slot, scaler,
+                self.optimizer_state(model, 0), version, slot, scaler, self.spec.compile,
             )
             self.homed_models[model].stop(self.members(model).stopped())
         return self.homed_models[model]
@@ -328,6 +338,7 @@ class RunContext:
         self._optimizers.clear()
         self._states.clear()
         self._modules.clear()
+        self._calls.clear()
         self.store.close()
 
 

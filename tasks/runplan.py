@@ -42,6 +42,7 @@ class Options:
     overlap_update: bool | None = None
     packs_per_task: int | str = "auto"
     grad_scaler: dict[str, float] | None = None
+    compile: bool = False
 
 
 @dataclass(frozen=True)

@@ -227,6 +227,63 @@ def test_tasks_of_several_packs_draw_the_dropout_masks_and_keep_the_statistics_o
             torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
 
 
+def test_compiled_packs_give_plain_pytorchs_weights_and_their_recompute_draws_the_same_dropout_masks(
+    no_leaks: None
+) -> None:
+    """compile=True runs each pack through torch.compile: in float64 a swapped model equals plain PyTorch within 1e-9,
+    and one with dropout equals its eager run (a recompute drawing other masks than its forward, as it did when
+    inductor's settings were its module's config, which a task's thread does not see, would be far off)."""
+    def dropped(seed: int) -> nn.Sequential:
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Dropout(0.3), nn.Linear(32, 32), nn.Tanh(),
+                             nn.Dropout(0.3), nn.Linear(32, 4)).double()
+
+    batches = [(x.double(), y.double()) for x, y in regression_batches(samples=48, batch=12)]
+    adam = lambda p: torch.optim.Adam(p, lr=1e-2)  # noqa: E731
+    trained = {}
+    for compiled in (True, False):
+        models = [deep_mlp(depth=4, seed=0).double(), dropped(1)]
+        references = clones(models)
+        result = harmony.train(models, batches, nn.functional.mse_loss, adam, microbatches=2, devices=["cpu"],
+                               device_memory=50_000, packs_per_task=1, resident=False, fuse=False, compile=compiled,
+                               progress=False)
+        assert [len(packing.packs) for packing in result.packings] == [4, 2]
+        trained[compiled] = models
+    train_plain(references[0], batches, nn.functional.mse_loss, adam)
+    assert_same_weights(trained[True][0], references[0], rtol=1e-9, atol=1e-12)
+    assert_same_weights(trained[True][1], trained[False][1], rtol=1e-9, atol=1e-12)
+    for ours, eager in zip(trained[True], trained[False], strict=True):
+        assert not bitwise_equal(ours, eager), "compiled kernels round otherwise: the packs ran compiled"
+
+
+def test_a_compiled_homed_model_draws_plain_pytorchs_dropout_masks(no_leaks: None) -> None:
+    """compile=True on a model homed on its device (one pack, its whole state there): in float64 with dropout, the
+    weights of a plain loop that seeds each micro-batch as documented, within 1e-9 (inductor's own generator, which a
+    compile in a task's thread used when its setting was the module's config, draws other masks: far off)."""
+    from harmony.runtime.bodies import dropout_seed
+
+    model = dropout_mlp(0).double()
+    reference = clones([model])[0]
+    batches = [(x.double(), y.double()) for x, y in regression_batches(samples=48, batch=12)]
+    sgd = lambda p: torch.optim.SGD(p, lr=0.05)  # noqa: E731
+    result = harmony.train(model, batches, nn.functional.mse_loss, sgd, microbatches=2, devices=["cpu"],
+                           compile=True, progress=False)
+    assert result.homes and len(result.packings[0].packs) == 1
+    optimizer = sgd(reference.parameters())
+    for step, (x, y) in enumerate(batches):
+        optimizer.zero_grad()
+        for microbatch, (xs, ys) in enumerate(zip(x.split(6), y.split(6))):
+            torch.default_generator.manual_seed(dropout_seed(0, 0, step, microbatch))
+            (nn.functional.mse_loss(reference(xs), ys) / 2).backward()
+        optimizer.step()
+    assert_same_weights(model, reference, rtol=1e-9, atol=1e-12)
+    assert not bitwise_equal(model, reference), "compiled kernels round otherwise: the model ran compiled"
+
+
+def bitwise_equal(model: nn.Module, other: nn.Module) -> bool:
+    return all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values(), strict=True))
+
+
 def test_a_model_that_is_not_a_chain_trains_in_packs_under_a_third_of_its_size(no_leaks: None) -> None:
     """Traced and cut between its blocks (runtime.stages), under a budget of a third of its parameter bytes, on two
     devices, in float64 with Adam: equal to plain PyTorch within 1e-9, the user's module trained in place."""

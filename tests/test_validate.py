@@ -156,6 +156,12 @@ def test_an_unknown_steps_per_task(steps: object) -> None:
         call(steps_per_task=steps)
 
 
+@pytest.mark.parametrize("compile", ["yes", 1, None])
+def test_a_compile_setting_that_is_not_a_bool(compile: object) -> None:
+    with pytest.raises(InputError, match=r"compile=.* must be True or False"):
+        call(compile=compile)
+
+
 def test_a_model_on_the_meta_device_or_with_nothing_to_train_is_refused_before_any_worker_starts(
     no_cluster_is_waited_for: list[object],
 ) -> None:
