@@ -2,7 +2,8 @@
 
 Sixteen Hugging Face GPT2LMHeadModels of GPT-2 small's shape (12 layers, 768 wide, 12 heads; random init from a
 config, nothing downloaded), one learning rate each, train on the same token batches: Harmony with its defaults
-(the models fused into arrays where the simulator predicts it faster), a plain loop that steps each model in turn,
+(the models fused into arrays where the simulator predicts it faster) and with compile=True, a plain loop that
+steps each model in turn,
 and the same loop over ``torch.compile``d models. Each row: steady seconds per sweep step (every model one step;
 the plain loops' median after the first few, min-max beside; Harmony's mean after the first few, since the steps
 of one task finish together), tokens per second and the ratio to the plain loop. ``--quick`` runs
@@ -62,10 +63,11 @@ def plain_steps(models: list[torch.nn.Module], data: list, device: str, rates: l
     return times[WARMUP:]
 
 
-def harmony_steps(models: list[torch.nn.Module], data: list, device: str, rates: list[float]
+def harmony_steps(models: list[torch.nn.Module], data: list, device: str, rates: list[float], compile: bool
                   ) -> tuple[list[float], harmony.TrainResult]:
     factories = [lambda p, lr=rate: torch.optim.AdamW(p, lr=lr) for rate in rates]
-    result = harmony.train(models, data, loss_fn=None, optimizer=factories, devices=[device], progress=False)
+    result = harmony.train(models, data, loss_fn=None, optimizer=factories, devices=[device], compile=compile,
+                           progress=False)
     finished = [max(step_times) for step_times in zip(*result.stats.step_seconds)]
     # a task runs several steps of a homed model or array, and they finish together: the mean after the warm-up
     return [(finished[-1] - finished[WARMUP]) / (len(finished) - WARMUP - 1)], result
@@ -87,11 +89,11 @@ def main() -> None:
     data = batches(steps, batch, context)
     tokens = count * batch * context
     rows = []
-    for way in ("plain loop", "plain loop, torch.compile", "harmony"):
+    for way in ("plain loop", "plain loop, torch.compile", "harmony", "harmony, compile=True"):
         models = gpt2s(count, layers, width, heads, context)
         extra = {}
-        if way == "harmony":
-            times, result = harmony_steps(models, data, device, rates)
+        if way.startswith("harmony"):
+            times, result = harmony_steps(models, data, device, rates, compile=way.endswith("True"))
             extra = {"arrays": str(result.arrays), "homed": len(result.homes)}
         else:
             times = plain_steps(models, data, device, rates, compiled=way.endswith("compile"))

@@ -314,7 +314,7 @@ def train(
     per worker for training, once for its recompute and once for evaluation (its first tasks take that time, a few
     seconds each on a CPU), and again for a new micro-batch size. Random draws go through eager's generator
     (inductor's ``fallback_random``), so that dropout draws the masks it draws uncompiled and a recompute its
-    forward's; the weights are plain PyTorch's up to the compiled kernels' rounding. Compiled models are not fused.
+    forward's; the weights are plain PyTorch's up to the compiled kernels' rounding. A fused array compiles as one.
     Whether it pays depends on the model and the device (benchmarks/compiled.py measures it).
     """
     options = read_options(locals())  # first: locals() are the arguments alone

@@ -40,8 +40,6 @@ def fusion_key(candidate: Candidate, args: Arguments) -> Hashable:
         return ("tied across layers", index)  # an array stacks each layer's weights: a tie between layers would break
     if any(isinstance(module, Entry) for layer in candidate.code.layers for module in layer.modules()):
         return ("exported", index)  # torch.func.vmap has no batching rule for the symbolic sizes an export reads
-    if args.options.compile:
-        return ("compiled", index)  # a compiled pack runs the model's own layers, not an array's vmapped ones
     if args.options.precision == "fp16":
         return ("loss-scaled", index)  # each member skips the steps its own scale overflows: not one array step
     layers = tuple(layer_signature(layer) for layer in candidate.code.layers)
