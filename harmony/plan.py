@@ -22,7 +22,7 @@ from harmony.tasks.hardware import Hardware
 from harmony.tasks.microbatch import split_sizes
 from harmony.tasks.packing import Packing
 from harmony.tasks.runplan import Options, RunPlan
-from harmony.tasks.simulator import MemoryReport, ScheduleExceedsBudget, Simulation, replay_memory, simulate
+from harmony.tasks.simulator import MemoryReport, ScheduleExceedsBudget, Simulation, replay_memory, simulate_jobs
 from harmony.validate import read_options, validate
 
 
@@ -212,13 +212,9 @@ def simulate_machines(plan: RunPlan, counts: list[int], samples: list[int], mach
         if not own:
             order.update({device: [] for device in budgets})
             continue
-        homes = {position: jobs[index].home for position, index in enumerate(own) if jobs[index].home is not None}
-        run = simulate([jobs[index].device_packing for index in own], [counts[index] for index in own],
-                       [samples[index] for index in own], budgets, plan.hardware, prefetch=options.prefetch,
-                       policy=options.policy, mode=plan.mode, groups=[jobs[index].groups for index in own],
-                       homes=homes, overlap=[jobs[index].overlap for index in own],
-                       sections=[jobs[index].sections for index in own],
-                       scaled=[jobs[index].scaled for index in own])
+        run = simulate_jobs([jobs[index] for index in own], [counts[index] for index in own],
+                            [samples[index] for index in own], budgets, plan.hardware, options.prefetch,
+                            options.policy, plan.mode)
         renamed = {task: dataclasses.replace(task, model=own[task.model]) for task in run.times}
         order.update({device: [renamed[task] for task in tasks] for device, tasks in run.order.items()})
         times.update({renamed[task]: span for task, span in run.times.items()})

@@ -31,7 +31,7 @@ from harmony.tasks.homes import assign_machines, choose_homes
 from harmony.tasks.packing import LayerTooLarge, cut_packs, minimal_budget
 from harmony.tasks.profile import LayerProfile, ModelProfile
 from harmony.tasks.runplan import PRECISIONS, Job, RunPlan
-from harmony.tasks.simulator import model_step_seconds, simulate
+from harmony.tasks.simulator import model_step_seconds, simulate_jobs
 from harmony.validate import Arguments, model_label
 
 logger = logging.getLogger("harmony")
@@ -155,14 +155,13 @@ def choose_mode(
     candidates_modes = MODES if options.mode == "auto" else (options.mode,)
     if options.mode == "auto" and len(budgets) == 1:
         candidates_modes = ("free",)
-    packings = [candidate.job.device_packing for candidate in candidates]
     steps = [min(candidate.job.steps or 1, RANKING_STEPS) for candidate in candidates]
     samples = [step_samples(args, candidate.job) for candidate in candidates]
     predicted = {}
     for mode in candidates_modes:
-        groups = [groups_for(mode, len(budgets), options.microbatches)] * len(packings)
-        run = simulate(packings, steps, samples, budgets, hardware, prefetch=options.prefetch,
-                       policy=options.policy, mode=mode, groups=groups)
+        groups = groups_for(mode, len(budgets), options.microbatches)
+        jobs = [dataclasses.replace(candidate.job, groups=groups) for candidate in candidates]
+        run = simulate_jobs(jobs, steps, samples, budgets, hardware, options.prefetch, options.policy, mode)
         predicted[mode] = run.step_seconds()
     chosen = min(predicted, key=lambda name: predicted[name])
     if options.mode == "auto":
@@ -239,10 +238,8 @@ def with_sections(jobs: list[Job], args: Arguments, budgets: dict[str, int], har
         return jobs
     steps = [min(job.steps or 1, RANKING_STEPS) for job in jobs]
     samples = [step_samples(args, job) for job in jobs]
-    predicted = [simulate([job.device_packing for job in ways], steps, samples, budgets, hardware,
-                          prefetch=args.options.prefetch, policy=args.options.policy, mode=mode,
-                          groups=[job.groups for job in ways], homes=homes_of(ways),
-                          sections=[job.sections for job in ways]).step_seconds()
+    predicted = [simulate_jobs(ways, steps, samples, budgets, hardware, args.options.prefetch, args.options.policy,
+                               mode).step_seconds()
                  for ways in (jobs, proposed)]
     logger.info("packs_per_task auto: predicted %.1f ms per step with a pack a task, %.1f ms in sections; %s",
                 predicted[0] * 1e3, predicted[1] * 1e3, "sections" if predicted[1] < predicted[0] else "a pack a task")
@@ -261,24 +258,15 @@ def with_overlap(jobs: list[Job], args: Arguments, budgets: dict[str, int], hard
     if choice is None and any(swapped):
         steps = [min(job.steps or 1, RANKING_STEPS) for job in jobs]
         samples = [step_samples(args, job) for job in jobs]
-        predicted = {
-            beside: simulate([job.device_packing for job in jobs], steps, samples, budgets, hardware,
-                             prefetch=args.options.prefetch, policy=args.options.policy, mode=mode,
-                             groups=[job.groups for job in jobs], homes=homes_of(jobs),
-                             overlap=[beside and here for here in swapped],
-                             sections=[job.sections for job in jobs],
-                             scaled=[job.scaled for job in jobs]).step_seconds()
-            for beside in (False, True)
-        }
+        predicted = {}
+        for beside in (False, True):
+            ways = [dataclasses.replace(job, overlap=beside and here) for job, here in zip(jobs, swapped)]
+            predicted[beside] = simulate_jobs(ways, steps, samples, budgets, hardware, args.options.prefetch,
+                                              args.options.policy, mode).step_seconds()
         choice = predicted[True] < predicted[False]
         logger.info("overlap_update auto: predicted %.1f ms per step in backward, %.1f ms beside; %s",
                     predicted[False] * 1e3, predicted[True] * 1e3, "beside" if choice else "in backward")
     return [dataclasses.replace(job, overlap=bool(choice) and here) for job, here in zip(jobs, swapped)]
-
-
-def homes_of(jobs: list[Job]) -> dict[int, str]:
-    """Job index -> home device, for the homed jobs."""
-    return {index: job.home for index, job in enumerate(jobs) if job.home is not None}
 
 
 def codes_for(plan: RunPlan, candidates: list[Candidate], args: Arguments, budget: int) -> list[JobCode]:

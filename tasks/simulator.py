@@ -278,6 +278,35 @@ def simulate(
         for index, (packing, count, n, g, beside, starts, scale)
         in enumerate(zip(packings, steps, samples, groups, overlap, sections, scaled))
     ]
+    return _simulate(jobs, samples, budgets, hardware, prefetch, policy, mode)
+
+
+def simulate_jobs(
+    jobs: list[Job],
+    steps: list[int],
+    samples: list[int],
+    budgets: dict[str, int],
+    hardware: Hardware,
+    prefetch: bool = True,
+    policy: str = "lrtf",
+    mode: str = "free",
+) -> Simulation:
+    """simulate for a plan's jobs, as they are cut, homed, grouped, sectioned, overlapped and scaled: each at its
+    device packing (Job.device_packing), for steps[j] steps of samples[j] samples, a step per task, numbered by its
+    position, on budgets' devices whatever its machine (simulate one machine's jobs on its devices)."""
+    numbered = [
+        dataclasses.replace(job, members=(index,), feed=index, seed=index, packing=job.device_packing, steps=count,
+                            step_seconds=model_step_seconds(job.device_packing, n, hardware), batch_bytes=0,
+                            depth=1, task_seconds=0.0, machine="")
+        for index, (job, count, n) in enumerate(zip(jobs, steps, samples, strict=True))
+    ]
+    return _simulate(numbered, samples, budgets, hardware, prefetch, policy, mode)
+
+
+def _simulate(jobs: list[Job], samples: list[int], budgets: dict[str, int], hardware: Hardware, prefetch: bool,
+              policy: str, mode: str) -> Simulation:
+    """simulate for jobs numbered by their position, their packings at their device copies' bytes."""
+    homes = {index: job.home for index, job in enumerate(jobs) if job.home is not None}
     state = BindingState(jobs, budgets, slots_per_device=1, policy=policy, mode=mode, homes=homes)
     clock = _Clock(jobs, samples, budgets, hardware, prefetch)
     clock.carry_out(state, state.start())
@@ -286,6 +315,7 @@ def simulate(
             raise RuntimeError("simulation stalled: no task could be bound")
         end, _, task = heapq.heappop(clock.events)
         clock.carry_out(state, state.handle(TaskFinished(task, end)))
+    steps = [job.steps or 0 for job in jobs]
     return Simulation(clock.order, clock.times, max(end for _, end in clock.times.values()), steps, clock.busy)
 
 
