@@ -19,7 +19,8 @@ import functools
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -99,24 +100,17 @@ def task_body(kind: str, host: bool = False) -> Callable[[Callable[..., Result]]
         ) -> Result:
             ctx = context(run_id)
             where = f"{kind} of pack {pack} at step {first} on {ctx.device_spec.name}"
-            try:
+            with _failures(model, where, Reschedule):
                 for earlier in after or ():
                     wait_for(earlier, ctx.finished, ctx.early_starts)
                 received = [unship(receive(arg, ctx.finished, ctx.early_starts), ctx.store) for arg in args]
-            except Reschedule:
-                raise
-            except Exception as error:
-                raise _failure(model, where, error) from None
             key = str(get_worker().get_current_task())  # with its attempt's suffix: what local readers name
             if host:
                 secede()
                 began = time.time()
                 try:
-                    return body(ctx, model, pack, span, *received, group=group, first=first, steps=steps)
-                except (ModelFailure, Reschedule):
-                    raise
-                except Exception as error:
-                    raise _failure(model, where, error) from None
+                    with _failures(model, where, ModelFailure, Reschedule):
+                        return body(ctx, model, pack, span, *received, group=group, first=first, steps=steps)
                 finally:
                     ctx.timeline.append((key, began, time.time(), 0.0))
             ctx.successor = successor
@@ -126,14 +120,11 @@ def task_body(kind: str, host: bool = False) -> Callable[[Callable[..., Result]]
             started = time.perf_counter_ns()
             ctx.counters.add("p2p", sum(tree_nbytes(arg) for arg, remote in zip(args, peers) if remote))
             try:
-                result = body(ctx, model, pack, span, *received, group=group, first=first, steps=steps)
-                ctx.cache.settle()
+                with _failures(model, where, BudgetExceeded, ModelFailure, Reschedule):
+                    result = body(ctx, model, pack, span, *received, group=group, first=first, steps=steps)
+                    ctx.cache.settle()
                 ctx.finished.add(key)
                 return result
-            except (BudgetExceeded, ModelFailure, Reschedule):
-                raise
-            except Exception as error:
-                raise _failure(model, where, error) from None
             finally:
                 ctx.counters.add("busy_ns", time.perf_counter_ns() - started)
                 ctx.timeline.append((key, began, time.time(), (ctx.counters.values["wait_ns"] - waited) / 1e9))
@@ -147,6 +138,17 @@ def task_body(kind: str, host: bool = False) -> Callable[[Callable[..., Result]]
 
 
 HARMONY = tuple(Path(module.__file__).resolve().parent for module in (sys.modules["harmony"], graph, shipping))
+
+
+@contextmanager
+def _failures(model: int, where: str, *passing: type[BaseException]) -> Iterator[None]:
+    """Raise what the block raises as _failure maps it, but the exceptions passing (as they are)."""
+    try:
+        yield
+    except passing:
+        raise
+    except Exception as error:
+        raise _failure(model, where, error) from None
 
 
 def _failure(model: int, where: str, error: Exception) -> Exception:
