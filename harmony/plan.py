@@ -97,7 +97,8 @@ class Forecast:
     def __str__(self) -> str:
         lines = [
             f"Harmony plan on {len(self.budgets)} device{'s' if len(self.budgets) != 1 else ''} "
-            f"({self.hardware.name}), {sum(self.steps)} model-steps, mode {self.mode}",
+            f"({self.hardware.name}), {sum(self.steps)} model-steps, mode {self.mode}"
+            + (", every pack through torch.compile" if self.plan.options.compile else ""),
         ]
         if self.predicted_modes and len(self.predicted_modes) > 1:
             lines.append(

@@ -39,11 +39,11 @@ def test_plan_on_this_machine_predicts_packs_peaks_and_swaps() -> None:
 def test_plan_for_hardware_that_is_not_here() -> None:
     gpus = harmony.Hardware("4 GPUs on PCIe 4", compute_scale=50, host_link=25e9, peer_link=25e9)
     plan = harmony.plan([deep_mlp()], regression_batches(64, 16), microbatches=2, devices=4,
-                        device_memory="1MB", hardware=gpus)
+                        device_memory="1MB", hardware=gpus, compile=True)
     assert list(plan.budgets) == ["dev-0", "dev-1", "dev-2", "dev-3"]
-    assert "4 GPUs on PCIe 4" in str(plan)
+    assert "(4 GPUs on PCIe 4)" in str(plan) and ", every pack through torch.compile" in str(plan)
     here = harmony.plan([deep_mlp()], regression_batches(64, 16), microbatches=2, devices=4, device_memory="1MB")
-    assert plan.step_seconds < here.step_seconds
+    assert plan.step_seconds < here.step_seconds and "torch.compile" not in str(here)
 
 
 def test_plan_needs_a_count_and_a_budget_for_hypothetical_hardware() -> None:
