@@ -265,6 +265,7 @@ def simulate(
     whether its updates are overlapped (upd tasks) rather than applied in its bwd tasks, sections where its tasks
     run several packs each (tasks.runplan.Job.sections): such a task's copies hide behind the compute of the pack
     before them in the task; scaled where its loss is scaled (fp16: every upd of a step waits for all of its bwd).
+    packings are as cut; each is held as its job would hold it (simulate_jobs).
     """
     groups = groups or [1] * len(packings)
     homes = homes or {}
@@ -272,13 +273,12 @@ def simulate(
     sections = sections or [()] * len(packings)
     scaled = scaled or [False] * len(packings)
     jobs = [
-        Job(members=(index,), label=packing.model, feed=index, seed=index, packing=packing, steps=count,
-            step_seconds=model_step_seconds(packing, n, hardware), batch_bytes=0, groups=g, home=homes.get(index),
-            overlap=beside, sections=starts, scaled=scale)
-        for index, (packing, count, n, g, beside, starts, scale)
-        in enumerate(zip(packings, steps, samples, groups, overlap, sections, scaled))
+        Job(members=(index,), label=packing.model, feed=index, seed=index, packing=packing, steps=None,
+            step_seconds=0.0, batch_bytes=0, groups=g, home=homes.get(index), overlap=beside, sections=starts,
+            scaled=scale)
+        for index, (packing, g, beside, starts, scale) in enumerate(zip(packings, groups, overlap, sections, scaled))
     ]
-    return _simulate(jobs, samples, budgets, hardware, prefetch, policy, mode)
+    return simulate_jobs(jobs, steps, samples, budgets, hardware, prefetch, policy, mode)
 
 
 def simulate_jobs(
@@ -294,18 +294,12 @@ def simulate_jobs(
     """simulate for a plan's jobs, as they are cut, homed, grouped, sectioned, overlapped and scaled: each at its
     device packing (Job.device_packing), for steps[j] steps of samples[j] samples, a step per task, numbered by its
     position, on budgets' devices whatever its machine (simulate one machine's jobs on its devices)."""
-    numbered = [
+    jobs = [
         dataclasses.replace(job, members=(index,), feed=index, seed=index, packing=job.device_packing, steps=count,
                             step_seconds=model_step_seconds(job.device_packing, n, hardware), batch_bytes=0,
                             depth=1, task_seconds=0.0, machine="")
         for index, (job, count, n) in enumerate(zip(jobs, steps, samples, strict=True))
     ]
-    return _simulate(numbered, samples, budgets, hardware, prefetch, policy, mode)
-
-
-def _simulate(jobs: list[Job], samples: list[int], budgets: dict[str, int], hardware: Hardware, prefetch: bool,
-              policy: str, mode: str) -> Simulation:
-    """simulate for jobs numbered by their position, their packings at their device copies' bytes."""
     homes = {index: job.home for index, job in enumerate(jobs) if job.home is not None}
     state = BindingState(jobs, budgets, slots_per_device=1, policy=policy, mode=mode, homes=homes)
     clock = _Clock(jobs, samples, budgets, hardware, prefetch)
@@ -315,7 +309,6 @@ def _simulate(jobs: list[Job], samples: list[int], budgets: dict[str, int], hard
             raise RuntimeError("simulation stalled: no task could be bound")
         end, _, task = heapq.heappop(clock.events)
         clock.carry_out(state, state.handle(TaskFinished(task, end)))
-    steps = [job.steps or 0 for job in jobs]
     return Simulation(clock.order, clock.times, max(end for _, end in clock.times.values()), steps, clock.busy)
 
 
