@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import logging
 import statistics
-import time
 
 import torch
 from torch import nn
 
 import harmony
-from benchmarks.models import parameter_bytes, regression
+from benchmarks.models import parameter_bytes, plain_step_seconds, regression
 from benchmarks.report import arguments, report
 
 LR = 1e-3
@@ -35,15 +34,7 @@ def plain(width: int, depth: int, data: list, compile: bool) -> tuple[float, flo
     """(seconds to the end of the first step, steady seconds per step) of a plain Adam loop, 2 micro-batches."""
     model = blocks(width, depth)
     forward = torch.compile(model) if compile else model
-    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
-    seconds = []
-    for x, y in data:
-        started = time.perf_counter()
-        optimizer.zero_grad()
-        for xs, ys in zip(x.chunk(2), y.chunk(2)):
-            (nn.functional.mse_loss(forward(xs), ys) / 2).backward()
-        optimizer.step()
-        seconds.append(time.perf_counter() - started)
+    seconds = plain_step_seconds(forward, torch.optim.Adam(model.parameters(), lr=LR), data)
     return seconds[0], statistics.median(seconds[2:])
 
 

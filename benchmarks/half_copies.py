@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import statistics
-import time
 from contextlib import nullcontext
 from unittest import mock
 
@@ -21,7 +20,7 @@ import torch
 from torch import nn
 
 import harmony
-from benchmarks.models import mlp, parameter_bytes, regression
+from benchmarks.models import mlp, parameter_bytes, plain_step_seconds, regression
 from benchmarks.report import arguments, report
 
 LR = 1e-3
@@ -30,17 +29,7 @@ LR = 1e-3
 def plain_resident(width: int, depth: int, data: list) -> float:
     """Seconds per step of a plain bf16 autocast loop with the model in memory (median of the steps after one)."""
     model = mlp(width, depth)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    seconds = []
-    for x, y in data:
-        started = time.perf_counter()
-        optimizer.zero_grad()
-        for xs, ys in zip(x.chunk(2), y.chunk(2)):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = nn.functional.mse_loss(model(xs), ys) / 2
-            loss.backward()
-        optimizer.step()
-        seconds.append(time.perf_counter() - started)
+    seconds = plain_step_seconds(model, torch.optim.SGD(model.parameters(), lr=LR), data, torch.bfloat16)
     return statistics.median(seconds[1:])
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -39,3 +40,20 @@ def train_sequentially(models: list[nn.Module], rates: list[float], data: list, 
             loss_fn(model(x), y).backward()
             optimizer.step()
     return time.perf_counter() - started
+
+
+def plain_step_seconds(forward: Callable[[torch.Tensor], torch.Tensor], optimizer: torch.optim.Optimizer, data: list,
+                       autocast: torch.dtype | None = None) -> list[float]:
+    """The seconds of each step of a plain regression loop: each batch in two micro-batches through forward (under
+    CPU autocast in that dtype where given), MSE halved per micro-batch, one optimizer step."""
+    seconds = []
+    for x, y in data:
+        started = time.perf_counter()
+        optimizer.zero_grad()
+        for xs, ys in zip(x.chunk(2), y.chunk(2)):
+            with torch.autocast("cpu", dtype=autocast) if autocast else nullcontext():
+                loss = nn.functional.mse_loss(forward(xs), ys) / 2
+            loss.backward()
+        optimizer.step()
+        seconds.append(time.perf_counter() - started)
+    return seconds
