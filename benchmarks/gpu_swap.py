@@ -16,6 +16,7 @@ bytes in per step, and the ideal max(compute, copy) at the measured pinned copy 
 
 from __future__ import annotations
 
+import argparse
 import logging
 import time
 
@@ -109,17 +110,31 @@ WAYS = {  # Harmony's ways: (prefetch, packs_per_task, overlap_update, precision
 }
 
 
-def harmony_run(model: nn.Module, data: list, budget: int, prefetch: bool, packs_per_task: int | str,
-                overlap_update: bool | None, precision: str) -> harmony.TrainResult:
-    """Harmony on the GPU under budget, in micro-batches of 512 samples (the activations must fit beside a pack)."""
+def harmony_run(model: nn.Module, data: list, budget: int, microbatch: int, prefetch: bool,
+                packs_per_task: int | str, overlap_update: bool | None, precision: str) -> harmony.TrainResult:
+    """Harmony on the GPU under budget, in micro-batches of microbatch samples."""
     return harmony.train(model, data, loss_fn=nn.functional.mse_loss, optimizer=lambda p: torch.optim.SGD(p, lr=LR),
-                         microbatches=max(1, len(data[0][0]) // 512), devices=["cuda:0"], device_memory=budget,
+                         microbatches=max(1, len(data[0][0]) // microbatch), devices=["cuda:0"], device_memory=budget,
                          prefetch=prefetch, fuse=False, progress=False, packs_per_task=packs_per_task,
                          overlap_update=overlap_update, precision=precision)
 
 
+def progress(rows: list[dict]) -> None:
+    """Print rows as they are measured, so that a run cut short still tells what it measured."""
+    for row in rows:
+        print(f"batch {row['batch']}: {row['way']}: {row['step s']:.4f} s a step", flush=True)
+
+
+def options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batches", type=lambda text: [int(b) for b in text.split(",")], default=None,
+                        help="samples per weight load, comma-separated (default 1024,4096,16384,65536)")
+    parser.add_argument("--microbatch", type=int, default=512,
+                        help="samples per micro-batch of Harmony's runs (their activations must fit beside a pack)")
+    parser.add_argument("--ways", default="", help="only Harmony's ways whose name contains this")
+
+
 def main() -> None:
-    args = arguments(__doc__.splitlines()[0])
+    args = arguments(__doc__.splitlines()[0], options)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.gpu_swap needs a CUDA GPU")
     logging.getLogger("distributed").setLevel(logging.ERROR)
@@ -128,8 +143,8 @@ def main() -> None:
     host_to_device, device_to_host = pinned_bandwidth(device)
     weights = parameter_bytes(mlp(width, depth))
     budget = weights // 4
-    rows = []
-    for batch in ((512, 2048) if args.quick else (1024, 4096, 16384, 65536)):  # samples per weight load
+    rows, raw = [], {}
+    for batch in args.batches or ((512, 2048) if args.quick else (1024, 4096, 16384, 65536)):
         data = regression(steps, batch, width)
         resident = plain_resident(mlp(width, depth), data, device)
         resident_bf16 = plain_resident(mlp(width, depth), data, device, bf16=True)
@@ -140,8 +155,16 @@ def main() -> None:
         rows.append({"way": "plain, swapping layers", **common, "step s": swapping, "weights in/step": moved})
         rows.append({"way": "plain bf16 autocast, resident on the GPU", **common, "compute s": resident_bf16,
                      "step s": resident_bf16, "weights in/step": 0})
+        progress(rows[-3:])
         for way, (prefetch, packs_per_task, overlap_update, precision) in WAYS.items():
-            result = harmony_run(mlp(width, depth), data, budget, prefetch, packs_per_task, overlap_update, precision)
+            if args.ways not in way:
+                continue
+            try:
+                result = harmony_run(mlp(width, depth), data, budget, args.microbatch, prefetch, packs_per_task,
+                                     overlap_update, precision)
+            except harmony.InputError as error:  # micro-batches whose activations do not fit beside a pack
+                print(f"batch {batch}: {way}: {error}", flush=True)
+                continue
             job = result.plan.jobs[0]
             rows.append({
                 "way": f"{way} ({job.section_count} tasks a pass, updates {'beside' if job.overlap else 'in bwd'})",
@@ -155,6 +178,9 @@ def main() -> None:
                 "activations in+out/step": (result.stats.bytes_in["activations"]
                                             + result.stats.bytes_out["activations"]) // steps,
             })
+            progress(rows[-1:])
+            raw[f"{batch} {way}"] = {key: getattr(result.stats, key) for key in (
+                "timeline", "step_seconds", "task_seconds", "busy_seconds", "idle_seconds")}
     for row in rows:
         row["throughput / resident"] = row["compute s"] / row["step s"]
         row.setdefault("prefetched %", 0.0)
@@ -167,7 +193,7 @@ def main() -> None:
            rows, args.out, notes="batch: samples per weight load (issue 28's goal: 90% of the resident throughput from "
            "16k); compute s: the resident plain loop (for bf16 rows the resident bf16 autocast loop); "
            "copy s: 2W in + 1W out at the measured speed; "
-           "busy: time inside Harmony's task bodies; activations: boundary bytes between host and GPU")
+           "busy: time inside Harmony's task bodies; activations: boundary bytes between host and GPU", raw=raw)
 
 
 if __name__ == "__main__":

@@ -18,12 +18,11 @@ import argparse
 import logging
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 import harmony
-from benchmarks.report import report
+from benchmarks.report import arguments, report
 
 WARMUP = 3
 
@@ -73,12 +72,13 @@ def harmony_steps(models: list[torch.nn.Module], data: list, device: str, rates:
     return [(finished[-1] - finished[WARMUP]) / (len(finished) - WARMUP - 1)], result
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--quick", action="store_true")
+def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    args = parser.parse_args()
+    parser.add_argument("--ways", default="", help="only the ways whose name contains this")
+
+
+def main() -> None:
+    args = arguments(__doc__.splitlines()[0], options)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("benchmarks.gpu_sweep needs a CUDA GPU (or --device cpu --quick to check the script)")
     logging.getLogger("distributed").setLevel(logging.ERROR)
@@ -90,25 +90,30 @@ def main() -> None:
     tokens = count * batch * context
     rows = []
     for way in ("plain loop", "plain loop, torch.compile", "harmony", "harmony, compile=True"):
+        if args.ways not in way:
+            continue
         models = gpt2s(count, layers, width, heads, context)
         extra = {}
         if way.startswith("harmony"):
             times, result = harmony_steps(models, data, device, rates, compile=way.endswith("True"))
-            extra = {"arrays": str(result.arrays), "homed": len(result.homes)}
+            extra = {"arrays": str(result.arrays), "homed": len(result.homes),
+                     "call s": result.stats.wall_seconds, "training s": result.stats.run_seconds}
         else:
             times = plain_steps(models, data, device, rates, compiled=way.endswith("compile"))
         times.sort()
         median = statistics.median(times)
         rows.append({"way": way, "step s": median, "range": f"{times[0]:.3f}-{times[-1]:.3f}",
                      "tokens/s": tokens / median, **extra})
-        print(f"{way}: {median * 1e3:.1f} ms a sweep step", flush=True)
+        print(f"{way}: {median * 1e3:.1f} ms a sweep step {extra}", flush=True)
     for row in rows:
-        row["/ plain loop"] = rows[0]["step s"] / row["step s"]
-        row.setdefault("arrays", "")
-        row.setdefault("homed", "")
+        row["/ first way"] = rows[0]["step s"] / row["step s"]
+        for column in ("arrays", "homed", "call s", "training s"):
+            row.setdefault(column, "")
     name = torch.cuda.get_device_name(0) if device.startswith("cuda") else "CPU"
     report("gpu_sweep", f"{count} GPT-2s ({layers} layers x {width}) on {name}, batch {batch} x {context} tokens",
-           rows, args.out, notes="step s: median seconds per sweep step after the first few; / plain loop: speed-up")
+           rows, args.out, notes="step s: median seconds per sweep step after the first few; / first way: speed-up "
+           "over the first row (the plain loop unless --ways left it out); call s: harmony.train's whole call, "
+           "training s: its training (the rest: cluster, calibration, planning, shipping the models)")
 
 
 if __name__ == "__main__":

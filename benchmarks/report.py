@@ -6,16 +6,21 @@ import argparse
 import json
 import os
 import platform
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 
-def arguments(description: str) -> argparse.Namespace:
+def arguments(description: str, extend: Callable[[argparse.ArgumentParser], None] | None = None
+              ) -> argparse.Namespace:
+    """The options every benchmark takes (--out, --quick), plus those extend adds."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--out", type=Path, default=None, help="where to write the JSON (default benchmarks/results/)")
     parser.add_argument("--quick", action="store_true", help="fewer steps and sizes, for a smoke run")
+    if extend is not None:
+        extend(parser)
     return parser.parse_args()
 
 
