@@ -292,16 +292,15 @@ class DeviceCache:
     def copy_in(self, tree: Any, kind: str) -> Any:
         """A device copy of every tensor in tree, counted as bytes_in[kind].
 
-        On CUDA the copy is enqueued on the copy engine's inward stream (asynchronous from page-locked host memory,
-        which copy_out gives and a pinned store's batch files are), and the compute stream waits for it on the GPU,
-        so the host runs on and the copy overlaps the kernels before it; settle() waits for it before the task
-        ends and its source may be rewritten.
+        On CUDA the copy is enqueued on the compute stream (asynchronous from page-locked host memory, which
+        copy_out gives and a pinned store's batch files are), so the kernels that read it are ordered after it
+        without the host waiting; settle() waits for it before the task ends and its source may be rewritten.
         """
         started = time.perf_counter()
         asynchronous = self.device.type == "cuda"
 
         def copy(leaf: torch.Tensor) -> torch.Tensor:
-            return self.engine.copy_in(leaf) if asynchronous else leaf.clone()
+            return leaf.to(self.device, copy=True, non_blocking=True) if asynchronous else leaf.clone()
 
         if isinstance(tree, torch.Tensor):  # the common case, without pytree's walk (a step copies two)
             nbytes, copied = tree.nbytes, copy(tree)
@@ -318,8 +317,7 @@ class DeviceCache:
         """A host copy of every tensor in tree, counted as bytes_out[kind].
 
         On CUDA the copy goes into page-locked memory from PyTorch's caching host allocator and is only
-        enqueued, on the copy engine's outward stream: the host bytes are valid once settle() has run, which the
-        task does before it returns them (a copy_in of them in the same task waits for them on the GPU).
+        enqueued: the host bytes are valid once settle() has run, which the task does before it returns them.
         """
         started = time.perf_counter()
         nbytes = tree_nbytes(tree)
@@ -332,15 +330,17 @@ class DeviceCache:
     def _host_copy(self, leaf: torch.Tensor) -> torch.Tensor:
         if self.device.type != "cuda":
             return leaf.detach().to("cpu", copy=True)
+        host = torch.empty(leaf.shape, dtype=leaf.dtype, pin_memory=True)
+        host.copy_(leaf.detach(), non_blocking=True)
         self._unsettled = True
-        return self.engine.copy_out(leaf)
+        return host
 
     def settle(self) -> None:
-        """Wait until the kernels and the copies a task enqueued (copy_out's to the host, copy_in's from it) have
+        """Wait until the copies enqueued on the compute stream (copy_out's to the host, copy_in's from it) have
         completed (CUDA only)."""
         if self._unsettled:
             self._unsettled = False
-            self.engine.settle()
+            torch.cuda.current_stream(self.device).synchronize()
 
     def write_back(self, device_bytes: torch.Tensor, host: torch.Tensor, kind: str) -> None:
         """Copy device bytes into a host store buffer, counted as bytes_out[kind]."""
