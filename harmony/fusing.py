@@ -116,33 +116,43 @@ def _choose(
 ) -> FusionChoice:
     """The sub-array size for one group: the best predicted ("auto"), or the largest that fits up to a cap.
 
-    Every array it builds to predict with is left in built, keyed by its members, for reuse.
+    Of the arrays it builds to predict with, only the best predicted one is left in built, keyed by its members,
+    for reuse: each holds a stacked copy of its members' weights, and a group of large models cannot hold one
+    copy per candidate size at once.
     """
     fuse = sizing.args.options.fuse
-    budget = min(sizing.budgets.values())
     sizes = candidate_sizes(len(group))
     if fuse != "auto":
         cap = len(group) if fuse is True else min(int(fuse), len(group))
         sizes = sorted({size for size in sizes if size < cap} | {cap}, reverse=True)
     predicted: dict[int, float | None] = {}
+    best: tuple[float, int] | None = None  # the best array's (seconds, -size), the order choose_size ranks by
     for size in sizes:
-        if size == 1:
-            arrays = [candidates[m] for m in group]
-        else:
-            try:
-                array = build_array(group[:size], candidates, sizing.args, budget)
-            except LayerTooLarge:
-                predicted[size] = None
-                continue
-            if not array.job.packing.prefetch and all(candidates[m].job.packing.prefetch for m in group):
-                predicted[size] = None  # it fits only without prefetching, where its members prefetch alone
-                continue
+        predicted[size], array = _trial(group, size, candidates, sizing)
+        if array is not None and (best is None or (predicted[size], -size) < best):
+            if best is not None:
+                del built[tuple(group[: -best[1]])]
             built[tuple(group[:size])] = array
-            arrays = [array] * len(split(group, size))
-        predicted[size] = _predict(arrays, sizing)
-        if fuse != "auto":
+            best = (predicted[size], -size)
+        del array  # before the next size's array is built
+        if fuse != "auto" and predicted[size] is not None:
             return FusionChoice(tuple(group), predicted, size)
     return choose_size(group, predicted)
+
+
+def _trial(group: list[int], size: int, candidates: list[Candidate], sizing: Sizing
+           ) -> tuple[float | None, Candidate | None]:
+    """The group's predicted seconds a step in sub-arrays of size (None where they do not fit), and the array
+    built to predict it (None for size 1, or where it does not fit)."""
+    if size == 1:
+        return _predict([candidates[m] for m in group], sizing), None
+    try:
+        array = build_array(group[:size], candidates, sizing.args, min(sizing.budgets.values()))
+    except LayerTooLarge:
+        return None, None
+    if not array.job.packing.prefetch and all(candidates[m].job.packing.prefetch for m in group):
+        return None, None  # it fits only without prefetching, where its members prefetch alone
+    return _predict([array] * len(split(group, size)), sizing), array
 
 
 def fuse(

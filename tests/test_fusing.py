@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+import gc
 import itertools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -12,7 +14,7 @@ import torch
 from torch import nn
 
 import harmony
-from harmony import planner
+from harmony import fusing, planner
 from harmony.runtime.shipping import BatchFiles
 from tests.conftest import (
     GatedNet,
@@ -150,6 +152,28 @@ def test_fused_dropout_draws_its_own_masks_for_every_member(no_leaks: None) -> N
     assert result.arrays == [[0, 1, 2]]
     assert len({round(history[0], 6) for history in result.history}) == 3
     assert not torch.equal(models[0][0].weight, models[1][0].weight)
+
+
+def test_choosing_a_sub_array_size_holds_one_built_array_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every candidate size's array holds a stacked copy of its members' weights: for 8 models, arrays of 2, 4 and
+    8 built side by side held 14 model copies; only the best predicted one so far may live on beside the next."""
+    alive: list[weakref.ref] = []
+    most = []
+    build = fusing.build_array
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        gc.collect()
+        most.append(sum(ref() is not None for ref in alive))
+        array = build(*args, **kwargs)
+        alive.append(weakref.ref(array))
+        return array
+
+    monkeypatch.setattr(fusing, "build_array", counted)
+    models = [batchnorm_mlp(seed) for seed in range(8)]
+    plan = harmony.plan(models, regression_batches(samples=16 * 3, batch=16), loss_fn=nn.functional.mse_loss,
+                        optimizer=lambda p: torch.optim.SGD(p, lr=0.1), devices=["cpu"], device_memory="4MB")
+    assert sorted(model for array in plan.arrays for model in array) == list(range(8))
+    assert len(most) >= 3 and max(most) <= 1, most
 
 
 def test_plan_shows_the_arrays_and_the_sizes_it_compared() -> None:
