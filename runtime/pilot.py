@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -184,19 +184,24 @@ def _specs(named: Iterable[tuple[str, torch.Tensor]]) -> tuple[TensorSpec, ...]:
 def _fastest_call(layer: nn.Module, x: Any, repeats: int) -> tuple[Any, float]:
     """layer's output on x and its fastest time over repeats calls, or fewer once they have taken
     TIMING_BUDGET seconds (at least two): on a shared machine one call can be off by half, and which
-    sub-array size wins can turn on ten percent."""
+    sub-array size wins can turn on ten percent. Every call but the last leaves the layer's buffers and the RNG
+    as it found them; the last is the forward the chain goes on from, and only its output is held (a sub-array's
+    outputs, a language model's logits, can be most of the pilot's memory)."""
     fastest = float("inf")
     spent = 0.0
-    for call in range(repeats):
-        with preserved_state(layer):
+    call = 0
+    while True:
+        last = call + 1 >= repeats or (call >= 2 and spent > TIMING_BUDGET)
+        with nullcontext() if last else preserved_state(layer):
             started = time.perf_counter()
             y = layer(x)
             seconds = time.perf_counter() - started
         fastest = min(fastest, seconds)
         spent += seconds
-        if call >= 1 and spent > TIMING_BUDGET:
-            break
-    return y, fastest
+        call += 1
+        if last:
+            return y, fastest
+        del y
 
 
 def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7, largest: int | None = None,
@@ -239,7 +244,7 @@ def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7, larges
                     halved=halved,
                 )
             )
-            x = layer(x)
+            x = y
         output = x
     profile = ModelProfile(name=name, layers=tuple(profiles), pilot_samples=samples)
     return Decomposition(layers=layers, profile=profile, output=output, notes=notes)

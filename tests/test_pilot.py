@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import torch
 from torch import nn
 
@@ -147,6 +150,34 @@ def test_pilot_leaves_buffers_and_rng_untouched() -> None:
     assert torch.equal(torch.rand(3), expected_draw)
     for key, value in model.state_dict().items():
         assert torch.equal(value, before[key]), key
+
+
+class Watched(nn.Module):
+    """A layer that records, at each call, how many of its earlier outputs are still held (its data-dependent branch
+    keeps torch.fx from tracing into it: it is one layer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.outputs: list[weakref.ref] = []
+        self.held: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gc.collect()
+        self.held.append(sum(ref() is not None for ref in self.outputs))
+        y = self.fc(x) if x.sum() > -1e9 else x
+        self.outputs.append(weakref.ref(y))
+        return y
+
+
+def test_the_pilot_holds_one_output_of_a_layer_at_a_time_and_goes_on_from_its_last_call() -> None:
+    """A sub-array's outputs or a language model's logits can be most of the pilot's memory: no call may start while
+    an earlier call's output is held, and the chain goes on from the last call's output (no extra forward)."""
+    watched = Watched()
+    model = nn.Sequential(watched, nn.ReLU(), nn.Linear(8, 2))
+    decomposition = decompose(model, torch.randn(4, 8), "m", repeats=5)
+    assert len(watched.held) == 5 and max(watched.held) == 0, watched.held
+    assert decomposition.output.shape == (4, 2)
 
 
 def test_a_block_in_a_sequential_stays_whole_unless_its_weights_exceed_the_limit() -> None:
