@@ -25,6 +25,7 @@ from harmony.tasks.fusion import FusionChoice, candidate_sizes, choose_size, fus
 from harmony.tasks.hardware import Hardware
 from harmony.tasks.homes import choose_homes
 from harmony.tasks.packing import LayerTooLarge, cut_packs, minimal_budget
+from harmony.tasks.profile import ModelProfile
 from harmony.tasks.runplan import Job
 from harmony.tasks.simulator import model_step_seconds, simulate
 from harmony.validate import Arguments
@@ -52,8 +53,10 @@ def _label(members: list[int], args: Arguments) -> str:
     return f"array of models {','.join(map(str, members))} ({'/'.join(names)})"
 
 
-def build_array(members: list[int], candidates: list[Candidate], args: Arguments, budget: int) -> Candidate:
-    """Stack the members' layers into ArrayLayers, pilot the array and cut it into packs for budget.
+def build_array(members: list[int], candidates: list[Candidate], args: Arguments, budget: int,
+                timed: ModelProfile | None = None) -> Candidate:
+    """Stack the members' layers into ArrayLayers, pilot the array (its layers' times from timed, an array of as many
+    members of the same group, where given) and cut it into packs for budget.
 
     Raises LayerTooLarge when the array's largest layer does not fit budget.
     """
@@ -65,7 +68,7 @@ def build_array(members: list[int], candidates: list[Candidate], args: Arguments
     ]
     sample, target, sizes = pilot_batch(args, members[0])
     try:
-        decomposition = decompose(nn.Sequential(*layers), sample, label)
+        decomposition = decompose(nn.Sequential(*layers), sample, label, timed=timed)
     except Exception as error:
         raise ModelError(members[0], f"{label} raised {type(error).__name__}: {error} in its fused forward during "
                          "the pilot pass; pass fuse=False to train these models unfused") from error
@@ -168,11 +171,13 @@ def fuse(
     first_of: dict[int, Candidate] = {}
     for choice in choices:
         logger.info("%s", choice.explain(type(args.models[choice.members[0]]).__name__))
+        timed = None  # the choice's first array's profile: the others of as many members take its timings
         for members in choice.arrays:
             if len(members) == 1:
                 first_of[members[0]] = candidates[members[0]]
                 continue
-            array = built.get(tuple(members)) or build_array(members, candidates, args, min(budgets.values()))
+            array = built.get(tuple(members)) or build_array(members, candidates, args, min(budgets.values()), timed)
+            timed = timed or array.profile
             logger.info("%s", array.job.packing.explain())
             first_of[members[0]] = array
     grouped = {model for choice in choices for model in choice.members}

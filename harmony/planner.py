@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -68,10 +68,14 @@ def cut_error(error: LayerTooLarge, label: str) -> InputError:
 def pilot(args: Arguments, budget: int) -> list[Candidate]:
     """Profile every model on its first micro-batch and cut it into packs that fit budget."""
     candidates = []
+    timed: dict[Hashable, ModelProfile] = {}  # the first profile of each architecture, whose timings the rest take
     for index, model in enumerate(args.models):
         label = model_label(index, model)
         sample, target, sizes = pilot_batch(args, index)
-        decomposition, packing = _decompose_and_cut(args, index, sample, target, sizes[0], budget)
+        architecture = _architecture(args, index)
+        decomposition, packing = _decompose_and_cut(args, index, sample, target, sizes[0], budget,
+                                                    timed.get(architecture))
+        timed.setdefault(architecture, decomposition.profile)
         logger.info("%s%s", packing.explain(), "".join(f"; {note}" for note in decomposition.notes[:3]))
         job = Job(
             members=(index,),
@@ -89,8 +93,17 @@ def pilot(args: Arguments, budget: int) -> list[Candidate]:
     return candidates
 
 
+def _architecture(args: Arguments, index: int) -> Hashable:
+    """What models must share for one's pilot timings to stand for the other's: class, loader, parameters and
+    buffers (decompose still checks that their layers come out alike)."""
+    model = args.models[index]
+    return (type(model), args.loader_of[index],
+            tuple((name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in model.named_parameters()),
+            tuple((name, tuple(b.shape), b.dtype) for name, b in model.named_buffers()))
+
+
 def _decompose_and_cut(args: Arguments, index: int, sample: Any, target: Any, samples: int,
-                       budget: int) -> tuple[Decomposition, Any]:
+                       budget: int, timed: ModelProfile | None = None) -> tuple[Decomposition, Any]:
     """Decompose model index and cut it into packs for budget, its blocks whole where they fit.
 
     When a layer does not fit, the blocks holding as many weights as it are cut at their children, finer and finer,
@@ -106,7 +119,8 @@ def _decompose_and_cut(args: Arguments, index: int, sample: Any, target: Any, sa
     while True:
         try:
             decomposition = decompose(KeywordCall(model) if isinstance(sample, Mapping) else model, sample, label,
-                                      largest=largest, export=export, autocast=PRECISIONS[args.options.precision])
+                                      largest=largest, export=export, autocast=PRECISIONS[args.options.precision],
+                                      timed=timed)
         except Exception as error:
             raise ModelError(index, f"{label} raised {type(error).__name__}: {error} in its forward "
                              "during the pilot pass") from error

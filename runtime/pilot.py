@@ -205,11 +205,16 @@ def _fastest_call(layer: nn.Module, x: Any, repeats: int) -> tuple[Any, float]:
 
 
 def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7, largest: int | None = None,
-              export: bool = False, autocast: str | None = None) -> Decomposition:
+              export: bool = False, autocast: str | None = None, timed: ModelProfile | None = None) -> Decomposition:
     """Decompose model into a chain and profile it on sample (one micro-batch of inputs); a traced block holding more
     than largest bytes of weights is cut at its children; with export, a module torch.fx cannot trace is exported
     with torch.export and cut the same way; with autocast (a dtype's name), each layer's parameters that autocast
-    only casts to it are found (LayerProfile.halved; never a tied one, which another layer may read otherwise)."""
+    only casts to it are found (LayerProfile.halved; never a tied one, which another layer may read otherwise).
+
+    timed is the profile of a model piloted before that may share this one's architecture (a sweep's models): if
+    its layers are these (the same descriptions, parameters and buffers, on as many samples), each layer is called
+    once, for its output and sizes, and takes its time from timed instead of being timed again. Everything else
+    (bytes, which parameters are halved) is this model's own."""
     samples = max(1, _batch_size(sample))
     with preserved_state(model), torch.no_grad():
         layers: list[nn.Module] = []
@@ -219,10 +224,11 @@ def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7, larges
     profiles = []
     borrowings = _borrowings(layers)
     lent = {lender for borrowed in borrowings for lender in borrowed.values()}
+    known = _timings(timed, layers, borrowings, samples)
     with preserved_state(model), torch.no_grad():
         x = sample
         for index, (layer, borrowed) in enumerate(zip(layers, borrowings)):
-            y, seconds = _fastest_call(layer, x, repeats)
+            y, seconds = _fastest_call(layer, x, 1 if known else repeats)
             named = list(layer.named_parameters())
             halved: frozenset[str] = frozenset()
             if autocast:
@@ -237,7 +243,7 @@ def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7, larges
                     frozen=frozenset(n for n, p in named if not p.requires_grad),
                     input_bytes_per_sample=tree_nbytes(x) / samples,
                     output_bytes_per_sample=_new_bytes(y, x) / samples,
-                    forward_seconds_per_sample=seconds / samples,
+                    forward_seconds_per_sample=known[index] if known else seconds / samples,
                     cut_before=is_boundary(x),
                     borrowed=_specs((n, p) for n, p in named if n in borrowed),
                     lenders=tuple(borrowed[n] for n, _ in named if n in borrowed),
@@ -248,6 +254,20 @@ def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7, larges
         output = x
     profile = ModelProfile(name=name, layers=tuple(profiles), pilot_samples=samples)
     return Decomposition(layers=layers, profile=profile, output=output, notes=notes)
+
+
+def _timings(timed: ModelProfile | None, layers: list[nn.Module], borrowings: list[dict[str, tuple[int, str]]],
+             samples: int) -> list[float] | None:
+    """Each layer's forward seconds per sample from timed, where timed's layers are these on as many samples;
+    else None."""
+    if timed is None or timed.pilot_samples != samples or len(timed.layers) != len(layers):
+        return None
+    for known, layer, borrowed in zip(timed.layers, layers, borrowings):
+        own = [(n, p) for n, p in layer.named_parameters() if n not in borrowed]
+        if (known.description, known.params, known.buffers) != (
+                _describe(layer), _specs(own), _specs(layer.named_buffers())):
+            return None
+    return [known.forward_seconds_per_sample for known in timed.layers]
 
 
 def _new_bytes(y: Any, x: Any) -> int:

@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from torch import nn
 
 import harmony
 from harmony.tasks.graph import TaskId
@@ -103,3 +104,26 @@ def test_updates_are_overlapped_where_the_simulator_predicts_it_faster_and_the_p
     assert homed.plan.jobs[0].home is not None and not homed.plan.jobs[0].overlap, "a homed job updates on its device"
     with pytest.raises(harmony.InputError, match="overlap_update"):
         harmony.plan(models, batches, overlap_update=1)
+
+
+def test_a_sweep_of_one_architecture_is_timed_on_its_first_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pilot times the first model of an architecture (and the first array of a fused size) and the others
+    take its timings, each of their layers called once: a sweep of large models is planned in a fraction of the
+    forwards."""
+    from harmony.runtime import pilot
+
+    calls: list[int] = []
+    fastest = pilot._fastest_call
+
+    def counted(layer: nn.Module, x: object, repeats: int) -> tuple[object, float]:
+        calls.append(repeats)
+        return fastest(layer, x, repeats)
+
+    monkeypatch.setattr(pilot, "_fastest_call", counted)
+    batches = regression_batches(samples=16 * 3, batch=16)
+    sgd = lambda p: torch.optim.SGD(p, lr=0.1)  # noqa: E731
+    forecast = harmony.plan([deep_mlp(seed=s) for s in range(4)], batches, nn.functional.mse_loss, sgd,
+                            devices=["cpu"], fuse=False)
+    layers = calls.count(7)
+    assert layers > 1 and calls == [7] * layers + [1] * 3 * layers, calls
+    assert len({job.step_seconds for job in forecast.plan.jobs}) == 1, "the followers' packs are timed alike"
