@@ -175,6 +175,22 @@ def no_leaks() -> Iterator[None]:
 
 
 @pytest.fixture
+def timed_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The repeats the pilot asks of each layer's timing (runtime.pilot._fastest_call), in the order asked."""
+    from harmony.runtime import pilot
+
+    calls: list[int] = []
+    fastest = pilot._fastest_call
+
+    def counted(layer: nn.Module, x: object, repeats: int) -> tuple[object, float]:
+        calls.append(repeats)
+        return fastest(layer, x, repeats)
+
+    monkeypatch.setattr(pilot, "_fastest_call", counted)
+    return calls
+
+
+@pytest.fixture
 def store() -> Iterator[HostStore]:
     """A host store of its own for a unit test, removed after it."""
     host = HostStore("unittest")

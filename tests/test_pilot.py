@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import weakref
 
-import pytest
 import torch
 from torch import nn
 
-from harmony.runtime import pilot
 from harmony.runtime.pilot import decompose
 from tests.conftest import ResidualBlock
 
@@ -181,16 +179,9 @@ def test_the_pilot_holds_one_output_of_a_layer_at_a_time_and_goes_on_from_its_la
 
 
 def test_a_model_of_an_architecture_piloted_before_calls_each_layer_once_and_takes_its_timings(
-    monkeypatch: pytest.MonkeyPatch
+    timed_calls: list[int]
 ) -> None:
-    repeats: list[int] = []
-    fastest = pilot._fastest_call
-
-    def counted(layer: nn.Module, x: object, times: int) -> tuple[object, float]:
-        repeats.append(times)
-        return fastest(layer, x, times)
-
-    monkeypatch.setattr(pilot, "_fastest_call", counted)
+    repeats = timed_calls
     model = lambda outputs=2: nn.Sequential(Watched(), nn.ReLU(), nn.Linear(8, outputs))  # noqa: E731
     sample = torch.randn(4, 8)
     timed = decompose(model(), sample, "m0", repeats=5).profile

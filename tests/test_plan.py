@@ -106,20 +106,11 @@ def test_updates_are_overlapped_where_the_simulator_predicts_it_faster_and_the_p
         harmony.plan(models, batches, overlap_update=1)
 
 
-def test_a_sweep_of_one_architecture_is_timed_on_its_first_model(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_sweep_of_one_architecture_is_timed_on_its_first_model(timed_calls: list[int]) -> None:
     """The pilot times the first model of an architecture (and the first array of a fused size) and the others
     take its timings, each of their layers called once: a sweep of large models is planned in a fraction of the
     forwards."""
-    from harmony.runtime import pilot
-
-    calls: list[int] = []
-    fastest = pilot._fastest_call
-
-    def counted(layer: nn.Module, x: object, repeats: int) -> tuple[object, float]:
-        calls.append(repeats)
-        return fastest(layer, x, repeats)
-
-    monkeypatch.setattr(pilot, "_fastest_call", counted)
+    calls = timed_calls
     batches = regression_batches(samples=16 * 3, batch=16)
     sgd = lambda p: torch.optim.SGD(p, lr=0.1)  # noqa: E731
     forecast = harmony.plan([deep_mlp(seed=s) for s in range(4)], batches, nn.functional.mse_loss, sgd,
