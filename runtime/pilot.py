@@ -111,9 +111,10 @@ def chain_order(module: nn.Module) -> list[nn.Module] | None:
 
 def _flatten(module: nn.Module, x: Any, layers: list[nn.Module], notes: list[str], largest: int | None,
              export: bool, block: bool = False) -> Any:
-    """Append module's layers to layers, running x through them; notes says how a module that is not a chain of
-    its children was cut, or why it was not (largest, and export: whether to try torch.export: see trace_stages).
-    A block (an entry of a Sequential or ModuleList) is one layer unless its weights exceed largest."""
+    """Append module's layers to layers; notes says how a module that is not a chain of its children was cut, or
+    why it was not (largest, and export: whether to try torch.export: see trace_stages). A block (an entry of a
+    Sequential or ModuleList) is one layer unless its weights exceed largest. Only torch.export reads a module's
+    input (x), so only with export is x run through the layers found (decompose runs them after, timing each)."""
     order = chain_order(module)
     if order is not None:
         for child in order:
@@ -129,7 +130,8 @@ def _flatten(module: nn.Module, x: Any, layers: list[nn.Module], notes: list[str
         notes.append(f"{type(named).__name__}: {how}")
     for stage in stages:
         layers.append(stage)
-        x = stage(x)
+        if export:
+            x = stage(x)
     return x
 
 
