@@ -185,7 +185,7 @@ def _specs(named: Iterable[tuple[str, torch.Tensor]]) -> tuple[TensorSpec, ...]:
 
 def _fastest_call(layer: nn.Module, x: Any, repeats: int) -> tuple[Any, float]:
     """layer's output on x and its fastest time over repeats calls, or fewer once they have taken
-    TIMING_BUDGET seconds (at least two): on a shared machine one call can be off by half, and which
+    TIMING_BUDGET seconds (at least three): on a shared machine one call can be off by half, and which
     sub-array size wins can turn on ten percent. Every call but the last leaves the layer's buffers and the RNG
     as it found them; the last is the forward the chain goes on from, and only its output is held (a sub-array's
     outputs, a language model's logits, can be most of the pilot's memory)."""
