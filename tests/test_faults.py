@@ -335,7 +335,7 @@ def run_script(path: Path, source: str, timeout: float = 300) -> subprocess.Comp
 FP16 = {"precision": "fp16", "grad_scaler": {"init_scale": 2.0**24, "growth_interval": 3}}
 
 
-@pytest.mark.parametrize("fuse,extra", [(False, {}), (True, {}), (False, FP16)], ids=["unfused", "fused", "fp16"])
+@pytest.mark.parametrize("fuse,extra", [(True, {}), (False, FP16)], ids=["fused", "swapped-fp16"])
 def test_a_killed_driver_leaves_nothing_and_its_run_resumes_to_the_uninterrupted_result(
     fuse: bool, extra: dict, tmp_path: Path
 ) -> None:
