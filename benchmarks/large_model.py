@@ -114,6 +114,21 @@ def summary(times: list[float] | None, base: float) -> tuple[Any, Any]:
     return statistics.median(ratios), f"{ratios[0]:.2f}-{ratios[-1]:.2f}"
 
 
+def table_row(family: str, depth: int, model: nn.Module, budget: int, packs: int, base: float,
+              harmony: list[float], microbatches: int, beside: list[float] | None = None,
+              offload: list[float] | None = None) -> dict[str, Any]:
+    """One row of the table: each way's step times as median and range of their ratios to the in-memory step ("-"
+    for a way not run)."""
+    harmony_median, harmony_range = summary(harmony, base)
+    beside_median, beside_range = summary(beside, base)
+    offload_median, offload_range = summary(offload, base)
+    return {"model": family, "blocks": depth, "training MiB": training_bytes(model) / 2**20,
+            "model/budget": training_bytes(model) / budget, "packs": packs, "in-memory step s": base,
+            "harmony / in-memory": harmony_median, "micro-batches": microbatches, "harmony range": harmony_range,
+            "updates beside / in-memory": beside_median, "updates beside range": beside_range,
+            "cpu_offload / in-memory": offload_median, "cpu_offload range": offload_range}
+
+
 def main() -> None:
     args = arguments(__doc__.splitlines()[0])
     logging.getLogger("distributed").setLevel(logging.ERROR)
@@ -133,31 +148,19 @@ def main() -> None:
             base = statistics.median(plain)
             offload = offload_steps(copy.deepcopy(model), batches, loss_fn)
             steps_h, packs = harmony_steps(copy.deepcopy(model), batches, loss_fn)
-            harmony_median, harmony_range = summary(steps_h, base)
-            beside_median, beside_range = summary(harmony_steps(copy.deepcopy(model), batches, loss_fn, True)[0], base)
-            offload_median, offload_range = summary(offload, base)
-            rows.append({"model": family, "blocks": depth, "training MiB": training_bytes(model) / 2**20,
-                         "model/budget": training_bytes(model) / BUDGET, "packs": packs,
-                         "in-memory step s": base, "harmony / in-memory": harmony_median,
-                         "micro-batches": MICROBATCHES, "harmony range": harmony_range,
-                         "updates beside / in-memory": beside_median,
-                         "updates beside range": beside_range, "cpu_offload / in-memory": offload_median,
-                         "cpu_offload range": offload_range})
-            print(f"{family}, {depth} blocks: in-memory {base * 1e3:.0f} ms, harmony x{harmony_median:.2f}, "
-                  f"updates beside x{beside_median:.2f}", flush=True)
+            beside = harmony_steps(copy.deepcopy(model), batches, loss_fn, True)[0]
+            rows.append(table_row(family, depth, model, BUDGET, packs, base, steps_h, MICROBATCHES, beside, offload))
+            row = rows[-1]
+            print(f"{family}, {depth} blocks: in-memory {base * 1e3:.0f} ms, "
+                  f"harmony x{row['harmony / in-memory']:.2f}, updates beside x{row['updates beside / in-memory']:.2f}",
+                  flush=True)
         if model is not None and depth == depths[-1]:  # issue 23's goal: at 8x its budget, within 1.5x in memory
             budget = training_bytes(model) // 8
             for microbatches in (2, 4):
                 steps_h, packs = harmony_steps(copy.deepcopy(model), batches, loss_fn, None, budget, microbatches)
-                harmony_median, harmony_range = summary(steps_h, base)
-                rows.append({"model": family, "blocks": depth, "training MiB": training_bytes(model) / 2**20,
-                             "model/budget": training_bytes(model) / budget, "packs": packs,
-                             "in-memory step s": base, "harmony / in-memory": harmony_median,
-                             "micro-batches": microbatches, "harmony range": harmony_range,
-                             "updates beside / in-memory": "-", "updates beside range": "-",
-                             "cpu_offload / in-memory": "-", "cpu_offload range": "-"})
-                print(f"{family}, {depth} blocks at 1/8: harmony x{harmony_median:.2f} ({microbatches} micro-batches)",
-                      flush=True)
+                rows.append(table_row(family, depth, model, budget, packs, base, steps_h, microbatches))
+                print(f"{family}, {depth} blocks at 1/8: harmony x{rows[-1]['harmony / in-memory']:.2f} "
+                      f"({microbatches} micro-batches)", flush=True)
     report("large_model", f"GPT-style chains and GPT-2s under a fixed {BUDGET / 2**20:.0f} MiB budget on one CPU "
            "device", rows,
            args.out, notes="model/budget counts weights, gradients and AdamW's state; ratios are medians of the "
