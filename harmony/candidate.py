@@ -29,7 +29,7 @@ class Candidate:
     profile: ModelProfile
 
 
-def _model_device(model: nn.Module) -> torch.device:
+def model_device(model: nn.Module) -> torch.device:
     tensor = next(iter([*model.parameters(), *model.buffers()]), None)
     return tensor.device if tensor is not None else torch.device("cpu")
 
@@ -44,7 +44,7 @@ def pilot_batch(args: Arguments, model: int) -> tuple[Any, Any, list[int]]:
     the first batch's micro-batches."""
     inputs, targets = args.first_batch(model)
     sizes = split_sizes(batch_size(inputs), args.options.microbatches)
-    device = _model_device(args.models[model])
+    device = model_device(args.models[model])
     return _to_device(split_tree(inputs, sizes)[0], device), _to_device(split_tree(targets, sizes)[0], device), sizes
 
 

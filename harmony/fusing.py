@@ -12,16 +12,18 @@ import logging
 from collections.abc import Hashable
 from dataclasses import dataclass
 
+import psutil
+import torch
 from torch import nn
 
-from harmony.candidate import RANKING_STEPS, Candidate, pilot_batch, step_samples
+from harmony.candidate import RANKING_STEPS, Candidate, model_device, pilot_batch, step_samples
 from harmony.errors import ModelError
 from harmony.runtime.array import ArrayLayer, array_loss, layer_signature
 from harmony.runtime.array_optimizer import ArrayOptimizer
 from harmony.runtime.code import JobCode
 from harmony.runtime.pilot import decompose
 from harmony.runtime.stages import Entry
-from harmony.tasks.fusion import FusionChoice, candidate_sizes, choose_size, fusion_groups, split
+from harmony.tasks.fusion import FusionChoice, candidate_sizes, choose_size, fusion_groups, split, trial_bytes
 from harmony.tasks.hardware import Hardware
 from harmony.tasks.homes import choose_homes
 from harmony.tasks.packing import LayerTooLarge, cut_packs, minimal_budget
@@ -129,8 +131,15 @@ def _choose(
         cap = len(group) if fuse is True else min(int(fuse), len(group))
         sizes = sorted({size for size in sizes if size < cap} | {cap}, reverse=True)
     predicted: dict[int, float | None] = {}
+    unbuilt: dict[int, int] = {}
     best: tuple[float, int] | None = None  # the best array's (seconds, -size), the order choose_size ranks by
     for size in sizes:
+        need, free = _trial_room(group, size, candidates, sizing.args)
+        if need > free:
+            logger.info("sub-arrays of %d not tried: the trial array needs %.1f GB, %.1f GB are free", size,
+                        need / 1e9, free / 1e9)
+            predicted[size], unbuilt[size] = None, need
+            continue
         predicted[size], array = _trial(group, size, candidates, sizing)
         if array is not None and (best is None or (predicted[size], -size) < best):
             if best is not None:
@@ -139,8 +148,21 @@ def _choose(
             best = (predicted[size], -size)
         del array  # before the next size's array is built
         if fuse != "auto" and predicted[size] is not None:
-            return FusionChoice(tuple(group), predicted, size)
-    return choose_size(group, predicted)
+            return FusionChoice(tuple(group), predicted, size, unbuilt)
+    return choose_size(group, predicted, unbuilt)
+
+
+def _trial_room(group: list[int], size: int, candidates: list[Candidate], args: Arguments) -> tuple[int, int]:
+    """The bytes a trial array of size members of group would hold while it is piloted (0 for size 1, which
+    builds none), and the bytes free where it would be built (the host, or the members' GPU)."""
+    if size == 1:
+        return 0, 0
+    _, _, sizes = pilot_batch(args, group[0])
+    need = trial_bytes(candidates[group[0]].profile, size, sizes[0])
+    device = model_device(args.models[group[0]])
+    if device.type == "cuda":
+        return need, torch.cuda.mem_get_info(device)[0]
+    return need, psutil.virtual_memory().available
 
 
 def _trial(group: list[int], size: int, candidates: list[Candidate], sizing: Sizing

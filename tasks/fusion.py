@@ -3,13 +3,18 @@
 Models whose keys are equal (same architecture layer by layer, same loader, same optimizer class; the
 caller computes the key) and not None can be fused. A group of n such models runs as sub-arrays of a
 chosen size s: ceil(n / s) arrays with sizes as even as possible. The size is chosen by predicted
-throughput, which the caller obtains from the simulator for every candidate size whose packs fit.
+throughput, which the caller obtains from the simulator for every candidate size whose packs fit. A size whose
+trial array (trial_bytes) would not fit the memory it is built in is not tried: the caller builds each trial array
+beside the members' own weights.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from harmony.tasks.packing import workspace_bytes
+from harmony.tasks.profile import ModelProfile
 
 
 def fusion_groups(keys: Sequence[Hashable | None]) -> list[list[int]]:
@@ -32,6 +37,14 @@ def candidate_sizes(members: int) -> list[int]:
     return sizes
 
 
+def trial_bytes(profile: ModelProfile, size: int, samples: int) -> int:
+    """What building and piloting an array of size members of profile's architecture holds at once, at samples a
+    micro-batch: the stacked copy of their weights, and one layer's gradients and activations while it is timed
+    (packing's accounting of a one-layer pack, times the members)."""
+    layer = max(workspace_bytes([layer], samples) + layer.grad_bytes for layer in profile.layers)
+    return size * (profile.weight_bytes + layer)
+
+
 def split(members: Sequence[int], size: int) -> list[list[int]]:
     """members in consecutive sub-arrays of at most size models, as even as possible."""
     count = -(-len(members) // size)
@@ -50,32 +63,36 @@ class FusionChoice:
     """The sub-array size chosen for one group of fusable models, and why.
 
     predicted maps every candidate size to the predicted seconds for the whole group to advance one step
-    (None where the size's packs do not fit the budget).
+    (None where the size's packs do not fit the budget, or where it was not tried). unbuilt maps a size that was
+    not tried to the host bytes its trial array would have needed (the host had less free).
     """
 
     members: tuple[int, ...]
     predicted: dict[int, float | None]
     size: int
+    unbuilt: dict[int, int] = field(default_factory=dict)
 
     @property
     def arrays(self) -> list[list[int]]:
         return split(self.members, self.size)
 
     def explain(self, name: str) -> str:
-        tried = ", ".join(
-            f"{size}: {'does not fit' if seconds is None else f'{len(self.members) / seconds:,.0f} model-steps/s'}"
-            for size, seconds in self.predicted.items()
-        )
+        tried = ", ".join(f"{size}: {self._outcome(size, seconds)}" for size, seconds in self.predicted.items())
         if self.size == 1:
             return f"{len(self.members)} x {name} trained unfused (predicted {tried})"
         arrays = " + ".join(str(len(array)) for array in self.arrays)
         return f"{len(self.members)} x {name} fused as {arrays} (sub-array size {self.size}; predicted {tried})"
 
+    def _outcome(self, size: int, seconds: float | None) -> str:
+        if size in self.unbuilt:
+            return f"not tried, its trial array needs {self.unbuilt[size] / 1e9:.1f} GB of host memory"
+        return "does not fit" if seconds is None else f"{len(self.members) / seconds:,.0f} model-steps/s"
 
-def choose_size(members: Sequence[int], predicted: dict[int, float | None]) -> FusionChoice:
+
+def choose_size(
+    members: Sequence[int], predicted: dict[int, float | None], unbuilt: dict[int, int] | None = None
+) -> FusionChoice:
     """The size with the best predicted throughput (ties go to the larger size); 1 when none fits."""
     fitting = {size: seconds for size, seconds in predicted.items() if seconds is not None}
-    if not fitting:
-        return FusionChoice(tuple(members), dict(predicted), 1)
-    best = min(fitting, key=lambda size: (fitting[size], -size))
-    return FusionChoice(tuple(members), dict(predicted), best)
+    best = min(fitting, key=lambda size: (fitting[size], -size)) if fitting else 1
+    return FusionChoice(tuple(members), dict(predicted), best, dict(unbuilt or {}))

@@ -7,6 +7,7 @@ import gc
 import itertools
 import weakref
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -174,6 +175,36 @@ def test_choosing_a_sub_array_size_holds_one_built_array_at_a_time(monkeypatch: 
                         optimizer=lambda p: torch.optim.SGD(p, lr=0.1), devices=["cpu"], device_memory="4MB")
     assert sorted(model for array in plan.arrays for model in array) == list(range(8))
     assert len(most) >= 3 and max(most) <= 1, most
+
+
+def test_a_sub_array_size_whose_trial_array_would_not_fit_the_host_is_not_built(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Sixteen GPT-2 smalls' trial array of 16 took the planning's peak to 23.76 GB on a 24 GB machine: a size
+    whose trial needs more than the host has free is skipped, and the plan says so."""
+    one_model: list[int] = []
+    built: list[int] = []
+    estimate, build = fusing.trial_bytes, fusing.build_array
+
+    def spied(profile: Any, size: int, samples: int) -> int:
+        one_model.append(estimate(profile, 1, samples))
+        return estimate(profile, size, samples)
+
+    def counted(members: list[int], *args: Any, **kwargs: Any) -> Any:
+        built.append(len(members))
+        return build(members, *args, **kwargs)
+
+    monkeypatch.setattr(fusing, "trial_bytes", spied)
+    monkeypatch.setattr(fusing, "build_array", counted)
+    monkeypatch.setattr(fusing.psutil, "virtual_memory", lambda: SimpleNamespace(available=3 * one_model[-1]))
+    models = [batchnorm_mlp(seed) for seed in range(4)]
+    plan = harmony.plan(models, regression_batches(samples=16 * 3, batch=16), loss_fn=nn.functional.mse_loss,
+                        optimizer=lambda p: torch.optim.SGD(p, lr=0.1), devices=["cpu"], device_memory="4MB")
+    (choice,) = plan.fusion
+    assert choice.unbuilt == {4: 4 * one_model[-1]} and choice.predicted[4] is None
+    assert choice.predicted[2] is not None and choice.size in (1, 2)
+    assert 4 not in built and 2 in built
+    assert "4: not tried, its trial array needs" in str(plan)
 
 
 def test_plan_shows_the_arrays_and_the_sizes_it_compared() -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from harmony.tasks.fusion import candidate_sizes, choose_size, fusion_groups, split
+from harmony.tasks.fusion import candidate_sizes, choose_size, fusion_groups, split, trial_bytes
+from harmony.tasks.layout import TensorSpec
+from harmony.tasks.profile import LayerProfile, ModelProfile
 
 
 def test_fusion_groups_sizes_and_splits() -> None:
@@ -17,3 +19,23 @@ def test_fusion_groups_sizes_and_splits() -> None:
     assert choose_size(range(4), {1: 4.0, 2: None, 4: None}).size == 1
     assert choose_size(range(4), {2: None, 4: None}).size == 1
     assert "does not fit" in choose_size(range(4), {1: 4.0, 2: None}).explain("MLP")
+
+
+def test_a_trial_arrays_bytes_are_its_members_weights_and_one_layers_backward_each() -> None:
+    wide = LayerProfile("wide", params=(TensorSpec("weight", "float32", (64, 64)),), buffers=(),
+                        input_bytes_per_sample=256, output_bytes_per_sample=256)
+    norm = LayerProfile("norm", params=(TensorSpec("weight", "float32", (64,)),),
+                        buffers=(TensorSpec("mean", "float32", (64,)),), input_bytes_per_sample=256,
+                        output_bytes_per_sample=256)
+    profile = ModelProfile("net", (wide, norm, wide))
+    weights = 2 * 64 * 64 * 4 + 2 * 64 * 4
+    wide_backward = 2 * (256 + 256) * 8 + 64 * 64 * 4 + 64 * 64 * 4  # activations of 8 samples, largest grad, grads
+    assert trial_bytes(profile, 1, 8) == weights + wide_backward
+    assert trial_bytes(profile, 4, 8) == 4 * (weights + wide_backward)
+
+
+def test_a_size_not_tried_for_host_memory_is_never_chosen_and_the_choice_says_why() -> None:
+    choice = choose_size(range(8), {1: 8.0, 2: 3.0, 4: None, 8: None}, {8: 12_400_000_000})
+    assert choice.size == 2 and choice.unbuilt == {8: 12_400_000_000}
+    text = choice.explain("GPT2LMHeadModel")
+    assert "8: not tried, its trial array needs 12.4 GB of host memory" in text and "4: does not fit" in text
