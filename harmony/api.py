@@ -229,6 +229,7 @@ def train(
     log_dir: str | os.PathLike[str] | None = None,
     precision: str = "fp32",
     overlap_update: bool | None = None,
+    update_on: str = "auto",
     packs_per_task: int | str = "auto",
     grad_scaler: dict[str, float] | None = None,
     compile: bool = False,
@@ -303,6 +304,15 @@ def train(
     overlaps its CPU optimizer); False steps it in the pack's backward task; None (the default) chooses by the
     simulator's prediction, which on CPU devices (whose host threads take the same cores) keeps it in backward.
     The weights are the same either way.
+
+    update_on="device" steps a swapped model's optimizer on its device instead, in each pack's backward task: the
+    pack's optimizer state is copied in beside its weights and gradients, and the new weights and state go back to
+    the host store (the gradients never leave), as DeepSpeed's Twin-Flow does for a share of the parameters. It
+    pays where the host's cores step the optimizer slower than the link carries its state both ways (a GPU with
+    few host cores). A model that cannot (several micro-batch groups, halved device copies, fp16, a state that does
+    not fit beside its pack) updates on the host. "host" never does; "auto" (the default) chooses by the
+    simulator's prediction, with overlap_update's choices. The weights are plain PyTorch's either way, up to the
+    device optimizer's kernel.
 
     packs_per_task is how many consecutive packs one task of a swapped model runs, swapping them in one after the
     other inside the task (each one's weights copied in while the one before computes), so that Dask's cost per

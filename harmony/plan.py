@@ -112,6 +112,8 @@ class Forecast:
             weights = sum(p.float_bytes for p in packing.packs)
             job = self.plan.jobs[index]
             updates = ", updates beside the device" if job.overlap else ""
+            if job.device_update:
+                updates = ", updates on the device (optimizer state copied in and out)"
             if job.sections:
                 updates += f", {job.section_count} tasks a pass ({len(packing.packs)} packs)"
             halved = sum(job.halved_bytes(pack) for pack in range(len(packing.packs)))
@@ -128,6 +130,8 @@ class Forecast:
             f"  predicted: {self.step_seconds * 1e3:.2f} ms per step, {self.total_seconds:.2f} s in all; "
             f"per model-step {self.weights_in_per_step:,.0f} weight bytes in, "
             f"{self.grads_out_per_step:,.0f} gradient bytes out"
+            + (f", {self.memory.weights_out / max(sum(self.steps), 1):,.0f} weight bytes out"
+               if self.memory.weights_out else "")
         )
         return "\n".join(lines)
 
@@ -194,7 +198,8 @@ def plan(
     microbatches = [split_sizes(n, options.microbatches) for n in samples]
     try:
         memory = replay_memory(simulation.order, [job.device_packing for job in jobs], budgets, run_plan.homes,
-                               [job.state_ratio for job in jobs], microbatches, [job.sections for job in jobs])
+                               [job.state_ratio for job in jobs], microbatches, [job.sections for job in jobs],
+                               {index for index, job in enumerate(jobs) if job.device_update})
     except ScheduleExceedsBudget as error:
         raise InputError(f"the planned schedule would not fit: {error}") from None
     return Forecast(run_plan, simulation, memory, counts, names=[type(model).__name__ for model in args.models])

@@ -32,6 +32,7 @@ from harmony.tasks.packing import LayerTooLarge, cut_packs, minimal_budget
 from harmony.tasks.profile import LayerProfile, ModelProfile
 from harmony.tasks.runplan import PRECISIONS, Job, RunPlan
 from harmony.tasks.simulator import model_step_seconds, simulate_jobs
+from harmony.tasks.updates import why_not_on_device
 from harmony.validate import Arguments, model_label
 
 logger = logging.getLogger("harmony")
@@ -260,27 +261,42 @@ def with_sections(jobs: list[Job], args: Arguments, budgets: dict[str, int], har
     return proposed if predicted[1] < predicted[0] else jobs
 
 
-def with_overlap(jobs: list[Job], args: Arguments, budgets: dict[str, int], hardware: Hardware, mode: str
+def with_updates(jobs: list[Job], args: Arguments, budgets: dict[str, int], hardware: Hardware, mode: str
                  ) -> list[Job]:
-    """The jobs with their updates overlapped (upd tasks beside the device, tasks.graph) or in their bwd tasks: as
-    overlap_update says, or with None as the simulator predicts faster for the swapped jobs together; with a scaled
-    loss (fp16), always upd tasks."""
+    """The jobs with their updates placed: a swapped job's in its bwd tasks on the host store, in upd tasks beside
+    its device (overlap_update, tasks.graph), or in its bwd tasks on its device (update_on, tasks.updates). As the
+    options say; where they leave a choice, the way the simulator predicts fastest for the swapped jobs together.
+    With a scaled loss (fp16), always upd tasks; a job that cannot update on its device updates on the host."""
+    options = args.options
     swapped = [job.home is None for job in jobs]
-    choice = args.options.overlap_update
-    if any(job.scaled for job in jobs):
-        choice = True  # a scaled step's updates wait for its whole backward: upd tasks (see runtime.scaler)
-    if choice is None and any(swapped):
-        steps = [min(job.steps or 1, RANKING_STEPS) for job in jobs]
-        samples = [step_samples(args, job) for job in jobs]
-        predicted = {}
-        for beside in (False, True):
-            ways = [dataclasses.replace(job, overlap=beside and here) for job, here in zip(jobs, swapped)]
-            predicted[beside] = simulate_jobs(ways, steps, samples, budgets, hardware, args.options.prefetch,
-                                              args.options.policy, mode).step_seconds()
-        choice = predicted[True] < predicted[False]
-        logger.info("overlap_update auto: predicted %.1f ms per step in backward, %.1f ms beside; %s",
-                    predicted[False] * 1e3, predicted[True] * 1e3, "beside" if choice else "in backward")
-    return [dataclasses.replace(job, overlap=bool(choice) and here) for job, here in zip(jobs, swapped)]
+    beside = True if any(job.scaled for job in jobs) else options.overlap_update  # see runtime.scaler
+    ways: dict[str, list[Job]] = {}  # the host's first: a tie keeps the updates where fewer bytes cross the link
+    if options.update_on != "device":
+        for name, overlap in (("in backward", False), ("beside", True)):
+            if beside is None or beside is overlap:
+                ways[name] = [dataclasses.replace(job, overlap=overlap and here) for job, here in zip(jobs, swapped)]
+    if beside is not True and options.update_on != "host":
+        budget = min(budgets.values())
+        device = []
+        for job, here in zip(jobs, swapped):
+            job = dataclasses.replace(job, overlap=False)
+            why = why_not_on_device(job, budget) if here else "homed"
+            if here and why is not None:
+                logger.info("%s: updates on the host store: %s", job.label, why)
+            device.append(dataclasses.replace(job, device_update=why is None))
+        if any(job.device_update for job in device) or not ways:
+            ways["on the device"] = device
+    if len(ways) == 1 or not any(swapped):
+        return next(iter(ways.values()))
+    steps = [min(job.steps or 1, RANKING_STEPS) for job in jobs]
+    samples = [step_samples(args, job) for job in jobs]
+    predicted = {name: simulate_jobs(way, steps, samples, budgets, hardware, options.prefetch, options.policy,
+                                     mode).step_seconds()
+                 for name, way in ways.items()}
+    chosen = min(predicted, key=lambda name: predicted[name])
+    logger.info("updates: predicted per step %s; %s", ", ".join(f"{name} {seconds * 1e3:.1f} ms"
+                                                                  for name, seconds in predicted.items()), chosen)
+    return ways[chosen]
 
 
 def codes_for(plan: RunPlan, candidates: list[Candidate], args: Arguments, budget: int) -> list[JobCode]:
@@ -324,7 +340,7 @@ def build(
     jobs = [with_depth(dataclasses.replace(c.job, groups=groups, scaled=scaled), options.steps_per_task, hardware)
             for c in candidates]
     jobs = with_sections(jobs, args, budgets, hardware, mode)
-    jobs = with_overlap(jobs, args, budgets, hardware, mode)
+    jobs = with_updates(jobs, args, budgets, hardware, mode)
     plan = RunPlan(
         jobs=tuple(jobs),
         budgets=tuple(budgets.items()),

@@ -445,6 +445,13 @@ def check_options(options: Options) -> None:
     if options.precision == "fp16" and options.overlap_update is False:
         raise InputError("precision='fp16' steps a swapped model's packs in upd tasks once its whole backward is done "
                          "(whether the step is skipped depends on every gradient): leave overlap_update as None")
+    if options.update_on not in ("auto", "host", "device"):
+        raise InputError(f"update_on={options.update_on!r} must be 'auto', 'host' or 'device'")
+    if options.update_on == "device" and (options.overlap_update or options.precision == "fp16"):
+        raise InputError("update_on='device' steps a swapped pack's optimizer in its backward task, on its device; "
+                         + ("overlap_update=True asks for a task beside the device instead: leave one of them"
+                            if options.overlap_update else "precision='fp16' decides every update of a step from "
+                            "all of its gradients, on the host: leave update_on as 'auto'"))
     if not any(options.overlap_update is value for value in (None, True, False)):
         raise InputError(f"overlap_update={options.overlap_update!r} must be True, False or None (chosen by "
                          "prediction)")

@@ -328,8 +328,9 @@ def _backward_pack(
 ) -> list[Any]:
     """One swapped pack's backward for step: its weights swapped in once, its gradients accumulated over the
     micro-batches on the device and sent to the host store once (with those of the tied weights later packs
-    borrow from it), then, with one group and updates not overlapped, its update on the host store. Returns its
-    input's gradients (host copies, each also kept on the device for keep where it fits)."""
+    borrow from it), then, with one group and updates not overlapped, its update on the host store, or, updated
+    on the device, the update there instead of the gradients' trip. Returns its input's gradients (host copies,
+    each also kept on the device for keep where it fits)."""
     spec = ctx.spec.models[model]
     runtime = spec.packs[pack]
     host = ctx.device_source(model, pack, step)
@@ -349,10 +350,15 @@ def _backward_pack(
                                      gradients_or_targets, loss_weights, group, claim_input, claim_upstream, keep)
         if spec.scaled:
             ctx.scaler(model).flag(step, pack, group, not finite(grads))
-        ctx.cache.write_back(grad_bytes, ctx.host_grads(model, pack, group), "grads")
+        if not spec.device_update or runtime.borrowed:  # a borrowed weight's gradient goes to its lender's pack
+            ctx.cache.write_back(grad_bytes, ctx.host_grads(model, pack, group), "grads")
         if start is not None:  # the last pack's forward ran here
             _buffers_out(ctx, model, pack, step, group, weights, start)
-    if updates_in_backward(spec.groups, spec.overlap):
+        if spec.device_update:
+            ctx.update_on_device(model, pack, step, weights, grad_bytes)
+    if spec.device_update:
+        ctx.cache.drop((model, pack))  # stepped in place: no longer the version they are cached as
+    elif updates_in_backward(spec.groups, spec.overlap):
         ctx.update(model, pack, step)
     return input_grads
 

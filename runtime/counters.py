@@ -6,7 +6,7 @@ import threading
 
 import torch
 
-IN_KINDS = ("weights", "activations", "inputs", "grads")
+IN_KINDS = ("weights", "activations", "inputs", "grads", "state")
 OUT_KINDS = ("grads", "activations", "buffers", "weights", "state")
 NAMES = (
     *(f"in_{kind}" for kind in IN_KINDS),

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from harmony.runtime.array_optimizer import build_optimizer, optimizer_params, step_optimizer
+from harmony.runtime.cache import DeviceCache
 from harmony.runtime.divergence import keep_stopped
 from harmony.runtime.files import Versions
 from harmony.runtime.hoststore import HostStore, tensor_at, tensors_at
@@ -113,6 +114,69 @@ def update(
             names = [entry.spec.name for entry in runtime.stepped]
             after, before = tensors_at(target, runtime.weights), tensors_at(source, runtime.weights)
             keep_stopped([after[name] for name in names], [before[name][stopped] for name in names], stopped)
+    versions.publish(pack, step + 1, following)
+    return True
+
+
+def update_on_device(
+    runtime: PackRuntime,
+    versions: Versions,
+    pack: int,
+    step: int,
+    weights: torch.Tensor,
+    grads: torch.Tensor,
+    host: Callable[[int], torch.Tensor],
+    factory: OptimizerFactory,
+    state: OptimizerState,
+    cache: DeviceCache,
+    reserve: int,
+    stopped: list[int],
+) -> bool:
+    """Apply a pack's update for step once, on its device (tasks.updates): weights are its device bytes at version
+    step (they are stepped in place, so the caller drops them from the cache afterwards), grads its step's gradients
+    there, host gives a slot of its host weights. The optimizer state of version step is copied in, the optimizer
+    steps, and the trainable weights and the state are written into the other slot, which is then published as
+    version step + 1: the same protocol as update, so that a rerun finds the update applied or version step whole.
+    reserve is the state's predicted bytes, charged to the device before the state exists (after its first step the
+    state's own size is known: what it holds beyond the reserve is charged when it appears, as for a homed model).
+    The caller holds the pack's lock. Returns whether it applied the update."""
+    current, slot = versions.current(pack)
+    if current > step:
+        return False
+    if current < step:
+        raise RuntimeError(f"the update of step {step} of pack {pack} came before step {current}'s")
+    following = 1 - slot
+    if runtime.stepped:
+        by_name = {entry.spec.name: entry for entry in runtime.device_weights.slots}
+        params = []
+        for grad_slot in runtime.stepped:
+            param = nn.Parameter(tensor_at(weights, by_name[grad_slot.spec.name]))
+            param.grad = tensor_at(grads, grad_slot)
+            params.append(param)
+        names = [entry.spec.name for entry in runtime.stepped]
+        stepped = set(names)
+        optimizer = build_optimizer(factory, params, names)
+        fused_on_host(optimizer)  # a CPU device steps with the host store's kernel
+        listed = optimizer_params(optimizer)
+        layout = state.tensors(slot)
+        held = sum(tensor.nbytes for tensor in layout if tensor.dim())  # a step count stays on the host
+        with cache.scratch(max(held, reserve), f"optimizer state of pack {pack}"):
+            state.load(optimizer, listed, slot, bind=False)
+            cache.counters.add("in_state", held)
+            kept = [tensors_at(host(slot), runtime.weights)[name][stopped] for name in names] if stopped else []
+            step_optimizer(optimizer)
+            keep_stopped([param.detach() for param in params], kept, stopped)
+            made = sum(value.nbytes for values in optimizer.state.values() for value in values.values()
+                       if isinstance(value, torch.Tensor) and value.dim())
+            with cache.scratch(max(0, made - max(held, reserve)), f"optimizer state of pack {pack} beyond its reserve"):
+                target = host(following)
+                for entry in runtime.weights.slots:
+                    if entry.spec.name in stepped:
+                        device = by_name[entry.spec.name]
+                        cache.write_back(weights[device.offset : device.offset + device.spec.nbytes],
+                                         target[entry.offset : entry.offset + entry.spec.nbytes], "weights")
+                state.save(optimizer, listed, following)
+                cache.counters.add("out_state", made)
     versions.publish(pack, step + 1, following)
     return True
 

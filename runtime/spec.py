@@ -61,7 +61,9 @@ class ModelRuntime:
     """A job (a model, or a fused array of `members` models) as workers see it: its packs, loss and optimizer;
     prefetch False when its budget leaves no room to copy a pack's weights in while another computes; overlap
     when its updates run in upd tasks beside the device rather than in its bwd tasks (tasks.graph); sections the
-    first packs of the packs each of its tasks runs (tasks.runplan.Job.sections)."""
+    first packs of the packs each of its tasks runs (tasks.runplan.Job.sections); device_update when its bwd tasks
+    step its packs' optimizers on the device (tasks.updates), its state predicted at state_ratio bytes per gradient
+    byte."""
 
     name: str
     packs: tuple[PackRuntime, ...]
@@ -75,6 +77,8 @@ class ModelRuntime:
     overlap: bool = False
     sections: tuple[int, ...] = ()
     scaled: bool = False
+    device_update: bool = False
+    state_ratio: float = 2.0
 
     @property
     def reduced(self) -> bool:
@@ -149,6 +153,8 @@ def describe(plan: RunPlan, codes: list[JobCode]) -> tuple[ModelRuntime, ...]:
                 overlap=job.overlap,
                 sections=job.sections,
                 scaled=job.scaled,
+                device_update=job.device_update,
+                state_ratio=job.state_ratio,
             )
         )
     return tuple(models)

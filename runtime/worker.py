@@ -43,7 +43,7 @@ from harmony.runtime.files import (
 from harmony.runtime.handoff import FinishedKeys
 from harmony.runtime.homed import HomedModel
 from harmony.runtime.hoststore import HostStore, tensor_at, tensors_at
-from harmony.runtime.optimizer import PackOptimizer, pack_lock, update
+from harmony.runtime.optimizer import PackOptimizer, pack_lock, update, update_on_device
 from harmony.runtime.optimstate import OptimizerState
 from harmony.runtime.orphans import gone, sweep
 from harmony.runtime.scaler import Scaler
@@ -286,6 +286,18 @@ class RunContext:
                 self.mirror(model, pack, version, slot, locked=True)
             if spec.scaled and pack == len(spec.packs) - 1 and not self.scaler(model).holds(step + 1):
                 self.scaler(model).advance(step)
+
+    def update_on_device(self, model: int, pack: int, step: int, weights: torch.Tensor, grads: torch.Tensor) -> None:
+        """Apply a swapped pack's update for step on this device, once (see runtime.optimizer.update_on_device);
+        weights, its device bytes, are stepped in place: the caller drops them from the cache when it lets them go."""
+        spec = self.spec.models[model]
+        runtime = spec.packs[pack]
+        stopped = self.members(model).stopped() if spec.members > 1 else []
+        with pack_lock(self.store, weights_name(model, pack)):
+            update_on_device(runtime, self.versions(model), pack, step, weights, grads,
+                             lambda slot: self.weights_slot(model, pack, slot), self.optimizer_factory(model),
+                             self.optimizer_state(model, pack), self.cache,
+                             round(spec.state_ratio * runtime.grads.nbytes), stopped)
 
     def next_queued(self) -> TaskId | None:
         """The fwd or bwd task of this run that this worker will run next, read off its task queue."""

@@ -40,6 +40,7 @@ class Options:
     eval_every: int | None = None
     precision: str = "fp32"
     overlap_update: bool | None = None
+    update_on: str = "auto"
     packs_per_task: int | str = "auto"
     grad_scaler: dict[str, float] | None = None
     compile: bool = False
@@ -58,7 +59,9 @@ class Job:
     run in upd tasks on a host thread beside its device instead of in its bwd tasks (see tasks.graph). sections
     are the first packs of the consecutive packs each of its tasks runs (a task's "pack" in tasks.graph is then its
     section's index); empty, one pack per task. scaled: its loss is scaled for fp16 (runtime.scaler), so that every
-    update of a step waits for every backward of it.
+    update of a step waits for every backward of it. device_update: a swapped job's bwd tasks step each pack's
+    optimizer on the device, its state copied in beside the pack's weights and gradients and out with the new
+    weights, instead of sending the gradients to the host store's optimizer (tasks.updates).
     """
 
     members: tuple[int, ...]
@@ -78,6 +81,7 @@ class Job:
     overlap: bool = False
     sections: tuple[int, ...] = ()
     scaled: bool = False
+    device_update: bool = False
 
     @property
     def fused(self) -> bool:

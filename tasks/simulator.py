@@ -25,6 +25,7 @@ from harmony.tasks.memory import BudgetExceeded, DeviceMemory
 from harmony.tasks.microbatch import group_sizes
 from harmony.tasks.packing import Packing
 from harmony.tasks.runplan import Job, section_packs
+from harmony.tasks.updates import state_bytes
 
 
 class ScheduleExceedsBudget(ValueError):
@@ -57,6 +58,7 @@ def replay_memory(
     optimizer_state_ratios: list[float] | None = None,
     microbatch_samples: list[list[int]] | None = None,
     sections: list[tuple[int, ...]] | None = None,
+    device_updates: set[int] | None = None,
 ) -> MemoryReport:
     """Replay each device's task order against its budget, as the runtime's device cache accounts it.
 
@@ -67,9 +69,12 @@ def replay_memory(
     in order); with it, the boundary values that producers keep on the device for their consumers are
     replayed too (kept: the bytes consumers then took there instead of copying them in). sections gives per model
     the first packs of its tasks' sections (tasks.runplan.Job.sections): a task of several packs is replayed pack
-    by pack, as the tasks of one pack each that it stands for (pack_tasks).
+    by pack, as the tasks of one pack each that it stands for (pack_tasks). The swapped models in device_updates
+    step their optimizers in their bwd tasks on the device (tasks.updates): the state beside the pack's weights and
+    gradients, and the weights out instead of the gradients.
     """
     homes = homes or {}
+    device_updates = device_updates or set()
     sections = sections or [()] * len(packings)
     ratios = optimizer_state_ratios or [2.0] * len(packings)
     groups = [1] * len(packings)
@@ -90,7 +95,7 @@ def replay_memory(
                     _replay_task(memory, part, packings[task.model], task.model in homes, report,
                                  None if microbatch_samples is None else _group_microbatches(
                                      microbatch_samples[task.model], groups[task.model], task.group),
-                                 midway)
+                                 midway, ratios[task.model] if task.model in device_updates else None)
                 if task.kind == "bwd" and task.model in homes and task.model not in stateful:
                     stateful.add(task.model)
                     memory.reserve(round(ratios[task.model] * packings[task.model].packs[task.pack].grad_bytes),
@@ -122,11 +127,12 @@ def _midway_input(task: TaskId, parts: list[TaskId], packs: int) -> tuple[TaskId
 
 def _replay_task(
     memory: DeviceMemory, task: TaskId, packing: Packing, homed: bool, report: MemoryReport,
-    microbatches: list[int] | None, midway: tuple[TaskId, TaskId] | None = None,
+    microbatches: list[int] | None, midway: tuple[TaskId, TaskId] | None = None, device_update: float | None = None,
 ) -> None:
     """One task's bytes on its device: its weights (pinned while it runs), its gradient buffer (a homed model's
     held for the run), each micro-batch's workspace in turn, and the boundary values it leaves for its successor
-    (midway: see _midway_input). The boundaries kept for others were dropped when its section's task started."""
+    (midway: see _midway_input). The boundaries kept for others were dropped when its section's task started.
+    device_update is the optimizer state ratio of a swapped pack updated on its device (None: on the host)."""
     pack = packing.packs[task.pack]
     key = (task.model, task.pack)
     copied, _ = memory.load(key, task.span, pack.weight_bytes)
@@ -140,7 +146,10 @@ def _replay_task(
         report.weights_out += pack.weight_bytes  # flushed to the host store after each task
     elif task.kind == "bwd" and not homed:
         memory.reserve(pack.grad_bytes, "gradients")
-        report.grads_out += pack.grad_bytes
+        if device_update is None:
+            report.grads_out += pack.grad_bytes
+        else:
+            report.weights_out += pack.grad_bytes  # the trainable weights, updated
     for index, samples in enumerate(microbatches or [0]):
         if microbatches is not None:
             report.kept += memory.claim(("boundary", task, index)) or 0
@@ -152,6 +161,9 @@ def _replay_task(
             later = pack.cost.workspace if index + 1 < len(microbatches) else 0
             consumer = ("input", midway[1]) if midway is not None and task == midway[0] else None
             _keep_boundary(memory, task, packing, index, samples, later, consumer)
+    if task.kind == "bwd" and not homed and device_update is not None:
+        memory.reserve(state_bytes(pack, device_update), "optimizer state")
+        memory.release(state_bytes(pack, device_update))
     if task.kind == "bwd" and not homed:
         memory.release(pack.grad_bytes)
     if task.kind == "bwd" and homed:
@@ -252,6 +264,7 @@ def simulate(
     overlap: list[bool] | None = None,
     sections: list[tuple[int, ...]] | None = None,
     scaled: list[bool] | None = None,
+    device_updates: list[bool] | None = None,
 ) -> Simulation:
     """Predict the schedule and its times: the driver's binding state on a simulated clock.
 
@@ -264,19 +277,23 @@ def simulate(
     samples are per job and step; with groups (vDP) each group computes its share of them; overlap says per job
     whether its updates are overlapped (upd tasks) rather than applied in its bwd tasks, sections where its tasks
     run several packs each (tasks.runplan.Job.sections): such a task's copies hide behind the compute of the pack
-    before them in the task; scaled where its loss is scaled (fp16: every upd of a step waits for all of its bwd).
-    packings are as cut; each is held as its job would hold it (simulate_jobs).
+    before them in the task; scaled where its loss is scaled (fp16: every upd of a step waits for all of its bwd);
+    device_updates where its bwd tasks update on the device (tasks.updates): the optimizer at the device's compute
+    scale, its state over the link both ways. packings are as cut; each is held as its job would hold it
+    (simulate_jobs).
     """
     groups = groups or [1] * len(packings)
     homes = homes or {}
     overlap = overlap or [False] * len(packings)
     sections = sections or [()] * len(packings)
     scaled = scaled or [False] * len(packings)
+    device_updates = device_updates or [False] * len(packings)
     jobs = [
         Job(members=(index,), label=packing.model, feed=index, seed=index, packing=packing, steps=None,
             step_seconds=0.0, batch_bytes=0, groups=g, home=homes.get(index), overlap=beside, sections=starts,
-            scaled=scale)
-        for index, (packing, g, beside, starts, scale) in enumerate(zip(packings, groups, overlap, sections, scaled))
+            scaled=scale, device_update=there)
+        for index, (packing, g, beside, starts, scale, there) in enumerate(
+            zip(packings, groups, overlap, sections, scaled, device_updates))
     ]
     return simulate_jobs(jobs, steps, samples, budgets, hardware, prefetch, policy, mode)
 
@@ -358,7 +375,8 @@ class _Clock:
         compute = task_seconds(task, packing, n, self.hardware, packs)
         homed = job.home is not None
         if task.kind == "bwd" and not homed and updates_in_backward(job.groups, job.overlap):
-            compute += update_seconds(packing, packs, self.hardware)
+            on_device = self.hardware.compute_scale if job.device_update else 1.0
+            compute += update_seconds(packing, packs, self.hardware) / on_device
         copy = self._copy_seconds(task, device, submit.first, n, compute)
         end = start + self.hardware.task_overhead + compute + copy
         self.times[task] = (start, end)
@@ -410,6 +428,8 @@ class _Clock:
         previous = self.previous.get(device)
         kept = previous is not None and successor(previous, job.section_count) == task
         copy += ((2 if task.kind == "fwd" else 3) - kept) * boundary / link
-        if task.kind == "bwd" and not homed:
+        if task.kind == "bwd" and not homed:  # gradients out; updated on the device, the weights out instead
             copy += sum(packing.packs[pack].grad_bytes for pack in packs) / link
+        if task.kind == "bwd" and job.device_update:  # and the optimizer state in and out
+            copy += sum(2 * state_bytes(packing.packs[pack], job.state_ratio) for pack in packs) / link
         return copy

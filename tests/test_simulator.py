@@ -142,3 +142,33 @@ def test_a_sections_replay_keeps_what_the_section_itself_reads_later() -> None:
     report = replay_memory(order, [packing], {"d": 10**6}, microbatch_samples=[[4, 4]], sections=[(0, 3)])
     boundary = packing.packs[1].input_bytes_per_sample * 4
     assert report.kept == 12 * 2 * boundary
+
+
+def test_an_update_on_the_device_costs_its_state_over_the_link_and_the_optimizer_at_the_devices_speed() -> None:
+    """A bwd task that updates on its device is predicted with the optimizer's passes at the device's compute scale
+    and the state in and out over the link (the weights out take the gradients' place); its replay holds the state
+    beside the pack's weights and gradients and counts the weights out instead of the gradients."""
+    packing = chain_packing(layers=6, budget=7000)
+    link, rate, scale = 1e6, 2e6, 50.0
+    hardware = Hardware(task_overhead=0.0, host_link=link, optimizer_bytes_per_second=rate, compute_scale=scale)
+    host = simulate([packing], [1], [8], {"d": 7000}, hardware, prefetch=False)
+    device = simulate([packing], [1], [8], {"d": 7000}, hardware, prefetch=False, device_updates=[True])
+    for pack in packing.packs:
+        task = TaskId("bwd", 0, pack.index, 0)
+        seconds = [run.times[task][1] - run.times[task][0] for run in (host, device)]
+        update = 4 * pack.float_bytes / rate
+        assert seconds[1] - seconds[0] == pytest.approx(update / scale - update + 2 * 2 * pack.grad_bytes / link)
+    for task in (TaskId("fwd", 0, 0, 0), TaskId("fwd", 0, 1, 0)):
+        assert host.times[task][1] - host.times[task][0] == device.times[task][1] - device.times[task][0]
+    order = {"d": span_tasks(0, len(packing.packs), 0)}
+    inline = replay_memory(order, [packing], {"d": 10**6})
+    there = replay_memory(order, [packing], {"d": 10**6}, device_updates={0})
+    grads = sum(pack.grad_bytes for pack in packing.packs)
+    assert (inline.grads_out, inline.weights_out) == (grads, 0) and (there.grads_out, there.weights_out) == (0, grads)
+    wide = chain_packing(layers=3, width=32, budget=20_000)  # a state larger than a micro-batch's activations
+    order = {"d": span_tasks(0, len(wide.packs), 0)}
+    held = max(pack.cost.weights + pack.cost.grads + 2 * pack.grad_bytes for pack in wide.packs)
+    assert replay_memory(order, [wide], {"d": held - 1}).peak["d"] < held
+    with pytest.raises(ScheduleExceedsBudget, match="more bytes"):
+        replay_memory(order, [wide], {"d": held - 1}, device_updates={0})
+    assert replay_memory(order, [wide], {"d": held}, device_updates={0}).peak["d"] == held

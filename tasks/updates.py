@@ -1,0 +1,49 @@
+"""Where a swapped pack's update runs (pure): on the host store, or on the device its backward ran on.
+
+On the host store (ZeRO-Offload's way) the gradients leave the device and the host's cores step the optimizer over
+the master weights and the state kept there. On the device (DeepSpeed's Twin-Flow does this for a share of the
+parameters), the bwd task copies the pack's optimizer state in beside its weights and gradients, steps the
+optimizer there and writes the new weights and state back: the link carries the state both ways, and the weights
+out instead of the gradients (the same bytes), while the host's cores do nothing. Which is faster depends on the
+link, the host's optimizer rate and the device's, which the simulator compares (tasks.simulator, harmony.planner).
+
+A job can update on its device only when nothing but its own bwd task needs the step's gradients: one micro-batch
+group (vDP reduces the groups' gradients on the host first), updates in the bwd task, no loss scaler (fp16 unscales
+and skips across all packs), and device copies that are the master weights (a halved copy is not). Every pack's
+weights, gradients, the next pack's prefetch and its state must fit the budget at once.
+"""
+
+from __future__ import annotations
+
+from harmony.tasks.packing import Pack
+from harmony.tasks.runplan import Job
+
+
+def state_bytes(pack: Pack, state_ratio: float) -> int:
+    """The optimizer state a pack's update holds: state_ratio bytes per trainable parameter byte."""
+    return round(state_ratio * pack.grad_bytes)
+
+
+def device_update_need(pack: Pack, state_ratio: float) -> int:
+    """What a pack's device holds while its update runs there: its weights, its gradients, the next pack's weights
+    arriving beside them, and its optimizer state (the activations are gone by then)."""
+    cost = pack.cost
+    return cost.weights + cost.grads + cost.prefetch + state_bytes(pack, state_ratio)
+
+
+def why_not_on_device(job: Job, budget: int) -> str | None:
+    """Why the job's updates cannot run on its device (None when they can)."""
+    if job.home is not None:
+        return "homed: its updates run on its device already"
+    if job.groups > 1:
+        return "its micro-batch groups' gradients are summed on the host first (vdp)"
+    if job.overlap:
+        return "its updates run beside the device (overlap_update)"
+    if job.scaled:
+        return "fp16's loss scaler decides a step's updates from every pack's gradients"
+    if any(job.halved(index) for index in range(len(job.packing.packs))):
+        return "its device copies are halved, not the master weights"
+    tight = [pack.index for pack in job.device_packing.packs if device_update_need(pack, job.state_ratio) > budget]
+    if tight:
+        return f"the optimizer state of pack {tight[0]} does not fit beside its weights and gradients"
+    return None
