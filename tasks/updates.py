@@ -24,11 +24,13 @@ def state_bytes(pack: Pack, state_ratio: float) -> int:
     return round(state_ratio * pack.grad_bytes)
 
 
-def device_update_need(pack: Pack, state_ratio: float) -> int:
-    """What a pack's device holds while its update runs there: its weights, its gradients, the next pack's weights
-    arriving beside them, and its optimizer state (the activations are gone by then)."""
-    cost = pack.cost
-    return cost.weights + cost.grads + cost.prefetch + state_bytes(pack, state_ratio)
+def device_update_need(packs: tuple[Pack, ...], index: int, state_ratio: float) -> int:
+    """What the device holds while pack index's update runs there: its weights, its gradients, its optimizer state
+    (the activations are gone by then) and a neighbour's weights arriving beside them (the pack before it, which
+    backward runs next, or after it, the next step's forward)."""
+    cost = packs[index].cost
+    beside = max((packs[other].cost.weights for other in (index - 1, index + 1) if 0 <= other < len(packs)), default=0)
+    return cost.weights + cost.grads + beside + state_bytes(packs[index], state_ratio)
 
 
 def why_not_on_device(job: Job, budget: int) -> str | None:
@@ -43,7 +45,8 @@ def why_not_on_device(job: Job, budget: int) -> str | None:
         return "fp16's loss scaler decides a step's updates from every pack's gradients"
     if any(job.halved(index) for index in range(len(job.packing.packs))):
         return "its device copies are halved, not the master weights"
-    tight = [pack.index for pack in job.device_packing.packs if device_update_need(pack, job.state_ratio) > budget]
+    packs = job.device_packing.packs
+    tight = [index for index in range(len(packs)) if device_update_need(packs, index, job.state_ratio) > budget]
     if tight:
         return f"the optimizer state of pack {tight[0]} does not fit beside its weights and gradients"
     return None

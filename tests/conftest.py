@@ -74,6 +74,23 @@ class GatedNet(nn.Module):
         return self.head(x)
 
 
+class TiedEnds(nn.Module):
+    """A chain whose last linear layer reads its first one's weight (a tie that spans packs under a small budget)
+    and has a bias of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = nn.Linear(32, 32, bias=False)
+        self.middle = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(4)])
+        self.last = nn.Linear(32, 32)
+        self.last.weight = self.first.weight
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.last(self.middle(self.first(x))))
+
+
 def param_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 

@@ -19,6 +19,7 @@ from torch import nn
 
 import harmony
 from tests.conftest import (
+    TiedEnds,
     assert_same_weights,
     clones,
     deep_mlp,
@@ -127,10 +128,13 @@ def test_an_embedded_worker_killed_mid_step_costs_only_that_step(
     assert result.stats.steps == [STEPS, STEPS] and not result.failed
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["in-backward", "beside-the-device"])
+@pytest.mark.parametrize("where", ["in-backward", "beside-the-device", "on-the-device"])
 def test_a_worker_killed_during_an_update_leaves_the_weights_it_was_writing_intact(
-    overlap: bool, tmp_path: Path, no_leaks: None
+    where: str, tmp_path: Path, no_leaks: None
 ) -> None:
+    """The dying update writes garbage into the weights it steps: the host slot it would publish, or, on the device,
+    the cached weights, which die with the worker; the update runs again from the version before it."""
+    overlap, update_on = where == "beside-the-device", "device" if where == "on-the-device" else "host"
     marker = str(tmp_path / "killed")
     killing = lambda p: KillingSGD(p, marker, calls=7, lr=0.05, momentum=0.9)  # noqa: E731
     models = [deep_mlp(seed=1), deep_mlp(seed=2)]
@@ -138,9 +142,9 @@ def test_a_worker_killed_during_an_update_leaves_the_weights_it_was_writing_inta
     batches = regression_batches(samples=16 * STEPS, batch=16)
     result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss, optimizer=[killing, sgd],
                            microbatches=2, devices=["cpu", "cpu"], device_memory=24_000, progress=False, fuse=False,
-                           overlap_update=overlap)
+                           overlap_update=overlap, update_on=update_on)
     assert Path(marker).read_text() == "update"
-    assert all(job.overlap == overlap for job in result.plan.jobs)
+    assert all(job.overlap == overlap and job.device_update == (update_on == "device") for job in result.plan.jobs)
     check_against_plain(models, references, batches, [sgd, sgd])
     assert [event["event"] for event in result.events].count("worker lost") == 1
 
@@ -283,9 +287,10 @@ def test_a_diverging_model_stops_with_its_last_finite_weights_and_the_others_go_
     assert "Compute Failed" not in capfd.readouterr().err, "the workers' logs report an expected event as an error"
 
 
-@pytest.mark.parametrize("budget", [None, 150_000], ids=["homed", "swapped"])
+@pytest.mark.parametrize("budget,update_on", [(None, "auto"), (150_000, "host"), (150_000, "device")],
+                         ids=["homed", "swapped", "swapped-updated-on-the-device"])
 def test_a_diverging_member_of_a_fused_array_stops_while_the_others_train_on(
-    budget: int | None, no_leaks: None
+    budget: int | None, update_on: str, no_leaks: None
 ) -> None:
     rates = [0.05, 1e20, 0.02]  # in float64 the second one's loss grows steadily (no chaos) until it overflows
     factories = [lambda p, lr=lr: torch.optim.SGD(p, lr=lr) for lr in rates]
@@ -293,8 +298,9 @@ def test_a_diverging_member_of_a_fused_array_stops_while_the_others_train_on(
     references = clones(models)
     batches = [(x.double(), y.double()) for x, y in regression_batches(samples=16 * 12, batch=16)]
     result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss, optimizer=factories, devices=["cpu"],
-                           device_memory=budget, fuse=True, progress=False)
+                           device_memory=budget, fuse=True, progress=False, update_on=update_on)
     assert result.arrays == [[0, 1, 2]] and bool(result.homes) == (budget is None)
+    assert result.plan.jobs[0].device_update == (update_on == "device")
     step, before = diverging_losses(references[1], batches, factories[1])
     assert list(result.failed) == [1] and result.failed[1]["step"] == step
     assert_same_weights(models[1], before)
@@ -405,23 +411,6 @@ def test_resuming_with_other_arguments_is_refused(tmp_path: Path, no_leaks: None
     with pytest.raises(harmony.InputError, match="need a checkpoint_dir"):
         harmony.train(deep_mlp(depth=2), batches, loss_fn=nn.functional.mse_loss, optimizer=sgd, progress=False,
                       resume=True)
-
-
-class TiedEnds(nn.Module):
-    """A chain whose last linear layer reads its first one's weight (a tie that spans packs under a small budget)
-    and has a bias of its own."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.first = nn.Linear(32, 32, bias=False)
-        self.middle = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(4)])
-        self.last = nn.Linear(32, 32)
-        self.last.weight = self.first.weight
-        self.head = nn.Linear(32, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.last(self.middle(self.first(x))))
 
 
 def test_a_checkpoint_of_a_model_tied_across_packs_holds_plain_pytorchs_optimizer_state(

@@ -186,3 +186,69 @@ def test_an_overlapped_update_runs_while_its_device_goes_on_with_the_backward_of
     train_plain(reference, batches, nn.functional.mse_loss, lambda p: torch.optim.SGD(p, lr=0.05))
     for a, b in zip(model.state_dict().values(), reference.state_dict().values()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_updates_on_the_device_give_the_weights_of_host_updates_and_of_plain_pytorch(no_leaks: None) -> None:
+    """update_on="device": every swapped pack's bwd steps Adam on its device, with the host store's kernel on a CPU
+    device, so the weights equal host updates' bit for bit, and plain PyTorch's in float64. The link carries the
+    state in (from the second step) and out, and the weights out instead of the gradients; the budget holds."""
+    import harmony
+    from tests.conftest import regression_batches, train_plain
+
+    factory = lambda p: torch.optim.Adam(p, lr=1e-2)  # noqa: E731
+    steps = 6
+    batches = [(x.double(), y.double()) for x, y in regression_batches(samples=16 * steps, batch=16)]
+    trained, stats = {}, {}
+    for update_on in ("device", "host"):
+        models = [_batchnormed_mlp(seed) for seed in range(2)]
+        result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss, optimizer=factory,
+                               devices=["cpu", "cpu"], device_memory=60_000, progress=False, fuse=False,
+                               update_on=update_on, overlap_update=False)
+        assert all(len(packing.packs) > 2 and job.device_update == (update_on == "device")
+                   for packing, job in zip(result.packings, result.plan.jobs))
+        for device, peak in result.stats.peak_device_bytes.items():
+            assert peak <= 60_000, f"{device} peaked at {peak:,} bytes"
+        trained[update_on], stats[update_on] = models, result.stats
+    trainable = sum(pack.grad_bytes for packing in result.packings for pack in packing.packs)
+    assert stats["host"].bytes_out["grads"] == steps * trainable and stats["host"].bytes_out["weights"] == 0
+    assert stats["device"].bytes_out["grads"] == 0 and stats["device"].bytes_out["weights"] == steps * trainable
+    assert stats["device"].bytes_in["state"] == (steps - 1) * 2 * trainable, "Adam's two moments, from step 2"
+    assert stats["device"].bytes_out["state"] == steps * 2 * trainable
+    assert stats["host"].bytes_in["state"] == stats["host"].bytes_out["state"] == 0
+    for seed, (there, here) in enumerate(zip(trained["device"], trained["host"])):
+        reference = _batchnormed_mlp(seed)
+        train_plain(reference, batches, nn.functional.mse_loss, factory)
+        for (name, a), b, c in zip(there.state_dict().items(), here.state_dict().values(),
+                                   reference.state_dict().values()):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
+            torch.testing.assert_close(a, c, rtol=1e-9, atol=1e-12, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_a_fused_array_and_a_model_tied_across_packs_update_on_their_device_as_plain_pytorch(
+    no_leaks: None
+) -> None:
+    """The pack that borrows a tied weight still sends that weight's gradient to its lender's pack, which steps it on
+    its device; an array's stacked optimizer steps there too. Both against plain PyTorch in float64."""
+    import harmony
+    from tests.conftest import TiedEnds, assert_same_weights, clones, deep_mlp, regression_batches, train_plain
+
+    rates = [1e-3, 3e-3, 1e-2]
+    factories = [lambda p, lr=lr: torch.optim.AdamW(p, lr=lr, weight_decay=0.1) for lr in rates]
+    momentum = lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)  # noqa: E731
+    batches = [(x.double(), y.double()) for x, y in regression_batches(samples=16 * 5, batch=16)]
+    members = [deep_mlp(depth=4, seed=seed).double() for seed in range(3)]
+    tied = TiedEnds().double()
+    references = clones([*members, tied])
+    fused = harmony.train(members, batches, loss_fn=nn.functional.mse_loss, optimizer=factories, devices=["cpu"],
+                          device_memory=150_000, fuse=True, progress=False, update_on="device")
+    alone = harmony.train(tied, batches, loss_fn=nn.functional.mse_loss, optimizer=momentum, devices=["cpu"],
+                          device_memory=60_000, progress=False, update_on="device")
+    assert fused.arrays == [[0, 1, 2]] and not fused.homes and not alone.homes
+    assert fused.plan.jobs[0].device_update and alone.plan.jobs[0].device_update
+    assert len(fused.packings[0].packs) > 1
+    assert any(pack.borrowed for pack in alone.packings[0].packs), "the tie must span packs"
+    assert alone.stats.bytes_out["grads"] > 0 and fused.stats.bytes_out["grads"] == 0
+    for model, reference, factory in zip([*members, tied], references, [*factories, momentum]):
+        train_plain(reference, batches, nn.functional.mse_loss, factory)
+        assert_same_weights(model, reference, rtol=1e-9, atol=1e-12)
+    assert tied.last.weight is tied.first.weight

@@ -118,3 +118,37 @@ def test_a_sweep_of_one_architecture_is_timed_on_its_first_model(timed_calls: li
     layers = calls.count(7)
     assert layers > 1 and calls == [7] * layers + [1] * 3 * layers, calls
     assert len({job.step_seconds for job in forecast.plan.jobs}) == 1, "the followers' packs are timed alike"
+
+
+def test_updates_go_on_the_device_where_the_simulator_predicts_it_faster_and_the_plan_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """On a GPU with a slow host optimizer the state's trip over the link costs less than the host's passes: the
+    updates go on the device. On this machine's CPU devices (the same cores, no faster) they stay on the host. A
+    state that does not fit beside its pack keeps them there, and update_on="device" cannot change that."""
+    models, batches = [deep_mlp(seed=0)], regression_batches(64, 16)
+    adam = lambda p: torch.optim.Adam(p, lr=1e-3)  # noqa: E731
+    gpu = harmony.Hardware("gpu", compute_scale=50.0, host_link=25e9, task_overhead=1e-4,
+                           optimizer_bytes_per_second=2e9)
+    there = harmony.plan(models, batches, optimizer=adam, devices=1, device_memory=24_000, hardware=gpu)
+    assert there.plan.jobs[0].device_update and not there.plan.jobs[0].overlap
+    assert "updates on the device" in str(there) and "weight bytes out" in str(there)
+    assert there.memory.grads_out == 0 and there.memory.weights_out > 0
+    host = harmony.plan(models, batches, optimizer=adam, devices=1, device_memory=24_000, hardware=gpu,
+                        update_on="host")
+    assert not host.plan.jobs[0].device_update and host.step_seconds > there.step_seconds
+    here = harmony.plan(models, batches, optimizer=adam, devices=1, device_memory=24_000)
+    assert not here.plan.jobs[0].device_update and "updates on the device" not in str(here)
+    asked = harmony.plan(models, batches, optimizer=adam, devices=1, device_memory=24_000, update_on="device")
+    assert asked.plan.jobs[0].device_update
+    with caplog.at_level("INFO", logger="harmony"):
+        tight = harmony.plan(models, batches, optimizer=adam, devices=1, device_memory=16_000, microbatches=8,
+                             update_on="device")
+    assert not tight.plan.jobs[0].device_update
+    assert "does not fit beside its weights and gradients" in caplog.text
+    with pytest.raises(harmony.InputError, match="update_on"):
+        harmony.plan(models, batches, update_on="gpu")
+    with pytest.raises(harmony.InputError, match="overlap_update=True"):
+        harmony.plan(models, batches, update_on="device", overlap_update=True)
+    with pytest.raises(harmony.InputError, match="fp16"):
+        harmony.plan(models, batches, update_on="device", precision="fp16")

@@ -24,10 +24,13 @@ def job(budget: int = 20_000, **changes: object) -> Job:
     return dataclasses.replace(base, **changes)
 
 
-def test_a_packs_device_update_holds_its_weights_gradients_prefetch_and_state() -> None:
-    pack = packing(20_000).packs[0]
-    assert state_bytes(pack, 2.0) == 2 * 4096 and state_bytes(pack, 0.0) == 0
-    assert device_update_need(pack, 2.0) == pack.cost.weights + pack.cost.grads + pack.cost.prefetch + 2 * 4096
+def test_a_packs_device_update_holds_its_weights_gradients_state_and_a_neighbours_weights() -> None:
+    packs = packing(20_000).packs
+    assert state_bytes(packs[0], 2.0) == 2 * 4096 and state_bytes(packs[0], 0.0) == 0
+    assert len(packs) == 4 and all(pack.cost.weights == pack.cost.grads == 4096 for pack in packs)
+    assert device_update_need(packs, 0, 2.0) == 3 * 4096 + 2 * 4096, "its weights, gradients, state, the next's weights"
+    assert device_update_need(packs, 3, 2.0) == 3 * 4096 + 2 * 4096, "the pack before it, which backward runs next"
+    assert device_update_need(packs[:1], 0, 2.0) == 2 * 4096 + 2 * 4096
 
 
 def test_only_a_swapped_job_whose_bwd_alone_needs_its_gradients_and_whose_state_fits_updates_on_its_device() -> None:
@@ -37,7 +40,8 @@ def test_only_a_swapped_job_whose_bwd_alone_needs_its_gradients_and_whose_state_
     assert "overlap_update" in str(why_not_on_device(job(overlap=True), 30_000))
     assert "fp16" in str(why_not_on_device(job(scaled=True), 30_000))
     assert "halved" in str(why_not_on_device(job(packing=packing(20_000, halved=True)), 30_000))
-    need = max(device_update_need(pack, 2.0) for pack in job().packing.packs)
+    packs = job().packing.packs
+    need = max(device_update_need(packs, index, 2.0) for index in range(len(packs)))
     assert why_not_on_device(job(), need) is None
     assert "does not fit" in str(why_not_on_device(job(), need - 1))
     assert why_not_on_device(job(state_ratio=0.0), need - 1) is None, "plain SGD has no state to copy"
