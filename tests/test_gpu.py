@@ -136,6 +136,24 @@ def test_sections_and_overlapped_updates_on_cuda_match_plain_pytorch(
     assert max(result.stats.peak_device_bytes.values()) <= 48_000
 
 
+def test_updates_on_the_gpu_match_plain_pytorch_and_leave_the_gradients_there(no_leaks: None) -> None:
+    """update_on="device": Adam steps each swapped pack on the GPU (torch's CUDA kernels), its state copied in and
+    out of the pinned host store; in float64 within plain PyTorch's reassociation, under the budget, and no gradient
+    byte leaves the GPU."""
+    models = [deep_mlp(seed=s).double() for s in range(2)]
+    references = clones(models)
+    batches = [(x.double(), y.double()) for x, y in regression_batches(samples=64, batch=16)]
+    factory = lambda p: torch.optim.Adam(p, lr=1e-2)  # noqa: E731
+    result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss, optimizer=factory, microbatches=2,
+                           devices=["cuda:0"], device_memory=64_000, fuse=False, progress=False, update_on="device")
+    assert all(job.device_update and job.home is None for job in result.plan.jobs)
+    for model, reference in zip(models, references):
+        train_plain(reference, batches, nn.functional.mse_loss, factory)
+        assert_same_weights(model, reference, rtol=1e-9, atol=1e-12)
+    assert max(result.stats.peak_device_bytes.values()) <= 64_000
+    assert result.stats.bytes_out["grads"] == 0 and result.stats.bytes_in["state"] > 0
+
+
 def test_bf16_on_cuda_trains_as_a_plain_loop_under_cuda_autocast(no_leaks: None) -> None:
     model = deep_mlp(seed=0)
     reference = clones([model])[0].cuda()
