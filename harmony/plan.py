@@ -15,7 +15,7 @@ from harmony.conventions import training_conventions
 from harmony.errors import InputError
 from harmony.planner import build, pilot
 from harmony.runtime.devices import build_specs
-from harmony.runtime.measure import this_machine
+from harmony.runtime.measure import accelerator_speed, this_machine, with_accelerator
 from harmony.tasks.fusion import FusionChoice
 from harmony.tasks.graph import TaskId
 from harmony.tasks.hardware import Hardware
@@ -181,7 +181,10 @@ def plan(
     if hardware is None:
         specs = build_specs(args.devices, args.device_memory)
         budgets = {spec.name: spec.budget for spec in specs}
-        hardware = dataclasses.replace(this_machine(), shared_cores=any(spec.kind == "cpu" for spec in specs))
+        cpu = any(spec.kind == "cpu" for spec in specs)
+        hardware = dataclasses.replace(this_machine(), shared_cores=cpu)
+        if not cpu:  # the devices are this machine's GPUs
+            hardware = with_accelerator(hardware, accelerator_speed())
     else:
         budgets = {f"dev-{k}-{i}" if machines > 1 else f"dev-{i}": args.device_memory  # type: ignore[misc]
                    for k in range(machines) for i in range(len(args.devices))}

@@ -9,7 +9,7 @@ import time
 from distributed import Client, as_completed, get_worker
 
 from harmony.runtime.handoff import FinishedKeys, LocalResult, receive
-from harmony.runtime.measure import this_machine
+from harmony.runtime.measure import accelerator_speed, this_machine, with_accelerator
 from harmony.runtime.worker import wait_for_warmup
 from harmony.tasks.hardware import Hardware
 
@@ -96,7 +96,8 @@ KEPT = 16
 def measured_hardware(client: Client, workers: dict[str, str], cpu_compute: bool = True) -> Hardware:
     """This machine as the simulator sees it, with the task cost measured on the cluster the run will use (once per
     cluster: a warm cluster's next run, or the next run on the same user's workers, takes what it measured); the
-    CPU a task takes counts where the devices compute on this machine's cores (cpu_compute)."""
+    CPU a task takes counts where the devices compute on this machine's cores (cpu_compute), and where they do not,
+    a worker's GPU gives the compute scale and the link (runtime.measure.accelerator_speed)."""
     key = (client.scheduler.address, tuple(sorted(workers.items())), cpu_compute)
     if key not in MEASURED:
         latency, cpu = task_cost(client, workers)
@@ -104,6 +105,10 @@ def measured_hardware(client: Client, workers: dict[str, str], cpu_compute: bool
                     cpu * 1e3)
         while len(MEASURED) >= KEPT:
             del MEASURED[next(iter(MEASURED))]
-        MEASURED[key] = dataclasses.replace(this_machine(), task_overhead=latency,
-                                            task_cpu=cpu if cpu_compute else 0.0, shared_cores=cpu_compute)
+        hardware = dataclasses.replace(this_machine(), task_overhead=latency,
+                                       task_cpu=cpu if cpu_compute else 0.0, shared_cores=cpu_compute)
+        if not cpu_compute:  # the devices are GPUs: measured on one of their workers
+            address = next(iter(workers.values()))
+            hardware = with_accelerator(hardware, client.run(accelerator_speed, workers=[address])[address])
+        MEASURED[key] = hardware
     return MEASURED[key]

@@ -1,18 +1,22 @@
-"""Measurements of this machine that the simulator needs to predict times here: memory copy speed."""
+"""Measurements of this machine that the simulator needs to predict times here: memory copy speed, the host
+optimizer's rate, and a GPU's speed against this machine's CPU and its link from pinned memory."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 
 import torch
+from torch import nn
 
 from harmony.tasks.hardware import Hardware
 
 
 @functools.cache
 def this_machine() -> Hardware:
-    """This machine as the simulator sees it: pilot-pass compute, and host copies at measured memcpy speed."""
+    """This machine as the simulator sees it: pilot-pass compute, host copies at measured memcpy speed, the host
+    store's optimizer at its measured rate."""
     source = torch.empty(32 * 2**20, dtype=torch.uint8)
     target = torch.empty_like(source)
     target.copy_(source)
@@ -21,4 +25,67 @@ def this_machine() -> Hardware:
     for _ in range(repeats):
         target.copy_(source)
     bandwidth = repeats * source.numel() / (time.perf_counter() - started)
-    return Hardware("this machine", host_link=bandwidth)
+    return Hardware("this machine", host_link=bandwidth, optimizer_bytes_per_second=optimizer_rate())
+
+
+def optimizer_rate(elements: int = 1 << 22, repeats: int = 3) -> float:
+    """The host store's update rate in tasks.simulator.update_seconds' measure (4 bytes per parameter byte a
+    second): torch's fused CPU Adam over a float32 parameter, after the copies an update makes into the other slot
+    (the weights and both moments, runtime.optimizer)."""
+    param = nn.Parameter(torch.zeros(elements))
+    param.grad = torch.full_like(param, 1e-3)
+    optimizer = torch.optim.Adam([param], lr=1e-3, fused=True)
+    optimizer.step()  # its state exists from here
+    sources = [param.detach(), *(value for value in optimizer.state[param].values() if value.dim())]
+    targets = [torch.empty_like(source) for source in sources]
+    started = time.perf_counter()
+    for _ in range(repeats):
+        for target, source in zip(targets, sources):
+            target.copy_(source)
+        optimizer.step()
+    return 4 * param.nbytes * repeats / (time.perf_counter() - started)
+
+
+def matmul_seconds(device: torch.device, size: int = 1024, repeats: int = 8) -> float:
+    """Seconds for one float32 matmul of two size x size matrices on device (the kernels' time on a GPU)."""
+    a = torch.randn(size, size, device=device)
+    b = torch.randn(size, size, device=device)
+    torch.mm(a, b)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    started = time.perf_counter()
+    for _ in range(repeats):
+        torch.mm(a, b)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - started) / repeats
+
+
+def pinned_link(device: torch.device, nbytes: int = 64 * 2**20, repeats: int = 4) -> float:
+    """Bytes per second from page-locked host memory to a CUDA device (what a pinned host store's copies get)."""
+    source = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    target = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    target.copy_(source, non_blocking=True)
+    torch.cuda.synchronize(device)
+    started = time.perf_counter()
+    for _ in range(repeats):
+        target.copy_(source, non_blocking=True)
+    torch.cuda.synchronize(device)
+    return nbytes * repeats / (time.perf_counter() - started)
+
+
+def accelerator_speed() -> tuple[float, float] | None:
+    """(compute_scale, host_link) of this process's first CUDA device: a matmul's time on this machine's CPU over
+    its time there (the pilot pass times layers on the CPU), and its link from pinned memory; None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    device = torch.device("cuda", torch.cuda.current_device())
+    return matmul_seconds(torch.device("cpu")) / matmul_seconds(device), pinned_link(device)
+
+
+def with_accelerator(hardware: Hardware, speed: tuple[float, float] | None) -> Hardware:
+    """hardware with a GPU's measured compute scale and link (accelerator_speed), where one was measured."""
+    if speed is None:
+        return hardware
+    scale, link = speed
+    return dataclasses.replace(hardware, name=f"{hardware.name}, its GPUs", compute_scale=scale, host_link=link)

@@ -154,6 +154,18 @@ def test_updates_on_the_gpu_match_plain_pytorch_and_leave_the_gradients_there(no
     assert result.stats.bytes_out["grads"] == 0 and result.stats.bytes_in["state"] > 0
 
 
+def test_a_plan_for_gpus_predicts_with_their_measured_speed_and_link() -> None:
+    """The pilot times layers on the CPU: the GPU's speed against it and its link from pinned memory are measured
+    (runtime.measure.accelerator_speed) and the plan predicts with them."""
+    from harmony.runtime.measure import accelerator_speed
+
+    speed = accelerator_speed()
+    assert speed is not None and speed[0] > 0 and speed[1] > 0
+    forecast = harmony.plan(deep_mlp(seed=0), regression_batches(samples=64, batch=16), devices=["cuda:0"],
+                            device_memory=48_000)
+    assert forecast.hardware.name.endswith("its GPUs") and forecast.hardware.compute_scale != 1.0
+
+
 def test_bf16_on_cuda_trains_as_a_plain_loop_under_cuda_autocast(no_leaks: None) -> None:
     model = deep_mlp(seed=0)
     reference = clones([model])[0].cuda()
