@@ -38,9 +38,10 @@ def steady_seconds(times: Sequence[float], skip: float = 0.2, what: str = "the r
 class Stats:
     """Measured, not estimated: bytes are sums of what was actually copied, peaks what devices accounted.
 
-    bytes_in kinds (host to device): "weights", "activations", "inputs".
+    bytes_in kinds (host to device): "weights", "activations", "inputs", "grads" (a tied weight's gradient from the
+    later pack that borrowed it), "state" (optimizer state, for updates on the device).
     bytes_out kinds (device to host): "grads", "activations", "buffers" (running statistics written back),
-    "weights" (homed models' trained weights, written back once at the end).
+    "weights" and "state" (what homed models flush after their tasks, and what updates on the device write).
     bytes_p2p: activation and gradient bytes a device received straight from another device's worker.
     bytes_prefetched: the part of bytes_in["weights"] copied by the copy engine while a task computed.
     bytes_kept: boundary activations and gradients that stayed on their device for the task that read them
