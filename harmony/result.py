@@ -42,7 +42,10 @@ class Stats:
     later pack that borrowed it), "state" (optimizer state, for updates on the device).
     bytes_out kinds (device to host): "grads", "activations", "buffers" (running statistics written back),
     "weights" and "state" (what homed models flush after their tasks, and what updates on the device write).
-    bytes_p2p: activation and gradient bytes a device received straight from another device's worker.
+    bytes_remote: activation and gradient bytes a device's task received from another device's worker, through Dask's
+    comms and host memory (then copied in: part of bytes_in).
+    bytes_p2p: bytes copied device to device without passing through host memory (CUDA peer access, NCCL). No path
+    of the runtime makes such a copy yet: activations between GPUs travel as bytes_remote, so this stays 0.
     bytes_prefetched: the part of bytes_in["weights"] copied by the copy engine while a task computed.
     bytes_kept: boundary activations and gradients that stayed on their device for the task that read them
     next, instead of being copied in again from their host copy (not part of bytes_in).
@@ -72,6 +75,7 @@ class Stats:
     wall_seconds: float
     busy_seconds: dict[str, float] = field(default_factory=dict)
     idle_seconds: dict[str, float] = field(default_factory=dict)
+    bytes_remote: int = 0
     bytes_p2p: int = 0
     bytes_prefetched: int = 0
     bytes_kept: int = 0
@@ -227,6 +231,7 @@ class TrainResult:
             idle_seconds={
                 name: max(0.0, outcome.run_seconds - values["busy_ns"] / 1e9) for name, values in counters.items()
             },
+            bytes_remote=sum(values["remote"] for values in counters.values()),
             bytes_p2p=sum(values["p2p"] for values in counters.values()),
             bytes_prefetched=sum(values["prefetched"] for values in counters.values()),
             bytes_kept=sum(values["kept"] for values in counters.values()),

@@ -118,7 +118,7 @@ def task_body(kind: str, host: bool = False) -> Callable[[Callable[..., Result]]
             waited = ctx.counters.values["wait_ns"]
             began = time.time()
             started = time.perf_counter_ns()
-            ctx.counters.add("p2p", sum(tree_nbytes(arg) for arg, remote in zip(args, peers) if remote))
+            ctx.counters.add("remote", sum(tree_nbytes(arg) for arg, remote in zip(args, peers) if remote))
             try:
                 with _failures(model, where, BudgetExceeded, ModelFailure, Reschedule):
                     result = body(ctx, model, pack, span, *received, group=group, first=first, steps=steps)

@@ -11,6 +11,7 @@ OUT_KINDS = ("grads", "activations", "buffers", "weights", "state")
 NAMES = (
     *(f"in_{kind}" for kind in IN_KINDS),
     *(f"out_{kind}" for kind in OUT_KINDS),
+    "remote",
     "p2p",
     "prefetched",
     "kept",
