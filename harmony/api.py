@@ -147,9 +147,10 @@ def check_host_memory(jobs: list[Job], budget: int | None) -> None:
 def _execute(
     plan: RunPlan, codes: list[JobCode], args: Arguments, specs: list[DeviceSpec], handle: ClusterHandle,
     progress: bool | None, checkpoints: Checkpoints | None, starts: list[int], log: MetricsLog | None,
+    profile: tuple[str, int] | None = None,
 ) -> RunOutcome:
-    """Run the plan with a progress display when wanted and the metrics log when asked; a model's failure is a
-    ModelError naming the model."""
+    """Run the plan with a progress display when wanted, the metrics log and the workers' profiles when asked; a
+    model's failure is a ModelError naming the model."""
     feeds = []
     for index, loader in enumerate(args.loaders):
         readers = [start for job, start in zip(plan.jobs, starts) if job.feed == index]
@@ -171,7 +172,7 @@ def _execute(
         outcome = execute(plan, codes, feeds, specs, handle, on_progress=watch if watchers else None,
                           host_memory=args.host_memory,
                           checkpoints=checkpoints, starts=starts, users=(args.models, args.optimizers),
-                          validation=validation, metrics=args.metrics, names=args.names)
+                          validation=validation, metrics=args.metrics, names=args.names, profile=profile)
     except ModelFailure as failure:
         raise model_error(plan, failure) from None
     finally:
@@ -233,6 +234,7 @@ def train(
     packs_per_task: int | str = "auto",
     grad_scaler: dict[str, float] | None = None,
     compile: bool = False,
+    profile_steps: int = 0,
 ) -> TrainResult:
     """Train every model on its data through fine-grained tasks on Dask device workers.
 
@@ -288,7 +290,9 @@ def train(
 
     log_dir writes the run's metrics there as it goes, one JSON-lines file per run (per model and step its loss,
     validation loss, learning rate and samples/s; per device its cached bytes, bytes in and out, busy share: see
-    harmony.metrics), and TensorBoard event files beside it where tensorboard is installed.
+    harmony.metrics), and TensorBoard event files beside it where tensorboard is installed. With profile_steps=n,
+    every device worker also records its tasks of n steps after the first with torch.profiler (each task a range
+    named by its Dask key, with a GPU's kernels and copies) into log_dir/profile-<device>.json, a Chrome trace.
 
     precision="bf16" runs every forward and backward (and the loss) under torch.autocast in bfloat16, as a plain
     loop inside ``torch.autocast(device_type, torch.bfloat16)`` would; weights, gradients and optimizer state stay
@@ -331,6 +335,10 @@ def train(
     for name, value in (("host", host), ("dashboard_address", dashboard_address)):
         if not isinstance(value, str):
             raise InputError(f"{name}={value!r} must be a string such as '127.0.0.1' or ':8787'")
+    if isinstance(profile_steps, bool) or not isinstance(profile_steps, int) or profile_steps < 0:
+        raise InputError(f"profile_steps={profile_steps!r} must be a number of steps (0: no profile)")
+    if profile_steps and log_dir is None:
+        raise InputError("profile_steps writes its traces into log_dir: pass log_dir too")
     check_options(options)
     check_models(models)
     starting = specs = None
@@ -375,7 +383,8 @@ def train(
             log = None if log_dir is None else MetricsLog(
                 log_dir, plan, names, [initial_lr(factory) for factory in args.optimizers], samples)
             try:
-                outcome = _execute(plan, codes, args, specs, handle, progress, checkpoints, starts, log)
+                profile = (str(log_dir), profile_steps) if profile_steps else None
+                outcome = _execute(plan, codes, args, specs, handle, progress, checkpoints, starts, log, profile)
                 wall_seconds = time.perf_counter() - started
                 result = TrainResult.assemble(args.models, plan, outcome, wall_seconds, handle.dashboard_link, names,
                                               samples)

@@ -109,7 +109,7 @@ def task_body(kind: str, host: bool = False) -> Callable[[Callable[..., Result]]
                 secede()
                 began = time.time()
                 try:
-                    with _failures(model, where, ModelFailure, Reschedule):
+                    with _failures(model, where, ModelFailure, Reschedule), ctx.profiler.task(key, model, first):
                         return body(ctx, model, pack, span, *received, group=group, first=first, steps=steps)
                 finally:
                     ctx.timeline.append((key, began, time.time(), 0.0))
@@ -120,7 +120,10 @@ def task_body(kind: str, host: bool = False) -> Callable[[Callable[..., Result]]
             started = time.perf_counter_ns()
             ctx.counters.add("remote", sum(tree_nbytes(arg) for arg, remote in zip(args, peers) if remote))
             try:
-                with _failures(model, where, BudgetExceeded, ModelFailure, Reschedule):
+                with (
+                    _failures(model, where, BudgetExceeded, ModelFailure, Reschedule),
+                    ctx.profiler.task(key, model, first),
+                ):
                     result = body(ctx, model, pack, span, *received, group=group, first=first, steps=steps)
                     ctx.cache.settle()
                 ctx.finished.add(key)

@@ -93,6 +93,7 @@ def execute(
     validation: list[list[tuple[Any, Any]] | None] | None = None,
     metrics: Metrics = None,
     names: list[str] | None = None,
+    profile: tuple[str, int] | None = None,
 ) -> RunOutcome:
     """Train the plan's jobs to completion on the cluster whose workers are the devices; cleans up whatever
     happens. The user's modules hold the trained weights when it returns.
@@ -100,7 +101,9 @@ def execute(
     With checkpoints, every job is checkpointed as the plan's options say (users: the user's models and optimizer
     factories, whose state dicts each checkpoint writes too); with starts, each job first takes up its latest
     checkpoint, which holds that many steps. With validation (per job, its validation batches), every job is
-    evaluated every eval_every steps of the plan's options and at its end, with metrics beside the loss."""
+    evaluated every eval_every steps of the plan's options and at its end, with metrics beside the loss. With
+    profile (a directory, a number of steps), every device worker traces its tasks of that many steps there
+    (runtime.profiling)."""
     run = secrets.token_hex(6)
     sweep()
     machines = group_machines({device.name: device.machine for device in devices})
@@ -133,7 +136,7 @@ def execute(
             store.push_all()
         spec = RunSpec(run, str(stores[""].directory if "" in stores else shm_directory()), models, tuple(devices),
                        plan.options.prefetch, plan.options.group, autocast=PRECISIONS[plan.options.precision],
-                       scaler=files.settings, compile=plan.options.compile)
+                       scaler=files.settings, compile=plan.options.compile, profile=profile)
         handle.client.register_plugin(DevicePlugin(spec), name=plugin)
         registered = True
         try:

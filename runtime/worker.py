@@ -46,6 +46,7 @@ from harmony.runtime.hoststore import HostStore, tensor_at, tensors_at
 from harmony.runtime.optimizer import PackOptimizer, pack_lock, update, update_on_device
 from harmony.runtime.optimstate import OptimizerState
 from harmony.runtime.orphans import gone, sweep
+from harmony.runtime.profiling import TaskProfiler
 from harmony.runtime.scaler import Scaler
 from harmony.runtime.skeleton import load_skeleton
 from harmony.runtime.spec import RunSpec
@@ -70,6 +71,9 @@ class RunContext:
             self.device_spec.name, self.device, self.device_spec.budget, counters, self.device_spec.link_bandwidth
         )
         self.timeline: list[tuple[str, float, float, float]] = []  # per task: key, wall start, end, copy seconds
+        directory, steps = spec.profile or (None, 0)
+        self.profiler = TaskProfiler(directory, steps, self.device_spec.name, self.device.type == "cuda",
+                                     len(spec.models))
         self.finished = FinishedKeys()
         self.early_starts: dict[str, float] = {}  # producer key: when a reader first came before it
         self.successor: TaskId | None = None
@@ -345,6 +349,7 @@ class RunContext:
         return self._optimizers[key]
 
     def close(self) -> None:
+        self.profiler.finish()
         self.homed_models.clear()
         self.cache.clear()
         self._optimizers.clear()
