@@ -6,12 +6,12 @@ beside two plain-PyTorch ways of doing the same work in the same run: the model 
 forward and again before its backward, takes its gradients out and steps SGD on the host (synchronous
 copies from pinned memory: the same 2W in and 1W out per step as Harmony). Harmony runs without prefetch, with
 prefetch (next pack copied on the copy stream while this one computes) one pack per task with its update in the
-backward task, and as planned (packs per task from the measured task cost, updates beside the device where the
-simulator predicts it faster). Each row: steady seconds per step, its throughput over the resident loop's, weight
+backward task on the host or on the GPU, and as planned (packs per task from the measured task cost, updates where
+the simulator predicts them fastest). --profile writes each run's torch.profiler trace of two steps per device. Each row: steady seconds per step, its throughput over the resident loop's, weight
 bytes in per step, and the ideal max(compute, copy) at the measured pinned copy speed, at several batch sizes
 (samples served per weight load).
 
-    python -m benchmarks.gpu_swap
+    python -m benchmarks.gpu_swap [--profile traces/]
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import logging
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -102,21 +103,25 @@ def plain_swapping(model: nn.Module, data: list, device: torch.device) -> tuple[
     return steady(timings), moved
 
 
-WAYS = {  # Harmony's ways: (prefetch, packs_per_task, overlap_update, precision)
-    "harmony, no prefetch, a pack a task": (False, 1, False, "fp32"),
-    "harmony, a pack a task, update in bwd": (True, 1, False, "fp32"),
-    "harmony, as planned": (True, "auto", None, "fp32"),
-    "harmony bf16 (weights copied in as bf16), as planned": (True, "auto", None, "bf16"),
+WAYS = {  # Harmony's ways: (prefetch, packs_per_task, overlap_update, precision, update_on)
+    "harmony, no prefetch, a pack a task": (False, 1, False, "fp32", "host"),
+    "harmony, a pack a task, update in bwd": (True, 1, False, "fp32", "host"),
+    "harmony, a pack a task, update on the device": (True, 1, False, "fp32", "device"),
+    "harmony, as planned": (True, "auto", None, "fp32", "auto"),
+    "harmony bf16 (weights copied in as bf16), as planned": (True, "auto", None, "bf16", "auto"),
 }
 
 
 def harmony_run(model: nn.Module, data: list, budget: int, microbatch: int, prefetch: bool,
-                packs_per_task: int | str, overlap_update: bool | None, precision: str) -> harmony.TrainResult:
-    """Harmony on the GPU under budget, in micro-batches of microbatch samples."""
+                packs_per_task: int | str, overlap_update: bool | None, precision: str, update_on: str,
+                profile: Path | None = None) -> harmony.TrainResult:
+    """Harmony on the GPU under budget, in micro-batches of microbatch samples (its workers' tasks of two steps
+    traced into profile where given)."""
     return harmony.train(model, data, loss_fn=nn.functional.mse_loss, optimizer=lambda p: torch.optim.SGD(p, lr=LR),
                          microbatches=max(1, len(data[0][0]) // microbatch), devices=["cuda:0"], device_memory=budget,
                          prefetch=prefetch, fuse=False, progress=False, packs_per_task=packs_per_task,
-                         overlap_update=overlap_update, precision=precision)
+                         overlap_update=overlap_update, precision=precision, update_on=update_on,
+                         log_dir=profile, profile_steps=2 if profile is not None else 0)
 
 
 def progress(rows: list[dict]) -> None:
@@ -131,6 +136,9 @@ def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--microbatch", type=int, default=512,
                         help="samples per micro-batch of Harmony's runs (their activations must fit beside a pack)")
     parser.add_argument("--ways", default="", help="only Harmony's ways whose name contains this")
+    parser.add_argument("--profile", type=Path, default=None,
+                        help="trace the workers' tasks of two steps of every Harmony run into this directory "
+                             "(torch.profiler; one subdirectory per run)")
 
 
 def main() -> None:
@@ -156,18 +164,20 @@ def main() -> None:
         rows.append({"way": "plain bf16 autocast, resident on the GPU", **common, "compute s": resident_bf16,
                      "step s": resident_bf16, "weights in/step": 0})
         progress(rows[-3:])
-        for way, (prefetch, packs_per_task, overlap_update, precision) in WAYS.items():
+        for way, (prefetch, packs_per_task, overlap_update, precision, update_on) in WAYS.items():
             if args.ways not in way:
                 continue
+            traced = None if args.profile is None else args.profile / f"{batch}-{len(raw)}"
             try:
                 result = harmony_run(mlp(width, depth), data, budget, args.microbatch, prefetch, packs_per_task,
-                                     overlap_update, precision)
+                                     overlap_update, precision, update_on, traced)
             except harmony.InputError as error:  # micro-batches whose activations do not fit beside a pack
                 print(f"batch {batch}: {way}: {error}", flush=True)
                 continue
             job = result.plan.jobs[0]
+            where = "on the device" if job.device_update else "beside" if job.overlap else "in bwd"
             rows.append({
-                "way": f"{way} ({job.section_count} tasks a pass, updates {'beside' if job.overlap else 'in bwd'})",
+                "way": f"{way} ({job.section_count} tasks a pass, updates {where})",
                 **common, **({"compute s": resident_bf16} if precision == "bf16" else {}),
                 "step s": result.stats.steady_seconds_per_step(0),
                 "weights in/step": result.stats.bytes_in["weights"] // steps,
