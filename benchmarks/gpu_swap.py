@@ -7,9 +7,9 @@ forward and again before its backward, takes its gradients out and steps SGD on 
 copies from pinned memory: the same 2W in and 1W out per step as Harmony). Harmony runs without prefetch, with
 prefetch (next pack copied on the copy stream while this one computes) one pack per task with its update in the
 backward task on the host or on the GPU, and as planned (packs per task from the measured task cost, updates where
-the simulator predicts them fastest). --profile writes each run's torch.profiler trace of two steps per device. Each row: steady seconds per step, its throughput over the resident loop's, weight
-bytes in per step, and the ideal max(compute, copy) at the measured pinned copy speed, at several batch sizes
-(samples served per weight load).
+the simulator predicts them fastest). --profile writes each run's torch.profiler trace of two steps per device.
+Each row: steady seconds per step, its throughput over the resident loop's, weight bytes in per step, and the ideal
+max(compute, copy) at the measured pinned copy speed, at several batch sizes (samples served per weight load).
 
     python -m benchmarks.gpu_swap [--profile traces/]
 """

@@ -113,7 +113,9 @@ class Forecast:
             job = self.plan.jobs[index]
             updates = ", updates beside the device" if job.overlap else ""
             if job.device_update:
-                updates = ", updates on the device (optimizer state copied in and out)"
+                share = ("" if len(job.device_updates) == len(packing.packs)
+                         else f" for {len(job.device_updates)} of its packs, on the host for the others")
+                updates = f", updates on the device{share} (optimizer state copied in and out)"
             if job.sections:
                 updates += f", {job.section_count} tasks a pass ({len(packing.packs)} packs)"
             halved = sum(job.halved_bytes(pack) for pack in range(len(packing.packs)))
@@ -202,7 +204,7 @@ def plan(
     try:
         memory = replay_memory(simulation.order, [job.device_packing for job in jobs], budgets, run_plan.homes,
                                [job.state_ratio for job in jobs], microbatches, [job.sections for job in jobs],
-                               {index for index, job in enumerate(jobs) if job.device_update})
+                               {index: job.device_updates for index, job in enumerate(jobs)})
     except ScheduleExceedsBudget as error:
         raise InputError(f"the planned schedule would not fit: {error}") from None
     return Forecast(run_plan, simulation, memory, counts, names=[type(model).__name__ for model in args.models])

@@ -32,7 +32,7 @@ from harmony.tasks.packing import LayerTooLarge, cut_packs, minimal_budget
 from harmony.tasks.profile import LayerProfile, ModelProfile
 from harmony.tasks.runplan import PRECISIONS, Job, RunPlan
 from harmony.tasks.simulator import model_step_seconds, simulate_jobs
-from harmony.tasks.updates import why_not_on_device
+from harmony.tasks.updates import packs_on_device, why_not_on_device
 from harmony.validate import Arguments, model_label
 
 logger = logging.getLogger("harmony")
@@ -280,10 +280,13 @@ def with_updates(jobs: list[Job], args: Arguments, budgets: dict[str, int], hard
         device = []
         for job, here in zip(jobs, swapped):
             job = dataclasses.replace(job, overlap=False)
-            why = why_not_on_device(job, budget) if here else "homed"
-            if here and why is not None:
-                logger.info("%s: updates on the host store: %s", job.label, why)
-            device.append(dataclasses.replace(job, device_update=why is None))
+            packs = packs_on_device(job, budget) if here else ()
+            stepped = [index for index, pack in enumerate(job.packing.packs) if pack.grad_bytes]
+            if here and len(packs) < len(stepped):
+                why = why_not_on_device(job) or "their optimizer state does not fit beside their weights and gradients"
+                left = sorted(set(stepped) - set(packs))
+                logger.info("%s: packs %s update on the host store: %s", job.label, left, why)
+            device.append(dataclasses.replace(job, device_updates=packs))
         if any(job.device_update for job in device) or not ways:
             ways["on the device"] = device
     if len(ways) == 1 or not any(swapped):

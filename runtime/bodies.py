@@ -353,13 +353,13 @@ def _backward_pack(
                                      gradients_or_targets, loss_weights, group, claim_input, claim_upstream, keep)
         if spec.scaled:
             ctx.scaler(model).flag(step, pack, group, not finite(grads))
-        if not spec.device_update or runtime.borrowed:  # a borrowed weight's gradient goes to its lender's pack
+        if not runtime.device_update or runtime.borrowed:  # a borrowed weight's gradient goes to its lender's pack
             ctx.cache.write_back(grad_bytes, ctx.host_grads(model, pack, group), "grads")
         if start is not None:  # the last pack's forward ran here
             _buffers_out(ctx, model, pack, step, group, weights, start)
-        if spec.device_update:
+        if runtime.device_update:
             ctx.update_on_device(model, pack, step, weights, grad_bytes)
-    if spec.device_update:
+    if runtime.device_update:
         ctx.cache.drop((model, pack))  # stepped in place: no longer the version they are cached as
     elif updates_in_backward(spec.groups, spec.overlap):
         ctx.update(model, pack, step)

@@ -31,6 +31,7 @@ class PackRuntime:
     borrowed: tuple[tuple[str, int, str], ...] = ()  # tied weights another pack holds: (name here, pack, name there)
     lent: tuple[tuple[int, str, str], ...] = ()  # own weights later packs borrow: (pack, name there, name here)
     halved: Halved | None = None  # weights whose device copy is in autocast's dtype (weights is then halved.host)
+    device_update: bool = False  # its bwd steps its optimizer on the device (tasks.updates)
 
     @property
     def device_weights(self) -> BufferLayout:
@@ -61,9 +62,8 @@ class ModelRuntime:
     """A job (a model, or a fused array of `members` models) as workers see it: its packs, loss and optimizer;
     prefetch False when its budget leaves no room to copy a pack's weights in while another computes; overlap
     when its updates run in upd tasks beside the device rather than in its bwd tasks (tasks.graph); sections the
-    first packs of the packs each of its tasks runs (tasks.runplan.Job.sections); device_update when its bwd tasks
-    step its packs' optimizers on the device (tasks.updates), its state predicted at state_ratio bytes per gradient
-    byte."""
+    first packs of the packs each of its tasks runs (tasks.runplan.Job.sections); state_ratio its optimizer
+    state's predicted bytes per gradient byte (what a pack updated on the device reserves there)."""
 
     name: str
     packs: tuple[PackRuntime, ...]
@@ -77,7 +77,6 @@ class ModelRuntime:
     overlap: bool = False
     sections: tuple[int, ...] = ()
     scaled: bool = False
-    device_update: bool = False
     state_ratio: float = 2.0
 
     @property
@@ -138,6 +137,7 @@ def describe(plan: RunPlan, codes: list[JobCode]) -> tuple[ModelRuntime, ...]:
                     lent=tuple((later.index, there, here) for later in reversed(job.packing.packs)
                                for there, owner, here in later.borrowed if owner == index),
                     halved=halved,
+                    device_update=index in job.device_updates,
                 )
             )
         models.append(
@@ -154,7 +154,6 @@ def describe(plan: RunPlan, codes: list[JobCode]) -> tuple[ModelRuntime, ...]:
                 overlap=job.overlap,
                 sections=job.sections,
                 scaled=job.scaled,
-                device_update=job.device_update,
                 state_ratio=job.state_ratio,
             )
         )

@@ -59,7 +59,7 @@ class Job:
     run in upd tasks on a host thread beside its device instead of in its bwd tasks (see tasks.graph). sections
     are the first packs of the consecutive packs each of its tasks runs (a task's "pack" in tasks.graph is then its
     section's index); empty, one pack per task. scaled: its loss is scaled for fp16 (runtime.scaler), so that every
-    update of a step waits for every backward of it. device_update: a swapped job's bwd tasks step each pack's
+    update of a step waits for every backward of it. device_updates: the packs whose bwd tasks step the pack's
     optimizer on the device, its state copied in beside the pack's weights and gradients and out with the new
     weights, instead of sending the gradients to the host store's optimizer (tasks.updates).
     """
@@ -81,7 +81,12 @@ class Job:
     overlap: bool = False
     sections: tuple[int, ...] = ()
     scaled: bool = False
-    device_update: bool = False
+    device_updates: tuple[int, ...] = ()
+
+    @property
+    def device_update(self) -> bool:
+        """Whether any of its packs updates on its device."""
+        return bool(self.device_updates)
 
     @property
     def fused(self) -> bool:

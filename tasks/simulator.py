@@ -58,7 +58,7 @@ def replay_memory(
     optimizer_state_ratios: list[float] | None = None,
     microbatch_samples: list[list[int]] | None = None,
     sections: list[tuple[int, ...]] | None = None,
-    device_updates: set[int] | None = None,
+    device_updates: dict[int, tuple[int, ...]] | None = None,
 ) -> MemoryReport:
     """Replay each device's task order against its budget, as the runtime's device cache accounts it.
 
@@ -69,12 +69,12 @@ def replay_memory(
     in order); with it, the boundary values that producers keep on the device for their consumers are
     replayed too (kept: the bytes consumers then took there instead of copying them in). sections gives per model
     the first packs of its tasks' sections (tasks.runplan.Job.sections): a task of several packs is replayed pack
-    by pack, as the tasks of one pack each that it stands for (pack_tasks). The swapped models in device_updates
-    step their optimizers in their bwd tasks on the device (tasks.updates): the state beside the pack's weights and
+    by pack, as the tasks of one pack each that it stands for (pack_tasks). device_updates gives per model the packs
+    whose bwd tasks step their optimizer on the device (tasks.updates): the state beside the pack's weights and
     gradients, and the weights out instead of the gradients.
     """
     homes = homes or {}
-    device_updates = device_updates or set()
+    device_updates = device_updates or {}
     sections = sections or [()] * len(packings)
     ratios = optimizer_state_ratios or [2.0] * len(packings)
     groups = [1] * len(packings)
@@ -95,7 +95,8 @@ def replay_memory(
                     _replay_task(memory, part, packings[task.model], task.model in homes, report,
                                  None if microbatch_samples is None else _group_microbatches(
                                      microbatch_samples[task.model], groups[task.model], task.group),
-                                 midway, ratios[task.model] if task.model in device_updates else None)
+                                 midway, ratios[task.model] if part.pack in device_updates.get(task.model, ())
+                                 else None)
                 if task.kind == "bwd" and task.model in homes and task.model not in stateful:
                     stateful.add(task.model)
                     memory.reserve(round(ratios[task.model] * packings[task.model].packs[task.pack].grad_bytes),
@@ -264,7 +265,7 @@ def simulate(
     overlap: list[bool] | None = None,
     sections: list[tuple[int, ...]] | None = None,
     scaled: list[bool] | None = None,
-    device_updates: list[bool] | None = None,
+    device_updates: list[tuple[int, ...]] | None = None,
 ) -> Simulation:
     """Predict the schedule and its times: the driver's binding state on a simulated clock.
 
@@ -278,8 +279,8 @@ def simulate(
     whether its updates are overlapped (upd tasks) rather than applied in its bwd tasks, sections where its tasks
     run several packs each (tasks.runplan.Job.sections): such a task's copies hide behind the compute of the pack
     before them in the task; scaled where its loss is scaled (fp16: every upd of a step waits for all of its bwd);
-    device_updates where its bwd tasks update on the device (tasks.updates): the optimizer at the device's compute
-    scale, its state over the link both ways. packings are as cut; each is held as its job would hold it
+    device_updates the packs whose bwd tasks update on the device (tasks.updates): the optimizer at the device's
+    compute scale, its state over the link both ways. packings are as cut; each is held as its job would hold it
     (simulate_jobs).
     """
     groups = groups or [1] * len(packings)
@@ -287,11 +288,11 @@ def simulate(
     overlap = overlap or [False] * len(packings)
     sections = sections or [()] * len(packings)
     scaled = scaled or [False] * len(packings)
-    device_updates = device_updates or [False] * len(packings)
+    device_updates = device_updates or [()] * len(packings)
     jobs = [
         Job(members=(index,), label=packing.model, feed=index, seed=index, packing=packing, steps=None,
             step_seconds=0.0, batch_bytes=0, groups=g, home=homes.get(index), overlap=beside, sections=starts,
-            scaled=scale, device_update=there)
+            scaled=scale, device_updates=there)
         for index, (packing, g, beside, starts, scale, there) in enumerate(
             zip(packings, groups, overlap, sections, scaled, device_updates))
     ]
@@ -375,8 +376,8 @@ class _Clock:
         compute = task_seconds(task, packing, n, self.hardware, packs)
         homed = job.home is not None
         if task.kind == "bwd" and not homed and updates_in_backward(job.groups, job.overlap):
-            on_device = self.hardware.compute_scale if job.device_update else 1.0
-            compute += update_seconds(packing, packs, self.hardware) / on_device
+            compute += sum(update_seconds(packing, range(pack, pack + 1), self.hardware)
+                           / (self.hardware.compute_scale if pack in job.device_updates else 1.0) for pack in packs)
         copy = self._copy_seconds(task, device, submit.first, n, compute)
         end = start + self.hardware.task_overhead + compute + copy
         self.times[task] = (start, end)
@@ -430,6 +431,7 @@ class _Clock:
         copy += ((2 if task.kind == "fwd" else 3) - kept) * boundary / link
         if task.kind == "bwd" and not homed:  # gradients out; updated on the device, the weights out instead
             copy += sum(packing.packs[pack].grad_bytes for pack in packs) / link
-        if task.kind == "bwd" and job.device_update:  # and the optimizer state in and out
-            copy += sum(2 * state_bytes(packing.packs[pack], job.state_ratio) for pack in packs) / link
+        if task.kind == "bwd":  # and, updated on the device, the optimizer state in and out
+            copy += sum(2 * state_bytes(packing.packs[pack], job.state_ratio) for pack in packs
+                        if pack in job.device_updates) / link
         return copy

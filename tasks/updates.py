@@ -7,10 +7,11 @@ optimizer there and writes the new weights and state back: the link carries the 
 out instead of the gradients (the same bytes), while the host's cores do nothing. Which is faster depends on the
 link, the host's optimizer rate and the device's, which the simulator compares (tasks.simulator, harmony.planner).
 
-A job can update on its device only when nothing but its own bwd task needs the step's gradients: one micro-batch
-group (vDP reduces the groups' gradients on the host first), updates in the bwd task, no loss scaler (fp16 unscales
-and skips across all packs), and device copies that are the master weights (a halved copy is not). Every pack's
-weights, gradients, the next pack's prefetch and its state must fit the budget at once.
+A job's packs can update on its device only when nothing but their own bwd task needs the step's gradients: one
+micro-batch group (vDP reduces the groups' gradients on the host first), updates in the bwd task, no loss scaler
+(fp16 unscales and skips across all packs). Then each pack that has weights to step does where its device copy is
+the master (a halved copy is not) and its weights, gradients, state and a neighbour's weights arriving fit the
+budget at once ("for packs whose optimizer state fits the device"); the others update on the host store.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ def device_update_need(packs: tuple[Pack, ...], index: int, state_ratio: float) 
     return cost.weights + cost.grads + beside + state_bytes(packs[index], state_ratio)
 
 
-def why_not_on_device(job: Job, budget: int) -> str | None:
-    """Why the job's updates cannot run on its device (None when they can)."""
+def why_not_on_device(job: Job) -> str | None:
+    """Why none of the job's packs can update on its device (None when those whose state fits can)."""
     if job.home is not None:
         return "homed: its updates run on its device already"
     if job.groups > 1:
@@ -43,10 +44,15 @@ def why_not_on_device(job: Job, budget: int) -> str | None:
         return "its updates run beside the device (overlap_update)"
     if job.scaled:
         return "fp16's loss scaler decides a step's updates from every pack's gradients"
-    if any(job.halved(index) for index in range(len(job.packing.packs))):
-        return "its device copies are halved, not the master weights"
-    packs = job.device_packing.packs
-    tight = [index for index in range(len(packs)) if device_update_need(packs, index, job.state_ratio) > budget]
-    if tight:
-        return f"the optimizer state of pack {tight[0]} does not fit beside its weights and gradients"
     return None
+
+
+def packs_on_device(job: Job, budget: int) -> tuple[int, ...]:
+    """The packs of a job that may update on its device (why_not_on_device says none) under budget: those with
+    weights to step, whose device copy is the master (not halved), and whose state fits beside them."""
+    if why_not_on_device(job) is not None:
+        return ()
+    packs = job.device_packing.packs
+    return tuple(index for index, pack in enumerate(packs)
+                 if pack.grad_bytes and not job.halved(index)
+                 and device_update_need(packs, index, job.state_ratio) <= budget)

@@ -252,3 +252,44 @@ def test_a_fused_array_and_a_model_tied_across_packs_update_on_their_device_as_p
         train_plain(reference, batches, nn.functional.mse_loss, factory)
         assert_same_weights(model, reference, rtol=1e-9, atol=1e-12)
     assert tied.last.weight is tied.first.weight
+
+
+def test_packs_whose_state_does_not_fit_update_on_the_host_beside_packs_updated_on_the_device(
+    no_leaks: None,
+) -> None:
+    """The wide middle packs' Adam state does not fit beside them; the narrow end packs' does. Those update on the
+    device, the others on the host store, in one run: the weights equal an all-host run's bit for bit and plain
+    PyTorch's in float64, and only the host-updated packs' gradients leave the device."""
+    import harmony
+    from tests.conftest import regression_batches, train_plain
+
+    def net() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 96), nn.Tanh(), nn.Linear(96, 32),
+                             nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4)).double()
+
+    factory = lambda p: torch.optim.Adam(p, lr=1e-2)  # noqa: E731
+    steps = 4
+    batches = [(x.double(), y.double()) for x, y in regression_batches(samples=16 * steps, batch=16)]
+    trained = {}
+    for update_on in ("device", "host"):
+        model = net()
+        result = harmony.train(model, batches, loss_fn=nn.functional.mse_loss, optimizer=factory, devices=["cpu"],
+                               device_memory=100_000, microbatches=4, packs_per_task=1, progress=False,
+                               update_on=update_on)
+        trained[update_on] = (model, result)
+    model, result = trained["device"]
+    job, packs = result.plan.jobs[0], result.packings[0].packs
+    assert job.home is None and len(packs) == 4 and job.device_updates == (0, 3)
+    assert "updates on the device for 2 of its packs" in str(harmony.plan(
+        net(), batches, optimizer=factory, devices=["cpu"], device_memory=100_000, microbatches=4, packs_per_task=1,
+        update_on="device"))
+    assert result.stats.bytes_out["grads"] == steps * (packs[1].grad_bytes + packs[2].grad_bytes)
+    assert result.stats.bytes_out["state"] == steps * 2 * (packs[0].grad_bytes + packs[3].grad_bytes)
+    assert max(result.stats.peak_device_bytes.values()) <= 100_000
+    reference = net()
+    train_plain(reference, batches, nn.functional.mse_loss, factory)
+    for (name, a), b, c in zip(model.state_dict().items(), trained["host"][0].state_dict().values(),
+                               reference.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(a, c, rtol=1e-9, atol=1e-12, msg=lambda m, name=name: f"{name}: {m}")

@@ -145,7 +145,7 @@ def test_updates_go_on_the_device_where_the_simulator_predicts_it_faster_and_the
         tight = harmony.plan(models, batches, optimizer=adam, devices=1, device_memory=16_000, microbatches=8,
                              update_on="device")
     assert not tight.plan.jobs[0].device_update
-    assert "does not fit beside its weights and gradients" in caplog.text
+    assert "update on the host store: their optimizer state does not fit beside their weights" in caplog.text
     with pytest.raises(harmony.InputError, match="update_on"):
         harmony.plan(models, batches, update_on="gpu")
     with pytest.raises(harmony.InputError, match="overlap_update=True"):

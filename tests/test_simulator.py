@@ -152,7 +152,9 @@ def test_an_update_on_the_device_costs_its_state_over_the_link_and_the_optimizer
     link, rate, scale = 1e6, 2e6, 50.0
     hardware = Hardware(task_overhead=0.0, host_link=link, optimizer_bytes_per_second=rate, compute_scale=scale)
     host = simulate([packing], [1], [8], {"d": 7000}, hardware, prefetch=False)
-    device = simulate([packing], [1], [8], {"d": 7000}, hardware, prefetch=False, device_updates=[True])
+    every = tuple(range(len(packing.packs)))
+    device = simulate([packing], [1], [8], {"d": 7000}, hardware, prefetch=False, device_updates=[every])
+    first = simulate([packing], [1], [8], {"d": 7000}, hardware, prefetch=False, device_updates=[(0,)])
     for pack in packing.packs:
         task = TaskId("bwd", 0, pack.index, 0)
         seconds = [run.times[task][1] - run.times[task][0] for run in (host, device)]
@@ -160,15 +162,19 @@ def test_an_update_on_the_device_costs_its_state_over_the_link_and_the_optimizer
         assert seconds[1] - seconds[0] == pytest.approx(update / scale - update + 2 * 2 * pack.grad_bytes / link)
     for task in (TaskId("fwd", 0, 0, 0), TaskId("fwd", 0, 1, 0)):
         assert host.times[task][1] - host.times[task][0] == device.times[task][1] - device.times[task][0]
+    host_s, device_s, first_s = ([run.times[TaskId("bwd", 0, pack, 0)][1] - run.times[TaskId("bwd", 0, pack, 0)][0]
+                                  for pack in (0, 1)] for run in (host, device, first))
+    assert first_s == pytest.approx([device_s[0], host_s[1]]), "pack 0 on the device, pack 1 on the host"
     order = {"d": span_tasks(0, len(packing.packs), 0)}
     inline = replay_memory(order, [packing], {"d": 10**6})
-    there = replay_memory(order, [packing], {"d": 10**6}, device_updates={0})
+    there = replay_memory(order, [packing], {"d": 10**6}, device_updates={0: every})
     grads = sum(pack.grad_bytes for pack in packing.packs)
     assert (inline.grads_out, inline.weights_out) == (grads, 0) and (there.grads_out, there.weights_out) == (0, grads)
     wide = chain_packing(layers=3, width=32, budget=20_000)  # a state larger than a micro-batch's activations
     order = {"d": span_tasks(0, len(wide.packs), 0)}
     held = max(pack.cost.weights + pack.cost.grads + 2 * pack.grad_bytes for pack in wide.packs)
     assert replay_memory(order, [wide], {"d": held - 1}).peak["d"] < held
+    updated = {0: tuple(range(len(wide.packs)))}
     with pytest.raises(ScheduleExceedsBudget, match="more bytes"):
-        replay_memory(order, [wide], {"d": held - 1}, device_updates={0})
-    assert replay_memory(order, [wide], {"d": held}, device_updates={0}).peak["d"] == held
+        replay_memory(order, [wide], {"d": held - 1}, device_updates=updated)
+    assert replay_memory(order, [wide], {"d": held}, device_updates=updated).peak["d"] == held

@@ -8,7 +8,7 @@ from harmony.tasks.layout import TensorSpec
 from harmony.tasks.packing import Packing, cut_packs
 from harmony.tasks.profile import LayerProfile, ModelProfile
 from harmony.tasks.runplan import Job
-from harmony.tasks.updates import device_update_need, state_bytes, why_not_on_device
+from harmony.tasks.updates import device_update_need, packs_on_device, state_bytes, why_not_on_device
 
 
 def packing(budget: int, halved: bool = False) -> Packing:
@@ -33,17 +33,34 @@ def test_a_packs_device_update_holds_its_weights_gradients_state_and_a_neighbour
     assert device_update_need(packs[:1], 0, 2.0) == 2 * 4096 + 2 * 4096
 
 
-def test_only_a_swapped_job_whose_bwd_alone_needs_its_gradients_and_whose_state_fits_updates_on_its_device() -> None:
-    assert why_not_on_device(job(), 30_000) is None
-    assert "homed" in str(why_not_on_device(job(home="cpu-0"), 30_000))
-    assert "vdp" in str(why_not_on_device(job(groups=2), 30_000))
-    assert "overlap_update" in str(why_not_on_device(job(overlap=True), 30_000))
-    assert "fp16" in str(why_not_on_device(job(scaled=True), 30_000))
-    assert "halved" in str(why_not_on_device(job(packing=packing(20_000, halved=True)), 30_000))
+def test_only_a_swapped_job_whose_bwd_alone_needs_its_gradients_updates_on_its_device() -> None:
+    assert why_not_on_device(job()) is None
+    assert "homed" in str(why_not_on_device(job(home="cpu-0")))
+    assert "vdp" in str(why_not_on_device(job(groups=2)))
+    assert "overlap_update" in str(why_not_on_device(job(overlap=True)))
+    assert "fp16" in str(why_not_on_device(job(scaled=True)))
+    assert packs_on_device(job(groups=2), 10**9) == ()
+
+
+def test_the_packs_whose_state_fits_update_on_the_device_and_the_others_on_the_host() -> None:
+    """"For packs whose optimizer state fits the device": each pack on its own, by what it holds while it updates;
+    a halved pack's device copy is not the master."""
     packs = job().packing.packs
     need = max(device_update_need(packs, index, 2.0) for index in range(len(packs)))
-    assert why_not_on_device(job(), need) is None
-    assert "does not fit" in str(why_not_on_device(job(), need - 1))
-    assert why_not_on_device(job(state_ratio=0.0), need - 1) is None, "plain SGD has no state to copy"
+    assert packs_on_device(job(), need) == (0, 1, 2, 3)
+    assert packs_on_device(job(), need - 1) == ()
+    assert packs_on_device(job(state_ratio=0.0), need - 1) == (0, 1, 2, 3), "plain SGD has no state to copy"
+    assert packs_on_device(job(packing=packing(20_000, halved=True)), 10**9) == ()
     fused = job(members=(0, 1), packing=packing(20_000, halved=True))
-    assert why_not_on_device(fused, 30_000) is None, "a fused array's device copies are float32"
+    assert packs_on_device(fused, 10**9) == (0, 1, 2, 3), "a fused array's device copies are float32"
+    narrow = LayerProfile("Linear", params=(TensorSpec("weight", "float32", (16, 16)),), buffers=(),
+                          input_bytes_per_sample=64, output_bytes_per_sample=64, forward_seconds_per_sample=1e-6)
+    wide = LayerProfile("Linear", params=(TensorSpec("weight", "float32", (16, 64)),), buffers=(),
+                        input_bytes_per_sample=64, output_bytes_per_sample=256, forward_seconds_per_sample=1e-6)
+    mixed = job(packing=cut_packs(ModelProfile("m", (narrow, wide, narrow)), 18_000, samples=2))
+    packs = mixed.packing.packs
+    assert [pack.grad_bytes for pack in packs] == [1024, 4096, 1024]
+    fits = [device_update_need(packs, index, 2.0) for index in range(len(packs))]
+    assert fits[1] > max(fits[0], fits[2])
+    assert packs_on_device(mixed, max(fits[0], fits[2])) == (0, 2), "the wide pack's state does not fit"
+    assert packs_on_device(mixed, fits[1]) == (0, 1, 2)
