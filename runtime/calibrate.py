@@ -80,6 +80,8 @@ def task_cost(client: Client, workers: dict[str, str], chain: int = CHAIN, isola
     keeping its worker busy meanwhile, so that every message is handled on its own (more than a chain's, whose
     messages go out and are handled together). Figures: docs/performance.md, "Dask's cost per task".
     """
+    if not workers:
+        raise RuntimeError("no device worker is connected to the scheduler: nothing to measure the task cost on")
     client.run(wait_for_warmup)
     latencies, cpu = [], []
     for address in workers.values():

@@ -308,9 +308,17 @@ def connect(cluster: str | Client) -> ClusterHandle:
     return handle
 
 
-def worker_addresses(client: Client) -> dict[str, str]:
-    """Worker name -> address, for every worker the scheduler knows."""
-    return {str(info["name"]): address for address, info in client.scheduler_info()["workers"].items()}
+def worker_addresses(client: Client, attempts: int = 20) -> dict[str, str]:
+    """Worker name -> address, for every worker the scheduler knows. Where the client's answer has none, it is
+    asked again (attempts times, 0.1 s apart): a sync client's scheduler_info() falls back on the identity its
+    periodic update cached, which lists no workers, when the fresh query fails or the client is not running (a run
+    once found none right after wait_for_workers had seen its one worker join)."""
+    for attempt in range(attempts):
+        workers = {str(info["name"]): address for address, info in client.scheduler_info()["workers"].items()}
+        if workers or attempt + 1 == attempts:
+            return workers
+        time.sleep(0.1)
+    return {}
 
 
 def worker_threads(handle: ClusterHandle) -> dict[str, int]:

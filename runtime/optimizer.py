@@ -27,6 +27,7 @@ from harmony.runtime.hoststore import HostStore, tensor_at, tensors_at
 from harmony.runtime.optimstate import OptimizerState
 from harmony.runtime.serial_copy import copy_serially
 from harmony.runtime.spec import PackRuntime
+from harmony.tasks.layout import BufferLayout
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -38,12 +39,7 @@ class PackOptimizer:
         self, factory: OptimizerFactory, weights: torch.Tensor, grads: torch.Tensor, runtime: PackRuntime,
         state: OptimizerState,
     ) -> None:
-        by_name = {slot.spec.name: slot for slot in runtime.weights.slots}
-        params = []
-        for grad_slot in runtime.stepped:
-            param = nn.Parameter(tensor_at(weights, by_name[grad_slot.spec.name]))
-            param.grad = tensor_at(grads, grad_slot)
-            params.append(param)
+        params = stepped_parameters(runtime, runtime.weights, weights, grads)
         self.optimizer = build_optimizer(factory, params, [slot.spec.name for slot in runtime.stepped])
         fused_on_host(self.optimizer)
         self.params = optimizer_params(self.optimizer)
@@ -54,6 +50,30 @@ class PackOptimizer:
         self.state.load(self.optimizer, self.params, slot, bind=True)
         step_optimizer(self.optimizer)
         self.state.save(self.optimizer, self.params, slot)
+
+
+def stepped_parameters(runtime: PackRuntime, layout: BufferLayout, weights: torch.Tensor, grads: torch.Tensor
+                       ) -> list[nn.Parameter]:
+    """The pack's trainable parameters as views of weights (laid out as layout), each with its gradient a view of
+    grads, in the order of its gradient layout (what its optimizer's state is indexed by)."""
+    by_name = {slot.spec.name: slot for slot in layout.slots}
+    params = []
+    for grad_slot in runtime.stepped:
+        param = nn.Parameter(tensor_at(weights, by_name[grad_slot.spec.name]))
+        param.grad = tensor_at(grads, grad_slot)
+        params.append(param)
+    return params
+
+
+def next_slot(versions: Versions, pack: int, step: int) -> int | None:
+    """The slot the pack's update for step writes version step + 1 into, or None where that version is published
+    already (the update ran); an update that comes before its step's version is an error."""
+    current, slot = versions.current(pack)
+    if current > step:
+        return None
+    if current < step:
+        raise RuntimeError(f"the update of step {step} of pack {pack} came before step {current}'s")
+    return 1 - slot
 
 
 def fused_on_host(optimizer: torch.optim.Optimizer) -> None:
@@ -97,12 +117,10 @@ def update(
     members of an array that keep their weights (see divergence); skip carries the weights and the optimizer's
     state over unchanged (a step a loss scaler skips). Returns whether it applied the update (not when the version
     says it was applied already). The caller holds the pack's lock."""
-    current, slot = versions.current(pack)
-    if current > step:
+    following = next_slot(versions, pack, step)
+    if following is None:
         return False
-    if current < step:
-        raise RuntimeError(f"the update of step {step} of pack {pack} came before step {current}'s")
-    following = 1 - slot
+    slot = 1 - following
     if runtime.stepped:  # a pack of activations, frozen layers or borrowed weights has nothing to step
         source, target = weights(slot), weights(following)
         copy_trainable(runtime, source, target)
@@ -140,19 +158,13 @@ def update_on_device(
     reserve is the state's predicted bytes, charged to the device before the state exists (after its first step the
     state's own size is known: what it holds beyond the reserve is charged when it appears, as for a homed model).
     The caller holds the pack's lock. Returns whether it applied the update."""
-    current, slot = versions.current(pack)
-    if current > step:
+    following = next_slot(versions, pack, step)
+    if following is None:
         return False
-    if current < step:
-        raise RuntimeError(f"the update of step {step} of pack {pack} came before step {current}'s")
-    following = 1 - slot
+    slot = 1 - following
     if runtime.stepped:
         by_name = {entry.spec.name: entry for entry in runtime.device_weights.slots}
-        params = []
-        for grad_slot in runtime.stepped:
-            param = nn.Parameter(tensor_at(weights, by_name[grad_slot.spec.name]))
-            param.grad = tensor_at(grads, grad_slot)
-            params.append(param)
+        params = stepped_parameters(runtime, runtime.device_weights, weights, grads)
         names = [entry.spec.name for entry in runtime.stepped]
         stepped = set(names)
         optimizer = build_optimizer(factory, params, names)

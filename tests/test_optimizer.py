@@ -88,6 +88,14 @@ def test_host_updates_use_the_fused_cpu_kernel_unless_the_factory_chose_an_imple
     assert "fused" not in built(lambda p: torch.optim.RMSprop(p, lr=0.1)).param_groups[0]
 
 
+def assert_alike(trained: nn.Module, same: nn.Module, reference: nn.Module) -> None:
+    """trained equals same bit for bit, and plain PyTorch's reference in float64 up to reassociation."""
+    for (name, a), b, c in zip(trained.state_dict().items(), same.state_dict().values(),
+                               reference.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(a, c, rtol=1e-9, atol=1e-12, msg=lambda m, name=name: f"{name}: {m}")
+
+
 def _batchnormed_mlp(seed: int) -> nn.Sequential:
     """A 12-layer MLP with batch norm in it (running statistics written beside the updates); the layer before it
     has no bias, whose gradient would be rounding noise that Adam turns into lr-sized steps."""
@@ -123,10 +131,7 @@ def test_overlapped_updates_give_the_weights_of_updates_in_backward_and_of_plain
     for seed, (beside, inline) in enumerate(zip(trained[True], trained[False])):
         reference = _batchnormed_mlp(seed)
         train_plain(reference, batches, nn.functional.mse_loss, factory)
-        for (name, a), b, c in zip(beside.state_dict().items(), inline.state_dict().values(),
-                                   reference.state_dict().values()):
-            torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
-            torch.testing.assert_close(a, c, rtol=1e-9, atol=1e-12, msg=lambda m, name=name: f"{name}: {m}")
+        assert_alike(beside, inline, reference)
 
 
 class Signal(nn.Module):
@@ -218,10 +223,7 @@ def test_updates_on_the_device_give_the_weights_of_host_updates_and_of_plain_pyt
     for seed, (there, here) in enumerate(zip(trained["device"], trained["host"])):
         reference = _batchnormed_mlp(seed)
         train_plain(reference, batches, nn.functional.mse_loss, factory)
-        for (name, a), b, c in zip(there.state_dict().items(), here.state_dict().values(),
-                                   reference.state_dict().values()):
-            torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
-            torch.testing.assert_close(a, c, rtol=1e-9, atol=1e-12, msg=lambda m, name=name: f"{name}: {m}")
+        assert_alike(there, here, reference)
 
 
 def test_a_fused_array_and_a_model_tied_across_packs_update_on_their_device_as_plain_pytorch(
@@ -289,7 +291,4 @@ def test_packs_whose_state_does_not_fit_update_on_the_host_beside_packs_updated_
     assert max(result.stats.peak_device_bytes.values()) <= 100_000
     reference = net()
     train_plain(reference, batches, nn.functional.mse_loss, factory)
-    for (name, a), b, c in zip(model.state_dict().items(), trained["host"][0].state_dict().values(),
-                               reference.state_dict().values()):
-        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
-        torch.testing.assert_close(a, c, rtol=1e-9, atol=1e-12, msg=lambda m, name=name: f"{name}: {m}")
+    assert_alike(model, trained["host"][0], reference)
