@@ -80,13 +80,15 @@ def main() -> None:
         seen: dict[str, dict] = {}
         for round_index in range(args.rounds):
             measured["plain PyTorch, resident"].append(plain_resident(mlp(width, depth), data, device, factory))
-            for way, (update_on, overlap) in WAYS.items():
+            order = list(WAYS)[round_index % len(WAYS):] + list(WAYS)[:round_index % len(WAYS)]  # no way always first
+            for way in order:
+                update_on, overlap = WAYS[way]
                 chosen = {"update_on": update_on, "overlap_update": overlap}
                 result = harmony.train(mlp(width, depth), data, loss_fn=nn.functional.mse_loss, optimizer=factory,
                                        **settings, **chosen)
                 measured[way].append(result.stats.steady_seconds_per_step(0))
                 print(f"{name}, round {round_index + 1}: {way}: {measured[way][-1]:.4f} s a step", flush=True)
-                if round_index == 0:
+                if way not in seen:
                     forecast = harmony.plan(mlp(width, depth), data, loss_fn=nn.functional.mse_loss,
                                             optimizer=factory, **planned, **chosen)
                     job, stats = result.plan.jobs[0], result.stats
@@ -108,9 +110,9 @@ def main() -> None:
     report("device_update", f"Where the update runs: one MLP of {weights:,} B on {args.device} with a budget of "
            f"{budget:,} B" + (f", link {args.link}" if args.link else "") + f", {args.rounds} rounds", rows,
            args.out, notes="step s: measured steady seconds a step, median of the rounds (each round runs every way "
-           "once, in turn) with their range; predicted s: harmony.plan's prediction for that way on this machine "
-           "(measured copy speed and host optimizer rate; a GPU's measured speed and pinned link); chosen: where "
-           "the run's updates ran", raw=raw)
+           "once, in turn, starting one further along the list each round) with their range; predicted s: "
+           "harmony.plan's prediction for that way on this machine (measured copy speed and host optimizer rate; a "
+           "GPU's measured speed and pinned link); chosen: where the run's updates ran", raw=raw)
 
 
 if __name__ == "__main__":
