@@ -266,3 +266,29 @@ def test_the_embedded_cluster_stays_warm_between_calls_until_other_devices_a_fai
     assert len(worker_processes()) == 1
     harmony.shutdown()
     assert not [p for p in worker_processes() if p.is_running() and p.status() != "zombie"]
+
+
+def test_worker_names_are_asked_again_when_the_clients_answer_lists_none() -> None:
+    """A sync client's scheduler_info() falls back on a cached identity without workers when its fresh query
+    fails: worker_addresses asks again (a run once found none right after wait_for_workers), a bounded number of
+    times; calibration with no worker says so instead of failing on an empty max()."""
+    from harmony.runtime.calibrate import task_cost
+    from harmony.runtime.cluster import worker_addresses
+
+    class Answers:
+        def __init__(self, empty: int) -> None:
+            self.empty = empty
+            self.asked = 0
+
+        def scheduler_info(self) -> dict:
+            self.asked += 1
+            if self.asked <= self.empty:
+                return {"workers": {}}
+            return {"workers": {"tcp://127.0.0.1:1": {"name": "cpu-0"}}}
+
+    late = Answers(empty=2)
+    assert worker_addresses(late) == {"cpu-0": "tcp://127.0.0.1:1"} and late.asked == 3  # type: ignore[arg-type]
+    never = Answers(empty=10**6)
+    assert worker_addresses(never, attempts=3) == {} and never.asked == 3  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="no device worker is connected"):
+        task_cost(never, {})  # type: ignore[arg-type]
