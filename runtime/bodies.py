@@ -119,6 +119,7 @@ def task_body(kind: str, host: bool = False) -> Callable[[Callable[..., Result]]
             began = time.time()
             started = time.perf_counter_ns()
             ctx.counters.add("remote", sum(tree_nbytes(arg) for arg, remote in zip(args, peers) if remote))
+            ctx.counters.mark("executing", model + 1)  # whose task a death here interrupts (tasks.binding)
             try:
                 with (
                     _failures(model, where, BudgetExceeded, ModelFailure, Reschedule),
@@ -129,6 +130,7 @@ def task_body(kind: str, host: bool = False) -> Callable[[Callable[..., Result]]
                 ctx.finished.add(key)
                 return result
             finally:
+                ctx.counters.set("executing", 0)
                 ctx.counters.add("busy_ns", time.perf_counter_ns() - started)
                 ctx.timeline.append((key, began, time.time(), (ctx.counters.values["wait_ns"] - waited) / 1e9))
                 ctx.counters.add("tasks", 1)

@@ -20,6 +20,7 @@ NAMES = (
     "busy_ns",
     "wait_ns",
     "tasks",
+    "executing",
 )
 BLOCK_BYTES = 8 * len(NAMES)
 
@@ -49,6 +50,12 @@ class Counters:
     def set(self, name: str, value: int) -> None:
         with self._lock:
             self.values[name] = int(value)
+
+    def mark(self, name: str, value: int) -> None:
+        """Set one counter and publish it at once (what the worker is doing, for a driver that outlives it)."""
+        with self._lock:
+            self.values[name] = int(value)
+            self.shared[NAMES.index(name)] = int(value)
 
     def publish(self) -> None:
         with self._lock:

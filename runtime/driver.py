@@ -86,6 +86,7 @@ class Driver:
         on_checkpoint: Callable[[int, int], None] | None = None,
         validation: list[list[tuple[Any, Any]] | None] | None = None,
         metrics: Metrics = None,
+        executing: Callable[[str], int | None] | None = None,
     ) -> None:
         self.client = client
         self.run = run
@@ -96,6 +97,7 @@ class Driver:
         self.workers = workers
         self.microbatches = microbatches
         self.on_step = on_step
+        self.executing = executing
         self.on_progress = on_progress
         self.on_checkpoint = on_checkpoint
         self.values: dict[Value, Any] = {}
@@ -154,6 +156,15 @@ class Driver:
             raise RuntimeError("harmony driver: no task in flight and none ready before training finished")
         return None
 
+    def _executing(self, device: str) -> int | None:
+        """The job whose task a lost device's worker was executing, as it marked it (None where unknown)."""
+        if self.executing is None:
+            return None
+        try:
+            return self.executing(device)
+        except (OSError, ValueError):  # a store already gone, or a device this run does not have
+            return None
+
     def _scheduler_event(self, event: tuple[float, dict[str, Any]]) -> None:
         """On the client's event loop: a worker left or joined the scheduler."""
         _, message = event
@@ -169,7 +180,7 @@ class Driver:
             if action == "remove-worker":
                 self.evaluations.forget_worker(address)
                 name = self.devices.pop(address, None)
-                return None if name is None else WorkerLost(name, at)
+                return None if name is None else WorkerLost(name, at, self._executing(name))
             name = self._worker_name(address)
             if name is None:
                 return None

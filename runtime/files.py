@@ -33,6 +33,7 @@ import torch
 from harmony.runtime.code import JobCode, named_state
 from harmony.runtime.counters import BLOCK_BYTES, Counters
 from harmony.runtime.hoststore import HostStore, tensors_at
+from harmony.runtime.machines import RemoteStore
 from harmony.runtime.scaler import Scaler, Settings
 from harmony.runtime.spec import ModelRuntime
 from harmony.tasks.runplan import Job, RunPlan
@@ -282,6 +283,16 @@ class RunFiles:
             name: Counters(self.device_stores[index].attach(counters_name(index), BLOCK_BYTES)).read()
             for index, (name, _) in enumerate(self.plan.budgets)
         }
+
+    def executing(self, device: str) -> int | None:
+        """The job whose task the device's worker was executing when it last marked one (None: none, or a device
+        on a machine whose store the driver does not map)."""
+        index = [name for name, _ in self.plan.budgets].index(device)
+        store = self.device_stores[index]
+        if isinstance(store, RemoteStore):
+            return None
+        job = Counters(store.attach(counters_name(index), BLOCK_BYTES)).read()["executing"]
+        return job - 1 if job > 0 else None
 
     def copy_back(self, codes: list[JobCode]) -> None:
         """Write the trained weights (and buffers) from the host store into the user's modules, in place: the

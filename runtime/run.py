@@ -166,7 +166,7 @@ def execute(
                         plan.options.microbatches, on_step=files.open_step,
                         on_progress=lambda _: watch(view),
                         on_checkpoint=checkpoint if checkpoints is not None else None,
-                        validation=validation, metrics=metrics)
+                        validation=validation, metrics=metrics, executing=files.executing)
         publisher = Publisher(handle.client, run, names)
 
         def watch(view: RunView) -> None:

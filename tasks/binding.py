@@ -305,8 +305,12 @@ class BindingState:
         self.device_names.remove(device)
         del self.memory[device]
         running = self.running.pop(device)
-        # what it was running when it died, and so may have killed it: its first task, as the worker runs them in order
-        suspects = {min(running, key=running.__getitem__).model} if running else set()
+        # what it was executing when it died, and so may have killed it: as its worker marked it, or else its first
+        # task, as the worker runs them in order
+        if event.executing is not None:
+            suspects = {event.executing}
+        else:
+            suspects = {min(running, key=running.__getitem__).model} if running else set()
         affected = (suspects
                     | {task.model for task, at in self.placed.items() if at == device}
                     | {model for model, home in self.homes.items() if home == device})

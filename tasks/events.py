@@ -55,10 +55,12 @@ class StepTimed:
 
 @dataclass(frozen=True)
 class WorkerLost:
-    """The scheduler lost the worker of a device (its process died, or it left)."""
+    """The scheduler lost the worker of a device (its process died, or it left); executing is the job whose task it
+    was executing then, where the driver could read it (the worker marks it in its host store)."""
 
     device: str
     at: float
+    executing: int | None = None
 
 
 @dataclass(frozen=True)

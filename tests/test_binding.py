@@ -448,6 +448,18 @@ def test_a_lost_worker_counts_against_the_job_of_the_task_it_ran_first_not_every
     assert dict(state.losses) == {queued[0].model: 1}, "the worker runs its tasks in order: the first one ran"
 
 
+def test_a_lost_worker_counts_against_the_job_whose_task_it_marked_as_executing() -> None:
+    """Where the driver read what the worker was executing (runtime.bodies marks it), that job is the suspect,
+    whichever task was bound first: a worker executes its queue by priority, not in the order of binding."""
+    state = BindingState([job(10), job(10)], {"a": 1000, "b": 1000}, validate=True)
+    player = Player(state, {0: 2, 1: 2})
+    player.carry_out(state.start())
+    queued = [submit.task for submit in player.in_flight if submit.device == "a"]
+    other = 1 - queued[0].model
+    player.handle(WorkerLost("a", 1.0, executing=other))
+    assert dict(state.losses) == {other: 1}
+
+
 def test_a_job_lost_with_its_device_again_and_again_fails_alone() -> None:
     state = BindingState([job(10, home="a"), job(10, home="c")], {"a": 1000, "b": 1000, "c": 1000},
                          homes={0: "a", 1: "c"}, validate=True)  # job 0 moves between a and b, job 1 stays on c
