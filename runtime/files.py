@@ -157,8 +157,8 @@ def estimate(jobs: list[Job], batch_files: int) -> int:
     total = 0
     for job in jobs:
         for index, pack in enumerate(job.packing.packs):
-            state = round(job.state_ratio * pack.grad_bytes)
-            total += 2 * slot_bytes(pack.float_bytes) + pack.grad_bytes * job.groups + 2 * state
+            total += (2 * slot_bytes(pack.float_bytes) + pack.grad_bytes * job.groups
+                      + 2 * pack.state_bytes(job.state_ratio))
             halved = job.halved_bytes(index)
             if halved:  # a mirror in a 2-byte dtype: half the float32 bytes, twice
                 total += mirror_bytes(halved // 2)

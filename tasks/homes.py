@@ -24,8 +24,7 @@ def homed_bytes(packing: Packing, optimizer_state_ratio: float) -> int:
     """What a homed single-pack model holds on its device: weights, a gradient buffer, optimizer state
     (optimizer_state_ratio bytes per trainable parameter byte) and one micro-batch's workspace."""
     pack = packing.packs[0]
-    state = round(optimizer_state_ratio * pack.grad_bytes)
-    return pack.float_bytes + pack.grad_bytes + state + pack.cost.workspace
+    return pack.float_bytes + pack.grad_bytes + pack.state_bytes(optimizer_state_ratio) + pack.cost.workspace
 
 
 def choose_homes(

@@ -87,6 +87,10 @@ class Pack:
     def grad_bytes(self) -> int:
         return self.cost.grads
 
+    def state_bytes(self, state_ratio: float) -> int:
+        """Its optimizer state: state_ratio bytes per trainable parameter byte."""
+        return round(state_ratio * self.grad_bytes)
+
 
 @dataclass(frozen=True)
 class Packing:

@@ -25,7 +25,6 @@ from harmony.tasks.memory import BudgetExceeded, DeviceMemory
 from harmony.tasks.microbatch import group_sizes
 from harmony.tasks.packing import Packing
 from harmony.tasks.runplan import Job, section_packs
-from harmony.tasks.updates import state_bytes
 
 
 class ScheduleExceedsBudget(ValueError):
@@ -99,7 +98,7 @@ def replay_memory(
                                  else None)
                 if task.kind == "bwd" and task.model in homes and task.model not in stateful:
                     stateful.add(task.model)
-                    memory.reserve(round(ratios[task.model] * packings[task.model].packs[task.pack].grad_bytes),
+                    memory.reserve(packings[task.model].packs[task.pack].state_bytes(ratios[task.model]),
                                    "optimizer state")
             except BudgetExceeded as error:
                 raise ScheduleExceedsBudget(device, task, error.need, error.held, error.budget) from None
@@ -163,8 +162,8 @@ def _replay_task(
             consumer = ("input", midway[1]) if midway is not None and task == midway[0] else None
             _keep_boundary(memory, task, packing, index, samples, later, consumer)
     if task.kind == "bwd" and not homed and device_update is not None:
-        memory.reserve(state_bytes(pack, device_update), "optimizer state")
-        memory.release(state_bytes(pack, device_update))
+        memory.reserve(pack.state_bytes(device_update), "optimizer state")
+        memory.release(pack.state_bytes(device_update))
     if task.kind == "bwd" and not homed:
         memory.release(pack.grad_bytes)
     if task.kind == "bwd" and homed:
@@ -429,9 +428,8 @@ class _Clock:
         previous = self.previous.get(device)
         kept = previous is not None and successor(previous, job.section_count) == task
         copy += ((2 if task.kind == "fwd" else 3) - kept) * boundary / link
-        if task.kind == "bwd" and not homed:  # gradients out; updated on the device, the weights out instead
-            copy += sum(packing.packs[pack].grad_bytes for pack in packs) / link
-        if task.kind == "bwd":  # and, updated on the device, the optimizer state in and out
-            copy += sum(2 * state_bytes(packing.packs[pack], job.state_ratio) for pack in packs
-                        if pack in job.device_updates) / link
+        if task.kind == "bwd" and not homed:  # gradients out; updated on the device, the weights out instead and
+            copy += sum(packing.packs[pack].grad_bytes  # the optimizer state in and out
+                        + (2 * packing.packs[pack].state_bytes(job.state_ratio) if pack in job.device_updates else 0)
+                        for pack in packs) / link
         return copy

@@ -20,18 +20,13 @@ from harmony.tasks.packing import Pack
 from harmony.tasks.runplan import Job
 
 
-def state_bytes(pack: Pack, state_ratio: float) -> int:
-    """The optimizer state a pack's update holds: state_ratio bytes per trainable parameter byte."""
-    return round(state_ratio * pack.grad_bytes)
-
-
 def device_update_need(packs: tuple[Pack, ...], index: int, state_ratio: float) -> int:
     """What the device holds while pack index's update runs there: its weights, its gradients, its optimizer state
     (the activations are gone by then) and a neighbour's weights arriving beside them (the pack before it, which
     backward runs next, or after it, the next step's forward)."""
     cost = packs[index].cost
     beside = max((packs[other].cost.weights for other in (index - 1, index + 1) if 0 <= other < len(packs)), default=0)
-    return cost.weights + cost.grads + beside + state_bytes(packs[index], state_ratio)
+    return cost.weights + cost.grads + beside + packs[index].state_bytes(state_ratio)
 
 
 def why_not_on_device(job: Job) -> str | None:

@@ -8,7 +8,7 @@ from harmony.tasks.layout import TensorSpec
 from harmony.tasks.packing import Packing, cut_packs
 from harmony.tasks.profile import LayerProfile, ModelProfile
 from harmony.tasks.runplan import Job
-from harmony.tasks.updates import device_update_need, packs_on_device, state_bytes, why_not_on_device
+from harmony.tasks.updates import device_update_need, packs_on_device, why_not_on_device
 
 
 def packing(budget: int, halved: bool = False) -> Packing:
@@ -26,7 +26,7 @@ def job(budget: int = 20_000, **changes: object) -> Job:
 
 def test_a_packs_device_update_holds_its_weights_gradients_state_and_a_neighbours_weights() -> None:
     packs = packing(20_000).packs
-    assert state_bytes(packs[0], 2.0) == 2 * 4096 and state_bytes(packs[0], 0.0) == 0
+    assert packs[0].state_bytes(2.0) == 2 * 4096 and packs[0].state_bytes(0.0) == 0
     assert len(packs) == 4 and all(pack.cost.weights == pack.cost.grads == 4096 for pack in packs)
     assert device_update_need(packs, 0, 2.0) == 3 * 4096 + 2 * 4096, "its weights, gradients, state, the next's weights"
     assert device_update_need(packs, 3, 2.0) == 3 * 4096 + 2 * 4096, "the pack before it, which backward runs next"
