@@ -133,8 +133,9 @@ def _choose(
     predicted: dict[int, float | None] = {}
     unbuilt: dict[int, int] = {}
     best: tuple[float, int] | None = None  # the best array's (seconds, -size), the order choose_size ranks by
+    samples = pilot_batch(sizing.args, group[0])[2][0]
     for size in sizes:
-        need, free = _trial_room(group, size, candidates, sizing.args)
+        need, free = _trial_room(group, size, candidates, sizing.args, samples)
         if need > free:
             logger.info("sub-arrays of %d not tried: the trial array needs %.1f GB, %.1f GB are free", size,
                         need / 1e9, free / 1e9)
@@ -152,13 +153,13 @@ def _choose(
     return choose_size(group, predicted, unbuilt)
 
 
-def _trial_room(group: list[int], size: int, candidates: list[Candidate], args: Arguments) -> tuple[int, int]:
-    """The bytes a trial array of size members of group would hold while it is piloted (0 for size 1, which
-    builds none), and the bytes free where it would be built (the host, or the members' GPU)."""
+def _trial_room(group: list[int], size: int, candidates: list[Candidate], args: Arguments, samples: int
+                ) -> tuple[int, int]:
+    """The bytes a trial array of size members of group would hold while it is piloted at samples a micro-batch (0
+    for size 1, which builds none), and the bytes free where it would be built (the host, or the members' GPU)."""
     if size == 1:
         return 0, 0
-    _, _, sizes = pilot_batch(args, group[0])
-    need = trial_bytes(candidates[group[0]].profile, size, sizes[0])
+    need = trial_bytes(candidates[group[0]].profile, size, samples)
     device = model_device(args.models[group[0]])
     if device.type == "cuda":
         return need, torch.cuda.mem_get_info(device)[0]

@@ -313,12 +313,16 @@ def worker_addresses(client: Client, attempts: int = 20) -> dict[str, str]:
     asked again (attempts times, 0.1 s apart): a sync client's scheduler_info() falls back on the identity its
     periodic update cached, which lists no workers, when the fresh query fails or the client is not running (a run
     once found none right after wait_for_workers had seen its one worker join)."""
-    for attempt in range(attempts):
-        workers = {str(info["name"]): address for address, info in client.scheduler_info()["workers"].items()}
-        if workers or attempt + 1 == attempts:
-            return workers
+    def ask() -> dict[str, str]:
+        return {str(info["name"]): address for address, info in client.scheduler_info()["workers"].items()}
+
+    workers = ask()
+    for _ in range(attempts - 1):
+        if workers:
+            break
         time.sleep(0.1)
-    return {}
+        workers = ask()
+    return workers
 
 
 def worker_threads(handle: ClusterHandle) -> dict[str, int]:

@@ -279,19 +279,19 @@ class RunFiles:
 
     def counters(self) -> dict[str, dict[str, int]]:
         """Per device, what its worker last published."""
-        return {
-            name: Counters(self.device_stores[index].attach(counters_name(index), BLOCK_BYTES)).read()
-            for index, (name, _) in enumerate(self.plan.budgets)
-        }
+        return {name: self._counters(index) for index, (name, _) in enumerate(self.plan.budgets)}
+
+    def _counters(self, device: int) -> dict[str, int]:
+        """What the device's worker last published."""
+        return Counters(self.device_stores[device].attach(counters_name(device), BLOCK_BYTES)).read()
 
     def executing(self, device: str) -> int | None:
         """The job whose task the device's worker was executing when it last marked one (None: none, or a device
         on a machine whose store the driver does not map)."""
         index = [name for name, _ in self.plan.budgets].index(device)
-        store = self.device_stores[index]
-        if isinstance(store, RemoteStore):
+        if isinstance(self.device_stores[index], RemoteStore):
             return None
-        job = Counters(store.attach(counters_name(index), BLOCK_BYTES)).read()["executing"]
+        job = self._counters(index)["executing"]
         return job - 1 if job > 0 else None
 
     def copy_back(self, codes: list[JobCode]) -> None:

@@ -163,10 +163,9 @@ def update_on_device(
         return False
     slot = 1 - following
     if runtime.stepped:
-        by_name = {entry.spec.name: entry for entry in runtime.device_weights.slots}
+        assert runtime.halved is None, "a halved device copy is not the master weights (tasks.updates)"
         params = stepped_parameters(runtime, runtime.device_weights, weights, grads)
         names = [entry.spec.name for entry in runtime.stepped]
-        stepped = set(names)
         optimizer = build_optimizer(factory, params, names)
         fused_on_host(optimizer)  # a CPU device steps with the host store's kernel
         listed = optimizer_params(optimizer)
@@ -182,22 +181,23 @@ def update_on_device(
                        if isinstance(value, torch.Tensor) and value.dim())
             with cache.scratch(max(0, made - max(held, reserve)), f"optimizer state of pack {pack} beyond its reserve"):
                 target = host(following)
-                for entry in runtime.weights.slots:
-                    if entry.spec.name in stepped:
-                        device = by_name[entry.spec.name]
-                        cache.write_back(weights[device.offset : device.offset + device.spec.nbytes],
-                                         target[entry.offset : entry.offset + entry.spec.nbytes], "weights")
+                for where in trainable_ranges(runtime):  # the device copy is laid out as the host slot
+                    cache.write_back(weights[where], target[where], "weights")
                 state.save(optimizer, listed, following)
                 cache.counters.add("out_state", made)
     versions.publish(pack, step + 1, following)
     return True
 
 
-def copy_trainable(runtime: PackRuntime, source: torch.Tensor, target: torch.Tensor) -> None:
-    """Copy the trainable parameters' bytes of one weights slot into another (buffers and frozen parameters are
+def trainable_ranges(runtime: PackRuntime) -> list[slice]:
+    """Where the trainable parameters lie in a slot of the pack's weights (buffers and frozen parameters are
     written elsewhere: buffers by the step's tasks, frozen parameters into both slots when the run starts)."""
     trainable = {slot.spec.name for slot in runtime.grads.slots}
-    for slot in runtime.weights.slots:
-        if slot.spec.name in trainable:
-            stop = slot.offset + slot.spec.nbytes
-            copy_serially(target[slot.offset : stop], source[slot.offset : stop])  # on an upd's thread: no pool
+    return [slice(slot.offset, slot.offset + slot.spec.nbytes) for slot in runtime.weights.slots
+            if slot.spec.name in trainable]
+
+
+def copy_trainable(runtime: PackRuntime, source: torch.Tensor, target: torch.Tensor) -> None:
+    """Copy the trainable parameters' bytes of one weights slot into another."""
+    for where in trainable_ranges(runtime):
+        copy_serially(target[where], source[where])  # on an upd's thread: no pool
