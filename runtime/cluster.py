@@ -311,8 +311,7 @@ def connect(cluster: str | Client) -> ClusterHandle:
 def worker_addresses(client: Client, attempts: int = 20) -> dict[str, str]:
     """Worker name -> address, for every worker the scheduler knows. Where the client's answer has none, it is
     asked again (attempts times, 0.1 s apart): a sync client's scheduler_info() falls back on the identity its
-    periodic update cached, which lists no workers, when the fresh query fails or the client is not running (a run
-    once found none right after wait_for_workers had seen its one worker join)."""
+    periodic update cached, which lists no workers, when the fresh query fails or the client is not running."""
     def ask() -> dict[str, str]:
         return {str(info["name"]): address for address, info in client.scheduler_info()["workers"].items()}
 

@@ -180,8 +180,8 @@ def test_choosing_a_sub_array_size_holds_one_built_array_at_a_time(monkeypatch: 
 def test_a_sub_array_size_whose_trial_array_would_not_fit_the_host_is_not_built(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Sixteen GPT-2 smalls' trial array of 16 took the planning's peak to 23.76 GB on a 24 GB machine: a size
-    whose trial needs more than the host has free is skipped, and the plan says so."""
+    """A trial array stacks a copy of its members' weights beside theirs (docs/performance.md, "Planning a sweep of
+    large models"): a size whose trial needs more than the host has free is skipped, and the plan says so."""
     one_model: list[int] = []
     built: list[int] = []
     estimate, build = fusing.trial_bytes, fusing.build_array
