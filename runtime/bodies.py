@@ -37,8 +37,8 @@ from harmony.runtime.files import LOSS_BLOCK, SPAN_TIMING_BYTES, losses_name, sp
 from harmony.runtime.handoff import receive, wait_for
 from harmony.runtime.homed import HomedModel
 from harmony.runtime.hoststore import tensors_at
+from harmony.runtime.peer import PeerResult
 from harmony.runtime.scaler import finite
-from harmony.runtime.shipping import unship
 from harmony.runtime.worker import RunContext, context
 from harmony.tasks import graph
 from harmony.tasks.graph import TaskId, updates_in_backward
@@ -103,7 +103,8 @@ def task_body(kind: str, host: bool = False) -> Callable[[Callable[..., Result]]
             with _failures(model, where, Reschedule):
                 for earlier in after or ():
                     wait_for(earlier, ctx.finished, ctx.early_starts)
-                received = [unship(receive(arg, ctx.finished, ctx.early_starts), ctx.store) for arg in args]
+                values = [receive(arg, ctx.finished, ctx.early_starts) for arg in args]
+                received = [ctx.read(value) for value in values]
             key = str(get_worker().get_current_task())  # with its attempt's suffix: what local readers name
             if host:
                 secede()
@@ -118,7 +119,9 @@ def task_body(kind: str, host: bool = False) -> Callable[[Callable[..., Result]]
             waited = ctx.counters.values["wait_ns"]
             began = time.time()
             started = time.perf_counter_ns()
-            ctx.counters.add("remote", sum(tree_nbytes(arg) for arg, remote in zip(args, peers) if remote))
+            ctx.counters.add("p2p", sum(value.nbytes for value in values if isinstance(value, PeerResult)))
+            ctx.counters.add("remote", sum(tree_nbytes(arg) for arg, remote in zip(args, peers)
+                                           if remote and not isinstance(arg, PeerResult)))
             ctx.counters.mark("executing", model + 1)  # whose task a death here interrupts (tasks.binding)
             try:
                 with (
@@ -128,7 +131,7 @@ def task_body(kind: str, host: bool = False) -> Callable[[Callable[..., Result]]
                     result = body(ctx, model, pack, span, *received, group=group, first=first, steps=steps)
                     ctx.cache.settle()
                 ctx.finished.add(key)
-                return result
+                return ctx.export(key, result) if kind in ("fwd", "bwd") else result
             finally:
                 ctx.counters.set("executing", 0)
                 ctx.counters.add("busy_ns", time.perf_counter_ns() - started)

@@ -42,12 +42,14 @@ from harmony.runtime.files import (
 )
 from harmony.runtime.handoff import FinishedKeys
 from harmony.runtime.homed import HomedModel
-from harmony.runtime.hoststore import HostStore, tensor_at, tensors_at
+from harmony.runtime.hoststore import HostStore, identity, tensor_at, tensors_at
 from harmony.runtime.optimizer import PackOptimizer, pack_lock, update, update_on_device
 from harmony.runtime.optimstate import OptimizerState
 from harmony.runtime.orphans import gone, sweep
+from harmony.runtime.peer import Exported, Outbox, take
 from harmony.runtime.profiling import TaskProfiler
 from harmony.runtime.scaler import Scaler
+from harmony.runtime.shipping import unship
 from harmony.runtime.skeleton import load_skeleton
 from harmony.runtime.spec import RunSpec
 from harmony.tasks.graph import TaskId, parse_key
@@ -74,6 +76,9 @@ class RunContext:
         directory, steps = spec.profile or (None, 0)
         self.profiler = TaskProfiler(directory, steps, self.device_spec.name, self.device.type == "cuda",
                                      len(spec.models))
+        self.machine = identity(Path(spec.store_directory))
+        self.outbox = Outbox(self.store, self.device_index)
+        self.exports = self.device.type == "cpu" and len(spec.devices) > 1  # see runtime.peer
         self.finished = FinishedKeys()
         self.early_starts: dict[str, float] = {}  # producer key: when a reader first came before it
         self.successor: TaskId | None = None
@@ -348,7 +353,16 @@ class RunContext:
                                                   grads, runtime, self.optimizer_state(model, pack))
         return self._optimizers[key]
 
+    def export(self, key: str, result: Any) -> Any:
+        """What a fwd or bwd task leaves in its worker's memory for its readers (see runtime.peer)."""
+        return Exported(result, key, self.outbox, self.machine) if self.exports and result is not None else result
+
+    def read(self, value: Any) -> Any:
+        """The tree a task reads from an argument: a batch file's, an exported result's, or the value itself."""
+        return take(unship(value, self.store), self.store, self.machine)
+
     def close(self) -> None:
+        self.outbox.release_all()
         self.profiler.finish()
         self.homed_models.clear()
         self.cache.clear()
@@ -440,6 +454,14 @@ class DevicePlugin(WorkerPlugin):
         if context is not None:
             context.close()
         sweep(Path(self.spec.store_directory))
+
+    def transition(self, key: Any, start: str, finish: str, **kwargs: Any) -> None:
+        """A result leaving a worker's memory frees the file it was exported into, if it was (runtime.peer)."""
+        if start != "memory":
+            return
+        for (run, _), context in list(RUNS.items()):  # this worker's, or the process's: a plugin gives no worker
+            if run == self.spec.run:
+                context.outbox.release(str(key))
 
 
 def context(run: str) -> RunContext:

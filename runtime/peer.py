@@ -1,0 +1,132 @@
+"""Task results that a task on another device of the same machine reads straight from the producer's memory.
+
+A fwd or bwd task's result (the activations or gradients its model's next task reads) stays in its worker's memory
+as an ``Exported`` value, and readers on the same worker take its tree from there (runtime.handoff). When Dask
+sends it to another worker (the reader runs on another device), the value's serializer does not send the bytes
+through Dask's comms: it writes them once into a file of the machine's host store (the worker's ``Outbox``) and
+sends the file's name; the reader maps the file (``PeerResult``) and copies the tensors into its own device. CPU
+devices' memory is host memory, so for them the file is the peer-to-peer path, and the bytes count as
+``bytes_p2p``; a GPU's results travel as before, through Dask's comms (``bytes_remote``), until a CUDA IPC path
+exists.
+
+The export is lazy: a result read only on its own device costs nothing. The file is the producer's until the
+scheduler releases the result's key on the producer's worker, which happens after every reader of it has
+finished (the driver holds the key until then, and Dask keeps a key while a task that depends on it waits); the
+device plugin tells the outbox (``release``), and the file is written again for a later result. A reader that
+comes after that (a task run again) finds another result's generation in the file: a StaleBatch error, never
+another step's bytes. Models are homed on one machine, so a result never has a reader on another one; a handle
+that crosses machines all the same is an error that says so.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from dask.sizeof import sizeof
+from distributed.protocol.serialize import dask_deserialize, dask_serialize
+
+from harmony.runtime.cache import tree_nbytes
+from harmony.runtime.hoststore import HostStore
+from harmony.runtime.shipping import BatchFiles, ShippedTensors
+
+
+class Outbox:
+    """A device worker's files for results that other devices read: each export takes a recycled file
+    (BatchFiles under a prefix of this worker's own) and holds it until release(key).
+
+    Exports come from Dask's comm threads and releases from its event loop, while the worker's task thread runs:
+    one lock guards the files.
+    """
+
+    def __init__(self, store: HostStore, device_index: int) -> None:
+        self.files = BatchFiles(store, prefix=f"peer-{device_index}-{uuid.uuid4().hex[:8]}-")
+        self.held: dict[str, ShippedTensors] = {}
+        self._lock = threading.Lock()
+
+    def export(self, key: str, tree: Any) -> ShippedTensors:
+        """tree written into a file held for key (the same file when key's result is sent again)."""
+        with self._lock:
+            shipped = self.held.get(key)
+            if shipped is None:
+                shipped = self.held[key] = self.files.ship(tree)
+            return shipped
+
+    def release(self, key: str) -> None:
+        """key's result has no reader left: its file may hold the next export."""
+        with self._lock:
+            shipped = self.held.pop(key, None)
+            if shipped is not None:
+                self.files.release(shipped)
+
+    def release_all(self) -> None:
+        with self._lock:
+            for shipped in self.held.values():
+                self.files.release(shipped)
+            self.held.clear()
+
+
+class Exported:
+    """A task's result as its worker holds it: the tree for readers on this worker, exported through outbox when
+    Dask sends it to another worker on machine (the identity of its shared memory, runtime.hoststore.identity)."""
+
+    __slots__ = ("key", "machine", "outbox", "tree")
+
+    def __init__(self, tree: Any, key: str, outbox: Outbox, machine: str) -> None:
+        self.tree = tree
+        self.key = key
+        self.outbox = outbox
+        self.machine = machine
+
+    def __reduce__(self) -> tuple[Any, tuple[Any]]:
+        """Pickled (a path that bypasses Dask's serializers), the tree itself travels."""
+        return _plain, (self.tree,)
+
+
+def _plain(tree: Any) -> Any:
+    return tree
+
+
+@dataclass(frozen=True)
+class PeerResult:
+    """Another device's result on this machine: the file it was exported into."""
+
+    shipped: ShippedTensors
+    machine: str
+    nbytes: int
+
+    def unpack(self, store: HostStore, machine: str) -> Any:
+        """The tree, as read-only views of the producer's file (the reader copies them into its device)."""
+        if machine != self.machine:
+            raise RuntimeError(f"a task's result exported on machine {self.machine} was read on {machine}: results "
+                               "of a model's tasks are read on its own machine")
+        return self.shipped.unpack(store)
+
+
+@dask_serialize.register(Exported)
+def _serialize(value: Exported) -> tuple[dict, list]:
+    """The file's name and layout (a frame: Dask's headers hold only msgpack's types), not the bytes."""
+    shipped = value.outbox.export(value.key, value.tree)
+    return {"machine": value.machine, "nbytes": tree_nbytes(value.tree)}, [pickle.dumps(shipped)]
+
+
+@dask_deserialize.register(Exported)
+def _deserialize(header: dict, frames: list) -> PeerResult:
+    return PeerResult(pickle.loads(bytes(frames[0])), header["machine"], header["nbytes"])
+
+
+@sizeof.register(Exported)
+def _sizeof(value: Exported) -> int:
+    return tree_nbytes(value.tree)
+
+
+def take(value: Any, store: HostStore, machine: str) -> Any:
+    """The tree a task reads from a result: the exported tree on its own worker, the producer's file on another."""
+    if isinstance(value, Exported):
+        return value.tree
+    if isinstance(value, PeerResult):
+        return value.unpack(store, machine)
+    return value
