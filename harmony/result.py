@@ -42,10 +42,12 @@ class Stats:
     later pack that borrowed it), "state" (optimizer state, for updates on the device).
     bytes_out kinds (device to host): "grads", "activations", "buffers" (running statistics written back),
     "weights" and "state" (what homed models flush after their tasks, and what updates on the device write).
-    bytes_remote: activation and gradient bytes a device's task received from another device's worker, through Dask's
-    comms and host memory (then copied in: part of bytes_in).
-    bytes_p2p: bytes copied device to device without passing through host memory (CUDA peer access, NCCL). No path
-    of the runtime makes such a copy yet: activations between GPUs travel as bytes_remote, so this stays 0.
+    bytes_remote: activation and gradient bytes a device's task received from another device's worker through host
+    memory: through Dask's comms, or on one machine a GPU's page-locked copy in the producer's host-store file
+    (then copied in: part of bytes_in).
+    bytes_p2p: bytes a device's task read straight from the producing device's memory, not through Dask's comms:
+    between CPU devices (whose memory is the host's) the producer's host-store file (runtime.peer). GPU to GPU
+    without the host (CUDA IPC, NCCL) is not built, so between GPUs this stays 0.
     bytes_prefetched: the part of bytes_in["weights"] copied by the copy engine while a task computed.
     bytes_kept: boundary activations and gradients that stayed on their device for the task that read them
     next, instead of being copied in again from their host copy (not part of bytes_in).

@@ -30,14 +30,13 @@ from distributed import Reschedule, get_worker, secede
 from torch.utils._pytree import tree_leaves, tree_map
 
 from harmony.runtime import shipping
-from harmony.runtime.cache import tree_nbytes
 from harmony.runtime.divergence import Diverged
 from harmony.runtime.errors import ModelFailure
 from harmony.runtime.files import LOSS_BLOCK, SPAN_TIMING_BYTES, losses_name, span_timing_name
 from harmony.runtime.handoff import receive, wait_for
 from harmony.runtime.homed import HomedModel
 from harmony.runtime.hoststore import tensors_at
-from harmony.runtime.peer import PeerResult
+from harmony.runtime.peer import received_bytes
 from harmony.runtime.scaler import finite
 from harmony.runtime.worker import RunContext, context
 from harmony.tasks import graph
@@ -119,9 +118,9 @@ def task_body(kind: str, host: bool = False) -> Callable[[Callable[..., Result]]
             waited = ctx.counters.values["wait_ns"]
             began = time.time()
             started = time.perf_counter_ns()
-            ctx.counters.add("p2p", sum(value.nbytes for value in values if isinstance(value, PeerResult)))
-            ctx.counters.add("remote", sum(tree_nbytes(arg) for arg, remote in zip(args, peers)
-                                           if remote and not isinstance(arg, PeerResult)))
+            p2p, remote = received_bytes(list(args), values, peers, ctx.device.type == "cpu")
+            ctx.counters.add("p2p", p2p)
+            ctx.counters.add("remote", remote)
             ctx.counters.mark("executing", model + 1)  # whose task a death here interrupts (tasks.binding)
             try:
                 with (

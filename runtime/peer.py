@@ -1,13 +1,15 @@
-"""Task results that a task on another device of the same machine reads straight from the producer's memory.
+"""Task results that a task on another device of the same machine reads from the producer's file, not Dask's comms.
 
 A fwd or bwd task's result (the activations or gradients its model's next task reads) stays in its worker's memory
 as an ``Exported`` value, and readers on the same worker take its tree from there (runtime.handoff). When Dask
 sends it to another worker (the reader runs on another device), the value's serializer does not send the bytes
 through Dask's comms: it writes them once into a file of the machine's host store (the worker's ``Outbox``) and
-sends the file's name; the reader maps the file (``PeerResult``) and copies the tensors into its own device. CPU
-devices' memory is host memory, so for them the file is the peer-to-peer path, and the bytes count as
-``bytes_p2p``; a GPU's results travel as before, through Dask's comms (``bytes_remote``), until a CUDA IPC path
-exists.
+sends the file's name; the reader maps the file (``PeerResult``) and copies the tensors into its own device.
+
+Between CPU devices, whose memory is host memory, the file is the peer-to-peer path: the bytes count as
+``bytes_p2p``. A GPU's result is the page-locked host copy its task made, and the reader's GPU copies it in from its
+page-locked mapping: through host memory, so ``bytes_remote``, as through Dask's comms, without the socket. GPU to
+GPU without the host (CUDA IPC handles of device memory) is not built.
 
 The export is lazy: a result read only on its own device costs nothing. The file is the producer's until the
 scheduler releases the result's key on the producer's worker, which happens after every reader of it has
@@ -71,15 +73,17 @@ class Outbox:
 
 class Exported:
     """A task's result as its worker holds it: the tree for readers on this worker, exported through outbox when
-    Dask sends it to another worker on machine (the identity of its shared memory, runtime.hoststore.identity)."""
+    Dask sends it to another worker on machine (the identity of its shared memory, runtime.hoststore.identity);
+    direct when the producer is a CPU device (its memory is the host's)."""
 
-    __slots__ = ("key", "machine", "outbox", "tree")
+    __slots__ = ("direct", "key", "machine", "outbox", "tree")
 
-    def __init__(self, tree: Any, key: str, outbox: Outbox, machine: str) -> None:
+    def __init__(self, tree: Any, key: str, outbox: Outbox, machine: str, direct: bool) -> None:
         self.tree = tree
         self.key = key
         self.outbox = outbox
         self.machine = machine
+        self.direct = direct
 
     def __reduce__(self) -> tuple[Any, tuple[Any]]:
         """Pickled (a path that bypasses Dask's serializers), the tree itself travels."""
@@ -97,6 +101,7 @@ class PeerResult:
     shipped: ShippedTensors
     machine: str
     nbytes: int
+    direct: bool
 
     def unpack(self, store: HostStore, machine: str) -> Any:
         """The tree, as read-only views of the producer's file (the reader copies them into its device)."""
@@ -110,12 +115,13 @@ class PeerResult:
 def _serialize(value: Exported) -> tuple[dict, list]:
     """The file's name and layout (a frame: Dask's headers hold only msgpack's types), not the bytes."""
     shipped = value.outbox.export(value.key, value.tree)
-    return {"machine": value.machine, "nbytes": tree_nbytes(value.tree)}, [pickle.dumps(shipped)]
+    header = {"machine": value.machine, "nbytes": tree_nbytes(value.tree), "direct": value.direct}
+    return header, [pickle.dumps(shipped)]
 
 
 @dask_deserialize.register(Exported)
 def _deserialize(header: dict, frames: list) -> PeerResult:
-    return PeerResult(pickle.loads(bytes(frames[0])), header["machine"], header["nbytes"])
+    return PeerResult(pickle.loads(bytes(frames[0])), header["machine"], header["nbytes"], header["direct"])
 
 
 @sizeof.register(Exported)
@@ -130,3 +136,18 @@ def take(value: Any, store: HostStore, machine: str) -> Any:
     if isinstance(value, PeerResult):
         return value.unpack(store, machine)
     return value
+
+
+def received_bytes(args: list[Any], values: list[Any], peers: tuple[bool, ...], direct: bool) -> tuple[int, int]:
+    """What a task's arguments brought from other devices: (bytes_p2p, bytes_remote). values are the arguments as
+    the task received them; peers flags those another device produced; direct, whether the reader is a CPU device."""
+    p2p = remote = 0
+    for arg, value, peer in zip(args, values, peers):
+        if isinstance(value, PeerResult):
+            if value.direct and direct:
+                p2p += value.nbytes
+            else:
+                remote += value.nbytes
+        elif peer:
+            remote += tree_nbytes(arg)
+    return p2p, remote

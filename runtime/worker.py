@@ -78,7 +78,7 @@ class RunContext:
                                      len(spec.models))
         self.machine = identity(Path(spec.store_directory))
         self.outbox = Outbox(self.store, self.device_index)
-        self.exports = self.device.type == "cpu" and len(spec.devices) > 1  # see runtime.peer
+        self.exports = len(spec.devices) > 1  # see runtime.peer
         self.finished = FinishedKeys()
         self.early_starts: dict[str, float] = {}  # producer key: when a reader first came before it
         self.successor: TaskId | None = None
@@ -355,7 +355,9 @@ class RunContext:
 
     def export(self, key: str, result: Any) -> Any:
         """What a fwd or bwd task leaves in its worker's memory for its readers (see runtime.peer)."""
-        return Exported(result, key, self.outbox, self.machine) if self.exports and result is not None else result
+        if not self.exports or result is None:
+            return result
+        return Exported(result, key, self.outbox, self.machine, direct=self.device.type == "cpu")
 
     def read(self, value: Any) -> Any:
         """The tree a task reads from an argument: a batch file's, an exported result's, or the value itself."""

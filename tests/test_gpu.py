@@ -227,3 +227,26 @@ def test_a_dask_cuda_cluster_is_a_users_cluster_with_one_device_per_gpu(tmp_path
             assert_same_weights(model, reference, rtol=1e-4, atol=1e-6)
     finally:
         stop(processes)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_two_gpus_pass_results_through_the_producers_page_locked_file(no_leaks: None) -> None:
+    from harmony.tasks.graph import TaskId, inputs, parse_key
+
+    models = [deep_mlp(seed=s).double() for s in range(2)]
+    references = clones(models)
+    batches = [(x.double(), y.double()) for x, y in regression_batches(samples=64, batch=16)]
+    factory = lambda p: torch.optim.Adam(p, lr=1e-3)  # noqa: E731
+    result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss, optimizer=factory, microbatches=2,
+                           devices=["cuda:0", "cuda:1"], device_memory=60_000, mode="vpp", progress=False)
+    for model, reference in zip(models, references):
+        train_plain(reference, batches, nn.functional.mse_loss, factory)
+        assert_same_weights(model, reference)
+    stats = result.stats
+    where = {parsed[0]: device for device, keys in stats.schedule.items() for key in keys
+             if (parsed := parse_key(key)) is not None}
+    sections = {m: 1 + max(task.pack for task in where if task.model == m) for m in range(2)}
+    reads = [value for task, device in where.items() for value in inputs(task, sections[task.model])
+             if isinstance(value, TaskId) and where[value] != device]
+    assert reads and stats.bytes_remote == len(reads) * 16 * 32 * 8
+    assert stats.bytes_p2p == 0, "a GPU's result crosses through its page-locked host copy, not peer to peer"

@@ -14,8 +14,9 @@ from distributed.protocol import deserialize, serialize
 from torch import nn
 
 import harmony
+from harmony.runtime.handoff import LocalResult
 from harmony.runtime.hoststore import HostStore, shm_directory
-from harmony.runtime.peer import Exported, Outbox, PeerResult, take
+from harmony.runtime.peer import Exported, Outbox, PeerResult, received_bytes, take
 from harmony.runtime.shipping import StaleBatch
 from tests.conftest import assert_same_weights, clones, deep_mlp, regression_batches, train_plain
 
@@ -32,7 +33,7 @@ def sent(value: Exported) -> PeerResult:
 
 def test_a_sent_result_carries_its_file_and_the_reader_maps_the_same_tensors(store: HostStore) -> None:
     tree = [torch.randn(4, 8), (torch.arange(5), torch.randn(2, 3, dtype=torch.bfloat16))]
-    exported = Exported(tree, "fwd-m0-p1-s0-a", Outbox(store, 0), MACHINE)
+    exported = Exported(tree, "fwd-m0-p1-s0-a", Outbox(store, 0), MACHINE, direct=True)
     header, frames = serialize(exported, serializers=("dask", "pickle"))
     assert sum(len(memoryview(frame)) for frame in frames) < 2_000, "the file's name and layout, not the bytes"
     received = deserialize(header, frames)
@@ -49,26 +50,41 @@ def test_a_sent_result_carries_its_file_and_the_reader_maps_the_same_tensors(sto
 def test_pickled_outside_dask_serializers_the_tree_travels_whole(store: HostStore) -> None:
     tree = [torch.randn(3, 3)]
     outbox = Outbox(store, 0)
-    back = pickle.loads(pickle.dumps(Exported(tree, "bwd-m0-p1-s0-a", outbox, MACHINE)))
+    back = pickle.loads(pickle.dumps(Exported(tree, "bwd-m0-p1-s0-a", outbox, MACHINE, direct=True)))
     assert torch.equal(back[0], tree[0])
     assert outbox.held == {} and outbox.files.created == 0, "nothing was exported"
 
 
 def test_a_result_sent_twice_shares_one_file_and_a_released_file_holds_the_next_result(store: HostStore) -> None:
     outbox = Outbox(store, 0)
-    first = Exported([torch.ones(64)], "fwd-m0-p0-s0-a", outbox, MACHINE)
+    first = Exported([torch.ones(64)], "fwd-m0-p0-s0-a", outbox, MACHINE, direct=True)
     once, twice = sent(first), sent(first)
     assert once.shipped == twice.shipped and outbox.files.created == 1
     outbox.release("bwd-m9-p9-s9-a")  # a key that exported nothing
     assert list(outbox.held) == ["fwd-m0-p0-s0-a"]
     outbox.release("fwd-m0-p0-s0-a")
-    second = sent(Exported([torch.zeros(64)], "fwd-m0-p0-s1-a", outbox, MACHINE))
+    second = sent(Exported([torch.zeros(64)], "fwd-m0-p0-s1-a", outbox, MACHINE, direct=True))
     assert second.shipped.name == once.shipped.name and outbox.files.created == 1, "the released file is reused"
     assert torch.equal(take(second, store, MACHINE)[0], torch.zeros(64))
     with pytest.raises(StaleBatch, match="now holds another batch"):
         take(once, store, MACHINE)
     outbox.release_all()
     assert outbox.held == {}
+
+
+def test_bytes_from_a_cpu_device_to_a_cpu_device_are_peer_to_peer_and_any_other_crossing_remote(
+    store: HostStore,
+) -> None:
+    outbox = Outbox(store, 0)
+    cpu = sent(Exported([torch.ones(10)], "fwd-m0-p0-s0-a", outbox, MACHINE, direct=True))
+    gpu = sent(Exported([torch.ones(20)], "fwd-m1-p0-s0-a", outbox, MACHINE, direct=False))
+    comms = [torch.ones(30)]  # a result that came through Dask's comms
+    local = Exported([torch.ones(40)], "fwd-m2-p0-s0-a", outbox, MACHINE, direct=True)
+    args = [cpu, gpu, comms, LocalResult(local.key), torch.ones(50)]
+    values = [cpu, gpu, comms, local, args[-1]]
+    peers = (True, True, True, False, False)
+    assert received_bytes(args, values, peers, direct=True) == (40, 80 + 120)
+    assert received_bytes(args, values, peers, direct=False) == (0, 40 + 80 + 120)
 
 
 def peer_files() -> set[Path]:
