@@ -25,9 +25,11 @@ from __future__ import annotations
 import pickle
 import threading
 import uuid
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from dask.sizeof import sizeof
 from distributed.protocol.serialize import dask_deserialize, dask_serialize
 
@@ -41,17 +43,19 @@ class Outbox:
     (BatchFiles under a prefix of this worker's own) and holds it until release(key).
 
     Exports come from Dask's comm threads and releases from its event loop, while the worker's task thread runs:
-    one lock guards the files.
+    one lock guards the files. A GPU worker's store page-locks a new file for its device, which a comm thread must
+    name (its current device is the first GPU, whose context the process would otherwise create).
     """
 
-    def __init__(self, store: HostStore, device_index: int) -> None:
+    def __init__(self, store: HostStore, device_index: int, device: torch.device | None = None) -> None:
         self.files = BatchFiles(store, prefix=f"peer-{device_index}-{uuid.uuid4().hex[:8]}-")
+        self.device = device if device is not None and device.type == "cuda" else None
         self.held: dict[str, ShippedTensors] = {}
         self._lock = threading.Lock()
 
     def export(self, key: str, tree: Any) -> ShippedTensors:
         """tree written into a file held for key (the same file when key's result is sent again)."""
-        with self._lock:
+        with self._lock, torch.cuda.device(self.device) if self.device is not None else nullcontext():
             shipped = self.held.get(key)
             if shipped is None:
                 shipped = self.held[key] = self.files.ship(tree)

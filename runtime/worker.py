@@ -77,7 +77,7 @@ class RunContext:
         self.profiler = TaskProfiler(directory, steps, self.device_spec.name, self.device.type == "cuda",
                                      len(spec.models))
         self.machine = identity(Path(spec.store_directory))
-        self.outbox = Outbox(self.store, self.device_index)
+        self.outbox = Outbox(self.store, self.device_index, self.device)
         self.exports = len(spec.devices) > 1  # see runtime.peer
         self.finished = FinishedKeys()
         self.early_starts: dict[str, float] = {}  # producer key: when a reader first came before it

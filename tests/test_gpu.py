@@ -250,3 +250,19 @@ def test_two_gpus_pass_results_through_the_producers_page_locked_file(no_leaks: 
              if isinstance(value, TaskId) and where[value] != device]
     assert reads and stats.bytes_remote == len(reads) * 16 * 32 * 8
     assert stats.bytes_p2p == 0, "a GPU's result crosses through its page-locked host copy, not peer to peer"
+
+
+def test_a_gpu_workers_export_from_another_thread_pins_its_file_for_its_own_gpu(pinned_store: HostStore) -> None:
+    import threading
+
+    from harmony.runtime.peer import Outbox
+
+    device = torch.device(f"cuda:{torch.cuda.device_count() - 1}")
+    outbox = Outbox(pinned_store, 0, device)
+    shipped = []
+    thread = threading.Thread(target=lambda: shipped.append(outbox.export("fwd-m0-p0-s0-a", [torch.ones(256)])))
+    thread.start()
+    thread.join()
+    assert pinned_store.pinned(shipped[0].name)
+    assert torch.equal(shipped[0].unpack(pinned_store)[0].to(device), torch.ones(256, device=device))
+    outbox.release_all()
