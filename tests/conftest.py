@@ -16,6 +16,7 @@ from torch import nn
 
 from harmony.runtime.cluster import shutdown
 from harmony.runtime.hoststore import PREFIX, HostStore, shm_directory
+from harmony.tasks.graph import TaskId, inputs, parse_key
 
 
 def deep_mlp(width: int = 32, depth: int = 12, out: int = 4, seed: int = 0) -> nn.Sequential:
@@ -224,3 +225,13 @@ def stop(processes: list[subprocess.Popen]) -> None:
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             process.kill()
+
+
+def cross_device_reads(schedule: dict[str, list[str]]) -> int:
+    """How many times a fwd or bwd task read a result that a task on another device produced, from a run's
+    schedule (per device, the keys it ran)."""
+    where = {parsed[0]: device for device, keys in schedule.items() for key in keys
+             if (parsed := parse_key(key)) is not None}
+    sections = {task.model: 1 + max(t.pack for t in where if t.model == task.model) for task in where}
+    return sum(1 for task, device in where.items() for value in inputs(task, sections[task.model])
+               if isinstance(value, TaskId) and where[value] != device)

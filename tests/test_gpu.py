@@ -14,7 +14,15 @@ import harmony
 from harmony.runtime.cache import DeviceCache
 from harmony.runtime.counters import BLOCK_BYTES, Counters
 from harmony.runtime.hoststore import HostStore
-from tests.conftest import assert_same_weights, clones, deep_mlp, regression_batches, stop, train_plain
+from tests.conftest import (
+    assert_same_weights,
+    clones,
+    cross_device_reads,
+    deep_mlp,
+    regression_batches,
+    stop,
+    train_plain,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -231,8 +239,6 @@ def test_a_dask_cuda_cluster_is_a_users_cluster_with_one_device_per_gpu(tmp_path
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_two_gpus_pass_results_through_the_producers_page_locked_file(no_leaks: None) -> None:
-    from harmony.tasks.graph import TaskId, inputs, parse_key
-
     models = [deep_mlp(seed=s).double() for s in range(2)]
     references = clones(models)
     batches = [(x.double(), y.double()) for x, y in regression_batches(samples=64, batch=16)]
@@ -243,12 +249,8 @@ def test_two_gpus_pass_results_through_the_producers_page_locked_file(no_leaks: 
         train_plain(reference, batches, nn.functional.mse_loss, factory)
         assert_same_weights(model, reference)
     stats = result.stats
-    where = {parsed[0]: device for device, keys in stats.schedule.items() for key in keys
-             if (parsed := parse_key(key)) is not None}
-    sections = {m: 1 + max(task.pack for task in where if task.model == m) for m in range(2)}
-    reads = [value for task, device in where.items() for value in inputs(task, sections[task.model])
-             if isinstance(value, TaskId) and where[value] != device]
-    assert reads and stats.bytes_remote == len(reads) * 16 * 32 * 8
+    reads = cross_device_reads(stats.schedule)
+    assert reads and stats.bytes_remote == reads * 16 * 32 * 8
     assert stats.bytes_p2p == 0, "a GPU's result crosses through its page-locked host copy, not peer to peer"
 
 

@@ -12,8 +12,16 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 from torch import nn
 
 import harmony
-from harmony.tasks.graph import TaskId, inputs, parse_key
-from tests.conftest import assert_same_weights, clones, deep_mlp, param_bytes, regression_batches, train_plain
+from harmony.tasks.graph import TaskId, parse_key
+from tests.conftest import (
+    assert_same_weights,
+    clones,
+    cross_device_reads,
+    deep_mlp,
+    param_bytes,
+    regression_batches,
+    train_plain,
+)
 
 
 @pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "no-prefetch"])
@@ -48,13 +56,9 @@ def test_two_devices_pass_activations_directly_and_report_utilization(no_leaks: 
         train_plain(reference, batches, nn.functional.mse_loss, factory)
         assert_same_weights(model, reference)
     stats = result.stats
-    where = {parsed[0]: device for device, keys in stats.schedule.items() for key in keys
-             if (parsed := parse_key(key)) is not None}
-    sections = {m: 1 + max(task.pack for task in where if task.model == m) for m in range(2)}
-    reads = [value for task, device in where.items() for value in inputs(task, sections[task.model])
-             if isinstance(value, TaskId) and where[value] != device]
+    reads = cross_device_reads(stats.schedule)
     assert reads, "vpp puts a model's consecutive sections on different devices"
-    assert stats.bytes_p2p == len(reads) * 16 * 32 * 4, "every read of another device's result, 16 by 32 floats"
+    assert stats.bytes_p2p == reads * 16 * 32 * 4, "every read of another device's result, 16 by 32 floats"
     assert stats.bytes_remote == 0, "no result crossed through Dask's comms"
     assert set(stats.busy_seconds) == set(stats.idle_seconds) == {"cpu-0", "cpu-1"}
     assert all(0 < u <= 1 for u in stats.utilization().values())
