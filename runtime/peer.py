@@ -25,6 +25,7 @@ from __future__ import annotations
 import pickle
 import threading
 import uuid
+from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -142,7 +143,7 @@ def take(value: Any, store: HostStore, machine: str) -> Any:
     return value
 
 
-def received_bytes(args: list[Any], values: list[Any], peers: tuple[bool, ...], direct: bool) -> tuple[int, int]:
+def received_bytes(args: Sequence[Any], values: Sequence[Any], peers: Sequence[bool], direct: bool) -> tuple[int, int]:
     """What a task's arguments brought from other devices: (bytes_p2p, bytes_remote). values are the arguments as
     the task received them; peers flags those another device produced; direct, whether the reader is a CPU device."""
     p2p = remote = 0
