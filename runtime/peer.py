@@ -4,7 +4,8 @@ A fwd or bwd task's result (the activations or gradients its model's next task r
 as an ``Exported`` value, and readers on the same worker take its tree from there (runtime.handoff). When Dask
 sends it to another worker (the reader runs on another device), the value's serializer does not send the bytes
 through Dask's comms: it writes them once into a file of the machine's host store (the worker's ``Outbox``) and
-sends the file's name; the reader maps the file (``PeerResult``) and copies the tensors into its own device.
+sends the file's name; the reader maps the file (``PeerResult``) and copies the tensors into its own device. Where
+the machine's shared memory has no room for another file, the bytes go through Dask's comms as before.
 
 Between CPU devices, whose memory is host memory, the file is the peer-to-peer path: the bytes count as
 ``bytes_p2p``. A GPU's result is the page-locked host copy its task made, and the reader's GPU copies it in from its
@@ -32,10 +33,10 @@ from typing import Any
 
 import torch
 from dask.sizeof import sizeof
-from distributed.protocol.serialize import dask_deserialize, dask_serialize
+from distributed.protocol.serialize import dask_deserialize, dask_serialize, deserialize, serialize
 
 from harmony.runtime.cache import tree_nbytes
-from harmony.runtime.hoststore import HostStore
+from harmony.runtime.hoststore import HostStore, HostStoreFull
 from harmony.runtime.shipping import BatchFiles, ShippedTensors
 
 
@@ -118,14 +119,21 @@ class PeerResult:
 
 @dask_serialize.register(Exported)
 def _serialize(value: Exported) -> tuple[dict, list]:
-    """The file's name and layout (a frame: Dask's headers hold only msgpack's types), not the bytes."""
-    shipped = value.outbox.export(value.key, value.tree)
+    """The file's name and layout (a frame: Dask's headers hold only msgpack's types), not the bytes; where the
+    machine's shared memory has no room for the file, the tensors themselves, through Dask's comms as before."""
+    try:
+        shipped = value.outbox.export(value.key, value.tree)
+    except HostStoreFull:
+        header, frames = serialize(value.tree, serializers=("dask", "pickle"))
+        return {"inline": header}, frames
     header = {"machine": value.machine, "nbytes": tree_nbytes(value.tree), "direct": value.direct}
     return header, [pickle.dumps(shipped)]
 
 
 @dask_deserialize.register(Exported)
-def _deserialize(header: dict, frames: list) -> PeerResult:
+def _deserialize(header: dict, frames: list) -> Any:
+    if "inline" in header:
+        return deserialize(header["inline"], frames)
     return PeerResult(pickle.loads(bytes(frames[0])), header["machine"], header["nbytes"], header["direct"])
 
 

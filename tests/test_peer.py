@@ -55,6 +55,18 @@ def test_pickled_outside_dask_serializers_the_tree_travels_whole(store: HostStor
     assert outbox.held == {} and outbox.files.created == 0, "nothing was exported"
 
 
+def test_without_room_for_a_file_the_tensors_travel_through_dask_s_comms(store: HostStore) -> None:
+    full = HostStore(store.run, store.directory, budget=1_000)  # the run's host_memory, or a full /dev/shm
+    outbox = Outbox(full, 0)
+    tree = [torch.randn(16, 32), torch.arange(3)]
+    header, frames = serialize(Exported(tree, "fwd-m0-p0-s0-a", outbox, MACHINE, direct=True),
+                               serializers=("dask", "pickle"))
+    back = deserialize(header, frames)
+    assert isinstance(back, list) and torch.equal(back[0], tree[0]) and torch.equal(back[1], tree[1])
+    assert outbox.held == {} and not list(full.directory.glob(f"*{outbox.files.prefix}*")), "no file was left"
+    assert received_bytes([back], [back], (True,), direct=True) == (0, 16 * 32 * 4 + 3 * 8)
+
+
 def test_a_result_sent_twice_shares_one_file_and_a_released_file_holds_the_next_result(store: HostStore) -> None:
     outbox = Outbox(store, 0)
     first = Exported([torch.ones(64)], "fwd-m0-p0-s0-a", outbox, MACHINE, direct=True)
