@@ -118,7 +118,7 @@ def task_body(kind: str, host: bool = False) -> Callable[[Callable[..., Result]]
             waited = ctx.counters.values["wait_ns"]
             began = time.time()
             started = time.perf_counter_ns()
-            p2p, remote = received_bytes(args, values, peers, ctx.device.type == "cpu")
+            p2p, remote = received_bytes(values, received, peers, ctx.device.type == "cpu")
             ctx.counters.add("p2p", p2p)
             ctx.counters.add("remote", remote)
             ctx.counters.mark("executing", model + 1)  # whose task a death here interrupts (tasks.binding)

@@ -106,7 +106,6 @@ class PeerResult:
 
     shipped: ShippedTensors
     machine: str
-    nbytes: int
     direct: bool
 
     def unpack(self, store: HostStore, machine: str) -> Any:
@@ -126,7 +125,7 @@ def _serialize(value: Exported) -> tuple[dict, list]:
     except HostStoreFull:
         header, frames = serialize(value.tree, serializers=("dask", "pickle"))
         return {"inline": header}, frames
-    header = {"machine": value.machine, "nbytes": tree_nbytes(value.tree), "direct": value.direct}
+    header = {"machine": value.machine, "direct": value.direct}
     return header, [pickle.dumps(shipped)]
 
 
@@ -134,7 +133,7 @@ def _serialize(value: Exported) -> tuple[dict, list]:
 def _deserialize(header: dict, frames: list) -> Any:
     if "inline" in header:
         return deserialize(header["inline"], frames)
-    return PeerResult(pickle.loads(bytes(frames[0])), header["machine"], header["nbytes"], header["direct"])
+    return PeerResult(pickle.loads(bytes(frames[0])), header["machine"], header["direct"])
 
 
 @sizeof.register(Exported)
@@ -151,16 +150,17 @@ def take(value: Any, store: HostStore, machine: str) -> Any:
     return value
 
 
-def received_bytes(args: Sequence[Any], values: Sequence[Any], peers: Sequence[bool], direct: bool) -> tuple[int, int]:
+def received_bytes(values: Sequence[Any], trees: Sequence[Any], peers: Sequence[bool], direct: bool
+                   ) -> tuple[int, int]:
     """What a task's arguments brought from other devices: (bytes_p2p, bytes_remote). values are the arguments as
-    the task received them; peers flags those another device produced; direct, whether the reader is a CPU device."""
+    the task received them, trees what it reads from them (take); peers flags those another device produced;
+    direct, whether the reader is a CPU device."""
     p2p = remote = 0
-    for arg, value, peer in zip(args, values, peers):
-        if isinstance(value, PeerResult):
-            if value.direct and direct:
-                p2p += value.nbytes
-            else:
-                remote += value.nbytes
-        elif peer:
-            remote += tree_nbytes(arg)
+    for value, tree, peer in zip(values, trees, peers):
+        if not peer:
+            continue
+        if isinstance(value, PeerResult) and value.direct and direct:
+            p2p += tree_nbytes(tree)
+        else:
+            remote += tree_nbytes(tree)
     return p2p, remote

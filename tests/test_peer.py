@@ -14,7 +14,7 @@ from distributed.protocol import deserialize, serialize
 from torch import nn
 
 import harmony
-from harmony.runtime.handoff import LocalResult
+from harmony.runtime.cache import tree_nbytes
 from harmony.runtime.hoststore import HostStore, shm_directory
 from harmony.runtime.peer import Exported, Outbox, PeerResult, received_bytes, take
 from harmony.runtime.shipping import StaleBatch
@@ -37,9 +37,9 @@ def test_a_sent_result_carries_its_file_and_the_reader_maps_the_same_tensors(sto
     header, frames = serialize(exported, serializers=("dask", "pickle"))
     assert sum(len(memoryview(frame)) for frame in frames) < 2_000, "the file's name and layout, not the bytes"
     received = deserialize(header, frames)
-    assert received.nbytes == sizeof(exported) == 4 * 8 * 4 + 5 * 8 + 2 * 3 * 2
     reader = HostStore(store.run, store.directory)
     back = take(received, reader, MACHINE)
+    assert tree_nbytes(back) == sizeof(exported) == 4 * 8 * 4 + 5 * 8 + 2 * 3 * 2
     assert torch.equal(back[0], tree[0]) and torch.equal(back[1][0], tree[1][0])
     assert torch.equal(back[1][1], tree[1][1]) and back[1][1].dtype == torch.bfloat16
     assert take(exported, store, MACHINE) is tree, "a reader on the producer's worker takes the tree itself"
@@ -91,12 +91,13 @@ def test_bytes_from_a_cpu_device_to_a_cpu_device_are_peer_to_peer_and_any_other_
     cpu = sent(Exported([torch.ones(10)], "fwd-m0-p0-s0-a", outbox, MACHINE, direct=True))
     gpu = sent(Exported([torch.ones(20)], "fwd-m1-p0-s0-a", outbox, MACHINE, direct=False))
     comms = [torch.ones(30)]  # a result that came through Dask's comms
-    local = Exported([torch.ones(40)], "fwd-m2-p0-s0-a", outbox, MACHINE, direct=True)
-    args = [cpu, gpu, comms, LocalResult(local.key), torch.ones(50)]
-    values = [cpu, gpu, comms, local, args[-1]]
-    peers = (True, True, True, False, False)
-    assert received_bytes(args, values, peers, direct=True) == (40, 80 + 120)
-    assert received_bytes(args, values, peers, direct=False) == (0, 40 + 80 + 120)
+    local = Exported([torch.ones(40)], "fwd-m2-p0-s0-a", outbox, MACHINE, direct=True)  # read on its own worker
+    inprocess = Exported([torch.ones(60)], "fwd-m3-p0-s0-a", outbox, MACHINE, direct=True)  # workers of one process
+    values = [cpu, gpu, comms, local, inprocess, torch.ones(50)]
+    trees = [take(value, store, MACHINE) for value in values]
+    peers = (True, True, True, False, True, False)
+    assert received_bytes(values, trees, peers, direct=True) == (40, 80 + 120 + 240)
+    assert received_bytes(values, trees, peers, direct=False) == (0, 40 + 80 + 120 + 240)
 
 
 def peer_files() -> set[Path]:
