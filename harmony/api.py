@@ -234,6 +234,7 @@ def train(
     packs_per_task: int | str = "auto",
     grad_scaler: dict[str, float] | None = None,
     compile: bool = False,
+    stash: bool = True,
     profile_steps: int = 0,
 ) -> TrainResult:
     """Train every model on its data through fine-grained tasks on Dask device workers.
@@ -330,6 +331,13 @@ def train(
     (inductor's ``fallback_random``), so that dropout draws the masks it draws uncompiled and a recompute its
     forward's; the weights are plain PyTorch's up to the compiled kernels' rounding. A fused array compiles as one.
     Whether it pays depends on the model and the device (benchmarks/compiled.py measures it).
+
+    stash=True (the default) keeps a swapped pack's activations on its device from its forward task to its backward
+    task where the budget has room for them beside what the tasks between need: that backward then backpropagates
+    them instead of recomputing the pack's forward from its input. Only spare room is used (a stash gives way to
+    weights and reservations, least recently used first, and a backward that does not find its stash recomputes),
+    so the plan and the budget are unchanged; result.stats.stashed and .recomputed count which way each micro-batch
+    went. A compiled pack always recomputes. False recomputes every pack's forward (a baseline).
     """
     options = read_options(locals())  # first: locals() are the arguments alone
     for name, value in (("host", host), ("dashboard_address", dashboard_address)):

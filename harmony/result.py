@@ -51,6 +51,9 @@ class Stats:
     bytes_prefetched: the part of bytes_in["weights"] copied by the copy engine while a task computed.
     bytes_kept: boundary activations and gradients that stayed on their device for the task that read them
     next, instead of being copied in again from their host copy (not part of bytes_in).
+    stashed / recomputed: micro-batch passes through a swapped pack's backward (all but each model's last pack)
+    that backpropagated the activations its forward task kept on the device (harmony.train's stash), and those
+    that recomputed the pack's forward instead.
     busy_seconds / idle_seconds: per device, time running tasks and time without one, from the moment
     the workers were ready; schedule: per device, the keys of the tasks in the order it ran them;
     finish_seconds: per model, when its last step finished, counted from the same moment;
@@ -81,6 +84,8 @@ class Stats:
     bytes_p2p: int = 0
     bytes_prefetched: int = 0
     bytes_kept: int = 0
+    stashed: int = 0
+    recomputed: int = 0
     budgets: dict[str, int] = field(default_factory=dict)
     schedule: dict[str, list[str]] = field(default_factory=dict)
     finish_seconds: list[float] = field(default_factory=list)
@@ -237,6 +242,8 @@ class TrainResult:
             bytes_p2p=sum(values["p2p"] for values in counters.values()),
             bytes_prefetched=sum(values["prefetched"] for values in counters.values()),
             bytes_kept=sum(values["kept"] for values in counters.values()),
+            stashed=sum(values["stashed"] for values in counters.values()),
+            recomputed=sum(values["recomputed"] for values in counters.values()),
             budgets=plan.devices,
             schedule=outcome.schedule,
             finish_seconds=finish,

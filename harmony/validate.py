@@ -442,6 +442,8 @@ def check_options(options: Options) -> None:
     check_grad_scaler(options.grad_scaler, options.precision)
     if not isinstance(options.compile, bool):
         raise InputError(f"compile={options.compile!r} must be True or False")
+    if not isinstance(options.stash, bool):
+        raise InputError(f"stash={options.stash!r} must be True or False")
     if options.precision == "fp16" and options.overlap_update is False:
         raise InputError("precision='fp16' steps a swapped model's packs in upd tasks once its whole backward is done "
                          "(whether the step is skipped depends on every gradient): leave overlap_update as None")

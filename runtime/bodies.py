@@ -20,7 +20,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -38,6 +38,7 @@ from harmony.runtime.homed import HomedModel
 from harmony.runtime.hoststore import tensors_at
 from harmony.runtime.peer import received_bytes
 from harmony.runtime.scaler import finite
+from harmony.runtime.stash import Stash, detached, stash_key
 from harmony.runtime.worker import RunContext, context
 from harmony.tasks import graph
 from harmony.tasks.graph import TaskId, updates_in_backward
@@ -174,7 +175,8 @@ def forward(
 ) -> list[Any]:
     """One step's micro-batches through the packs of a section (pack is the section's index), each pack's weights
     at that step's version, swapped in once; the buffers they update (running statistics; with micro-batch groups,
-    group 0's) go into the next version's slot. Returns the last pack's outputs."""
+    group 0's) go into the next version's slot; activations are stashed for the packs' backward where they fit.
+    Returns the last pack's outputs."""
     this = TaskId("fwd", model, pack, span, group)
     ctx.cache.drop_boundaries(this)
     section = ctx.spec.models[model].section(pack)
@@ -182,7 +184,8 @@ def forward(
     for index in section:
         values = _forward_pack(ctx, model, index, first, values, group, claim=this if index == section[0] else
                                Within(this, index), keep=ctx.successor if index == section[-1] else
-                               Within(this, index + 1), following=index + 1 if index < section[-1] else None)
+                               Within(this, index + 1), following=index + 1 if index < section[-1] else None,
+                               stash=True)
     return values
 
 
@@ -198,15 +201,19 @@ class Within:
 
 def _forward_pack(
     ctx: RunContext, model: int, pack: int, step: int, inputs: list[Any], group: int, claim: Any, keep: Any,
-    following: int | None, recompute: bool = False,
+    following: int | None, recompute: bool = False, stash: bool = False,
 ) -> list[Any]:
-    """Every micro-batch through one pack without gradients, its weights swapped in once: the outputs as host
-    copies, each also kept on the device for keep where it fits; an input kept for claim is taken from the device.
-    While it computes the weights of the pack following it in the task (else the next task's) are copied in. A
-    forward recomputed in bwd (recompute) leaves the buffers as it found them; else they go into the next slot."""
+    """Every micro-batch through one pack, its weights swapped in once: the outputs as host copies, each also kept
+    on the device for keep where it fits; an input kept for claim is taken from the device. While it computes the
+    weights of the pack following it in the task (else the next task's) are copied in. With stash (a fwd task's
+    pack, the run stashing), each micro-batch runs with autograd and its activations stay on the device for the
+    pack's backward where they fit (runtime.stash); else without gradients. A forward recomputed in bwd
+    (recompute) leaves the buffers as it found them; else they go into the next slot."""
     runtime = ctx.spec.models[model].packs[pack]
     host = ctx.device_source(model, pack, step)
     buffers = runtime.device_buffers_offset
+    stashing = stash and ctx.spec.stash and not ctx.spec.compile  # a compiled pack's graph is its own
+    trainable = [slot.spec.name for slot in runtime.grads.slots]
     outputs = []
     with ctx.cache.weights((model, pack), step, host) as weights, ctx.borrowed(model, pack, step) as borrowed:
         _prefetch(ctx, model, following, step, runtime.workspace)
@@ -216,16 +223,26 @@ def _forward_pack(
             if index and not ctx.spec.group:
                 ctx.cache.reload((model, pack), host)
             kept = ctx.cache.claim(claim, index)
-            with ctx.cache.scratch(runtime.workspace, f"activations of pack {pack}"), torch.no_grad():
+            more = index + 1 < len(inputs)
+            with ctx.cache.scratch(runtime.workspace, f"activations of pack {pack}") as reserved, torch.no_grad():
                 x = kept if kept is not None else ctx.cache.copy_in(microbatch, "activations" if pack else "inputs")
                 _seed(ctx.device, ctx.spec.models[model].seed, pack, step, group * 65_536 + index)
-                with ctx.autocast():
-                    y = ctx.call(model, pack)(tensors, x)
+                if stashing:
+                    made = Stash(tensors, trainable)
+                    y = made.forward(ctx.call(model, pack), x, ctx.autocast(), _track if pack else _untracked)
+                    if not made.pinned:
+                        ctx.cache.stash(stash_key(model, pack, step, group, index), (model, pack), made, made.nbytes,
+                                        reserved, keep_free=runtime.workspace if more else 0)
+                    del made  # a stash the cache did not keep is freed here, inside the reservation
+                    y = detached(y)
+                else:
+                    with ctx.autocast():
+                        y = ctx.call(model, pack)(tensors, x)
                 outputs.append(ctx.cache.copy_out(y, "activations"))
             if recompute and start is not None:
                 weights[buffers:].copy_(start)
             if keep is not None:
-                ctx.cache.keep(keep, index, y, keep_free=runtime.workspace if index + 1 < len(inputs) else 0)
+                ctx.cache.keep(keep, index, y, keep_free=runtime.workspace if more else 0)
         if start is not None and not recompute:
             _buffers_out(ctx, model, pack, step, group, weights, start)
     return outputs
@@ -342,6 +359,7 @@ def _backward_pack(
     runtime = spec.packs[pack]
     host = ctx.device_source(model, pack, step)
     with (
+        ctx.cache.sparing((model, pack)),
         ctx.cache.weights((model, pack), step, host) as weights,
         ctx.cache.scratch(runtime.grads.nbytes, f"gradients of pack {pack}"),
         ctx.borrowed(model, pack, step) as borrowed,
@@ -520,47 +538,80 @@ def _backward_step(
     buffers = runtime.device_buffers_offset
     saved_buffers = weights[buffers:].clone() if runtime.has_buffers and not last else None
     halved = runtime.halved.names & grads.keys() if runtime.halved is not None else set()
+    stashed = ctx.spec.stash and not last
     for index, microbatch in enumerate(inputs):
         if index and not ctx.spec.group:
             ctx.cache.reload((model, pack), ctx.device_source(model, pack, step))
         kept_input = ctx.cache.claim(claim_input, index) if claim_input is not None else None
         kept_grad = ctx.cache.claim(claim_upstream, index) if claim_upstream is not None else None
-        with ctx.cache.scratch(runtime.workspace, f"activations of pack {pack}"):
-            x = kept_input if kept_input is not None else ctx.cache.copy_in(
-                microbatch, "inputs" if pack == 0 else "activations")
-            if pack > 0:
-                _track(x)
-            _seed(ctx.device, spec.seed, pack, step, group * 65_536 + index)
-            with torch.enable_grad():
-                leaves = _leaves(tensors, grads, halved)
-                with ctx.autocast():
-                    y = ctx.call(model, pack)({**tensors, **leaves}, x)
-                if last:
-                    target = ctx.cache.copy_in(gradients_or_targets[index], "inputs")
-                    weight = loss_weights[index]
-                    with ctx.autocast():
-                        step_losses = ctx.loss_fn(model)(y, target)
-                    ctx.members(model).check(step_losses, step)  # before anything is backpropagated or updated
-                    scale = ctx.scaler(model).state(step)[0] if spec.scaled else None
-                    scaled = None if scale is None else lambda gradient: gradient * scale  # noqa: B023 (used now)
-                    losses.add(0, _backpropagate_loss(step_losses, weight, scaled), weight)
-                else:
+        with ctx.cache.unstash(stash_key(model, pack, step, group, index)) if stashed else nullcontext() as found:
+            from_stash = found is not None
+            if found is not None:  # its forward's activations are here: backpropagate them, no recompute
+                stash, nbytes = found
+                with ctx.cache.scratch(max(runtime.workspace - nbytes, 0), f"activations of pack {pack}"):
                     upstream = kept_grad if kept_grad is not None else ctx.cache.copy_in(
                         gradients_or_targets[index], "activations")
-                    _backward_from(y, upstream)
-            for name in halved:  # as autocast casts a weight's gradient back after its op, added in float32
-                if leaves[name].grad is not None:
-                    grads[name].add_(leaves[name].grad)
-            if pack > 0:
-                grad = _input_grad(x)
-                input_grads.append(ctx.cache.copy_out(grad, "activations"))
-            if saved_buffers is not None:
+                    x = stash.backward(tensors, grads, halved, upstream, _backward_from)
+                    del stash, found
+                    if pack > 0:
+                        grad = _input_grad(x)
+                        input_grads.append(ctx.cache.copy_out(grad, "activations"))
+                    del x
+                ctx.counters.add("stashed", 1)
+            else:
+                grad = _recomputed_backward(
+                    ctx, model, pack, step, tensors, grads, halved, microbatch, gradients_or_targets[index],
+                    loss_weights[index] if last else None, group, index, kept_input, kept_grad, losses, input_grads)
+                if not last:
+                    ctx.counters.add("recomputed", 1)
+            if saved_buffers is not None and not from_stash:
                 weights[buffers:].copy_(saved_buffers)
         if pack > 0 and keep is not None:
             ctx.cache.keep(keep, index, grad, keep_free=runtime.workspace if index + 1 < len(inputs) else 0)
     if last:
         _record_losses(ctx, model, step, group, losses.totals())
     return input_grads
+
+
+def _recomputed_backward(
+    ctx: RunContext, model: int, pack: int, step: int, tensors: dict[str, torch.Tensor], grads: dict[str, torch.Tensor],
+    halved: set[str], microbatch: Any, gradient_or_target: Any, loss_weight: float | None, group: int, index: int,
+    kept_input: Any, kept_grad: Any, losses: StepLosses, input_grads: list[Any],
+) -> Any:
+    """One micro-batch's backward through a pack whose forward runs here (recomputed from its input, kept on the
+    device or copied in; or the last pack's, whose loss, weighted by loss_weight, is added to losses): the input's
+    gradient (on the device) returned and its host copy appended to input_grads (none for the first pack)."""
+    spec = ctx.spec.models[model]
+    runtime = spec.packs[pack]
+    grad = None
+    with ctx.cache.scratch(runtime.workspace, f"activations of pack {pack}"):
+        x = kept_input if kept_input is not None else ctx.cache.copy_in(
+            microbatch, "inputs" if pack == 0 else "activations")
+        if pack > 0:
+            _track(x)
+        _seed(ctx.device, spec.seed, pack, step, group * 65_536 + index)
+        with torch.enable_grad():
+            leaves = _leaves(tensors, grads, halved)
+            with ctx.autocast():
+                y = ctx.call(model, pack)({**tensors, **leaves}, x)
+            if loss_weight is not None:  # the last pack: loss and backward
+                target = ctx.cache.copy_in(gradient_or_target, "inputs")
+                with ctx.autocast():
+                    step_losses = ctx.loss_fn(model)(y, target)
+                ctx.members(model).check(step_losses, step)  # before anything is backpropagated or updated
+                scale = ctx.scaler(model).state(step)[0] if spec.scaled else None
+                scaled = None if scale is None else lambda gradient: gradient * scale
+                losses.add(0, _backpropagate_loss(step_losses, loss_weight, scaled), loss_weight)
+            else:
+                upstream = kept_grad if kept_grad is not None else ctx.cache.copy_in(gradient_or_target, "activations")
+                _backward_from(y, upstream)
+        for name in halved:  # as autocast casts a weight's gradient back after its op, added in float32
+            if leaves[name].grad is not None:
+                grads[name].add_(leaves[name].grad)
+        if pack > 0:
+            grad = _input_grad(x)
+            input_grads.append(ctx.cache.copy_out(grad, "activations"))
+    return grad
 
 
 def _track(x: Any) -> None:
@@ -598,6 +649,10 @@ def _input_grad(x: Any) -> Any:
         return leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
 
     return tree_map(grad_of, x)
+
+
+def _untracked(x: Any) -> None:
+    """A first pack's input (the batch) takes no gradient."""
 
 
 def _leaves(

@@ -39,6 +39,13 @@ class CachedWeights:
     failed: BaseException | None = None
 
 
+@dataclass
+class Reservation:
+    """Bytes a running block holds (scratch): what it still gives back when it ends (a stash takes part of it)."""
+
+    nbytes: int
+
+
 def boundary_key(consumer: Any, microbatch: int) -> tuple[str, Any, int]:
     """Where a boundary value for consumer's micro-batch is kept in the cache."""
     return ("boundary", consumer, microbatch)
@@ -198,13 +205,54 @@ class DeviceCache:
         self._wait_arrived(key, entry)
 
     @contextmanager
-    def scratch(self, nbytes: int, what: str) -> Iterator[None]:
+    def scratch(self, nbytes: int, what: str) -> Iterator[Reservation]:
         """Reserve nbytes for the duration of the block (activations, gradient buffers)."""
         self._charge(nbytes, what)
+        reservation = Reservation(nbytes)
+        try:
+            yield reservation
+        finally:
+            self._release(reservation.nbytes)
+
+    def stash(self, key: Any, needs: Any, value: Any, nbytes: int, reservation: Reservation, keep_free: int) -> bool:
+        """Keep value (nbytes of the block's reservation: activations made under it) on the device for the backward
+        of the pack whose weights key is needs, if the block's next reservation of keep_free bytes still fits beside
+        it without evicting (tasks.memory). Returns whether it was kept."""
+        with self._lock:
+            self.drop(key)  # a forward run again (its task retried here) replaces its stash
+            if not self.memory.stash(key, needs, nbytes, reservation.nbytes, keep_free):
+                return False
+            reservation.nbytes -= nbytes
+            self.tensors[key] = value
+        return True
+
+    @contextmanager
+    def unstash(self, key: Any) -> Iterator[tuple[Any, int] | None]:
+        """The stash kept under key and its bytes, charged until the block ends (the backward that frees them runs
+        in it), or None if it is not here (never kept, or evicted)."""
+        with self._lock:
+            nbytes = self.memory.unstash(key)
+            value = self.tensors.pop(key) if nbytes is not None else None
+        if nbytes is None:
+            yield None
+            return
+        try:
+            yield value, nbytes
+        finally:
+            del value
+            self._release(nbytes)
+
+    @contextmanager
+    def sparing(self, needs: Any) -> Iterator[None]:
+        """Within the block, evict the stashes of the pack whose weights key is needs only when nothing else can go
+        (its backward runs)."""
+        with self._lock:
+            self.memory.spared = needs
         try:
             yield
         finally:
-            self._release(nbytes)
+            with self._lock:
+                self.memory.spared = None
 
     @contextmanager
     def weights(self, key: Any, version: int, host: Source) -> Iterator[torch.Tensor]:

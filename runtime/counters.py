@@ -15,6 +15,8 @@ NAMES = (
     "p2p",
     "prefetched",
     "kept",
+    "stashed",
+    "recomputed",
     "peak",
     "used",
     "busy_ns",

@@ -9,6 +9,10 @@ predicts what a device caches, to bind tasks where their weights are).
   model's weights), and its copy has arrived (a prefetch in flight is not).
 - A *boundary* value (a pack's output, or its input's gradient) is kept for the task that reads it next, only
   where it fits without evicting anything; any other task drops it when it starts.
+- A *stash* (a micro-batch's activations a pack's backward reads, runtime.stash) is made from part of the
+  reservation its forward held, only where the next micro-batch's reservation still fits beside it without
+  evicting; it is evicted like weights (least recently used), except that what loads or prefetches a pack's
+  weights, or reserves for a pack's backward, spares that pack's stashes while anything else can go.
 - *Reservations* (gradients, a micro-batch's activations, a homed model's optimizer state) are bytes charged
   without an entry. Charging evicts least recently used entries and raises BudgetExceeded when that is not
   enough; nothing is ever over budget.
@@ -38,11 +42,13 @@ class StaleInUse(RuntimeError):
 
 @dataclass
 class Entry:
-    """Bytes the device holds under a key: a pack's weights at a version, or a boundary value for its consumer."""
+    """Bytes the device holds under a key: a pack's weights at a version, a boundary value for its consumer, or a
+    stash for the backward of the pack whose weights key is needs."""
 
     nbytes: int
     version: int = -1
     consumer: Hashable | None = None
+    needs: Hashable | None = None
     pins: int = 0
     held: bool = False
     arriving: bool = False
@@ -61,12 +67,25 @@ class DeviceMemory:
         self.used = 0
         self.peak = 0
         self.entries: OrderedDict[Hashable, Entry] = OrderedDict()
+        self.spared: Hashable | None = None  # the weights key of the pack whose backward runs: its stashes stay
 
-    def reserve(self, nbytes: int, what: str) -> list[Hashable]:
-        """Charge nbytes, evicting least recently used entries as needed; returns the evicted keys."""
+    def _victim(self, *spared: Hashable, last_resort: bool = True) -> Hashable | None:
+        """The least recently used evictable entry that is not a stash of a spared pack (nor of self.spared); with
+        last_resort, failing that, the least recently used evictable entry."""
+        spared = (*spared, self.spared)
+        evictable = [key for key, entry in self.entries.items() if entry.evictable]
+        chosen = next((key for key in evictable if self.entries[key].needs is None
+                       or self.entries[key].needs not in spared), None)
+        if chosen is None and last_resort and evictable:
+            return evictable[0]
+        return chosen
+
+    def reserve(self, nbytes: int, what: str, spared: tuple[Hashable, ...] = ()) -> list[Hashable]:
+        """Charge nbytes, evicting least recently used entries as needed (the stashes of spared packs last); returns
+        the evicted keys."""
         evicted = []
         while self.used + nbytes > self.budget:
-            victim = next((key for key, entry in self.entries.items() if entry.evictable), None)
+            victim = self._victim(*spared)
             if victim is None:
                 raise BudgetExceeded(self.name, what, nbytes, self.used, self.budget)
             self.drop(victim)
@@ -114,7 +133,7 @@ class DeviceMemory:
         evicted: list[Hashable] = []
         copied = entry is None
         if copied:
-            evicted = self.reserve(nbytes, f"weights of {key}")
+            evicted = self.reserve(nbytes, f"weights of {key}", spared=(key,))
             self.entries[key] = Entry(nbytes, version)
         self.entries.move_to_end(key)
         return copied, evicted
@@ -127,7 +146,7 @@ class DeviceMemory:
             return False, []
         evicted = []
         while self.used + nbytes + keep_free > self.budget:
-            victim = next((k for k, entry in self.entries.items() if entry.evictable), None)
+            victim = self._victim(key, last_resort=False)
             if victim is None:
                 return False, evicted
             self.drop(victim)
@@ -175,6 +194,24 @@ class DeviceMemory:
         if entry is None or entry.consumer is None:
             return None
         self.drop(key)
+        return entry.nbytes
+
+    def stash(self, key: Hashable, needs: Hashable, nbytes: int, reserved: int, keep_free: int) -> bool:
+        """Keep nbytes of a running reservation of reserved bytes (a micro-batch's activations) as a stash for the
+        backward of pack needs, if the reservation's holder's next one (keep_free) still fits beside it without
+        evicting; the caller's reservation shrinks by nbytes. Returns whether it was kept."""
+        if nbytes > reserved or self.used - reserved + nbytes + keep_free > self.budget:
+            return False
+        self.entries[key] = Entry(nbytes, needs=needs)
+        return True
+
+    def unstash(self, key: Hashable) -> int | None:
+        """Take a stash back into a reservation (its bytes stay charged until released): its size, or None if it is
+        not there."""
+        entry = self.entries.get(key)
+        if entry is None or entry.needs is None:
+            return None
+        del self.entries[key]
         return entry.nbytes
 
     def drop_boundaries(self, *running: Hashable) -> list[Hashable]:

@@ -44,6 +44,7 @@ class Options:
     packs_per_task: int | str = "auto"
     grad_scaler: dict[str, float] | None = None
     compile: bool = False
+    stash: bool = True
 
 
 @dataclass(frozen=True)
