@@ -83,3 +83,44 @@ def test_a_boundary_is_kept_only_where_it_fits_and_only_for_its_consumer() -> No
     assert memory.claim(("boundary", "t", 0)) == 300 and memory.used == 500
     assert memory.claim("w") is None, "weights are not a boundary"
     memory.validate()
+
+
+def test_a_stash_is_made_from_its_reservation_only_where_the_next_one_still_fits() -> None:
+    memory = DeviceMemory("d", 1000)
+    memory.load("w", 0, 500)
+    memory.reserve(300, "activations")
+    assert not memory.stash("s0", "p", 400, reserved=300, keep_free=0), "more than the reservation it came from"
+    assert not memory.stash("s0", "p", 100, reserved=300, keep_free=401), "the next reservation would evict"
+    assert memory.stash("s0", "p", 100, reserved=300, keep_free=400), "600 held, and the next 400 fit"
+    assert memory.used == 800, "the stash's bytes were already charged: nothing new"
+    memory.release(200)
+    assert memory.unstash("w") is None and memory.unstash("nothing") is None, "weights, or no entry: not a stash"
+    assert memory.unstash("s0") == 100 and "s0" not in memory.entries
+    assert memory.used == 600, "taken back, its bytes stay charged until released"
+    memory.release(100)
+    memory.validate()
+
+
+def test_loads_prefetches_and_a_backward_s_reservations_spare_that_pack_s_stashes() -> None:
+    """Least recently used first, except that what a pack's own task needs spares its stashes while anything else
+    can go; a prefetch for the pack never evicts them."""
+    memory = DeviceMemory("d", 1000)
+    memory.reserve(200, "activations")
+    assert memory.stash("s-p1", "p1", 200, reserved=200, keep_free=0)
+    memory.load("w0", 0, 300)
+    memory.reserve(300, "activations")
+    assert memory.stash("s-p0", "p0", 300, reserved=300, keep_free=0)
+    assert list(memory.entries) == ["s-p1", "w0", "s-p0"] and memory.used == 800
+    admitted, evicted = memory.prefetch("p1", 0, 600, keep_free=0)
+    assert admitted and evicted == ["w0", "s-p0"], "the prefetched pack's stash stays, older entries go"
+    memory.arrived("p1")
+    memory.drop("p1")
+    assert memory.load("p1", 0, 900) == (True, ["s-p1"]), "its own stash goes last, when nothing else can"
+    memory.drop("p1")
+    memory.reserve(200, "activations")
+    assert memory.stash("s-p1", "p1", 200, reserved=200, keep_free=0)
+    memory.load("w0", 0, 300)
+    memory.spared = "p1"  # p1's backward runs
+    assert memory.reserve(600, "gradients") == ["w0"]
+    memory.spared = None
+    memory.validate()

@@ -1,0 +1,130 @@
+"""A pack's activations kept on the device from its forward to its backward: the stash holds no weight bytes, gives
+the gradients a recompute gives, and in a run equals recomputing and plain PyTorch within the budget."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+import harmony
+from harmony.runtime.stash import Stash
+from tests.conftest import assert_same_weights, clones, deep_mlp, regression_batches, train_plain
+
+LAYER = nn.Sequential(nn.Linear(6, 5), nn.LayerNorm(5), nn.Tanh(), nn.Linear(5, 3))
+
+
+def laid_out(module: nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """module's parameters as views of one flat buffer, as a device's cached weights are."""
+    named = dict(module.named_parameters())
+    buffer = torch.cat([param.detach().reshape(-1) for param in named.values()]).double()
+    views, offset = {}, 0
+    for name, param in named.items():
+        views[name] = buffer[offset : offset + param.numel()].view(param.shape)
+        offset += param.numel()
+    return buffer, views
+
+
+def call(tensors: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    return functional_call(LAYER, tensors, (x,))
+
+
+def test_a_stash_holds_no_weight_bytes_and_backpropagates_through_another_copy_of_them() -> None:
+    torch.manual_seed(0)
+    LAYER.double()
+    buffer, tensors = laid_out(LAYER)
+    held = buffer.untyped_storage()._weak_ref()
+    x = torch.randn(4, 6, dtype=torch.float64)
+    stash = Stash(tensors, tensors.keys())
+    y = stash.forward(call, x, torch.autocast("cpu", enabled=False), lambda v: v.requires_grad_())
+    assert not stash.pinned
+    # the input, the norm's input, mean and inverse deviation, the tanh's output (the last linear's input), the output
+    assert stash.nbytes == 8 * (4 * 6 + 4 * 5 + 4 + 4 + 4 * 5 + 4 * 3), "every activation once, no weight bytes"
+    copy = buffer.clone()  # the weights swapped out and in again: another buffer, the same version
+    del buffer, tensors, y
+    assert torch.UntypedStorage._expired(held), "the stash keeps the weights' buffer alive"
+    _, again = laid_out(LAYER)
+    again = {name: copy[view.storage_offset() : view.storage_offset() + view.numel()].view(view.shape)
+             for name, view in again.items()}
+    grads = {name: torch.zeros_like(view) for name, view in again.items()}
+    upstream = torch.randn(4, 3, dtype=torch.float64)
+    stashed_x = stash.backward(again, grads, set(), upstream, lambda out, up: out.backward(up))
+
+    reference = LAYER
+    reference.zero_grad()
+    x_ref = x.detach().clone().requires_grad_()
+    reference(x_ref).backward(upstream)
+    for name, param in reference.named_parameters():
+        assert torch.equal(grads[name], param.grad), name
+    assert torch.equal(stashed_x.grad, x_ref.grad)
+    assert stash.y is None and stash.leaves == {}, "spent"
+
+
+def test_a_saved_view_of_the_weights_in_another_dtype_pins_the_stash() -> None:
+    buffer = torch.randn(8, dtype=torch.float32)
+    tensors = {"w": buffer[:4]}
+
+    def reinterpreting(weights: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return x * weights["w"].view(torch.int32)  # mul saves its other operand: an int32 view of the buffer
+
+    stash = Stash(tensors, [])
+    stash.forward(reinterpreting, torch.randn(4), torch.autocast("cpu", enabled=False), lambda v: v.requires_grad_())
+    assert stash.pinned
+
+
+def test_stashed_runs_equal_recomputing_runs_and_plain_pytorch_within_the_budget(no_leaks: None) -> None:
+    """Float64 Adam over a swapped chain in two micro-batches. With room to spare every pack's backward reads its
+    stash; with less, some do and the rest recompute; either way the weights are a recomputing run's bit for bit
+    and plain PyTorch's, and nothing exceeds the budget."""
+    models = [deep_mlp(depth=8, seed=3).double()]
+    batches = [(x.double(), y.double()) for x, y in regression_batches(samples=64, batch=16)]
+    factory = lambda p: torch.optim.Adam(p, lr=1e-2)  # noqa: E731
+    reference = clones(models)[0]
+    train_plain(reference, batches, nn.functional.mse_loss, factory)
+    counts = {}
+    for budget in (150_000, 60_000):
+        trained = {}
+        for stash in (True, False):
+            run = clones(models)
+            result = harmony.train(run, batches, loss_fn=nn.functional.mse_loss, optimizer=factory, microbatches=2,
+                                   devices=1, device_memory=budget, resident=False, fuse=False, packs_per_task=1,
+                                   stash=stash, progress=False)
+            assert len(result.plan.jobs[0].packing.packs) > 2
+            assert max(result.stats.peak_device_bytes.values()) <= budget
+            assert_same_weights(run[0], reference, rtol=1e-9, atol=1e-12)
+            trained[stash] = run[0]
+            counts[budget, stash] = result.stats.stashed, result.stats.recomputed
+        recomputed = trained[False].state_dict()
+        for name, stashed in trained[True].state_dict().items():
+            assert torch.equal(stashed, recomputed[name]), name
+    passes = sum(counts[150_000, True])
+    assert counts[150_000, True] == (passes, 0), counts
+    assert counts[150_000, False] == (0, passes), counts
+    stashed, recomputed = counts[60_000, True]
+    assert stashed > 0 and recomputed > 0, counts
+
+
+def test_stashes_of_dropout_bf16_and_fused_arrays_equal_recomputing(no_leaks: None) -> None:
+    """Dropout masks (drawn once, in the forward, and kept), autocast's bf16 with weights copied in halved, and a
+    fused array's vmapped packs: the stash gives the weights recomputing gives, bit for bit."""
+    def dropout_mlp(seed: int) -> nn.Sequential:
+        torch.manual_seed(seed)
+        return nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Dropout(0.2)) for _ in range(6)],
+                             nn.Linear(32, 4))
+
+    batches = regression_batches(samples=64, batch=16)
+    factory = lambda p: torch.optim.SGD(p, lr=0.05)  # noqa: E731
+    for precision, models, budget in (("fp32", [dropout_mlp(0)], 60_000), ("bf16", [deep_mlp(seed=1)], 60_000),
+                                      ("fp32", [deep_mlp(seed=s) for s in range(2)], 120_000)):
+        trained = {}
+        for stash in (True, False):
+            run = clones(models)
+            result = harmony.train(run, batches, loss_fn=nn.functional.mse_loss, optimizer=factory, microbatches=2,
+                                   devices=1, device_memory=budget, resident=False, fuse=len(models) > 1,
+                                   packs_per_task=1, precision=precision, stash=stash, progress=False)
+            assert len(result.plan.jobs[0].packing.packs) > 2
+            assert (result.stats.stashed > 0) == stash, (precision, result.stats.stashed)
+            trained[stash] = run
+        for stashed, recomputed in zip(trained[True], trained[False]):
+            for name, value in stashed.state_dict().items():
+                assert torch.equal(value, recomputed.state_dict()[name]), (precision, name)
