@@ -43,7 +43,7 @@ def main() -> None:
 
     args = arguments(__doc__.splitlines()[0], extend)
     logging.getLogger("distributed").setLevel(logging.ERROR)
-    width, depth, batch, steps = (256, 12, 128, 5) if args.quick else (1024, 16, 512, 8)
+    width, depth, batch, steps = (256, 24, 64, 5) if args.quick else (1024, 16, 512, 8)
     weights = parameter_bytes(mlp(width, depth))
     data = regression(steps, batch, width)
     rows, raw = [], {}

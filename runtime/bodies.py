@@ -38,7 +38,7 @@ from harmony.runtime.homed import HomedModel
 from harmony.runtime.hoststore import tensors_at
 from harmony.runtime.peer import received_bytes
 from harmony.runtime.scaler import finite
-from harmony.runtime.stash import Stash, detached, stash_key
+from harmony.runtime.stash import Stash, detached, stash_key, worth_stashing
 from harmony.runtime.worker import RunContext, context
 from harmony.tasks import graph
 from harmony.tasks.graph import TaskId, updates_in_backward
@@ -212,7 +212,8 @@ def _forward_pack(
     runtime = ctx.spec.models[model].packs[pack]
     host = ctx.device_source(model, pack, step)
     buffers = runtime.device_buffers_offset
-    stashing = stash and ctx.spec.stash and not ctx.spec.compile  # a compiled pack's graph is its own
+    stashing = (stash and ctx.spec.stash and not ctx.spec.compile  # a compiled pack's graph is its own
+                and worth_stashing(ctx.cache.missed.get((model, pack)), step))
     trainable = [slot.spec.name for slot in runtime.grads.slots]
     outputs = []
     with ctx.cache.weights((model, pack), step, host) as weights, ctx.borrowed(model, pack, step) as borrowed:
@@ -231,8 +232,8 @@ def _forward_pack(
                     made = Stash(tensors, trainable)
                     y = made.forward(ctx.call(model, pack), x, ctx.autocast(), _track if pack else _untracked)
                     if not made.pinned:
-                        ctx.cache.stash(stash_key(model, pack, step, group, index), (model, pack), made, made.nbytes,
-                                        reserved, keep_free=runtime.workspace if more else 0)
+                        ctx.cache.stash(stash_key(model, pack, step, group, index), (model, pack), step, made,
+                                        made.nbytes, reserved, keep_free=runtime.workspace if more else 0)
                     del made  # a stash the cache did not keep is freed here, inside the reservation
                     y = detached(y)
                 else:
@@ -305,7 +306,8 @@ def backward(
     for index in section[:-1]:
         boundaries[index + 1] = _forward_pack(  # the last section has no fwd task: this is the step's forward
             ctx, model, index, first, boundaries[index], group, claim=section_input if index == section[0] else
-            Within(this, index), keep=Within(this, index + 1), following=index + 1, recompute=not last_section)
+            Within(this, index), keep=Within(this, index + 1), following=index + 1, recompute=not last_section,
+            stash=last_section)
     upstream = gradients_or_targets
     for index in reversed(section):
         claim_input: Any = Within(this, index) if index != section[0] else (

@@ -82,6 +82,8 @@ class DeviceCache:
         self._lock = threading.RLock()
         self.engine = CopyEngine(name, device)
         self._unsettled = False
+        self._stashes: dict[Any, tuple[Any, int]] = {}  # a stash's key -> the pack it is for and its step
+        self.missed: dict[Any, int] = {}  # a pack -> the last step whose stash for it was refused or evicted
 
     @property
     def budget(self) -> int:
@@ -99,6 +101,9 @@ class DeviceCache:
     def _forget(self, keys: list[Any]) -> None:
         for key in keys:
             self.tensors.pop(key, None)
+            if key in self._stashes:
+                needs, step = self._stashes.pop(key)
+                self.missed[needs] = step
 
     def _charge(self, nbytes: int, what: str) -> None:
         """Reserve nbytes, evicting what it may; weights still arriving (a prefetch in flight) cannot be evicted
@@ -126,6 +131,7 @@ class DeviceCache:
         with self._lock:
             self.memory.drop(key)
             self.tensors.pop(key, None)
+            self._stashes.pop(key, None)
 
     def clear(self) -> None:
         self.engine.shutdown()
@@ -214,16 +220,20 @@ class DeviceCache:
         finally:
             self._release(reservation.nbytes)
 
-    def stash(self, key: Any, needs: Any, value: Any, nbytes: int, reservation: Reservation, keep_free: int) -> bool:
-        """Keep value (nbytes of the block's reservation: activations made under it) on the device for the backward
-        of the pack whose weights key is needs, if the block's next reservation of keep_free bytes still fits beside
-        it without evicting (tasks.memory). Returns whether it was kept."""
+    def stash(self, key: Any, needs: Any, step: int, value: Any, nbytes: int, reservation: Reservation,
+              keep_free: int) -> bool:
+        """Keep value (nbytes of the block's reservation: activations made under it at step) on the device for the
+        backward of the pack whose weights key is needs, if the block's next reservation of keep_free bytes still
+        fits beside it (tasks.memory). Returns whether it was kept; a stash refused, or evicted later, is recorded
+        in missed."""
         with self._lock:
             self.drop(key)  # a forward run again (its task retried here) replaces its stash
             if not self.memory.stash(key, needs, nbytes, reservation.nbytes, keep_free):
+                self.missed[needs] = step
                 return False
             reservation.nbytes -= nbytes
             self.tensors[key] = value
+            self._stashes[key] = (needs, step)
         return True
 
     @contextmanager
@@ -233,6 +243,7 @@ class DeviceCache:
         with self._lock:
             nbytes = self.memory.unstash(key)
             value = self.tensors.pop(key) if nbytes is not None else None
+            self._stashes.pop(key, None)
         if nbytes is None:
             yield None
             return

@@ -11,8 +11,9 @@ predicts what a device caches, to bind tasks where their weights are).
   where it fits without evicting anything; any other task drops it when it starts.
 - A *stash* (a micro-batch's activations a pack's backward reads, runtime.stash) is made from part of the
   reservation its forward held, only where the next micro-batch's reservation still fits beside it without
-  evicting; it is evicted like weights (least recently used), except that what loads or prefetches a pack's
-  weights, or reserves for a pack's backward, spares that pack's stashes while anything else can go.
+  evicting another stash. Weights and boundaries are evicted before stashes, and stashes oldest first; what loads
+  or prefetches a pack's weights, or reserves for a pack's backward, spares that pack's stashes while anything
+  else can go.
 - *Reservations* (gradients, a micro-batch's activations, a homed model's optimizer state) are bytes charged
   without an entry. Charging evicts least recently used entries and raises BudgetExceeded when that is not
   enough; nothing is ever over budget.
@@ -70,15 +71,16 @@ class DeviceMemory:
         self.spared: Hashable | None = None  # the weights key of the pack whose backward runs: its stashes stay
 
     def _victim(self, *spared: Hashable, last_resort: bool = True) -> Hashable | None:
-        """The least recently used evictable entry that is not a stash of a spared pack (nor of self.spared); with
-        last_resort, failing that, the least recently used evictable entry."""
+        """What to evict next: the least recently used evictable weights or boundary; else the oldest stash (whose
+        backward comes last) that is not of a spared pack (nor of self.spared); else, with last_resort, the oldest
+        stash. A stash saves a forward's compute, where cached weights save a copy that a prefetch can hide."""
         spared = (*spared, self.spared)
         evictable = [key for key, entry in self.entries.items() if entry.evictable]
-        chosen = next((key for key in evictable if self.entries[key].needs is None
-                       or self.entries[key].needs not in spared), None)
-        if chosen is None and last_resort and evictable:
-            return evictable[0]
-        return chosen
+        for wanted in (lambda entry: entry.needs is None, lambda entry: entry.needs not in spared):
+            chosen = next((key for key in evictable if wanted(self.entries[key])), None)
+            if chosen is not None:
+                return chosen
+        return evictable[0] if evictable and last_resort else None
 
     def reserve(self, nbytes: int, what: str, spared: tuple[Hashable, ...] = ()) -> list[Hashable]:
         """Charge nbytes, evicting least recently used entries as needed (the stashes of spared packs last); returns
@@ -198,9 +200,11 @@ class DeviceMemory:
 
     def stash(self, key: Hashable, needs: Hashable, nbytes: int, reserved: int, keep_free: int) -> bool:
         """Keep nbytes of a running reservation of reserved bytes (a micro-batch's activations) as a stash for the
-        backward of pack needs, if the reservation's holder's next one (keep_free) still fits beside it without
-        evicting; the caller's reservation shrinks by nbytes. Returns whether it was kept."""
-        if nbytes > reserved or self.used - reserved + nbytes + keep_free > self.budget:
+        backward of pack needs, if the reservation's holder's next one (keep_free) still fits beside it, evicting
+        weights or boundaries but no other stash; the caller's reservation shrinks by nbytes. Returns whether it was
+        kept."""
+        evictable = sum(entry.nbytes for entry in self.entries.values() if entry.evictable and entry.needs is None)
+        if nbytes > reserved or self.used - reserved + nbytes + keep_free > self.budget + evictable:
             return False
         self.entries[key] = Entry(nbytes, needs=needs)
         return True

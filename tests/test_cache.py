@@ -199,7 +199,7 @@ def test_a_stash_takes_part_of_its_reservation_and_its_bytes_stay_charged_while_
     cache = make_cache(store, budget=1000)
     stash = object()
     with cache.scratch(400, "activations of pack 0") as reserved:
-        assert cache.stash(("stash", 0), "p0", stash, 150, reserved, keep_free=0)
+        assert cache.stash(("stash", 0), "p0", 0, stash, 150, reserved, keep_free=0)
         assert reserved.nbytes == 250 and cache.used == 400
     assert cache.used == 150 and ("stash", 0) in cache.cached
     with cache.unstash(("stash", 1)) as missing:
@@ -211,7 +211,7 @@ def test_a_stash_takes_part_of_its_reservation_and_its_bytes_stay_charged_while_
             assert cache.used == 1000, "a taken stash is not evicted"
     assert cache.used == 850
     with cache.scratch(100, "activations of pack 0") as reserved:
-        assert cache.stash(("stash", 0), "p0", stash, 100, reserved, keep_free=0)
+        assert cache.stash(("stash", 0), "p0", 0, stash, 100, reserved, keep_free=0)
     with cache.sparing("p0"), cache.scratch(100, "gradients of pack 0"):
         assert ("stash", 0) in cache.cached and "p1" not in cache.cached, "the running pack's stash was evicted"
     cache.clear()

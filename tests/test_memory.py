@@ -88,15 +88,24 @@ def test_a_boundary_is_kept_only_where_it_fits_and_only_for_its_consumer() -> No
 def test_a_stash_is_made_from_its_reservation_only_where_the_next_one_still_fits() -> None:
     memory = DeviceMemory("d", 1000)
     memory.load("w", 0, 500)
+    memory.pin("w")
     memory.reserve(300, "activations")
     assert not memory.stash("s0", "p", 400, reserved=300, keep_free=0), "more than the reservation it came from"
-    assert not memory.stash("s0", "p", 100, reserved=300, keep_free=401), "the next reservation would evict"
+    assert not memory.stash("s0", "p", 100, reserved=300, keep_free=401), "the next reservation would not fit"
     assert memory.stash("s0", "p", 100, reserved=300, keep_free=400), "600 held, and the next 400 fit"
     assert memory.used == 800, "the stash's bytes were already charged: nothing new"
     memory.release(200)
-    assert memory.unstash("w") is None and memory.unstash("nothing") is None, "weights, or no entry: not a stash"
+    memory.unpin("w")
+    memory.reserve(300, "activations")
+    assert memory.used == 900
+    assert not memory.stash("s1", "p", 100, reserved=300, keep_free=801), "only by evicting another stash"
+    assert memory.stash("s1", "p", 100, reserved=300, keep_free=800), "by evicting the weights"
+    memory.release(200)
+    assert memory.reserve(800, "activations") == ["w"], "weights before stashes"
+    memory.release(800)
+    assert memory.unstash("nothing") is None, "no such stash"
     assert memory.unstash("s0") == 100 and "s0" not in memory.entries
-    assert memory.used == 600, "taken back, its bytes stay charged until released"
+    assert memory.used == 200, "taken back, its bytes stay charged until released"
     memory.release(100)
     memory.validate()
 
