@@ -1,12 +1,12 @@
 """Benchmark: a swapped pack's activations kept on its device for its backward (stash=True) against recomputing them.
 
-One MLP trained swapped (never homed) on one CPU device under budgets of a quarter, half and three quarters of its
-weights, AdamW, two micro-batches a step. Rows per budget: Harmony recomputing every pack's forward in its backward
+One MLP trained swapped (never homed) on one CPU device under budgets from a quarter of its weights to twice them
+(--shares), AdamW, two micro-batches a step. Rows per budget: Harmony recomputing every pack's forward in its backward
 (stash=False) and Harmony stashing where the budget has room (the default), with how many micro-batch passes went
 which way; beside them the plain loop with the model in memory. Same data, same run; seconds a step are the median
 of the steady steps, over rounds.
 
-    python -m benchmarks.stash [--quick] [--rounds N]
+    python -m benchmarks.stash [--quick] [--rounds N] [--shares 0.25,0.5,1,2]
 """
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ def run(width: int, depth: int, data: list, budget: int, stash: bool) -> harmony
 def main() -> None:
     def extend(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--rounds", type=int, default=2, help="runs of each way (the table gives the median)")
+        parser.add_argument("--shares", type=lambda text: [float(part) for part in text.split(",")],
+                            default=[0.25, 0.5, 1.0, 2.0], help="budgets as shares of the weights' bytes")
 
     args = arguments(__doc__.splitlines()[0], extend)
     logging.getLogger("distributed").setLevel(logging.ERROR)
@@ -52,7 +54,7 @@ def main() -> None:
                  "step s": statistics.median(plains), "range": f"{min(plains):.3f}-{max(plains):.3f}",
                  "stashed": 0, "recomputed": 0})
     raw["plain"] = plains
-    for share in (0.25, 0.5, 0.75):
+    for share in args.shares:
         budget = round(weights * share)
         for way, stash in (("recompute (stash=False)", False), ("stash (default)", True)):
             seconds, result = [], None

@@ -199,7 +199,7 @@ def test_a_stash_takes_part_of_its_reservation_and_its_bytes_stay_charged_while_
     cache = make_cache(store, budget=1000)
     stash = object()
     with cache.scratch(400, "activations of pack 0") as reserved:
-        assert cache.stash(("stash", 0), "p0", 0, stash, 150, reserved, keep_free=0)
+        assert cache.stash(("stash", 0), "p0", 3, stash, 150, reserved, keep_free=0)
         assert reserved.nbytes == 250 and cache.used == 400
     assert cache.used == 150 and ("stash", 0) in cache.cached
     with cache.unstash(("stash", 1)) as missing:
@@ -209,9 +209,20 @@ def test_a_stash_takes_part_of_its_reservation_and_its_bytes_stay_charged_while_
         assert cache.used == 150 and ("stash", 0) not in cache.cached
         with cache.weights("p1", 0, store.create("w", 850)):
             assert cache.used == 1000, "a taken stash is not evicted"
-    assert cache.used == 850
-    with cache.scratch(100, "activations of pack 0") as reserved:
-        assert cache.stash(("stash", 0), "p0", 0, stash, 100, reserved, keep_free=0)
-    with cache.sparing("p0"), cache.scratch(100, "gradients of pack 0"):
-        assert ("stash", 0) in cache.cached and "p1" not in cache.cached, "the running pack's stash was evicted"
+    assert cache.used == 850 and cache.missed == {}, "a stash taken by its backward is no loss"
+    cache.clear()
+
+
+def test_a_refused_or_evicted_stash_is_recorded_against_its_pack(store: HostStore) -> None:
+    cache = make_cache(store, budget=1000)
+    with cache.weights("w", 0, store.create("w", 600)), cache.scratch(300, "activations of pack 0") as reserved:
+        assert not cache.stash(("stash", 0), "p0", 4, object(), 100, reserved, keep_free=400)
+        assert cache.missed == {"p0": 4}
+        assert cache.stash(("stash", 1), "p1", 5, object(), 100, reserved, keep_free=0)
+    assert cache.missed == {"p0": 4}
+    with cache.sparing("p1"), cache.scratch(350, "gradients of pack 1"):
+        assert ("stash", 1) in cache.cached and "w" not in cache.cached, "weights go before the running pack's stash"
+    with cache.scratch(950, "activations"):
+        assert ("stash", 1) not in cache.cached
+    assert cache.missed == {"p0": 4, "p1": 5}, "evicted before its backward"
     cache.clear()

@@ -8,7 +8,7 @@ from torch import nn
 from torch.func import functional_call
 
 import harmony
-from harmony.runtime.stash import Stash
+from harmony.runtime.stash import RETRY, Stash, worth_stashing
 from tests.conftest import assert_same_weights, clones, deep_mlp, regression_batches, train_plain
 
 LAYER = nn.Sequential(nn.Linear(6, 5), nn.LayerNorm(5), nn.Tanh(), nn.Linear(5, 3))
@@ -70,6 +70,13 @@ def test_a_saved_view_of_the_weights_in_another_dtype_pins_the_stash() -> None:
     stash = Stash(tensors, [])
     stash.forward(reinterpreting, torch.randn(4), torch.autocast("cpu", enabled=False), lambda v: v.requires_grad_())
     assert stash.pinned
+
+
+def test_a_pack_whose_stash_was_lost_runs_without_gradients_until_retry_steps_later() -> None:
+    assert worth_stashing(None, 0) and worth_stashing(None, 7)
+    assert worth_stashing(3, 3), "the step it was lost in: its other micro-batches still try"
+    assert not any(worth_stashing(3, step) for step in range(4, 3 + RETRY))
+    assert worth_stashing(3, 3 + RETRY)
 
 
 def test_stashed_runs_equal_recomputing_runs_and_plain_pytorch_within_the_budget(no_leaks: None) -> None:
