@@ -1,6 +1,6 @@
 """The CUDA device path: pinned host store, copy stream and events (a slowed copy never read early), accounting
-against torch.cuda.memory_allocated, exactness and budget with sections, updates beside the device and bf16 (its
-weights copied in as bf16); skipped without a GPU."""
+against torch.cuda.memory_allocated, exactness and budget with sections, updates beside the device, stashed
+activations and bf16 (its weights copied in as bf16); skipped without a GPU."""
 
 from __future__ import annotations
 
@@ -142,6 +142,28 @@ def test_sections_and_overlapped_updates_on_cuda_match_plain_pytorch(
         train_plain(reference, batches, nn.functional.mse_loss, factory)
         assert_same_weights(model, reference, rtol=1e-9, atol=1e-12)
     assert max(result.stats.peak_device_bytes.values()) <= 48_000
+
+
+def test_stashed_activations_on_cuda_equal_recomputing_and_plain_pytorch(no_leaks: None) -> None:
+    """A GPU's stash: its saved weights found again in the next copy, its bytes within the budget; bit for bit a
+    recomputing run's weights and, in float64, plain PyTorch's."""
+    models = [deep_mlp(depth=8, seed=3).double()]
+    batches = [(x.double(), y.double()) for x, y in regression_batches(samples=64, batch=16)]
+    factory = lambda p: torch.optim.Adam(p, lr=1e-2)  # noqa: E731
+    reference = clones(models)[0]
+    train_plain(reference, batches, nn.functional.mse_loss, factory)
+    trained = {}
+    for stash in (True, False):
+        run = clones(models)
+        result = harmony.train(run, batches, loss_fn=nn.functional.mse_loss, optimizer=factory, microbatches=2,
+                               devices=["cuda:0"], device_memory=150_000, resident=False, fuse=False,
+                               packs_per_task=1, stash=stash, progress=False)
+        assert len(result.plan.jobs[0].packing.packs) > 2
+        assert (result.stats.stashed > 0) == stash and max(result.stats.peak_device_bytes.values()) <= 150_000
+        assert_same_weights(run[0], reference, rtol=1e-9, atol=1e-12)
+        trained[stash] = run[0].state_dict()
+    for name, value in trained[True].items():
+        assert torch.equal(value, trained[False][name]), name
 
 
 def test_updates_on_the_gpu_match_plain_pytorch_and_leave_the_gradients_there(no_leaks: None) -> None:
