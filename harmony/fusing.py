@@ -112,7 +112,7 @@ def _predict(arrays: list[Candidate], sizing: Sizing) -> float:
     options = sizing.args.options
     run = simulate(packings, [RANKING_STEPS] * len(arrays), [step_samples(sizing.args, a.job) for a in arrays],
                    sizing.budgets, sizing.hardware, prefetch=options.prefetch, policy=options.policy, mode="free",
-                   groups=[1] * len(arrays), homes=homes)
+                   groups=[1] * len(arrays), homes=homes, stash=options.stash)
     return run.makespan / RANKING_STEPS
 
 

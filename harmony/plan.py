@@ -225,7 +225,7 @@ def simulate_machines(plan: RunPlan, counts: list[int], samples: list[int], mach
             continue
         run = simulate_jobs([jobs[index] for index in own], [counts[index] for index in own],
                             [samples[index] for index in own], budgets, plan.hardware, options.prefetch,
-                            options.policy, plan.mode)
+                            options.policy, plan.mode, options.stash)
         renamed = {task: dataclasses.replace(task, model=own[task.model]) for task in run.times}
         order.update({device: [renamed[task] for task in tasks] for device, tasks in run.order.items()})
         times.update({renamed[task]: span for task, span in run.times.items()})

@@ -176,7 +176,8 @@ def choose_mode(
     for mode in candidates_modes:
         groups = groups_for(mode, len(budgets), options.microbatches)
         jobs = [dataclasses.replace(candidate.job, groups=groups) for candidate in candidates]
-        run = simulate_jobs(jobs, steps, samples, budgets, hardware, options.prefetch, options.policy, mode)
+        run = simulate_jobs(jobs, steps, samples, budgets, hardware, options.prefetch, options.policy, mode,
+                            options.stash)
         predicted[mode] = run.step_seconds()
     chosen = min(predicted, key=lambda name: predicted[name])
     if options.mode == "auto":
@@ -254,7 +255,7 @@ def with_sections(jobs: list[Job], args: Arguments, budgets: dict[str, int], har
     steps = [min(job.steps or 1, RANKING_STEPS) for job in jobs]
     samples = [step_samples(args, job) for job in jobs]
     predicted = [simulate_jobs(ways, steps, samples, budgets, hardware, args.options.prefetch, args.options.policy,
-                               mode).step_seconds()
+                               mode, args.options.stash).step_seconds()
                  for ways in (jobs, proposed)]
     logger.info("packs_per_task auto: predicted %.1f ms per step with a pack a task, %.1f ms in sections; %s",
                 predicted[0] * 1e3, predicted[1] * 1e3, "sections" if predicted[1] < predicted[0] else "a pack a task")
@@ -294,7 +295,7 @@ def with_updates(jobs: list[Job], args: Arguments, budgets: dict[str, int], hard
     steps = [min(job.steps or 1, RANKING_STEPS) for job in jobs]
     samples = [step_samples(args, job) for job in jobs]
     predicted = {name: simulate_jobs(way, steps, samples, budgets, hardware, options.prefetch, options.policy,
-                                     mode).step_seconds()
+                                     mode, options.stash).step_seconds()
                  for name, way in ways.items()}
     chosen = min(predicted, key=lambda name: predicted[name])
     logger.info("updates: predicted per step %s; %s", ", ".join(f"{name} {seconds * 1e3:.1f} ms"

@@ -265,6 +265,7 @@ def simulate(
     sections: list[tuple[int, ...]] | None = None,
     scaled: list[bool] | None = None,
     device_updates: list[tuple[int, ...]] | None = None,
+    stash: bool = True,
 ) -> Simulation:
     """Predict the schedule and its times: the driver's binding state on a simulated clock.
 
@@ -279,8 +280,9 @@ def simulate(
     run several packs each (tasks.runplan.Job.sections): such a task's copies hide behind the compute of the pack
     before them in the task; scaled where its loss is scaled (fp16: every upd of a step waits for all of its bwd);
     device_updates the packs whose bwd tasks update on the device (tasks.updates): the optimizer at the device's
-    compute scale, its state over the link both ways. packings are as cut; each is held as its job would hold it
-    (simulate_jobs).
+    compute scale, its state over the link both ways; with stash, a bwd whose pack's activations are predicted
+    still on the device does not recompute its forward (_Clock._stashed_seconds). packings are as cut; each is held
+    as its job would hold it (simulate_jobs).
     """
     groups = groups or [1] * len(packings)
     homes = homes or {}
@@ -295,7 +297,7 @@ def simulate(
         for index, (packing, g, beside, starts, scale, there) in enumerate(
             zip(packings, groups, overlap, sections, scaled, device_updates))
     ]
-    return simulate_jobs(jobs, steps, samples, budgets, hardware, prefetch, policy, mode)
+    return simulate_jobs(jobs, steps, samples, budgets, hardware, prefetch, policy, mode, stash)
 
 
 def simulate_jobs(
@@ -307,6 +309,7 @@ def simulate_jobs(
     prefetch: bool = True,
     policy: str = "lrtf",
     mode: str = "free",
+    stash: bool = True,
 ) -> Simulation:
     """simulate for a plan's jobs, as they are cut, homed, grouped, sectioned, overlapped and scaled: each at its
     device packing (Job.device_packing), for steps[j] steps of samples[j] samples, a step per task, numbered by its
@@ -319,7 +322,7 @@ def simulate_jobs(
     ]
     homes = {index: job.home for index, job in enumerate(jobs) if job.home is not None}
     state = BindingState(jobs, budgets, slots_per_device=1, policy=policy, mode=mode, homes=homes)
-    clock = _Clock(jobs, samples, budgets, hardware, prefetch)
+    clock = _Clock(jobs, samples, budgets, hardware, prefetch, stash)
     clock.carry_out(state, state.start())
     while not state.finished:
         if not clock.events:
@@ -333,12 +336,14 @@ class _Clock:
     """What the simulated devices do with the binding state's instructions, and when."""
 
     def __init__(
-        self, jobs: list[Job], samples: list[int], budgets: dict[str, int], hardware: Hardware, prefetch: bool
+        self, jobs: list[Job], samples: list[int], budgets: dict[str, int], hardware: Hardware, prefetch: bool,
+        stash: bool = True,
     ) -> None:
         self.jobs = jobs
         self.samples = samples
         self.hardware = hardware
         self.prefetch = prefetch
+        self.stash = stash
         self.free_at = dict.fromkeys(budgets, 0.0)
         self.host_free_at = dict.fromkeys(budgets, 0.0)
         self.last_compute = dict.fromkeys(budgets, 0.0)
@@ -378,6 +383,8 @@ class _Clock:
             compute += sum(update_seconds(packing, range(pack, pack + 1), self.hardware)
                            / (self.hardware.compute_scale if pack in job.device_updates else 1.0) for pack in packs)
         copy = self._copy_seconds(task, device, submit.first, n, compute)
+        if self.stash and not homed:
+            compute -= self._stashed_seconds(task, device, submit.first, n)
         end = start + self.hardware.task_overhead + compute + copy
         self.times[task] = (start, end)
         self.order[device].append(task)
@@ -400,6 +407,62 @@ class _Clock:
         self.order[device].append(task)
         self.host_free_at[device] = end
         heapq.heappush(self.events, (end, len(self.times), task))
+
+    def _stashed_seconds(self, task: TaskId, device: str, first: int, samples: int) -> float:
+        """The forwards a task's backward does not recompute: those of its packs whose stash (runtime.stash) is
+        still on the device. A fwd task (and the forward a pass's last section runs in its bwd) stashes each pack's
+        activations, about half its workspace per micro-batch, where reserving them evicts only weights and older
+        stashes; a bwd first reserves each pack's gradients and workspace (which may evict stashes, its own
+        last), then takes its stash. The device holds nothing else here, so this errs towards stashing."""
+        job = self.jobs[task.model]
+        memory = self.memory[device]
+        microbatches = -(-samples // job.packing.microbatch_samples)
+        held = [key for key in ((task.model, pack) for pack in job.section(task.pack)) if key in memory.entries]
+        for key in held:  # the task's weights stay while it runs
+            memory.pin(key)
+        try:
+            return self._stash_and_take(task, memory, first, samples, microbatches)
+        finally:
+            for key in held:
+                memory.unpin(key)
+
+    def _stash_and_take(self, task: TaskId, memory: DeviceMemory, first: int, samples: int, microbatches: int
+                        ) -> float:
+        """_stashed_seconds with the task's weights pinned."""
+        job = self.jobs[task.model]
+        packing = job.packing
+        last = len(packing.packs) - 1
+        section = job.section(task.pack)
+
+        def stash(pack: int) -> None:
+            nbytes = microbatches * packing.packs[pack].cost.workspace // 2
+            try:
+                memory.reserve(nbytes, "a stash", spared=((task.model, pack),))
+            except BudgetExceeded:
+                return
+            memory.stash(("stash", task.model, pack, first, task.group), (task.model, pack), nbytes, nbytes, 0)
+
+        if task.kind == "fwd":
+            for pack in section:
+                stash(pack)
+            return 0.0
+        if section[-1] == last:  # this bwd runs the step's forward: its packs but the last stash there
+            for pack in section[:-1]:
+                stash(pack)
+        saved = 0.0
+        for pack in reversed(section):
+            cost = packing.packs[pack].cost
+            try:
+                memory.reserve(cost.grads + cost.workspace, "a backward", spared=((task.model, pack),))
+                memory.release(cost.grads + cost.workspace)
+            except BudgetExceeded:
+                pass
+            taken = memory.unstash(("stash", task.model, pack, first, task.group))
+            if taken is not None:
+                memory.release(taken)
+                if pack != last:
+                    saved += packing.packs[pack].forward_seconds_per_sample * samples / self.hardware.compute_scale
+        return saved
 
     def _copy_seconds(self, task: TaskId, device: str, first: int, samples: int, compute: float) -> float:
         """Seconds of the task's copies over the host link: weights the device does not cache (hidden behind the

@@ -15,6 +15,7 @@ from harmony.tasks.simulator import (
     replay_memory,
     simulate,
     task_seconds,
+    update_seconds,
 )
 
 
@@ -178,3 +179,20 @@ def test_an_update_on_the_device_costs_its_state_over_the_link_and_the_optimizer
     with pytest.raises(ScheduleExceedsBudget, match="more bytes"):
         replay_memory(order, [wide], {"d": held - 1}, device_updates=updated)
     assert replay_memory(order, [wide], {"d": held}, device_updates=updated).peak["d"] == held
+
+
+def test_a_backward_whose_stash_is_predicted_on_the_device_does_not_recompute_its_forward() -> None:
+    """A stash is half a pack's workspace per micro-batch (here 2 x 1,024 bytes) and a backward first reserves its
+    gradients and workspace (3,072): with room for all, no pack but the last recomputes; with room for one stash
+    beside that reservation, the last fwd's pack does not, each step; with none, every pack recomputes."""
+    packing = chain_packing(layers=6, budget=7000)
+    forward = packing.packs[0].forward_seconds_per_sample * 8
+    hardware = Hardware(task_overhead=0.0)
+    for budget, saved in ((10**6, 3 * 5), (2048 + 3072, 3), (2048 + 3072 - 1, 0)):
+        recomputing = simulate([packing], [3], [8], {"d": budget}, hardware, stash=False)
+        stashing = simulate([packing], [3], [8], {"d": budget}, hardware)
+        assert recomputing.makespan - stashing.makespan == pytest.approx(saved * forward), budget
+    roomy = simulate([packing], [3], [8], {"d": 10**6}, hardware)
+    start, end = roomy.times[TaskId("bwd", 0, 2, 1)]
+    update = update_seconds(packing, range(2, 3), hardware)
+    assert end - start == pytest.approx(2 * forward + update), "a backward without its recompute, and its update"
