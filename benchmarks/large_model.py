@@ -99,10 +99,12 @@ def plain_steps(model: nn.Module, batches: list, loss_fn: Any = None) -> list[fl
 
 
 def harmony_steps(model: nn.Module, batches: list, loss_fn: Any = None, overlap: bool | None = None,
-                  budget: int = BUDGET, microbatches: int = MICROBATCHES) -> tuple[list[float], int]:
+                  budget: int = BUDGET, microbatches: int = MICROBATCHES, stash: bool = True
+                  ) -> tuple[list[float], int]:
     result = harmony.train(model, batches, loss_fn or next_byte_loss, lambda p: torch.optim.AdamW(p, lr=1e-3),
                            devices=["cpu"], device_memory=budget, microbatches=microbatches, progress=False,
-                           overlap_update=overlap)
+                           overlap_update=overlap, stash=stash)
+    print(f"  stashed {result.stats.stashed}, recomputed {result.stats.recomputed}", flush=True)
     times = result.stats.step_seconds[0]
     return [b - a for a, b in zip(times[WARMUP:], times[WARMUP + 1 :])], len(result.packings[0].packs)
 

@@ -83,7 +83,8 @@ class DeviceCache:
         self.engine = CopyEngine(name, device)
         self._unsettled = False
         self._stashes: dict[Any, tuple[Any, int]] = {}  # a stash's key -> the pack it is for and its step
-        self.missed: dict[Any, int] = {}  # a pack -> the last step whose stash for it was refused or evicted
+        self.missed: dict[Any, tuple[int, int]] = {}  # a pack -> (the last step whose stash for it was lost, how
+        # many steps in a row lost one since one last reached its backward): see stash.worth_stashing
 
     @property
     def budget(self) -> int:
@@ -102,8 +103,12 @@ class DeviceCache:
         for key in keys:
             self.tensors.pop(key, None)
             if key in self._stashes:
-                needs, step = self._stashes.pop(key)
-                self.missed[needs] = step
+                self._lost(*self._stashes.pop(key))
+
+    def _lost(self, needs: Any, step: int) -> None:
+        """A stash for pack needs made at step was refused or evicted before its backward."""
+        last, streak = self.missed.get(needs, (-1, 0))
+        self.missed[needs] = (step, streak if last == step else streak + 1)
 
     def _charge(self, nbytes: int, what: str) -> None:
         """Reserve nbytes, evicting what it may; weights still arriving (a prefetch in flight) cannot be evicted
@@ -225,11 +230,11 @@ class DeviceCache:
         """Keep value (nbytes of the block's reservation: activations made under it at step) on the device for the
         backward of the pack whose weights key is needs, if the block's next reservation of keep_free bytes still
         fits beside it (tasks.memory). Returns whether it was kept; a stash refused, or evicted later, is recorded
-        in missed."""
+        in missed, until one for the pack reaches its backward."""
         with self._lock:
             self.drop(key)  # a forward run again (its task retried here) replaces its stash
             if not self.memory.stash(key, needs, nbytes, reservation.nbytes, keep_free):
-                self.missed[needs] = step
+                self._lost(needs, step)
                 return False
             reservation.nbytes -= nbytes
             self.tensors[key] = value
@@ -243,7 +248,8 @@ class DeviceCache:
         with self._lock:
             nbytes = self.memory.unstash(key)
             value = self.tensors.pop(key) if nbytes is not None else None
-            self._stashes.pop(key, None)
+            needs, _ = self._stashes.pop(key, (None, 0))
+            self.missed.pop(needs, None)
         if nbytes is None:
             yield None
             return

@@ -12,7 +12,7 @@ are not part of it, so that a stash never holds weights on the device outside th
 A saved view of a weight that cannot be found again (another dtype than the weight's) would pin the weights'
 buffer: such a forward is not stashed (pinned). The stash's bytes are every other storage it holds, each counted
 once; the cache keeps it as an evictable entry (tasks.memory), and a bwd that does not find it recomputes.
-A pack whose stash was refused or evicted before its backward is not stashed again for a few steps (RETRY).
+A pack whose stash was refused or evicted before its backward is not stashed again for a while (worth_stashing).
 """
 
 from __future__ import annotations
@@ -25,14 +25,19 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
 Token = tuple[str, int, tuple[int, ...], tuple[int, ...]]  # a weight's name, offset from it, size, stride
-RETRY = 8  # steps a pack's forward runs without gradients after its stash was refused or evicted before its backward
+RETRY = 8  # steps a pack's forward runs without gradients after its stash was first lost (doubling with each loss)
 
 
-def worth_stashing(missed: int | None, step: int) -> bool:
-    """Whether a pack's forward at step should stash, given the last step whose stash for it was lost (missed): a
-    stash that will not last costs the forward autograd's bookkeeping for nothing, so after a loss the pack runs
-    without gradients until RETRY steps later (the device's load may have changed by then)."""
-    return missed is None or step == missed or step >= missed + RETRY
+def worth_stashing(missed: tuple[int, int] | None, step: int) -> bool:
+    """Whether a pack's forward at step should stash, given the last step whose stash for it was lost and how many
+    steps in a row lost one (missed; None since one reached its backward). A stash that does not last costs the
+    forward autograd's bookkeeping, and the weights it pushed out their copies, for nothing: after a loss the pack
+    runs without gradients for RETRY steps, twice as long after each further loss (up to 64 times), and then tries
+    again, since the device's load may have changed (a model of the sweep finished)."""
+    if missed is None:
+        return True
+    lost, streak = missed
+    return step == lost or step >= lost + RETRY * 2 ** min(streak - 1, 6)
 
 
 class Stash:

@@ -217,12 +217,20 @@ def test_a_refused_or_evicted_stash_is_recorded_against_its_pack(store: HostStor
     cache = make_cache(store, budget=1000)
     with cache.weights("w", 0, store.create("w", 600)), cache.scratch(300, "activations of pack 0") as reserved:
         assert not cache.stash(("stash", 0), "p0", 4, object(), 100, reserved, keep_free=400)
-        assert cache.missed == {"p0": 4}
+        assert not cache.stash(("stash", 2), "p0", 4, object(), 100, reserved, keep_free=400)
+        assert cache.missed == {"p0": (4, 1)}, "one step lost"
         assert cache.stash(("stash", 1), "p1", 5, object(), 100, reserved, keep_free=0)
-    assert cache.missed == {"p0": 4}
+    assert cache.missed == {"p0": (4, 1)}
     with cache.sparing("p1"), cache.scratch(350, "gradients of pack 1"):
         assert ("stash", 1) in cache.cached and "w" not in cache.cached, "weights go before the running pack's stash"
     with cache.scratch(950, "activations"):
         assert ("stash", 1) not in cache.cached
-    assert cache.missed == {"p0": 4, "p1": 5}, "evicted before its backward"
+    assert cache.missed == {"p0": (4, 1), "p1": (5, 1)}, "evicted before its backward"
+    with cache.scratch(300, "activations of pack 0") as reserved:
+        assert not cache.stash(("stash", 3), "p0", 12, object(), 100, reserved, keep_free=901)
+        assert cache.missed["p0"] == (12, 2), "a second step lost in a row"
+        assert cache.stash(("stash", 4), "p0", 12, object(), 100, reserved, keep_free=0)
+    with cache.unstash(("stash", 4)) as found:
+        assert found is not None
+    assert cache.missed == {"p1": (5, 1)}, "a stash that reached its backward ends the pack's losing streak"
     cache.clear()

@@ -72,11 +72,13 @@ def test_a_saved_view_of_the_weights_in_another_dtype_pins_the_stash() -> None:
     assert stash.pinned
 
 
-def test_a_pack_whose_stash_was_lost_runs_without_gradients_until_retry_steps_later() -> None:
+def test_a_pack_whose_stash_was_lost_runs_without_gradients_for_longer_after_each_loss() -> None:
     assert worth_stashing(None, 0) and worth_stashing(None, 7)
-    assert worth_stashing(3, 3), "the step it was lost in: its other micro-batches still try"
-    assert not any(worth_stashing(3, step) for step in range(4, 3 + RETRY))
-    assert worth_stashing(3, 3 + RETRY)
+    assert worth_stashing((3, 1), 3), "the step it was lost in: its other micro-batches still try"
+    assert not any(worth_stashing((3, 1), step) for step in range(4, 3 + RETRY))
+    assert worth_stashing((3, 1), 3 + RETRY)
+    assert not worth_stashing((11, 2), 11 + RETRY) and worth_stashing((11, 2), 11 + 2 * RETRY)
+    assert not worth_stashing((50, 9), 50 + 63 * RETRY) and worth_stashing((50, 9), 50 + 64 * RETRY), "at most 64x"
 
 
 def test_stashed_runs_equal_recomputing_runs_and_plain_pytorch_within_the_budget(no_leaks: None) -> None:
