@@ -75,12 +75,14 @@ class DeviceMemory:
         backward comes last) that is not of a spared pack (nor of self.spared); else, with last_resort, the oldest
         stash. A stash saves a forward's compute, where cached weights save a copy that a prefetch can hide."""
         spared = (*spared, self.spared)
-        evictable = [key for key, entry in self.entries.items() if entry.evictable]
-        for wanted in (lambda entry: entry.needs is None, lambda entry: entry.needs not in spared):
-            chosen = next((key for key in evictable if wanted(self.entries[key])), None)
+        passes = [lambda entry: entry.needs is None, lambda entry: entry.needs not in spared]
+        if last_resort:
+            passes.append(lambda entry: True)
+        for wanted in passes:  # lazily: the first pass is the plain least-recently-used walk
+            chosen = next((key for key, entry in self.entries.items() if entry.evictable and wanted(entry)), None)
             if chosen is not None:
                 return chosen
-        return evictable[0] if evictable and last_resort else None
+        return None
 
     def reserve(self, nbytes: int, what: str, spared: tuple[Hashable, ...] = ()) -> list[Hashable]:
         """Charge nbytes, evicting least recently used entries as needed (the stashes of spared packs last); returns
