@@ -332,12 +332,13 @@ def train(
     forward's; the weights are plain PyTorch's up to the compiled kernels' rounding. A fused array compiles as one.
     Whether it pays depends on the model and the device (benchmarks/compiled.py measures it).
 
-    stash=True (the default) keeps a swapped pack's activations on its device from its forward task to its backward
-    task where the budget has room for them beside what the tasks between need: that backward then backpropagates
-    them instead of recomputing the pack's forward from its input. Only spare room is used (a stash gives way to
-    weights and reservations, least recently used first, and a backward that does not find its stash recomputes),
-    so the plan and the budget are unchanged; result.stats.stashed and .recomputed count which way each micro-batch
-    went. A compiled pack always recomputes. False recomputes every pack's forward (a baseline).
+    stash=True (the default) keeps a swapped pack's activations on its device from its forward to its backward where
+    the budget has room for them beside what the tasks between need: that backward then backpropagates them instead
+    of recomputing the pack's forward from its input. The plan stashes the packs whose stash the simulator predicts
+    still there when their backward runs (harmony.plan says how many); a stash only uses spare room (it gives way to
+    weights and reservations, and a backward that does not find its stash recomputes), so the budget holds as
+    without; result.stats.stashed and .recomputed count which way each micro-batch went. A compiled pack always
+    recomputes. False recomputes every pack's forward (a baseline).
     """
     options = read_options(locals())  # first: locals() are the arguments alone
     for name, value in (("host", host), ("dashboard_address", dashboard_address)):

@@ -118,6 +118,8 @@ class Forecast:
                 updates = f", updates on the device{share} (optimizer state copied in and out)"
             if job.sections:
                 updates += f", {job.section_count} tasks a pass ({len(packing.packs)} packs)"
+            if job.stashes:
+                updates += f", stashes the activations of {len(job.stashes)} of its packs for their backward"
             halved = sum(job.halved_bytes(pack) for pack in range(len(packing.packs)))
             if halved:
                 updates += f", {halved:,} of them copied in as {self.plan.options.precision} (half the bytes)"

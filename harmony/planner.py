@@ -303,6 +303,26 @@ def with_updates(jobs: list[Job], args: Arguments, budgets: dict[str, int], hard
     return ways[chosen]
 
 
+def with_stashes(jobs: list[Job], args: Arguments, budgets: dict[str, int], hardware: Hardware, mode: str
+                 ) -> list[Job]:
+    """The jobs with the packs whose forward stashes its activations for its backward (runtime.stash): those whose
+    stash the simulator predicts still on the device when their backward runs, where the run stashes at all. A
+    stash that does not last costs the forward autograd's bookkeeping, and the weights it pushes out their copies,
+    for nothing."""
+    if not args.options.stash or all(job.home is not None for job in jobs):
+        return jobs
+    steps = [min(job.steps or 1, RANKING_STEPS) for job in jobs]
+    samples = [step_samples(args, job) for job in jobs]
+    run = simulate_jobs(jobs, steps, samples, budgets, hardware, args.options.prefetch, args.options.policy, mode)
+    stashing = [dataclasses.replace(job, stashes=tuple(sorted(run.stashed.get(index, ()))))
+                for index, job in enumerate(jobs)]
+    for job in stashing:
+        if job.home is None:
+            logger.info("%s: stashes the activations of %d of its %d packs", job.label, len(job.stashes),
+                        len(job.packing.packs))
+    return stashing
+
+
 def codes_for(plan: RunPlan, candidates: list[Candidate], args: Arguments, budget: int) -> list[JobCode]:
     """What each job of a recorded plan (a resumed run's) computes with: a model's own layers, or its array's."""
     codes = []
@@ -345,6 +365,7 @@ def build(
             for c in candidates]
     jobs = with_sections(jobs, args, budgets, hardware, mode)
     jobs = with_updates(jobs, args, budgets, hardware, mode)
+    jobs = with_stashes(jobs, args, budgets, hardware, mode)
     plan = RunPlan(
         jobs=tuple(jobs),
         budgets=tuple(budgets.items()),

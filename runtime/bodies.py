@@ -205,15 +205,14 @@ def _forward_pack(
 ) -> list[Any]:
     """Every micro-batch through one pack, its weights swapped in once: the outputs as host copies, each also kept
     on the device for keep where it fits; an input kept for claim is taken from the device. While it computes the
-    weights of the pack following it in the task (else the next task's) are copied in. With stash (a fwd task's
-    pack, the run stashing), each micro-batch runs with autograd and its activations stay on the device for the
-    pack's backward where they fit (runtime.stash); else without gradients. A forward recomputed in bwd
-    (recompute) leaves the buffers as it found them; else they go into the next slot."""
+    weights of the pack following it in the task (else the next task's) are copied in. With stash (the step's
+    forward, not a recompute) and the plan stashing the pack, each micro-batch runs with autograd and its
+    activations stay on the device for the pack's backward where they fit (runtime.stash); else without gradients.
+    A forward recomputed in bwd (recompute) leaves the buffers as it found them; else they go into the next slot."""
     runtime = ctx.spec.models[model].packs[pack]
     host = ctx.device_source(model, pack, step)
     buffers = runtime.device_buffers_offset
-    stashing = (stash and ctx.spec.stash and not ctx.spec.compile  # a compiled pack's graph is its own
-                and worth_stashing(ctx.cache.missed.get((model, pack)), step))
+    stashing = stash and runtime.stash and worth_stashing(ctx.cache.missed.get((model, pack)), step)
     trainable = [slot.spec.name for slot in runtime.grads.slots]
     outputs = []
     with ctx.cache.weights((model, pack), step, host) as weights, ctx.borrowed(model, pack, step) as borrowed:
@@ -540,7 +539,7 @@ def _backward_step(
     buffers = runtime.device_buffers_offset
     saved_buffers = weights[buffers:].clone() if runtime.has_buffers and not last else None
     halved = runtime.halved.names & grads.keys() if runtime.halved is not None else set()
-    stashed = ctx.spec.stash and not last
+    stashed = runtime.stash
     for index, microbatch in enumerate(inputs):
         if index and not ctx.spec.group:
             ctx.cache.reload((model, pack), ctx.device_source(model, pack, step))

@@ -136,8 +136,7 @@ def execute(
             store.push_all()
         spec = RunSpec(run, str(stores[""].directory if "" in stores else shm_directory()), models, tuple(devices),
                        plan.options.prefetch, plan.options.group, autocast=PRECISIONS[plan.options.precision],
-                       scaler=files.settings, compile=plan.options.compile, stash=plan.options.stash,
-                       profile=profile)
+                       scaler=files.settings, compile=plan.options.compile, profile=profile)
         handle.client.register_plugin(DevicePlugin(spec), name=plugin)
         registered = True
         try:

@@ -32,6 +32,7 @@ class PackRuntime:
     lent: tuple[tuple[int, str, str], ...] = ()  # own weights later packs borrow: (pack, name there, name here)
     halved: Halved | None = None  # weights whose device copy is in autocast's dtype (weights is then halved.host)
     device_update: bool = False  # its bwd steps its optimizer on the device (tasks.updates)
+    stash: bool = False  # its forward keeps its activations on the device for its backward (runtime.stash)
 
     @property
     def device_weights(self) -> BufferLayout:
@@ -103,7 +104,6 @@ class RunSpec:
     autocast: str | None = None  # the dtype forward and backward compute in under torch.autocast (None: as is)
     scaler: Settings = field(default_factory=Settings)  # the loss scaler's arguments (jobs whose loss is scaled)
     compile: bool = False  # packs run through torch.compile
-    stash: bool = True  # a fwd task keeps its activations on the device for bwd where they fit (runtime.stash)
     profile: tuple[str, int] | None = None  # (directory, steps): trace that many steps' tasks (runtime.profiling)
 
     def device_index(self, worker_name: str) -> int:
@@ -139,6 +139,7 @@ def describe(plan: RunPlan, codes: list[JobCode]) -> tuple[ModelRuntime, ...]:
                                for there, owner, here in later.borrowed if owner == index),
                     halved=halved,
                     device_update=index in job.device_updates,
+                    stash=index in job.stashes and not plan.options.compile,  # a compiled pack's graph is its own
                 )
             )
         models.append(

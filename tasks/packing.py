@@ -73,6 +73,13 @@ class Pack:
         return self.cost.weights
 
     @property
+    def stash_bytes(self) -> int:
+        """Predicted bytes of one micro-batch's stash (runtime.stash): its workspace's activations without their
+        gradients and without the largest parameter's gradient (workspace_bytes)."""
+        largest = max((spec.nbytes for spec in self.weights), default=0)
+        return max(self.cost.workspace - largest, 0) // 2
+
+    @property
     def halved_bytes(self) -> int:
         """The float32 bytes of the weights whose device copy is in autocast's 2-byte dtype."""
         return sum(spec.nbytes for spec in self.weights if spec.name in self.halved)

@@ -62,7 +62,9 @@ class Job:
     section's index); empty, one pack per task. scaled: its loss is scaled for fp16 (runtime.scaler), so that every
     update of a step waits for every backward of it. device_updates: the packs whose bwd tasks step the pack's
     optimizer on the device, its state copied in beside the pack's weights and gradients and out with the new
-    weights, instead of sending the gradients to the host store's optimizer (tasks.updates).
+    weights, instead of sending the gradients to the host store's optimizer (tasks.updates). stashes: the packs
+    whose forward keeps its activations on the device for its backward (runtime.stash), those whose stash the
+    simulator predicts still there when their backward runs.
     """
 
     members: tuple[int, ...]
@@ -83,6 +85,7 @@ class Job:
     sections: tuple[int, ...] = ()
     scaled: bool = False
     device_updates: tuple[int, ...] = ()
+    stashes: tuple[int, ...] = ()
 
     @property
     def device_update(self) -> bool:

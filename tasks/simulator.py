@@ -244,6 +244,7 @@ class Simulation:
     makespan: float
     steps: list[int]
     busy: dict[str, float] = field(default_factory=dict)
+    stashed: dict[int, set[int]] = field(default_factory=dict)  # per job, the packs whose backward found its stash
 
     def step_seconds(self) -> float:
         """Predicted time per step of the whole sweep: the makespan over the most steps any model ran."""
@@ -329,7 +330,8 @@ def simulate_jobs(
             raise RuntimeError("simulation stalled: no task could be bound")
         end, _, task = heapq.heappop(clock.events)
         clock.carry_out(state, state.handle(TaskFinished(task, end)))
-    return Simulation(clock.order, clock.times, max(end for _, end in clock.times.values()), steps, clock.busy)
+    return Simulation(clock.order, clock.times, max(end for _, end in clock.times.values()), steps, clock.busy,
+                      clock.stashed)
 
 
 class _Clock:
@@ -353,6 +355,7 @@ class _Clock:
         self.order: dict[str, list[TaskId]] = {name: [] for name in budgets}
         self.busy = dict.fromkeys(budgets, 0.0)
         self.events: list[tuple[float, int, TaskId]] = []
+        self.stashed: dict[int, set[int]] = {}  # per job, the packs whose backward found its stash
 
     def carry_out(self, state: BindingState, instructions: list[Instruction]) -> None:
         queue = deque(instructions)
@@ -411,9 +414,10 @@ class _Clock:
     def _stashed_seconds(self, task: TaskId, device: str, first: int, samples: int) -> float:
         """The forwards a task's backward does not recompute: those of its packs whose stash (runtime.stash) is
         still on the device. A fwd task (and the forward a pass's last section runs in its bwd) stashes each pack's
-        activations, about half its workspace per micro-batch, where reserving them evicts only weights and older
-        stashes; a bwd first reserves each pack's gradients and workspace (which may evict stashes, its own
-        last), then takes its stash. The device holds nothing else here, so this errs towards stashing."""
+        activations (Pack.stash_bytes per micro-batch) where reserving them beside what the task holds (its
+        weights unless this clock holds them, and the workspace) evicts only weights and older stashes; a bwd first
+        reserves each pack's weights, gradients and workspace (which may evict stashes, its own last), then takes
+        its stash."""
         job = self.jobs[task.model]
         memory = self.memory[device]
         microbatches = -(-samples // job.packing.microbatch_samples)
@@ -434,13 +438,26 @@ class _Clock:
         last = len(packing.packs) - 1
         section = job.section(task.pack)
 
-        def stash(pack: int) -> None:
-            nbytes = microbatches * packing.packs[pack].cost.workspace // 2
+        def working(pack: int, backward: bool) -> int:
+            """What the task holds for pack beside stashes, less its weights where this clock holds them already (a
+            prefetch does not take a stash's room: it waits, or the weights are copied when their task starts)."""
+            cost = packing.packs[pack].cost
+            held = 0 if (task.model, pack) in memory.entries else cost.weights
+            return held + cost.workspace + (cost.grads if backward else 0)
+
+        def hold(nbytes: int, pack: int) -> bool:
+            """Reserve nbytes as the task would (its pack's stashes last); whether they fit."""
             try:
-                memory.reserve(nbytes, "a stash", spared=((task.model, pack),))
+                memory.reserve(nbytes, "a task", spared=((task.model, pack),))
             except BudgetExceeded:
-                return
-            memory.stash(("stash", task.model, pack, first, task.group), (task.model, pack), nbytes, nbytes, 0)
+                return False
+            return True
+
+        def stash(pack: int) -> None:
+            nbytes = microbatches * packing.packs[pack].stash_bytes
+            if hold(working(pack, False) + nbytes, pack):
+                memory.release(working(pack, False))
+                memory.stash(("stash", task.model, pack, first, task.group), (task.model, pack), nbytes, nbytes, 0)
 
         if task.kind == "fwd":
             for pack in section:
@@ -451,16 +468,14 @@ class _Clock:
                 stash(pack)
         saved = 0.0
         for pack in reversed(section):
-            cost = packing.packs[pack].cost
-            try:
-                memory.reserve(cost.grads + cost.workspace, "a backward", spared=((task.model, pack),))
-                memory.release(cost.grads + cost.workspace)
-            except BudgetExceeded:
-                pass
+            needed = working(pack, True)
+            if hold(needed, pack):
+                memory.release(needed)
             taken = memory.unstash(("stash", task.model, pack, first, task.group))
             if taken is not None:
                 memory.release(taken)
                 if pack != last:
+                    self.stashed.setdefault(task.model, set()).add(pack)
                     saved += packing.packs[pack].forward_seconds_per_sample * samples / self.hardware.compute_scale
         return saved
 

@@ -182,16 +182,20 @@ def test_an_update_on_the_device_costs_its_state_over_the_link_and_the_optimizer
 
 
 def test_a_backward_whose_stash_is_predicted_on_the_device_does_not_recompute_its_forward() -> None:
-    """A stash is half a pack's workspace per micro-batch (here 2 x 1,024 bytes) and a backward first reserves its
-    gradients and workspace (3,072): with room for all, no pack but the last recomputes; with room for one stash
-    beside that reservation, the last fwd's pack does not, each step; with none, every pack recomputes."""
+    """A pack's stash is half its workspace less its largest weight per micro-batch (here 2 x 512 bytes) and a
+    backward first holds its weights, gradients and workspace (4,096): each 1,024 bytes of room beside that keep one
+    more pack's stash, the last fwd's first; with none, every pack recomputes."""
     packing = chain_packing(layers=6, budget=7000)
     forward = packing.packs[0].forward_seconds_per_sample * 8
     hardware = Hardware(task_overhead=0.0)
-    for budget, saved in ((10**6, 3 * 5), (2048 + 3072, 3), (2048 + 3072 - 1, 0)):
+    assert packing.packs[0].stash_bytes == (2048 - 1024) // 2
+    for budget, stashed in ((10**6, range(5)), (4096 + 5 * 1024, range(5)), (4096 + 2 * 1024, (3, 4)),
+                            (4096 + 1024, (4,)), (4096 + 1024 - 1, ())):
+        saved = 3 * len(stashed)
         recomputing = simulate([packing], [3], [8], {"d": budget}, hardware, stash=False)
         stashing = simulate([packing], [3], [8], {"d": budget}, hardware)
         assert recomputing.makespan - stashing.makespan == pytest.approx(saved * forward), budget
+        assert stashing.stashed == ({0: set(stashed)} if stashed else {})
     roomy = simulate([packing], [3], [8], {"d": 10**6}, hardware)
     start, end = roomy.times[TaskId("bwd", 0, 2, 1)]
     update = update_seconds(packing, range(2, 3), hardware)
