@@ -112,16 +112,17 @@ class DeviceCache:
 
     def _charge(self, nbytes: int, what: str) -> None:
         """Reserve nbytes, evicting what it may; weights still arriving (a prefetch in flight) cannot be evicted
-        until their copy lands, so a reservation that needs their room waits for them first."""
+        until their copy lands, so a reservation that needs their room waits for them first, and so does one that
+        would otherwise evict a stash (weights go before stashes, once they have landed)."""
         while True:
             with self._lock:
+                arriving = [self.tensors[key] for key, entry in self.memory.entries.items()
+                            if entry.arriving and isinstance(self.tensors.get(key), CachedWeights)]
                 try:
-                    self._forget(self.memory.reserve(nbytes, what))
+                    self._forget(self.memory.reserve(nbytes, what, stashes=not arriving))
                     self.counters.raise_to("peak", self.memory.used)
                     return
                 except BudgetExceeded as error:
-                    arriving = [self.tensors[key] for key, entry in self.memory.entries.items()
-                                if entry.arriving and isinstance(self.tensors.get(key), CachedWeights)]
                     if not arriving:
                         error.add_note(self.memory.describe())
                         raise

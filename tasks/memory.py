@@ -70,13 +70,16 @@ class DeviceMemory:
         self.entries: OrderedDict[Hashable, Entry] = OrderedDict()
         self.spared: Hashable | None = None  # the weights key of the pack whose backward runs: its stashes stay
 
-    def _victim(self, *spared: Hashable, last_resort: bool = True) -> Hashable | None:
+    def _victim(self, *spared: Hashable, last_resort: bool = True, stashes: bool = True) -> Hashable | None:
         """What to evict next: the least recently used evictable weights or boundary; else the oldest stash (whose
         backward comes last) that is not of a spared pack (nor of self.spared); else, with last_resort, the oldest
-        stash. A stash saves a forward's compute, where cached weights save a copy that a prefetch can hide."""
+        stash; without stashes, never a stash. A stash saves a forward's compute, where cached weights save a copy
+        that a prefetch can hide."""
         spared = (*spared, self.spared)
-        passes = [lambda entry: entry.needs is None, lambda entry: entry.needs not in spared]
-        if last_resort:
+        passes = [lambda entry: entry.needs is None]
+        if stashes:
+            passes.append(lambda entry: entry.needs not in spared)
+        if stashes and last_resort:
             passes.append(lambda entry: True)
         for wanted in passes:  # lazily: the first pass is the plain least-recently-used walk
             chosen = next((key for key, entry in self.entries.items() if entry.evictable and wanted(entry)), None)
@@ -84,12 +87,18 @@ class DeviceMemory:
                 return chosen
         return None
 
-    def reserve(self, nbytes: int, what: str, spared: tuple[Hashable, ...] = ()) -> list[Hashable]:
-        """Charge nbytes, evicting least recently used entries as needed (the stashes of spared packs last); returns
-        the evicted keys."""
+    def reserve(self, nbytes: int, what: str, spared: tuple[Hashable, ...] = (), stashes: bool = True
+                ) -> list[Hashable]:
+        """Charge nbytes, evicting least recently used entries as needed (the stashes of spared packs last; with
+        stashes False, no stash: BudgetExceeded instead); returns the evicted keys. Nothing is evicted if the
+        charge fails."""
+        over = self.used + nbytes - self.budget
+        if over > 0 and over > sum(entry.nbytes for entry in self.entries.values()
+                                   if entry.evictable and (stashes or entry.needs is None)):
+            raise BudgetExceeded(self.name, what, nbytes, self.used, self.budget)
         evicted = []
         while self.used + nbytes > self.budget:
-            victim = self._victim(*spared)
+            victim = self._victim(*spared, stashes=stashes)
             if victim is None:
                 raise BudgetExceeded(self.name, what, nbytes, self.used, self.budget)
             self.drop(victim)

@@ -8,12 +8,14 @@ import subprocess
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import psutil
 import pytest
 import torch
 from torch import nn
 
+import harmony
 from harmony.runtime.cluster import shutdown
 from harmony.runtime.hoststore import PREFIX, HostStore, shm_directory
 from harmony.tasks.graph import TaskId, inputs, parse_key
@@ -130,6 +132,29 @@ def assert_same_weights(trained: nn.Module, reference: nn.Module, rtol: float = 
 
 def clones(models: list[nn.Module]) -> list[nn.Module]:
     return [copy.deepcopy(m) for m in models]
+
+
+def stashing_and_recomputing(
+    model: nn.Module, batches: list, factory: Callable[..., torch.optim.Optimizer], reference: nn.Module,
+    devices: Any, budget: int,
+) -> dict[bool, tuple[nn.Module, Any]]:
+    """A clone of model trained swapped under budget, a pack a task in two micro-batches, with stash=True and with
+    stash=False, each checked within the budget and against reference (plain PyTorch's, in float64) and the two
+    against each other bit for bit: per way, the trained clone and the result."""
+    runs = {}
+    for stash in (True, False):
+        run = clones([model])
+        result = harmony.train(run, batches, loss_fn=nn.functional.mse_loss, optimizer=factory, microbatches=2,
+                               devices=devices, device_memory=budget, resident=False, fuse=False, packs_per_task=1,
+                               stash=stash, progress=False)
+        assert len(result.plan.jobs[0].packing.packs) > 2
+        assert max(result.stats.peak_device_bytes.values()) <= budget
+        assert_same_weights(run[0], reference, rtol=1e-9, atol=1e-12)
+        runs[stash] = run[0], result
+    recomputed = runs[False][0].state_dict()
+    for name, stashed in runs[True][0].state_dict().items():
+        assert torch.equal(stashed, recomputed[name]), name
+    return runs
 
 
 def harmony_files() -> list[str]:

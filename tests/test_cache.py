@@ -193,6 +193,18 @@ def test_a_reservation_that_needs_a_prefetchs_room_waits_for_its_copy_instead_of
     cache.clear()
 
 
+def test_a_reservation_waits_for_a_prefetch_to_land_rather_than_evict_a_stash(store: HostStore) -> None:
+    counters = PublishingCounters(store.create("counters", BLOCK_BYTES))
+    cache = DeviceCache("cpu-0", torch.device("cpu"), 1000, counters, link_bandwidth=4000.0)  # 600 B: 0.15 s
+    with cache.scratch(200, "activations of pack 0") as reserved:
+        assert cache.stash(("stash", 0), "p0", 0, object(), 200, reserved, keep_free=0)
+    assert cache.prefetch(("m", 1), 0, torch.zeros(600, dtype=torch.uint8), keep_free=0)
+    with cache.scratch(300, "activations"):  # the stash's room, or the prefetched weights' once they have landed
+        assert ("stash", 0) in cache.cached and ("m", 1) not in cache.cached
+    assert cache.missed == {}
+    cache.clear()
+
+
 def test_a_stash_takes_part_of_its_reservation_and_its_bytes_stay_charged_while_its_backward_runs(
     store: HostStore,
 ) -> None:

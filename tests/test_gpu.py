@@ -20,6 +20,7 @@ from tests.conftest import (
     cross_device_reads,
     deep_mlp,
     regression_batches,
+    stashing_and_recomputing,
     stop,
     train_plain,
 )
@@ -152,18 +153,8 @@ def test_stashed_activations_on_cuda_equal_recomputing_and_plain_pytorch(no_leak
     factory = lambda p: torch.optim.Adam(p, lr=1e-2)  # noqa: E731
     reference = clones(models)[0]
     train_plain(reference, batches, nn.functional.mse_loss, factory)
-    trained = {}
-    for stash in (True, False):
-        run = clones(models)
-        result = harmony.train(run, batches, loss_fn=nn.functional.mse_loss, optimizer=factory, microbatches=2,
-                               devices=["cuda:0"], device_memory=150_000, resident=False, fuse=False,
-                               packs_per_task=1, stash=stash, progress=False)
-        assert len(result.plan.jobs[0].packing.packs) > 2
-        assert (result.stats.stashed > 0) == stash and max(result.stats.peak_device_bytes.values()) <= 150_000
-        assert_same_weights(run[0], reference, rtol=1e-9, atol=1e-12)
-        trained[stash] = run[0].state_dict()
-    for name, value in trained[True].items():
-        assert torch.equal(value, trained[False][name]), name
+    runs = stashing_and_recomputing(models[0], batches, factory, reference, ["cuda:0"], 150_000)
+    assert runs[True][1].stats.stashed > 0 and runs[False][1].stats.stashed == 0
 
 
 def test_updates_on_the_gpu_match_plain_pytorch_and_leave_the_gradients_there(no_leaks: None) -> None:

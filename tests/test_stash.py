@@ -9,7 +9,7 @@ from torch.func import functional_call
 
 import harmony
 from harmony.runtime.stash import RETRY, Stash, worth_stashing
-from tests.conftest import assert_same_weights, clones, deep_mlp, regression_batches, train_plain
+from tests.conftest import clones, deep_mlp, regression_batches, stashing_and_recomputing, train_plain
 
 LAYER = nn.Sequential(nn.Linear(6, 5), nn.LayerNorm(5), nn.Tanh(), nn.Linear(5, 3))
 
@@ -93,23 +93,11 @@ def test_stashed_runs_equal_recomputing_runs_and_plain_pytorch_within_the_budget
     train_plain(reference, batches, nn.functional.mse_loss, factory)
     counts = {}
     for budget in (150_000, 60_000):
-        trained = {}
-        for stash in (True, False):
-            run = clones(models)
-            result = harmony.train(run, batches, loss_fn=nn.functional.mse_loss, optimizer=factory, microbatches=2,
-                                   devices=1, device_memory=budget, resident=False, fuse=False, packs_per_task=1,
-                                   stash=stash, progress=False)
-            assert len(result.plan.jobs[0].packing.packs) > 2
-            assert max(result.stats.peak_device_bytes.values()) <= budget
-            assert_same_weights(run[0], reference, rtol=1e-9, atol=1e-12)
-            trained[stash] = run[0]
+        for stash, (_, result) in stashing_and_recomputing(models[0], batches, factory, reference, 1, budget).items():
             counts[budget, stash] = result.stats.stashed, result.stats.recomputed
             predicted = result.plan.jobs[0].stashes
             assert result.stats.stashed <= len(predicted) * 2 * 4, "only the packs the plan stashes"
             assert bool(predicted) == stash and len(predicted) < len(result.plan.jobs[0].packing.packs)
-        recomputed = trained[False].state_dict()
-        for name, stashed in trained[True].state_dict().items():
-            assert torch.equal(stashed, recomputed[name]), name
     passes = sum(counts[150_000, True])
     assert counts[150_000, True] == (passes, 0), counts
     assert counts[150_000, False] == (0, passes), counts
@@ -130,7 +118,7 @@ def test_stashes_of_dropout_bf16_and_fused_arrays_equal_recomputing(no_leaks: No
 
     batches = regression_batches(samples=64, batch=16)
     factory = lambda p: torch.optim.SGD(p, lr=0.05)  # noqa: E731
-    for precision, models, budget in (("fp32", [dropout_mlp(0)], 60_000), ("bf16", [deep_mlp(seed=1)], 70_000),
+    for precision, models, budget in (("fp32", [dropout_mlp(0)], 60_000), ("bf16", [deep_mlp(seed=1)], 78_000),
                                       ("fp32", [deep_mlp(seed=s) for s in range(2)], 150_000)):
         trained = {}
         for stash in (True, False):
