@@ -93,11 +93,16 @@ def test_stashed_runs_equal_recomputing_runs_and_plain_pytorch_within_the_budget
     train_plain(reference, batches, nn.functional.mse_loss, factory)
     counts = {}
     for budget in (150_000, 60_000):
-        for stash, (_, result) in stashing_and_recomputing(models[0], batches, factory, reference, 1, budget).items():
+        runs = stashing_and_recomputing(models[0], batches, factory, reference, 1, budget)
+        for stash, (_, result) in runs.items():
             counts[budget, stash] = result.stats.stashed, result.stats.recomputed
             predicted = result.plan.jobs[0].stashes
             assert result.stats.stashed <= len(predicted) * 2 * 4, "only the packs the plan stashes"
             assert bool(predicted) == stash and len(predicted) < len(result.plan.jobs[0].packing.packs)
+        read = {stash: result.stats.bytes_in["activations"] + result.stats.bytes_in["inputs"] + result.stats.bytes_kept
+                for stash, (_, result) in runs.items()}
+        boundary = 8 * 32 * 8  # a micro-batch's input to any pack (the batch's to the first): 8 samples of 32 float64
+        assert read[False] - read[True] == runs[True][1].stats.stashed * boundary, "a stashed pass reads no input"
     passes = sum(counts[150_000, True])
     assert counts[150_000, True] == (passes, 0), counts
     assert counts[150_000, False] == (0, passes), counts
