@@ -31,7 +31,7 @@ from harmony.tasks.homes import assign_machines, choose_homes
 from harmony.tasks.packing import LayerTooLarge, cut_packs, minimal_budget
 from harmony.tasks.profile import LayerProfile, ModelProfile
 from harmony.tasks.runplan import PRECISIONS, Job, RunPlan
-from harmony.tasks.simulator import model_step_seconds, simulate_jobs
+from harmony.tasks.simulator import Simulation, model_step_seconds, simulate_jobs
 from harmony.tasks.updates import packs_on_device, why_not_on_device
 from harmony.validate import Arguments, model_label
 
@@ -161,6 +161,17 @@ def groups_for(mode: str, devices: int, microbatches: int) -> int:
     return max(1, min(devices, microbatches)) if mode == "vdp" else 1
 
 
+def ranking_run(jobs: list[Job], args: Arguments, budgets: dict[str, int], hardware: Hardware, mode: str
+                ) -> Simulation:
+    """The simulation the plan's choices compare: every job for a few steps (RANKING_STEPS, fewer where it trains
+    fewer) under the run's options."""
+    options = args.options
+    steps = [min(job.steps or 1, RANKING_STEPS) for job in jobs]
+    samples = [step_samples(args, job) for job in jobs]
+    return simulate_jobs(jobs, steps, samples, budgets, hardware, options.prefetch, options.policy, mode,
+                         options.stash)
+
+
 def choose_mode(
     candidates: list[Candidate], args: Arguments, budgets: dict[str, int], hardware: Hardware
 ) -> tuple[str, dict[str, float]]:
@@ -170,15 +181,11 @@ def choose_mode(
     candidates_modes = MODES if options.mode == "auto" else (options.mode,)
     if options.mode == "auto" and len(budgets) == 1:
         candidates_modes = ("free",)
-    steps = [min(candidate.job.steps or 1, RANKING_STEPS) for candidate in candidates]
-    samples = [step_samples(args, candidate.job) for candidate in candidates]
     predicted = {}
     for mode in candidates_modes:
         groups = groups_for(mode, len(budgets), options.microbatches)
         jobs = [dataclasses.replace(candidate.job, groups=groups) for candidate in candidates]
-        run = simulate_jobs(jobs, steps, samples, budgets, hardware, options.prefetch, options.policy, mode,
-                            options.stash)
-        predicted[mode] = run.step_seconds()
+        predicted[mode] = ranking_run(jobs, args, budgets, hardware, mode).step_seconds()
     chosen = min(predicted, key=lambda name: predicted[name])
     if options.mode == "auto":
         logger.info("mode auto: predicted %s per step; running %s",
@@ -252,11 +259,7 @@ def with_sections(jobs: list[Job], args: Arguments, budgets: dict[str, int], har
         for job, here in zip(jobs, cut)]
     if all(job.sections == () for job in proposed):
         return jobs
-    steps = [min(job.steps or 1, RANKING_STEPS) for job in jobs]
-    samples = [step_samples(args, job) for job in jobs]
-    predicted = [simulate_jobs(ways, steps, samples, budgets, hardware, args.options.prefetch, args.options.policy,
-                               mode, args.options.stash).step_seconds()
-                 for ways in (jobs, proposed)]
+    predicted = [ranking_run(ways, args, budgets, hardware, mode).step_seconds() for ways in (jobs, proposed)]
     logger.info("packs_per_task auto: predicted %.1f ms per step with a pack a task, %.1f ms in sections; %s",
                 predicted[0] * 1e3, predicted[1] * 1e3, "sections" if predicted[1] < predicted[0] else "a pack a task")
     return proposed if predicted[1] < predicted[0] else jobs
@@ -292,11 +295,7 @@ def with_updates(jobs: list[Job], args: Arguments, budgets: dict[str, int], hard
             ways["on the device"] = device
     if len(ways) == 1 or not any(swapped):
         return next(iter(ways.values()))
-    steps = [min(job.steps or 1, RANKING_STEPS) for job in jobs]
-    samples = [step_samples(args, job) for job in jobs]
-    predicted = {name: simulate_jobs(way, steps, samples, budgets, hardware, options.prefetch, options.policy,
-                                     mode, options.stash).step_seconds()
-                 for name, way in ways.items()}
+    predicted = {name: ranking_run(way, args, budgets, hardware, mode).step_seconds() for name, way in ways.items()}
     chosen = min(predicted, key=lambda name: predicted[name])
     logger.info("updates: predicted per step %s; %s", ", ".join(f"{name} {seconds * 1e3:.1f} ms"
                                                                   for name, seconds in predicted.items()), chosen)
@@ -311,9 +310,7 @@ def with_stashes(jobs: list[Job], args: Arguments, budgets: dict[str, int], hard
     for nothing."""
     if not args.options.stash or all(job.home is not None for job in jobs):
         return jobs
-    steps = [min(job.steps or 1, RANKING_STEPS) for job in jobs]
-    samples = [step_samples(args, job) for job in jobs]
-    run = simulate_jobs(jobs, steps, samples, budgets, hardware, args.options.prefetch, args.options.policy, mode)
+    run = ranking_run(jobs, args, budgets, hardware, mode)
     stashing = [dataclasses.replace(job, stashes=tuple(sorted(run.stashed.get(index, ()))))
                 for index, job in enumerate(jobs)]
     for job in stashing:
