@@ -46,6 +46,15 @@ class Reservation:
     nbytes: int
 
 
+@dataclass
+class Stashed:
+    """A stash as the cache holds it: the value, the weights key of the pack whose backward reads it, its step."""
+
+    value: Any
+    needs: Any
+    step: int
+
+
 def boundary_key(consumer: Any, microbatch: int) -> tuple[str, Any, int]:
     """Where a boundary value for consumer's micro-batch is kept in the cache."""
     return ("boundary", consumer, microbatch)
@@ -82,7 +91,6 @@ class DeviceCache:
         self._lock = threading.RLock()
         self.engine = CopyEngine(name, device)
         self._unsettled = False
-        self._stashes: dict[Any, tuple[Any, int]] = {}  # a stash's key -> the pack it is for and its step
         self.missed: dict[Any, tuple[int, int]] = {}  # a pack -> (the last step whose stash for it was lost, how
         # many steps in a row lost one since one last reached its backward): see stash.worth_stashing
 
@@ -100,10 +108,11 @@ class DeviceCache:
         return list(self.memory.entries)
 
     def _forget(self, keys: list[Any]) -> None:
+        """Drop the tensors of entries the accounting evicted; an evicted stash is a loss for its pack."""
         for key in keys:
-            self.tensors.pop(key, None)
-            if key in self._stashes:
-                self._lost(*self._stashes.pop(key))
+            value = self.tensors.pop(key, None)
+            if isinstance(value, Stashed):
+                self._lost(value.needs, value.step)
 
     def _lost(self, needs: Any, step: int) -> None:
         """A stash for pack needs made at step was refused or evicted before its backward."""
@@ -137,7 +146,6 @@ class DeviceCache:
         with self._lock:
             self.memory.drop(key)
             self.tensors.pop(key, None)
-            self._stashes.pop(key, None)
 
     def clear(self) -> None:
         self.engine.shutdown()
@@ -238,8 +246,7 @@ class DeviceCache:
                 self._lost(needs, step)
                 return False
             reservation.nbytes -= nbytes
-            self.tensors[key] = value
-            self._stashes[key] = (needs, step)
+            self.tensors[key] = Stashed(value, needs, step)
         return True
 
     @contextmanager
@@ -248,16 +255,18 @@ class DeviceCache:
         in it), or None if it is not here (never kept, or evicted)."""
         with self._lock:
             nbytes = self.memory.unstash(key)
-            value = self.tensors.pop(key) if nbytes is not None else None
-            needs, _ = self._stashes.pop(key, (None, 0))
-            self.missed.pop(needs, None)
-        if nbytes is None:
+            if nbytes is None:
+                stashed = None
+            else:
+                stashed = self.tensors.pop(key)
+                self.missed.pop(stashed.needs, None)
+        if stashed is None:
             yield None
             return
         try:
-            yield value, nbytes
+            yield stashed.value, nbytes
         finally:
-            del value
+            del stashed
             self._release(nbytes)
 
     @contextmanager
