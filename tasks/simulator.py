@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import heapq
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,6 +106,19 @@ def replay_memory(
                 raise ScheduleExceedsBudget(device, task, error.need, error.held, error.budget) from None
         report.peak[device] = memory.peak
     return report
+
+
+@contextmanager
+def _pinned(memory: DeviceMemory, keys: list[Any]) -> Iterator[None]:
+    """Pin those of keys the memory holds for the block (a running task's weights)."""
+    held = [key for key in keys if key in memory.entries]
+    for key in held:
+        memory.pin(key)
+    try:
+        yield
+    finally:
+        for key in held:
+            memory.unpin(key)
 
 
 def pack_tasks(task: TaskId, sections: tuple[int, ...], packs: int) -> list[TaskId]:
@@ -417,26 +432,16 @@ class _Clock:
         activations (Pack.stash_bytes per micro-batch) where reserving them beside what the task holds (its
         weights unless this clock holds them, and the workspace) evicts only weights and older stashes; a bwd first
         reserves each pack's weights, gradients and workspace (which may evict stashes, its own last), then takes
-        its stash."""
-        job = self.jobs[task.model]
-        memory = self.memory[device]
-        microbatches = -(-samples // job.packing.microbatch_samples)
-        held = [key for key in ((task.model, pack) for pack in job.section(task.pack)) if key in memory.entries]
-        for key in held:  # the task's weights stay while it runs
-            memory.pin(key)
-        try:
-            return self._stash_and_take(task, memory, first, samples, microbatches)
-        finally:
-            for key in held:
-                memory.unpin(key)
-
-    def _stash_and_take(self, task: TaskId, memory: DeviceMemory, first: int, samples: int, microbatches: int
-                        ) -> float:
-        """_stashed_seconds with the task's weights pinned."""
+        its stash. The task's weights stay while it runs."""
         job = self.jobs[task.model]
         packing = job.packing
+        memory = self.memory[device]
         last = len(packing.packs) - 1
         section = job.section(task.pack)
+        microbatches = -(-samples // packing.microbatch_samples)
+
+        def key(pack: int) -> tuple[Any, ...]:
+            return ("stash", task.model, pack, first, task.group)
 
         def working(pack: int, backward: bool) -> int:
             """What the task holds for pack beside stashes, less its weights where this clock holds them already (a
@@ -454,29 +459,30 @@ class _Clock:
             return True
 
         def stash(pack: int) -> None:
-            nbytes = microbatches * packing.packs[pack].stash_bytes
-            if hold(working(pack, False) + nbytes, pack):
-                memory.release(working(pack, False))
-                memory.stash(("stash", task.model, pack, first, task.group), (task.model, pack), nbytes, nbytes, 0)
+            nbytes, held = microbatches * packing.packs[pack].stash_bytes, working(pack, False)
+            if hold(held + nbytes, pack):
+                memory.release(held)
+                memory.stash(key(pack), (task.model, pack), nbytes, nbytes, 0)
 
-        if task.kind == "fwd":
-            for pack in section:
-                stash(pack)
-            return 0.0
-        if section[-1] == last:  # this bwd runs the step's forward: its packs but the last stash there
-            for pack in section[:-1]:
-                stash(pack)
         saved = 0.0
-        for pack in reversed(section):
-            needed = working(pack, True)
-            if hold(needed, pack):
-                memory.release(needed)
-            taken = memory.unstash(("stash", task.model, pack, first, task.group))
-            if taken is not None:
-                memory.release(taken)
-                if pack != last:
-                    self.stashed.setdefault(task.model, set()).add(pack)
-                    saved += packing.packs[pack].forward_seconds_per_sample * samples / self.hardware.compute_scale
+        with _pinned(memory, [(task.model, pack) for pack in section]):
+            if task.kind == "fwd":
+                for pack in section:
+                    stash(pack)
+                return saved
+            if section[-1] == last:  # this bwd runs the step's forward: its packs but the last stash there
+                for pack in section[:-1]:
+                    stash(pack)
+            for pack in reversed(section):
+                needed = working(pack, True)
+                if hold(needed, pack):
+                    memory.release(needed)
+                taken = memory.unstash(key(pack))
+                if taken is not None:
+                    memory.release(taken)
+                    if pack != last:
+                        self.stashed.setdefault(task.model, set()).add(pack)
+                        saved += packing.packs[pack].forward_seconds_per_sample * samples / self.hardware.compute_scale
         return saved
 
     def _copy_seconds(self, task: TaskId, device: str, first: int, samples: int, compute: float) -> float:
