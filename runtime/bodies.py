@@ -175,7 +175,7 @@ def forward(
 ) -> list[Any]:
     """One step's micro-batches through the packs of a section (pack is the section's index), each pack's weights
     at that step's version, swapped in once; the buffers they update (running statistics; with micro-batch groups,
-    group 0's) go into the next version's slot; activations are stashed for the packs' backward where they fit.
+    group 0's) go into the next version's slot; the packs the plan stashes keep their activations for their backward.
     Returns the last pack's outputs."""
     this = TaskId("fwd", model, pack, span, group)
     ctx.cache.drop_boundaries(this)
@@ -213,7 +213,6 @@ def _forward_pack(
     host = ctx.device_source(model, pack, step)
     buffers = runtime.device_buffers_offset
     stashing = stash and runtime.stash and worth_stashing(ctx.cache.missed.get((model, pack)), step)
-    trainable = [slot.spec.name for slot in runtime.grads.slots]
     outputs = []
     with ctx.cache.weights((model, pack), step, host) as weights, ctx.borrowed(model, pack, step) as borrowed:
         _prefetch(ctx, model, following, step, runtime.workspace)
@@ -228,7 +227,7 @@ def _forward_pack(
                 x = kept if kept is not None else ctx.cache.copy_in(microbatch, "activations" if pack else "inputs")
                 _seed(ctx.device, ctx.spec.models[model].seed, pack, step, group * 65_536 + index)
                 if stashing:
-                    made = Stash(tensors, trainable)
+                    made = Stash(tensors, [slot.spec.name for slot in runtime.grads.slots])
                     y = made.forward(ctx.call(model, pack), x, ctx.autocast(), _track if pack else _untracked)
                     if not made.pinned:
                         ctx.cache.stash(stash_key(model, pack, step, group, index), (model, pack), step, made,
@@ -539,13 +538,12 @@ def _backward_step(
     buffers = runtime.device_buffers_offset
     saved_buffers = weights[buffers:].clone() if runtime.has_buffers and not last else None
     halved = runtime.halved.names & grads.keys() if runtime.halved is not None else set()
-    stashed = runtime.stash
     for index, microbatch in enumerate(inputs):
         if index and not ctx.spec.group:
             ctx.cache.reload((model, pack), ctx.device_source(model, pack, step))
         kept_input = ctx.cache.claim(claim_input, index) if claim_input is not None else None
         kept_grad = ctx.cache.claim(claim_upstream, index) if claim_upstream is not None else None
-        with ctx.cache.unstash(stash_key(model, pack, step, group, index)) if stashed else nullcontext() as found:
+        with ctx.cache.unstash(stash_key(model, pack, step, group, index)) if runtime.stash else nullcontext() as found:
             from_stash = found is not None
             if found is not None:  # its forward's activations are here: backpropagate them, no recompute
                 stash, nbytes = found
