@@ -329,7 +329,9 @@ def train(
     per worker for training, once for its recompute and once for evaluation (its first tasks take that time, a few
     seconds each on a CPU), and again for a new micro-batch size. Random draws go through eager's generator
     (inductor's ``fallback_random``), so that dropout draws the masks it draws uncompiled and a recompute its
-    forward's; the weights are plain PyTorch's up to the compiled kernels' rounding. A fused array compiles as one.
+    forward's; a pack with layers that draw compiles in segments, one from each such layer on (its stream is
+    seeded between them). The weights are plain PyTorch's up to the compiled kernels' rounding. A fused array
+    compiles as one.
     Whether it pays depends on the model and the device (benchmarks/compiled.py measures it).
 
     stash=True (the default) keeps a swapped pack's activations on its device from its forward to its backward where

@@ -38,6 +38,7 @@ from harmony.runtime.homed import HomedModel
 from harmony.runtime.hoststore import tensors_at
 from harmony.runtime.peer import received_bytes
 from harmony.runtime.scaler import finite
+from harmony.runtime.seeding import begin, microbatch_number
 from harmony.runtime.stash import Stash, detached, stash_key, worth_stashing
 from harmony.runtime.worker import RunContext, context
 from harmony.tasks import graph
@@ -47,24 +48,10 @@ from harmony.tasks.memory import BudgetExceeded
 Result = TypeVar("Result")
 
 
-def dropout_seed(base: int, pack: int, step: int, microbatch: int) -> int:
-    """The seed of the random stream (dropout masks) of one micro-batch through one pack of a job at a step:
-    those four alone decide it, wherever and however often the task runs. base is the job's seed (its index in
-    the plan); a micro-batch of group g is numbered g * 65_536 + its index in the group."""
-    return (((base * 1_000_003 + step) * 1_009 + pack) * 65_537 + microbatch) % (2**63 - 1)
-
-
-def _seed(device: torch.device, base: int, pack: int, step: int, microbatch: int) -> None:
-    """Seed the device's RNG so that a pack's recompute in bwd draws what its fwd drew (dropout masks).
-
-    Only the device's own generator: torch.manual_seed also queues seeding of every accelerator
-    backend, which costs far more than a small pack's compute.
-    """
-    seed = dropout_seed(base, pack, step, microbatch)
-    if device.type == "cuda":
-        torch.cuda.default_generators[device.index or 0].manual_seed(seed)
-    else:
-        torch.default_generator.manual_seed(seed)
+def _begin(ctx: RunContext, model: int, pack: int, step: int, group: int, index: int) -> None:
+    """Set the random streams (runtime.seeding) for the index-th micro-batch of a group through a pack at a step."""
+    spec = ctx.spec.models[model]
+    begin(ctx.device, spec.seed, step, microbatch_number(group, index, spec.groups), spec.packs[pack].first)
 
 
 def task_body(kind: str, host: bool = False) -> Callable[[Callable[..., Result]], Callable[..., Result]]:
@@ -225,7 +212,7 @@ def _forward_pack(
             more = index + 1 < len(inputs)
             with ctx.cache.scratch(runtime.workspace, f"activations of pack {pack}") as reserved, torch.no_grad():
                 x = kept if kept is not None else ctx.cache.copy_in(microbatch, "activations" if pack else "inputs")
-                _seed(ctx.device, ctx.spec.models[model].seed, pack, step, group * 65_536 + index)
+                _begin(ctx, model, pack, step, group, index)
                 if stashing:
                     made = Stash(tensors, [slot.spec.name for slot in runtime.grads.slots])
                     y = made.forward(ctx.call(model, pack), x, ctx.autocast(), _track if pack else _untracked)
@@ -425,7 +412,7 @@ def _homed_steps(
                     for microbatch, (x, target, weight) in enumerate(zip(inputs, targets, loss_weights)):
                         x = ctx.cache.copy_in(x, "inputs")
                         target = ctx.cache.copy_in(target, "inputs")
-                        _seed(ctx.device, spec.seed, 0, step, group * 65_536 + microbatch)
+                        _begin(ctx, model, 0, step, group, microbatch)
                         with ctx.autocast():
                             step_losses = loss_fn(state.forward(x), target)
                         state.stop(members.check(step_losses, step))  # a sync per step (see divergence)
@@ -588,7 +575,7 @@ def _recomputed_backward(
             microbatch, "inputs" if pack == 0 else "activations")
         if pack > 0:
             _track(x)
-        _seed(ctx.device, spec.seed, pack, step, group * 65_536 + index)
+        _begin(ctx, model, pack, step, group, index)
         with torch.enable_grad():
             leaves = _leaves(tensors, grads, halved)
             with ctx.autocast():

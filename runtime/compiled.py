@@ -5,6 +5,8 @@ Two things a reader must know before changing the compiled way:
   draws the dropout masks its fwd drew, and a model those plain PyTorch draws. Inductor's settings are kept per
   thread: one set in the module's config by one thread is not seen by a compile in another (a Dask task's), and
   the compiled kernels then draw from inductor's own generator. They are the compile's options instead.
+- A layer that draws random numbers (runtime.seeding) is reseeded eagerly: the pack is compiled in segments that
+  each start at such a layer.
 - Every call gets its own code object. Dynamo keeps its compiled variants (grad mode, training mode, input shapes)
   per code object, up to a recompile limit, after which it runs that code eagerly without a word; all packs
   calling one function would share that limit.
@@ -12,7 +14,9 @@ Two things a reader must know before changing the compiled way:
 
 from __future__ import annotations
 
+import itertools
 import types
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -20,28 +24,73 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from harmony.runtime.seeding import draw, reseed
+
 OPTIONS = {"fallback_random": True, "compile_threads": 1}
 
 PackCall = Callable[[dict[str, torch.Tensor], Any], Any]
 
 
-def pack_call(module: nn.Module, name: str, compile: bool) -> PackCall:
+def pack_call(module: nn.Module, name: str, compile: bool, first: int = 0, drawing: tuple[int, ...] = ()) -> PackCall:
     """(tensors by name, input) -> module's output computed with those tensors as its parameters and buffers;
-    compiled (name: what its code object is called, one per pack) or eager."""
+    compiled (name: what its code object is called, one per pack) or eager. module is a Sequential of the chain's
+    layers from first on; drawing, those of them that draw from their own streams (runtime.seeding)."""
+    if not compile:
+        reseed(module, first, drawing)
+        return lambda tensors, x: functional_call(module, tensors, (x,))
+    parts = []
+    for start, segment in _segments(module, first, drawing):
+        names = [n for n, _ in (*segment.named_parameters(remove_duplicate=False), *segment.named_buffers())]
 
-    def call(tensors: dict[str, torch.Tensor], x: Any) -> Any:
-        return functional_call(module, tensors, (x,))
+        def call(tensors: dict[str, torch.Tensor], x: Any, segment: nn.Module = segment) -> Any:
+            return functional_call(segment, tensors, (x,))
 
-    return _compiled(call, name) if compile else call
+        parts.append((start if start in drawing else None, names, _compiled(call, f"{name}_layer_{start}")))
+
+    def segmented(tensors: dict[str, torch.Tensor], x: Any) -> Any:
+        for layer, names, part in parts:
+            if layer is not None:
+                draw(layer)
+            x = part({n: tensors[n] for n in names}, x)
+        return x
+
+    return segmented
 
 
-def module_call(module: nn.Module, name: str, compile: bool) -> Callable[[Any], Any]:
-    """input -> module's output, compiled (name as in pack_call) or module itself."""
+def module_call(module: nn.Module, name: str, compile: bool, first: int = 0, drawing: tuple[int, ...] = ()
+                ) -> Callable[[Any], Any]:
+    """input -> module's output, compiled (name as in pack_call) or module itself; module, first and drawing as in
+    pack_call."""
+    if not compile:
+        return reseed(module, first, drawing)
+    parts = []
+    for start, segment in _segments(module, first, drawing):
 
-    def call(x: Any) -> Any:
-        return module(x)
+        def call(x: Any, segment: nn.Module = segment) -> Any:
+            return segment(x)
 
-    return _compiled(call, name) if compile else module
+        parts.append((start if start in drawing else None, _compiled(call, f"{name}_layer_{start}")))
+
+    def segmented(x: Any) -> Any:
+        for layer, part in parts:
+            if layer is not None:
+                draw(layer)
+            x = part(x)
+        return x
+
+    return segmented
+
+
+def _segments(module: nn.Module, first: int, drawing: tuple[int, ...]) -> list[tuple[int, nn.Module]]:
+    """module's layers cut before each drawing layer: (the chain index of its first layer, a Sequential of its
+    layers under their names in module). A layer's reseeding between segments stays out of the compiled graphs:
+    traced, the micro-batch it reads would compile every call anew, and a graph break inside functional_call's
+    reparametrization runs the whole pack eagerly."""
+    if not drawing:
+        return [(first, module)]
+    layers = list(module.named_children())
+    cuts = sorted({0, *(layer - first for layer in drawing)} | {len(layers)})
+    return [(first + a, nn.Sequential(OrderedDict(layers[a:b]))) for a, b in itertools.pairwise(cuts)]
 
 
 def _compiled(function: Callable[..., Any], name: str) -> Callable[..., Any]:

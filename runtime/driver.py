@@ -61,7 +61,7 @@ from harmony.tasks.events import (
     WorkerLost,
 )
 from harmony.tasks.graph import BatchInput, BatchTargets, Value, parse_key
-from harmony.tasks.microbatch import group_sizes, loss_weights, split_sizes
+from harmony.tasks.microbatch import loss_weights, split_sizes
 
 BODIES: dict[str, Callable[..., Any]] = {"fwd": bodies.forward, "bwd": bodies.backward, "upd": bodies.update}
 WAKE_SECONDS = 1.0
@@ -281,19 +281,16 @@ class Driver:
         return BatchReady(fetch.model, fetch.span, len(steps))
 
     def _split(self, batch: tuple[Any, Any], groups: int) -> list[tuple[list[Any], list[Any], list[float]]]:
-        """Per micro-batch group: its micro-batches' inputs, targets and loss weights."""
+        """Per micro-batch group: its micro-batches' inputs, targets and loss weights, dealt out in turn (group g of
+        G takes the g-th micro-batch, the (g + G)-th, ...), as runtime.seeding numbers them."""
         inputs_, targets = batch
         sizes = split_sizes(batch_size(inputs_), self.microbatches)
         if len(sizes) == 1 and groups == 1:  # the common case, on the driver's critical path for small steps
             return [([inputs_], [targets], [1.0])]
         micro_inputs, micro_targets = split_tree(inputs_, sizes), split_tree(targets, sizes)
         weights = loss_weights(sizes)
-        parts, first = [], 0
-        for count in group_sizes(len(sizes), groups):
-            chunk = slice(first, first + count)
-            first += count
-            parts.append((micro_inputs[chunk], micro_targets[chunk], weights[chunk]))
-        return parts
+        dealt = [slice(group, None, groups) for group in range(groups)]
+        return [(micro_inputs[chunk], micro_targets[chunk], weights[chunk]) for chunk in dealt]
 
     def _submit(self, submit: Submit) -> None:
         task = submit.task

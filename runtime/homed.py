@@ -80,7 +80,7 @@ class HomedModel:
                 bound[name] = view
         bind(module, bound)
         self.module = module
-        self.forward = module_call(module, f"homed_model_{model}", compile)
+        self.forward = module_call(module, f"homed_model_{model}", compile, runtime.first, runtime.drawing)
         names = [slot.spec.name for slot in runtime.grads.slots]
         self.params = [bound[name] for name in names]
         self.optimizer = build_optimizer(factory, self.params, names)  # type: ignore[arg-type]

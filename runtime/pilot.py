@@ -230,7 +230,9 @@ def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7, larges
     with preserved_state(model), torch.no_grad():
         x = sample
         for index, (layer, borrowed) in enumerate(zip(layers, borrowings)):
+            generator = torch.get_rng_state()
             y, seconds = _fastest_call(layer, x, 1 if known else repeats)
+            draws = not torch.equal(generator, torch.get_rng_state())  # only the last call leaves the RNG moved
             named = list(layer.named_parameters())
             halved: frozenset[str] = frozenset()
             if autocast:
@@ -250,6 +252,7 @@ def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7, larges
                     borrowed=_specs((n, p) for n, p in named if n in borrowed),
                     lenders=tuple(borrowed[n] for n, _ in named if n in borrowed),
                     halved=halved,
+                    draws=draws,
                 )
             )
             x = y

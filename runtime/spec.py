@@ -33,6 +33,8 @@ class PackRuntime:
     halved: Halved | None = None  # weights whose device copy is in autocast's dtype (weights is then halved.host)
     device_update: bool = False  # its bwd steps its optimizer on the device (tasks.updates)
     stash: bool = False  # its forward keeps its activations on the device for its backward (runtime.stash)
+    first: int = 0  # its first layer's index in the model's chain
+    drawing: tuple[int, ...] = ()  # its layers (by index in the chain) that draw from their own streams (seeding)
 
     @property
     def device_weights(self) -> BufferLayout:
@@ -140,6 +142,8 @@ def describe(plan: RunPlan, codes: list[JobCode]) -> tuple[ModelRuntime, ...]:
                     halved=halved,
                     device_update=index in job.device_updates,
                     stash=index in job.stashes and not plan.options.compile,  # a compiled pack's graph is its own
+                    first=pack.first,
+                    drawing=pack.drawing,
                 )
             )
         models.append(

@@ -119,7 +119,9 @@ class RunContext:
         pack and worker, again where grad mode, training mode or shapes change; see runtime.compiled)."""
         key = (model, pack)
         if key not in self._calls:
-            self._calls[key] = pack_call(self.module(model, pack), f"model_{model}_pack_{pack}", self.spec.compile)
+            runtime = self.spec.models[model].packs[pack]
+            self._calls[key] = pack_call(self.module(model, pack), f"model_{model}_pack_{pack}", self.spec.compile,
+                                         runtime.first, runtime.drawing)
         return self._calls[key]
 
     def loss_fn(self, model: int) -> Any:

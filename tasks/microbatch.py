@@ -22,7 +22,8 @@ def loss_weights(sizes: list[int]) -> list[float]:
 
 
 def group_sizes(microbatches: int, groups: int) -> list[int]:
-    """How many of a step's micro-batches each of groups micro-batch groups takes (vDP), in order.
+    """How many of a step's micro-batches each of groups micro-batch groups takes (vDP): they are dealt out in
+    turn, group g taking the g-th, the (g + groups)-th, ...
 
     Groups beyond the number of micro-batches (a short last batch) are empty.
     """

@@ -66,6 +66,7 @@ class Pack:
     input_bytes_per_sample: float = 0.0
     borrowed: tuple[tuple[str, int, str], ...] = ()  # (name here, pack that holds it, its name there): tied weights
     halved: tuple[str, ...] = ()  # own parameters autocast only casts (LayerProfile.halved)
+    drawing: tuple[int, ...] = ()  # its layers (by index in the chain) that draw random numbers (LayerProfile.draws)
 
     @property
     def weight_bytes(self) -> int:
@@ -184,6 +185,7 @@ def make_pack(profile: ModelProfile, index: int, first: int, stop: int, samples:
         input_bytes_per_sample=layers[0].input_bytes_per_sample,
         borrowed=tuple(borrowed),
         halved=tuple(f"{offset}.{name}" for offset, layer in enumerate(layers) for name in sorted(layer.halved)),
+        drawing=tuple(first + offset for offset, layer in enumerate(layers) if layer.draws),
     )
 
 

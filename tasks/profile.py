@@ -18,7 +18,8 @@ class LayerProfile:
     it and under what name. Their bytes count as this layer's weights and gradients (a pack without the lender
     copies them in and computes their gradients), but they are not its own parameters. ``halved`` are the own
     parameters that autocast only casts (measured under a lower precision, see runtime.halving): a swapped pack may
-    hold their device copy in autocast's dtype.
+    hold their device copy in autocast's dtype. ``draws``: its forward drew from the random generator in the pilot
+    (dropout in training mode), so that it draws from a stream of its own (runtime.seeding).
     """
 
     description: str
@@ -32,6 +33,7 @@ class LayerProfile:
     borrowed: tuple[TensorSpec, ...] = ()
     lenders: tuple[tuple[int, str], ...] = ()
     halved: frozenset[str] = frozenset()
+    draws: bool = False
 
     @property
     def param_bytes(self) -> int:

@@ -59,6 +59,14 @@ def test_no_cut_where_a_layer_input_is_not_a_single_tensor() -> None:
     assert 1 not in cuts and 3 not in cuts
 
 
+def test_a_pack_lists_its_drawing_layers_by_their_index_in_the_chain() -> None:
+    layers = [dataclasses.replace(linear(16), draws=index in (2, 3, 7)) for index in range(10)]
+    plan = cut_packs(profile(layers), budget=6000, samples=4)
+    assert len(plan.packs) > 2
+    assert [layer for pack in plan.packs for layer in pack.drawing] == [2, 3, 7]
+    assert all(pack.first <= layer < pack.stop for pack in plan.packs for layer in pack.drawing)
+
+
 def test_layer_too_large_says_how_many_bytes_it_needs() -> None:
     with pytest.raises(LayerTooLarge) as raised:
         cut_packs(profile([linear(16), linear(64)]), budget=20000, samples=8)

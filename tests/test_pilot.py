@@ -151,6 +151,27 @@ def test_pilot_leaves_buffers_and_rng_untouched() -> None:
         assert torch.equal(value, before[key]), key
 
 
+class SometimesDraws(nn.Module):
+    """Draws from the random generator only in training mode, through a function, not a dropout module."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.rand_like(x) if self.training else x
+
+
+def test_the_pilot_marks_the_layers_that_draw_random_numbers() -> None:
+    """A layer draws when its forward moved the generator (a dropout module, or a draw of its own), and only in the
+    mode it is trained in; the generator itself is left as it was found."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.ReLU(), SometimesDraws(), nn.Dropout(0.0),
+                          nn.Linear(8, 2))
+    sample = torch.randn(4, 8)
+    generator = torch.get_rng_state()
+    assert [layer.draws for layer in decompose(model, sample, "m").profile.layers] == [
+        False, True, False, True, False, False]
+    assert torch.equal(torch.get_rng_state(), generator)
+    model.eval()
+    assert not any(layer.draws for layer in decompose(model, sample, "m").profile.layers)
+
+
 class Watched(nn.Module):
     """A layer that records, at each call, how many of its earlier outputs are still held (its data-dependent branch
     keeps torch.fx from tracing into it: it is one layer)."""
