@@ -61,7 +61,7 @@ from harmony.tasks.events import (
     WorkerLost,
 )
 from harmony.tasks.graph import BatchInput, BatchTargets, Value, parse_key
-from harmony.tasks.microbatch import loss_weights, split_sizes
+from harmony.tasks.microbatch import deal, loss_weights, split_sizes
 
 BODIES: dict[str, Callable[..., Any]] = {"fwd": bodies.forward, "bwd": bodies.backward, "upd": bodies.update}
 WAKE_SECONDS = 1.0
@@ -281,16 +281,13 @@ class Driver:
         return BatchReady(fetch.model, fetch.span, len(steps))
 
     def _split(self, batch: tuple[Any, Any], groups: int) -> list[tuple[list[Any], list[Any], list[float]]]:
-        """Per micro-batch group: its micro-batches' inputs, targets and loss weights, dealt out in turn (group g of
-        G takes the g-th micro-batch, the (g + G)-th, ...), as runtime.seeding numbers them."""
+        """Per micro-batch group: its micro-batches' inputs, targets and loss weights (dealt out in turn, see deal)."""
         inputs_, targets = batch
         sizes = split_sizes(batch_size(inputs_), self.microbatches)
         if len(sizes) == 1 and groups == 1:  # the common case, on the driver's critical path for small steps
             return [([inputs_], [targets], [1.0])]
         micro_inputs, micro_targets = split_tree(inputs_, sizes), split_tree(targets, sizes)
-        weights = loss_weights(sizes)
-        dealt = [slice(group, None, groups) for group in range(groups)]
-        return [(micro_inputs[chunk], micro_targets[chunk], weights[chunk]) for chunk in dealt]
+        return list(zip(deal(micro_inputs, groups), deal(micro_targets, groups), deal(loss_weights(sizes), groups)))
 
     def _submit(self, submit: Submit) -> None:
         task = submit.task

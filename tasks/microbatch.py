@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TypeVar
+
+T = TypeVar("T")
+
 
 def split_sizes(batch: int, microbatches: int) -> list[int]:
     """Sizes of at most `microbatches` micro-batches covering batch samples, as even as possible.
@@ -21,11 +26,8 @@ def loss_weights(sizes: list[int]) -> list[float]:
     return [size / total for size in sizes]
 
 
-def group_sizes(microbatches: int, groups: int) -> list[int]:
-    """How many of a step's micro-batches each of groups micro-batch groups takes (vDP): they are dealt out in
-    turn, group g taking the g-th, the (g + groups)-th, ...
-
-    Groups beyond the number of micro-batches (a short last batch) are empty.
-    """
-    base, extra = divmod(microbatches, groups)
-    return [base + 1 if g < extra else base for g in range(groups)]
+def deal(items: Sequence[T], groups: int) -> list[list[T]]:
+    """A step's micro-batches (or anything per micro-batch) dealt out among groups micro-batch groups (vDP) in turn:
+    group g takes the g-th, the (g + groups)-th, ... (runtime.seeding numbers them so). Groups beyond the number of
+    micro-batches (a short last batch) are empty."""
+    return [list(items[group::groups]) for group in range(groups)]

@@ -24,7 +24,7 @@ from harmony.tasks.events import BatchReady, Fetch, Instruction, Submit, TaskFin
 from harmony.tasks.graph import TaskId, parse_key, successor, updates_in_backward
 from harmony.tasks.hardware import Hardware
 from harmony.tasks.memory import BudgetExceeded, DeviceMemory
-from harmony.tasks.microbatch import group_sizes
+from harmony.tasks.microbatch import deal
 from harmony.tasks.packing import Packing
 from harmony.tasks.runplan import Job, section_packs
 
@@ -66,8 +66,8 @@ def replay_memory(
     Homed models (homes) load their weights once and hold them, with a gradient buffer, and after
     their first update (which their bwd applies) their optimizer state (optimizer_state_ratios bytes per
     gradient byte); their weights are written back after each task instead of gradients every step.
-    microbatch_samples gives per model the samples of each micro-batch of a step (split among its groups
-    in order); with it, the boundary values that producers keep on the device for their consumers are
+    microbatch_samples gives per model the samples of each micro-batch of a step (dealt out among its groups
+    in turn); with it, the boundary values that producers keep on the device for their consumers are
     replayed too (kept: the bytes consumers then took there instead of copying them in). sections gives per model
     the first packs of its tasks' sections (tasks.runplan.Job.sections): a task of several packs is replayed pack
     by pack, as the tasks of one pack each that it stands for (pack_tasks). device_updates gives per model the packs
@@ -188,9 +188,7 @@ def _replay_task(
 
 def _group_microbatches(sizes: list[int], groups: int, group: int) -> list[int]:
     """The sample counts of one micro-batch group's micro-batches."""
-    counts = group_sizes(len(sizes), groups)
-    start = sum(counts[:group])
-    return sizes[start : start + counts[group]]
+    return deal(sizes, groups)[group]
 
 
 def _keep_boundary(

@@ -9,7 +9,7 @@ from torch import nn
 
 from harmony.runtime.compiled import pack_call
 from harmony.runtime.seeding import begin, layer_seed, microbatch_number, reseed
-from harmony.tasks.microbatch import group_sizes
+from harmony.tasks.microbatch import deal
 
 CPU = torch.device("cpu")
 
@@ -28,9 +28,10 @@ def test_every_layer_step_and_microbatch_of_a_job_has_its_own_seed() -> None:
 def test_groups_deal_out_the_microbatches_so_that_their_numbers_cover_the_step_once() -> None:
     for microbatches in range(1, 9):
         for groups in range(1, 5):
-            numbers = [microbatch_number(group, index, groups)
-                       for group, count in enumerate(group_sizes(microbatches, groups)) for index in range(count)]
-            assert sorted(numbers) == list(range(microbatches)), (microbatches, groups)
+            dealt = deal(range(microbatches), groups)
+            assert [[microbatch_number(group, index, groups) for index in range(len(part))]
+                    for group, part in enumerate(dealt)] == dealt, (microbatches, groups)
+            assert sorted(number for part in dealt for number in part) == list(range(microbatches))
 
 
 def test_a_drawing_layer_draws_from_its_own_stream_however_the_chain_is_cut() -> None:
