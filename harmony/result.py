@@ -53,7 +53,9 @@ class Stats:
     next, instead of being copied in again from their host copy (not part of bytes_in).
     stashed / recomputed: micro-batch passes through a swapped pack's backward (all but each model's last pack)
     that backpropagated the activations its forward task kept on the device (harmony.train's stash), and those
-    that recomputed the pack's forward instead.
+    that recomputed the pack's forward instead. inputs_recomputed: micro-batch forwards that the bwd task of a
+    section of several packs (not a pass's last) ran first to recompute its later packs' inputs; none where those
+    packs' stashes were all on the device.
     busy_seconds / idle_seconds: per device, time running tasks and time without one, from the moment
     the workers were ready; schedule: per device, the keys of the tasks in the order it ran them;
     finish_seconds: per model, when its last step finished, counted from the same moment;
@@ -86,6 +88,7 @@ class Stats:
     bytes_kept: int = 0
     stashed: int = 0
     recomputed: int = 0
+    inputs_recomputed: int = 0
     budgets: dict[str, int] = field(default_factory=dict)
     schedule: dict[str, list[str]] = field(default_factory=dict)
     finish_seconds: list[float] = field(default_factory=list)
@@ -244,6 +247,7 @@ class TrainResult:
             bytes_kept=sum(values["kept"] for values in counters.values()),
             stashed=sum(values["stashed"] for values in counters.values()),
             recomputed=sum(values["recomputed"] for values in counters.values()),
+            inputs_recomputed=sum(values["inputs_recomputed"] for values in counters.values()),
             budgets=plan.devices,
             schedule=outcome.schedule,
             finish_seconds=finish,

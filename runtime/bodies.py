@@ -20,7 +20,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -30,6 +30,7 @@ from distributed import Reschedule, get_worker, secede
 from torch.utils._pytree import tree_leaves, tree_map
 
 from harmony.runtime import shipping
+from harmony.runtime.cache import Taken
 from harmony.runtime.divergence import Diverged
 from harmony.runtime.errors import ModelFailure
 from harmony.runtime.files import LOSS_BLOCK, SPAN_TIMING_BYTES, losses_name, span_timing_name
@@ -286,24 +287,54 @@ def backward(
         return _homed_backward(ctx, model, first, steps, inputs, gradients_or_targets, loss_weights, group)
     section = spec.section(pack)
     last_section = section[-1] == len(spec.packs) - 1
-    boundaries = {section[0]: inputs}
-    section_input = this if last_section else None  # what fwd kept for this task; else an upstream gradient
-    for index in section[:-1]:
-        boundaries[index + 1] = _forward_pack(  # the last section has no fwd task: this is the step's forward
-            ctx, model, index, first, boundaries[index], group, claim=section_input if index == section[0] else
-            Within(this, index), keep=Within(this, index + 1), following=index + 1, recompute=not last_section,
-            stash=last_section)
-    upstream = gradients_or_targets
-    for index in reversed(section):
-        claim_input: Any = Within(this, index) if index != section[0] else (
-            this if last_section and len(section) == 1 else None)
-        claim_upstream: Any = Within(this, index, gradient=True) if index != section[-1] else (
-            None if last_section else this)
-        keep = ctx.successor if index == section[0] else Within(this, index - 1, gradient=True)
-        following = index - 1 if index > section[0] else None
-        upstream = _backward_pack(ctx, model, index, span, first, boundaries[index], upstream, loss_weights, group,
-                                  claim_input, claim_upstream, keep, following)
+    with _section_stashes(ctx, model, section, first, group, len(inputs), last_section) as taken:
+        boundaries = {section[0]: inputs}
+        section_input = this if last_section else None  # what fwd kept for this task; else an upstream gradient
+        for index in section[:-1]:
+            if taken is not None:  # every later pack's stash is here: no input to recompute
+                boundaries[index + 1] = [None] * len(inputs)
+                continue
+            boundaries[index + 1] = _forward_pack(  # the last section has no fwd task: this is the step's forward
+                ctx, model, index, first, boundaries[index], group, claim=section_input if index == section[0] else
+                Within(this, index), keep=Within(this, index + 1), following=index + 1, recompute=not last_section,
+                stash=last_section)
+            if not last_section:
+                ctx.counters.add("inputs_recomputed", len(inputs))
+        upstream = gradients_or_targets
+        for index in reversed(section):
+            claim_input: Any = Within(this, index) if index != section[0] else (
+                this if last_section and len(section) == 1 else None)
+            claim_upstream: Any = Within(this, index, gradient=True) if index != section[-1] else (
+                None if last_section else this)
+            keep = ctx.successor if index == section[0] else Within(this, index - 1, gradient=True)
+            following = index - 1 if index > section[0] else None
+            upstream = _backward_pack(ctx, model, index, span, first, boundaries[index], upstream, loss_weights,
+                                      group, claim_input, claim_upstream, keep, following, taken)
     return upstream if section[0] > 0 else None
+
+
+def _section_stashes(ctx: RunContext, model: int, section: range, step: int, group: int, microbatches: int,
+                     last_section: bool) -> AbstractContextManager[Taken | None]:
+    """The stashes of every pack but the first of a section that is not a pass's last, taken at once so that its
+    bwd recomputes none of their inputs, where they are all here and the room its packs' backward needs beside
+    them can still be had (nothing can then evict one before its use); else None, and the inputs are recomputed."""
+    spec = ctx.spec.models[model]
+    later = section[1:]
+    if last_section or not later or not all(spec.packs[pack].stash for pack in later):
+        return nullcontext(None)
+    keys = [stash_key(model, pack, step, group, index) for pack in later for index in range(microbatches)]
+    return ctx.cache.unstash_all(keys, max(_backward_bytes(ctx, model, pack) for pack in section))
+
+
+def _backward_bytes(ctx: RunContext, model: int, pack: int) -> int:
+    """What a pack's backward holds on its device: its weights (and those it borrows), gradients, workspace and,
+    updated there, its optimizer state."""
+    spec = ctx.spec.models[model]
+    runtime = spec.packs[pack]
+    lenders = {lender for _, lender, _ in runtime.borrowed}
+    state = round(spec.state_ratio * runtime.grads.nbytes) if runtime.device_update else 0
+    return (runtime.device_weights.nbytes + sum(spec.packs[lender].device_weights.nbytes for lender in lenders)
+            + runtime.grads.nbytes + runtime.workspace + state)
 
 
 def _homed_backward(
@@ -336,6 +367,7 @@ def _homed_backward(
 def _backward_pack(
     ctx: RunContext, model: int, pack: int, span: int, step: int, inputs: list[Any], gradients_or_targets: list[Any],
     loss_weights: list[Any], group: int, claim_input: Any, claim_upstream: Any, keep: Any, following: int | None,
+    taken: Taken | None = None,
 ) -> list[Any]:
     """One swapped pack's backward for step: its weights swapped in once, its gradients accumulated over the
     micro-batches on the device and sent to the host store once (with those of the tied weights later packs
@@ -359,7 +391,8 @@ def _backward_pack(
         grads = tensors_at(grad_bytes, runtime.grads)
         ctx.add_lent_grads(model, pack, group, grads)
         input_grads = _backward_step(ctx, model, pack, span, step, weights, tensors, grads, inputs,
-                                     gradients_or_targets, loss_weights, group, claim_input, claim_upstream, keep)
+                                     gradients_or_targets, loss_weights, group, claim_input, claim_upstream, keep,
+                                     taken)
         if spec.scaled:
             ctx.scaler(model).flag(step, pack, group, not finite(grads))
         if not runtime.device_update or runtime.borrowed:  # a borrowed weight's gradient goes to its lender's pack
@@ -512,11 +545,12 @@ def _backward_step(
     claim_input: Any,
     claim_upstream: Any,
     keep: Any,
+    taken: Taken | None = None,
 ) -> list[Any]:
     """One step's micro-batches through a swapped pack's backward, accumulating into grads (views of the
     gradient buffer; tensors are views of weights); the last pack records the losses. An input or upstream
     gradient kept on the device for claim_input or claim_upstream is taken there; each input's gradient is kept
-    on the device for keep where it fits."""
+    on the device for keep where it fits. A stash among taken (its section's, taken at once) is used from there."""
     spec = ctx.spec.models[model]
     runtime = spec.packs[pack]
     last = pack == len(spec.packs) - 1
@@ -530,7 +564,9 @@ def _backward_step(
             ctx.cache.reload((model, pack), ctx.device_source(model, pack, step))
         kept_input = ctx.cache.claim(claim_input, index) if claim_input is not None else None
         kept_grad = ctx.cache.claim(claim_upstream, index) if claim_upstream is not None else None
-        with ctx.cache.unstash(stash_key(model, pack, step, group, index)) if runtime.stash else nullcontext() as found:
+        key = stash_key(model, pack, step, group, index)
+        with (taken.use(key) if taken is not None and key in taken else ctx.cache.unstash(key) if runtime.stash
+              else nullcontext()) as found:
             from_stash = found is not None
             if found is not None:  # its forward's activations are here: backpropagate them, no recompute
                 stash, nbytes = found

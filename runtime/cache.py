@@ -55,6 +55,33 @@ class Stashed:
     step: int
 
 
+class Taken:
+    """Stashes taken back together for one task (DeviceCache.unstash_all): each stays charged until its backward
+    is done (use), those never used until the task's block ends."""
+
+    def __init__(self, release: Any, stashes: dict[Any, tuple[Any, int]]) -> None:
+        self._release = release
+        self.stashes = stashes
+
+    def __contains__(self, key: Any) -> bool:
+        return key in self.stashes
+
+    @contextmanager
+    def use(self, key: Any) -> Iterator[tuple[Any, int]]:
+        """The stash kept under key and its bytes, charged until the block ends."""
+        value, nbytes = self.stashes.pop(key)
+        try:
+            yield value, nbytes
+        finally:
+            del value
+            self._release(nbytes)
+
+    def release(self) -> None:
+        while self.stashes:
+            _, nbytes = self.stashes.popitem()[1]
+            self._release(nbytes)
+
+
 def boundary_key(consumer: Any, microbatch: int) -> tuple[str, Any, int]:
     """Where a boundary value for consumer's micro-batch is kept in the cache."""
     return ("boundary", consumer, microbatch)
@@ -268,6 +295,30 @@ class DeviceCache:
         finally:
             del stashed
             self._release(nbytes)
+
+    @contextmanager
+    def unstash_all(self, keys: list[Any], room: int) -> Iterator[Taken | None]:
+        """The stashes kept under keys, all taken at once and charged until each is used or the block ends, if
+        every one is here and room bytes can still be had beside them (tasks.memory.DeviceMemory.unstash_all);
+        else None, and nothing is taken."""
+        with self._lock:
+            sizes = self.memory.unstash_all(keys, room)
+            stashes = {key: (self._taken(key), nbytes) for key, nbytes in (sizes or {}).items()}
+        if sizes is None:
+            yield None
+            return
+        taken = Taken(self._release, stashes)
+        del stashes
+        try:
+            yield taken
+        finally:
+            taken.release()
+
+    def _taken(self, key: Any) -> Any:
+        """A stash's value, out of the tensors (the caller holds the lock): its pack's losses end here."""
+        stashed = self.tensors.pop(key)
+        self.missed.pop(stashed.needs, None)
+        return stashed.value
 
     @contextmanager
     def sparing(self, needs: Any) -> Iterator[None]:

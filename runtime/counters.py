@@ -17,6 +17,7 @@ NAMES = (
     "kept",
     "stashed",
     "recomputed",
+    "inputs_recomputed",
     "peak",
     "used",
     "busy_ns",

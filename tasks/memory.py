@@ -229,6 +229,21 @@ class DeviceMemory:
         del self.entries[key]
         return entry.nbytes
 
+    def unstash_all(self, keys: list[Hashable], room: int) -> dict[Hashable, int] | None:
+        """Take several stashes back into a reservation at once (a section's backward, which then recomputes none
+        of its packs' inputs), only if every one is here and room bytes can still be had beside them, free or
+        evictable: their sizes, or None (nothing taken)."""
+        entries = [self.entries.get(key) for key in keys]
+        if any(entry is None or entry.needs is None for entry in entries):
+            return None
+        taken = set(keys)
+        evictable = sum(entry.nbytes for key, entry in self.entries.items() if entry.evictable and key not in taken)
+        if self.budget - self.used + evictable < room:
+            return None
+        for key in keys:
+            del self.entries[key]
+        return {key: entry.nbytes for key, entry in zip(keys, entries) if entry is not None}
+
     def drop_boundaries(self, *running: Hashable) -> list[Hashable]:
         """Drop every kept boundary value that is not for the task now starting (any of running: a task replayed as
         the one-pack tasks it stands for); returns their keys."""

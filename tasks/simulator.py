@@ -430,7 +430,9 @@ class _Clock:
         activations (Pack.stash_bytes per micro-batch) where reserving them beside what the task holds (its
         weights unless this clock holds them, and the workspace) evicts only weights and older stashes; a bwd first
         reserves each pack's weights, gradients and workspace (which may evict stashes, its own last), then takes
-        its stash. The task's weights stay while it runs."""
+        its stash. A section's bwd (not a pass's last) whose later packs' stashes are all here, with the room its
+        backward needs beside them, takes them at once and recomputes none of their inputs. The task's weights stay
+        while it runs."""
         job = self.jobs[task.model]
         packing = job.packing
         memory = self.memory[device]
@@ -456,6 +458,9 @@ class _Clock:
                 return False
             return True
 
+        def forward(pack: int) -> float:
+            return packing.packs[pack].forward_seconds_per_sample * samples / self.hardware.compute_scale
+
         def stash(pack: int) -> None:
             nbytes, held = microbatches * packing.packs[pack].stash_bytes, working(pack, False)
             if hold(held + nbytes, pack):
@@ -471,16 +476,22 @@ class _Clock:
             if section[-1] == last:  # this bwd runs the step's forward: its packs but the last stash there
                 for pack in section[:-1]:
                     stash(pack)
+            together: dict[Any, int] = {}
+            if section[-1] != last and len(section) > 1:  # its later packs' stashes all here: no input recomputed
+                room = max(packing.packs[pack].cost.total - packing.packs[pack].cost.prefetch for pack in section)
+                together = memory.unstash_all([key(pack) for pack in section[1:]], room) or {}
+                if together:
+                    saved += sum(forward(pack) for pack in section[:-1])
             for pack in reversed(section):
                 needed = working(pack, True)
                 if hold(needed, pack):
                     memory.release(needed)
-                taken = memory.unstash(key(pack))
+                taken = together.pop(key(pack)) if key(pack) in together else memory.unstash(key(pack))
                 if taken is not None:
                     memory.release(taken)
                     if pack != last:
                         self.stashed.setdefault(task.model, set()).add(pack)
-                        saved += packing.packs[pack].forward_seconds_per_sample * samples / self.hardware.compute_scale
+                        saved += forward(pack)
         return saved
 
     def _copy_seconds(self, task: TaskId, device: str, first: int, samples: int, compute: float) -> float:

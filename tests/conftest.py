@@ -136,17 +136,17 @@ def clones(models: list[nn.Module]) -> list[nn.Module]:
 
 def stashing_and_recomputing(
     model: nn.Module, batches: list, factory: Callable[..., torch.optim.Optimizer], reference: nn.Module,
-    devices: Any, budget: int,
+    devices: Any, budget: int, packs_per_task: int = 1,
 ) -> dict[bool, tuple[nn.Module, Any]]:
-    """A clone of model trained swapped under budget, a pack a task in two micro-batches, with stash=True and with
-    stash=False, each checked within the budget and against reference (plain PyTorch's, in float64) and the two
-    against each other bit for bit: per way, the trained clone and the result."""
+    """A clone of model trained swapped under budget, packs_per_task packs a task, in two micro-batches, with
+    stash=True and with stash=False, each checked within the budget and against reference (plain PyTorch's, in
+    float64) and the two against each other bit for bit: per way, the trained clone and the result."""
     runs = {}
     for stash in (True, False):
         run = clones([model])
         result = harmony.train(run, batches, loss_fn=nn.functional.mse_loss, optimizer=factory, microbatches=2,
-                               devices=devices, device_memory=budget, resident=False, fuse=False, packs_per_task=1,
-                               stash=stash, progress=False)
+                               devices=devices, device_memory=budget, resident=False, fuse=False,
+                               packs_per_task=packs_per_task, stash=stash, progress=False)
         assert len(result.plan.jobs[0].packing.packs) > 2
         assert max(result.stats.peak_device_bytes.values()) <= budget
         assert_same_weights(run[0], reference, rtol=1e-9, atol=1e-12)

@@ -246,3 +246,26 @@ def test_a_refused_or_evicted_stash_is_recorded_against_its_pack(store: HostStor
         assert found is not None
     assert cache.missed == {"p1": (5, 1)}, "a stash that reached its backward ends the pack's losing streak"
     cache.clear()
+
+
+def test_stashes_taken_together_are_each_released_when_used_and_the_rest_when_the_block_ends(
+    store: HostStore,
+) -> None:
+    cache = make_cache(store, budget=1000)
+    for index in range(3):
+        with cache.scratch(100, "activations") as reserved:
+            assert cache.stash(("stash", index), f"p{index}", 0, f"value {index}", 100, reserved, keep_free=0)
+    with cache.unstash_all([("stash", 0), ("stash", 9)], room=0) as none:
+        assert none is None and len(cache.cached) == 3, "all or nothing"
+    with cache.unstash_all([("stash", 0), ("stash", 1)], room=801) as none:
+        assert none is None, "700 free, 100 of another stash to evict"
+    with cache.unstash_all([("stash", 0), ("stash", 1)], room=800) as taken:
+        assert taken is not None and ("stash", 0) in taken and ("stash", 2) not in taken
+        assert cache.used == 300 and list(cache.cached) == [("stash", 2)]
+        with cache.scratch(800, "gradients"):
+            assert cache.used == 1000 and not cache.cached, "the taken stashes stay, the other one is evicted"
+        with taken.use(("stash", 1)) as found:
+            assert found == ("value 1", 100)
+        assert cache.used == 100, "used and released; the unused one stays charged"
+    assert cache.used == 0
+    cache.clear()

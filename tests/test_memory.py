@@ -133,3 +133,22 @@ def test_loads_prefetches_and_a_backward_s_reservations_spare_that_pack_s_stashe
     assert memory.reserve(600, "gradients") == ["w0"]
     memory.spared = None
     memory.validate()
+
+
+def test_a_section_takes_its_stashes_all_at_once_only_if_all_are_here_and_its_room_remains() -> None:
+    memory = DeviceMemory("d", 1000)
+    for key in ("s1", "s2", "other"):
+        memory.reserve(100, "activations")
+        assert memory.stash(key, "p", 100, reserved=100, keep_free=0)
+    memory.load("w", 0, 300)
+    assert memory.used == 600
+    assert memory.unstash_all(["s1", "missing"], room=0) is None, "one is not here"
+    assert memory.unstash_all(["s1", "s2"], room=801) is None, "400 free, 300 of weights and 100 of stash to evict"
+    assert list(memory.entries) == ["s1", "s2", "other", "w"], "nothing taken"
+    assert memory.unstash_all(["s1", "s2"], room=800) == {"s1": 100, "s2": 100}
+    assert list(memory.entries) == ["other", "w"] and memory.used == 600, "taken: charged until released"
+    with pytest.raises(BudgetExceeded):
+        memory.reserve(801, "weights")
+    assert memory.reserve(800, "weights") == ["w", "other"], "the room is there without the taken stashes"
+    memory.release(1000)
+    memory.validate()

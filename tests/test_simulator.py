@@ -181,6 +181,21 @@ def test_an_update_on_the_device_costs_its_state_over_the_link_and_the_optimizer
     assert replay_memory(order, [wide], {"d": held}, device_updates=updated).peak["d"] == held
 
 
+def test_a_section_whose_later_packs_stashes_are_predicted_recomputes_none_of_their_inputs() -> None:
+    """Six one-layer packs in two sections ([0, 1, 2], [3, 4, 5]): the first section's bwd recomputes the inputs of
+    packs 1 and 2 (the forwards of packs 0 and 1) unless both their stashes are on the device, with the room its
+    backward needs beside them. With room for every stash, a step saves those 2 forwards beside the 5 packs' own;
+    with room for packs 3 and 4 only, their 2."""
+    packing = chain_packing(layers=6, budget=7000)
+    assert len(packing.packs) == 6
+    forward = packing.packs[0].forward_seconds_per_sample * 8
+    hardware = Hardware(task_overhead=0.0)
+    for budget, saved in ((10**6, 5 + 2), (4096 + 2 * 1024, 2), (4096 + 1024 - 1, 0)):
+        runs = [simulate([packing], [3], [8], {"d": budget}, hardware, sections=[(0, 3)], stash=stash)
+                for stash in (False, True)]
+        assert runs[0].makespan - runs[1].makespan == pytest.approx(3 * saved * forward), budget
+
+
 def test_a_backward_whose_stash_is_predicted_on_the_device_does_not_recompute_its_forward() -> None:
     """A pack's stash is half its workspace less its largest weight per micro-batch (here 2 x 512 bytes) and a
     backward first holds its weights, gradients and workspace (4,096): each 1,024 bytes of room beside that keep one

@@ -113,6 +113,25 @@ def test_stashed_runs_equal_recomputing_runs_and_plain_pytorch_within_the_budget
     assert stashed > 0 and recomputed > 0, counts
 
 
+def test_a_section_whose_later_packs_are_stashed_recomputes_none_of_their_inputs(no_leaks: None) -> None:
+    """The bwd task of a section of several packs (not a pass's last) first recomputes its later packs' inputs;
+    where those packs' stashes are all on the device it takes them at once and recomputes none. Float64 Adam, three
+    packs in two sections ([0, 1], [2]), the plan stashing pack 1: the weights are a recomputing run's bit for bit
+    and plain PyTorch's within 1e-9."""
+    model = deep_mlp(seed=0).double()
+    batches = [(x.double(), y.double()) for x, y in regression_batches(samples=64, batch=16)]
+    factory = lambda p: torch.optim.Adam(p, lr=1e-2)  # noqa: E731
+    reference = clones([model])[0]
+    train_plain(reference, batches, nn.functional.mse_loss, factory)
+    runs = stashing_and_recomputing(model, batches, factory, reference, 1, 200_000, packs_per_task=2)
+    job = runs[True][1].plan.jobs[0]
+    assert (len(job.packing.packs), job.sections, job.stashes) == (3, (0, 2), (1,))
+    stashed, recomputing = runs[True][1].stats, runs[False][1].stats
+    assert recomputing.inputs_recomputed == 4 * 2, "4 steps, 2 micro-batches, pack 1's input"
+    assert stashed.inputs_recomputed == 0
+    assert (stashed.stashed, stashed.recomputed) == (4 * 2, 4 * 2), "pack 1 stashed, pack 0 recomputed"
+
+
 def test_stashes_of_dropout_bf16_and_fused_arrays_equal_recomputing(no_leaks: None) -> None:
     """Dropout masks (drawn once, in the forward, and kept), autocast's bf16 with weights copied in halved, and a
     fused array's vmapped packs: the stash gives the weights recomputing gives, bit for bit."""
