@@ -18,6 +18,7 @@ from torch import nn
 import harmony
 from harmony.runtime.cluster import shutdown
 from harmony.runtime.hoststore import PREFIX, HostStore, shm_directory
+from harmony.runtime.seeding import begin, reseed
 from harmony.tasks.graph import TaskId, inputs, parse_key
 
 
@@ -155,6 +156,21 @@ def stashing_and_recomputing(
     for name, stashed in runs[True][0].state_dict().items():
         assert torch.equal(stashed, recomputed[name]), name
     return runs
+
+
+def train_plain_seeded(model: nn.Module, batches: list, optimizer: torch.optim.Optimizer, job: int,
+                       drawing: tuple[int, ...], microbatches: int, device: str = "cpu") -> None:
+    """The plain micro-batched loop that draws harmony's masks: each micro-batch's forward begins the job's
+    streams (runtime.seeding) on device, where the model and batches are, and the drawing layers of the chain (a
+    Sequential's children) reseed."""
+    reseed(model, 0, drawing)
+    for step, (x, y) in enumerate(batches):
+        optimizer.zero_grad()
+        size = len(x) // microbatches
+        for microbatch, (xs, ys) in enumerate(zip(x.split(size), y.split(size))):
+            begin(torch.device(device), job, step, microbatch)
+            (nn.functional.mse_loss(model(xs), ys) / microbatches).backward()
+        optimizer.step()
 
 
 def harmony_files() -> list[str]:

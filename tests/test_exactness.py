@@ -17,6 +17,7 @@ from tests.conftest import (
     regression_batches,
     torch_threads,
     train_plain,
+    train_plain_seeded,
 )
 
 FACTORIES = [
@@ -123,22 +124,6 @@ def dropout_mlp(seed: int) -> nn.Sequential:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Dropout(0.3), nn.Linear(64, 64), nn.Tanh(),
                          nn.Dropout(0.3), nn.Linear(64, 4))
-
-
-def train_plain_seeded(model: nn.Module, batches: list, optimizer: torch.optim.Optimizer, job: int,
-                       drawing: tuple[int, ...], microbatches: int) -> None:
-    """The plain micro-batched loop that draws harmony's masks: each micro-batch's forward begins the job's
-    streams (runtime.seeding) and the drawing layers of the chain (a Sequential's children) reseed."""
-    from harmony.runtime.seeding import begin, reseed
-
-    reseed(model, 0, drawing)
-    for step, (x, y) in enumerate(batches):
-        optimizer.zero_grad()
-        size = len(x) // microbatches
-        for microbatch, (xs, ys) in enumerate(zip(x.split(size), y.split(size))):
-            begin(torch.device("cpu"), job, step, microbatch)
-            (nn.functional.mse_loss(model(xs), ys) / microbatches).backward()
-        optimizer.step()
 
 
 def test_dropout_draws_from_each_models_own_stream_as_documented(no_leaks: None) -> None:

@@ -1,6 +1,6 @@
 """The CUDA device path: pinned host store, copy stream and events (a slowed copy never read early), accounting
 against torch.cuda.memory_allocated, exactness and budget with sections, updates beside the device, stashed
-activations and bf16 (its weights copied in as bf16); skipped without a GPU."""
+activations, bf16 (its weights copied in as bf16) and dropout's streams; skipped without a GPU."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from tests.conftest import (
     stashing_and_recomputing,
     stop,
     train_plain,
+    train_plain_seeded,
 )
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -155,6 +156,35 @@ def test_stashed_activations_on_cuda_equal_recomputing_and_plain_pytorch(no_leak
     train_plain(reference, batches, nn.functional.mse_loss, factory)
     runs = stashing_and_recomputing(models[0], batches, factory, reference, ["cuda:0"], 150_000)
     assert runs[True][1].stats.stashed > 0 and runs[False][1].stats.stashed == 0
+
+
+def test_dropout_masks_on_cuda_do_not_depend_on_the_plan(monkeypatch: pytest.MonkeyPatch, no_leaks: None) -> None:
+    """The CUDA generator seeded per drawing layer (runtime.seeding): homed, and swapped in two different cuts, a
+    dropout model on cuda:0 gives, in float64, the weights of the plain loop on cuda:0 seeded the same way."""
+    from harmony.runtime import pilot
+
+    def timed(layer: nn.Module, x: object, repeats: int) -> tuple[object, float]:
+        return layer(x), 1e-9 * (1 + sum(p.numel() for p in layer.parameters()))
+
+    def dropout_mlp() -> nn.Sequential:
+        torch.manual_seed(3)
+        return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Dropout(0.3), nn.Linear(64, 64), nn.Tanh(),
+                             nn.Dropout(0.3), nn.Linear(64, 4)).double()
+
+    monkeypatch.setattr(pilot, "_fastest_call", timed)
+    batches = [(x.double(), y.double()) for x, y in regression_batches(samples=48, batch=12)]
+    sgd = lambda p: torch.optim.SGD(p, lr=0.05)  # noqa: E731
+    reference = dropout_mlp().cuda()
+    train_plain_seeded(reference, [(x.cuda(), y.cuda()) for x, y in batches], sgd(reference.parameters()), 0, (2, 5),
+                       microbatches=4, device="cuda:0")
+    expected = copy.deepcopy(reference).cpu()
+    for kwargs, cuts in (({"mode": "free"}, [0]), ({"device_memory": 106_000, "resident": False}, [0, 3, 4]),
+                         ({"device_memory": 115_000, "resident": False}, [0, 3, 6])):
+        model = dropout_mlp()
+        result = harmony.train(model, batches, nn.functional.mse_loss, sgd, microbatches=4, devices=["cuda:0"],
+                               progress=False, **kwargs)
+        assert [pack.first for pack in result.plan.jobs[0].packing.packs] == cuts
+        assert_same_weights(model, expected, rtol=1e-9, atol=1e-12)
 
 
 def test_updates_on_the_gpu_match_plain_pytorch_and_leave_the_gradients_there(no_leaks: None) -> None:
