@@ -234,6 +234,18 @@ def no_leaks() -> Iterator[None]:
 
 
 @pytest.fixture
+def steady_pilot(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pilot's layer timings pinned, a nanosecond per parameter: the plan (where the chain is cut, which packs
+    stash) is then the same on a loaded machine as on an idle one, where a test's assertions depend on it."""
+    from harmony.runtime import pilot
+
+    def timed(layer: nn.Module, x: object, repeats: int) -> tuple[object, float]:
+        return layer(x), 1e-9 * (1 + sum(p.numel() for p in layer.parameters()))
+
+    monkeypatch.setattr(pilot, "_fastest_call", timed)
+
+
+@pytest.fixture
 def timed_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The repeats the pilot asks of each layer's timing (runtime.pilot._fastest_call), in the order asked."""
     from harmony.runtime import pilot

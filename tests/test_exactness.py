@@ -144,17 +144,11 @@ def test_dropout_draws_from_each_models_own_stream_as_documented(no_leaks: None)
         assert_same_weights(models[index], reference)
 
 
-def test_dropout_masks_do_not_depend_on_the_plan(monkeypatch: pytest.MonkeyPatch, no_leaks: None) -> None:
+def test_dropout_masks_do_not_depend_on_the_plan(steady_pilot: None, no_leaks: None) -> None:
     """Where the chain is cut into packs, homed or swapped, one device or two, one micro-batch group or two (vDP):
     the plan follows the pilot's measured times, which differ from run to run, and the masks must not. In float64,
     each run gives the weights of the plain loop that seeds as runtime.seeding says, within 1e-9. The pilot's
-    timings are pinned (a nanosecond per parameter) so that the budgets below cut the chain three ways."""
-    from harmony.runtime import pilot
-
-    def timed(layer: nn.Module, x: object, repeats: int) -> tuple[object, float]:
-        return layer(x), 1e-9 * (1 + sum(p.numel() for p in layer.parameters()))
-
-    monkeypatch.setattr(pilot, "_fastest_call", timed)
+    timings are pinned so that the budgets below cut the chain three ways."""
     batches = [(x.double(), y.double()) for x, y in regression_batches(samples=48, batch=12)]
     sgd = lambda p: torch.optim.SGD(p, lr=0.05)  # noqa: E731
     swapped = {"resident": False, "mode": "vpp"}

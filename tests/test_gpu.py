@@ -158,20 +158,14 @@ def test_stashed_activations_on_cuda_equal_recomputing_and_plain_pytorch(no_leak
     assert runs[True][1].stats.stashed > 0 and runs[False][1].stats.stashed == 0
 
 
-def test_dropout_masks_on_cuda_do_not_depend_on_the_plan(monkeypatch: pytest.MonkeyPatch, no_leaks: None) -> None:
+def test_dropout_masks_on_cuda_do_not_depend_on_the_plan(steady_pilot: None, no_leaks: None) -> None:
     """The CUDA generator seeded per drawing layer (runtime.seeding): homed, and swapped in two different cuts, a
     dropout model on cuda:0 gives, in float64, the weights of the plain loop on cuda:0 seeded the same way."""
-    from harmony.runtime import pilot
-
-    def timed(layer: nn.Module, x: object, repeats: int) -> tuple[object, float]:
-        return layer(x), 1e-9 * (1 + sum(p.numel() for p in layer.parameters()))
-
     def dropout_mlp() -> nn.Sequential:
         torch.manual_seed(3)
         return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Dropout(0.3), nn.Linear(64, 64), nn.Tanh(),
                              nn.Dropout(0.3), nn.Linear(64, 4)).double()
 
-    monkeypatch.setattr(pilot, "_fastest_call", timed)
     batches = [(x.double(), y.double()) for x, y in regression_batches(samples=48, batch=12)]
     sgd = lambda p: torch.optim.SGD(p, lr=0.05)  # noqa: E731
     reference = dropout_mlp().cuda()

@@ -81,7 +81,9 @@ def test_a_pack_whose_stash_was_lost_runs_without_gradients_for_longer_after_eac
     assert not worth_stashing((50, 9), 50 + 63 * RETRY) and worth_stashing((50, 9), 50 + 64 * RETRY), "at most 64x"
 
 
-def test_stashed_runs_equal_recomputing_runs_and_plain_pytorch_within_the_budget(no_leaks: None) -> None:
+def test_stashed_runs_equal_recomputing_runs_and_plain_pytorch_within_the_budget(
+    steady_pilot: None, no_leaks: None
+) -> None:
     """Float64 Adam over a swapped chain in two micro-batches. With room to spare the plan stashes every pack and
     every backward reads its stash; with less, the plan stashes the packs whose stash it predicts lasting (the
     last fwd's) and the rest recompute; with stash=False none is stashed. Either way the weights are a recomputing
@@ -113,7 +115,9 @@ def test_stashed_runs_equal_recomputing_runs_and_plain_pytorch_within_the_budget
     assert stashed > 0 and recomputed > 0, counts
 
 
-def test_a_section_whose_later_packs_are_stashed_recomputes_none_of_their_inputs(no_leaks: None) -> None:
+def test_a_section_whose_later_packs_are_stashed_recomputes_none_of_their_inputs(
+    steady_pilot: None, no_leaks: None
+) -> None:
     """The bwd task of a section of several packs (not a pass's last) first recomputes its later packs' inputs;
     where those packs' stashes are all on the device it takes them at once and recomputes none. Float64 Adam, three
     packs in two sections ([0, 1], [2]), the plan stashing pack 1: the weights are a recomputing run's bit for bit
@@ -132,7 +136,7 @@ def test_a_section_whose_later_packs_are_stashed_recomputes_none_of_their_inputs
     assert (stashed.stashed, stashed.recomputed) == (4 * 2, 4 * 2), "pack 1 stashed, pack 0 recomputed"
 
 
-def test_stashes_of_dropout_bf16_and_fused_arrays_equal_recomputing(no_leaks: None) -> None:
+def test_stashes_of_dropout_bf16_and_fused_arrays_equal_recomputing(steady_pilot: None, no_leaks: None) -> None:
     """Dropout masks (drawn once, in the forward, and kept), autocast's bf16 with weights copied in halved, and a
     fused array's vmapped packs: the stash gives the weights recomputing gives, bit for bit."""
     def dropout_mlp(seed: int) -> nn.Sequential:
