@@ -206,7 +206,8 @@ def plan(
     try:
         memory = replay_memory(simulation.order, [job.device_packing for job in jobs], budgets, run_plan.homes,
                                [job.state_ratio for job in jobs], microbatches, [job.sections for job in jobs],
-                               {index: job.device_updates for index, job in enumerate(jobs)})
+                               {index: job.device_updates for index, job in enumerate(jobs)},
+                               {index: job.stashes for index, job in enumerate(jobs)})
     except ScheduleExceedsBudget as error:
         raise InputError(f"the planned schedule would not fit: {error}") from None
     return Forecast(run_plan, simulation, memory, counts, names=[type(model).__name__ for model in args.models])

@@ -60,6 +60,7 @@ def replay_memory(
     microbatch_samples: list[list[int]] | None = None,
     sections: list[tuple[int, ...]] | None = None,
     device_updates: dict[int, tuple[int, ...]] | None = None,
+    stashes: dict[int, tuple[int, ...]] | None = None,
 ) -> MemoryReport:
     """Replay each device's task order against its budget, as the runtime's device cache accounts it.
 
@@ -72,10 +73,14 @@ def replay_memory(
     the first packs of its tasks' sections (tasks.runplan.Job.sections): a task of several packs is replayed pack
     by pack, as the tasks of one pack each that it stands for (pack_tasks). device_updates gives per model the packs
     whose bwd tasks step their optimizer on the device (tasks.updates): the state beside the pack's weights and
-    gradients, and the weights out instead of the gradients.
+    gradients, and the weights out instead of the gradients. stashes gives per model the packs whose forward keeps
+    each micro-batch's activations for its backward (tasks.runplan.Job.stashes; Pack.stash_bytes each), by the
+    runtime's rules (runtime.stash): kept where the next micro-batch's workspace still fits, taken back by the pack's
+    backward, and in a section's bwd whose later packs' stashes are all here, taken at once, no input recomputed.
     """
     homes = homes or {}
     device_updates = device_updates or {}
+    stashes = stashes or {}
     sections = sections or [()] * len(packings)
     ratios = optimizer_state_ratios or [2.0] * len(packings)
     groups = [1] * len(packings)
@@ -89,15 +94,22 @@ def replay_memory(
             if task.kind == "upd":
                 continue
             try:
-                parts = pack_tasks(task, sections[task.model], len(packings[task.model].packs))
+                packing = packings[task.model]
+                parts = pack_tasks(task, sections[task.model], len(packing.packs))
                 memory.drop_boundaries(*parts)
-                midway = _midway_input(task, parts, len(packings[task.model].packs))
+                midway = _midway_input(task, parts, len(packing.packs))
+                microbatches = None if microbatch_samples is None else _group_microbatches(
+                    microbatch_samples[task.model], groups[task.model], task.group)
+                stashing = () if task.model in homes else stashes.get(task.model, ())
+                section = section_packs(sections[task.model], len(packing.packs), task.pack)
+                keeps = task.kind == "fwd" or section[-1] == len(packing.packs) - 1  # forwards that stash
+                taken = _taken_together(memory, task, packing, section, stashing, len(microbatches or [0]))
                 for part in parts:
-                    _replay_task(memory, part, packings[task.model], task.model in homes, report,
-                                 None if microbatch_samples is None else _group_microbatches(
-                                     microbatch_samples[task.model], groups[task.model], task.group),
-                                 midway, ratios[task.model] if part.pack in device_updates.get(task.model, ())
-                                 else None)
+                    if taken is not None and part.kind == "fwd":
+                        continue  # its later packs' stashes are all here: no input recomputed
+                    _replay_task(memory, part, packing, task.model in homes, report, microbatches, midway,
+                                 ratios[task.model] if part.pack in device_updates.get(task.model, ()) else None,
+                                 stashing if part.kind == "bwd" or keeps else (), taken)
                 if task.kind == "bwd" and task.model in homes and task.model not in stateful:
                     stateful.add(task.model)
                     memory.reserve(packings[task.model].packs[task.pack].state_bytes(ratios[task.model]),
@@ -140,16 +152,37 @@ def _midway_input(task: TaskId, parts: list[TaskId], packs: int) -> tuple[TaskId
     return forwards[-1], dataclasses.replace(forwards[-1], kind="bwd", pack=forwards[-1].pack + 1)
 
 
+def _stash_key(task: TaskId, pack: int, microbatch: int) -> tuple[Any, ...]:
+    return ("stash", task.model, pack, task.span, task.group, microbatch)
+
+
+def _taken_together(memory: DeviceMemory, task: TaskId, packing: Packing, section: range, stashing: tuple[int, ...],
+                    microbatches: int) -> dict[Any, int] | None:
+    """The stashes a section's bwd (not a pass's last) takes at once, as runtime.bodies does: those of its later
+    packs, where they are all here with its packs' backward room beside them; else None."""
+    later = section[1:]
+    if task.kind != "bwd" or section[-1] == len(packing.packs) - 1 or not later or any(
+            pack not in stashing for pack in later):
+        return None
+    keys = [_stash_key(task, pack, index) for pack in later for index in range(microbatches)]
+    return memory.unstash_all(keys, max(packing.packs[pack].cost.total - packing.packs[pack].cost.prefetch
+                                        for pack in section))
+
+
 def _replay_task(
     memory: DeviceMemory, task: TaskId, packing: Packing, homed: bool, report: MemoryReport,
     microbatches: list[int] | None, midway: tuple[TaskId, TaskId] | None = None, device_update: float | None = None,
+    stashing: tuple[int, ...] = (), taken: dict[Any, int] | None = None,
 ) -> None:
     """One task's bytes on its device: its weights (pinned while it runs), its gradient buffer (a homed model's
     held for the run), each micro-batch's workspace in turn, and the boundary values it leaves for its successor
     (midway: see _midway_input). The boundaries kept for others were dropped when its section's task started.
-    device_update is the optimizer state ratio of a swapped pack updated on its device (None: on the host)."""
+    device_update is the optimizer state ratio of a swapped pack updated on its device (None: on the host).
+    stashing: the packs whose forward here keeps its activations, or whose backward takes them back (from taken,
+    where its section took them at once)."""
     pack = packing.packs[task.pack]
     key = (task.model, task.pack)
+    memory.spared = key if task.kind == "bwd" else None
     copied, _ = memory.load(key, task.span, pack.weight_bytes)
     if copied:
         report.weights_in += pack.weight_bytes
@@ -170,10 +203,17 @@ def _replay_task(
             report.kept += memory.claim(("boundary", task, index)) or 0
             if midway is not None and task == midway[1]:
                 report.kept += memory.claim(("boundary", ("input", task), index)) or 0
-        memory.reserve(pack.cost.workspace, "activations")
-        memory.release(pack.cost.workspace)
+        stash = _stash_key(task, task.pack, index)
+        found = 0
+        if task.kind == "bwd" and task.pack in stashing:
+            found = (taken.pop(stash) if taken is not None and stash in taken else memory.unstash(stash)) or 0
+        workspace = max(pack.cost.workspace - found, 0)
+        memory.reserve(workspace, "activations")
+        later = pack.cost.workspace if microbatches is not None and index + 1 < len(microbatches) else 0
+        kept = task.kind == "fwd" and task.pack in stashing and memory.stash(
+            stash, key, pack.stash_bytes, reserved=workspace, keep_free=later)
+        memory.release(workspace + found - (pack.stash_bytes if kept else 0))
         if microbatches is not None:
-            later = pack.cost.workspace if index + 1 < len(microbatches) else 0
             consumer = ("input", midway[1]) if midway is not None and task == midway[0] else None
             _keep_boundary(memory, task, packing, index, samples, later, consumer)
     if task.kind == "bwd" and not homed and device_update is not None:
@@ -184,6 +224,7 @@ def _replay_task(
     if task.kind == "bwd" and homed:
         memory.set_version(key, task.span + 1)
     memory.unpin(key)
+    memory.spared = None
 
 
 def _group_microbatches(sizes: list[int], groups: int, group: int) -> list[int]:

@@ -10,6 +10,7 @@ from harmony.tasks.packing import Packing, cut_packs
 from harmony.tasks.profile import LayerProfile, ModelProfile
 from harmony.tasks.simulator import (
     Hardware,
+    MemoryReport,
     ScheduleExceedsBudget,
     pack_tasks,
     replay_memory,
@@ -215,3 +216,32 @@ def test_a_backward_whose_stash_is_predicted_on_the_device_does_not_recompute_it
     start, end = roomy.times[TaskId("bwd", 0, 2, 1)]
     update = update_seconds(packing, range(2, 3), hardware)
     assert end - start == pytest.approx(2 * forward + update), "a backward without its recompute, and its update"
+
+
+def test_the_memory_replay_keeps_the_stashes_the_plan_makes() -> None:
+    """Six one-layer packs, two micro-batches of 4 samples, packs 0-4 stashing 512 bytes each per micro-batch
+    (Pack.stash_bytes): with room for all, the last pack's backward runs beside all ten, the peak that much higher
+    and the weights copied the same; with room for the stashes but not for caching every pack's weights too, more
+    weights come in again. In two sections ([0, 1, 2], [3, 4, 5]), the first one's bwd, its later packs stashed,
+    recomputes no input: the two boundaries per micro-batch that its forwards kept on the device are not made."""
+    packing = chain_packing(layers=6, budget=7000)
+    stash, boundary = packing.packs[0].stash_bytes, 4 * 4 * 16
+    microbatches = [[packing.microbatch_samples] * 2]
+    every = {0: (0, 1, 2, 3, 4)}
+
+    def replay(budget: int, stashes: dict[int, tuple[int, ...]] | None = None, sectioned: bool = False
+               ) -> MemoryReport:
+        tasks = 2 if sectioned else 6
+        order = {"d": span_tasks(0, tasks, 0) + span_tasks(0, tasks, 1)}
+        return replay_memory(order, [packing], {"d": budget}, microbatch_samples=microbatches,
+                             sections=[(0, 3)] if sectioned else None, stashes=stashes)
+
+    recomputing, stashing = replay(10**6), replay(10**6, every)
+    assert stashing.peak["d"] - recomputing.peak["d"] == 5 * 2 * stash
+    assert stashing.weights_in == recomputing.weights_in
+    tight = 4096 + 5 * 1024
+    recomputing, stashing = replay(tight), replay(tight, every)
+    assert stashing.peak["d"] <= tight and stashing.weights_in > recomputing.weights_in
+    recomputing = replay(10**6, sectioned=True)
+    assert replay(10**6, every, sectioned=True).kept == recomputing.kept - 2 * 2 * 2 * boundary
+    assert replay(10**6, {0: (0, 1, 3, 4)}, sectioned=True).kept == recomputing.kept, "pack 2 recomputes its input"
