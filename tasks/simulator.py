@@ -165,8 +165,13 @@ def _taken_together(memory: DeviceMemory, task: TaskId, packing: Packing, sectio
             pack not in stashing for pack in later):
         return None
     keys = [_stash_key(task, pack, index) for pack in later for index in range(microbatches)]
-    return memory.unstash_all(keys, max(packing.packs[pack].cost.total - packing.packs[pack].cost.prefetch
-                                        for pack in section))
+    return memory.unstash_all(keys, _room(packing, section))
+
+
+def _room(packing: Packing, section: range) -> int:
+    """What a section's backward holds beside the stashes it took at once: its largest pack's weights, gradients
+    and workspace (runtime.bodies._backward_bytes)."""
+    return max(packing.packs[pack].cost.total - packing.packs[pack].cost.prefetch for pack in section)
 
 
 def _replay_task(
@@ -519,8 +524,7 @@ class _Clock:
                     stash(pack)
             together: dict[Any, int] = {}
             if section[-1] != last and len(section) > 1:  # its later packs' stashes all here: no input recomputed
-                room = max(packing.packs[pack].cost.total - packing.packs[pack].cost.prefetch for pack in section)
-                together = memory.unstash_all([key(pack) for pack in section[1:]], room) or {}
+                together = memory.unstash_all([key(pack) for pack in section[1:]], _room(packing, section)) or {}
                 if together:
                     saved += sum(forward(pack) for pack in section[:-1])
             for pack in reversed(section):
