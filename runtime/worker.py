@@ -448,6 +448,8 @@ class DevicePlugin(WorkerPlugin):
         sweep(directory)  # runs whose drivers are gone, on a cluster that outlived them
         if gone(self.spec.run, directory):
             return  # the scheduler keeps a dead driver's plugin and gives it to workers that join later
+        if str(worker.name) not in {device.name for device in self.spec.devices}:
+            return  # a worker that joined the cluster after the run chose its devices: it gets none of its tasks
         RUNS[(self.spec.run, worker.address)] = RunContext(self.spec, str(worker.name))
         worker.metrics.update(device_metrics(self.spec.run))
 

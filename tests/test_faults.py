@@ -169,8 +169,8 @@ def test_a_homed_model_killed_in_the_middle_of_a_multi_step_task_takes_up_from_i
 
 @pytest.fixture
 def users_cluster(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    """A dask scheduler and dask worker processes on loopback, (nanny, workers) as the test asks: with a nanny a
-    killed worker is restarted, without one it stays dead."""
+    """A dask scheduler and dask worker processes on loopback, (nanny, workers) as the test asks, all of them
+    joined: with a nanny a killed worker is restarted, without one it stays dead."""
     nanny, workers = request.param
     port = 8900 + os.getpid() % 50
     address = f"tcp://127.0.0.1:{port}"
@@ -186,6 +186,10 @@ def users_cluster(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[st
              f"cpu-{index}", "--host", "127.0.0.1", "--no-dashboard", "--nanny" if nanny else "--no-nanny"],
             env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     try:
+        from distributed import Client
+
+        with Client(address) as client:
+            client.wait_for_workers(workers, timeout=60)  # all of them: a run's devices are those there when it starts
         yield address
     finally:
         stop(processes)
