@@ -38,23 +38,17 @@ def pack_call(module: nn.Module, name: str, compile: bool, first: int = 0, drawi
     if not compile:
         reseed(module, first, drawing)
         return lambda tensors, x: functional_call(module, tensors, (x,))
-    parts = []
-    for start, segment in _segments(module, first, drawing):
+
+    def part(segment: nn.Module, start: int) -> PackCall:
         names = [n for n, _ in (*segment.named_parameters(remove_duplicate=False), *segment.named_buffers())]
 
-        def call(tensors: dict[str, torch.Tensor], x: Any, segment: nn.Module = segment) -> Any:
+        def call(tensors: dict[str, torch.Tensor], x: Any) -> Any:
             return functional_call(segment, tensors, (x,))
 
-        parts.append((start if start in drawing else None, names, _compiled(call, f"{name}_layer_{start}")))
+        compiled = _compiled(call, f"{name}_layer_{start}")
+        return lambda tensors, x: compiled({n: tensors[n] for n in names}, x)
 
-    def segmented(tensors: dict[str, torch.Tensor], x: Any) -> Any:
-        for layer, names, part in parts:
-            if layer is not None:
-                draw(layer)
-            x = part({n: tensors[n] for n in names}, x)
-        return x
-
-    return segmented
+    return _segmented(module, first, drawing, part)
 
 
 def module_call(module: nn.Module, name: str, compile: bool, first: int = 0, drawing: tuple[int, ...] = ()
@@ -63,19 +57,30 @@ def module_call(module: nn.Module, name: str, compile: bool, first: int = 0, dra
     pack_call."""
     if not compile:
         return reseed(module, first, drawing)
-    parts = []
-    for start, segment in _segments(module, first, drawing):
 
-        def call(x: Any, segment: nn.Module = segment) -> Any:
+    def part(segment: nn.Module, start: int) -> Callable[[Any], Any]:
+        def call(x: Any) -> Any:
             return segment(x)
 
-        parts.append((start if start in drawing else None, _compiled(call, f"{name}_layer_{start}")))
+        return _compiled(call, f"{name}_layer_{start}")
 
-    def segmented(x: Any) -> Any:
-        for layer, part in parts:
+    return _segmented(module, first, drawing, part)
+
+
+def _segmented(module: nn.Module, first: int, drawing: tuple[int, ...],
+               part: Callable[[nn.Module, int], Callable[..., Any]]) -> Callable[..., Any]:
+    """module run segment by segment (_segments), each by part(segment, its first layer's chain index), each
+    drawing layer's stream begun before its segment. The call's last argument is the input; any before it go to
+    every part."""
+    parts = [(start if start in drawing else None, part(segment, start))
+             for start, segment in _segments(module, first, drawing)]
+
+    def segmented(*args: Any) -> Any:
+        *given, x = args
+        for layer, run in parts:
             if layer is not None:
                 draw(layer)
-            x = part(x)
+            x = run(*given, x)
         return x
 
     return segmented
