@@ -183,7 +183,7 @@ def execute(
         files.pull_results()
         files.copy_back(codes)
         executed = handle.client.run(_executed, run)
-        device_of = {address: name for name, address in handle.workers.items()}
+        device_of = {address: name for name, address in handle.workers.items() if name in plan.devices}
         outcome = RunOutcome(
             history=[files.history(m, files.trained(m)) for m in range(len(plan.jobs))],
             steps=[files.trained(m) for m in range(len(plan.jobs))],

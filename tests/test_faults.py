@@ -167,6 +167,20 @@ def test_a_homed_model_killed_in_the_middle_of_a_multi_step_task_takes_up_from_i
     assert [event["event"] for event in result.events] == ["worker lost", "worker joined"]
 
 
+def dask_environment() -> dict[str, str]:
+    """The environment of a test's dask processes: they import this module as pytest does, to unpickle its tasks."""
+    tests = str(Path(__file__).parent)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), tests,
+                                                                      os.environ.get("PYTHONPATH")]))}
+
+
+def dask_worker(address: str, name: str, nanny: bool) -> subprocess.Popen:
+    """A dask worker process of one thread on loopback, joining the scheduler at address."""
+    return subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_worker", address, "--nthreads", "1", "--name",
+                             name, "--host", "127.0.0.1", "--no-dashboard", "--nanny" if nanny else "--no-nanny"],
+                            env=dask_environment(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 @pytest.fixture
 def users_cluster(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     """A dask scheduler and dask worker processes on loopback, (nanny, workers) as the test asks, all of them
@@ -174,17 +188,10 @@ def users_cluster(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[st
     nanny, workers = request.param
     port = 8900 + os.getpid() % 50
     address = f"tcp://127.0.0.1:{port}"
-    tests = str(Path(__file__).parent)  # where pytest imports this module from, for the workers to unpickle it
-    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), tests,
-                                                                             os.environ.get("PYTHONPATH")]))}
     processes = [subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
                                    "--port", str(port), "--no-dashboard", "--dashboard-address", "127.0.0.1:0"],
-                                  env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
-    for index in range(workers):
-        processes.append(subprocess.Popen(
-            [sys.executable, "-m", "distributed.cli.dask_worker", address, "--nthreads", "1", "--name",
-             f"cpu-{index}", "--host", "127.0.0.1", "--no-dashboard", "--nanny" if nanny else "--no-nanny"],
-            env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                                  env=dask_environment(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    processes += [dask_worker(address, f"cpu-{index}", nanny) for index in range(workers)]
     try:
         from distributed import Client
 
@@ -249,6 +256,24 @@ def test_a_run_whose_every_device_is_gone_for_good_fails_with_a_clear_error_and_
         harmony.train(swapped_model(marker, "bwd", calls=2), batches, loss_fn=nn.functional.mse_loss, optimizer=sgd,
                       cluster=users_cluster, device_memory=24_000, microbatches=2, progress=False)
     assert os.path.exists(marker) and time.monotonic() - started < 60
+    assert not harmony_files()
+
+
+@pytest.mark.parametrize("users_cluster", [(False, 2)], ids=["two-workers-no-nanny"], indirect=True)
+def test_a_worker_that_joins_after_the_run_chose_its_devices_gets_no_part_in_it(
+    users_cluster: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from harmony import api
+
+    chosen = api.external_devices
+    monkeypatch.setattr(api, "external_devices", lambda *args: chosen(*args)[:1])  # cpu-1 "joined" after the choice
+    model = deep_mlp(seed=3)
+    reference = clones([model])[0]
+    batches = regression_batches(samples=16 * STEPS, batch=16)
+    result = harmony.train(model, batches, loss_fn=nn.functional.mse_loss, optimizer=sgd, cluster=users_cluster,
+                           device_memory=24_000, microbatches=2, progress=False)
+    assert list(result.stats.schedule) == list(result.plan.devices) == ["cpu-0"] and not result.failed
+    check_against_plain([model], [reference], batches, [sgd])
     assert not harmony_files()
 
 
