@@ -446,7 +446,7 @@ class _Clock:
                            / (self.hardware.compute_scale if pack in job.device_updates else 1.0) for pack in packs)
         copy = self._copy_seconds(task, device, submit.first, n, compute)
         if self.stash and not homed:
-            compute -= self._stashed_seconds(task, device, submit.first, n)
+            compute -= self._stashed_seconds(task, device, n)
         end = start + self.hardware.task_overhead + compute + copy
         self.times[task] = (start, end)
         self.order[device].append(task)
@@ -470,24 +470,22 @@ class _Clock:
         self.host_free_at[device] = end
         heapq.heappush(self.events, (end, len(self.times), task))
 
-    def _stashed_seconds(self, task: TaskId, device: str, first: int, samples: int) -> float:
-        """The forwards a task's backward does not recompute: those of its packs whose stash (runtime.stash) is
-        still on the device. A fwd task (and the forward a pass's last section runs in its bwd) stashes each pack's
-        activations (Pack.stash_bytes per micro-batch) where reserving them beside what the task holds (its
-        weights unless this clock holds them, and the workspace) evicts only weights and older stashes; a bwd first
-        reserves each pack's weights, gradients and workspace (which may evict stashes, its own last), then takes
-        its stash. A section's bwd (not a pass's last) whose later packs' stashes are all here, with the room its
-        backward needs beside them, takes them at once and recomputes none of their inputs. The task's weights stay
-        while it runs."""
+    def _stashed_seconds(self, task: TaskId, device: str, samples: int) -> float:
+        """The forwards a task's backward does not recompute: those of its packs' micro-batches whose stash
+        (runtime.stash) is still on the device. A fwd task (and the forward a pass's last section runs in its bwd)
+        stashes each pack's micro-batches' activations (Pack.stash_bytes each), as many as reserving them beside
+        what the task holds (its weights unless this clock holds them, and the workspace) evicts only weights and
+        older stashes; a bwd first reserves each pack's weights, gradients and workspace (which may evict stashes,
+        its own last), then takes its stashes. A section's bwd (not a pass's last) whose later packs' stashes are all
+        here, with the room its backward needs beside them, takes them at once and recomputes none of their inputs
+        (_taken_together, as the memory replay does). The task's weights stay while it runs."""
         job = self.jobs[task.model]
         packing = job.packing
         memory = self.memory[device]
         last = len(packing.packs) - 1
         section = job.section(task.pack)
-        microbatches = -(-samples // packing.microbatch_samples)
-
-        def key(pack: int) -> tuple[Any, ...]:
-            return ("stash", task.model, pack, first, task.group)
+        sizes = [min(packing.microbatch_samples, samples - start)
+                 for start in range(0, samples, packing.microbatch_samples)]
 
         def working(pack: int, backward: bool) -> int:
             """What the task holds for pack beside stashes, less its weights where this clock holds them already (a
@@ -504,14 +502,18 @@ class _Clock:
                 return False
             return True
 
-        def forward(pack: int) -> float:
-            return packing.packs[pack].forward_seconds_per_sample * samples / self.hardware.compute_scale
+        def forward(pack: int, microbatch: int) -> float:
+            return packing.packs[pack].forward_seconds_per_sample * sizes[microbatch] / self.hardware.compute_scale
 
         def stash(pack: int) -> None:
-            nbytes, held = microbatches * packing.packs[pack].stash_bytes, working(pack, False)
-            if hold(held + nbytes, pack):
+            """As many of the pack's micro-batches' stashes as fit, from its first (a failed reservation evicts
+            nothing, and a stash of its own is never evicted for another)."""
+            nbytes, held = packing.packs[pack].stash_bytes, working(pack, False)
+            kept = next((count for count in range(len(sizes), 0, -1) if hold(held + count * nbytes, pack)), 0)
+            if kept:
                 memory.release(held)
-                memory.stash(key(pack), (task.model, pack), nbytes, nbytes, 0)
+            for index in range(kept):
+                memory.stash(_stash_key(task, pack, index), (task.model, pack), nbytes, nbytes, 0)
 
         saved = 0.0
         with _pinned(memory, [(task.model, pack) for pack in section]):
@@ -522,21 +524,21 @@ class _Clock:
             if section[-1] == last:  # this bwd runs the step's forward: its packs but the last stash there
                 for pack in section[:-1]:
                     stash(pack)
-            together: dict[Any, int] = {}
-            if section[-1] != last and len(section) > 1:  # its later packs' stashes all here: no input recomputed
-                together = memory.unstash_all([key(pack) for pack in section[1:]], _room(packing, section)) or {}
-                if together:
-                    saved += sum(forward(pack) for pack in section[:-1])
+            together = _taken_together(memory, task, packing, section, tuple(section), len(sizes)) or {}
+            if together:  # its later packs' stashes all here: no input recomputed
+                saved += sum(forward(pack, index) for pack in section[:-1] for index in range(len(sizes)))
             for pack in reversed(section):
                 needed = working(pack, True)
                 if hold(needed, pack):
                     memory.release(needed)
-                taken = together.pop(key(pack)) if key(pack) in together else memory.unstash(key(pack))
-                if taken is not None:
-                    memory.release(taken)
-                    if pack != last:
-                        self.stashed.setdefault(task.model, set()).add(pack)
-                        saved += forward(pack)
+                for index in range(len(sizes)):
+                    key = _stash_key(task, pack, index)
+                    taken = together.pop(key) if key in together else memory.unstash(key)
+                    if taken is not None:
+                        memory.release(taken)
+                        if pack != last:
+                            self.stashed.setdefault(task.model, set()).add(pack)
+                            saved += forward(pack, index)
         return saved
 
     def _copy_seconds(self, task: TaskId, device: str, first: int, samples: int, compute: float) -> float:

@@ -186,12 +186,12 @@ def test_a_section_whose_later_packs_stashes_are_predicted_recomputes_none_of_th
     """Six one-layer packs in two sections ([0, 1, 2], [3, 4, 5]): the first section's bwd recomputes the inputs of
     packs 1 and 2 (the forwards of packs 0 and 1) unless both their stashes are on the device, with the room its
     backward needs beside them. With room for every stash, a step saves those 2 forwards beside the 5 packs' own;
-    with room for packs 3 and 4 only, their 2."""
+    with room for packs 3 and 4 only, their 2; with room for one micro-batch of pack 4's two, half its forward."""
     packing = chain_packing(layers=6, budget=7000)
     assert len(packing.packs) == 6
     forward = packing.packs[0].forward_seconds_per_sample * 8
     hardware = Hardware(task_overhead=0.0)
-    for budget, saved in ((10**6, 5 + 2), (4096 + 2 * 1024, 2), (4096 + 1024 - 1, 0)):
+    for budget, saved in ((10**6, 5 + 2), (4096 + 2 * 1024, 2), (4096 + 512, 0.5), (4096 + 512 - 1, 0)):
         runs = [simulate([packing], [3], [8], {"d": budget}, hardware, sections=[(0, 3)], stash=stash)
                 for stash in (False, True)]
         assert runs[0].makespan - runs[1].makespan == pytest.approx(3 * saved * forward), budget
@@ -199,18 +199,19 @@ def test_a_section_whose_later_packs_stashes_are_predicted_recomputes_none_of_th
 
 def test_a_backward_whose_stash_is_predicted_on_the_device_does_not_recompute_its_forward() -> None:
     """A pack's stash is half its workspace less its largest weight per micro-batch (here 2 x 512 bytes) and a
-    backward first holds its weights, gradients and workspace (4,096): each 1,024 bytes of room beside that keep one
-    more pack's stash, the last fwd's first; with none, every pack recomputes."""
+    backward first holds its weights, gradients and workspace (4,096): each 512 bytes of room beside that keep one
+    more micro-batch's stash, the last fwd's first, each saving its half of the pack's forward; with none, every pack
+    recomputes."""
     packing = chain_packing(layers=6, budget=7000)
     forward = packing.packs[0].forward_seconds_per_sample * 8
     hardware = Hardware(task_overhead=0.0)
-    assert packing.packs[0].stash_bytes == (2048 - 1024) // 2
-    for budget, stashed in ((10**6, range(5)), (4096 + 5 * 1024, range(5)), (4096 + 2 * 1024, (3, 4)),
-                            (4096 + 1024, (4,)), (4096 + 1024 - 1, ())):
-        saved = 3 * len(stashed)
+    assert packing.packs[0].stash_bytes == (2048 - 1024) // 2 and packing.microbatch_samples == 4
+    for budget, halves, stashed in ((10**6, 10, range(5)), (4096 + 5 * 1024, 10, range(5)),
+                                    (4096 + 2 * 1024 + 512, 5, (2, 3, 4)), (4096 + 2 * 1024, 4, (3, 4)),
+                                    (4096 + 1024, 2, (4,)), (4096 + 512, 1, (4,)), (4096 + 512 - 1, 0, ())):
         recomputing = simulate([packing], [3], [8], {"d": budget}, hardware, stash=False)
         stashing = simulate([packing], [3], [8], {"d": budget}, hardware)
-        assert recomputing.makespan - stashing.makespan == pytest.approx(saved * forward), budget
+        assert recomputing.makespan - stashing.makespan == pytest.approx(3 * halves * forward / 2), budget
         assert stashing.stashed == ({0: set(stashed)} if stashed else {})
     roomy = simulate([packing], [3], [8], {"d": 10**6}, hardware)
     start, end = roomy.times[TaskId("bwd", 0, 2, 1)]
