@@ -97,10 +97,12 @@ def task_body(kind: str, host: bool = False) -> Callable[[Callable[..., Result]]
             if host:
                 secede()
                 began = time.time()
+                ctx.counters.updating(model, True)  # a death beside it may be its doing (tasks.binding)
                 try:
                     with _failures(model, where, ModelFailure, Reschedule), ctx.profiler.task(key, model, first):
                         return body(ctx, model, pack, span, *received, group=group, first=first, steps=steps)
                 finally:
+                    ctx.counters.updating(model, False)
                     ctx.timeline.append((key, began, time.time(), 0.0))
             ctx.successor = successor
             ctx.use_threads()

@@ -86,7 +86,7 @@ class Driver:
         on_checkpoint: Callable[[int, int], None] | None = None,
         validation: list[list[tuple[Any, Any]] | None] | None = None,
         metrics: Metrics = None,
-        executing: Callable[[str], int | None] | None = None,
+        executing: Callable[[str], frozenset[int] | None] | None = None,
     ) -> None:
         self.client = client
         self.run = run
@@ -156,8 +156,8 @@ class Driver:
             raise RuntimeError("harmony driver: no task in flight and none ready before training finished")
         return None
 
-    def _executing(self, device: str) -> int | None:
-        """The job whose task a lost device's worker was executing, as it marked it (None where unknown)."""
+    def _executing(self, device: str) -> frozenset[int] | None:
+        """The jobs a lost device's worker was busy with, as it marked them (None where unknown)."""
         if self.executing is None:
             return None
         try:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from harmony.runtime.code import JobCode, named_state
-from harmony.runtime.counters import BLOCK_BYTES, Counters
+from harmony.runtime.counters import Counters, block_bytes
 from harmony.runtime.hoststore import HostStore, tensors_at
 from harmony.runtime.machines import RemoteStore
 from harmony.runtime.scaler import Scaler, Settings
@@ -230,7 +230,7 @@ class RunFiles:
             if job.scaled:
                 Scaler.create(store, m, len(runtime.packs), job.groups, self.settings)
         for index, store in enumerate(self.device_stores):
-            store.create(counters_name(index), BLOCK_BYTES)
+            store.create(counters_name(index), block_bytes(len(self.plan.jobs)))
 
     def open_step(self, model: int, step: int) -> None:
         """A job's step is about to be fetched: its loss block exists once its first step is."""
@@ -279,20 +279,18 @@ class RunFiles:
 
     def counters(self) -> dict[str, dict[str, int]]:
         """Per device, what its worker last published."""
-        return {name: self._counters(index) for index, (name, _) in enumerate(self.plan.budgets)}
+        return {name: self._counter_block(index).read() for index, (name, _) in enumerate(self.plan.budgets)}
 
-    def _counters(self, device: int) -> dict[str, int]:
-        """What the device's worker last published."""
-        return Counters(self.device_stores[device].attach(counters_name(device), BLOCK_BYTES)).read()
+    def _counter_block(self, device: int) -> Counters:
+        return Counters(self.device_stores[device].attach(counters_name(device), block_bytes(len(self.plan.jobs))))
 
-    def executing(self, device: str) -> int | None:
-        """The job whose task the device's worker was executing when it last marked one (None: none, or a device
-        on a machine whose store the driver does not map)."""
+    def executing(self, device: str) -> frozenset[int] | None:
+        """The jobs the device's worker was busy with when it last marked them: its task thread's and those whose
+        host updates ran beside it (None: a device on a machine whose store the driver does not map)."""
         index = [name for name, _ in self.plan.budgets].index(device)
         if isinstance(self.device_stores[index], RemoteStore):
             return None
-        job = self._counters(index)["executing"]
-        return job - 1 if job > 0 else None
+        return frozenset(self._counter_block(index).busy_jobs())
 
     def copy_back(self, codes: list[JobCode]) -> None:
         """Write the trained weights (and buffers) from the host store into the user's modules, in place: the

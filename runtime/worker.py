@@ -25,7 +25,7 @@ from harmony.runtime import serialization  # noqa: F401  (tensor serializers on 
 from harmony.runtime.allocator import keep_freed_memory
 from harmony.runtime.cache import DeviceCache, Source
 from harmony.runtime.compiled import PackCall, pack_call
-from harmony.runtime.counters import BLOCK_BYTES, IN_KINDS, OUT_KINDS, Counters
+from harmony.runtime.counters import IN_KINDS, OUT_KINDS, Counters, block_bytes
 from harmony.runtime.divergence import Members
 from harmony.runtime.files import (
     MIRROR_HEADER,
@@ -68,7 +68,7 @@ class RunContext:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.store = HostStore(spec.run, spec.store_directory, pin=self.device.type == "cuda")
-        counters = Counters(self.store.attach(counters_name(self.device_index), BLOCK_BYTES))
+        counters = Counters(self.store.attach(counters_name(self.device_index), block_bytes(len(spec.models))))
         self.cache = DeviceCache(
             self.device_spec.name, self.device, self.device_spec.budget, counters, self.device_spec.link_bandwidth
         )

@@ -305,10 +305,10 @@ class BindingState:
         self.device_names.remove(device)
         del self.memory[device]
         running = self.running.pop(device)
-        # what it was executing when it died, and so may have killed it: as its worker marked it, or else its first
-        # task, as the worker runs them in order
-        if event.executing is not None:
-            suspects = {event.executing}
+        # what it was busy with when it died, and so may have killed it: as its worker marked it (its task thread's
+        # job and those updating beside it), or else its first task, as the worker runs them in order
+        if event.executing:
+            suspects = set(event.executing)
         else:
             suspects = {min(running, key=running.__getitem__).model} if running else set()
         affected = (suspects
@@ -333,7 +333,8 @@ class BindingState:
                 del self.evaluating[model]
                 self.evaluations_owed[model] = evaluation.step
                 redone.setdefault(model, f"its evaluation at step {evaluation.step}")
-        self.events.append({"at": event.at, "event": "worker lost", "device": device, "jobs redone": redone})
+        self.events.append({"at": event.at, "event": "worker lost", "device": device, "suspects": sorted(suspects),
+                            "jobs redone": redone})
         return instructions + self._advance()
 
     def _worker_joined(self, event: WorkerJoined) -> list[Instruction]:

@@ -55,12 +55,13 @@ class StepTimed:
 
 @dataclass(frozen=True)
 class WorkerLost:
-    """The scheduler lost the worker of a device (its process died, or it left); executing is the job whose task it
-    was executing then, where the driver could read it (the worker marks it in its host store)."""
+    """The scheduler lost the worker of a device (its process died, or it left); executing holds the jobs it was busy
+    with then, where the driver could read them (the worker marks them in its host store): its task thread's, and
+    those whose updates ran on a host thread beside it."""
 
     device: str
     at: float
-    executing: int | None = None
+    executing: frozenset[int] | None = None
 
 
 @dataclass(frozen=True)

@@ -456,8 +456,22 @@ def test_a_lost_worker_counts_against_the_job_whose_task_it_marked_as_executing(
     player.carry_out(state.start())
     queued = [submit.task for submit in player.in_flight if submit.device == "a"]
     other = 1 - queued[0].model
-    player.handle(WorkerLost("a", 1.0, executing=other))
+    player.handle(WorkerLost("a", 1.0, executing=frozenset({other})))
     assert dict(state.losses) == {other: 1}
+    assert state.events[-1]["suspects"] == [other]
+
+
+def test_a_lost_worker_counts_against_every_job_it_marked_busy_its_tasks_and_its_host_updates() -> None:
+    """A job's update on a host thread beside the device may be what killed the worker, as much as the task its
+    task thread executed: each job the worker marked counts, no job it did not mark (nor its first task's)."""
+    state = BindingState([job(10), job(10), job(10)], {"a": 1000, "b": 1000}, validate=True)
+    player = Player(state, {0: 2, 1: 2, 2: 2})
+    player.carry_out(state.start())
+    first = next(submit.task.model for submit in player.in_flight if submit.device == "a")
+    busy = frozenset(range(3)) - {first}
+    player.handle(WorkerLost("a", 1.0, executing=busy))
+    assert dict(state.losses) == dict.fromkeys(busy, 1)
+    assert state.events[-1]["suspects"] == sorted(busy)
 
 
 def test_a_job_lost_with_its_device_again_and_again_fails_alone() -> None:

@@ -146,7 +146,42 @@ def test_a_worker_killed_during_an_update_leaves_the_weights_it_was_writing_inta
     assert Path(marker).read_text() == "update"
     assert all(job.overlap == overlap and job.device_update == (update_on == "device") for job in result.plan.jobs)
     check_against_plain(models, references, batches, [sgd, sgd])
-    assert [event["event"] for event in result.events].count("worker lost") == 1
+    lost = [event for event in result.events if event["event"] == "worker lost"]
+    assert len(lost) == 1 and 0 in lost[0]["suspects"], "the job whose update died is a suspect, on any thread"
+
+
+class MarkReadingSGD(torch.optim.SGD):
+    """SGD that, in a host update (an upd task), appends to record how many host updates of job its worker has
+    marked running (runtime.counters), as a driver would read them if the worker died then."""
+
+    def __init__(self, params: object, record: str, job: int, **options: object) -> None:
+        super().__init__(params, **options)  # type: ignore[arg-type]
+        self.record = record
+        self.job = job
+
+    @torch.no_grad()
+    def step(self, closure: object = None) -> None:  # type: ignore[override]
+        key = on_worker_task()
+        if key is not None and key.startswith("upd"):
+            from harmony.runtime.counters import NAMES
+            from harmony.runtime.worker import RUNS
+
+            (context,) = RUNS.values()
+            with open(self.record, "a") as handle:
+                handle.write(f"{context.counters.shared[len(NAMES) + self.job].item()}\n")
+        super().step()
+
+
+def test_a_host_update_is_marked_on_its_worker_while_it_runs(tmp_path: Path, no_leaks: None) -> None:
+    """What lets a lost worker's death count against a job whose update ran beside the device (tasks.binding)."""
+    record = str(tmp_path / "marks")
+    models = [deep_mlp(seed=1), deep_mlp(seed=2)]
+    factories = [lambda p: MarkReadingSGD(p, record, 0, lr=0.05, momentum=0.9), sgd]
+    harmony.train(models, regression_batches(samples=16 * 3, batch=16), loss_fn=nn.functional.mse_loss,
+                  optimizer=factories, microbatches=2, devices=["cpu", "cpu"], device_memory=24_000, progress=False,
+                  fuse=False, overlap_update=True)
+    marks = Path(record).read_text().split()
+    assert len(marks) >= 3 and all(int(mark) >= 1 for mark in marks), marks
 
 
 def test_a_homed_model_killed_in_the_middle_of_a_multi_step_task_takes_up_from_its_last_task(
