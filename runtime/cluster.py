@@ -33,6 +33,7 @@ from distributed.deploy.spec import ProcessInterface, SpecCluster
 
 from harmony.runtime.devices import DeviceSpec, capacity, cpu_count, threads_per_device
 from harmony.runtime.hoststore import identity
+from harmony.runtime.orphans import driver_environment
 
 WORKER_START_TIMEOUT = 120
 LOOPBACK = "127.0.0.1"
@@ -136,6 +137,7 @@ class DeviceWorkerProcess(ProcessInterface):
             "DASK_DISTRIBUTED__WORKER__DAEMON": "False",
             "DASK_LOGGING__DISTRIBUTED": os.environ.get("DASK_LOGGING__DISTRIBUTED", "warning"),
             **config_environment(self.config),
+            **driver_environment(),
         }
         self.process = await asyncio.create_subprocess_exec(
             sys.executable,

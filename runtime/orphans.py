@@ -23,6 +23,7 @@ from harmony.runtime.hoststore import PREFIX, HostStore, freeze, shm_directory
 
 OWNER = "owner"
 WATCH_INTERVAL = 0.5
+DRIVER = "HARMONY_DRIVER_PID"
 
 
 def claim(store: HostStore) -> None:
@@ -77,10 +78,16 @@ def sweep(directory: Path | None = None) -> list[str]:
     return removed
 
 
+def driver_environment() -> dict[str, str]:
+    """The environment by which an embedded worker knows its driver (watch_parent)."""
+    return {DRIVER: str(os.getpid())}
+
+
 def watch_parent(interval: float = WATCH_INTERVAL) -> threading.Thread:
     """In an embedded worker: a thread that, once the process that started this one is gone, removes the files
-    of runs whose owner is gone and ends this process."""
-    parent = os.getppid()
+    of runs whose owner is gone and ends this process. That process is the driver its environment names: a driver
+    that ended while the worker started has left it to another parent before this runs."""
+    parent = int(os.environ.get(DRIVER, os.getppid()))
 
     def watch() -> None:
         while os.getppid() == parent and psutil.pid_exists(parent):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -60,3 +61,42 @@ def test_a_run_on_a_users_cluster_sweeps_the_files_of_runs_whose_drivers_were_ki
         assert not list(stale.directory.glob("harmony-stale-cluster-*"))
     finally:
         stale.unlink_all()
+
+
+ORPHANED_AT_BIRTH = """
+import subprocess, sys, os
+from harmony.runtime.orphans import driver_environment
+worker = '''
+import time
+time.sleep(1.0)  # its driver has ended by now: this process belongs to another parent
+from harmony.runtime.orphans import watch_parent
+watch_parent(0.05)
+time.sleep(60)
+'''
+child = subprocess.Popen([sys.executable, "-c", worker], env={**os.environ, **driver_environment()},
+                         start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+print(child.pid, flush=True)
+"""
+
+
+def test_a_worker_whose_driver_ended_before_its_watchdog_started_ends_at_once() -> None:
+    """A driver killed while its embedded workers start: each worker's watchdog starts after the worker was handed
+    to another parent, and watches the driver the environment names, not that parent."""
+    import psutil
+
+    started = subprocess.run([sys.executable, "-c", ORPHANED_AT_BIRTH], capture_output=True, text=True, check=True)
+    worker = psutil.Process(int(started.stdout))
+
+    def running() -> bool:
+        try:
+            return worker.status() != psutil.STATUS_ZOMBIE  # a zombie has ended, whether or not it is reaped yet
+        except psutil.NoSuchProcess:
+            return False
+
+    deadline = time.monotonic() + 10  # its 1 s sleep, its imports, a watch interval
+    while running() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    alive = running()
+    if alive:
+        worker.kill()
+    assert not alive, "the worker outlived its driver by 10 s"
