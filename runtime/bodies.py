@@ -330,7 +330,8 @@ def _section_stashes(ctx: RunContext, model: int, section: range, step: int, gro
 
 def _backward_bytes(ctx: RunContext, model: int, pack: int) -> int:
     """What a pack's backward holds on its device: its weights (and those it borrows), gradients, workspace and,
-    updated there, its optimizer state."""
+    updated there, its optimizer state; over its buffers' real sizes, where the simulator counts the plan's
+    (tasks.simulator._backward_bytes)."""
     spec = ctx.spec.models[model]
     runtime = spec.packs[pack]
     lenders = {lender for _, lender, _ in runtime.borrowed}

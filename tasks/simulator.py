@@ -103,7 +103,8 @@ def replay_memory(
                 stashing = () if task.model in homes else stashes.get(task.model, ())
                 section = section_packs(sections[task.model], len(packing.packs), task.pack)
                 keeps = task.kind == "fwd" or section[-1] == len(packing.packs) - 1  # forwards that stash
-                taken = _taken_together(memory, task, packing, section, stashing, len(microbatches or [0]))
+                taken = _taken_together(memory, task, packing, section, stashing, len(microbatches or [0]),
+                                        device_updates.get(task.model, ()), ratios[task.model])
                 for part in parts:
                     if taken is not None and part.kind == "fwd":
                         continue  # its later packs' stashes are all here: no input recomputed
@@ -157,21 +158,28 @@ def _stash_key(task: TaskId, pack: int, microbatch: int) -> tuple[Any, ...]:
 
 
 def _taken_together(memory: DeviceMemory, task: TaskId, packing: Packing, section: range, stashing: tuple[int, ...],
-                    microbatches: int) -> dict[Any, int] | None:
+                    microbatches: int, updated: tuple[int, ...], state_ratio: float) -> dict[Any, int] | None:
     """The stashes a section's bwd (not a pass's last) takes at once, as runtime.bodies does: those of its later
-    packs, where they are all here with its packs' backward room beside them; else None."""
+    packs, where they are all here with its packs' backward room beside them (updated: the packs whose optimizer
+    steps on the device, with state_ratio); else None."""
     later = section[1:]
     if task.kind != "bwd" or section[-1] == len(packing.packs) - 1 or not later or any(
             pack not in stashing for pack in later):
         return None
     keys = [_stash_key(task, pack, index) for pack in later for index in range(microbatches)]
-    return memory.unstash_all(keys, _room(packing, section))
+    room = max(_backward_bytes(packing, pack, state_ratio if pack in updated else None) for pack in section)
+    return memory.unstash_all(keys, room)
 
 
-def _room(packing: Packing, section: range) -> int:
-    """What a section's backward holds beside the stashes it took at once: its largest pack's weights, gradients
-    and workspace (runtime.bodies._backward_bytes)."""
-    return max(packing.packs[pack].cost.total - packing.packs[pack].cost.prefetch for pack in section)
+def _backward_bytes(packing: Packing, index: int, state_ratio: float | None) -> int:
+    """What a pack's backward holds on its device, as the plan counts it: its weights and those it borrows, its
+    gradients, workspace and, where its optimizer steps there (state_ratio), its optimizer state. The runtime counts
+    the same over its buffers' real sizes (runtime.bodies._backward_bytes)."""
+    pack = packing.packs[index]
+    lenders = {owner for _, owner, _ in pack.borrowed}
+    state = pack.state_bytes(state_ratio) if state_ratio is not None else 0
+    return (pack.cost.weights + sum(packing.packs[lender].cost.weights for lender in lenders) + pack.cost.grads
+            + pack.cost.workspace + state)
 
 
 def _replay_task(
@@ -524,7 +532,8 @@ class _Clock:
             if section[-1] == last:  # this bwd runs the step's forward: its packs but the last stash there
                 for pack in section[:-1]:
                     stash(pack)
-            together = _taken_together(memory, task, packing, section, tuple(section), len(sizes)) or {}
+            together = _taken_together(memory, task, packing, section, tuple(section), len(sizes), job.device_updates,
+                                       job.state_ratio) or {}
             if together:  # its later packs' stashes all here: no input recomputed
                 saved += sum(forward(pack, index) for pack in section[:-1] for index in range(len(sizes)))
             for pack in reversed(section):

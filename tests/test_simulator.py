@@ -246,3 +246,26 @@ def test_the_memory_replay_keeps_the_stashes_the_plan_makes() -> None:
     recomputing = replay(10**6, sectioned=True)
     assert replay(10**6, every, sectioned=True).kept == recomputing.kept - 2 * 2 * 2 * boundary
     assert replay(10**6, {0: (0, 1, 3, 4)}, sectioned=True).kept == recomputing.kept, "pack 2 recomputes its input"
+
+
+def test_a_section_takes_its_later_packs_stashes_at_once_only_with_room_for_its_backward_and_device_state() -> None:
+    """The first section's bwd of six packs in two sections finds packs 1 and 2's stashes (2 micro-batches each):
+    it takes them only where its largest pack's backward (weights, gradients, workspace: 4,096 bytes), and, where
+    its optimizer steps on the device, that pack's state (2 x its gradients), fit beside them, as the runtime
+    counts (runtime.bodies._backward_bytes)."""
+    from harmony.tasks.memory import DeviceMemory
+    from harmony.tasks.simulator import _stash_key, _taken_together
+
+    packing = chain_packing(layers=6, budget=7000)
+    task, stash = TaskId("bwd", 0, 0, 0), packing.packs[0].stash_bytes
+    stashes = 2 * 2 * stash
+    for updated, room in (((), 4096), ((0, 1, 2), 4096 + 2 * 1024)):
+        for budget, taken in ((stashes + room, True), (stashes + room - 1, False)):
+            memory = DeviceMemory("d", budget)
+            for pack in (1, 2):
+                for index in (0, 1):
+                    memory.reserve(stash, "activations")
+                    assert memory.stash(_stash_key(task, pack, index), (0, pack), stash, stash, 0)
+            together = _taken_together(memory, task, packing, range(3), (1, 2), 2, updated, 2.0)
+            assert (together is not None) == taken, (updated, budget)
+            assert len(together or {}) == (4 if taken else 0)
