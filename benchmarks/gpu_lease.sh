@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# A lent GPU machine's checks, in stages that each fit one call of the device tool (10 minutes).
+#
+# The lent machine has torch, pytest, psutil, msgpack and cloudpickle, no network, and none of dask's packages:
+# `wheels` (here, with network) downloads them for its Python into .whl/ (ignored by git: carry it), and every
+# other stage (there) installs them and the repository without network first. Results go to $OUT (the files the
+# device tool brings back), else to benchmarks/results/.
+#
+#   bash benchmarks/gpu_lease.sh wheels                 # here, once
+#   bash benchmarks/gpu_lease.sh tests                  # there: tests/test_gpu.py
+#   bash benchmarks/gpu_lease.sh swap|copies|update|sweep|peers|all
+set -euo pipefail
+cd "$(dirname "$0")/.."
+stage="${1:?a stage: wheels, tests, swap, copies, update, sweep, peers or all}"
+python=python3
+wheels=(dask==2026.8.0 distributed==2026.8.0 bokeh==3.9.2 tornado==6.6.1 partd==1.4.2 locket==1.0.0 tblib==3.2.2
+        zict==3.0.0 xyzservices==2026.9.1 dask-cuda)
+
+if [[ "$stage" == wheels ]]; then
+    mkdir -p .whl
+    "$python" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        -d .whl "${wheels[@]}"
+    ls .whl
+    exit
+fi
+
+out="${OUT:-benchmarks/results}"
+mkdir -p "$out"
+"$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+"$python" -m pip install -q --no-index --no-deps --no-build-isolation -e .  # harmony.runtime maps to runtime/
+export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+"$python" -c "import torch; assert torch.cuda.is_available(), 'no GPU here'; print(torch.cuda.get_device_name(0))"
+
+run() {  # run NAME SECONDS COMMAND...: its output to $out/NAME.log, its JSON to $out/NAME.json
+    local name="$1" seconds="$2"
+    shift 2
+    echo "== $name (at most $seconds s)"
+    timeout "$seconds" "$@" 2>&1 | tee "$out/$name.log" | tail -40 || echo "== $name: exit ${PIPESTATUS[0]}"
+}
+
+case "$stage" in
+    tests) run tests 540 "$python" -m pytest -q -p no:cacheprovider tests/test_gpu.py ;;
+    swap) run gpu_swap 540 "$python" -m benchmarks.gpu_swap --batches 4096,16384 --microbatch 1024 \
+              --out "$out/gpu_swap.json" ;;
+    copies) run gpu_copies 240 "$python" -m benchmarks.gpu_copies --out "$out/gpu_copies.json" ;;
+    update) run device_update 540 "$python" -m benchmarks.device_update --device cuda:0 \
+                --out "$out/device_update.json" ;;
+    sweep) run gpu_sweep 540 "$python" -m benchmarks.gpu_sweep --out "$out/gpu_sweep.json" ;;
+    peers) run gpu_peers 540 "$python" -m benchmarks.gpu_peers --out "$out/gpu_peers.json" ;;
+    all)
+        run tests 300 "$python" -m pytest -q -p no:cacheprovider -x tests/test_gpu.py
+        run gpu_copies 60 "$python" -m benchmarks.gpu_copies --out "$out/gpu_copies.json"
+        run gpu_swap 220 "$python" -m benchmarks.gpu_swap --batches 16384 --microbatch 1024 --ways "as planned" \
+            --out "$out/gpu_swap.json"
+        ;;
+    *) echo "unknown stage $stage" >&2; exit 2 ;;
+esac
