@@ -270,14 +270,16 @@ def store() -> Iterator[HostStore]:
 
 
 def stop(processes: list[subprocess.Popen]) -> None:
-    """End processes a test started (scheduler, workers): terminated in reverse order, killed after 30 s."""
+    """End processes a test started (a scheduler, then its workers): each terminated in reverse order once the one
+    before has ended, killed after 30 s. A worker ends at once while its scheduler answers; terminated together, a
+    worker that finds its scheduler gone first may wait out distributed's connect timeout (30 s) before it ends."""
     for process in reversed(processes):
         process.terminate()
-    for process in processes:
         try:
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             process.kill()
+            process.wait()
 
 
 def cross_device_reads(schedule: dict[str, list[str]]) -> int:
