@@ -1,5 +1,6 @@
 """A live progress display for a terminal or a notebook: steps with rate and time left, each model's latest loss and
-validation loss, the devices' busy share, and a line of its own for each model that stops.
+validation loss, the devices' busy share, and a line of its own for each model that stops and each device worker
+lost or joined.
 
 With tqdm installed (a dependency of transformers; ``pip install tqdm``) it is a tqdm bar (``tqdm.auto``: a widget
 in Jupyter) counting model-steps, with one status row per model (the best ROWS when there are more) under it;
@@ -14,6 +15,7 @@ import time
 from typing import Any, TextIO
 
 from harmony.runtime.view import RunView, model_name
+from harmony.tasks.runplan import Job
 
 REASON_CHARS = 100
 ROWS = 8
@@ -34,6 +36,36 @@ def newly_stopped(view: RunView, reported: set[int]) -> list[str]:
         lines.append(f"harmony: model {model} stopped at step {step}: {reason}")
         reported.add(model)
     return lines
+
+
+def event_line(event: dict[str, Any], jobs: list[Job]) -> str | None:
+    """A line for a device worker lost or joined (the binding state's events), or None for another event."""
+    at = f"{float(event['at']):.1f} s into the run"
+    if event["event"] == "worker joined":
+        return f"harmony: {event['device']}'s worker joined {at}"
+    if event["event"] != "worker lost":
+        return None
+    line = f"harmony: {event['device']}'s worker was lost {at}"
+    if event["suspects"]:
+        line += ", busy with " + ", ".join(jobs[job].label for job in event["suspects"])
+    redone = [f"{jobs[job].label}: {where}" if where.startswith("its ") else f"{jobs[job].label} on {where}"
+              for job, where in event["jobs redone"].items()]
+    return line + ("; redoing " + ", ".join(redone) if redone else "")
+
+
+class Announcements:
+    """What a display writes once above itself, as it happens: each model that stopped, each device worker lost or
+    joined."""
+
+    def __init__(self) -> None:
+        self.stopped: set[int] = set()
+        self.events = 0
+
+    def __call__(self, view: RunView) -> list[str]:
+        lines = newly_stopped(view, self.stopped)
+        events = view.state.events[self.events:]
+        self.events += len(events)
+        return lines + [line for event in events if (line := event_line(event, view.state.jobs)) is not None]
 
 
 def model_rows(view: RunView, names: list[str] | None = None) -> list[tuple[float, str]]:
@@ -60,7 +92,8 @@ def busy_share(view: RunView) -> float | None:
 
 class ProgressLine:
     """Rewrites one line on a stream: steps done by all models, tasks run, the best loss, models stopped, elapsed
-    time. A model that stops (its loss no longer finite, or its own code raised) is written once above the line."""
+    time. A model that stops (its loss no longer finite, or its own code raised) and a device worker lost or joined
+    are written once above the line."""
 
     def __init__(self, stream: TextIO | None = None, interval: float = 0.2, names: list[str] | None = None) -> None:
         self.stream = stream or sys.stderr
@@ -68,7 +101,7 @@ class ProgressLine:
         self.names = names
         self.started = time.perf_counter()
         self.last = 0.0
-        self.reported: set[int] = set()
+        self.announcements = Announcements()
 
     def __call__(self, view: RunView) -> None:
         state = view.state
@@ -76,11 +109,12 @@ class ProgressLine:
         if now - self.last < self.interval and not state.finished:
             return
         self.last = now
-        for line in newly_stopped(view, self.reported):
+        for line in self.announcements(view):
             self.stream.write(f"\r{line}\033[K\n")
         done, total = state.model_steps()
         models = sum(len(job.members) for job in state.jobs)
-        failures = f", {len(self.reported)} stopped" if self.reported else ""
+        stopped = self.announcements.stopped
+        failures = f", {len(stopped)} stopped" if stopped else ""
         rows = sorted(model_rows(view, self.names))
         best = f", best {rows[0][1]}" if rows and math.isfinite(rows[0][0]) else ""
         self.stream.write(
@@ -103,8 +137,8 @@ class ProgressLine:
 class ProgressBar:
     """A tqdm bar of the model-steps done by all models (rate and time left from tqdm), the tasks run, the devices'
     busy share and the models stopped beside it, and under it one row per model (its step, latest loss and
-    validation loss; the best ROWS by validation loss, else loss, when there are more); a model that stops is
-    written once above the bar, as it happens."""
+    validation loss; the best ROWS by validation loss, else loss, when there are more); a model that stops and a
+    device worker lost or joined are written once above the bar, as it happens."""
 
     def __init__(self, stream: TextIO | None = None, interval: float = 0.2, names: list[str] | None = None) -> None:
         from tqdm.auto import tqdm
@@ -117,7 +151,7 @@ class ProgressBar:
         self.names = names
         self.interval = interval
         self.last = 0.0
-        self.reported: set[int] = set()
+        self.announcements = Announcements()
 
     def __call__(self, view: RunView) -> None:
         state = view.state
@@ -127,12 +161,13 @@ class ProgressBar:
         now = time.perf_counter()
         if now - self.last >= self.interval or state.finished:  # what follows reads files
             self.last = now
-            for line in newly_stopped(view, self.reported):
+            for line in self.announcements(view):
                 self.bar.write(line, file=self.bar.fp)
             busy = busy_share(view)
+            stopped = self.announcements.stopped
             postfix = f"{sum(len(job.members) for job in state.jobs)} models, {state.tasks_finished} tasks" + (
                 f", devices {busy:.0%} busy" if busy is not None else "") + (
-                f", {len(self.reported)} stopped" if self.reported else "")
+                f", {len(stopped)} stopped" if stopped else "")
             self.bar.set_postfix_str(postfix, refresh=False)
             self._show_rows(view)
         self.bar.update(done - self.bar.n)

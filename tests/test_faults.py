@@ -5,6 +5,7 @@ equals plain PyTorch, the run ends in bounded time and leaves nothing behind."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -110,22 +111,30 @@ def check_against_plain(models: list[nn.Module], references: list[nn.Module], ba
 @pytest.mark.parametrize("kind,packs_per_task", [("fwd", 1), ("bwd", 1), ("bwd", 4)],
                          ids=["during-a-forward", "during-a-backward", "inside-a-section"])
 def test_an_embedded_worker_killed_mid_step_costs_only_that_step(
-    kind: str, packs_per_task: int, tmp_path: Path, no_leaks: None
+    kind: str, packs_per_task: int, tmp_path: Path, no_leaks: None, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    from harmony.progress import ProgressLine
+
+    monkeypatch.setattr("harmony.api.display", ProgressLine)
     marker = str(tmp_path / "killed")
     models = [swapped_model(marker, kind, calls=5), deep_mlp(depth=2, seed=3)]
     references = clones(models)
     batches = regression_batches(samples=16 * STEPS, batch=16)
     started = time.monotonic()
     result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss, optimizer=sgd, microbatches=2,
-                           devices=["cpu", "cpu"], device_memory=24_000, progress=False, fuse=False,
+                           devices=["cpu", "cpu"], device_memory=24_000, progress=True, fuse=False,
                            packs_per_task=packs_per_task)
     assert time.monotonic() - started < 120
     assert Path(marker).read_text().startswith(kind), "the worker was not killed where the test meant"
     check_against_plain(models, references, batches, [sgd, sgd])
     lost = [event for event in result.events if event["event"] == "worker lost"]
-    assert len(lost) == 1 and 0 in lost[0]["jobs redone"]
+    assert len(lost) == 1 and 0 in lost[0]["jobs redone"] and lost[0]["suspects"] == [0]
     assert result.stats.steps == [STEPS, STEPS] and not result.failed
+    shown = re.findall(r"harmony: (cpu-\d)'s worker was lost [\d.]+ s into the run, busy with (model 0\b[^,;]*)"
+                       r"; redoing (.*?)\x1b", capsys.readouterr().err)
+    assert len(shown) == 1 and shown[0][0] == lost[0]["device"], "written once, as it happened"
+    assert shown[0][2].startswith(f"{shown[0][1]} on "), shown
 
 
 @pytest.mark.parametrize("where", ["in-backward", "beside-the-device", "on-the-device"])
