@@ -14,8 +14,7 @@ import sys
 import time
 from typing import Any, TextIO
 
-from harmony.runtime.view import RunView, model_name
-from harmony.tasks.runplan import Job
+from harmony.runtime.view import RunView, event_line, model_name
 
 REASON_CHARS = 100
 ROWS = 8
@@ -38,21 +37,6 @@ def newly_stopped(view: RunView, reported: set[int]) -> list[str]:
     return lines
 
 
-def event_line(event: dict[str, Any], jobs: list[Job]) -> str | None:
-    """A line for a device worker lost or joined (the binding state's events), or None for another event."""
-    at = f"{float(event['at']):.1f} s into the run"
-    if event["event"] == "worker joined":
-        return f"harmony: {event['device']}'s worker joined {at}"
-    if event["event"] != "worker lost":
-        return None
-    line = f"harmony: {event['device']}'s worker was lost {at}"
-    if event["suspects"]:
-        line += ", busy with " + ", ".join(jobs[job].label for job in event["suspects"])
-    redone = [f"{jobs[job].label}: {where}" if where.startswith("its ") else f"{jobs[job].label} on {where}"
-              for job, where in event["jobs redone"].items()]
-    return line + ("; redoing " + ", ".join(redone) if redone else "")
-
-
 class Announcements:
     """What a display writes once above itself, as it happens: each model that stopped, each device worker lost or
     joined."""
@@ -65,7 +49,8 @@ class Announcements:
         lines = newly_stopped(view, self.stopped)
         events = view.state.events[self.events:]
         self.events += len(events)
-        return lines + [line for event in events if (line := event_line(event, view.state.jobs)) is not None]
+        return lines + [f"harmony: {event_line(event, view.state.jobs)}" for event in events
+                        if event["event"] in ("worker lost", "worker joined")]  # a job failed: newly_stopped's line
 
 
 def model_rows(view: RunView, names: list[str] | None = None) -> list[tuple[float, str]]:

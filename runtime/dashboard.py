@@ -21,11 +21,12 @@ from distributed import Scheduler, SchedulerPlugin
 from tornado import web
 from tornado.ioloop import PeriodicCallback
 
-from harmony.runtime.view import RunView, finite, model_name
+from harmony.runtime.view import RunView, event_line, finite, model_name
 
 TOPIC = "harmony"
 PLUGIN = "harmony-dashboard"
 SAMPLES = 900  # seconds of history kept per series
+EVENTS = 50  # the latest events the page lists
 PAGE = Path(__file__).with_name("dashboard.html")
 
 
@@ -78,7 +79,8 @@ class DashboardPage(SchedulerPlugin):
         return {"run": self.run, "seconds": round(time.time() - self.started, 2),
                 "devices": {name: list(series) for name, series in self.devices.items()},
                 "models": {name: list(series) for name, series in self.models.items()},
-                "steps": self.latest.get("steps"), "total": self.latest.get("total")}
+                "steps": self.latest.get("steps"), "total": self.latest.get("total"),
+                "events": self.latest.get("events", [])}
 
 
 class PageHandler(web.RequestHandler):
@@ -117,8 +119,10 @@ class Publisher:
 
 
 def model_snapshot(run: str, view: RunView, names: list[str] | None) -> dict[str, Any]:
-    """What the driver publishes each second: per model its name, step, latest loss and validation loss."""
+    """What the driver publishes each second: per model its name, step, latest loss and validation loss; the run's
+    latest EVENTS events as lines (a device worker lost or joined, a job failed)."""
     models = [[model_name(latest.model, names), latest.steps, finite(latest.loss),
                finite(latest.val_loss)] for latest in view.latest()]
     steps, total = view.state.model_steps()
-    return {"run": run, "models": models, "steps": steps, "total": total}
+    events = [event_line(event, view.state.jobs) for event in view.state.events[-EVENTS:]]
+    return {"run": run, "models": models, "steps": steps, "total": total, "events": events}

@@ -1,4 +1,4 @@
-"""What a display reads while a run goes: losses so far, evaluations, devices' counters, stopped members.
+"""What a display reads while a run goes: losses so far, evaluations, devices' counters, stopped members, events.
 
 The progress display, the metrics log and the dashboard's feed are handed one RunView with the binding state after
 the driver's events. Reading is cheap where the driver maps the host store (its own machine): losses and counters
@@ -11,10 +11,12 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from harmony.runtime.files import RunFiles
 from harmony.runtime.machines import RemoteStore
 from harmony.tasks.binding import BindingState
+from harmony.tasks.runplan import Job
 
 
 def model_name(model: int, names: list[str] | None) -> str:
@@ -25,6 +27,22 @@ def model_name(model: int, names: list[str] | None) -> str:
 def finite(value: float | None) -> float | None:
     """value where it is a finite number, else None (JSON and the page have no NaN or infinity)."""
     return value if value is not None and math.isfinite(value) else None
+
+
+def event_line(event: dict[str, Any], jobs: list[Job]) -> str:
+    """One of the binding state's events as a line: a device worker lost (the jobs it was busy with, what is redone
+    where) or joined, a job failed."""
+    at = f"{float(event['at']):.1f} s into the run"
+    if event["event"] == "job failed":
+        return f"{jobs[event['job']].label} stopped at step {event['step']} ({at}): {event['reason']}"
+    if event["event"] == "worker joined":
+        return f"{event['device']}'s worker joined {at}"
+    line = f"{event['device']}'s worker was lost {at}"
+    if event["suspects"]:
+        line += ", busy with " + ", ".join(jobs[job].label for job in event["suspects"])
+    redone = [f"{jobs[job].label}: {where}" if where.startswith("its ") else f"{jobs[job].label} on {where}"
+              for job, where in event["jobs redone"].items()]
+    return line + ("; redoing " + ", ".join(redone) if redone else "")
 
 
 @dataclass(frozen=True)

@@ -123,3 +123,41 @@ def test_the_harmony_page_serves_each_devices_figures_during_a_run_and_chromium_
     pixels = imread(seen["shot"])
     drawn = (pixels[..., :3].mean(axis=2) < 0.9).mean()
     assert drawn > 0.01, f"the screenshot is blank ({drawn:.2%} of its pixels drawn)"
+
+
+def test_the_driver_publishes_the_runs_latest_events_as_lines() -> None:
+    from types import SimpleNamespace
+
+    from harmony.runtime.dashboard import EVENTS, model_snapshot
+
+    joined = [{"at": float(at), "event": "worker joined", "device": "cpu-1"} for at in range(EVENTS + 5)]
+    state = SimpleNamespace(model_steps=lambda: (3, 10), events=joined, jobs=[])
+    snapshot = model_snapshot("r", SimpleNamespace(latest=lambda: [], state=state), None)
+    assert snapshot["events"] == [f"cpu-1's worker joined {at}.0 s into the run" for at in range(5, EVENTS + 5)]
+
+
+@pytest.mark.parametrize("events", [["cpu-1's worker was lost 3.0 s into the run", "model 2 stopped at step 4 (5.0 "
+                                     "s into the run): <lambda> raised ValueError"], []], ids=["events", "none"])
+def test_the_page_lists_the_events_it_is_given_as_text(tmp_path: Path, events: list[str]) -> None:
+    """The page itself, drawn by Chromium from a file beside a data.json of its own: its events as list items of
+    plain text (a model's error may hold markup's characters), or a line saying there are none."""
+    from harmony.runtime.dashboard import PAGE
+
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("chromium is not installed (.ci/run installs it)")
+    (tmp_path / "harmony").mkdir()
+    (tmp_path / "harmony" / "data.json").write_text(json.dumps({
+        "run": "r", "seconds": 9.0, "steps": 3, "total": 10, "devices": {"cpu-0": [[1.0, 100, 50, 10, 10, 0.5]]},
+        "models": {"a": [[1.0, 3, 0.5, None]]}, "events": events}))
+    page = tmp_path / "harmony.html"
+    page.write_text(PAGE.read_text())
+    drawn = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                            "--allow-file-access-from-files", "--virtual-time-budget=3000", "--dump-dom",
+                            page.as_uri()], capture_output=True, text=True, timeout=60)
+    assert drawn.returncode == 0, drawn.stderr[-2000:]
+    listed = drawn.stdout.split('<ul id="events">', 1)[1].split("</ul>", 1)[0]
+    expected = [line.replace("<", "&lt;").replace(">", "&gt;") for line in events] or [
+        "none: no device worker lost, no model stopped"]
+    assert listed == "".join(f"<li>{line}</li>" for line in expected), listed
+    assert "run r · 3 / 10 model-steps" in drawn.stdout

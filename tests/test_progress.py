@@ -124,21 +124,3 @@ def test_under_a_terminal_the_display_shows_each_models_losses_and_the_time_left
                            cwd=Path(__file__).parents[1])
     assert quiet.returncode == 0 and quiet.stderr == "" and quiet.stdout == "", quiet.stderr
 
-
-def test_a_device_worker_lost_or_joined_is_one_line_naming_what_it_was_busy_with_and_what_is_redone() -> None:
-    from types import SimpleNamespace
-
-    from harmony.progress import event_line
-
-    jobs = [SimpleNamespace(label="model 0 (MLP)"), SimpleNamespace(label="array of models 1-4 (MLP)")]
-    lost = {"at": 12.345, "event": "worker lost", "device": "cpu-1", "suspects": [1],
-            "jobs redone": {0: "any device", 1: "its evaluation at step 16"}}
-    assert event_line(lost, jobs) == (
-        "harmony: cpu-1's worker was lost 12.3 s into the run, busy with array of models 1-4 (MLP); redoing "
-        "model 0 (MLP) on any device, array of models 1-4 (MLP): its evaluation at step 16")
-    idle = {**lost, "suspects": [], "jobs redone": {}}
-    assert event_line(idle, jobs) == "harmony: cpu-1's worker was lost 12.3 s into the run"
-    joined = {"at": 20.0, "event": "worker joined", "device": "cpu-1"}
-    assert event_line(joined, jobs) == "harmony: cpu-1's worker joined 20.0 s into the run"
-    failed = {"at": 3.0, "event": "job failed", "job": 0, "step": 2, "reason": "its loss became nan"}
-    assert event_line(failed, jobs) is None, "a job that failed has its own line (newly_stopped)"

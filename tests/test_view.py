@@ -1,0 +1,22 @@
+"""What displays read while a run goes: here, the run's events as the lines the progress display and the page show."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from harmony.runtime.view import event_line
+
+
+def test_a_worker_lost_or_joined_and_a_job_failed_are_one_line_each_naming_jobs_by_their_labels() -> None:
+    jobs = [SimpleNamespace(label="model 0 (MLP)"), SimpleNamespace(label="array of models 1-4 (MLP)")]
+    lost = {"at": 12.345, "event": "worker lost", "device": "cpu-1", "suspects": [1],
+            "jobs redone": {0: "any device", 1: "its evaluation at step 16"}}
+    assert event_line(lost, jobs) == (
+        "cpu-1's worker was lost 12.3 s into the run, busy with array of models 1-4 (MLP); redoing "
+        "model 0 (MLP) on any device, array of models 1-4 (MLP): its evaluation at step 16")
+    idle = {**lost, "suspects": [], "jobs redone": {}}
+    assert event_line(idle, jobs) == "cpu-1's worker was lost 12.3 s into the run"
+    joined = {"at": 20.0, "event": "worker joined", "device": "cpu-1"}
+    assert event_line(joined, jobs) == "cpu-1's worker joined 20.0 s into the run"
+    failed = {"at": 3.0, "event": "job failed", "job": 0, "step": 2, "reason": "its loss became nan"}
+    assert event_line(failed, jobs) == "model 0 (MLP) stopped at step 2 (3.0 s into the run): its loss became nan"
