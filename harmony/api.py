@@ -19,7 +19,7 @@ from harmony.conventions import training_conventions
 from harmony.errors import InputError, ModelError
 from harmony.metrics import MetricsLog, initial_lr
 from harmony.planner import build, codes_for, pilot, replan_machines
-from harmony.progress import display, wants_progress
+from harmony.progress import EventLog, display, wants_progress
 from harmony.result import TrainResult
 from harmony.runtime.batching import unbatched
 from harmony.runtime.calibrate import measured_hardware
@@ -160,7 +160,7 @@ def _execute(
     if line is not None and handle.dashboard_link:
         page = handle.dashboard_link.rsplit("/", 1)[0] + "/harmony"
         line.note(f"harmony: dashboard at {handle.dashboard_link} (Harmony's page: {page})")
-    watchers = [watcher for watcher in (line, log) if watcher is not None]
+    watchers = [watcher for watcher in (line if line is not None else EventLog(logger), log) if watcher is not None]
 
     def watch(view: RunView) -> None:
         for watcher in watchers:

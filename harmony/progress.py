@@ -9,6 +9,7 @@ without it, a line rewritten in place.
 
 from __future__ import annotations
 
+import logging
 import math
 import sys
 import time
@@ -51,6 +52,22 @@ class Announcements:
         self.events += len(events)
         return lines + [f"harmony: {event_line(event, view.state.jobs)}" for event in events
                         if event["event"] in ("worker lost", "worker joined")]  # a job failed: newly_stopped's line
+
+
+class EventLog:
+    """Where no display is shown (stderr is no terminal: a batch job's log): each device worker lost or joined as a
+    warning of the logger, as it happens."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self.logger = logger
+        self.events = 0
+
+    def __call__(self, view: RunView) -> None:
+        events = view.state.events[self.events:]
+        self.events += len(events)
+        for event in events:
+            if event["event"] in ("worker lost", "worker joined"):
+                self.logger.warning("harmony: %s", event_line(event, view.state.jobs))
 
 
 def model_rows(view: RunView, names: list[str] | None = None) -> list[tuple[float, str]]:

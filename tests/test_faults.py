@@ -139,7 +139,7 @@ def test_an_embedded_worker_killed_mid_step_costs_only_that_step(
 
 @pytest.mark.parametrize("where", ["in-backward", "beside-the-device", "on-the-device"])
 def test_a_worker_killed_during_an_update_leaves_the_weights_it_was_writing_intact(
-    where: str, tmp_path: Path, no_leaks: None
+    where: str, tmp_path: Path, no_leaks: None, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The dying update writes garbage into the weights it steps: the host slot it would publish, or, on the device,
     the cached weights, which die with the worker; the update runs again from the version before it."""
@@ -157,6 +157,9 @@ def test_a_worker_killed_during_an_update_leaves_the_weights_it_was_writing_inta
     check_against_plain(models, references, batches, [sgd, sgd])
     lost = [event for event in result.events if event["event"] == "worker lost"]
     assert len(lost) == 1 and 0 in lost[0]["suspects"], "the job whose update died is a suspect, on any thread"
+    logged = [record.getMessage() for record in caplog.records if "worker was lost" in record.getMessage()]
+    assert len(logged) == 1 and logged[0].startswith(f"harmony: {lost[0]['device']}'s worker was lost "), (
+        "without a display (progress=False), the log says it as it happens")
 
 
 class MarkReadingSGD(torch.optim.SGD):
