@@ -49,8 +49,12 @@ def main() -> None:
         plan = harmony.plan(mlp(width, depth), data, loss_fn=nn.functional.mse_loss,
                             optimizer=lambda p: torch.optim.SGD(p, lr=1e-3), microbatches=2, devices=1,
                             device_memory=budget or result.stats.budgets["cpu-0"], hardware=hardware, prefetch=False)
-        replayed = replay_memory(order_from_keys(result.stats.schedule), result.packings, result.stats.budgets,
-                                 microbatch_samples=[split_sizes(batch, 2)])
+        jobs = result.plan.jobs
+        replayed = replay_memory(order_from_keys(result.stats.schedule), [job.device_packing for job in jobs],
+                                 result.stats.budgets, result.plan.homes, [job.state_ratio for job in jobs],
+                                 [split_sizes(batch, 2)], [job.sections for job in jobs],
+                                 {index: job.device_updates for index, job in enumerate(jobs)},
+                                 {index: job.stashes for index, job in enumerate(jobs)})
         rows.append({
             "case": label,
             "measured step s": steady,
