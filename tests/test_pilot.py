@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import weakref
+from types import SimpleNamespace
 
+import pytest
 import torch
 from torch import nn
 
@@ -237,3 +239,31 @@ def test_under_autocast_the_linears_are_halved_and_a_tied_weight_is_not() -> Non
     assert [set(layer.halved) for layer in result.profile.layers] == [{"bias"}, set(), {"weight", "bias"}, {"bias"}]
     assert [layer.halved_bytes for layer in result.profile.layers] == [32, 0, 288, 32]
     assert all(not layer.halved for layer in decompose(model, torch.randn(3, 8), "m").profile.layers)
+
+
+class Clocked(nn.Module):
+    """An identity layer that takes cost seconds of a fake clock when it was the last layer called, and twice that
+    when another was: its weights and input still in the caches, or not."""
+
+    def __init__(self, clock: SimpleNamespace, cost: float) -> None:
+        super().__init__()
+        self.clock = clock
+        self.cost = cost
+        self.weight = nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.clock.now += self.cost if self.clock.last is self else 2 * self.cost
+        self.clock.last = self
+        return x * self.weight
+
+
+def test_the_layers_times_add_up_to_a_forward_through_the_whole_chain(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each layer timed alone finds the caches warm; the chain does not. The layers' fastest times (0.5 and 1 s) are
+    scaled to the chain's forward (1 + 2 s), each keeping its share."""
+    from harmony.runtime import pilot
+
+    clock = SimpleNamespace(now=0.0, last=None)
+    monkeypatch.setattr(pilot, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    sample = torch.randn(4, 8)
+    profile = decompose(nn.Sequential(Clocked(clock, 0.5), Clocked(clock, 1.0)), sample, "m", repeats=3).profile
+    assert [layer.forward_seconds_per_sample * 4 for layer in profile.layers] == [1.0, 2.0]
