@@ -30,7 +30,7 @@ from distributed import Reschedule, get_worker, secede
 from torch.utils._pytree import tree_leaves, tree_map
 
 from harmony.runtime import shipping
-from harmony.runtime.cache import Taken
+from harmony.runtime.cache import Spilled, Taken
 from harmony.runtime.divergence import Diverged
 from harmony.runtime.errors import ModelFailure
 from harmony.runtime.files import LOSS_BLOCK, SPAN_TIMING_BYTES, losses_name, span_timing_name
@@ -191,14 +191,18 @@ class Within:
 
 def _forward_pack(
     ctx: RunContext, model: int, pack: int, step: int, inputs: list[Any], group: int, claim: Any, keep: Any,
-    following: int | None, recompute: bool = False, stash: bool = False,
+    following: int | None, recompute: bool = False, stash: bool = False, again: bool = False,
 ) -> list[Any]:
     """Every micro-batch through one pack, its weights swapped in once: the outputs as host copies, each also kept
     on the device for keep where it fits; an input kept for claim is taken from the device. While it computes the
     weights of the pack following it in the task (else the next task's) are copied in. With stash (the step's
     forward, not a recompute) and the plan stashing the pack, each micro-batch runs with autograd and its
     activations stay on the device for the pack's backward where they fit (runtime.stash); else without gradients.
-    A forward recomputed in bwd (recompute) leaves the buffers as it found them; else they go into the next slot."""
+    A forward recomputed in bwd (recompute) leaves the buffers as it found them; else they go into the next slot.
+    Outputs for a later pack of the task (keep a Within) are handed on (DeviceCache.hand_on), not copied out; with
+    again (a bwd's forward, whose pack's backward reads its inputs once more), an input taken from the device is
+    copied out first, as it is before the forward (which may change it in place: an in-place ReLU, a residual
+    sum), for that backward."""
     runtime = ctx.spec.models[model].packs[pack]
     host = ctx.device_source(model, pack, step)
     buffers = runtime.device_buffers_offset
@@ -215,6 +219,8 @@ def _forward_pack(
             more = index + 1 < len(inputs)
             with ctx.cache.scratch(runtime.workspace, f"activations of pack {pack}") as reserved, torch.no_grad():
                 x = kept if kept is not None else ctx.cache.copy_in(microbatch, "activations" if pack else "inputs")
+                if again and kept is not None and isinstance(microbatch, Spilled):
+                    microbatch.value = ctx.cache.copy_out(x, "activations")
                 _begin(ctx, model, pack, step, group, index)
                 if stashing:
                     made = Stash(tensors, [slot.spec.name for slot in runtime.grads.slots])
@@ -227,10 +233,13 @@ def _forward_pack(
                 else:
                     with ctx.autocast():
                         y = ctx.call(model, pack)(tensors, x)
-                outputs.append(ctx.cache.copy_out(y, "activations"))
+                if not isinstance(keep, Within):  # a later pack of this task reads it from the device (hand_on)
+                    outputs.append(ctx.cache.copy_out(y, "activations"))
             if recompute and start is not None:
                 weights[buffers:].copy_(start)
-            if keep is not None:
+            if isinstance(keep, Within):
+                outputs.append(ctx.cache.hand_on(keep, index, y, keep_free=runtime.workspace if more else 0))
+            elif keep is not None:
                 ctx.cache.keep(keep, index, y, keep_free=runtime.workspace if more else 0)
         if start is not None and not recompute:
             _buffers_out(ctx, model, pack, step, group, weights, start)
@@ -299,7 +308,7 @@ def backward(
             boundaries[index + 1] = _forward_pack(  # the last section has no fwd task: this is the step's forward
                 ctx, model, index, first, boundaries[index], group, claim=section_input if index == section[0] else
                 Within(this, index), keep=Within(this, index + 1), following=index + 1, recompute=not last_section,
-                stash=last_section)
+                stash=last_section, again=True)
             if not last_section:
                 ctx.counters.add("inputs_recomputed", len(inputs))
         upstream = gradients_or_targets
@@ -580,19 +589,24 @@ def _backward_step(
                     del stash, found
                     if pack > 0:
                         grad = _input_grad(x)
-                        input_grads.append(ctx.cache.copy_out(grad, "activations"))
+                        if not isinstance(keep, Within):
+                            input_grads.append(ctx.cache.copy_out(grad, "activations"))
                     del x
                 ctx.counters.add("stashed", 1)
             else:
                 grad = _recomputed_backward(
                     ctx, model, pack, step, tensors, grads, halved, microbatch, gradients_or_targets[index],
-                    loss_weights[index] if last else None, group, index, kept_input, kept_grad, losses, input_grads)
+                    loss_weights[index] if last else None, group, index, kept_input, kept_grad, losses,
+                    None if isinstance(keep, Within) else input_grads)
                 if not last:
                     ctx.counters.add("recomputed", 1)
             if saved_buffers is not None and not from_stash:
                 weights[buffers:].copy_(saved_buffers)
-        if pack > 0 and keep is not None:
-            ctx.cache.keep(keep, index, grad, keep_free=runtime.workspace if index + 1 < len(inputs) else 0)
+        keep_free = runtime.workspace if index + 1 < len(inputs) else 0
+        if pack > 0 and isinstance(keep, Within):
+            input_grads.append(ctx.cache.hand_on(keep, index, grad, keep_free=keep_free))
+        elif pack > 0 and keep is not None:
+            ctx.cache.keep(keep, index, grad, keep_free=keep_free)
     if last:
         _record_losses(ctx, model, step, group, losses.totals())
     return input_grads
@@ -601,11 +615,12 @@ def _backward_step(
 def _recomputed_backward(
     ctx: RunContext, model: int, pack: int, step: int, tensors: dict[str, torch.Tensor], grads: dict[str, torch.Tensor],
     halved: set[str], microbatch: Any, gradient_or_target: Any, loss_weight: float | None, group: int, index: int,
-    kept_input: Any, kept_grad: Any, losses: StepLosses, input_grads: list[Any],
+    kept_input: Any, kept_grad: Any, losses: StepLosses, input_grads: list[Any] | None,
 ) -> Any:
     """One micro-batch's backward through a pack whose forward runs here (recomputed from its input, kept on the
     device or copied in; or the last pack's, whose loss, weighted by loss_weight, is added to losses): the input's
-    gradient (on the device) returned and its host copy appended to input_grads (none for the first pack)."""
+    gradient (on the device) returned and its host copy appended to input_grads (none for the first pack; none
+    either without input_grads, where the caller hands the gradient on inside the task)."""
     spec = ctx.spec.models[model]
     runtime = spec.packs[pack]
     grad = None
@@ -635,7 +650,8 @@ def _recomputed_backward(
                 grads[name].add_(leaves[name].grad)
         if pack > 0:
             grad = _input_grad(x)
-            input_grads.append(ctx.cache.copy_out(grad, "activations"))
+            if input_grads is not None:
+                input_grads.append(ctx.cache.copy_out(grad, "activations"))
     return grad
 
 

@@ -82,6 +82,15 @@ class Taken:
             self._release(nbytes)
 
 
+class Spilled:
+    """A boundary value handed on to a later pack of the running task (DeviceCache.hand_on), in place of its host
+    copy: value is that copy, made only where the value was not kept on the device or was evicted before its
+    consumer claimed it (None while it is kept)."""
+
+    def __init__(self) -> None:
+        self.value: Any = None
+
+
 def boundary_key(consumer: Any, microbatch: int) -> tuple[str, Any, int]:
     """Where a boundary value for consumer's micro-batch is kept in the cache."""
     return ("boundary", consumer, microbatch)
@@ -113,6 +122,7 @@ class DeviceCache:
         self.device = device
         self.memory = DeviceMemory(name, budget)
         self.tensors: dict[Any, Any] = {}
+        self.spills: dict[Any, Spilled] = {}  # kept boundary values whose host copy is made only if evicted
         self.counters = counters
         self.link_bandwidth = link_bandwidth
         self._lock = threading.RLock()
@@ -135,9 +145,13 @@ class DeviceCache:
         return list(self.memory.entries)
 
     def _forget(self, keys: list[Any]) -> None:
-        """Drop the tensors of entries the accounting evicted; an evicted stash is a loss for its pack."""
+        """Drop the tensors of entries the accounting evicted; an evicted stash is a loss for its pack, and an
+        evicted value handed on inside a task is copied out first (its consumer reads that copy)."""
         for key in keys:
             value = self.tensors.pop(key, None)
+            spilled = self.spills.pop(key, None)
+            if spilled is not None and value is not None:
+                spilled.value = self.copy_out(value, "activations")
             if isinstance(value, Stashed):
                 self._lost(value.needs, value.step)
 
@@ -173,6 +187,7 @@ class DeviceCache:
         with self._lock:
             self.memory.drop(key)
             self.tensors.pop(key, None)
+            self.spills.pop(key, None)
 
     def clear(self) -> None:
         self.engine.shutdown()
@@ -393,6 +408,21 @@ class DeviceCache:
             self.counters.raise_to("peak", self.memory.used)
         return True
 
+    def hand_on(self, consumer: Any, microbatch: int, value: Any, keep_free: int = 0) -> Spilled:
+        """value for consumer, a later pack of the running task: kept on the device where it fits (as keep), its
+        host copy made only if it is evicted before consumer claims it, or at once where it is not kept. A kept
+        value that reached its consumer never crossed the link."""
+        spilled = Spilled()
+        key = boundary_key(consumer, microbatch)
+        with self._lock:
+            if self.memory.keep(key, consumer, tree_nbytes(value), keep_free):
+                self.tensors[key] = value
+                self.spills[key] = spilled
+                self.counters.raise_to("peak", self.memory.used)
+                return spilled
+        spilled.value = self.copy_out(value, "activations")
+        return spilled
+
     def claim(self, consumer: Any, microbatch: int) -> Any | None:
         """The boundary value kept for consumer's micro-batch (now the task's own), or None if it is not here."""
         key = boundary_key(consumer, microbatch)
@@ -401,6 +431,7 @@ class DeviceCache:
             if nbytes is None:
                 return None
             self.counters.add("kept", nbytes)
+            self.spills.pop(key, None)
             return self.tensors.pop(key)
 
     def drop_boundaries(self, running: Any) -> None:
@@ -422,6 +453,10 @@ class DeviceCache:
         copy_out gives and a pinned store's batch files are), so the kernels that read it are ordered after it
         without the host waiting; settle() waits for it before the task ends and its source may be rewritten.
         """
+        if isinstance(tree, Spilled):  # handed on inside the task, and not kept until its consumer claimed it
+            if tree.value is None:
+                raise RuntimeError(f"device {self.name}: a value handed on in a task was neither kept nor copied out")
+            tree = tree.value
         started = time.perf_counter()
         asynchronous = self.device.type == "cuda"
 

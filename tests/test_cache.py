@@ -269,3 +269,25 @@ def test_stashes_taken_together_are_each_released_when_used_and_the_rest_when_th
         assert cache.used == 100, "used and released; the unused one stays charged"
     assert cache.used == 0
     cache.clear()
+
+
+def test_a_value_handed_on_inside_a_task_crosses_the_link_only_if_it_is_not_kept_or_is_evicted(
+    store: HostStore,
+) -> None:
+    from harmony.runtime.cache import Spilled
+
+    cache = make_cache(store, budget=1000)
+    value = torch.arange(50, dtype=torch.float32)  # 200 bytes
+    kept = cache.hand_on("next pack", 0, value)
+    assert kept.value is None and cache.counters.read()["out_activations"] == 0, "kept: no host copy"
+    assert cache.claim("next pack", 0) is value and kept.value is None
+    evicted = cache.hand_on("next pack", 1, value.clone())
+    with cache.scratch(900, "activations"):  # needs the kept value's room
+        assert cache.claim("next pack", 1) is None
+    assert torch.equal(evicted.value, value) and cache.counters.read()["out_activations"] == 200
+    assert torch.equal(cache.copy_in(evicted, "activations"), value), "its consumer reads the copy made at eviction"
+    with cache.scratch(900, "activations"):
+        refused = cache.hand_on("next pack", 2, value)  # no room: copied out at once
+    assert torch.equal(refused.value, value) and cache.counters.read()["out_activations"] == 400
+    with pytest.raises(RuntimeError, match="neither kept nor copied out"):
+        cache.copy_in(Spilled(), "activations")

@@ -198,6 +198,34 @@ def test_tasks_of_several_packs_give_plain_pytorchs_weights_within_the_budget(
         assert_same_weights(model, reference, rtol=1e-9, atol=1e-12)
 
 
+def test_inside_a_section_a_gradient_handed_on_and_kept_never_crosses_the_link(no_leaks: None) -> None:
+    """A pack's input gradient for the pack before it in the same task stays on the device, copied out only where it
+    is not kept or is evicted (DeviceCache.hand_on). With room for every boundary, the whole pass as one task copies
+    out the inputs of packs 1 to P-2 that its forward took from the device and its backward reads again (P-2
+    boundaries a micro-batch), where one pack a task copies out every output and every input gradient (2(P-1)); the
+    weights are the same bit for bit, and plain PyTorch's within 1e-9."""
+    batches = [(x.double(), y.double()) for x, y in regression_batches(samples=16 * STEPS, batch=16)]
+    adam = lambda p: torch.optim.Adam(p, lr=1e-2)  # noqa: E731
+    trained, copied = [], []
+    for packs_per_task in (1, 64):
+        model = deep_mlp(seed=4).double()
+        result = harmony.train(model, batches, loss_fn=nn.functional.mse_loss, optimizer=adam, microbatches=2,
+                               devices=["cpu"], device_memory=3 * BUDGET, resident=False, fuse=False,
+                               packs_per_task=packs_per_task, stash=False, progress=False)
+        assert len(result.packings[0].packs) > 5 and result.plan.jobs[0].section_count == (
+            len(result.packings[0].packs) if packs_per_task == 1 else 1)
+        trained.append(model)
+        copied.append(result.stats.bytes_out["activations"])
+        packs = len(result.packings[0].packs)
+    boundary = STEPS * 2 * 8 * 32 * 8  # every step's 2 micro-batches of 8 samples, 32 float64 values each
+    assert copied == [2 * (packs - 1) * boundary, (packs - 2) * boundary], copied
+    for a, b in zip(trained[0].parameters(), trained[1].parameters()):
+        assert torch.equal(a, b)
+    reference = deep_mlp(seed=4).double()
+    train_plain(reference, batches, nn.functional.mse_loss, adam)
+    assert_same_weights(trained[1], reference, rtol=1e-9, atol=1e-12)
+
+
 def test_tasks_of_several_packs_draw_the_dropout_masks_and_keep_the_statistics_of_one_pack_tasks(
     no_leaks: None
 ) -> None:
