@@ -126,6 +126,7 @@ def test_swap_volume_for_a_model_four_times_the_budget(batch: int, no_leaks: Non
         model, batches, loss_fn=nn.functional.mse_loss, optimizer=lambda p: torch.optim.SGD(p, lr=0.05),
         microbatches=microbatches, device_memory=budget, progress=False,
         stash=False,  # the volumes of recomputing: a stash skips its input's read and may push weights out
+        packs_per_task=1,  # the volumes of one pack a task: in a section, a value for a later pack stays on the device
     )
     train_plain(reference, batches, nn.functional.mse_loss, lambda p: torch.optim.SGD(p, lr=0.05))
     assert_same_weights(model, reference)
