@@ -38,20 +38,29 @@ def newly_stopped(view: RunView, reported: set[int]) -> list[str]:
     return lines
 
 
+class WorkerEvents:
+    """The device workers lost or joined since the last call, as lines (a job failed has newly_stopped's line)."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+
+    def __call__(self, view: RunView) -> list[str]:
+        events = view.state.events[self.seen:]
+        self.seen += len(events)
+        return [f"harmony: {event_line(event, view.state.jobs)}" for event in events
+                if event["event"] in ("worker lost", "worker joined")]
+
+
 class Announcements:
     """What a display writes once above itself, as it happens: each model that stopped, each device worker lost or
     joined."""
 
     def __init__(self) -> None:
         self.stopped: set[int] = set()
-        self.events = 0
+        self.workers = WorkerEvents()
 
     def __call__(self, view: RunView) -> list[str]:
-        lines = newly_stopped(view, self.stopped)
-        events = view.state.events[self.events:]
-        self.events += len(events)
-        return lines + [f"harmony: {event_line(event, view.state.jobs)}" for event in events
-                        if event["event"] in ("worker lost", "worker joined")]  # a job failed: newly_stopped's line
+        return newly_stopped(view, self.stopped) + self.workers(view)
 
 
 class EventLog:
@@ -60,14 +69,11 @@ class EventLog:
 
     def __init__(self, logger: logging.Logger) -> None:
         self.logger = logger
-        self.events = 0
+        self.workers = WorkerEvents()
 
     def __call__(self, view: RunView) -> None:
-        events = view.state.events[self.events:]
-        self.events += len(events)
-        for event in events:
-            if event["event"] in ("worker lost", "worker joined"):
-                self.logger.warning("harmony: %s", event_line(event, view.state.jobs))
+        for line in self.workers(view):
+            self.logger.warning("%s", line)
 
 
 def model_rows(view: RunView, names: list[str] | None = None) -> list[tuple[float, str]]:

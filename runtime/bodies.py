@@ -193,12 +193,13 @@ def _forward_pack(
     ctx: RunContext, model: int, pack: int, step: int, inputs: list[Any], group: int, claim: Any, keep: Any,
     following: int | None, recompute: bool = False, stash: bool = False, again: bool = False,
 ) -> list[Any]:
-    """Every micro-batch through one pack, its weights swapped in once: the outputs as host copies, each also kept
-    on the device for keep where it fits; an input kept for claim is taken from the device. While it computes the
-    weights of the pack following it in the task (else the next task's) are copied in. With stash (the step's
-    forward, not a recompute) and the plan stashing the pack, each micro-batch runs with autograd and its
-    activations stay on the device for the pack's backward where they fit (runtime.stash); else without gradients.
-    A forward recomputed in bwd (recompute) leaves the buffers as it found them; else they go into the next slot.
+    """Every micro-batch through one pack, its weights swapped in once: the outputs as host copies (or handed on,
+    below), each also kept on the device for keep where it fits; an input kept for claim is taken from the device.
+    While it computes the weights of the pack following it in the task (else the next task's) are copied in. With
+    stash (the step's forward, not a recompute) and the plan stashing the pack, each micro-batch runs with autograd
+    and its activations stay on the device for the pack's backward where they fit (runtime.stash); else without
+    gradients. A forward recomputed in bwd (recompute) leaves the buffers as it found them; else they go into the
+    next slot.
     Outputs for a later pack of the task (keep a Within) are handed on (DeviceCache.hand_on), not copied out; with
     again (a bwd's forward, whose pack's backward reads its inputs once more), an input taken from the device is
     copied out first, as it is before the forward (which may change it in place: an in-place ReLU, a residual

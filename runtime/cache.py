@@ -413,12 +413,9 @@ class DeviceCache:
         host copy made only if it is evicted before consumer claims it, or at once where it is not kept. A kept
         value that reached its consumer never crossed the link."""
         spilled = Spilled()
-        key = boundary_key(consumer, microbatch)
-        with self._lock:
-            if self.memory.keep(key, consumer, tree_nbytes(value), keep_free):
-                self.tensors[key] = value
-                self.spills[key] = spilled
-                self.counters.raise_to("peak", self.memory.used)
+        with self._lock:  # no eviction between the keep and its spill's record
+            if self.keep(consumer, microbatch, value, keep_free):
+                self.spills[boundary_key(consumer, microbatch)] = spilled
                 return spilled
         spilled.value = self.copy_out(value, "activations")
         return spilled

@@ -271,6 +271,8 @@ def _as_chained(profiles: list[LayerProfile], layers: list[nn.Module], sample: A
     what a run's tasks take. The layers keep their shares of the time (what the cut and the stashes weigh). The
     caller restores the buffers and the RNG."""
     alone = sum(profile.forward_seconds_per_sample for profile in profiles) * samples
+    if alone <= 0:
+        return profiles
     chained = float("inf")
     for _ in range(2):
         x = sample
@@ -281,8 +283,6 @@ def _as_chained(profiles: list[LayerProfile], layers: list[nn.Module], sample: A
         del x
         if chained > TIMING_BUDGET:
             break
-    if alone <= 0:
-        return profiles
     scale = chained / alone
     return [replace(profile, forward_seconds_per_sample=profile.forward_seconds_per_sample * scale)
             for profile in profiles]

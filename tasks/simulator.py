@@ -24,7 +24,7 @@ from harmony.tasks.events import BatchReady, Fetch, Instruction, Submit, TaskFin
 from harmony.tasks.graph import TaskId, parse_key, successor, updates_in_backward
 from harmony.tasks.hardware import Hardware
 from harmony.tasks.memory import BudgetExceeded, DeviceMemory
-from harmony.tasks.microbatch import deal
+from harmony.tasks.microbatch import deal, split_sizes
 from harmony.tasks.packing import Packing
 from harmony.tasks.runplan import Job, section_packs
 
@@ -492,8 +492,7 @@ class _Clock:
         memory = self.memory[device]
         last = len(packing.packs) - 1
         section = job.section(task.pack)
-        sizes = [min(packing.microbatch_samples, samples - start)
-                 for start in range(0, samples, packing.microbatch_samples)]
+        sizes = split_sizes(samples, -(-samples // packing.microbatch_samples))
 
         def working(pack: int, backward: bool) -> int:
             """What the task holds for pack beside stashes, less its weights where this clock holds them already (a
