@@ -143,7 +143,7 @@ def mixed(seed: int = 0) -> nn.Sequential:
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_weights_copied_in_halved_train_bit_for_bit_as_float32_copies_under_autocast(
-    precision: str, monkeypatch: pytest.MonkeyPatch, no_leaks: None
+    precision: str, monkeypatch: pytest.MonkeyPatch, no_leaks: None, steady_pilot: None
 ) -> None:
     """A swapped model whose linear weights are copied to the devices in autocast's dtype (from the host's mirror of
     them) ends with the weights, running statistics and validation losses of the same run copying float32 weights
