@@ -209,7 +209,7 @@ def train(
     cluster: Any = None,
     progress: bool | None = None,
     link_bandwidth: Any = None,
-    prefetch: bool = True,
+    prefetch: bool | str = True,
     policy: str = "lrtf",
     group: bool = True,
     mode: str = "auto",
@@ -244,8 +244,10 @@ def train(
     mini-batch. The user's modules are updated in place and also returned in result.models.
 
     link_bandwidth ("12GB/s", bytes per second, or one per device) holds every host<->device copy to
-    that speed, a simulated link that makes swap costs visible on CPU devices. prefetch=False turns off
-    copying the next task's weights in while the current one computes. policy picks which model a
+    that speed, a simulated link that makes swap costs visible on CPU devices. prefetch=True copies the next
+    task's weights in while the current one computes and, on a GPU or over such a link, each micro-batch's input in
+    while the one before it computes and its output out while the one after it computes; prefetch="weights" only
+    the weights; prefetch=False neither. policy picks which model a
     free device serves: "lrtf" (Sharded-LRTF, the longest remaining time first) or "round_robin".
     group=False swaps a pack's weights in again for every micro-batch, the per-micro-batch swapping
     that Harmony's grouping avoids (a baseline for benchmarks; results are the same; every model is then

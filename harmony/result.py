@@ -49,6 +49,9 @@ class Stats:
     between CPU devices (whose memory is the host's) the producer's host-store file (runtime.peer). GPU to GPU
     without the host (CUDA IPC, NCCL) is not built, so between GPUs this stays 0.
     bytes_prefetched: the part of bytes_in["weights"] copied by the copy engine while a task computed.
+    bytes_ahead: the part of bytes_in["activations"] and ["inputs"] copied in by the copy engine while the micro-batch
+    before the one that read them computed; bytes_behind: the part of bytes_out["activations"] copied out while the
+    micro-batch after the one that made them computed (on a GPU, or a CPU device with link_bandwidth; prefetch=True).
     bytes_kept: boundary activations and gradients that stayed on their device for the task that read them
     next, instead of being copied in again from their host copy (not part of bytes_in).
     stashed / recomputed: micro-batch passes through a swapped pack's backward (all but each model's last pack)
@@ -85,6 +88,8 @@ class Stats:
     bytes_remote: int = 0
     bytes_p2p: int = 0
     bytes_prefetched: int = 0
+    bytes_ahead: int = 0
+    bytes_behind: int = 0
     bytes_kept: int = 0
     stashed: int = 0
     recomputed: int = 0
@@ -244,6 +249,8 @@ class TrainResult:
             bytes_remote=sum(values["remote"] for values in counters.values()),
             bytes_p2p=sum(values["p2p"] for values in counters.values()),
             bytes_prefetched=sum(values["prefetched"] for values in counters.values()),
+            bytes_ahead=sum(values["ahead"] for values in counters.values()),
+            bytes_behind=sum(values["behind"] for values in counters.values()),
             bytes_kept=sum(values["kept"] for values in counters.values()),
             stashed=sum(values["stashed"] for values in counters.values()),
             recomputed=sum(values["recomputed"] for values in counters.values()),

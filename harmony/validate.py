@@ -417,7 +417,9 @@ def device_budgets(device_memory: Any) -> int | dict[str, int] | None:
 def read_options(arguments: Mapping[str, Any]) -> Options:
     """The run's options from harmony.train's keyword arguments (every field of Options by name)."""
     values = {field.name: arguments.get(field.name, field.default) for field in dataclasses.fields(Options)}
-    flags = {name: bool(values[name]) for name in ("prefetch", "group", "resident", "fail_fast")}
+    flags = {name: bool(values[name]) for name in ("group", "resident", "fail_fast")}
+    if not isinstance(values["prefetch"], str):  # "weights", or a string check_options refuses
+        flags["prefetch"] = bool(values["prefetch"])
     return Options(**{**values, **flags})
 
 
@@ -426,6 +428,10 @@ def check_options(options: Options) -> None:
     _positive_int(options.epochs, "epochs")
     _positive_int(options.steps, "steps", allow_none=True)
     _positive_int(options.microbatches, "microbatches")
+    if isinstance(options.prefetch, str) and options.prefetch != "weights":
+        raise InputError(f"prefetch={options.prefetch!r} is not a prefetch setting; use True (weights, and each "
+                         "micro-batch's values copied while the one before computes), 'weights' (weights only) "
+                         "or False")
     if options.policy not in POLICIES:
         raise InputError(f"policy={options.policy!r} is not a scheduling policy; use one of {POLICIES}")
     if options.mode not in ("auto", *MODES):

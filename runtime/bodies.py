@@ -213,38 +213,59 @@ def _forward_pack(
         _prefetch(ctx, model, following, step, runtime.workspace)
         tensors = {**tensors_at(weights, runtime.device_weights), **borrowed}
         start = weights[buffers:].clone() if runtime.has_buffers else None
+        kind = "activations" if pack else "inputs"
         for index, microbatch in enumerate(inputs):
             if index and not ctx.spec.group:
                 ctx.cache.reload((model, pack), host)
             kept = ctx.cache.claim(claim, index)
+            fetched = ctx.cache.take(_ahead_key(model, pack, "input", index))
             more = index + 1 < len(inputs)
             with ctx.cache.scratch(runtime.workspace, f"activations of pack {pack}") as reserved, torch.no_grad():
-                x = kept if kept is not None else ctx.cache.copy_in(microbatch, "activations" if pack else "inputs")
+                x = kept if kept is not None else fetched
+                if x is None:
+                    x = ctx.cache.copy_in(microbatch, kind)
                 if again and kept is not None and isinstance(microbatch, Spilled):
                     microbatch.value = ctx.cache.copy_out(x, "activations")
+                ahead = _ahead(ctx, model, pack, "input", index + 1, inputs, kind, claim) if more else 0
+                later = max(runtime.workspace - ahead, 0) if more else 0  # the next micro-batch reserves
                 _begin(ctx, model, pack, step, group, index)
                 if stashing:
                     made = Stash(tensors, [slot.spec.name for slot in runtime.grads.slots])
                     y = made.forward(ctx.call(model, pack), x, ctx.autocast(), _track if pack else _untracked)
                     if not made.pinned:
                         ctx.cache.stash(stash_key(model, pack, step, group, index), (model, pack), step, made,
-                                        made.nbytes, reserved, keep_free=runtime.workspace if more else 0)
+                                        made.nbytes, reserved, keep_free=later)
                     del made  # a stash the cache did not keep is freed here, inside the reservation
                     y = detached(y)
                 else:
                     with ctx.autocast():
                         y = ctx.call(model, pack)(tensors, x)
                 if not isinstance(keep, Within):  # a later pack of this task reads it from the device (hand_on)
-                    outputs.append(ctx.cache.copy_out(y, "activations"))
+                    outputs.append(ctx.cache.send(y, "activations", reserved))
             if recompute and start is not None:
                 weights[buffers:].copy_(start)
             if isinstance(keep, Within):
-                outputs.append(ctx.cache.hand_on(keep, index, y, keep_free=runtime.workspace if more else 0))
+                outputs.append(ctx.cache.hand_on(keep, index, y, keep_free=later))
             elif keep is not None:
-                ctx.cache.keep(keep, index, y, keep_free=runtime.workspace if more else 0)
+                ctx.cache.keep(keep, index, y, keep_free=later, sent=outputs[-1])
         if start is not None and not recompute:
             _buffers_out(ctx, model, pack, step, group, weights, start)
-    return outputs
+    return ctx.cache.arrived(outputs)
+
+
+def _ahead_key(model: int, pack: int, what: str, microbatch: int) -> tuple[Any, ...]:
+    """Where the copy engine leaves a micro-batch's value (what: its "input", or its "upstream" gradient or
+    target) copied in ahead of it (DeviceCache.ahead)."""
+    return ("ahead", model, pack, what, microbatch)
+
+
+def _ahead(ctx: RunContext, model: int, pack: int, what: str, microbatch: int, values: list[Any], kind: str,
+           claim: Any) -> int:
+    """Copy values[microbatch] in on the copy engine while the micro-batch before it computes, unless it is kept
+    on the device for claim; the bytes that copy holds from now (0: none started)."""
+    if claim is not None and ctx.cache.kept(claim, microbatch):
+        return 0
+    return ctx.cache.ahead(_ahead_key(model, pack, what, microbatch), values[microbatch], kind)
 
 
 def _buffers_out(
@@ -577,13 +598,32 @@ def _backward_step(
             ctx.cache.reload((model, pack), ctx.device_source(model, pack, step))
         kept_input = ctx.cache.claim(claim_input, index) if claim_input is not None else None
         kept_grad = ctx.cache.claim(claim_upstream, index) if claim_upstream is not None else None
+        fetched_input = ctx.cache.take(_ahead_key(model, pack, "input", index))
+        fetched_upstream = ctx.cache.take(_ahead_key(model, pack, "upstream", index))
+        kept_input = kept_input if kept_input is not None else fetched_input
+        kept_grad = kept_grad if kept_grad is not None else fetched_upstream
         key = stash_key(model, pack, step, group, index)
+        ahead = 0
+
+        def start_ahead(following: int = index + 1) -> None:
+            """Once this micro-batch's workspace is reserved: the next one's values come in while it computes."""
+            nonlocal ahead
+            if following == len(inputs):
+                return
+            stashed = stash_key(model, pack, step, group, following)
+            if not ((taken is not None and stashed in taken) or ctx.cache.holds(stashed)):  # else not recomputed
+                ahead += _ahead(ctx, model, pack, "input", following, inputs, "activations" if pack else "inputs",
+                                claim_input)
+            ahead += _ahead(ctx, model, pack, "upstream", following, gradients_or_targets,
+                            "inputs" if last else "activations", claim_upstream)
+
         with (taken.use(key) if taken is not None and key in taken else ctx.cache.unstash(key) if runtime.stash
               else nullcontext()) as found:
             from_stash = found is not None
             if found is not None:  # its forward's activations are here: backpropagate them, no recompute
                 stash, nbytes = found
-                with ctx.cache.scratch(max(runtime.workspace - nbytes, 0), f"activations of pack {pack}"):
+                with ctx.cache.scratch(max(runtime.workspace - nbytes, 0), f"activations of pack {pack}") as reserved:
+                    start_ahead()
                     upstream = kept_grad if kept_grad is not None else ctx.cache.copy_in(
                         gradients_or_targets[index], "activations")
                     x = stash.backward(tensors, grads, halved, upstream, _backward_from)
@@ -591,43 +631,47 @@ def _backward_step(
                     if pack > 0:
                         grad = _input_grad(x)
                         if not isinstance(keep, Within):
-                            input_grads.append(ctx.cache.copy_out(grad, "activations"))
+                            input_grads.append(ctx.cache.send(grad, "activations", reserved))
                     del x
                 ctx.counters.add("stashed", 1)
             else:
                 grad = _recomputed_backward(
                     ctx, model, pack, step, tensors, grads, halved, microbatch, gradients_or_targets[index],
                     loss_weights[index] if last else None, group, index, kept_input, kept_grad, losses,
-                    None if isinstance(keep, Within) else input_grads)
+                    None if isinstance(keep, Within) else input_grads, start_ahead)
                 if not last:
                     ctx.counters.add("recomputed", 1)
             if saved_buffers is not None and not from_stash:
                 weights[buffers:].copy_(saved_buffers)
-        keep_free = runtime.workspace if index + 1 < len(inputs) else 0
+        keep_free = max(runtime.workspace - ahead, 0) if index + 1 < len(inputs) else 0
         if pack > 0 and isinstance(keep, Within):
             input_grads.append(ctx.cache.hand_on(keep, index, grad, keep_free=keep_free))
         elif pack > 0 and keep is not None:
-            ctx.cache.keep(keep, index, grad, keep_free=keep_free)
+            ctx.cache.keep(keep, index, grad, keep_free=keep_free, sent=input_grads[-1])
     if last:
         _record_losses(ctx, model, step, group, losses.totals())
-    return input_grads
+    return ctx.cache.arrived(input_grads)
 
 
 def _recomputed_backward(
     ctx: RunContext, model: int, pack: int, step: int, tensors: dict[str, torch.Tensor], grads: dict[str, torch.Tensor],
     halved: set[str], microbatch: Any, gradient_or_target: Any, loss_weight: float | None, group: int, index: int,
     kept_input: Any, kept_grad: Any, losses: StepLosses, input_grads: list[Any] | None,
+    start_ahead: Callable[[], None],
 ) -> Any:
     """One micro-batch's backward through a pack whose forward runs here (recomputed from its input, kept on the
     device or copied in; or the last pack's, whose loss, weighted by loss_weight, is added to losses): the input's
     gradient (on the device) returned and its host copy appended to input_grads (none for the first pack; none
-    either without input_grads, where the caller hands the gradient on inside the task)."""
+    either without input_grads, where the caller hands the gradient on inside the task). kept_input and kept_grad
+    (the upstream gradient, or the last pack's target) are already on the device where not None: kept there, or
+    copied in ahead. start_ahead runs once the micro-batch's workspace is reserved."""
     spec = ctx.spec.models[model]
     runtime = spec.packs[pack]
     grad = None
-    with ctx.cache.scratch(runtime.workspace, f"activations of pack {pack}"):
+    with ctx.cache.scratch(runtime.workspace, f"activations of pack {pack}") as reserved:
         x = kept_input if kept_input is not None else ctx.cache.copy_in(
             microbatch, "inputs" if pack == 0 else "activations")
+        start_ahead()
         if pack > 0:
             _track(x)
         _begin(ctx, model, pack, step, group, index)
@@ -636,7 +680,7 @@ def _recomputed_backward(
             with ctx.autocast():
                 y = ctx.call(model, pack)({**tensors, **leaves}, x)
             if loss_weight is not None:  # the last pack: loss and backward
-                target = ctx.cache.copy_in(gradient_or_target, "inputs")
+                target = kept_grad if kept_grad is not None else ctx.cache.copy_in(gradient_or_target, "inputs")
                 with ctx.autocast():
                     step_losses = ctx.loss_fn(model)(y, target)
                 ctx.members(model).check(step_losses, step)  # before anything is backpropagated or updated
@@ -652,7 +696,7 @@ def _recomputed_backward(
         if pack > 0:
             grad = _input_grad(x)
             if input_grads is not None:
-                input_grads.append(ctx.cache.copy_out(grad, "activations"))
+                input_grads.append(ctx.cache.send(grad, "activations", reserved))
     return grad
 
 

@@ -24,6 +24,7 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
 from harmony.runtime.counters import Counters
+from harmony.runtime.link import IN, OUT, Link, until
 from harmony.runtime.serial_copy import copy_small
 from harmony.runtime.stream import CopyEngine
 from harmony.tasks.memory import BudgetExceeded, DeviceMemory
@@ -91,6 +92,30 @@ class Spilled:
         self.value: Any = None
 
 
+@dataclass(eq=False)
+class Transit:
+    """A copy between host and device that the compute thread did not wait for (DeviceCache.ahead, send): value is
+    the copy, there once its events have completed (CUDA) or, on a CPU device, once the simulated link has carried
+    it (at, on perf_counter's clock); a send's device bytes (nbytes) stay charged until then."""
+
+    value: Any
+    events: list[torch.cuda.Event | None] = field(default_factory=list)
+    at: float = 0.0
+    nbytes: int = 0
+
+
+def _landed(transit: Transit) -> bool:
+    return time.perf_counter() >= transit.at and all(done is None or done.query() for done in transit.events)
+
+
+def _land(transit: Transit) -> None:
+    """Block the calling thread until transit's copy is there."""
+    until(transit.at)
+    for done in transit.events:
+        if done is not None:
+            done.synchronize()
+
+
 def boundary_key(consumer: Any, microbatch: int) -> tuple[str, Any, int]:
     """Where a boundary value for consumer's micro-batch is kept in the cache."""
     return ("boundary", consumer, microbatch)
@@ -116,7 +141,8 @@ class DeviceCache:
     """
 
     def __init__(
-        self, name: str, device: torch.device, budget: int, counters: Counters, link_bandwidth: float | None = None
+        self, name: str, device: torch.device, budget: int, counters: Counters, link_bandwidth: float | None = None,
+        ahead: bool = False,
     ) -> None:
         self.name = name
         self.device = device
@@ -124,9 +150,12 @@ class DeviceCache:
         self.tensors: dict[Any, Any] = {}
         self.spills: dict[Any, Spilled] = {}  # kept boundary values whose host copy is made only if evicted
         self.counters = counters
-        self.link_bandwidth = link_bandwidth
+        self.link = Link(link_bandwidth) if link_bandwidth else None
         self._lock = threading.RLock()
+        self._sending: list[Transit] = []  # sends on their way to the host, their device bytes still charged
         self.engine = CopyEngine(name, device)
+        self.copies_ahead = ahead and (device.type == "cuda" or self.link is not None)  # on a CPU device without a
+        # link a copy is a memmove the compute thread makes as fast itself: nothing to hide
         self._unsettled = False
         self.missed: dict[Any, tuple[int, int]] = {}  # a pack -> (the last step whose stash for it was lost, how
         # many steps in a row lost one since one last reached its backward): see stash.worth_stashing
@@ -163,8 +192,10 @@ class DeviceCache:
     def _charge(self, nbytes: int, what: str) -> None:
         """Reserve nbytes, evicting what it may; weights still arriving (a prefetch in flight) cannot be evicted
         until their copy lands, so a reservation that needs their room waits for them first, and so does one that
-        would otherwise evict a stash (weights go before stashes, once they have landed)."""
+        would otherwise evict a stash (weights go before stashes, once they have landed); one that does not fit
+        while sends are on their way out waits for the oldest to give its bytes back."""
         while True:
+            self._release_sent()
             with self._lock:
                 arriving = [self.tensors[key] for key, entry in self.memory.entries.items()
                             if entry.arriving and isinstance(self.tensors.get(key), CachedWeights)]
@@ -173,9 +204,14 @@ class DeviceCache:
                     self.counters.raise_to("peak", self.memory.used)
                     return
                 except BudgetExceeded as error:
-                    if not arriving:
+                    sending = self._sending[0] if self._sending else None
+                    if not arriving and sending is None:
                         error.add_note(self.memory.describe())
                         raise
+            if not arriving:  # a send gives its bytes back once it is there
+                _land(sending)
+                self._release_sent()
+                continue
             for entry in arriving:
                 entry.arrived.wait()
 
@@ -191,16 +227,17 @@ class DeviceCache:
 
     def clear(self) -> None:
         self.engine.shutdown()
+        for transit in self._sending:
+            _land(transit)
+        self._release_sent()
         with self._lock:
             for key in list(self.memory.entries):
                 self.drop(key)
 
-    def _over_link(self, nbytes: int, started: float) -> None:
-        """Hold a copy to the simulated link speed: it takes at least nbytes / bandwidth seconds."""
-        if self.link_bandwidth:
-            remaining = nbytes / self.link_bandwidth - (time.perf_counter() - started)
-            if remaining > 0:
-                time.sleep(remaining)
+    def _over_link(self, nbytes: int, started: float, direction: str) -> None:
+        """Hold a copy to the simulated link (runtime.link): one at a time each way, at its bandwidth."""
+        if self.link is not None:
+            self.link.carry(nbytes, direction, started)
 
     def _copy_weights(self, key: Any, entry: CachedWeights, host: Source, prefetched: bool = False) -> None:
         """Copy host weight bytes (a buffer, or parts laid one after another) into entry over the link, count them,
@@ -216,7 +253,7 @@ class DeviceCache:
             for part in (host,) if isinstance(host, torch.Tensor) else host:
                 entry.done = self.engine.copy(entry.buffer[offset : offset + part.numel()], part)
                 offset += part.numel()
-            self._over_link(nbytes, started)
+            self._over_link(nbytes, started, IN)
             self.counters.add("in_weights", nbytes)
             if prefetched:
                 self.counters.add("prefetched", nbytes)
@@ -238,7 +275,7 @@ class DeviceCache:
                     self.memory.unpin(key)
                     self.drop(key)
             raise RuntimeError(f"device {self.name}: copying the weights of {key} in failed") from entry.failed
-        self.engine.wait(entry.done)
+        self.engine.wait(entry.done, entry.buffer)
 
     def hold(self, key: Any) -> None:
         """Keep a cached entry for the rest of the run: a homed model's master copy of its weights."""
@@ -358,8 +395,7 @@ class DeviceCache:
             self._forget(evicted)
             self.counters.raise_to("peak", self.memory.used)
             if copy:
-                self.tensors[key] = CachedWeights(torch.empty(source_bytes(host), dtype=torch.uint8,
-                                                              device=self.device))
+                self.tensors[key] = CachedWeights(self.engine.empty(source_bytes(host), torch.uint8))
             entry = self.tensors[key]
             self.memory.pin(key)
         try:
@@ -386,24 +422,29 @@ class DeviceCache:
             if not admitted:
                 return False
             self.counters.raise_to("peak", self.memory.used)
-            entry = self.tensors[key] = CachedWeights(torch.empty(source_bytes(host), dtype=torch.uint8,
-                                                                  device=self.device))
+            entry = self.tensors[key] = CachedWeights(self.engine.empty(source_bytes(host), torch.uint8))
         self.engine.submit(self._copy_weights, key, entry, host, True)
         return True
 
-    def keep(self, consumer: Any, microbatch: int, value: Any, keep_free: int = 0) -> bool:
+    def keep(self, consumer: Any, microbatch: int, value: Any, keep_free: int = 0, sent: Any = None) -> bool:
         """Keep a boundary value on the device for consumer, if it fits beside keep_free bytes without evicting.
 
         keep_free is what the running task will still reserve (the next micro-batch's workspace): a value
         kept in that room would push out what the cache holds when the reservation comes, weights
         prefetched for the next task first, and they would be copied in again. It stays evictable (its
         host copy exists), least recently used first like weights, and any task other than consumer drops
-        it when it starts (drop_boundaries). Returns whether it was kept.
+        it when it starts (drop_boundaries). Returns whether it was kept. Where sent is value's send to the host
+        (a Transit still charging value's bytes), the kept value takes that charge over instead of adding its own.
         """
         key = boundary_key(consumer, microbatch)
         with self._lock:
+            taken_over = sent.nbytes if isinstance(sent, Transit) and sent in self._sending else 0
+            self.memory.release(taken_over)
             if not self.memory.keep(key, consumer, tree_nbytes(value), keep_free):
+                self.memory.used += taken_over  # the send keeps its charge: it held that room a moment ago
                 return False
+            if taken_over:
+                sent.nbytes = 0
             self.tensors[key] = value
             self.counters.raise_to("peak", self.memory.used)
         return True
@@ -419,6 +460,123 @@ class DeviceCache:
                 return spilled
         spilled.value = self.copy_out(value, "activations")
         return spilled
+
+    def ahead(self, key: Any, tree: Any, kind: str) -> int:
+        """Start copying tree (a host value the running pack reads at a later micro-batch, counted as bytes_in[kind])
+        onto the device without waiting for it, where evicting cached weights makes the room
+        (tasks.memory.DeviceMemory.ahead: never a stash or a kept value, nor weights prefetched and not read yet):
+        the compute thread goes on, and take(key) gets the copy once it is there. Its bytes are charged from now
+        until taken (the micro-batch's workspace holds them then), and it is never evicted; one left untaken is
+        dropped as the next task starts (drop_boundaries). Returns the bytes charged: 0 where no copy was started.
+
+        On CUDA the copy is enqueued on the copy stream; on a CPU device it is made at once and is there when the
+        simulated link has carried it."""
+        if isinstance(tree, Spilled):  # handed on inside the task: on the device still, or spilled to the host
+            tree = tree.value
+        nbytes = tree_nbytes(tree)
+        if not self.copies_ahead or not nbytes:
+            return 0
+        with self._lock:
+            admitted, evicted = self.memory.ahead(key, nbytes)
+            self._forget(evicted)
+            if not admitted:
+                return 0
+            self.counters.raise_to("peak", self.memory.used)
+            started = time.perf_counter()
+            events: list[torch.cuda.Event | None] = []
+
+            def copy(leaf: torch.Tensor) -> torch.Tensor:
+                if self.device.type == "cpu":  # made now: the simulated link's transfer is what take waits for
+                    return leaf.clone()
+                target = self.engine.empty(leaf.shape, leaf.dtype)
+                events.append(self.engine.copy(target, leaf))
+                return target
+
+            value = tree_map(lambda leaf: copy(leaf) if isinstance(leaf, torch.Tensor) else leaf, tree)
+            at = self.link.schedule(nbytes, IN, started) if self.link is not None else 0.0
+            self.tensors[key] = Transit(value, events, at)
+        self.counters.add(f"in_{kind}", nbytes)
+        self.counters.add("ahead", nbytes)
+        return nbytes
+
+    def take(self, key: Any) -> Any | None:
+        """The value ahead(key) copied in, once it is there (on CUDA: the compute stream waits for it, the host does
+        not), or None if no copy was started. Its bytes are given back: the micro-batch's workspace holds them."""
+        with self._lock:
+            transit = self.tensors.pop(key, None)
+            if transit is None:
+                return None
+            self.memory.drop(key)
+        started = time.perf_counter_ns()
+        if transit.events:
+            leaves = [leaf for leaf in tree_leaves(transit.value) if isinstance(leaf, torch.Tensor)]
+            for done, leaf in zip(transit.events, leaves):
+                self.engine.wait(done, leaf)
+        else:
+            until(transit.at)
+        self.counters.add("wait_ns", time.perf_counter_ns() - started)
+        return transit.value
+
+    def send(self, tree: Any, kind: str, reservation: Reservation) -> Any:
+        """A host copy of tree (a micro-batch's output on the device, made under reservation, counted as
+        bytes_out[kind]) that the compute thread does not wait for: a Transit, which arrived() turns into the copy
+        once it is there. tree's bytes leave the reservation for a charge of their own until then. Where copies do
+        not run ahead of compute, or the reservation does not hold them, the copy is made now (copy_out).
+
+        On CUDA the copy is enqueued on the outward stream, into page-locked memory; on a CPU device it is made at
+        once and is there when the simulated link has carried it."""
+        nbytes = tree_nbytes(tree)
+        if not self.copies_ahead or nbytes > reservation.nbytes:
+            return self.copy_out(tree, kind)
+        started = time.perf_counter()
+        events: list[torch.cuda.Event | None] = []
+
+        def copy(leaf: torch.Tensor) -> torch.Tensor:
+            if self.device.type == "cpu":  # made now: the simulated link's transfer is what arrived waits for
+                return leaf.detach().clone()
+            host = torch.empty(leaf.shape, dtype=leaf.dtype, pin_memory=True)
+            events.append(self.engine.copy_out(host, leaf.detach()))
+            return host
+
+        value = tree_map(lambda leaf: copy(leaf) if isinstance(leaf, torch.Tensor) else leaf, tree)
+        at = self.link.schedule(nbytes, OUT, started) if self.link is not None else 0.0
+        transit = Transit(value, events, at, nbytes)
+        with self._lock:
+            reservation.nbytes -= nbytes
+            self._sending.append(transit)
+        self.counters.add(f"out_{kind}", nbytes)
+        self.counters.add("behind", nbytes)
+        return transit
+
+    def arrived(self, values: list[Any]) -> list[Any]:
+        """values with every send among them replaced by its host copy, once it is there."""
+        started = time.perf_counter_ns()
+        landed = []
+        for value in values:
+            if isinstance(value, Transit):
+                _land(value)
+                value = value.value
+            landed.append(value)
+        self.counters.add("wait_ns", time.perf_counter_ns() - started)
+        self._release_sent()
+        return landed
+
+    def _release_sent(self) -> None:
+        """Give back the device bytes of sends that have reached the host."""
+        with self._lock:
+            for transit in [transit for transit in self._sending if _landed(transit)]:
+                self._sending.remove(transit)
+                self.memory.release(transit.nbytes)
+
+    def holds(self, key: Any) -> bool:
+        """Whether the device holds an entry under key (a stash, say)."""
+        with self._lock:
+            return key in self.memory.entries
+
+    def kept(self, consumer: Any, microbatch: int) -> bool:
+        """Whether a boundary value is kept for consumer's micro-batch (claim would take it)."""
+        with self._lock:
+            return boundary_key(consumer, microbatch) in self.memory.entries
 
     def claim(self, consumer: Any, microbatch: int) -> Any | None:
         """The boundary value kept for consumer's micro-batch (now the task's own), or None if it is not here."""
@@ -465,7 +623,7 @@ class DeviceCache:
         else:
             nbytes = tree_nbytes(tree)
             copied = tree_map(lambda leaf: copy(leaf) if isinstance(leaf, torch.Tensor) else leaf, tree)
-        self._over_link(nbytes, started)
+        self._over_link(nbytes, started, IN)
         self.counters.add(f"in_{kind}", nbytes)
         self.counters.add("wait_ns", round((time.perf_counter() - started) * 1e9))
         self._unsettled = self._unsettled or asynchronous
@@ -480,7 +638,7 @@ class DeviceCache:
         started = time.perf_counter()
         nbytes = tree_nbytes(tree)
         copied = tree_map(lambda leaf: self._host_copy(leaf) if isinstance(leaf, torch.Tensor) else leaf, tree)
-        self._over_link(nbytes, started)
+        self._over_link(nbytes, started, OUT)
         self.counters.add(f"out_{kind}", nbytes)
         self.counters.add("wait_ns", round((time.perf_counter() - started) * 1e9))
         return copied
@@ -507,5 +665,5 @@ class DeviceCache:
             copy_small(host, device_bytes)
         else:
             host.copy_(device_bytes)
-        self._over_link(device_bytes.numel(), started)
+        self._over_link(device_bytes.numel(), started, OUT)
         self.counters.add(f"out_{kind}", device_bytes.numel())

@@ -14,6 +14,8 @@ NAMES = (
     "remote",
     "p2p",
     "prefetched",
+    "ahead",
+    "behind",
     "kept",
     "stashed",
     "recomputed",

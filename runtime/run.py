@@ -135,7 +135,8 @@ def execute(
         for store in stores.values():
             store.push_all()
         spec = RunSpec(run, str(stores[""].directory if "" in stores else shm_directory()), models, tuple(devices),
-                       plan.options.prefetch, plan.options.group, autocast=PRECISIONS[plan.options.precision],
+                       bool(plan.options.prefetch), plan.options.group, ahead=plan.options.prefetch is True,
+                       autocast=PRECISIONS[plan.options.precision],
                        scaler=files.settings, compile=plan.options.compile, profile=profile)
         handle.client.register_plugin(DevicePlugin(spec), name=plugin)
         registered = True

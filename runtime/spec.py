@@ -101,8 +101,9 @@ class RunSpec:
     store_directory: str
     models: tuple[ModelRuntime, ...]
     devices: tuple[DeviceSpec, ...]
-    prefetch: bool = True
+    prefetch: bool = True  # weights copied in while the task before computes
     group: bool = True
+    ahead: bool = True  # micro-batch values copied in (out) while the one before (after) computes, given a link
     autocast: str | None = None  # the dtype forward and backward compute in under torch.autocast (None: as is)
     scaler: Settings = field(default_factory=Settings)  # the loss scaler's arguments (jobs whose loss is scaled)
     compile: bool = False  # packs run through torch.compile

@@ -1,11 +1,11 @@
-"""A device's copy engine: host-to-device copies off the compute thread, on CUDA on their own stream.
+"""A device's copy engine: copies between host and device off the compute thread, on CUDA on streams of their own.
 
 On a CPU device the engine is a thread and a copy is done when the call returns, made with memmove so that
 the thread never starts an OpenMP team beside the compute thread's (serial_copy). On a CUDA device a copy
-is enqueued on a dedicated non-blocking stream, so that it overlaps kernels on the compute stream; the
-copy's event marks when its bytes are there, and the stream that reads them waits for that event on the
-GPU (the host never blocks on it). The target is recorded on the copy stream, so that the caching
-allocator does not hand its memory to another tensor while the copy may still be writing it.
+is enqueued on a dedicated non-blocking stream, one for each direction, so that it overlaps kernels on the
+compute stream; the copy's event marks when its bytes are there, and the stream that reads them waits for that
+event on the GPU (the host never blocks on it). The device tensor is recorded on the copy's stream, so that the
+caching allocator does not hand its memory to another tensor while the copy may still use it.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ class CopyEngine:
     def __init__(self, name: str, device: torch.device) -> None:
         self.name = name
         self.device = device
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # into the device
+        self.outward = torch.cuda.Stream(device) if device.type == "cuda" else None  # out of it
         self._thread: ThreadPoolExecutor | None = None
 
     def copy(self, target: torch.Tensor, source: torch.Tensor) -> torch.cuda.Event | None:
@@ -40,10 +41,38 @@ class CopyEngine:
             done.record(self.stream)
         return done
 
-    def wait(self, done: torch.cuda.Event | None) -> None:
-        """Make the calling thread's current stream wait, on the GPU, until a copy's bytes are there."""
+    def empty(self, shape: tuple[int, ...] | int, dtype: torch.dtype) -> torch.Tensor:
+        """Device memory for an inward copy to write. On CUDA it is taken on the copy stream, so that the copy never
+        writes memory that kernels still queued on the compute stream read (freed there, and reused at once on
+        that stream); wait(done, tensor) then records it on the stream that reads it."""
+        if self.stream is None:
+            return torch.empty(shape, dtype=dtype, device=self.device)
+        with torch.cuda.stream(self.stream):
+            return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def copy_out(self, target: torch.Tensor, source: torch.Tensor) -> torch.cuda.Event:
+        """On CUDA: enqueue a copy of device bytes (source) into page-locked host memory (target) on the outward
+        stream, after what the calling thread's stream has enqueued so far (which makes source); the event that
+        ends it."""
+        assert self.outward is not None, "copy_out is the CUDA engine's: a CPU device's memory is the host's"
+        made = torch.cuda.Event()
+        made.record(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.outward):
+            self.outward.wait_event(made)
+            target.copy_(source, non_blocking=True)
+            source.record_stream(self.outward)
+            done = torch.cuda.Event()
+            done.record(self.outward)
+        return done
+
+    def wait(self, done: torch.cuda.Event | None, tensor: torch.Tensor | None = None) -> None:
+        """Make the calling thread's current stream wait, on the GPU, until a copy's bytes are there; tensor (from
+        empty) is then read on that stream, and its memory is not reused before those reads are done."""
         if done is not None:
-            torch.cuda.current_stream(self.device).wait_event(done)
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(done)
+            if tensor is not None:
+                tensor.record_stream(current)
 
     def submit(self, work: Callable[..., Any], *args: Any) -> None:
         """Run work on the engine's thread (one at a time, in order)."""
@@ -56,5 +85,6 @@ class CopyEngine:
         if self._thread is not None:
             self._thread.shutdown(wait=True)
             self._thread = None
-        if self.stream is not None:
-            self.stream.synchronize()
+        for stream in (self.stream, self.outward):
+            if stream is not None:
+                stream.synchronize()

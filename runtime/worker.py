@@ -70,7 +70,8 @@ class RunContext:
         self.store = HostStore(spec.run, spec.store_directory, pin=self.device.type == "cuda")
         counters = Counters(self.store.attach(counters_name(self.device_index), block_bytes(len(spec.models))))
         self.cache = DeviceCache(
-            self.device_spec.name, self.device, self.device_spec.budget, counters, self.device_spec.link_bandwidth
+            self.device_spec.name, self.device, self.device_spec.budget, counters, self.device_spec.link_bandwidth,
+            ahead=spec.ahead,
         )
         self.timeline: list[tuple[str, float, float, float]] = []  # per task: key, wall start, end, copy seconds
         directory, steps = spec.profile or (None, 0)

@@ -53,6 +53,7 @@ class Entry:
     pins: int = 0
     held: bool = False
     arriving: bool = False
+    unread: bool = False  # weights a prefetch brought that no task has read yet
 
     @property
     def evictable(self) -> bool:
@@ -148,6 +149,7 @@ class DeviceMemory:
         if copied:
             evicted = self.reserve(nbytes, f"weights of {key}", spared=(key,))
             self.entries[key] = Entry(nbytes, version)
+        self.entries[key].unread = False
         self.entries.move_to_end(key)
         return copied, evicted
 
@@ -166,7 +168,7 @@ class DeviceMemory:
             evicted.append(victim)
         self.used += nbytes
         self.peak = max(self.peak, self.used)
-        self.entries[key] = Entry(nbytes, version, arriving=True)
+        self.entries[key] = Entry(nbytes, version, arriving=True, unread=True)
         return True, evicted
 
     def arrived(self, key: Hashable) -> None:
@@ -208,6 +210,29 @@ class DeviceMemory:
             return None
         self.drop(key)
         return entry.nbytes
+
+    def ahead(self, key: Hashable, nbytes: int) -> tuple[bool, list[Hashable]]:
+        """Hold nbytes for a value copied in ahead of the micro-batch that reads it, if evicting cached weights makes
+        the room: never a stash (it saves a forward) or a kept boundary value (it saves a copy), nor weights a
+        prefetch brought that no task has read yet (the next pack's). Returns whether it was admitted (pinned, and
+        dropped as the next task starts unless taken first) and the evicted keys; nothing is evicted if it is not."""
+        if key in self.entries:
+            return False, []
+        victims = [k for k, entry in self.entries.items()
+                   if entry.evictable and entry.needs is None and entry.consumer is None and not entry.unread]
+        evicted = []
+        for victim in victims:
+            if self.used + nbytes <= self.budget:
+                break
+            evicted.append(victim)
+        if self.used + nbytes - sum(self.entries[k].nbytes for k in evicted) > self.budget:
+            return False, []
+        for victim in evicted:
+            self.drop(victim)
+        self.used += nbytes
+        self.peak = max(self.peak, self.used)
+        self.entries[key] = Entry(nbytes, consumer=key, pins=1)
+        return True, evicted
 
     def stash(self, key: Hashable, needs: Hashable, nbytes: int, reserved: int, keep_free: int) -> bool:
         """Keep nbytes of a running reservation of reserved bytes (a micro-batch's activations) as a stash for the

@@ -28,7 +28,7 @@ class Options:
     epochs: int = 1
     steps: int | None = None
     microbatches: int = 1
-    prefetch: bool = True
+    prefetch: bool | str = True  # "weights": weights only, no micro-batch values copied ahead
     policy: str = "lrtf"
     group: bool = True
     mode: str = "auto"

@@ -324,7 +324,7 @@ def simulate(
     samples: list[int],
     budgets: dict[str, int],
     hardware: Hardware,
-    prefetch: bool = True,
+    prefetch: bool | str = True,
     policy: str = "lrtf",
     mode: str = "free",
     groups: list[int] | None = None,
@@ -340,7 +340,9 @@ def simulate(
     Each device runs one task at a time; a task starts when its device is free and its inputs exist;
     it takes the task overhead, its compute, and its copies (weights in unless the device caches them,
     boundary activations in and out, less the one its producer left on the device when it ran just before),
-    where with prefetch a weight copy overlaps the previous task's compute. An upd task runs on a host thread
+    where with prefetch a weight copy overlaps the previous task's compute and (prefetch True, not "weights") the
+    boundary copies of every micro-batch but the first in and the last out overlap the task's own, each way beside
+    the other (runtime.link: one copy at a time each way, both ways at once). An upd task runs on a host thread
     beside its device: one at a time per device, from when its bwd ends, taking the device's time only where the
     device computes on the host's cores (hardware.shared_cores).
     samples are per job and step; with groups (vDP) each group computes its share of them; overlap says per job
@@ -374,7 +376,7 @@ def simulate_jobs(
     samples: list[int],
     budgets: dict[str, int],
     hardware: Hardware,
-    prefetch: bool = True,
+    prefetch: bool | str = True,
     policy: str = "lrtf",
     mode: str = "free",
     stash: bool = True,
@@ -405,13 +407,14 @@ class _Clock:
     """What the simulated devices do with the binding state's instructions, and when."""
 
     def __init__(
-        self, jobs: list[Job], samples: list[int], budgets: dict[str, int], hardware: Hardware, prefetch: bool,
-        stash: bool = True,
+        self, jobs: list[Job], samples: list[int], budgets: dict[str, int], hardware: Hardware,
+        prefetch: bool | str, stash: bool = True,
     ) -> None:
         self.jobs = jobs
         self.samples = samples
         self.hardware = hardware
-        self.prefetch = prefetch
+        self.prefetch = bool(prefetch)  # weights copied in while the task before computes
+        self.ahead = prefetch is True  # and micro-batch values while the one before (after) computes
         self.stash = stash
         self.free_at = dict.fromkeys(budgets, 0.0)
         self.host_free_at = dict.fromkeys(budgets, 0.0)
@@ -550,9 +553,10 @@ class _Clock:
         return saved
 
     def _copy_seconds(self, task: TaskId, device: str, first: int, samples: int, compute: float) -> float:
-        """Seconds of the task's copies over the host link: weights the device does not cache (hidden behind the
-        previous task's compute, or the previous pack's in the task, with prefetch), boundary values and a swapped
-        pack's gradients."""
+        """Seconds of the task's copies over the host link that its compute does not hide: weights the device does
+        not cache (hidden behind the previous task's compute, or the previous pack's in the task, with prefetch),
+        boundary values (with ahead, all but the first micro-batch's in and the last one's out hidden behind the
+        task's compute, each direction up to it) and a swapped pack's gradients."""
         link = self.hardware.host_link
         if not link:
             return 0.0
@@ -572,10 +576,17 @@ class _Clock:
             if copied:
                 copy += max(0.0, nbytes / link - hiding) if self.prefetch else nbytes / link
             hiding = compute / len(loads)
-        boundary = boundary_bytes(dataclasses.replace(task, pack=packs[0]), packing, samples)
+        boundary = boundary_bytes(dataclasses.replace(task, pack=packs[0]), packing, samples) / link
         previous = self.previous.get(device)
         kept = previous is not None and successor(previous, job.section_count) == task
-        copy += ((2 if task.kind == "fwd" else 3) - kept) * boundary / link
+        inward, outward = ((1 if task.kind == "fwd" else 2) - kept) * boundary, boundary
+        microbatches = -(-samples // packing.microbatch_samples)
+        if self.ahead and microbatches > 1:
+            hidden = (microbatches - 1) / microbatches  # the first micro-batch's values in, the last one's out wait
+            copy += (inward + outward) * (1 - hidden)
+            copy += max(0.0, inward * hidden - compute) + max(0.0, outward * hidden - compute)
+        else:
+            copy += inward + outward
         if task.kind == "bwd" and not homed:  # gradients out; updated on the device, the weights out instead and
             copy += sum(packing.packs[pack].grad_bytes  # the optimizer state in and out
                         + (2 * packing.packs[pack].state_bytes(job.state_ratio) if pack in job.device_updates else 0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -132,7 +133,7 @@ class EventRecordingEngine(CopyEngine):
         self.log.append(f"copy {len(self.log)}")
         return self.log[-1]
 
-    def wait(self, done: Any) -> None:
+    def wait(self, done: Any, tensor: torch.Tensor | None = None) -> None:
         self.log.append(f"wait {done}")
 
 
@@ -291,3 +292,59 @@ def test_a_value_handed_on_inside_a_task_crosses_the_link_only_if_it_is_not_kept
     assert torch.equal(refused.value, value) and cache.counters.read()["out_activations"] == 400
     with pytest.raises(RuntimeError, match="neither kept nor copied out"):
         cache.copy_in(Spilled(), "activations")
+
+
+def make_linked_cache(store: HostStore, budget: int, bandwidth: float) -> DeviceCache:
+    counters = PublishingCounters(store.create("counters", BLOCK_BYTES))
+    return DeviceCache("cpu-0", torch.device("cpu"), budget, counters, link_bandwidth=bandwidth, ahead=True)
+
+
+def test_a_value_copied_ahead_is_charged_until_taken_and_never_read_before_the_link_carried_it(
+    store: HostStore,
+) -> None:
+    cache = make_linked_cache(store, budget=1000, bandwidth=10_000)  # 200 bytes take 20 ms
+    value = torch.arange(50, dtype=torch.float32)
+    started = time.perf_counter()
+    assert cache.ahead("k", value, "activations") == 200 and cache.used == 200
+    copy = cache.take("k")
+    assert time.perf_counter() - started >= 0.02, "read before the link carried it"
+    assert torch.equal(copy, value) and copy.data_ptr() != value.data_ptr()
+    counts = cache.counters.read()
+    assert cache.used == 0 and counts["in_activations"] == counts["ahead"] == 200
+    assert cache.take("k") is None, "taken once"
+    assert cache.ahead("untaken", value, "activations") == 200
+    cache.drop_boundaries("the next task")
+    assert cache.used == 0 and cache.take("untaken") is None
+    with cache.scratch(900, "activations"):
+        assert cache.ahead("no room", value, "inputs") == 0 and cache.used == 900
+    unlinked = DeviceCache("cpu-1", torch.device("cpu"), 1000, cache.counters, ahead=True)
+    assert unlinked.ahead("k", value, "inputs") == 0, "a CPU device without a link copies as it reads"
+    cache.clear()
+
+
+def test_a_sent_output_stays_charged_until_it_reaches_the_host_and_a_reservation_waits_for_it(
+    store: HostStore,
+) -> None:
+    cache = make_linked_cache(store, budget=1000, bandwidth=10_000)
+    value = torch.arange(50, dtype=torch.float32)
+    started = time.perf_counter()
+    with cache.scratch(400, "activations") as reserved:
+        sent = cache.send(value, "activations", reserved)
+        assert reserved.nbytes == 200, "its bytes leave the reservation"
+    assert cache.used == 200, "still on its way out"
+    (host,) = cache.arrived([sent])
+    assert time.perf_counter() - started >= 0.02, "handed over before the link carried it"
+    counts = cache.counters.read()
+    assert torch.equal(host, value) and cache.used == 0 and counts["out_activations"] == counts["behind"] == 200
+    with cache.scratch(400, "activations") as reserved:
+        cache.send(value, "activations", reserved)
+    with cache.scratch(1000, "the next micro-batch"):  # needs the send's room: waits for it to land
+        assert cache.used == 1000
+    with cache.scratch(400, "activations") as reserved:
+        sent = cache.send(value, "activations", reserved)
+    assert cache.keep("next", 0, value, sent=sent) and cache.used == 200, "the kept value takes the send's charge"
+    cache.arrived([sent])
+    assert cache.used == 200 and cache.claim("next", 0) is value
+    with cache.scratch(100, "activations") as reserved:
+        assert isinstance(cache.send(value, "activations", reserved), torch.Tensor), "not in the reservation: now"
+    cache.clear()

@@ -226,6 +226,44 @@ def test_inside_a_section_a_gradient_handed_on_and_kept_never_crosses_the_link(n
     assert_same_weights(trained[1], reference, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("packs_per_task", [1, 64], ids=["one-pack", "whole-pass"])
+def test_values_copied_ahead_and_sent_behind_over_a_link_give_the_same_weights(packs_per_task: int,
+                                                                               no_leaks: None) -> None:
+    """Over a simulated link, prefetch=True copies each micro-batch's values in while the one before it computes and
+    its outputs out while the next one computes (DeviceCache.ahead, send), where prefetch="weights" copies them as
+    they are read. Float64, Adam, 4 micro-batches: the weights are the same bit for bit and plain PyTorch's within
+    1e-9, the device stays within its budget; no first micro-batch of a pack has its values copied ahead (at most
+    3/4 of what comes in); with one pack a task (stash off) every output and input gradient goes out behind, with
+    the whole pass as one task (stash on) none leaves but the inputs its backward reads again, copied before the
+    forward that may change them."""
+    batches = [(x.double(), y.double()) for x, y in regression_batches(samples=16 * STEPS, batch=16)]
+    adam = lambda p: torch.optim.Adam(p, lr=1e-2)  # noqa: E731
+    trained, stats = [], []
+    for prefetch in (True, "weights"):
+        model = deep_mlp(seed=5).double()
+        result = harmony.train(model, batches, loss_fn=nn.functional.mse_loss, optimizer=adam, microbatches=4,
+                               devices=["cpu"], device_memory=3 * BUDGET, resident=False, fuse=False,
+                               packs_per_task=packs_per_task, stash=packs_per_task > 1, link_bandwidth="2GB/s",
+                               prefetch=prefetch, progress=False)
+        assert len(result.packings[0].packs) > 5
+        trained.append(model)
+        stats.append(result.stats)
+        assert max(result.stats.peak_device_bytes.values()) <= 3 * BUDGET
+    ahead, weights_only = stats
+    came_in = ahead.bytes_in["activations"] + ahead.bytes_in["inputs"]
+    assert 0 < ahead.bytes_ahead <= came_in * 3 // 4, (ahead.bytes_ahead, came_in)
+    if packs_per_task == 1:
+        assert ahead.bytes_behind == ahead.bytes_out["activations"] > 0
+    else:
+        assert ahead.bytes_behind == 0 and ahead.bytes_out["activations"] > 0
+    assert weights_only.bytes_ahead == weights_only.bytes_behind == 0
+    for a, b in zip(trained[0].parameters(), trained[1].parameters()):
+        assert torch.equal(a, b)
+    reference = deep_mlp(seed=5).double()
+    train_plain(reference, batches, nn.functional.mse_loss, adam)
+    assert_same_weights(trained[0], reference, rtol=1e-9, atol=1e-12)
+
+
 def test_tasks_of_several_packs_draw_the_dropout_masks_and_keep_the_statistics_of_one_pack_tasks(
     no_leaks: None
 ) -> None:

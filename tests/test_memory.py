@@ -152,3 +152,21 @@ def test_a_section_takes_its_stashes_all_at_once_only_if_all_are_here_and_its_ro
     assert memory.reserve(800, "weights") == ["w", "other"], "the room is there without the taken stashes"
     memory.release(1000)
     memory.validate()
+
+
+def test_a_value_copied_ahead_evicts_only_weights_already_read_and_is_pinned_until_dropped() -> None:
+    memory = DeviceMemory("d", 1000)
+    memory.load("read", 0, 200)
+    assert memory.keep(("boundary", "t", 0), "t", 200, keep_free=0)
+    memory.reserve(200, "activations")
+    assert memory.stash("s", "w", 200, reserved=200, keep_free=0)
+    assert memory.prefetch("unread", 0, 200, keep_free=0) == (True, [])
+    memory.arrived("unread")
+    assert memory.ahead("x", 500) == (False, []), "only the weights already read (200 bytes) may go"
+    assert "read" in memory.entries, "a refused value evicts nothing"
+    assert memory.ahead("x", 300) == (True, ["read"])
+    assert memory.ahead("x", 10) == (False, []), "already there"
+    assert not memory.entries["x"].evictable
+    assert "x" not in memory.reserve(300, "a task") and "x" in memory.entries, "never evicted"
+    assert memory.drop_boundaries("t") == ["x"], "dropped as the next task starts, unless taken"
+    memory.validate()

@@ -40,8 +40,9 @@ def test_prefetch_over_a_slow_link_is_exact_and_within_budget(prefetch: bool, no
     assert stats.bytes_in["weights"] <= 3 * (2 * param_bytes(model))
     if prefetch:
         assert 0 < stats.bytes_prefetched <= stats.bytes_in["weights"]
+        assert 0 < stats.bytes_ahead <= stats.bytes_in["activations"] + stats.bytes_in["inputs"]
     else:
-        assert stats.bytes_prefetched == 0
+        assert stats.bytes_prefetched == stats.bytes_ahead == stats.bytes_behind == 0
 
 
 def test_two_devices_pass_activations_directly_and_report_utilization(no_leaks: None) -> None:

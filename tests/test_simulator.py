@@ -12,6 +12,7 @@ from harmony.tasks.simulator import (
     Hardware,
     MemoryReport,
     ScheduleExceedsBudget,
+    boundary_bytes,
     pack_tasks,
     replay_memory,
     simulate,
@@ -144,6 +145,27 @@ def test_a_sections_replay_keeps_what_the_section_itself_reads_later() -> None:
     report = replay_memory(order, [packing], {"d": 10**6}, microbatch_samples=[[4, 4]], sections=[(0, 3)])
     boundary = packing.packs[1].input_bytes_per_sample * 4
     assert report.kept == 12 * 2 * boundary
+
+
+def test_boundary_copies_of_every_micro_batch_but_the_first_in_and_the_last_out_hide_behind_the_tasks_compute(
+) -> None:
+    """With prefetch=True a task's boundary values of micro-batches 2..M come in, and those of 1..M-1 go out, while
+    its compute runs (runtime.cache: ahead, send); with prefetch="weights" every one waits. A fwd task whose input its
+    predecessor left on the device sends its output: M = 4 micro-batches hide 3/4 of it behind compute longer than
+    that; with one micro-batch nothing hides."""
+    packing = chain_packing(layers=6, seconds=1e-3, budget=7000)
+    link = 1e6
+    hardware = Hardware(task_overhead=0.0, host_link=link)
+    for samples, hidden in ((16, 0.75), (4, 0.0)):
+        ahead, waiting = (simulate([packing], [1], [samples], {"d": 7000}, hardware, prefetch=prefetch)
+                          for prefetch in (True, "weights"))
+        assert ahead.order == waiting.order
+        for pack in range(1, len(packing.packs) - 1):
+            task = TaskId("fwd", 0, pack, 0)
+            boundary = boundary_bytes(task, packing, samples) / link
+            assert packing.packs[pack].forward_seconds_per_sample * samples > boundary, "compute covers the copies"
+            seconds = [run.times[task][1] - run.times[task][0] for run in (ahead, waiting)]
+            assert seconds[1] - seconds[0] == pytest.approx(hidden * boundary)
 
 
 def test_an_update_on_the_device_costs_its_state_over_the_link_and_the_optimizer_at_the_devices_speed() -> None:
