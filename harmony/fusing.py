@@ -78,7 +78,7 @@ def build_array(members: list[int], candidates: list[Candidate], args: Arguments
     loss = array_loss(loss_fns, decomposition.output, target) if all(fn is not None for fn in loss_fns) else None
     factories = [args.optimizers[m] for m in members]
     optimizer = ArrayOptimizer(factories) if all(f is not None for f in factories) else None  # type: ignore[arg-type]
-    packing = cut_packs(decomposition.profile, budget, sizes[0])
+    packing = cut_packs(decomposition.profile, budget, sizes[0], args.ahead)
     first = parts[0].job
     job = Job(
         members=tuple(members),

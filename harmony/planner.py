@@ -50,10 +50,10 @@ def _check_loss(args: Arguments, index: int, label: str, output: Any, target: An
                          "it must return a scalar tensor (the mean loss over the micro-batch)")
 
 
-def cut(profile: ModelProfile, budget: int, samples: int, label: str) -> Any:
+def cut(profile: ModelProfile, budget: int, samples: int, label: str, ahead: bool) -> Any:
     """The packing of a profile for budget; a budget too small for its largest layer is an InputError."""
     try:
-        return cut_packs(profile, budget, samples)
+        return cut_packs(profile, budget, samples, ahead)
     except LayerTooLarge as error:
         raise cut_error(error, label) from None
 
@@ -128,7 +128,7 @@ def _decompose_and_cut(args: Arguments, index: int, sample: Any, target: Any, sa
         if args.loss_fns[index] is not None and not layers:
             _check_loss(args, index, label, decomposition.output, target)
         try:
-            packing = cut_packs(decomposition.profile, budget, samples)
+            packing = cut_packs(decomposition.profile, budget, samples, args.ahead)
         except LayerTooLarge as error:
             if without_prefetch is not None:
                 return without_prefetch
@@ -216,7 +216,7 @@ def settle_machine(candidates: list[Candidate], budgets: dict[str, int]) -> list
         job = dataclasses.replace(candidate.job, home=homes.get(index))
         if homes and job.home is None and left < min(budgets.values()):
             job = dataclasses.replace(job, packing=cut(candidate.profile, left, job.packing.microbatch_samples,
-                                                       job.label))
+                                                       job.label, job.packing.ahead))
             logger.info("%s (re-cut beside homed models)", job.packing.explain())
         settled.append(dataclasses.replace(candidate, job=job))
     return settled

@@ -53,6 +53,7 @@ class Arguments:
     links: list[float | None]
     cluster: str | Client | None
     host_memory: int | None = None
+    ahead: bool = False  # micro-batch values are copied ahead (GPUs, or links): packs are cut with room for them
     validation: list[list[tuple[Any, Any]]] = dataclasses.field(default_factory=list)
     validation_of: list[int] = dataclasses.field(default_factory=list)
     metrics: Any = None
@@ -349,6 +350,7 @@ def validate(
         links=links,
         cluster=cluster,
         host_memory=host_budget,
+        ahead=options.prefetch is True and (any(links) or any(device.startswith("cuda") for device in device_list)),
     )
 
 

@@ -30,7 +30,7 @@ from distributed import Reschedule, get_worker, secede
 from torch.utils._pytree import tree_leaves, tree_map
 
 from harmony.runtime import shipping
-from harmony.runtime.cache import Spilled, Taken
+from harmony.runtime.cache import Reservation, Spilled, Taken
 from harmony.runtime.divergence import Diverged
 from harmony.runtime.errors import ModelFailure
 from harmony.runtime.files import LOSS_BLOCK, SPAN_TIMING_BYTES, losses_name, span_timing_name
@@ -210,7 +210,6 @@ def _forward_pack(
     stashing = stash and runtime.stash and worth_stashing(ctx.cache.missed.get((model, pack)), step)
     outputs = []
     with ctx.cache.weights((model, pack), step, host) as weights, ctx.borrowed(model, pack, step) as borrowed:
-        _prefetch(ctx, model, following, step, runtime.workspace)
         tensors = {**tensors_at(weights, runtime.device_weights), **borrowed}
         start = weights[buffers:].clone() if runtime.has_buffers else None
         kind = "activations" if pack else "inputs"
@@ -226,7 +225,9 @@ def _forward_pack(
                     x = ctx.cache.copy_in(microbatch, kind)
                 if again and kept is not None and isinstance(microbatch, Spilled):
                     microbatch.value = ctx.cache.copy_out(x, "activations")
-                ahead = _ahead(ctx, model, pack, "input", index + 1, inputs, kind, claim) if more else 0
+                ahead = _ahead(ctx, model, pack, "input", index + 1, inputs, kind, claim, reserved) if more else 0
+                if index == 0:  # once the first micro-batch's values are in: one copy at a time each way (link)
+                    _prefetch(ctx, model, following, step, keep_free=0)  # the workspace is held
                 later = max(runtime.workspace - ahead, 0) if more else 0  # the next micro-batch reserves
                 _begin(ctx, model, pack, step, group, index)
                 if stashing:
@@ -260,12 +261,13 @@ def _ahead_key(model: int, pack: int, what: str, microbatch: int) -> tuple[Any, 
 
 
 def _ahead(ctx: RunContext, model: int, pack: int, what: str, microbatch: int, values: list[Any], kind: str,
-           claim: Any) -> int:
-    """Copy values[microbatch] in on the copy engine while the micro-batch before it computes, unless it is kept
-    on the device for claim; the bytes that copy holds from now (0: none started)."""
+           claim: Any, reservation: Reservation | None = None) -> int:
+    """Copy values[microbatch] in while the micro-batch before it computes (in room its forward's reservation
+    leaves, where given), unless it is kept on the device for claim; the bytes that copy holds from now (0: none
+    started)."""
     if claim is not None and ctx.cache.kept(claim, microbatch):
         return 0
-    return ctx.cache.ahead(_ahead_key(model, pack, what, microbatch), values[microbatch], kind)
+    return ctx.cache.ahead(_ahead_key(model, pack, what, microbatch), values[microbatch], kind, reservation)
 
 
 def _buffers_out(
@@ -417,7 +419,6 @@ def _backward_pack(
         ctx.cache.scratch(runtime.grads.nbytes, f"gradients of pack {pack}"),
         ctx.borrowed(model, pack, step) as borrowed,
     ):
-        _prefetch(ctx, model, following, step, runtime.workspace)
         grad_bytes = ctx.cache.zeros(runtime.grads.nbytes)
         tensors = {**tensors_at(weights, runtime.device_weights), **borrowed}
         last = pack == len(spec.packs) - 1
@@ -426,7 +427,7 @@ def _backward_pack(
         ctx.add_lent_grads(model, pack, group, grads)
         input_grads = _backward_step(ctx, model, pack, span, step, weights, tensors, grads, inputs,
                                      gradients_or_targets, loss_weights, group, claim_input, claim_upstream, keep,
-                                     taken)
+                                     functools.partial(_prefetch, ctx, model, following, step, 0), taken)
         if spec.scaled:
             ctx.scaler(model).flag(step, pack, group, not finite(grads))
         if not runtime.device_update or runtime.borrowed:  # a borrowed weight's gradient goes to its lender's pack
@@ -579,6 +580,7 @@ def _backward_step(
     claim_input: Any,
     claim_upstream: Any,
     keep: Any,
+    prefetch: Callable[[], None],
     taken: Taken | None = None,
 ) -> list[Any]:
     """One step's micro-batches through a swapped pack's backward, accumulating into grads (views of the
@@ -606,16 +608,18 @@ def _backward_step(
         ahead = 0
 
         def start_ahead(following: int = index + 1) -> None:
-            """Once this micro-batch's workspace is reserved: the next one's values come in while it computes."""
+            """Once this micro-batch's workspace is reserved: the next one's values come in while it computes, and
+            once the first's are in, the next pack's weights (one copy at a time each way: runtime.link)."""
             nonlocal ahead
-            if following == len(inputs):
-                return
-            stashed = stash_key(model, pack, step, group, following)
-            if not ((taken is not None and stashed in taken) or ctx.cache.holds(stashed)):  # else not recomputed
-                ahead += _ahead(ctx, model, pack, "input", following, inputs, "activations" if pack else "inputs",
-                                claim_input)
-            ahead += _ahead(ctx, model, pack, "upstream", following, gradients_or_targets,
-                            "inputs" if last else "activations", claim_upstream)
+            if following < len(inputs):
+                stashed = stash_key(model, pack, step, group, following)
+                if not ((taken is not None and stashed in taken) or ctx.cache.holds(stashed)):  # else not recomputed
+                    ahead += _ahead(ctx, model, pack, "input", following, inputs,
+                                    "activations" if pack else "inputs", claim_input)
+                ahead += _ahead(ctx, model, pack, "upstream", following, gradients_or_targets,
+                                "inputs" if last else "activations", claim_upstream)
+            if following == 1:
+                prefetch()
 
         with (taken.use(key) if taken is not None and key in taken else ctx.cache.unstash(key) if runtime.stash
               else nullcontext()) as found:

@@ -121,6 +121,7 @@ def boundary_key(consumer: Any, microbatch: int) -> tuple[str, Any, int]:
     return ("boundary", consumer, microbatch)
 
 
+
 Source = torch.Tensor | tuple[torch.Tensor, ...]  # host bytes a device copy of weights is made of, in order
 
 
@@ -461,13 +462,14 @@ class DeviceCache:
         spilled.value = self.copy_out(value, "activations")
         return spilled
 
-    def ahead(self, key: Any, tree: Any, kind: str) -> int:
+    def ahead(self, key: Any, tree: Any, kind: str, reservation: Reservation | None = None) -> int:
         """Start copying tree (a host value the running pack reads at a later micro-batch, counted as bytes_in[kind])
-        onto the device without waiting for it, where evicting cached weights makes the room
-        (tasks.memory.DeviceMemory.ahead: never a stash or a kept value, nor weights prefetched and not read yet):
-        the compute thread goes on, and take(key) gets the copy once it is there. Its bytes are charged from now
-        until taken (the micro-batch's workspace holds them then), and it is never evicted; one left untaken is
-        dropped as the next task starts (drop_boundaries). Returns the bytes charged: 0 where no copy was started.
+        onto the device without waiting for it, in room that reservation (a running forward's workspace, which holds
+        no gradients) leaves, else where evicting cached weights makes the room (tasks.memory.DeviceMemory.ahead:
+        never a stash or a kept value, nor weights prefetched and not read yet): the compute thread goes on, and
+        take(key) gets the copy once it is there. Its bytes are charged from now until taken (the micro-batch's
+        workspace holds them then), and it is never evicted; one left untaken is dropped as the next task starts
+        (drop_boundaries). Returns the bytes charged: 0 where no copy was started.
 
         On CUDA the copy is enqueued on the copy stream; on a CPU device it is made at once and is there when the
         simulated link has carried it."""
@@ -477,7 +479,12 @@ class DeviceCache:
         if not self.copies_ahead or not nbytes:
             return 0
         with self._lock:
-            admitted, evicted = self.memory.ahead(key, nbytes)
+            spare = reservation is not None and reservation.nbytes >= nbytes and key not in self.memory.entries
+            if spare:
+                reservation.nbytes -= nbytes
+                self.memory.release(nbytes)
+            admitted, evicted = self.memory.ahead(key, nbytes, kept=self._copied_ahead_if_evicted)
+            assert admitted or not spare, "the reservation's bytes were there"
             self._forget(evicted)
             if not admitted:
                 return 0
@@ -498,6 +505,11 @@ class DeviceCache:
         self.counters.add(f"in_{kind}", nbytes)
         self.counters.add("ahead", nbytes)
         return nbytes
+
+    def _copied_ahead_if_evicted(self, key: Any) -> bool:
+        """Whether a kept value's consumer would copy it in ahead itself were it evicted: all but a consumer's first
+        micro-batch's, and none handed on inside the running task (evicted, it is copied out first)."""
+        return key[-1] > 0 and key not in self.spills
 
     def take(self, key: Any) -> Any | None:
         """The value ahead(key) copied in, once it is there (on CUDA: the compute stream waits for it, the host does

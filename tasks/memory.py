@@ -22,7 +22,7 @@ predicts what a device caches, to bind tasks where their weights are).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 
@@ -211,15 +211,17 @@ class DeviceMemory:
         self.drop(key)
         return entry.nbytes
 
-    def ahead(self, key: Hashable, nbytes: int) -> tuple[bool, list[Hashable]]:
-        """Hold nbytes for a value copied in ahead of the micro-batch that reads it, if evicting cached weights makes
-        the room: never a stash (it saves a forward) or a kept boundary value (it saves a copy), nor weights a
-        prefetch brought that no task has read yet (the next pack's). Returns whether it was admitted (pinned, and
-        dropped as the next task starts unless taken first) and the evicted keys; nothing is evicted if it is not."""
+    def ahead(self, key: Hashable, nbytes: int, kept: Callable[[Hashable], bool] = lambda key: False
+              ) -> tuple[bool, list[Hashable]]:
+        """Hold nbytes for a value copied in ahead of the micro-batch that reads it, if evicting cached weights (and
+        the kept boundary values for which kept says so) makes the room: never a stash (it saves a forward) or
+        another kept value (it saves a copy), nor weights a prefetch brought that no task has read yet (the next
+        pack's). Returns whether it was admitted (pinned, and dropped as the next task starts unless taken first)
+        and the evicted keys; nothing is evicted if it is not."""
         if key in self.entries:
             return False, []
-        victims = [k for k, entry in self.entries.items()
-                   if entry.evictable and entry.needs is None and entry.consumer is None and not entry.unread]
+        victims = [k for k, entry in self.entries.items() if entry.evictable and entry.needs is None
+                   and ((entry.consumer is None and not entry.unread) or (entry.consumer is not None and kept(k)))]
         evicted = []
         for victim in victims:
             if self.used + nbytes <= self.budget:

@@ -20,8 +20,8 @@ class LayerTooLarge(ValueError):
         super().__init__(
             f"layer {first}{'' if stop == first + 1 else f'..{stop - 1}'} ({description}) needs "
             f"{self.alone:,} bytes on a device (weights {need.weights:,} + gradients {need.grads:,} + activations "
-            f"{need.workspace:,}), {need.total:,} to prefetch the next pack's weights beside it, but the device "
-            f"budget is {budget:,} bytes"
+            f"{need.workspace:,}), {need.total:,} to prefetch beside it (the next pack's weights, and where values "
+            f"are copied ahead the next micro-batch's), but the device budget is {budget:,} bytes"
         )
 
     @property
@@ -33,7 +33,8 @@ class LayerTooLarge(ValueError):
 @dataclass(frozen=True)
 class PackCost:
     """Bytes a pack holds on a device while its backward runs on one micro-batch. weights are its device copy's: the
-    halved ones (Pack.halved) at two bytes."""
+    halved ones (Pack.halved) at two bytes. prefetch is the room for what comes in meanwhile: the next pack's weights
+    and, where micro-batch values are copied ahead (ahead_bytes), the next micro-batch's."""
 
     weights: int
     grads: int
@@ -109,6 +110,7 @@ class Packing:
     budget: int
     microbatch_samples: int
     prefetch: bool = True
+    ahead: bool = False  # cut with room for the next micro-batch's values (ahead_bytes)
 
     def explain(self) -> str:
         sizes = ", ".join(f"{pack.first}-{pack.stop - 1}" for pack in self.packs)
@@ -216,55 +218,70 @@ def _fixed_bytes(layers: tuple[LayerProfile, ...], first: int, stop: int, sample
             + workspace_bytes(layers[first:stop], samples))
 
 
+def ahead_bytes(layers: tuple[LayerProfile, ...], first: int, stop: int, samples: int) -> int:
+    """Room for the next micro-batch's values, copied in while one computes (runtime.cache.DeviceCache.ahead): the
+    pack's input and its output's gradient."""
+    return round((layers[first].input_bytes_per_sample + layers[stop - 1].output_bytes_per_sample) * samples)
+
+
 def _greedy(
     layers: tuple[LayerProfile, ...], units: list[tuple[int, int]], budget: int, cap: int, samples: int,
-    prefetch: bool = True,
+    prefetch: bool = True, ahead: bool = False,
 ) -> list[tuple[int, int]] | None:
-    """Longest packs from the front whose weights stay within cap and that fit beside a cap-sized prefetch (with
-    prefetch; alone without)."""
-    reserve = cap if prefetch else 0
+    """Longest packs from the front whose weights stay within cap and that fit beside a cap-sized prefetch, and with
+    ahead the next micro-batch's values (with prefetch; alone without)."""
+
+    def fits(first: int, stop: int) -> bool:
+        reserve = (cap + (ahead_bytes(layers, first, stop, samples) if ahead else 0)) if prefetch else 0
+        return _fixed_bytes(layers, first, stop, samples) + reserve <= budget
+
     bounds: list[tuple[int, int]] = []
     first = units[0][0]
     stop = first
     for unit_first, unit_stop in units:
         weights = chunk_weight_bytes(layers, first, unit_stop)
-        if stop > first and (weights > cap or _fixed_bytes(layers, first, unit_stop, samples) + reserve > budget):
+        if stop > first and (weights > cap or not fits(first, unit_stop)):
             bounds.append((first, stop))
             first = unit_first
         stop = unit_stop
         alone = chunk_weight_bytes(layers, first, stop)
-        if alone > cap or _fixed_bytes(layers, first, stop, samples) + reserve > budget:
+        if alone > cap or not fits(first, stop):
             return None
     bounds.append((first, stop))
     return bounds
 
 
-def cut_packs(profile: ModelProfile, budget: int, samples: int) -> Packing:
+def cut_packs(profile: ModelProfile, budget: int, samples: int, ahead: bool = False) -> Packing:
     """Cut profile's chain into the fewest packs that fit budget, preferring packs of similar compute.
 
     A model that fits whole is one pack, with no prefetch buffer (there is no other pack to fetch; its weights stay
     cached from step to step when the budget holds them). Otherwise every pack's weights stay within a cap c, and
     every pack fits beside a prefetch buffer of c bytes (the next pack's weights); among caps giving the fewest
     packs, the one whose slowest pack is fastest wins, which balances compute across packs. A budget with no room
-    for the buffer cuts packs that fit alone, and the model runs without prefetching (Packing.prefetch). Weights
+    for the buffer cuts packs that fit alone, and the model runs without prefetching (Packing.prefetch). With ahead
+    (the run copies micro-batch values in while the one before computes) the buffer also holds the next
+    micro-batch's values (ahead_bytes). Weights
     count at their device copy's bytes: a profile measured under autocast (LayerProfile.halved) is cut for halved
     copies, which a job that does not halve them (homed, fused) must re-count (Job.device_packing).
     """
     layers = profile.layers
     if _fixed_bytes(layers, 0, len(layers), samples) <= budget:
-        return Packing(profile.name, (make_pack(profile, 0, 0, len(layers), samples, prefetch=0),), budget, samples)
+        return Packing(profile.name, (make_pack(profile, 0, 0, len(layers), samples, prefetch=0),), budget, samples,
+                       ahead=ahead)
     units = _units(layers)
     floor = max(chunk_weight_bytes(layers, a, b) for a, b in units)
     unit_first, unit_stop = max(units, key=lambda u: _fixed_bytes(layers, u[0], u[1], samples))
     alone = _fixed_bytes(layers, unit_first, unit_stop, samples)
-    prefetch = alone + floor <= budget
+    values = ahead_bytes(layers, unit_first, unit_stop, samples) if ahead else 0
+    prefetch = all(_fixed_bytes(layers, a, b, samples) + floor + (ahead_bytes(layers, a, b, samples) if ahead else 0)
+                   <= budget for a, b in units)
     if alone > budget:
         chunk = layers[unit_first:unit_stop]
         cost = PackCost(
             weights=chunk_weight_bytes(layers, unit_first, unit_stop),
             grads=chunk_grad_bytes(layers, unit_first, unit_stop),
             workspace=workspace_bytes(chunk, samples),
-            prefetch=floor,
+            prefetch=floor + values,
         )
         raise LayerTooLarge(unit_first, unit_stop, cost, budget, chunk[0].description)
     total = chunk_weight_bytes(layers, 0, len(layers))
@@ -274,7 +291,7 @@ def cut_packs(profile: ModelProfile, budget: int, samples: int) -> Packing:
     candidates.update(chunk_weight_bytes(layers, a, b) for a, b in units)
     best: tuple[tuple[int, float], list[tuple[int, int]], int] | None = None
     for cap in sorted(c for c in candidates if floor <= c <= max(total, floor)):
-        bounds = _greedy(layers, units, budget, cap, samples, prefetch)
+        bounds = _greedy(layers, units, budget, cap, samples, prefetch, ahead)
         if bounds is None:
             continue
         slowest = max(sum(layer.forward_seconds_per_sample for layer in layers[a:b]) for a, b in bounds)
@@ -285,10 +302,11 @@ def cut_packs(profile: ModelProfile, budget: int, samples: int) -> Packing:
     _, bounds, cap = best
     packs = tuple(
         make_pack(profile, index, first, stop, samples,
-                  prefetch=_neighbour_weights(layers, bounds, index) if prefetch else 0, bounds=bounds)
+                  prefetch=_neighbour_weights(layers, bounds, index)
+                  + (ahead_bytes(layers, first, stop, samples) if ahead else 0) if prefetch else 0, bounds=bounds)
         for index, (first, stop) in enumerate(bounds)
     )
-    return Packing(profile.name, packs, budget, samples, prefetch)
+    return Packing(profile.name, packs, budget, samples, prefetch, ahead)
 
 
 def _neighbour_weights(layers: tuple[LayerProfile, ...], bounds: list[tuple[int, int]], index: int) -> int:

@@ -45,6 +45,24 @@ def test_packs_fit_the_budget_with_their_prefetch_buffer() -> None:
         assert pack.cost.prefetch == max(neighbours, default=0)
 
 
+def test_where_values_are_copied_ahead_packs_leave_room_for_the_next_micro_batchs_beside_the_next_weights() -> None:
+    """With ahead (a GPU, or a link) the prefetch buffer also holds the next micro-batch's input and its output's
+    gradient (runtime.cache.DeviceCache.ahead): packs are cut smaller where that room is needed, each within the
+    budget."""
+    layers = [linear(16)] * 10
+    budget, samples = 13_000, 4
+    plain = cut_packs(profile(layers), budget=budget, samples=samples)
+    ahead = cut_packs(profile(layers), budget=budget, samples=samples, ahead=True)
+    assert ahead.ahead and not plain.ahead and ahead.prefetch
+    values = 2 * 4 * 16 * samples  # the input and the output's gradient of 4 samples of 16 floats
+    for pack in ahead.packs:
+        assert pack.cost.total <= budget
+        neighbours = [ahead.packs[i].weight_bytes for i in (pack.index - 1, pack.index + 1) if 0 <= i < len(ahead.packs)]
+        assert pack.cost.prefetch == max(neighbours, default=0) + values
+    assert len(ahead.packs) > len(plain.packs), "the plain cut has no room for them"
+    assert any(pack.cost.total + values > budget for pack in plain.packs)
+
+
 def test_packs_are_balanced_by_profiled_time() -> None:
     slow, fast = linear(16, seconds=1e-3), linear(16, seconds=1e-6)
     plan = cut_packs(profile([slow, fast, fast, fast, slow, fast]), budget=8000, samples=1)

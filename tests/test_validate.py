@@ -111,6 +111,11 @@ def test_cuda_devices_on_a_machine_without_them() -> None:
         call(devices=["cuda:0"])
 
 
+def test_a_prefetch_setting_that_is_not_one() -> None:
+    with pytest.raises(InputError, match=r"prefetch='activations' is not a prefetch setting; use True .* 'weights'"):
+        call(prefetch="activations")
+
+
 def test_a_size_that_cannot_be_read() -> None:
     with pytest.raises(InputError, match="device_memory='lots' is not a size"):
         call(device_memory="lots")
