@@ -5,9 +5,11 @@ beside two plain-PyTorch ways of doing the same work in the same run: the model 
 (it fits the real card: the compute floor) and a hand-written loop that swaps each layer in before its
 forward and again before its backward, takes its gradients out and steps SGD on the host (synchronous
 copies from pinned memory: the same 2W in and 1W out per step as Harmony). Harmony runs without prefetch, with
-prefetch (next pack copied on the copy stream while this one computes) one pack per task with its update in the
-backward task on the host or on the GPU, and as planned (packs per task from the measured task cost, updates where
-the simulator predicts them fastest). --profile writes each run's torch.profiler trace of two steps per device.
+the weights prefetched only (next pack copied on the copy stream while this one computes), with prefetch (and each
+micro-batch's values in on the copy stream while the one before computes, out on the outward stream while the
+one after computes) one pack per task with its update in the backward task on the host or on the GPU, and as
+planned (packs per task from the measured task cost, updates where the simulator predicts them fastest).
+--profile writes each run's torch.profiler trace of two steps per device.
 Each row: steady seconds per step, its throughput over the resident loop's, weight bytes in per step, and the ideal
 max(compute, copy) at the measured pinned copy speed, at several batch sizes (samples served per weight load).
 
@@ -105,6 +107,7 @@ def plain_swapping(model: nn.Module, data: list, device: torch.device) -> tuple[
 
 WAYS = {  # Harmony's ways: (prefetch, packs_per_task, overlap_update, precision, update_on)
     "harmony, no prefetch, a pack a task": (False, 1, False, "fp32", "host"),
+    "harmony, weights prefetched only, a pack a task, update in bwd": ("weights", 1, False, "fp32", "host"),
     "harmony, a pack a task, update in bwd": (True, 1, False, "fp32", "host"),
     "harmony, a pack a task, update on the device": (True, 1, False, "fp32", "device"),
     "harmony, as planned": (True, "auto", None, "fp32", "auto"),
@@ -112,7 +115,7 @@ WAYS = {  # Harmony's ways: (prefetch, packs_per_task, overlap_update, precision
 }
 
 
-def harmony_run(model: nn.Module, data: list, budget: int, microbatch: int, prefetch: bool,
+def harmony_run(model: nn.Module, data: list, budget: int, microbatch: int, prefetch: bool | str,
                 packs_per_task: int | str, overlap_update: bool | None, precision: str, update_on: str,
                 profile: Path | None = None) -> harmony.TrainResult:
     """Harmony on the GPU under budget, in micro-batches of microbatch samples (its workers' tasks of two steps
@@ -182,6 +185,7 @@ def main() -> None:
                 "step s": result.stats.steady_seconds_per_step(0),
                 "weights in/step": result.stats.bytes_in["weights"] // steps,
                 "prefetched %": 100 * result.stats.bytes_prefetched / max(result.stats.bytes_in["weights"], 1),
+                "values ahead+behind/step": (result.stats.bytes_ahead + result.stats.bytes_behind) // steps,
                 "peak": max(result.stats.peak_device_bytes.values()), "budget": budget,
                 "packs": len(result.packings[0].packs), "tasks/step": result.stats.tasks / steps,
                 "busy s/step": sum(result.stats.busy_seconds.values()) / steps,
@@ -196,7 +200,7 @@ def main() -> None:
         row.setdefault("prefetched %", 0.0)
         row.setdefault("peak", 0)
         row.setdefault("budget", budget)
-        for column in ("packs", "tasks/step", "busy s/step", "activations in+out/step"):
+        for column in ("packs", "tasks/step", "busy s/step", "activations in+out/step", "values ahead+behind/step"):
             row.setdefault(column, 0)
     report("gpu_swap", f"Swapping on {torch.cuda.get_device_name(device)}: one MLP of {weights:,} B, budget "
            f"{budget:,} B; pinned copies {host_to_device / 1e9:.1f} GB/s in, {device_to_host / 1e9:.1f} GB/s out",

@@ -78,6 +78,54 @@ def test_cuda_device_matches_plain_pytorch_while_swapping_with_prefetch(no_leaks
         assert_same_weights(model, reference, rtol=1e-4, atol=1e-6)
     assert max(result.stats.peak_device_bytes.values()) <= 24_000
     assert result.stats.bytes_prefetched > 0, "weights were swapped in without the copy stream"
+    assert result.stats.bytes_ahead > 0 and result.stats.bytes_behind > 0, "values crossed on the compute stream"
+
+
+def test_values_copied_ahead_and_sent_behind_on_cuda_give_the_same_weights(no_leaks: None) -> None:
+    """On a GPU prefetch=True copies micro-batch values on the inward and outward streams: float64 weights the same bit
+    for bit as prefetch="weights", which copies them on the compute stream, and plain PyTorch's within 1e-9."""
+    batches = [(x.double(), y.double()) for x, y in regression_batches(samples=64, batch=16)]
+    factory = lambda p: torch.optim.Adam(p, lr=1e-2)  # noqa: E731
+    trained = []
+    for prefetch in (True, "weights"):
+        model = deep_mlp(seed=3).double()
+        result = harmony.train(model, batches, loss_fn=nn.functional.mse_loss, optimizer=factory, microbatches=4,
+                               devices=["cuda:0"], device_memory=64_000, resident=False, fuse=False,
+                               packs_per_task=1, stash=False, prefetch=prefetch, progress=False)
+        assert max(result.stats.peak_device_bytes.values()) <= 64_000
+        assert (result.stats.bytes_ahead > 0) == (prefetch is True)
+        trained.append(model)
+    for a, b in zip(trained[0].parameters(), trained[1].parameters()):
+        assert torch.equal(a, b)
+    reference = deep_mlp(seed=3).double()
+    train_plain(reference, batches, nn.functional.mse_loss, factory)
+    assert_same_weights(trained[0], reference, rtol=1e-9, atol=1e-12)
+
+
+def test_a_value_copied_ahead_or_sent_behind_is_never_read_before_its_copy_ends(pinned_store: HostStore) -> None:
+    """The inward and then the outward stream are held up by a GPU sleep: the compute stream must wait for the copy in,
+    and arrived() for the copy out, so that what is read is the value, not what the reused memory held."""
+    device = torch.device("cuda:0")
+    nbytes = 64 << 20
+    stale = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    del stale
+    cache = DeviceCache("cuda-0", device, 1 << 30, Counters(pinned_store.create("counters", BLOCK_BYTES)), ahead=True)
+    host = pinned_store.create("x", nbytes)
+    host.copy_(torch.arange(nbytes, dtype=torch.int64).remainder(251).add(1).to(torch.uint8))
+    expected = int(host.to(torch.int64).sum())
+    with torch.cuda.stream(cache.engine.stream):
+        torch.cuda._sleep(2_000_000_000)  # about a second of GPU cycles ahead of the copy in
+    assert cache.ahead("x", host, "activations") == nbytes
+    assert int(cache.take("x").to(torch.int64).sum()) == expected
+    value = torch.arange(nbytes // 8, dtype=torch.int64, device=device)
+    with torch.cuda.stream(cache.engine.outward):
+        torch.cuda._sleep(2_000_000_000)  # and ahead of the copy out
+    with cache.scratch(2 * nbytes, "activations") as reserved:
+        sent = cache.send(value, "activations", reserved)
+    (copied,) = cache.arrived([sent])
+    assert copied.device.type == "cpu" and torch.equal(copied, value.cpu())
+    assert cache.memory.used == 0, "the send's bytes are given back once it is on the host"
+    cache.clear()
 
 
 def test_a_fused_array_on_cuda_matches_plain_pytorch(no_leaks: None) -> None:

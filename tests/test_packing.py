@@ -57,7 +57,8 @@ def test_where_values_are_copied_ahead_packs_leave_room_for_the_next_micro_batch
     values = 2 * 4 * 16 * samples  # the input and the output's gradient of 4 samples of 16 floats
     for pack in ahead.packs:
         assert pack.cost.total <= budget
-        neighbours = [ahead.packs[i].weight_bytes for i in (pack.index - 1, pack.index + 1) if 0 <= i < len(ahead.packs)]
+        neighbours = [ahead.packs[i].weight_bytes for i in (pack.index - 1, pack.index + 1)
+                      if 0 <= i < len(ahead.packs)]
         assert pack.cost.prefetch == max(neighbours, default=0) + values
     assert len(ahead.packs) > len(plain.packs), "the plain cut has no room for them"
     assert any(pack.cost.total + values > budget for pack in plain.packs)
