@@ -419,6 +419,7 @@ class _Clock:
         self.free_at = dict.fromkeys(budgets, 0.0)
         self.host_free_at = dict.fromkeys(budgets, 0.0)
         self.last_compute = dict.fromkeys(budgets, 0.0)
+        self.last_ahead = dict.fromkeys(budgets, 0.0)  # of the inward link's time in last_compute, what values took
         self.memory = {name: DeviceMemory(name, budget) for name, budget in budgets.items()}
         self.previous: dict[str, TaskId] = {}
         self.times: dict[TaskId, tuple[float, float]] = {}
@@ -553,10 +554,11 @@ class _Clock:
         return saved
 
     def _copy_seconds(self, task: TaskId, device: str, first: int, samples: int, compute: float) -> float:
-        """Seconds of the task's copies over the host link that its compute does not hide: weights the device does
-        not cache (hidden behind the previous task's compute, or the previous pack's in the task, with prefetch),
-        boundary values (with ahead, all but the first micro-batch's in and the last one's out hidden behind the
-        task's compute, each direction up to it) and a swapped pack's gradients."""
+        """Seconds of the task's copies over the host link that its compute does not hide: boundary values (with
+        ahead, all but the first micro-batch's in and the last one's out hidden behind the task's compute, each
+        direction up to it), weights the device does not cache (with prefetch, hidden behind what the inward link
+        has left of the previous task's compute, or of the previous pack's in the task, beside the values that came
+        in ahead then) and a swapped pack's gradients."""
         link = self.hardware.host_link
         if not link:
             return 0.0
@@ -565,7 +567,20 @@ class _Clock:
         homed = job.home is not None
         packs = job.section(task.pack)
         copy = 0.0
-        hiding = self.last_compute[device]
+        boundary = boundary_bytes(dataclasses.replace(task, pack=packs[0]), packing, samples) / link
+        previous = self.previous.get(device)
+        kept = previous is not None and successor(previous, job.section_count) == task
+        inward, outward = ((1 if task.kind == "fwd" else 2) - kept) * boundary, boundary
+        microbatches = -(-samples // packing.microbatch_samples)
+        ahead = 0.0
+        if self.ahead and microbatches > 1:
+            hidden = (microbatches - 1) / microbatches  # the first micro-batch's values in, the last one's out wait
+            ahead = min(inward * hidden, compute)
+            copy += (inward + outward) * (1 - hidden)
+            copy += max(0.0, inward * hidden - compute) + max(0.0, outward * hidden - compute)
+        else:
+            copy += inward + outward
+        hiding = max(0.0, self.last_compute[device] - self.last_ahead[device])
         loads = [part.pack for part in pack_tasks(task, job.sections, len(packing.packs))]  # bwd: inputs first
         for pack in loads:
             nbytes = packing.packs[pack].weight_bytes
@@ -575,18 +590,8 @@ class _Clock:
                 copied = True
             if copied:
                 copy += max(0.0, nbytes / link - hiding) if self.prefetch else nbytes / link
-            hiding = compute / len(loads)
-        boundary = boundary_bytes(dataclasses.replace(task, pack=packs[0]), packing, samples) / link
-        previous = self.previous.get(device)
-        kept = previous is not None and successor(previous, job.section_count) == task
-        inward, outward = ((1 if task.kind == "fwd" else 2) - kept) * boundary, boundary
-        microbatches = -(-samples // packing.microbatch_samples)
-        if self.ahead and microbatches > 1:
-            hidden = (microbatches - 1) / microbatches  # the first micro-batch's values in, the last one's out wait
-            copy += (inward + outward) * (1 - hidden)
-            copy += max(0.0, inward * hidden - compute) + max(0.0, outward * hidden - compute)
-        else:
-            copy += inward + outward
+            hiding = max(0.0, compute - ahead) / len(loads)
+        self.last_ahead[device] = ahead
         if task.kind == "bwd" and not homed:  # gradients out; updated on the device, the weights out instead and
             copy += sum(packing.packs[pack].grad_bytes  # the optimizer state in and out
                         + (2 * packing.packs[pack].state_bytes(job.state_ratio) if pack in job.device_updates else 0)
