@@ -457,8 +457,12 @@ class _Clock:
             compute += sum(update_seconds(packing, range(pack, pack + 1), self.hardware)
                            / (self.hardware.compute_scale if pack in job.device_updates else 1.0) for pack in packs)
         copy = self._copy_seconds(task, device, submit.first, n, compute)
+        recomputes = task.kind == "bwd" and not homed
         if self.stash and not homed:
-            compute -= self._stashed_seconds(task, device, n)
+            saved, recomputes = self._stashed_seconds(task, device, n)
+            compute -= saved
+        if recomputes:
+            copy += self._again_seconds(task, n)
         end = start + self.hardware.task_overhead + compute + copy
         self.times[task] = (start, end)
         self.order[device].append(task)
@@ -482,8 +486,9 @@ class _Clock:
         self.host_free_at[device] = end
         heapq.heappush(self.events, (end, len(self.times), task))
 
-    def _stashed_seconds(self, task: TaskId, device: str, samples: int) -> float:
-        """The forwards a task's backward does not recompute: those of its packs' micro-batches whose stash
+    def _stashed_seconds(self, task: TaskId, device: str, samples: int) -> tuple[float, bool]:
+        """The forwards a task's backward does not recompute, and whether it recomputes its packs' inputs (a bwd not
+        taking its later packs' stashes at once): those of its packs' micro-batches whose stash
         (runtime.stash) is still on the device. A fwd task (and the forward a pass's last section runs in its bwd)
         stashes each pack's micro-batches' activations (Pack.stash_bytes each), as many as reserving them beside
         what the task holds (its weights unless this clock holds them, and the workspace) evicts only weights and
@@ -531,7 +536,7 @@ class _Clock:
             if task.kind == "fwd":
                 for pack in section:
                     stash(pack)
-                return saved
+                return saved, False
             if section[-1] == last:  # this bwd runs the step's forward: its packs but the last stash there
                 for pack in section[:-1]:
                     stash(pack)
@@ -551,7 +556,20 @@ class _Clock:
                         if pack != last:
                             self.stashed.setdefault(task.model, set()).add(pack)
                             saved += forward(pack, index)
-        return saved
+        return saved, not together
+
+    def _again_seconds(self, task: TaskId, samples: int) -> float:
+        """Seconds of the copies a bwd over a section makes of its inner packs' inputs when it recomputes them: each
+        is copied out before the forward that may change it in place and in again for its pack's backward
+        (runtime.bodies, again); with ahead the copies in of every micro-batch but the first hide behind compute."""
+        link = self.hardware.host_link
+        job = self.jobs[task.model]
+        packs = job.section(task.pack)
+        if not link or len(packs) < 3:
+            return 0.0
+        inner = sum(boundary_bytes(dataclasses.replace(task, pack=pack), job.packing, samples) for pack in packs[1:-1])
+        microbatches = -(-samples // job.packing.microbatch_samples)
+        return inner / link * (1 + (1 / microbatches if self.ahead else 1))
 
     def _copy_seconds(self, task: TaskId, device: str, first: int, samples: int, compute: float) -> float:
         """Seconds of the task's copies over the host link that its compute does not hide: boundary values (with

@@ -136,6 +136,24 @@ def test_a_task_of_several_packs_is_predicted_and_replayed_pack_by_pack() -> Non
     assert report.weights_in >= 3 * sum(pack.weight_bytes for pack in packing.packs)
 
 
+def test_a_section_that_recomputes_its_inputs_copies_its_inner_packs_inputs_out_and_in_again() -> None:
+    """The whole pass as one bwd task, stash off, prefetch off, one pack's weights cached at a time: its copies are
+    every load's weights in, every pack's gradients out, and its inner packs' inputs out before the forward that may
+    change them and in again for their backward (runtime.bodies, again): halving the link's speed adds half of
+    exactly those bytes."""
+    packing = chain_packing(layers=6, budget=7000)
+    packs = len(packing.packs)
+    task = TaskId("bwd", 0, 0, 0)
+    loads = [part.pack for part in pack_tasks(task, (0,), packs)]
+    moved = (sum(packing.packs[pack].weight_bytes for pack in loads) + sum(p.grad_bytes for p in packing.packs)
+             + 2 * sum(boundary_bytes(TaskId("bwd", 0, pack, 0), packing, 8) for pack in range(1, packs - 1)))
+    link = 1e6
+    fast, slow = (simulate([packing], [1], [8], {"d": 1500}, Hardware(task_overhead=0.0, host_link=speed),
+                           prefetch=False, sections=[(0,)], stash=False) for speed in (2 * link, link))
+    seconds = [run.times[task][1] - run.times[task][0] for run in (fast, slow)]
+    assert seconds[1] - seconds[0] == pytest.approx(moved / (2 * link))
+
+
 def test_a_sections_replay_keeps_what_the_section_itself_reads_later() -> None:
     """In the bwd of a section that is not a pass's last, the upstream gradient kept for it survives the forwards that
     recompute its packs' inputs, and the recomputed input of its last pack is kept for that pack's backward: every
