@@ -226,7 +226,7 @@ def _forward_pack(
                 if again and kept is not None and isinstance(microbatch, Spilled):
                     microbatch.value = ctx.cache.copy_out(x, "activations")
                 ahead = _ahead(ctx, model, pack, "input", index + 1, inputs, kind, claim, reserved) if more else 0
-                if index == 0:  # once the first micro-batch's values are in: one copy at a time each way (link)
+                if index == _weights_after(ctx, len(inputs)):
                     _prefetch(ctx, model, following, step, keep_free=0)  # the workspace is held
                 later = max(runtime.workspace - ahead, 0) if more else 0  # the next micro-batch reserves
                 _begin(ctx, model, pack, step, group, index)
@@ -252,6 +252,13 @@ def _forward_pack(
         if start is not None and not recompute:
             _buffers_out(ctx, model, pack, step, group, weights, start)
     return ctx.cache.arrived(outputs)
+
+
+def _weights_after(ctx: RunContext, microbatches: int) -> int:
+    """The micro-batch during which the next weights are prefetched: the link carries one copy at a time each way,
+    so they go once the values the pack reads sooner are on their way: the last micro-batch's, copied in ahead
+    during the one before it; where values are not copied ahead, the first micro-batch's, copied in as it starts."""
+    return max(microbatches - 2, 0) if ctx.cache.copies_ahead else 0
 
 
 def _ahead_key(model: int, pack: int, what: str, microbatch: int) -> tuple[Any, ...]:
@@ -609,7 +616,7 @@ def _backward_step(
 
         def start_ahead(following: int = index + 1) -> None:
             """Once this micro-batch's workspace is reserved: the next one's values come in while it computes, and
-            once the first's are in, the next pack's weights (one copy at a time each way: runtime.link)."""
+            after the values the pack reads sooner, the next pack's weights (_weights_after)."""
             nonlocal ahead
             if following < len(inputs):
                 stashed = stash_key(model, pack, step, group, following)
@@ -618,7 +625,7 @@ def _backward_step(
                                     "activations" if pack else "inputs", claim_input)
                 ahead += _ahead(ctx, model, pack, "upstream", following, gradients_or_targets,
                                 "inputs" if last else "activations", claim_upstream)
-            if following == 1:
+            if following - 1 == _weights_after(ctx, len(inputs)):
                 prefetch()
 
         with (taken.use(key) if taken is not None and key in taken else ctx.cache.unstash(key) if runtime.stash
