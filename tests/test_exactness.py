@@ -232,10 +232,10 @@ def test_values_copied_ahead_and_sent_behind_over_a_link_give_the_same_weights(p
     """Over a simulated link, prefetch=True copies each micro-batch's values in while the one before it computes and
     its outputs out while the next one computes (DeviceCache.ahead, send), where prefetch="weights" copies them as
     they are read. Float64, Adam, 4 micro-batches: the weights are the same bit for bit and plain PyTorch's within
-    1e-9, the device stays within its budget; no first micro-batch of a pack has its values copied ahead (at most
-    3/4 of what comes in); with one pack a task (stash off) every output and input gradient goes out behind, with
-    the whole pass as one task (stash on) none leaves but the inputs its backward reads again, copied before the
-    forward that may change them."""
+    1e-9, the device stays within its budget; not all that comes in came ahead (a first micro-batch's values, the
+    model's inputs among them, come in as it starts); with one pack a task (stash off) every output and input
+    gradient goes out behind, with the whole pass as one task (stash on) none leaves but the inputs its backward
+    reads again, copied before the forward that may change them."""
     batches = [(x.double(), y.double()) for x, y in regression_batches(samples=16 * STEPS, batch=16)]
     adam = lambda p: torch.optim.Adam(p, lr=1e-2)  # noqa: E731
     trained, stats = [], []
@@ -251,7 +251,7 @@ def test_values_copied_ahead_and_sent_behind_over_a_link_give_the_same_weights(p
         assert max(result.stats.peak_device_bytes.values()) <= 3 * BUDGET
     ahead, weights_only = stats
     came_in = ahead.bytes_in["activations"] + ahead.bytes_in["inputs"]
-    assert 0 < ahead.bytes_ahead <= came_in * 3 // 4, (ahead.bytes_ahead, came_in)
+    assert 0 < ahead.bytes_ahead < came_in, (ahead.bytes_ahead, came_in)
     if packs_per_task == 1:
         assert ahead.bytes_behind == ahead.bytes_out["activations"] > 0
     else:
