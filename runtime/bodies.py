@@ -210,6 +210,8 @@ def _forward_pack(
     stashing = stash and runtime.stash and worth_stashing(ctx.cache.missed.get((model, pack)), step)
     outputs = []
     with ctx.cache.weights((model, pack), step, host) as weights, ctx.borrowed(model, pack, step) as borrowed:
+        if _weights_after(ctx, len(inputs)) is None:
+            _prefetch(ctx, model, following, step, runtime.workspace)
         tensors = {**tensors_at(weights, runtime.device_weights), **borrowed}
         start = weights[buffers:].clone() if runtime.has_buffers else None
         kind = "activations" if pack else "inputs"
@@ -254,11 +256,12 @@ def _forward_pack(
     return ctx.cache.arrived(outputs)
 
 
-def _weights_after(ctx: RunContext, microbatches: int) -> int:
-    """The micro-batch during which the next weights are prefetched: the link carries one copy at a time each way,
-    so they go once the values the pack reads sooner are on their way: the last micro-batch's, copied in ahead
-    during the one before it; where values are not copied ahead, the first micro-batch's, copied in as it starts."""
-    return max(microbatches - 2, 0) if ctx.cache.copies_ahead else 0
+def _weights_after(ctx: RunContext, microbatches: int) -> int | None:
+    """The micro-batch during which the next weights are prefetched, where values are copied ahead: the link
+    carries one copy at a time each way, so they go once the values the pack reads sooner are on their way (the
+    last micro-batch's, copied in ahead during the one before it). None: as the pack starts, beside the room its
+    micro-batches will reserve."""
+    return max(microbatches - 2, 0) if ctx.cache.copies_ahead else None
 
 
 def _ahead_key(model: int, pack: int, what: str, microbatch: int) -> tuple[Any, ...]:
@@ -426,6 +429,8 @@ def _backward_pack(
         ctx.cache.scratch(runtime.grads.nbytes, f"gradients of pack {pack}"),
         ctx.borrowed(model, pack, step) as borrowed,
     ):
+        if _weights_after(ctx, len(inputs)) is None:
+            _prefetch(ctx, model, following, step, runtime.workspace)
         grad_bytes = ctx.cache.zeros(runtime.grads.nbytes)
         tensors = {**tensors_at(weights, runtime.device_weights), **borrowed}
         last = pack == len(spec.packs) - 1
@@ -634,9 +639,9 @@ def _backward_step(
             if found is not None:  # its forward's activations are here: backpropagate them, no recompute
                 stash, nbytes = found
                 with ctx.cache.scratch(max(runtime.workspace - nbytes, 0), f"activations of pack {pack}") as reserved:
-                    start_ahead()
                     upstream = kept_grad if kept_grad is not None else ctx.cache.copy_in(
                         gradients_or_targets[index], "activations")
+                    start_ahead()
                     x = stash.backward(tensors, grads, halved, upstream, _backward_from)
                     del stash, found
                     if pack > 0:
@@ -682,7 +687,9 @@ def _recomputed_backward(
     with ctx.cache.scratch(runtime.workspace, f"activations of pack {pack}") as reserved:
         x = kept_input if kept_input is not None else ctx.cache.copy_in(
             microbatch, "inputs" if pack == 0 else "activations")
-        start_ahead()
+        target_or_gradient = kept_grad if kept_grad is not None else ctx.cache.copy_in(
+            gradient_or_target, "inputs" if loss_weight is not None else "activations")
+        start_ahead()  # after this micro-batch's own values: the link carries one copy at a time each way
         if pack > 0:
             _track(x)
         _begin(ctx, model, pack, step, group, index)
@@ -691,16 +698,14 @@ def _recomputed_backward(
             with ctx.autocast():
                 y = ctx.call(model, pack)({**tensors, **leaves}, x)
             if loss_weight is not None:  # the last pack: loss and backward
-                target = kept_grad if kept_grad is not None else ctx.cache.copy_in(gradient_or_target, "inputs")
                 with ctx.autocast():
-                    step_losses = ctx.loss_fn(model)(y, target)
+                    step_losses = ctx.loss_fn(model)(y, target_or_gradient)
                 ctx.members(model).check(step_losses, step)  # before anything is backpropagated or updated
                 scale = ctx.scaler(model).state(step)[0] if spec.scaled else None
                 scaled = None if scale is None else lambda gradient: gradient * scale
                 losses.add(0, _backpropagate_loss(step_losses, loss_weight, scaled), loss_weight)
             else:
-                upstream = kept_grad if kept_grad is not None else ctx.cache.copy_in(gradient_or_target, "activations")
-                _backward_from(y, upstream)
+                _backward_from(y, target_or_gradient)
         for name in halved:  # as autocast casts a weight's gradient back after its op, added in float32
             if leaves[name].grad is not None:
                 grads[name].add_(leaves[name].grad)
