@@ -121,6 +121,8 @@ class Packing:
             f"{len(self.packs)} pack{'s' if len(self.packs) != 1 else ''} (layers {sizes}); "
             f"peak need {peak:,} of {self.budget:,} bytes at micro-batch {self.microbatch_samples}"
             + ("" if self.prefetch or len(self.packs) == 1 else "; no room to prefetch the next pack's weights")
+            + ("; the prefetch room also holds the next micro-batch's values" if self.ahead and self.prefetch
+               and len(self.packs) > 1 else "")
         )
 
 

@@ -54,6 +54,8 @@ def test_where_values_are_copied_ahead_packs_leave_room_for_the_next_micro_batch
     plain = cut_packs(profile(layers), budget=budget, samples=samples)
     ahead = cut_packs(profile(layers), budget=budget, samples=samples, ahead=True)
     assert ahead.ahead and not plain.ahead and ahead.prefetch
+    assert "the prefetch room also holds the next micro-batch's values" in ahead.explain()
+    assert "micro-batch's values" not in plain.explain()
     values = 2 * 4 * 16 * samples  # the input and the output's gradient of 4 samples of 16 floats
     for pack in ahead.packs:
         assert pack.cost.total <= budget
