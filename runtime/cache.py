@@ -5,10 +5,12 @@ it. What the device holds is accounted by tasks.memory (its rules: least recentl
 running task pins, stale versions dropped, boundaries kept only where they fit); this module keeps the tensors
 beside that accounting and moves the bytes.
 
-Copies between host and device can be held to a simulated link speed: each then takes at least
-bytes / bandwidth of wall time on the thread doing it, so that on CPU devices one can see whether
-swapping hides behind compute. Prefetches run on the device's copy engine (stream.py: a thread for CPU
-devices, a copy stream and events on CUDA) while the compute thread works.
+Copies between host and device can be held to a simulated link (runtime.link: one copy at a time each way),
+so that on CPU devices one can see whether swapping hides behind compute. Prefetches of weights run on the
+device's copy engine (stream.py: a thread for CPU devices, a copy stream and events on CUDA) while the compute
+thread works. Over a link, a micro-batch's values come in ahead of it and its outputs go out behind it (ahead,
+send) without the compute thread waiting: on CUDA on the engine's streams, on a CPU device made at once and
+ready when the simulated link has carried them (Transit).
 """
 
 from __future__ import annotations

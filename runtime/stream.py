@@ -1,4 +1,4 @@
-"""A device's copy engine: copies between host and device off the compute thread, on CUDA on streams of their own.
+"""A device's copy engine: copies between host and device beside compute: a thread on CPU, streams on CUDA.
 
 On a CPU device the engine is a thread and a copy is done when the call returns, made with memmove so that
 the thread never starts an OpenMP team beside the compute thread's (serial_copy). On a CUDA device a copy
