@@ -183,7 +183,7 @@ def plan(
     options = read_options(given)
     args = validate(models, loaders, loss_fn, optimizer, options, devices, device_memory, for_training=False)
     if hardware is not None:  # its devices copy micro-batch values ahead where they have a link to copy over
-        args = dataclasses.replace(args, ahead=options.prefetch is True and bool(hardware.host_link))
+        args = dataclasses.replace(args, ahead=options.ahead and bool(hardware.host_link))
     if hardware is None:
         specs = build_specs(args.devices, args.device_memory)
         budgets = {spec.name: spec.budget for spec in specs}

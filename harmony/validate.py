@@ -350,7 +350,7 @@ def validate(
         links=links,
         cluster=cluster,
         host_memory=host_budget,
-        ahead=options.prefetch is True and (any(links) or any(device.startswith("cuda") for device in device_list)),
+        ahead=options.ahead and (any(links) or any(device.startswith("cuda") for device in device_list)),
     )
 
 

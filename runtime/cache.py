@@ -444,7 +444,7 @@ class DeviceCache:
             taken_over = sent.nbytes if isinstance(sent, Transit) and sent in self._sending else 0
             self.memory.release(taken_over)
             if not self.memory.keep(key, consumer, tree_nbytes(value), keep_free):
-                self.memory.used += taken_over  # the send keeps its charge: it held that room a moment ago
+                self._forget(self.memory.reserve(taken_over, "a send"))  # the send keeps its charge (it fit just now)
                 return False
             if taken_over:
                 sent.nbytes = 0
@@ -516,6 +516,8 @@ class DeviceCache:
     def take(self, key: Any) -> Any | None:
         """The value ahead(key) copied in, once it is there (on CUDA: the compute stream waits for it, the host does
         not), or None if no copy was started. Its bytes are given back: the micro-batch's workspace holds them."""
+        if not self.copies_ahead:  # called for every micro-batch's values
+            return None
         with self._lock:
             transit = self.tensors.pop(key, None)
             if transit is None:
@@ -577,6 +579,8 @@ class DeviceCache:
 
     def _release_sent(self) -> None:
         """Give back the device bytes of sends that have reached the host."""
+        if not self._sending:  # called for every charge
+            return
         with self._lock:
             for transit in [transit for transit in self._sending if _landed(transit)]:
                 self._sending.remove(transit)
@@ -589,8 +593,7 @@ class DeviceCache:
 
     def kept(self, consumer: Any, microbatch: int) -> bool:
         """Whether a boundary value is kept for consumer's micro-batch (claim would take it)."""
-        with self._lock:
-            return boundary_key(consumer, microbatch) in self.memory.entries
+        return self.holds(boundary_key(consumer, microbatch))
 
     def claim(self, consumer: Any, microbatch: int) -> Any | None:
         """The boundary value kept for consumer's micro-batch (now the task's own), or None if it is not here."""

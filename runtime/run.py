@@ -135,7 +135,7 @@ def execute(
         for store in stores.values():
             store.push_all()
         spec = RunSpec(run, str(stores[""].directory if "" in stores else shm_directory()), models, tuple(devices),
-                       bool(plan.options.prefetch), plan.options.group, ahead=plan.options.prefetch is True,
+                       bool(plan.options.prefetch), plan.options.group, ahead=plan.options.ahead,
                        autocast=PRECISIONS[plan.options.precision],
                        scaler=files.settings, compile=plan.options.compile, profile=profile)
         handle.client.register_plugin(DevicePlugin(spec), name=plugin)

@@ -220,9 +220,11 @@ def _fixed_bytes(layers: tuple[LayerProfile, ...], first: int, stop: int, sample
             + workspace_bytes(layers[first:stop], samples))
 
 
-def ahead_bytes(layers: tuple[LayerProfile, ...], first: int, stop: int, samples: int) -> int:
+def ahead_bytes(layers: tuple[LayerProfile, ...], first: int, stop: int, samples: int, ahead: bool = True) -> int:
     """Room for the next micro-batch's values, copied in while one computes (runtime.cache.DeviceCache.ahead): the
-    pack's input and its output's gradient."""
+    pack's input and its output's gradient; none where the run does not copy ahead."""
+    if not ahead:
+        return 0
     return round((layers[first].input_bytes_per_sample + layers[stop - 1].output_bytes_per_sample) * samples)
 
 
@@ -234,7 +236,7 @@ def _greedy(
     ahead the next micro-batch's values (with prefetch; alone without)."""
 
     def fits(first: int, stop: int) -> bool:
-        reserve = (cap + (ahead_bytes(layers, first, stop, samples) if ahead else 0)) if prefetch else 0
+        reserve = cap + ahead_bytes(layers, first, stop, samples, ahead) if prefetch else 0
         return _fixed_bytes(layers, first, stop, samples) + reserve <= budget
 
     bounds: list[tuple[int, int]] = []
@@ -274,16 +276,15 @@ def cut_packs(profile: ModelProfile, budget: int, samples: int, ahead: bool = Fa
     floor = max(chunk_weight_bytes(layers, a, b) for a, b in units)
     unit_first, unit_stop = max(units, key=lambda u: _fixed_bytes(layers, u[0], u[1], samples))
     alone = _fixed_bytes(layers, unit_first, unit_stop, samples)
-    values = ahead_bytes(layers, unit_first, unit_stop, samples) if ahead else 0
-    prefetch = all(_fixed_bytes(layers, a, b, samples) + floor + (ahead_bytes(layers, a, b, samples) if ahead else 0)
-                   <= budget for a, b in units)
+    prefetch = all(_fixed_bytes(layers, a, b, samples) + floor + ahead_bytes(layers, a, b, samples, ahead) <= budget
+                   for a, b in units)
     if alone > budget:
         chunk = layers[unit_first:unit_stop]
         cost = PackCost(
             weights=chunk_weight_bytes(layers, unit_first, unit_stop),
             grads=chunk_grad_bytes(layers, unit_first, unit_stop),
             workspace=workspace_bytes(chunk, samples),
-            prefetch=floor + values,
+            prefetch=floor + ahead_bytes(layers, unit_first, unit_stop, samples, ahead),
         )
         raise LayerTooLarge(unit_first, unit_stop, cost, budget, chunk[0].description)
     total = chunk_weight_bytes(layers, 0, len(layers))
@@ -304,8 +305,8 @@ def cut_packs(profile: ModelProfile, budget: int, samples: int, ahead: bool = Fa
     _, bounds, cap = best
     packs = tuple(
         make_pack(profile, index, first, stop, samples,
-                  prefetch=_neighbour_weights(layers, bounds, index)
-                  + (ahead_bytes(layers, first, stop, samples) if ahead else 0) if prefetch else 0, bounds=bounds)
+                  prefetch=_neighbour_weights(layers, bounds, index) + ahead_bytes(layers, first, stop, samples, ahead)
+                  if prefetch else 0, bounds=bounds)
         for index, (first, stop) in enumerate(bounds)
     )
     return Packing(profile.name, packs, budget, samples, prefetch, ahead)

@@ -46,6 +46,12 @@ class Options:
     compile: bool = False
     stash: bool = True
 
+    @property
+    def ahead(self) -> bool:
+        """Whether micro-batch values are copied ahead (and sent behind) where a device has a link to copy over:
+        prefetch=True, not "weights"."""
+        return self.prefetch is True
+
 
 @dataclass(frozen=True)
 class Job:
