@@ -43,16 +43,16 @@ def train_sequentially(models: list[nn.Module], rates: list[float], data: list, 
 
 
 def plain_step_seconds(forward: Callable[[torch.Tensor], torch.Tensor], optimizer: torch.optim.Optimizer, data: list,
-                       autocast: torch.dtype | None = None) -> list[float]:
-    """The seconds of each step of a plain regression loop: each batch in two micro-batches through forward (under
-    CPU autocast in that dtype where given), MSE halved per micro-batch, one optimizer step."""
+                       autocast: torch.dtype | None = None, microbatches: int = 2) -> list[float]:
+    """The seconds of each step of a plain regression loop: each batch in micro-batches through forward (under CPU
+    autocast in that dtype where given), MSE divided by their count per micro-batch, one optimizer step."""
     seconds = []
     for x, y in data:
         started = time.perf_counter()
         optimizer.zero_grad()
-        for xs, ys in zip(x.chunk(2), y.chunk(2)):
+        for xs, ys in zip(x.chunk(microbatches), y.chunk(microbatches)):
             with torch.autocast("cpu", dtype=autocast) if autocast else nullcontext():
-                loss = nn.functional.mse_loss(forward(xs), ys) / 2
+                loss = nn.functional.mse_loss(forward(xs), ys) / microbatches
             loss.backward()
         optimizer.step()
         seconds.append(time.perf_counter() - started)

@@ -2,11 +2,12 @@
 
 One MLP twice the device budget on one CPU device, one pack a task, its batch in 8 micro-batches: activations
 and their gradients cross the link more than weights do, as in `gpu_swap`'s swapped rows. A run without a link
-gives the compute time per step; then, at link speeds where the busier direction's copies take less than, about
-and more than that compute time, the model trains with prefetch=True (weights while the task before computes,
-each micro-batch's values in while the one before computes and out while the one after computes), "weights"
-(the weights only) and False (nothing). The link carries one copy at a time each way and both ways at once
-(runtime.link). Each row shows the measured step time beside the ideal max(compute, in, out), the serial
+gives the compute time per step, beside a plain PyTorch loop over the same micro-batches with the whole model on
+the device (no budget, no link: the floor); then, at link speeds where the busier direction's copies take less
+than, about and more than that compute time, the model trains with prefetch=True (weights while the task before
+computes, each micro-batch's values in while the one before computes and out while the one after computes),
+"weights" (the weights only) and False (nothing). The link carries one copy at a time each way and both ways at
+once (runtime.link). Each row shows the measured step time beside the ideal max(compute, in, out), the serial
 compute + in + out, and the simulator's prediction.
 
     python -m benchmarks.overlap [--quick]
@@ -15,12 +16,13 @@ compute + in + out, and the simulator's prediction.
 from __future__ import annotations
 
 import logging
+import statistics
 
 import torch
 from torch import nn
 
 import harmony
-from benchmarks.models import mlp, parameter_bytes, regression
+from benchmarks.models import mlp, parameter_bytes, plain_step_seconds, regression
 from benchmarks.report import arguments, report
 
 MICROBATCHES = 8
@@ -41,6 +43,9 @@ def main() -> None:
     weights = parameter_bytes(mlp(width, depth))
     budget = weights // 2
     data = regression(steps, batch, width)
+    model = mlp(width, depth)
+    plain = statistics.median(plain_step_seconds(model, torch.optim.SGD(model.parameters(), lr=1e-3), data,
+                                                 microbatches=MICROBATCHES)[1:])
     free = run(width, depth, data, budget, None, True)
     compute = free.stats.steady_seconds_per_step()
     moved_in = sum(free.stats.bytes_in.values()) / steps
@@ -63,6 +68,7 @@ def main() -> None:
                 "prefetch": str(prefetch),
                 "step s": result.stats.steady_seconds_per_step(),
                 "compute s": compute,
+                "plain PyTorch s": plain,
                 "in s": inward,
                 "out s": outward,
                 "ideal max": max(compute, inward, outward),
@@ -77,7 +83,8 @@ def main() -> None:
     report("overlap", f"Swap/compute overlap: an MLP of {weights:,} B on a {budget:,} B CPU device, batch {batch} in "
            f"{MICROBATCHES} micro-batches, a pack a task", rows, args.out,
            notes="step s: measured, from the end of the first step to the last; compute s: the same with no link; "
-                 "in s / out s: the bytes each way over the link's speed")
+                 "plain PyTorch s: the median step of a plain loop, the model resident; in s / out s: the bytes each "
+                 "way over the link's speed")
 
 
 if __name__ == "__main__":
