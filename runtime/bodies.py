@@ -37,13 +37,13 @@ from harmony.runtime.files import LOSS_BLOCK, SPAN_TIMING_BYTES, losses_name, sp
 from harmony.runtime.handoff import receive, wait_for
 from harmony.runtime.homed import HomedModel
 from harmony.runtime.hoststore import tensors_at
-from harmony.runtime.peer import received_bytes
+from harmony.runtime.peer import files_read, received_bytes
 from harmony.runtime.scaler import finite
 from harmony.runtime.seeding import begin, microbatch_number
 from harmony.runtime.stash import Stash, detached, stash_key, worth_stashing
 from harmony.runtime.worker import RunContext, context
 from harmony.tasks import graph
-from harmony.tasks.graph import TaskId, updates_in_backward
+from harmony.tasks.graph import TaskId, key_attempt, updates_in_backward
 from harmony.tasks.memory import BudgetExceeded
 
 Result = TypeVar("Result")
@@ -105,6 +105,8 @@ def task_body(kind: str, host: bool = False) -> Callable[[Callable[..., Result]]
                     ctx.counters.updating(model, False)
                     ctx.timeline.append((key, began, time.time(), 0.0))
             ctx.successor = successor
+            ctx.attempt = key_attempt(key)
+            ctx.files = files_read(values)
             ctx.use_threads()
             waited = ctx.counters.values["wait_ns"]
             began = time.time()
@@ -167,16 +169,32 @@ def forward(
     at that step's version, swapped in once; the buffers they update (running statistics; with micro-batch groups,
     group 0's) go into the next version's slot; the packs the plan stashes keep their activations for their backward.
     Returns the last pack's outputs."""
-    this = TaskId("fwd", model, pack, span, group)
+    this = Attempt(TaskId("fwd", model, pack, span, group), ctx.attempt)
     ctx.cache.drop_boundaries(this)
     section = ctx.spec.models[model].section(pack)
     values = inputs
     for index in section:
         values = _forward_pack(ctx, model, index, first, values, group, claim=this if index == section[0] else
-                               Within(this, index), keep=ctx.successor if index == section[-1] else
+                               Within(this, index), keep=_next(ctx) if index == section[-1] else
                                Within(this, index + 1), following=index + 1 if index < section[-1] else None,
                                stash=True)
     return values
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One attempt of a task: whom a boundary value kept on the device is for. When a worker is lost its jobs' open
+    spans run again, every task of a span as one new attempt (tasks.binding); an earlier attempt may still be running
+    elsewhere, its inputs released under it (runtime.peer), so a value or a stash one attempt leaves on a device is
+    never read by another."""
+
+    task: TaskId
+    number: int
+
+
+def _next(ctx: RunContext) -> Attempt | None:
+    """The running task's successor, in the same attempt (it is of the same span)."""
+    return None if ctx.successor is None else Attempt(ctx.successor, ctx.attempt)
 
 
 @dataclass(frozen=True)
@@ -184,7 +202,7 @@ class Within:
     """The consumer of a boundary value that stays inside its task: the task's pack that reads it next (a value
     kept on the device between the packs of one section, see DeviceCache.keep)."""
 
-    task: TaskId
+    task: Attempt
     pack: int
     gradient: bool = False
 
@@ -236,8 +254,8 @@ def _forward_pack(
                     made = Stash(tensors, [slot.spec.name for slot in runtime.grads.slots])
                     y = made.forward(ctx.call(model, pack), x, ctx.autocast(), _track if pack else _untracked)
                     if not made.pinned:
-                        ctx.cache.stash(stash_key(model, pack, step, group, index), (model, pack), step, made,
-                                        made.nbytes, reserved, keep_free=later)
+                        ctx.cache.stash(stash_key(model, pack, step, group, index, ctx.attempt), (model, pack), step,
+                                        made, made.nbytes, reserved, keep_free=later)
                     del made  # a stash the cache did not keep is freed here, inside the reservation
                     y = detached(y)
                 else:
@@ -252,7 +270,8 @@ def _forward_pack(
             elif keep is not None:
                 ctx.cache.keep(keep, index, y, keep_free=later, sent=outputs[-1])
         if start is not None and not recompute:
-            _buffers_out(ctx, model, pack, step, group, weights, start)
+            with ctx.writing(model, pack, step) as current:
+                _buffers_out(ctx, model, pack, step, group, weights, start, current)
     return ctx.cache.arrived(outputs)
 
 
@@ -281,14 +300,16 @@ def _ahead(ctx: RunContext, model: int, pack: int, what: str, microbatch: int, v
 
 
 def _buffers_out(
-    ctx: RunContext, model: int, pack: int, step: int, group: int, weights: torch.Tensor, start: torch.Tensor
+    ctx: RunContext, model: int, pack: int, step: int, group: int, weights: torch.Tensor, start: torch.Tensor,
+    current: bool,
 ) -> None:
     """After a step's forward through a pack: its buffers (running statistics) into the next version's slot (with
-    micro-batch groups, vDP, group 0's, as DDP keeps rank 0's), and the cached copy back to its own version's
-    (start), which an evaluation of that step may read next."""
+    micro-batch groups, vDP, group 0's, as DDP keeps rank 0's) where the pack is still at step's version (current,
+    under RunContext.writing), and the cached copy back to its own version's (start), which an evaluation of that
+    step may read next."""
     runtime = ctx.spec.models[model].packs[pack]
     device = weights[runtime.device_buffers_offset :]
-    if group == 0:
+    if group == 0 and current:
         following_slot = ctx.next_weights(model, pack, step)
         ctx.cache.write_back(device, following_slot[runtime.buffers_offset :], "buffers")
     device.copy_(start)
@@ -326,7 +347,7 @@ def backward(
     each pack from the last backpropagates as a one-pack task would, its input's gradient the upstream gradient
     of the pack before it."""
     spec = ctx.spec.models[model]
-    this = TaskId("bwd", model, pack, span, group)
+    this = Attempt(TaskId("bwd", model, pack, span, group), ctx.attempt)
     ctx.cache.drop_boundaries(this)
     if spec.home is not None:
         return _homed_backward(ctx, model, first, steps, inputs, gradients_or_targets, loss_weights, group)
@@ -351,7 +372,7 @@ def backward(
                 this if last_section and len(section) == 1 else None)
             claim_upstream: Any = Within(this, index, gradient=True) if index != section[-1] else (
                 None if last_section else this)
-            keep = ctx.successor if index == section[0] else Within(this, index - 1, gradient=True)
+            keep = _next(ctx) if index == section[0] else Within(this, index - 1, gradient=True)
             following = index - 1 if index > section[0] else None
             upstream = _backward_pack(ctx, model, index, span, first, boundaries[index], upstream, loss_weights,
                                       group, claim_input, claim_upstream, keep, following, taken)
@@ -367,7 +388,7 @@ def _section_stashes(ctx: RunContext, model: int, section: range, step: int, gro
     later = section[1:]
     if last_section or not later or not all(spec.packs[pack].stash for pack in later):
         return nullcontext(None)
-    keys = [stash_key(model, pack, step, group, index) for pack in later for index in range(microbatches)]
+    keys = [stash_key(model, pack, step, group, index, ctx.attempt) for pack in later for index in range(microbatches)]
     return ctx.cache.unstash_all(keys, max(_backward_bytes(ctx, model, pack) for pack in section))
 
 
@@ -440,18 +461,19 @@ def _backward_pack(
         input_grads = _backward_step(ctx, model, pack, span, step, weights, tensors, grads, inputs,
                                      gradients_or_targets, loss_weights, group, claim_input, claim_upstream, keep,
                                      functools.partial(_prefetch, ctx, model, following, step, 0), taken)
-        if spec.scaled:
-            ctx.scaler(model).flag(step, pack, group, not finite(grads))
-        if not runtime.device_update or runtime.borrowed:  # a borrowed weight's gradient goes to its lender's pack
-            ctx.cache.write_back(grad_bytes, ctx.host_grads(model, pack, group), "grads")
-        if start is not None:  # the last pack's forward ran here
-            _buffers_out(ctx, model, pack, step, group, weights, start)
+        with ctx.writing(model, pack, step) as current:
+            if spec.scaled and current:
+                ctx.scaler(model).flag(step, pack, group, not finite(grads))
+            if current and (not runtime.device_update or runtime.borrowed):  # a borrowed weight's gradient goes to
+                ctx.cache.write_back(grad_bytes, ctx.host_grads(model, pack, group), "grads")  # its lender's pack
+            if start is not None:  # the last pack's forward ran here
+                _buffers_out(ctx, model, pack, step, group, weights, start, current)
         if runtime.device_update:
             ctx.update_on_device(model, pack, step, weights, grad_bytes)
     if runtime.device_update:
         ctx.cache.drop((model, pack))  # stepped in place: no longer the version they are cached as
     elif updates_in_backward(spec.groups, spec.overlap):
-        ctx.update(model, pack, step)
+        ctx.update(model, pack, step, ctx.files)
     return input_grads
 
 
@@ -616,7 +638,7 @@ def _backward_step(
         fetched_upstream = ctx.cache.take(_ahead_key(model, pack, "upstream", index))
         kept_input = kept_input if kept_input is not None else fetched_input
         kept_grad = kept_grad if kept_grad is not None else fetched_upstream
-        key = stash_key(model, pack, step, group, index)
+        key = stash_key(model, pack, step, group, index, ctx.attempt)
         ahead = 0
 
         def start_ahead(following: int = index + 1) -> None:
@@ -624,7 +646,7 @@ def _backward_step(
             after the values the pack reads sooner, the next pack's weights (_weights_after)."""
             nonlocal ahead
             if following < len(inputs):
-                stashed = stash_key(model, pack, step, group, following)
+                stashed = stash_key(model, pack, step, group, following, ctx.attempt)
                 if not ((taken is not None and stashed in taken) or ctx.cache.holds(stashed)):  # else not recomputed
                     ahead += _ahead(ctx, model, pack, "input", following, inputs,
                                     "activations" if pack else "inputs", claim_input)
@@ -665,7 +687,9 @@ def _backward_step(
         elif pack > 0 and keep is not None:
             ctx.cache.keep(keep, index, grad, keep_free=keep_free, sent=input_grads[-1])
     if last:
-        _record_losses(ctx, model, step, group, losses.totals())
+        with ctx.writing(model, pack, step) as current:
+            if current:
+                _record_losses(ctx, model, step, group, losses.totals())
     return ctx.cache.arrived(input_grads)
 
 
@@ -775,8 +799,5 @@ def _leaves(
 def update(ctx: RunContext, model: int, pack: int, span: int, group: int, first: int, steps: None) -> None:
     """The updates of a section's packs beside the device, from its last: sum the groups' gradients (vDP), then
     step each pack's optimizer on the host store, once."""
-    spec = ctx.spec.models[model]
-    for index in reversed(spec.section(pack)):
-        if spec.groups > 1:
-            ctx.reduce_grads(model, index)
+    for index in reversed(ctx.spec.models[model].section(pack)):
         ctx.update(model, index, first)

@@ -150,6 +150,13 @@ def take(value: Any, store: HostStore, machine: str) -> Any:
     return value
 
 
+def files_read(values: Sequence[Any]) -> list[ShippedTensors]:
+    """The host-store files a task's arguments are read from (batches, other devices' results): what it checks
+    before it writes anything it computed from them (RunContext.writing)."""
+    shipped = [value.shipped if isinstance(value, PeerResult) else value for value in values]
+    return [value for value in shipped if isinstance(value, ShippedTensors)]
+
+
 def received_bytes(values: Sequence[Any], trees: Sequence[Any], peers: Sequence[bool], direct: bool
                    ) -> tuple[int, int]:
     """What a task's arguments brought from other devices: (bytes_p2p, bytes_remote). values are the arguments as

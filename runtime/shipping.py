@@ -87,11 +87,7 @@ class ShippedTensors:
         """The tree, its tensors read-only views of the store's (cached, shared) mapping of the file, moved to
         their devices where those are not the CPU. A task run again after its batch's file was reused (Dask
         recomputing a result a dead worker held) gets an error, not another step's batch."""
-        buffer = store.attach(self.name, self.capacity)
-        found = int(buffer[:HEADER].view(torch.int64)[0])
-        if found != self.generation:
-            raise StaleBatch(f"batch file {self.name} now holds another batch (use {found}, not {self.generation}): "
-                             "a task ran again after every reader of its batch had finished")
+        buffer = self.check(store)
         typed: dict[torch.dtype, torch.Tensor] = {}
 
         def read(slot: TensorSlot) -> torch.Tensor:
@@ -101,6 +97,16 @@ class ShippedTensors:
 
         tree = _replace_leaves(self.structure, TensorSlot, read)
         return StackedSteps(tree, self.stacked_steps) if self.stacked_steps else tree
+
+    def check(self, store: HostStore) -> torch.Tensor:
+        """The file's mapping, if it still holds this use; else StaleBatch. A file is marked with its next use before
+        it is written again, so a reader that checks after reading knows that what it read was this use's, whole."""
+        buffer = store.attach(self.name, self.capacity)
+        found = int(buffer[:HEADER].view(torch.int64)[0])
+        if found != self.generation:
+            raise StaleBatch(f"batch file {self.name} now holds another batch (use {found}, not {self.generation}): "
+                             "a task ran again after every reader of its batch had finished")
+        return buffer
 
 
 class StackedSteps(Sequence[Any]):

@@ -120,6 +120,8 @@ def detached(tree: Any) -> Any:
     return tree_map(lambda leaf: leaf.detach() if isinstance(leaf, torch.Tensor) else leaf, tree)
 
 
-def stash_key(model: int, pack: int, step: int, group: int, microbatch: int) -> tuple[Any, ...]:
-    """Where the stash of one micro-batch of one group through one pack of a job at a step is kept in the cache."""
-    return ("stash", model, pack, step, group, microbatch)
+def stash_key(model: int, pack: int, step: int, group: int, microbatch: int, attempt: int) -> tuple[Any, ...]:
+    """Where the stash of one micro-batch of one group through one pack of a job at a step is kept in the cache, by
+    the attempt of the step's tasks that made it: a span run again never reads a stash an earlier attempt left
+    (runtime.bodies.Attempt)."""
+    return ("stash", model, pack, step, group, microbatch, attempt)

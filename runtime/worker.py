@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -49,7 +49,7 @@ from harmony.runtime.orphans import gone, sweep
 from harmony.runtime.peer import Exported, Outbox, take
 from harmony.runtime.profiling import TaskProfiler
 from harmony.runtime.scaler import Scaler
-from harmony.runtime.shipping import unship
+from harmony.runtime.shipping import ShippedTensors, unship
 from harmony.runtime.skeleton import load_skeleton
 from harmony.runtime.spec import RunSpec
 from harmony.tasks.graph import TaskId, parse_key
@@ -83,6 +83,8 @@ class RunContext:
         self.finished = FinishedKeys()
         self.early_starts: dict[str, float] = {}  # producer key: when a reader first came before it
         self.successor: TaskId | None = None
+        self.attempt = 0  # of the task the device runs (runtime.bodies.Attempt)
+        self.files: list[ShippedTensors] = []  # that the task the device runs reads (writing)
         self.homed_models: dict[int, HomedModel] = {}
         self._modules: dict[tuple[int, int], nn.Module] = {}
         self._loss_fns: dict[int, Any] = {}
@@ -207,7 +209,7 @@ class RunContext:
 
     def reduce_grads(self, model: int, pack: int) -> None:
         """Sum the micro-batch groups' gradients into the reduced file, which the optimizer reads (out of place, so
-        that an update run again sums the same gradients)."""
+        that an update run again sums the same gradients). The caller holds the pack's lock."""
         runtime = self.spec.models[model].packs[pack]
         total = self.store.attach(reduced_grads_name(model, pack), runtime.grads.nbytes)
         groups = [tensors_at(self.host_grads(model, pack, group), runtime.grads)
@@ -275,16 +277,35 @@ class RunContext:
             self._scalers[model] = Scaler(self.store, model, len(spec.packs), spec.groups, self.spec.scaler)
         return self._scalers[model]
 
-    def update(self, model: int, pack: int, step: int) -> None:
-        """Apply a swapped pack's update for step on the host store, once (see runtime.optimizer). With a scaled loss
-        its gradients are unscaled first, the update is skipped (the version still advances) when any gradient of
-        the step was not finite, and the model's last pack writes the next step's scale (see runtime.scaler)."""
+    @contextmanager
+    def writing(self, model: int, pack: int, step: int) -> Iterator[bool]:
+        """Hold the pack's lock while the device's running task writes into the host store what it computed for step
+        (the pack's gradients and their flags, running statistics, losses), and say whether it may: only while the
+        pack is at step's version, before the update that reads them (a span run again finds it applied, and what it
+        would write written). StaleBatch where a file the task read has been given another use since: the task is an
+        earlier attempt of a span run again since, whose inputs were released under it (tasks.binding)."""
+        with pack_lock(self.store, weights_name(model, pack)):
+            for shipped in self.files:
+                shipped.check(self.store)
+            yield self.versions(model).current(pack)[0] == step
+
+    def update(self, model: int, pack: int, step: int, files: Sequence[ShippedTensors] = ()) -> None:
+        """Apply a swapped pack's update for step on the host store, once (see runtime.optimizer), reducing the micro-
+        batch groups' gradients first (vDP). With a scaled loss its gradients are unscaled first, the update is
+        skipped (the version still advances) when any gradient of the step was not finite, and the model's last pack
+        writes the next step's scale (see runtime.scaler). files are those the gradients were computed from, by the
+        task that applies it (see writing)."""
         spec = self.spec.models[model]
         runtime = spec.packs[pack]
         stopped = self.members(model).stopped() if spec.members > 1 else []
         with pack_lock(self.store, weights_name(model, pack)):
+            for shipped in files:
+                shipped.check(self.store)
+            current = self.versions(model).current(pack)[0] == step
+            if current and spec.groups > 1:
+                self.reduce_grads(model, pack)
             skip = False
-            if spec.scaled and self.versions(model).current(pack)[0] == step:
+            if spec.scaled and current:
                 scaler = self.scaler(model)
                 skip = scaler.found(step)
                 reduced = self.store.attach(reduced_grads_name(model, pack), runtime.grads.nbytes)
@@ -306,6 +327,8 @@ class RunContext:
         runtime = spec.packs[pack]
         stopped = self.members(model).stopped() if spec.members > 1 else []
         with pack_lock(self.store, weights_name(model, pack)):
+            for shipped in self.files:
+                shipped.check(self.store)
             update_on_device(runtime, self.versions(model), pack, step, weights, grads,
                              lambda slot: self.weights_slot(model, pack, slot), self.optimizer_factory(model),
                              self.optimizer_state(model, pack), self.cache,

@@ -82,6 +82,12 @@ def parse_key(key: str) -> tuple[TaskId, str] | None:
     return TaskId(parts[0], model, pack, span, group), parts[-1]  # type: ignore[arg-type]
 
 
+def key_attempt(key: str) -> int:
+    """Which attempt of its task a key made by TaskId.key names (0: the first)."""
+    last = key.rsplit("-", 1)[-1]
+    return int(last[1:]) if last[:1] == "r" and last[1:].isdigit() else 0
+
+
 def updates_in_backward(groups: int, overlap: bool = False) -> bool:
     """Whether a model's bwd tasks apply its updates (one micro-batch group, nothing to reduce first, and updates
     not overlapped with the device's next tasks)."""

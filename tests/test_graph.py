@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-from harmony.tasks.graph import BatchInput, BatchTargets, TaskId, consumers, dependencies, inputs, span_tasks
+from harmony.tasks.graph import (
+    BatchInput,
+    BatchTargets,
+    TaskId,
+    consumers,
+    dependencies,
+    inputs,
+    key_attempt,
+    span_tasks,
+)
 
 
 def test_span_tasks_and_dependencies() -> None:
@@ -37,6 +46,11 @@ def test_dask_groups_keys_by_task_kind() -> None:
 
     assert key_split(TaskId("fwd", 3, 2, 17).key("a1b2c3")) == "fwd"
     assert key_split(TaskId("upd", 0, 0, 0).key("abcdef")) == "upd"
+
+
+def test_a_keys_attempt_is_read_back() -> None:
+    assert [key_attempt(TaskId("bwd", 3, 2, 17, group).key("a1b2c3", attempt)) for group, attempt in
+            ((0, 0), (1, 0), (0, 2), (1, 12))] == [0, 0, 2, 12]
 
 
 def test_an_overlapped_jobs_updates_are_upd_tasks_that_the_next_step_waits_for() -> None:

@@ -71,6 +71,36 @@ def test_a_packs_updates_alternate_slots_keep_their_state_in_the_store_and_apply
         torch.testing.assert_close(tensors_at(weights(slot), runtime.weights)[name], p.detach(), rtol=1e-6, atol=1e-7)
     with pytest.raises(RuntimeError, match="came before"):
         update(runtime, versions, 0, 6, weights, optimizer, [])
+    assert versions.slot(0, 4) == slot and versions.slot(0, 3) == 1 - slot, "a step run again reads the version before"
+    with pytest.raises(RuntimeError, match="version 2 of its weights is not in the host store"):
+        versions.slot(0, 2)  # its slot holds version 4 now: an error, never those bytes
+
+
+def test_a_task_writes_what_it_computed_for_a_step_only_before_its_update_and_from_files_still_its_own(
+    store: HostStore,
+) -> None:
+    """What a fwd or bwd task writes into the host store for a step (gradients, running statistics, losses) is
+    written under the pack's lock while the pack is at that step's version; a task that read a file given another use
+    since (an earlier attempt of a span run again, its inputs released under it) writes nothing and fails."""
+    import types
+
+    from harmony.runtime.shipping import BatchFiles, StaleBatch
+    from harmony.runtime.worker import RunContext
+
+    store.create(weights_name(0, 0), 64)
+    versions = Versions(store.create(versions_name(0), 8))
+    versions.publish(0, 3, 1)
+    files = BatchFiles(store)
+    read = files.ship([torch.ones(4)])
+    task = types.SimpleNamespace(store=store, files=[read], versions=lambda model: versions)
+    with RunContext.writing(task, 0, 0, 3) as current:  # type: ignore[arg-type]
+        assert current
+    with RunContext.writing(task, 0, 0, 2) as current:  # type: ignore[arg-type]
+        assert not current, "the update of step 2 is applied: a step run again writes none of it"
+    files.release(read)
+    files.ship([torch.zeros(4)])
+    with pytest.raises(StaleBatch), RunContext.writing(task, 0, 0, 3):  # type: ignore[arg-type]
+        pytest.fail("a task whose input file was given another use wrote into the host store")
 
 
 def test_host_updates_use_the_fused_cpu_kernel_unless_the_factory_chose_an_implementation() -> None:

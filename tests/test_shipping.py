@@ -123,4 +123,7 @@ def test_batch_files_are_reused_once_released_and_spares_are_bounded(store: Host
     stale = again if small.name == again.name else held
     with pytest.raises(StaleBatch, match="another batch"):
         unship(stale, reader)  # a task run again after its batch's file was reused
+    with pytest.raises(StaleBatch, match="another batch"):
+        stale.check(reader)  # a task that read it before the reuse learns it before it writes what it computed
+    small.check(reader)
     reader.close()
