@@ -257,7 +257,7 @@ def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7, larges
             )
             x = y
         output = x
-        if not known:
+        if not known and len(layers) > 1:  # a chain of one layer is the layer the calls above timed
             profiles = _as_chained(profiles, layers, sample, samples)
     profile = ModelProfile(name=name, layers=tuple(profiles), pilot_samples=samples)
     return Decomposition(layers=layers, profile=profile, output=output, notes=notes)

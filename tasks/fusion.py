@@ -86,7 +86,10 @@ class FusionChoice:
     def _outcome(self, size: int, seconds: float | None) -> str:
         if size in self.unbuilt:
             return f"not tried, its trial array needs {self.unbuilt[size] / 1e9:.1f} GB of host memory"
-        return "does not fit" if seconds is None else f"{len(self.members) / seconds:,.0f} model-steps/s"
+        if seconds is None:
+            return "does not fit"
+        rate = len(self.members) / seconds  # a sweep of large models on a CPU steps well under one a second
+        return f"{rate:,.0f} model-steps/s" if rate >= 100 else f"{rate:.3g} model-steps/s"
 
 
 def choose_size(

@@ -19,6 +19,9 @@ def test_fusion_groups_sizes_and_splits() -> None:
     assert choose_size(range(4), {1: 4.0, 2: None, 4: None}).size == 1
     assert choose_size(range(4), {2: None, 4: None}).size == 1
     assert "does not fit" in choose_size(range(4), {1: 4.0, 2: None}).explain("MLP")
+    slow = choose_size(range(4), {1: 22.8, 2: 30.0, 4: 0.002}).explain("GPT2LMHeadModel")
+    assert "1: 0.175 model-steps/s, 2: 0.133 model-steps/s, 4: 2,000 model-steps/s" in slow, (
+        "a rate under one a second keeps its figures")
 
 
 def test_a_trial_arrays_bytes_are_its_members_weights_and_one_layers_backward_each() -> None:

@@ -267,3 +267,16 @@ def test_the_layers_times_add_up_to_a_forward_through_the_whole_chain(monkeypatc
     sample = torch.randn(4, 8)
     profile = decompose(nn.Sequential(Clocked(clock, 0.5), Clocked(clock, 1.0)), sample, "m", repeats=3).profile
     assert [layer.forward_seconds_per_sample * 4 for layer in profile.layers] == [1.0, 2.0]
+
+
+def test_a_model_that_is_one_layer_is_not_timed_again_as_a_chain() -> None:
+    """A chain of one layer (a model that fits a pack whole, a sweep's trial array) is the layer its timed calls
+    measured: a forward through it would take as long again for nothing (a GPT-2 array's forward takes seconds)."""
+    layer = nn.Linear(8, 2)
+    calls = []
+    layer.register_forward_hook(lambda *_: calls.append(1))
+    decompose(layer, torch.randn(4, 8), "m", repeats=5)
+    assert len(calls) == 5
+    calls.clear()
+    decompose(nn.Sequential(layer, nn.ReLU()), torch.randn(4, 8), "m", repeats=5)
+    assert len(calls) == 5 + 2, "a chain of several layers is timed through once more, twice"
