@@ -117,7 +117,7 @@ def task_body(kind: str, host: bool = False) -> Callable[[Callable[..., Result]]
             ctx.counters.mark("executing", model + 1)  # whose task a death here interrupts (tasks.binding)
             try:
                 with (
-                    _failures(model, where, BudgetExceeded, ModelFailure, Reschedule),
+                    _failures(model, where, BudgetExceeded, ModelFailure, Reschedule, Dropped),
                     ctx.profiler.task(key, model, first),
                 ):
                     result = body(ctx, model, pack, span, *received, group=group, first=first, steps=steps)
@@ -138,6 +138,20 @@ def task_body(kind: str, host: bool = False) -> Callable[[Callable[..., Result]]
 
 
 HARMONY = tuple(Path(module.__file__).resolve().parent for module in (sys.modules["harmony"], graph, shipping))
+
+
+class Dropped(RuntimeError):
+    """The running task is no longer wanted: the driver dropped it (its span runs again as a new attempt, see
+    Attempt, or its job failed) while it ran, and Dask lets a running task go on. It stops at its next micro-batch;
+    Dask throws away whatever a dropped task ends with."""
+
+
+def _stop_if_dropped() -> None:
+    """Raise Dropped where Dask has cancelled the task this thread runs (its key released while it runs)."""
+    worker = get_worker()
+    state = worker.state.tasks.get(worker.get_current_task())
+    if state is not None and state.state == "cancelled":
+        raise Dropped(f"{state.key} was dropped while it ran")
 
 
 @contextmanager
@@ -234,6 +248,7 @@ def _forward_pack(
         start = weights[buffers:].clone() if runtime.has_buffers else None
         kind = "activations" if pack else "inputs"
         for index, microbatch in enumerate(inputs):
+            _stop_if_dropped()
             if index and not ctx.spec.group:
                 ctx.cache.reload((model, pack), host)
             kept = ctx.cache.claim(claim, index)
@@ -630,6 +645,7 @@ def _backward_step(
     saved_buffers = weights[buffers:].clone() if runtime.has_buffers and not last else None
     halved = runtime.halved.names & grads.keys() if runtime.halved is not None else set()
     for index, microbatch in enumerate(inputs):
+        _stop_if_dropped()
         if index and not ctx.spec.group:
             ctx.cache.reload((model, pack), ctx.device_source(model, pack, step))
         kept_input = ctx.cache.claim(claim_input, index) if claim_input is not None else None

@@ -285,6 +285,62 @@ def test_users_workers_killed_in_a_forward_a_backward_an_update_and_a_span_cost_
     assert not harmony_files()
 
 
+class Lingering(nn.Module):
+    """An identity layer that, the first time it runs in a forward of micro-batch group 0 at step 1 (vDP: on the
+    group's device), kills every other worker whose pid is in pids (the file's lines: its job's group 1 runs there, so
+    the job's span runs again as a new attempt) and waits until its own task is cancelled (the driver dropped it);
+    it then writes "dropped" into record, and "called again" for each later call in that task."""
+
+    def __init__(self, pids: str, record: str) -> None:
+        super().__init__()
+        self.pids = pids
+        self.record = record
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from harmony.tasks.graph import key_attempt, parse_key
+
+        key = on_worker_task()
+        task = parse_key(key)[0] if key is not None and parse_key(key) is not None else None
+        if task is None or (task.kind, task.span, task.group, key_attempt(key)) != ("fwd", 1, 0, 0):
+            return x
+        if os.path.exists(self.record):
+            with open(self.record, "a") as handle:
+                handle.write("called again\n")
+            return x
+        for pid in map(int, Path(self.pids).read_text().split()):
+            if pid != os.getpid():
+                os.kill(pid, signal.SIGKILL)
+        worker = get_worker()
+        deadline = time.monotonic() + 60
+        while worker.state.tasks[key].state != "cancelled" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        Path(self.record).write_text(f"{worker.state.tasks[key].state}\n")
+        return x
+
+
+@pytest.mark.parametrize("users_cluster", [(False, 2)], ids=["two-workers-no-nanny"], indirect=True)
+def test_a_dropped_attempt_still_running_stops_at_its_next_microbatch(users_cluster: str, tmp_path: Path) -> None:
+    """A worker lost makes its jobs' open spans run again; a task of the earlier attempt that is running elsewhere is
+    dropped (Dask lets it run on): it stops at its next micro-batch, and the job equals plain PyTorch."""
+    from distributed import Client
+
+    with Client(users_cluster) as client:
+        pids = client.run(os.getpid)
+    (tmp_path / "pids").write_text("\n".join(map(str, pids.values())))
+    record = tmp_path / "record"
+    layers = list(deep_mlp(seed=4))
+    model = nn.Sequential(*layers[:2], Lingering(str(tmp_path / "pids"), str(record)), *layers[2:])
+    reference = clones([model])
+    batches = regression_batches(samples=16 * STEPS, batch=16)
+    result = harmony.train(model, batches, loss_fn=nn.functional.mse_loss, optimizer=sgd, cluster=users_cluster,
+                           device_memory=24_000, microbatches=4, mode="vdp", packs_per_task=1, progress=False,
+                           fuse=False)
+    assert result.plan.jobs[0].groups == 2 and result.plan.jobs[0].home is None
+    assert record.read_text() == "cancelled\n", "the task went on past its cancellation, or was never cancelled"
+    check_against_plain([model], reference, batches, [sgd])
+    assert [event["event"] for event in result.events] == ["worker lost"]
+
+
 @pytest.mark.parametrize("users_cluster", [(False, 1)], ids=["one-worker-no-nanny"], indirect=True)
 def test_a_run_whose_every_device_is_gone_for_good_fails_with_a_clear_error_and_leaves_nothing(
     users_cluster: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
