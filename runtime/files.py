@@ -72,16 +72,18 @@ class Versions:
 
     def slot(self, pack: int, version: int) -> int:
         """The slot holding version of the pack's weights: the current one, or the other, which holds the
-        version published before the current one (a step run again, whose update is the current version, or a
-        checkpoint's step: the driver writes it before it submits anything of the span after the one running past
-        it). Any older version has been overwritten: an error, never the other version's bytes."""
+        version published before the current one. The caller knows version is that one: a step run again (its
+        update is the current version), or a checkpoint's step (the driver writes it before it submits anything
+        of the span after the one running past it). (A homed job's versions advance by its spans, so the one before
+        is not current - 1; the file holds the current one alone. An earlier attempt of a span run again may read
+        past them, the other slot's bytes: what it computes reaches nothing, see RunContext.writing.)"""
         current, slot = self.current(pack)
         if version == current:
             return slot
-        if version == current - 1:
+        if version < current:
             return 1 - slot
         raise RuntimeError(f"pack {pack} is at version {current}: version {version} of its weights is not in the "
-                           "host store (an earlier attempt of a span run again since reads no further)")
+                           "host store")
 
     def publish(self, pack: int, version: int, slot: int) -> None:
         """The pack's weights are at version, in slot (one write: a reader sees the old pair or the new one)."""

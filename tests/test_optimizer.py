@@ -71,9 +71,6 @@ def test_a_packs_updates_alternate_slots_keep_their_state_in_the_store_and_apply
         torch.testing.assert_close(tensors_at(weights(slot), runtime.weights)[name], p.detach(), rtol=1e-6, atol=1e-7)
     with pytest.raises(RuntimeError, match="came before"):
         update(runtime, versions, 0, 6, weights, optimizer, [])
-    assert versions.slot(0, 4) == slot and versions.slot(0, 3) == 1 - slot, "a step run again reads the version before"
-    with pytest.raises(RuntimeError, match="version 2 of its weights is not in the host store"):
-        versions.slot(0, 2)  # its slot holds version 4 now: an error, never those bytes
 
 
 def test_a_task_writes_what_it_computed_for_a_step_only_before_its_update_and_from_files_still_its_own(
