@@ -29,6 +29,37 @@ def test_a_ctrl_c_that_python_swallows_is_raised_again_by_the_driver_loop() -> N
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_what_a_users_ctrl_c_handler_raises_is_raised_again_where_python_swallowed_it() -> None:
+    """The user's handler ends the program with sys.exit while a collection's callback runs: Python drops the
+    SystemExit there; the driver's loop raises it again (the handler is called once)."""
+    calls: list[int] = []
+
+    def users_handler(signum: int, frame: object) -> None:
+        calls.append(signum)
+        raise SystemExit(3)
+
+    def interrupted_while_collecting(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            signal.raise_signal(signal.SIGINT)
+
+    previous = signal.signal(signal.SIGINT, users_handler)
+    try:
+        with watching_interrupts():
+            gc.callbacks.append(interrupted_while_collecting)
+            try:
+                gc.collect()
+            finally:
+                gc.callbacks.remove(interrupted_while_collecting)
+            with pytest.raises(SystemExit) as raised:
+                raise_if_interrupted()
+            assert raised.value.code == 3 and calls == [signal.SIGINT]
+            raise_if_interrupted()  # raised once
+        assert signal.getsignal(signal.SIGINT) is users_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def test_a_ctrl_c_handler_of_the_users_is_kept() -> None:
     calls: list[int] = []
 
