@@ -11,18 +11,24 @@ from harmony.runtime import handoff, serialization  # noqa: F401
 from harmony.runtime.interrupt import raise_if_interrupted, watching_interrupts
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-def test_a_ctrl_c_that_python_swallows_is_raised_again_by_the_driver_loop() -> None:
+def ctrl_c_while_collecting() -> None:
+    """A SIGINT that arrives while a garbage collection's callback runs: what its handler raises is dropped there."""
+
     def interrupted_while_collecting(phase: str, info: dict[str, int]) -> None:
         if phase == "start":
-            signal.raise_signal(signal.SIGINT)  # its KeyboardInterrupt is raised in here and dropped
+            signal.raise_signal(signal.SIGINT)
 
+    gc.callbacks.append(interrupted_while_collecting)
+    try:
+        gc.collect()
+    finally:
+        gc.callbacks.remove(interrupted_while_collecting)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_ctrl_c_that_python_swallows_is_raised_again_by_the_driver_loop() -> None:
     with watching_interrupts():
-        gc.callbacks.append(interrupted_while_collecting)
-        try:
-            gc.collect()
-        finally:
-            gc.callbacks.remove(interrupted_while_collecting)
+        ctrl_c_while_collecting()
         with pytest.raises(KeyboardInterrupt):
             raise_if_interrupted()
         raise_if_interrupted()  # raised once
@@ -39,18 +45,10 @@ def test_what_a_users_ctrl_c_handler_raises_is_raised_again_where_python_swallow
         calls.append(signum)
         raise SystemExit(3)
 
-    def interrupted_while_collecting(phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            signal.raise_signal(signal.SIGINT)
-
     previous = signal.signal(signal.SIGINT, users_handler)
     try:
         with watching_interrupts():
-            gc.callbacks.append(interrupted_while_collecting)
-            try:
-                gc.collect()
-            finally:
-                gc.callbacks.remove(interrupted_while_collecting)
+            ctrl_c_while_collecting()
             with pytest.raises(SystemExit) as raised:
                 raise_if_interrupted()
             assert raised.value.code == 3 and calls == [signal.SIGINT]
