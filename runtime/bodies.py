@@ -473,10 +473,13 @@ def _backward_pack(
         start = weights[runtime.device_buffers_offset :].clone() if last and runtime.has_buffers else None
         grads = tensors_at(grad_bytes, runtime.grads)
         ctx.add_lent_grads(model, pack, group, grads)
+        losses = StepLosses(1)
         input_grads = _backward_step(ctx, model, pack, span, step, weights, tensors, grads, inputs,
                                      gradients_or_targets, loss_weights, group, claim_input, claim_upstream, keep,
-                                     functools.partial(_prefetch, ctx, model, following, step, 0), taken)
-        with ctx.writing(model, pack, step) as current:
+                                     functools.partial(_prefetch, ctx, model, following, step, 0), losses, taken)
+        with ctx.writing(model, pack, step) as current:  # what the step's attempt computed, written once
+            if last and current:
+                _record_losses(ctx, model, step, group, losses.totals())
             if spec.scaled and current:
                 ctx.scaler(model).flag(step, pack, group, not finite(grads))
             if current and (not runtime.device_update or runtime.borrowed):  # a borrowed weight's gradient goes to
@@ -630,17 +633,18 @@ def _backward_step(
     claim_upstream: Any,
     keep: Any,
     prefetch: Callable[[], None],
+    losses: StepLosses,
     taken: Taken | None = None,
 ) -> list[Any]:
     """One step's micro-batches through a swapped pack's backward, accumulating into grads (views of the
-    gradient buffer; tensors are views of weights); the last pack records the losses. An input or upstream
+    gradient buffer; tensors are views of weights); the last pack adds its micro-batches' losses to losses (the
+    caller writes them with the pack's gradients). An input or upstream
     gradient kept on the device for claim_input or claim_upstream is taken there; each input's gradient is kept
     on the device for keep where it fits. A stash among taken (its section's, taken at once) is used from there."""
     spec = ctx.spec.models[model]
     runtime = spec.packs[pack]
     last = pack == len(spec.packs) - 1
     input_grads = []
-    losses = StepLosses(1)
     buffers = runtime.device_buffers_offset
     saved_buffers = weights[buffers:].clone() if runtime.has_buffers and not last else None
     halved = runtime.halved.names & grads.keys() if runtime.halved is not None else set()
@@ -702,10 +706,6 @@ def _backward_step(
             input_grads.append(ctx.cache.hand_on(keep, index, grad, keep_free=keep_free))
         elif pack > 0 and keep is not None:
             ctx.cache.keep(keep, index, grad, keep_free=keep_free, sent=input_grads[-1])
-    if last:
-        with ctx.writing(model, pack, step) as current:
-            if current:
-                _record_losses(ctx, model, step, group, losses.totals())
     return ctx.cache.arrived(input_grads)
 
 
