@@ -285,8 +285,7 @@ class RunContext:
         would write written). StaleBatch where a file the task read has been given another use since: the task is an
         earlier attempt of a span run again since, whose inputs were released under it (tasks.binding)."""
         with pack_lock(self.store, weights_name(model, pack)):
-            for shipped in self.files:
-                shipped.check(self.store)
+            _check(self.files, self.store)
             yield self.versions(model).current(pack)[0] == step
 
     def update(self, model: int, pack: int, step: int, files: Sequence[ShippedTensors] = ()) -> None:
@@ -299,8 +298,7 @@ class RunContext:
         runtime = spec.packs[pack]
         stopped = self.members(model).stopped() if spec.members > 1 else []
         with pack_lock(self.store, weights_name(model, pack)):
-            for shipped in files:
-                shipped.check(self.store)
+            _check(files, self.store)
             current = self.versions(model).current(pack)[0] == step
             if current and spec.groups > 1:
                 self.reduce_grads(model, pack)
@@ -322,13 +320,13 @@ class RunContext:
 
     def update_on_device(self, model: int, pack: int, step: int, weights: torch.Tensor, grads: torch.Tensor) -> None:
         """Apply a swapped pack's update for step on this device, once (see runtime.optimizer.update_on_device);
-        weights, its device bytes, are stepped in place: the caller drops them from the cache when it lets them go."""
+        weights, its device bytes, are stepped in place: the caller drops them from the cache when it lets them go.
+        Called by the device's running task, whose files it checks first (see writing)."""
         spec = self.spec.models[model]
         runtime = spec.packs[pack]
         stopped = self.members(model).stopped() if spec.members > 1 else []
         with pack_lock(self.store, weights_name(model, pack)):
-            for shipped in self.files:
-                shipped.check(self.store)
+            _check(self.files, self.store)
             update_on_device(runtime, self.versions(model), pack, step, weights, grads,
                              lambda slot: self.weights_slot(model, pack, slot), self.optimizer_factory(model),
                              self.optimizer_state(model, pack), self.cache,
@@ -399,6 +397,12 @@ class RunContext:
         self._modules.clear()
         self._calls.clear()
         self.store.close()
+
+
+def _check(files: Sequence[ShippedTensors], store: HostStore) -> None:
+    """StaleBatch where one of files has been given another use since the running task read it."""
+    for shipped in files:
+        shipped.check(store)
 
 
 class QuietFailures(logging.Filter):
