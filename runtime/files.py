@@ -75,8 +75,9 @@ class Versions:
         version published before the current one. The caller knows version is that one: a step run again (its
         update is the current version), or a checkpoint's step (the driver writes it before it submits anything
         of the span after the one running past it). (A homed job's versions advance by its spans, so the one before
-        is not current - 1; the file holds the current one alone. An earlier attempt of a span run again may read
-        past them, the other slot's bytes: what it computes reaches nothing, see RunContext.writing.)"""
+        need not be current - 1, and only the current one is recorded: an older version cannot be told from it. An
+        earlier attempt of a span run again may so read the other slot's bytes; nothing it computes from them
+        reaches the run, see RunContext.writing.)"""
         current, slot = self.current(pack)
         if version == current:
             return slot
