@@ -49,6 +49,8 @@ class Stats:
     between CPU devices (whose memory is the host's) the producer's host-store file (runtime.peer). GPU to GPU
     without the host (CUDA IPC, NCCL) is not built, so between GPUs this stays 0.
     bytes_prefetched: the part of bytes_in["weights"] copied by the copy engine while a task computed.
+    bytes_halved: the part of bytes_in["weights"] copied in autocast's dtype (precision "bf16" or "fp16") from the
+    host's mirror of those weights: float32 copies would have taken twice these bytes.
     bytes_ahead: the part of bytes_in["activations"] and ["inputs"] copied in by the copy engine while the micro-batch
     before the one that read them computed; bytes_behind: the part of bytes_out["activations"] copied out while the
     micro-batch after the one that made them computed (on a GPU, or a CPU device with link_bandwidth; prefetch=True).
@@ -88,6 +90,7 @@ class Stats:
     bytes_remote: int = 0
     bytes_p2p: int = 0
     bytes_prefetched: int = 0
+    bytes_halved: int = 0
     bytes_ahead: int = 0
     bytes_behind: int = 0
     bytes_kept: int = 0
@@ -249,6 +252,7 @@ class TrainResult:
             bytes_remote=sum(values["remote"] for values in counters.values()),
             bytes_p2p=sum(values["p2p"] for values in counters.values()),
             bytes_prefetched=sum(values["prefetched"] for values in counters.values()),
+            bytes_halved=sum(values["halved"] for values in counters.values()),
             bytes_ahead=sum(values["ahead"] for values in counters.values()),
             bytes_behind=sum(values["behind"] for values in counters.values()),
             bytes_kept=sum(values["kept"] for values in counters.values()),

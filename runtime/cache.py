@@ -124,7 +124,7 @@ def boundary_key(consumer: Any, microbatch: int) -> tuple[str, Any, int]:
 
 
 
-Source = torch.Tensor | tuple[torch.Tensor, ...]  # host bytes a device copy of weights is made of, in order
+Source = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # a pack's host weight bytes, or (halved mirror, the rest)
 
 
 def source_bytes(source: Source) -> int:
@@ -258,6 +258,8 @@ class DeviceCache:
                 offset += part.numel()
             self._over_link(nbytes, started, IN)
             self.counters.add("in_weights", nbytes)
+            if not isinstance(host, torch.Tensor):
+                self.counters.add("halved", host[0].numel())
             if prefetched:
                 self.counters.add("prefetched", nbytes)
         except BaseException as error:

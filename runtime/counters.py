@@ -14,6 +14,7 @@ NAMES = (
     "remote",
     "p2p",
     "prefetched",
+    "halved",
     "ahead",
     "behind",
     "kept",

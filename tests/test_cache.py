@@ -106,6 +106,25 @@ def test_prefetched_weights_are_used_without_a_second_copy(store: HostStore) -> 
     cache.clear()
 
 
+def test_weights_copied_from_a_halved_mirror_and_the_rest_are_laid_in_order_and_their_halved_bytes_counted(
+    store: HostStore,
+) -> None:
+    cache = make_cache(store, budget=1000)
+    mirror, rest = store.create("mirror", 100), store.create("rest", 60)
+    mirror.fill_(1)
+    rest.fill_(2)
+    with cache.weights("p0", 0, (mirror, rest)) as device_bytes:
+        assert device_bytes.tolist() == [1] * 100 + [2] * 60
+    assert cache.prefetch("p1", 0, (mirror, rest), keep_free=0)
+    with cache.weights("p1", 0, (mirror, rest)):
+        pass
+    with cache.weights("p2", 0, rest):
+        pass
+    counts = cache.counters.read()
+    assert (counts["in_weights"], counts["halved"], counts["prefetched"]) == (380, 200, 160)
+    cache.clear()
+
+
 def test_a_failed_prefetch_raises_in_the_task_that_waits_for_it(store: HostStore) -> None:
     cache = make_cache(store, budget=1000)
     host = store.create("w", 300)

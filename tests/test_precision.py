@@ -147,8 +147,10 @@ def test_weights_copied_in_halved_train_bit_for_bit_as_float32_copies_under_auto
 ) -> None:
     """A swapped model whose linear weights are copied to the devices in autocast's dtype (from the host's mirror of
     them) ends with the weights, running statistics and validation losses of the same run copying float32 weights
-    in (which autocast then casts), bit for bit, with dropout, in sections of packs, in at most 0.6 of the weight
-    bytes, in fewer packs (cut for the halved copies), and within the budget."""
+    in (which autocast then casts), bit for bit, with dropout, in sections of packs, in fewer packs (cut for the
+    halved copies), and within the budget; every copy of a pack's weights takes at most 0.6 of its float32 bytes.
+    (How many copies each run makes depends on where and when its tasks ran, so the two runs' totals are not
+    compared.)"""
     batches = regression_batches(samples=16 * 6, batch=16)
     budget = 30_000
     forecast = str(harmony.plan(mixed(), batches, nn.functional.mse_loss, adam, microbatches=MICROBATCHES, devices=2,
@@ -176,7 +178,9 @@ def test_weights_copied_in_halved_train_bit_for_bit_as_float32_copies_under_auto
     for ours, theirs in zip(halved.state_dict().values(), plain_copies.state_dict().values(), strict=True):
         assert torch.equal(ours, theirs)
     assert with_halves.val_history == without.val_history
-    assert with_halves.stats.bytes_in["weights"] <= 0.6 * without.stats.bytes_in["weights"]
+    assert without.stats.bytes_halved == 0
+    copied, halved_bytes = with_halves.stats.bytes_in["weights"], with_halves.stats.bytes_halved
+    assert halved_bytes > 0 and copied <= 0.6 * (copied + halved_bytes), "the float32 bytes would be copied + halved"
 
 
 def test_an_exported_gpt2_trains_in_bf16_with_its_linear_weights_copied_in_halved(no_leaks: None) -> None:
