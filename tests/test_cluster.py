@@ -219,6 +219,29 @@ def test_a_tls_cluster_on_loopback_trains_with_a_budget_per_worker_and_equals_pl
     assert result.plan.devices == {names[0]: 24_000, names[1]: 40_000}
 
 
+def test_a_users_cluster_on_ucx_trains_a_model_across_its_workers_and_equals_plain_pytorch(no_leaks: None) -> None:
+    """Dask's UCX comms (distributed-ucxx, where installed: its RAPIDS pin of dask keeps it out of the test extra)
+    carry the run: a scheduler at ucxx://, two worker processes, a model cut over both whose values pass between
+    them."""
+    pytest.importorskip("distributed_ucxx")
+    models = [deep_mlp(depth=8, seed=s) for s in range(2)]
+    references = [copy.deepcopy(m) for m in models]
+    batches = regression_batches(samples=48, batch=12)
+    factory = lambda p: torch.optim.Adam(p, lr=1e-2)  # noqa: E731
+    with (
+        LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0",
+                     protocol="ucxx") as cluster,
+        Client(cluster) as client,
+    ):
+        assert client.scheduler.address.startswith("ucxx://")
+        result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss, optimizer=factory, microbatches=3,
+                               cluster=client, device_memory="25kB", packs_per_task=1, progress=False)
+    for model, reference in zip(models, references):
+        train_plain(reference, batches, nn.functional.mse_loss, factory)
+        assert_same_weights(model, reference)
+    assert result.stats.bytes_p2p + result.stats.bytes_remote > 0, "no value passed between the workers"
+
+
 def test_the_embedded_cluster_stays_warm_between_calls_until_other_devices_a_failure_or_shutdown(
     monkeypatch: pytest.MonkeyPatch, no_leaks: None
 ) -> None:
