@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -90,18 +91,24 @@ def environment() -> dict[str, str]:
 
 
 @pytest.fixture
-def machines() -> Iterator[tuple[str, list[subprocess.Popen]]]:
-    """A dask scheduler on loopback and two stand-in machines of two dask workers each."""
-    port = 8950 + os.getpid() % 40
-    address = f"tcp://127.0.0.1:{port}"
+def machines(request: pytest.FixtureRequest) -> Iterator[tuple[str, list[subprocess.Popen]]]:
+    """A dask scheduler on loopback and two stand-in machines of two dask workers each, over TCP, or over UCX
+    where a test asks for it (indirect parameter "ucxx") and distributed-ucxx is installed."""
+    protocol = getattr(request, "param", "tcp")
+    if protocol == "ucxx":
+        pytest.importorskip("distributed_ucxx")
+    with socket.socket() as probe:  # a port free now (UCX's listener may not take one a TCP scheduler just left)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    address = f"{protocol}://127.0.0.1:{port}"
     scheduler = subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
-                                  "--port", str(port), "--no-dashboard"], env=environment(),
+                                  "--port", str(port), "--protocol", protocol, "--no-dashboard"], env=environment(),
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     groups = []
     for machine in "ab":
         workers = " & ".join(
             f"{sys.executable} -m distributed.cli.dask_worker {address} --nthreads 1 --name {machine}-{index} "
-            "--host 127.0.0.1 --no-dashboard --no-nanny" for index in range(2))
+            f"--host 127.0.0.1 --protocol {protocol} --no-dashboard --no-nanny" for index in range(2))
         groups.append(subprocess.Popen(in_namespace(f"{workers} & wait"), env=environment(),
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
     try:
@@ -115,6 +122,7 @@ def machines() -> Iterator[tuple[str, list[subprocess.Popen]]]:
             process.wait()
 
 
+@pytest.mark.parametrize("machines", ["tcp", "ucxx"], indirect=True)
 def test_two_machines_train_six_models_each_in_its_own_store_and_equal_plain_pytorch(
     machines: tuple[str, list[subprocess.Popen]], tmp_path: Path
 ) -> None:
