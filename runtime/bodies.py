@@ -478,12 +478,13 @@ def _backward_pack(
                                      gradients_or_targets, loss_weights, group, claim_input, claim_upstream, keep,
                                      functools.partial(_prefetch, ctx, model, following, step, 0), losses, taken)
         with ctx.writing(model, pack, step) as current:  # what the step's attempt computed, written once
-            if last and current:
-                _record_losses(ctx, model, step, group, losses.totals())
-            if spec.scaled and current:
-                ctx.scaler(model).flag(step, pack, group, not finite(grads))
-            if current and (not runtime.device_update or runtime.borrowed):  # a borrowed weight's gradient goes to
-                ctx.cache.write_back(grad_bytes, ctx.host_grads(model, pack, group), "grads")  # its lender's pack
+            if current:
+                if last:
+                    _record_losses(ctx, model, step, group, losses.totals())
+                if spec.scaled:
+                    ctx.scaler(model).flag(step, pack, group, not finite(grads))
+                if not runtime.device_update or runtime.borrowed:  # a borrowed weight's gradient goes to its lender
+                    ctx.cache.write_back(grad_bytes, ctx.host_grads(model, pack, group), "grads")
             if start is not None:  # the last pack's forward ran here
                 _buffers_out(ctx, model, pack, step, group, weights, start, current)
         if runtime.device_update:

@@ -70,7 +70,7 @@ Value = TaskId | BatchInput | BatchTargets
 def parse_key(key: str) -> tuple[TaskId, str] | None:
     """The task and run of a key made by TaskId.key (any attempt), or None for any other key."""
     parts = key.split("-")
-    if len(parts) > 5 and parts[-1][:1] == "r" and parts[-1][1:].isdigit():
+    if _attempt(parts) is not None:
         parts = parts[:-1]
     if len(parts) not in (5, 6) or parts[0] not in ("fwd", "bwd", "upd"):
         return None
@@ -84,8 +84,15 @@ def parse_key(key: str) -> tuple[TaskId, str] | None:
 
 def key_attempt(key: str) -> int:
     """Which attempt of its task a key made by TaskId.key names (0: the first)."""
-    last = key.rsplit("-", 1)[-1]
-    return int(last[1:]) if last[:1] == "r" and last[1:].isdigit() else 0
+    attempt = _attempt(key.split("-"))
+    return 0 if attempt is None else attempt
+
+
+def _attempt(parts: list[str]) -> int | None:
+    """The attempt a key's parts end with (``-r<attempt>``, after at least the kind, model, pack, span and run), or
+    None where they end with the run (the first attempt)."""
+    last = parts[-1]
+    return int(last[1:]) if len(parts) > 5 and last[:1] == "r" and last[1:].isdigit() else None
 
 
 def updates_in_backward(groups: int, overlap: bool = False) -> bool:

@@ -300,8 +300,8 @@ class Lingering(nn.Module):
         from harmony.tasks.graph import key_attempt, parse_key
 
         key = on_worker_task()
-        task = parse_key(key)[0] if key is not None and parse_key(key) is not None else None
-        if task is None or (task.kind, task.span, task.group, key_attempt(key)) != ("fwd", 1, 0, 0):
+        parsed = parse_key(key) if key is not None else None
+        if parsed is None or (parsed[0].kind, parsed[0].span, parsed[0].group, key_attempt(key)) != ("fwd", 1, 0, 0):
             return x
         if os.path.exists(self.record):
             with open(self.record, "a") as handle:
