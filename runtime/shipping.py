@@ -242,6 +242,25 @@ class BatchFiles:
             write(buffer, slot.offset, tensor)
         return ShippedTensors(name, capacity, structure, self.generation)
 
+    def reserve(self, value: Any) -> ShippedTensors:
+        """A file laid out for value's tensors and taken for it, not yet written: fill writes it later (a device's
+        result that is copied to the host only if it must leave the device, runtime.ipc). Its tensors read back
+        as host tensors whatever device value's are on, without gradients."""
+        packing = _Packing()
+        structure = _replace_leaves(
+            value, torch.Tensor, lambda tensor: packing.reserve(tensor.dtype, tuple(tensor.shape), "cpu", False))
+        name, capacity, _ = self._begin(packing.nbytes)
+        return ShippedTensors(name, capacity, structure, self.generation)
+
+    def fill(self, shipped: ShippedTensors, value: Any) -> None:
+        """Write value's tensors (of the layout reserve gave shipped, on any device) into shipped's file."""
+        buffer = shipped.check(self.store)
+        slots, _ = tree_flatten(shipped.structure)
+        tensors, _ = tree_flatten(value)
+        for slot, tensor in zip(slots, tensors):
+            if isinstance(slot, TensorSlot):
+                write(buffer, slot.offset, tensor.detach())
+
     def ship_steps(self, steps: list[Any]) -> Any:
         """Consecutive steps' values for one task: stacked when every step's tree has the first one's layout
         (the same containers, scalars, and tensors of the same dtype, shape and device, none requiring grad),

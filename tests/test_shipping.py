@@ -127,3 +127,21 @@ def test_batch_files_are_reused_once_released_and_spares_are_bounded(store: Host
         stale.check(reader)  # a task that read it before the reuse learns it before it writes what it computed
     small.check(reader)
     reader.close()
+
+
+def test_a_reserved_file_holds_its_layout_until_filled_and_reads_back_as_host_tensors(store: HostStore) -> None:
+    files = BatchFiles(store)
+    reader = HostStore(store.run, store.directory)
+    value = {"x": torch.randn(3, 4, requires_grad=True), "rest": [torch.arange(6).to(torch.bfloat16), None, 2]}
+    reserved = files.reserve(value)
+    assert torch.count_nonzero(reserved.unpack(reader)["x"]) == 0, "reserved: laid out, not written"
+    files.fill(reserved, value)
+    back = reserved.unpack(reader)
+    assert not back["x"].requires_grad and back["x"].device.type == "cpu"
+    assert torch.equal(back["x"], value["x"].detach())
+    assert torch.equal(back["rest"][0], value["rest"][0]) and back["rest"][1:] == [None, 2]
+    files.release(reserved)
+    files.ship([torch.ones(1)])
+    with pytest.raises(StaleBatch):
+        files.fill(reserved, value)  # the file has another use: never written over
+    reader.close()
