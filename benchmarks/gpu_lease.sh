@@ -7,7 +7,7 @@
 # device tool brings back), else to benchmarks/results/.
 #
 #   bash benchmarks/gpu_lease.sh wheels                 # here, once
-#   bash benchmarks/gpu_lease.sh tests                  # there: tests/test_gpu.py
+#   bash benchmarks/gpu_lease.sh tests                  # there: tests/test_gpu.py and tests/test_ipc.py
 #   bash benchmarks/gpu_lease.sh swap|copies|update|sweep|peers|all
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -40,7 +40,7 @@ run() {  # run NAME SECONDS COMMAND...: its output to $out/NAME.log, its JSON to
 }
 
 case "$stage" in
-    tests) run tests 540 "$python" -m pytest -q -p no:cacheprovider tests/test_gpu.py ;;
+    tests) run tests 540 "$python" -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_ipc.py ;;
     swap) run gpu_swap 540 "$python" -m benchmarks.gpu_swap --batches 4096,16384 --microbatch 1024 \
               --out "$out/gpu_swap.json" ;;
     copies) run gpu_copies 240 "$python" -m benchmarks.gpu_copies --out "$out/gpu_copies.json" ;;
@@ -49,7 +49,7 @@ case "$stage" in
     sweep) run gpu_sweep 540 "$python" -m benchmarks.gpu_sweep --out "$out/gpu_sweep.json" ;;
     peers) run gpu_peers 540 "$python" -m benchmarks.gpu_peers --out "$out/gpu_peers.json" ;;
     all)
-        run tests 300 "$python" -m pytest -q -p no:cacheprovider -x tests/test_gpu.py
+        run tests 300 "$python" -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_ipc.py
         run gpu_copies 60 "$python" -m benchmarks.gpu_copies --out "$out/gpu_copies.json"
         run gpu_swap 220 "$python" -m benchmarks.gpu_swap --batches 16384 --microbatch 1024 --ways "as planned" \
             --out "$out/gpu_swap.json"

@@ -10,7 +10,7 @@ the machine's shared memory has no room for another file, the bytes go through D
 Between CPU devices, whose memory is host memory, the file is the peer-to-peer path: the bytes count as
 ``bytes_p2p``. A GPU's result is the page-locked host copy its task made, and the reader's GPU copies it in from its
 page-locked mapping: through host memory, so ``bytes_remote``, as through Dask's comms, without the socket. GPU to
-GPU without the host (CUDA IPC handles of device memory) is not built.
+GPU without the host is runtime.ipc's, not yet wired in (docs/architecture.md, "GPU to GPU").
 
 The export is lazy: a result read only on its own device costs nothing. The file is the producer's until the
 scheduler releases the result's key on the producer's worker, which happens after every reader of it has
