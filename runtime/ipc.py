@@ -19,8 +19,10 @@ producer spills only unclaimed slots and waits for claimed ones, which end withi
 died counts as done). torch's IPC reference counter keeps the producer's block allocated until each send's count
 is given back: by the reader when it drops the tensor it opened, or by the producer (``give_back``) for a send
 whose handles were never opened (spilled, withdrawn, or its reader died), so no block waits in torch's limbo for a
-reader that never comes. A slot's generation changes each time it is taken, so a ticket for an earlier export of
-the same slot reads as stale.
+reader that never comes. (A reader that dies after dropping its tensor and before marking its slot done has its
+count given back twice; torch's counter is unsigned, so that block stays in limbo until the producer's process
+ends: the window is one Python statement.) A slot's generation changes each time it is taken, so a ticket for an
+earlier export of the same slot reads as stale.
 """
 
 from __future__ import annotations
@@ -348,8 +350,12 @@ class Readers:
             raise StaleBatch(f"slot {ticket.index} of {ticket.table} no longer holds the export of generation "
                              f"{ticket.generation}: a task ran again after every reader of its input had finished")
         if reading == Reading.FILE:
-            return tree_map(lambda leaf: copy(leaf) if isinstance(leaf, torch.Tensor) else leaf,
+            tree = tree_map(lambda leaf: copy(leaf) if isinstance(leaf, torch.Tensor) else leaf,
                             ticket.file.unpack(self.store))
+            # a spilled export is withdrawn without waiting for its file's readers (a reader of a released key is a
+            # stale attempt): what was copied counts only if the file still holds this export
+            ticket.file.check(self.store)
+            return tree
         try:
             def take(handle: Any) -> Any:
                 if not isinstance(handle, Handle):
