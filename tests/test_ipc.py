@@ -7,6 +7,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -296,13 +297,20 @@ def read_on_the_gpu(run: str, directory: str, ticket: Ticket) -> list[torch.Tens
         store.close()
 
 
+@pytest.fixture
+def gpu_producer(store: HostStore) -> Iterator[tuple[Exports, int]]:
+    """A producer of this process's GPU, and the device memory allocated before it exported anything."""
+    torch.cuda.synchronize()
+    producer = Exports(store, "peer-0-", SENDS)
+    yield producer, torch.cuda.memory_allocated()
+    producer.close()
+
+
 @cuda
 def test_cuda_a_reader_process_copies_an_export_written_late_only_after_it_is_written_and_memory_is_freed(
-    store: HostStore, spawn: multiprocessing.context.SpawnContext,
+    store: HostStore, spawn: multiprocessing.context.SpawnContext, gpu_producer: tuple[Exports, int],
 ) -> None:
-    torch.cuda.synchronize()
-    baseline = torch.cuda.memory_allocated()
-    producer = Exports(store, "peer-0-", SENDS)
+    producer, baseline = gpu_producer
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         torch.cuda._sleep(2_000_000_000)  # about a second: the values come long after the handle is sent
@@ -318,16 +326,13 @@ def test_cuda_a_reader_process_copies_an_export_written_late_only_after_it_is_wr
     del tree
     torch.cuda.ipc_collect()
     assert torch.cuda.memory_allocated() == baseline, "a send's block waits in torch's limbo"
-    producer.close()
 
 
 @cuda
 def test_cuda_a_spilled_export_is_read_from_its_host_file_and_its_device_memory_is_freed(
-    store: HostStore, spawn: multiprocessing.context.SpawnContext,
+    store: HostStore, spawn: multiprocessing.context.SpawnContext, gpu_producer: tuple[Exports, int],
 ) -> None:
-    torch.cuda.synchronize()
-    baseline = torch.cuda.memory_allocated()
-    producer = Exports(store, "peer-0-", SENDS)
+    producer, baseline = gpu_producer
     tree = [torch.randn(1 << 16, device="cuda")]
     expected = tree[0].cpu()
     ticket = producer.send("fwd-a", tree)
@@ -338,4 +343,3 @@ def test_cuda_a_spilled_export_is_read_from_its_host_file_and_its_device_memory_
     with spawn.Pool(1) as pool:
         got = pool.apply(read_on_the_gpu, (store.run, str(store.directory), ticket))
     assert torch.equal(got[0], expected)
-    producer.close()
