@@ -162,11 +162,12 @@ class SlotTable:
     def take(self) -> tuple[int, int] | None:
         """A free slot made EXPORTED at a new generation, as (index, generation); None when every slot is in use.
         Only the producer takes and frees slots: it looks from the slot after the last one it took."""
+        def fresh(slot: Slot) -> tuple[Slot, int | None]:
+            if slot.state != State.FREE:
+                return slot, None
+            return Slot(State.EXPORTED, 0, slot.generation + 1), slot.generation + 1
+
         for index in [(self._next + offset) % self.size for offset in range(self.size)]:
-            def fresh(slot: Slot) -> tuple[Slot, int | None]:
-                if slot.state != State.FREE:
-                    return slot, None
-                return Slot(State.EXPORTED, 0, slot.generation + 1), slot.generation + 1
             generation = self.change(index, fresh)
             if generation is not None:
                 self._next = index + 1
@@ -213,7 +214,7 @@ def opened(handle: Handle) -> torch.Tensor:
 def give_back(handle: Handle) -> None:
     """Give back a send's reference count that its reader will never give back (it never opened the handle)."""
     arguments = handle.arguments
-    torch.UntypedStorage._release_ipc_counter(arguments[11], arguments[12], device=arguments[6])
+    torch.UntypedStorage._release_ipc_counter(arguments[11], arguments[12], device=handle.device)
 
 
 @dataclass(frozen=True)
@@ -282,10 +283,7 @@ class Exports:
             if not export.spilled:
                 self.files.fill(export.file, export.tree)
                 export.spilled = True
-            for index, handles in export.sends:
-                if self.table.change(index, lambda slot: spilled(slot, alive)):
-                    _give_back_all(handles, self.give_back)
-            self._wait(export, patience)
+            self._settle(export, spilled, patience)
             tree, export.tree = export.tree, None
             return tree
 
@@ -295,29 +293,30 @@ class Exports:
             export = self.held.pop(key, None)
             if export is None:
                 return
-            for index, handles in export.sends:
-                if self.table.change(index, lambda slot: withdrawn(slot, alive)):
-                    _give_back_all(handles, self.give_back)
-            self._wait(export, patience, withdraw=True)
+            self._settle(export, withdrawn, patience)
             for index, _ in export.sends:
                 self.table.free(index)
             self.files.release(export.file)
 
-    def _wait(self, export: Export, patience: float, withdraw: bool = False) -> None:
-        """Until every send of export is settled (withdraw: withdrawn), its claimers dying counting as done."""
+    def _settle(self, export: Export, change: Callable[[Slot, Callable[[int], bool]], tuple[Slot, bool]],
+                patience: float) -> None:
+        """Apply change (spilled or withdrawn) to every send of export, each pass to all of them (so a send not yet
+        claimed is not left to be claimed while another's copy is waited for), until none is claimed; a claimer
+        that died counts as done, one still copying after patience seconds is an error."""
         deadline = time.monotonic() + patience
-        change = withdrawn if withdraw else spilled
-        for index, handles in export.sends:
-            while True:
+        waiting = list(export.sends)
+        while True:
+            for index, handles in waiting:
                 if self.table.change(index, lambda slot: change(slot, alive)):
                     _give_back_all(handles, self.give_back)
-                slot = self.table.read(index)
-                if (slot.state == State.WITHDRAWN) if withdraw else settled(slot):
-                    break
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"process {slot.pid} claimed slot {index} of {self.table.name} and did not "
-                                       f"copy it within {patience:.0f} s")
-                time.sleep(0.001)
+            waiting = [(index, handles) for index, handles in waiting if not settled(self.table.read(index))]
+            if not waiting:
+                return
+            if time.monotonic() > deadline:
+                index = waiting[0][0]
+                raise TimeoutError(f"process {self.table.read(index).pid} claimed slot {index} of {self.table.name} "
+                                   f"and did not copy it within {patience:.0f} s")
+            time.sleep(0.001)
 
     def close(self) -> None:
         for key in list(self.held):
@@ -356,16 +355,9 @@ class Readers:
             # stale attempt): what was copied counts only if the file still holds this export
             ticket.file.check(self.store)
             return tree
-        try:
-            def take(handle: Any) -> Any:
-                if not isinstance(handle, Handle):
-                    return handle
-                source = open_handle(handle)
-                try:
-                    return copy(source)
-                finally:
-                    del source
-            tree = tree_map(take, ticket.handles)
+        try:  # each opened tensor is dropped once copied, before the slot is marked copied
+            tree = tree_map(lambda leaf: copy(open_handle(leaf)) if isinstance(leaf, Handle) else leaf,
+                            ticket.handles)
         finally:
             table.change(ticket.index, lambda slot: (copied(slot, pid), None))
         return tree

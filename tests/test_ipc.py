@@ -4,16 +4,17 @@ reference as torch's IPC counter does), and CUDA IPC handles between two process
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from harmony.runtime.hoststore import HostStore
+from harmony.runtime.hoststore import HostStore, dtype_name, torch_dtype
 from harmony.runtime.ipc import (
     Exports,
     Handle,
@@ -95,13 +96,13 @@ class Memory:
         send = self.sent
         self.sent += 1
         self.counts[send] += 1
-        return Handle((self.names[tensor.data_ptr()], str(tensor.dtype), tuple(tensor.shape), send))
+        return Handle((self.names[tensor.data_ptr()], dtype_name(tensor.dtype), tuple(tensor.shape), send))
 
     def give_back(self, handle: Handle) -> None:
         self.counts[handle.arguments[3]] -= 1
 
 
-def opener(store: HostStore) -> tuple[object, object]:
+def opener(store: HostStore) -> tuple[Callable[[Handle], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]:
     """A reader's open_handle and copy for Memory's handles: copy gives the opened send's count back after the
     copy, as a CUDA reader's dropped tensor does."""
     counts = store.attach("counts", SENDS * 8).view(torch.int64)
@@ -110,8 +111,8 @@ def opener(store: HostStore) -> tuple[object, object]:
     def open_handle(handle: Handle) -> torch.Tensor:
         name, dtype, shape, send = handle.arguments
         sends.append(send)
-        nbytes = torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch."))).nbytes
-        return store.attach(name, nbytes).view(getattr(torch, dtype.removeprefix("torch."))).view(shape)
+        nbytes = math.prod(shape) * torch_dtype(dtype).itemsize
+        return store.attach(name, nbytes).view(torch_dtype(dtype)).view(shape)
 
     def copy(source: torch.Tensor) -> torch.Tensor:
         made = source.clone()
