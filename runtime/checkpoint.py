@@ -13,7 +13,8 @@ written it: the driver writes it before it opens the job's next spans). Its dire
                                state dicts of the user's module and of the user's
                                optimizer factory over its parameters. Written into a temporary directory first
                                and renamed, so that a process killed while writing leaves the previous one whole;
-  model-<i>.pt                 a link to the model's newest model-<i>.pt, replaced atomically after latest.
+  model-<i>.pt                 a link to the model's newest model-<i>.pt, replaced atomically after latest (and
+                               again when a run resumes: its driver may have been killed in between).
 
 Resuming reads each job's latest checkpoint back into the new run's host store; the run refuses a checkpoint
 whose fingerprint is not its own.
@@ -120,16 +121,21 @@ class Checkpoints:
             shutil.rmtree(final)
         os.replace(scratch, final)
         replace_file(folder / LATEST, final.name.encode())
-        for model in files.plan.jobs[job].members:
+        self._settle(final, files.plan.jobs[job].members)
+        return True
+
+    def _settle(self, final: Path, members: tuple[int, ...]) -> None:
+        """Point each member's model-<i>.pt at the job's latest checkpoint final and remove the job's older ones;
+        also done on resume, since a driver killed after replacing latest leaves both undone."""
+        for model in members:
             link = self.directory / f"model-{model}.pt"
             temporary = link.with_name(f".{link.name}.{os.getpid()}.tmp")
             temporary.unlink(missing_ok=True)
             temporary.symlink_to(final.relative_to(self.directory) / link.name)
             os.replace(temporary, link)
-        for old in folder.glob("v*"):
+        for old in final.parent.glob("v*"):
             if old != final:
                 shutil.rmtree(old, ignore_errors=True)
-        return True
 
     def _write_native(self, folder: Path, job: int, files: RunFiles, version: int) -> tuple[float, int] | None:
         """The job's own files of the checkpoint; returns the loss scaler's state at version (fp16), read once for
@@ -167,6 +173,7 @@ class Checkpoints:
         folder = self.latest(job)
         if folder is None:
             return 0
+        self._settle(folder, files.plan.jobs[job].members)
         described = msgpack.unpackb((folder / "checkpoint.msgpack").read_bytes())
         version = int(described["version"])
         store, runtime = files.store(job), files.models[job]

@@ -615,3 +615,49 @@ def test_a_process_killed_while_writing_a_checkpoint_leaves_the_previous_one_who
         assert (tmp_path / "ckpt" / f"job-{model}" / f"v{written}" / "checkpoint.msgpack").exists()
     time.sleep(2)
     assert not harmony_files(), "the killed run's files stayed"
+
+
+KILLED_AFTER_LATEST = """
+import os, signal, torch
+from torch import nn
+import harmony
+import harmony.runtime.checkpoint as checkpoint
+
+real_replace = checkpoint.replace_file
+def dying_replace(path, data):
+    real_replace(path, data)
+    if {die} and path.name == "latest" and data == b"v10":  # the run's last checkpoint: die before its links
+        os.kill(os.getpid(), signal.SIGKILL)
+checkpoint.replace_file = dying_replace
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+x = torch.randn(160, 8)
+batches = [(x[i:i + 16], x[i:i + 16].sum(1, keepdim=True)) for i in range(0, 160, 16)]
+result = harmony.train(model, batches, loss_fn=nn.functional.mse_loss, optimizer=lambda p: torch.optim.SGD(p, lr=0.01),
+                       devices=["cpu"], progress=False, steps_per_task=1, checkpoint_dir={directory!r},
+                       checkpoint_every=2, resume=True)
+torch.save({{"model": model.state_dict(), "history": result.history[0]}}, {out!r})
+"""
+
+
+def test_a_driver_killed_after_its_last_checkpoints_latest_is_resumed_to_links_at_that_checkpoint(
+    tmp_path: Path
+) -> None:
+    """Killed after replacing latest and before pointing the model links at it: the links still name the
+    checkpoint before (kept so far), and the resumed run, with nothing left to train, points them at latest."""
+    directory, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
+    killed = run_script(tmp_path / "killed.py", KILLED_AFTER_LATEST.format(die=True, directory=directory, out=out))
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    job = tmp_path / "ckpt" / "job-0"
+    assert (job / "latest").read_text() == "v10"
+    assert torch.load(tmp_path / "ckpt" / "model-0.pt")["step"] < 10, "the kill must come before the links"
+    resumed = run_script(tmp_path / "resumed.py", KILLED_AFTER_LATEST.format(die=False, directory=directory, out=out))
+    assert resumed.returncode == 0, resumed.stderr
+    saved, trained = torch.load(tmp_path / "ckpt" / "model-0.pt"), torch.load(out)
+    assert saved["step"] == 10 and saved["history"] == trained["history"] and len(trained["history"]) == 10
+    for name, value in trained["model"].items():
+        assert torch.equal(saved["model"][name], value)
+    assert sorted(path.name for path in job.glob("v*")) == ["v10"]
+    time.sleep(2)
+    assert not harmony_files(), "the killed run's files stayed"
