@@ -444,15 +444,23 @@ def test_a_diverging_member_of_a_fused_array_stops_while_the_others_train_on(
 
 
 CHECKPOINTED = """
-import sys, torch
+import os, sys, time, torch
 from torch import nn
 import harmony
+
+batches = [0]
+def collate(samples):
+    batches[0] += 1
+    if batches[0] > int(os.environ.get("STALL_AFTER", 10**9)):  # the run to be killed stops here, mid-run
+        time.sleep(3600)
+    return torch.utils.data.default_collate(samples)
 
 torch.manual_seed(0)
 models = [nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)) for _ in range(3)]
 x = torch.randn(640, 8)
 y = x.sum(dim=1, keepdim=True)
-loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16, shuffle=True)
+loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16, shuffle=True,
+                                     collate_fn=collate)
 factories = [lambda p, lr=lr: torch.optim.Adam(p, lr=lr) for lr in (1e-3, 3e-3, 1e-2)]
 result = harmony.train(models, loader, loss_fn=nn.functional.mse_loss, optimizer=factories, epochs={epochs},
                        devices=["cpu", "cpu"], device_memory={budget}, progress=False, fuse={fuse},
@@ -488,17 +496,23 @@ def test_a_killed_driver_leaves_nothing_and_its_run_resumes_to_the_uninterrupted
     script.write_text(CHECKPOINTED.format(epochs=2, budget=budget, fuse=fuse, directory=str(tmp_path / "ckpt"),
                                           resume=True, out=str(tmp_path / "b"), extra=extra))
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(),
-                                                                             os.environ.get("PYTHONPATH")]))}
+                                                                             os.environ.get("PYTHONPATH")])),
+                   "STALL_AFTER": "50"}
     before_files = set(harmony_files())
     driver = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, env=environment,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and not list((tmp_path / "ckpt").glob("job-*/latest")):
-        time.sleep(0.05)
-    assert list((tmp_path / "ckpt").glob("job-*/latest")), "no checkpoint was written"
-    workers = [p for p in worker_processes() if p.ppid() == driver.pid]
-    driver.kill()
-    driver.wait()
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and not list((tmp_path / "ckpt").glob("job-*/latest")):
+            time.sleep(0.05)
+        [latest] = list((tmp_path / "ckpt").glob("job-*/latest")) or [None]
+        assert latest is not None, "no checkpoint was written"
+        time.sleep(0.5)  # on to its loader's stall at step 50, with its workers' files written
+        assert int(latest.read_text().removeprefix("v")) < 80, "the run must be killed before it ends"
+        workers = [p for p in worker_processes() if p.ppid() == driver.pid]
+    finally:
+        driver.kill()
+        driver.wait()
     killed_at = time.monotonic()
     while time.monotonic() - killed_at < 10 and (set(harmony_files()) - before_files or
                                                   any(p.is_running() for p in workers)):
