@@ -505,10 +505,10 @@ def test_a_killed_driver_leaves_nothing_and_its_run_resumes_to_the_uninterrupted
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline and not list((tmp_path / "ckpt").glob("job-*/latest")):
             time.sleep(0.05)
-        [latest] = list((tmp_path / "ckpt").glob("job-*/latest")) or [None]
-        assert latest is not None, "no checkpoint was written"
+        assert list((tmp_path / "ckpt").glob("job-*/latest")), "no checkpoint was written"
         time.sleep(0.5)  # on to its loader's stall at step 50, with its workers' files written
-        assert int(latest.read_text().removeprefix("v")) < 80, "the run must be killed before it ends"
+        steps = [int(latest.read_text().removeprefix("v")) for latest in (tmp_path / "ckpt").glob("job-*/latest")]
+        assert max(steps) < 80, "the run must be killed before it ends"
         workers = [p for p in worker_processes() if p.ppid() == driver.pid]
     finally:
         driver.kill()
