@@ -17,7 +17,7 @@ written it: the driver writes it before it opens the job's next spans). Its dire
                                again when a run resumes: its driver may have been killed in between).
 
 Resuming reads each job's latest checkpoint back into the new run's host store; the run refuses a checkpoint
-whose fingerprint is not its own.
+whose fingerprint is not its own. A run that begins on the directory removes what drivers now gone were writing.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+import psutil
 import torch
 from torch import nn
 
@@ -85,11 +86,24 @@ class Checkpoints:
         return RunPlan.from_msgpack(record["plan"])
 
     def begin(self, plan: RunPlan, what: str) -> None:
-        """Record the run (once: a resumed run keeps the record it resumes)."""
+        """Record the run (once: a resumed run keeps the record it resumes), and remove what a killed driver was
+        writing."""
         self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._sweep()
         if not (self.directory / RUN).exists():
             record = {"fingerprint": self.fingerprint, "what": what, "plan": plan.to_msgpack()}
             replace_file(self.directory / RUN, msgpack.packb(record))
+
+    def _sweep(self) -> None:
+        """Remove the scratch of drivers that are gone: a checkpoint, latest or link being written, named
+        .<name>.<pid>.tmp (see save and replace_file)."""
+        for scratch in [*self.directory.glob(".*.tmp"), *self.directory.glob("job-*/.*.tmp")]:
+            pid = scratch.name.split(".")[-2]
+            if pid.isdigit() and int(pid) != os.getpid() and not psutil.pid_exists(int(pid)):
+                if scratch.is_dir() and not scratch.is_symlink():
+                    shutil.rmtree(scratch, ignore_errors=True)
+                else:
+                    scratch.unlink(missing_ok=True)
 
     def version(self, job: int) -> int:
         """The step of the job's newest complete checkpoint (0 with none)."""

@@ -595,7 +595,7 @@ calls = {{"n": 0}}
 real_save = torch.save
 def dying_save(obj, path, *args, **kwargs):
     calls["n"] += 1
-    if calls["n"] == 4:  # the fourth checkpoint the run writes: die half-way through it
+    if {die} and calls["n"] == 4:  # the fourth checkpoint the run writes: die half-way through it
         with open({marker!r}, "w") as handle:
             handle.write(str(path))
         os.kill(os.getpid(), signal.SIGKILL)
@@ -608,13 +608,13 @@ x = torch.randn(160, 8)
 batches = [(x[i:i + 16], x[i:i + 16].sum(1, keepdim=True)) for i in range(0, 160, 16)]
 harmony.train([model, nn.Sequential(nn.Linear(8, 1))], batches, loss_fn=nn.functional.mse_loss,
               optimizer=lambda p: torch.optim.SGD(p, lr=0.01), devices=["cpu"], progress=False, fuse=False,
-              steps_per_task=1, checkpoint_dir={directory!r}, checkpoint_every=2)
+              steps_per_task=1, checkpoint_dir={directory!r}, checkpoint_every=2, resume={resume})
 """
 
 
 def test_a_process_killed_while_writing_a_checkpoint_leaves_the_previous_one_whole(tmp_path: Path) -> None:
     marker = tmp_path / "killed"
-    done = run_script(tmp_path / "interrupted.py", INTERRUPTED_WRITE.format(marker=str(marker),
+    done = run_script(tmp_path / "interrupted.py", INTERRUPTED_WRITE.format(marker=str(marker), die=True, resume=False,
                                                                            directory=str(tmp_path / "ckpt")))
     assert done.returncode == -signal.SIGKILL and marker.exists()
     interrupted = Path(marker.read_text())  # job-<j>/.v<step>.<pid>.tmp/model-<j>.pt
@@ -629,6 +629,13 @@ def test_a_process_killed_while_writing_a_checkpoint_leaves_the_previous_one_who
         assert (tmp_path / "ckpt" / f"job-{model}" / f"v{written}" / "checkpoint.msgpack").exists()
     time.sleep(2)
     assert not harmony_files(), "the killed run's files stayed"
+    assert interrupted.parent.exists(), "the scratch of the killed write"
+    resumed = run_script(tmp_path / "resumed.py", INTERRUPTED_WRITE.format(marker=str(marker), die=False, resume=True,
+                                                                         directory=str(tmp_path / "ckpt")))
+    assert resumed.returncode == 0, resumed.stderr
+    assert not [path.name for path in (tmp_path / "ckpt").rglob("*.tmp")], "the resumed run removes its scratch"
+    for model in (0, 1):
+        assert torch.load(tmp_path / "ckpt" / f"model-{model}.pt")["step"] == 10
 
 
 KILLED_AFTER_LATEST = """
