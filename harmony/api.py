@@ -17,7 +17,7 @@ from torch import nn
 
 from harmony.conventions import training_conventions
 from harmony.errors import InputError, ModelError
-from harmony.metrics import MetricsLog, initial_lr
+from harmony.metrics import MetricsLog, learning_rates
 from harmony.planner import build, codes_for, pilot, replan_machines
 from harmony.progress import EventLog, display, wants_progress
 from harmony.result import TrainResult
@@ -236,6 +236,7 @@ def train(
     compile: bool = False,
     stash: bool = True,
     profile_steps: int = 0,
+    lr_schedule: Any = None,
 ) -> TrainResult:
     """Train every model on its data through fine-grained tasks on Dask device workers.
 
@@ -264,6 +265,10 @@ def train(
     single-pack model or array runs (all their batches in one file): "auto" picks enough to keep
     Dask's per-task cost (measured on the cluster before the run) near 1% of the measured step time.
     Every model keeps its own loss, optimizer and hyperparameters, and gets the weights it would get alone.
+    lr_schedule (one for every model, or one per model) is a callable(step) -> factor of each param group's initial
+    learning rate, LambdaLR's lr_lambda: the update of step s (0 for the first) uses initial_lr * lr_schedule(s), as
+    a plain loop that calls LambdaLR.step() after each optimizer.step() (for a transformers schedule, pass
+    get_cosine_schedule_with_warmup(...).lr_lambdas[0], built on any optimizer).
 
     A model whose own code raises stops alone, with the weights of its last complete step, and is reported in
     result.failed while the others go on; fail_fast=True makes it a ModelError that ends the run instead (so does
@@ -359,7 +364,7 @@ def train(
         specs = build_specs(*check_devices(devices, device_memory, link_bandwidth, cluster))
         starting = Starting(specs, host, dashboard_address)
     args = validate(models, loaders, loss_fn, optimizer, options, devices, device_memory, cluster, link_bandwidth,
-                    host_memory=host_memory)
+                    host_memory=host_memory, lr_schedule=lr_schedule)
     validation, validation_of, names = check_validation(val_loaders, metrics, names, options, args.models)
     args = dataclasses.replace(args, validation=validation, validation_of=validation_of, metrics=metrics, names=names)
     directory = check_checkpoints(checkpoint_dir, checkpoint_every, resume)
@@ -394,7 +399,7 @@ def train(
             logger.info("harmony: dashboard at %s", handle.dashboard_link)
             samples = [batch_size(args.first_batch(model)[0]) for model in range(len(args.models))]
             log = None if log_dir is None else MetricsLog(
-                log_dir, plan, names, [initial_lr(factory) for factory in args.optimizers], samples)
+                log_dir, plan, names, [learning_rates(factory) for factory in args.optimizers], samples)
             try:
                 profile = (str(log_dir), profile_steps) if profile_steps else None
                 outcome = _execute(plan, codes, args, specs, handle, progress, checkpoints, starts, log, profile)

@@ -4,8 +4,9 @@ One file per run in log_dir, ``harmony-<date>-<time>-<pid>.jsonl``, readable by 
 line, each with "kind" and "time" (seconds since the run started):
 
 - "step": one per model per training step: model, name, step (1-based: the weights after it), loss, lr (the
-  optimizer's initial learning rate), samples_per_s (the model's samples over the time its step, or its span of
-  steps in one task, took), and val_loss plus the metrics where the model was evaluated after that step;
+  learning rate the step's update used: the optimizer's, on its lr_schedule), samples_per_s (the model's samples
+  over the time its step, or its span of steps in one task, took), and val_loss plus the metrics where the model was
+  evaluated after that step;
 - "val": one per evaluation: model, name, step, val_loss and each metric;
 - "device": every second or so and at the end, per device: budget, cached (accounted bytes), bytes_in and
   bytes_out (totals so far; the devices count bytes, not models), busy (share of the run so far).
@@ -20,12 +21,14 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
 import torch
 
 from harmony.runtime.counters import IN_KINDS, OUT_KINDS
+from harmony.runtime.schedule import Scheduled
 from harmony.runtime.view import RunView, finite, model_name
 from harmony.tasks.runplan import RunPlan
 
@@ -41,11 +44,21 @@ def initial_lr(factory: Any) -> float | None:
         return None
 
 
+def learning_rates(factory: Any) -> Callable[[int], float | None]:
+    """The learning rate of each step's update (0 for the first) under an optimizer factory: its initial one, on
+    its schedule where it has one (runtime.schedule)."""
+    initial = initial_lr(factory)
+    schedule = factory.schedule if isinstance(factory, Scheduled) else None
+    if initial is None or schedule is None:
+        return lambda step: initial
+    return lambda step: initial * float(schedule(step))
+
+
 class MetricsLog:
     """Writes a run's records as it goes (call it with the run's view) and the rest at the end (finish)."""
 
     def __init__(self, directory: str | os.PathLike[str], plan: RunPlan, names: list[str] | None,
-                 lrs: list[float | None], samples: list[int]) -> None:
+                 lrs: list[Callable[[int], float | None]], samples: list[int]) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -127,7 +140,7 @@ class MetricsLog:
                         if done is not None and done > began else None)
                 loss = losses[position][step - first]
                 record: dict[str, Any] = {"kind": "step", "time": done, "model": model, "name": self.name(model),
-                                          "step": step + 1, "loss": finite(loss), "lr": self.lrs[model],
+                                          "step": step + 1, "loss": finite(loss), "lr": self.lrs[model](step),
                                           "samples_per_s": rate}
                 figures = validation.get(step + 1)
                 if figures is not None:
@@ -136,6 +149,8 @@ class MetricsLog:
                 self._write(record)
                 if self.board is not None:
                     self.board.add_scalar(f"loss/{self.name(model)}", loss, step + 1)
+                    if record["lr"] is not None:
+                        self.board.add_scalar(f"lr/{self.name(model)}", record["lr"], step + 1)
         self.written[job] = steps
 
     def _evaluations(self, job: int, validation: list[tuple[int, dict[str, list[float]]]]) -> None:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import cloudpickle
 import torch
 from distributed import Client
 from torch import nn
@@ -16,6 +18,7 @@ from torch import nn
 from harmony.errors import InputError
 from harmony.runtime.data import batch_size
 from harmony.runtime.devices import DeviceSpecError, parse_devices
+from harmony.runtime.schedule import Schedule, Scheduled
 from harmony.sizes import parse_bandwidths, parse_size
 from harmony.tasks.binding import MODES, POLICIES
 from harmony.tasks.runplan import PRECISIONS, Options
@@ -273,6 +276,40 @@ def _optimizers(
     return factories, classes
 
 
+def _lr_schedules(lr_schedule: Any, models: list[nn.Module]) -> list[Schedule | None]:
+    """Every model's learning-rate schedule (None: constant), each checked at step 0: a callable(step) -> factor of
+    the initial learning rate that crosses to the workers."""
+    schedules = _per_model(lr_schedule, len(models), "lr_schedule")
+    for index, schedule in enumerate(schedules):
+        if schedule is None:
+            continue
+        label = model_label(index, models[index])
+        usage = ("lr_schedule must be a callable(step) -> factor of the initial learning rate, as LambdaLR's "
+                 "lr_lambda (for a scheduler such as transformers' get_cosine_schedule_with_warmup, pass its "
+                 "lr_lambdas[0])")
+        if isinstance(schedule, torch.optim.lr_scheduler.LRScheduler) or (
+            isinstance(schedule, type) and issubclass(schedule, torch.optim.lr_scheduler.LRScheduler)
+        ):
+            kind = schedule.__name__ if isinstance(schedule, type) else type(schedule).__name__
+            raise InputError(f"lr_schedule for {label} is a scheduler ({kind}); Harmony steps one optimizer per "
+                             f"layer pack, so {usage}")
+        if not callable(schedule):
+            raise InputError(f"lr_schedule for {label} is a {type(schedule).__name__}; {usage}")
+        try:
+            factor = schedule(0)
+        except Exception as error:
+            raise InputError(f"lr_schedule for {label} failed at step 0 ({type(error).__name__}: {error}); "
+                             f"{usage}") from error
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 <= factor < float("inf"):
+            raise InputError(f"lr_schedule for {label} gave {factor!r} at step 0, not a finite factor >= 0; {usage}")
+        try:
+            cloudpickle.dumps(schedule)
+        except Exception as error:
+            raise InputError(f"lr_schedule for {label} cannot be pickled for the workers ({type(error).__name__}: "
+                             f"{error}); define it at module level or as a lambda or functools.partial") from error
+    return schedules
+
+
 def optimizer_state_ratio(factory: Callable[..., torch.optim.Optimizer]) -> float:
     """Bytes of optimizer state per parameter byte, from one step on a probe parameter (2.0 if unknown)."""
     probe = nn.Parameter(torch.zeros(64))
@@ -307,6 +344,7 @@ def validate(
     link_bandwidth: Any = None,
     for_training: bool = True,
     host_memory: Any = None,
+    lr_schedule: Any = None,
 ) -> Arguments:
     """Normalize and check every argument; raises InputError before any work starts.
 
@@ -321,6 +359,8 @@ def validate(
         if planning_only and optimizer is None
         else _optimizers(optimizer, model_list)
     )
+    optimizers = [factory if schedule is None or factory is None else Scheduled(factory, schedule)
+                  for factory, schedule in zip(optimizers, _lr_schedules(lr_schedule, model_list))]
     passes = options.steps is None and options.epochs > 1
     loader_list, loader_of = _loaders(loaders, len(model_list), passes)
     for index, loader_index in enumerate(loader_of):
@@ -495,6 +535,7 @@ def describe_run(args: Arguments, budgets: dict[str, int]) -> dict[str, Any]:
         "loader_of": args.loader_of,
         "losses": [getattr(fn, "__qualname__", type(fn).__qualname__) for fn in args.loss_fns],
         "optimizers": [_hyperparameters(factory) for factory in args.optimizers],
+        "lr_schedules": [_factors(f, args.expected_steps(index)) for index, f in enumerate(args.optimizers)],
         "options": options,
         "devices": budgets,
     }
@@ -515,6 +556,15 @@ def _shapes(tree: Any) -> Any:
     if isinstance(tree, dict):
         return {str(key): _shapes(value) for key, value in tree.items()}
     return repr(tree)
+
+
+def _factors(factory: Any, steps: int | None) -> str | None:
+    """A digest of a scheduled optimizer's factors at every step of its run (its first 10,000 where the run's
+    length is unknown): a resume with another schedule is another run."""
+    if not isinstance(factory, Scheduled):
+        return None
+    factors = [float(factory.schedule(step)) for step in range(min(steps or 10_000, 10_000))]
+    return hashlib.sha256(repr(factors).encode()).hexdigest()
 
 
 def _hyperparameters(factory: Any) -> Any:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from harmony.runtime.array import member_layout
+from harmony.runtime.schedule import at_step, schedules
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -72,6 +73,7 @@ class StackedOptimizer(torch.optim.Optimizer):
             if self.hyperparameters.get(index) != values:  # first step, or a group's values changed: rebuild
                 self.hyperparameters[index] = [list(v) for v in values]
                 self.columns = {key: columns for key, columns in self.columns.items() if key[0] != index}
+                self.corrections = {key: cached for key, cached in self.corrections.items() if key[0] != index}
             for param in group["params"]:
                 if param.grad is None:
                     continue
@@ -234,8 +236,14 @@ class ArrayOptimizer:
         members = [factory(views) for factory, views in zip(self.factories, slices)]
         groups = _stacked_groups(members, params, slices) if self.stack else None
         if groups is not None:
-            return StackedOptimizer(type(members[0]), groups)
+            stacked = StackedOptimizer(type(members[0]), groups)
+            if any(getattr(member, "lr_schedules", None) for member in members):
+                for group in stacked.param_groups:
+                    group["initial_lr"] = list(group["lr"])
+                stacked.lr_schedules = [list(entries) for entries in zip(*map(schedules, members))]  # type: ignore[attr-defined]
+            return stacked
         merged = members[0]
+        merged.lr_schedules = [entry for member in members for entry in schedules(member)]  # type: ignore[attr-defined]
         for member in members[1:]:
             for group in member.param_groups:
                 merged.add_param_group(group)
@@ -254,9 +262,11 @@ def build_optimizer(
     return factory(params)
 
 
-def step_optimizer(optimizer: torch.optim.Optimizer) -> None:
-    """optimizer.step(); an array's StackedOptimizer is updated directly, without the profiler range and hook
-    lookups torch wraps every step in (docs/performance.md, "Fused arrays")."""
+def step_optimizer(optimizer: torch.optim.Optimizer, step: int) -> None:
+    """optimizer.step() for the update of step (its learning rate on schedule); an array's StackedOptimizer is
+    updated directly, without the profiler range and hook lookups torch wraps every step in (docs/performance.md,
+    "Fused arrays")."""
+    at_step(optimizer, step)
     if isinstance(optimizer, StackedOptimizer):
         optimizer.update()
     else:

@@ -48,6 +48,7 @@ from harmony.runtime.files import (
 )
 from harmony.runtime.hoststore import tensors_at
 from harmony.runtime.optimstate import OptimizerState
+from harmony.runtime.schedule import at_step
 from harmony.tasks.runplan import RunPlan
 
 RUN = "run.msgpack"
@@ -243,10 +244,12 @@ class Checkpoints:
 
     def _plain_optimizer(self, job: int, files: RunFiles, code: JobCode, model: nn.Module, factory: Any,
                          position: int, version: int) -> torch.optim.Optimizer | None:
-        """The user's optimizer over the user's model, holding the state Harmony's optimizers have at version."""
+        """The user's optimizer over the user's model, holding the state Harmony's optimizers have at version (and,
+        on a schedule, the learning rate of the update that follows, with initial_lr: as LambdaLR leaves it)."""
         if factory is None:
             return None
         optimizer = factory(list(model.parameters()))
+        at_step(optimizer, version)
         user = {id(tensor): tensor for tensor in model.parameters()}
         plan_job, runtime = files.plan.jobs[job], files.models[job]
         versions = files.versions(job)

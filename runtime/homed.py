@@ -22,6 +22,7 @@ from harmony.runtime.compiled import module_call
 from harmony.runtime.divergence import keep_stopped
 from harmony.runtime.hoststore import tensors_at
 from harmony.runtime.optimstate import OptimizerState
+from harmony.runtime.schedule import at_step
 from harmony.runtime.spec import PackRuntime
 
 
@@ -122,10 +123,11 @@ class HomedModel:
         """Apply the update on the device; the device weights become version step + 1. With a loss scaler, as a
         plain loop with torch.amp.GradScaler: unscaled, skipped when a gradient is not finite, the scale updated."""
         if self.scaler is not None:
+            at_step(self.optimizer, step)
             self.scaler.step(self.optimizer)
             self.scaler.update()
         else:
-            step_optimizer(self.optimizer)
+            step_optimizer(self.optimizer, step)
         if self.stopped:
             keep_stopped([param.detach() for param in self.params], self.kept, self.stopped)
         self._charge_state()

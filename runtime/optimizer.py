@@ -45,10 +45,11 @@ class PackOptimizer:
         self.params = optimizer_params(self.optimizer)
         self.state = state
 
-    def step(self, slot: int) -> None:
-        """Step the parameters of this optimizer's slot with the state that slot holds, and keep the new state."""
+    def step(self, slot: int, step: int) -> None:
+        """Apply the update of step to the parameters of this optimizer's slot, with the state that slot holds, and
+        keep the new state."""
         self.state.load(self.optimizer, self.params, slot, bind=True)
-        step_optimizer(self.optimizer)
+        step_optimizer(self.optimizer, step)
         self.state.save(self.optimizer, self.params, slot)
 
 
@@ -127,7 +128,7 @@ def update(
         stepping = optimizer(following)
         stepping.state.copy_slot(slot, following)
         if not skip:
-            stepping.step(following)
+            stepping.step(following, step)
         if stopped:
             names = [entry.spec.name for entry in runtime.stepped]
             after, before = tensors_at(target, runtime.weights), tensors_at(source, runtime.weights)
@@ -175,7 +176,7 @@ def update_on_device(
             state.load(optimizer, listed, slot, bind=False)
             cache.counters.add("in_state", held)
             kept = [tensors_at(host(slot), runtime.weights)[name][stopped] for name in names] if stopped else []
-            step_optimizer(optimizer)
+            step_optimizer(optimizer, step)
             keep_stopped([param.detach() for param in params], kept, stopped)
             made = sum(value.nbytes for values in optimizer.state.values() for value in values.values()
                        if isinstance(value, torch.Tensor) and value.dim())

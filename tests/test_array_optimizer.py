@@ -62,7 +62,7 @@ def test_an_array_optimizer_steps_every_member_as_its_own_optimizer_would(name: 
         if step % 2:
             array.step()  # torch's entry point
         else:
-            step_optimizer(array)  # the runtime's
+            step_optimizer(array, step)  # the runtime's
         for optimizer in optimizers:
             optimizer.step()
         for index, params in enumerate(members):
