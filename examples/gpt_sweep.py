@@ -3,7 +3,8 @@ the largest model, then judged on held-out text.
 
 The corpus is the Python standard library's own source, read in sorted file order (found through sysconfig): a
 character-level (byte) language model learns to continue Python. The first 90% is for training, the rest for
-validation. Each model is a chain (embeddings, blocks, head), so Harmony cuts the larger ones into packs of blocks
+validation. Each model trains with AdamW on a linear warm-up and a cosine decay of its learning rate, as GPTs
+are trained. Each model is a chain (embeddings, blocks, head), so Harmony cuts the larger ones into packs of blocks
 that fit the device budget and swaps them through the host store; the models of one size share their data and
 architecture, so they train as a fused array.
 
@@ -12,6 +13,7 @@ architecture, so they train as a fused array.
 """
 
 import argparse
+import functools
 import math
 import sysconfig
 import time
@@ -89,6 +91,13 @@ def windows(data: torch.Tensor, context: int, batch: int, steps: int, seed: int)
     return [(data[row[:, None] + offsets], data[row[:, None] + offsets + 1]) for row in starts]
 
 
+def warmup_cosine(step: int, warmup: int, steps: int) -> float:
+    """The factor of the learning rate at step: linear from 0 over warmup steps, then a cosine down to 0."""
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+
+
 def parameter_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
@@ -113,6 +122,7 @@ def main() -> None:
     started = time.perf_counter()
     result = harmony.train(models, batches, loss_fn=next_byte_loss,
                            optimizer=[lambda p, lr=rate: torch.optim.AdamW(p, lr=lr) for _, _, rate in grid],
+                           lr_schedule=functools.partial(warmup_cosine, warmup=steps // 10, steps=steps),
                            devices=["cpu", "cpu"], device_memory=budget, progress=not options.smoke)
     elapsed = time.perf_counter() - started
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import threading
 import time
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -191,3 +193,26 @@ def test_a_list_of_dict_batches_is_one_loader_of_keyword_batches() -> None:
     assert [targets for _, targets in loader.loader] == [None] * 3
     per_model, owners = _loaders([batches, batches[:2]], 2, passes=True)
     assert owners == [0, 1] and len(per_model) == 2
+
+
+class Scheduler(torch.optim.lr_scheduler.LRScheduler):
+    pass
+
+
+@pytest.mark.parametrize(("lr_schedule", "message"), [
+    (0.5, "for model 0 .* is a float; lr_schedule must be a callable"),
+    (torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1), lambda s: 1.0),
+     r"is a scheduler \(LambdaLR\)"),
+    (Scheduler, r"is a scheduler \(Scheduler\)"),
+    (lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0), "failed at step 0"),
+    (lambda step: "warm", "gave 'warm' at step 0"),
+    (lambda step: float("nan"), "gave nan at step 0"),
+    (lambda step: -1.0, "gave -1.0 at step 0"),
+    (functools.partial(lambda lock, step: 1.0, threading.Lock()), "cannot be pickled"),
+    ([lambda step: 1.0], "got 1 entries in lr_schedule for 2 models"),
+])
+def test_a_learning_rate_schedule_that_is_not_a_factor_of_the_step(lr_schedule: object, message: str) -> None:
+    """lr_schedule is LambdaLR's lr_lambda, one or one per model: a scheduler (or a factory of one), a value that is
+    not a finite factor >= 0 at step 0, or one that cannot cross to the workers is refused, naming the model."""
+    with pytest.raises(InputError, match=message):
+        call(lr_schedule=lr_schedule)
