@@ -237,6 +237,7 @@ def train(
     stash: bool = True,
     profile_steps: int = 0,
     lr_schedule: Any = None,
+    clip_grad_norm: Any = None,
 ) -> TrainResult:
     """Train every model on its data through fine-grained tasks on Dask device workers.
 
@@ -268,7 +269,11 @@ def train(
     lr_schedule (one for every model, or one per model) is a callable(step) -> factor of each param group's initial
     learning rate, LambdaLR's lr_lambda: the update of step s (0 for the first) uses initial_lr * lr_schedule(s), as
     a plain loop that calls LambdaLR.step() after each optimizer.step() (for a transformers schedule, pass
-    get_cosine_schedule_with_warmup(...).lr_lambdas[0], built on any optimizer).
+    get_cosine_schedule_with_warmup(...).lr_lambdas[0], built on any optimizer). clip_grad_norm (one, or one per
+    model) clips each step's gradients to that total norm before its update, as clip_grad_norm_(parameters,
+    max_norm) in a plain loop (after GradScaler.unscale_ with fp16); a fused array's members each by their own
+    gradients. The norm is of every pack's gradients, so a swapped model's packs then update in upd tasks once its
+    whole backward is done.
 
     A model whose own code raises stops alone, with the weights of its last complete step, and is reported in
     result.failed while the others go on; fail_fast=True makes it a ModelError that ends the run instead (so does
@@ -364,7 +369,7 @@ def train(
         specs = build_specs(*check_devices(devices, device_memory, link_bandwidth, cluster))
         starting = Starting(specs, host, dashboard_address)
     args = validate(models, loaders, loss_fn, optimizer, options, devices, device_memory, cluster, link_bandwidth,
-                    host_memory=host_memory, lr_schedule=lr_schedule)
+                    host_memory=host_memory, lr_schedule=lr_schedule, clip_grad_norm=clip_grad_norm)
     validation, validation_of, names = check_validation(val_loaders, metrics, names, options, args.models)
     args = dataclasses.replace(args, validation=validation, validation_of=validation_of, metrics=metrics, names=names)
     directory = check_checkpoints(checkpoint_dir, checkpoint_every, resume)

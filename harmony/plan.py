@@ -140,7 +140,7 @@ class Forecast:
         return "\n".join(lines)
 
 
-PLANNED = ("devices", "device_memory", *(field.name for field in dataclasses.fields(Options)))
+PLANNED = ("devices", "device_memory", "clip_grad_norm", *(field.name for field in dataclasses.fields(Options)))
 
 
 def plan(
@@ -181,7 +181,8 @@ def plan(
     if machines > 1 and hardware is None:
         raise InputError("machines=k predicts machines that need not exist here: pass their hardware description")
     options = read_options(given)
-    args = validate(models, loaders, loss_fn, optimizer, options, devices, device_memory, for_training=False)
+    args = validate(models, loaders, loss_fn, optimizer, options, devices, device_memory, for_training=False,
+                    clip_grad_norm=given["clip_grad_norm"])
     if hardware is not None:  # its devices copy micro-batch values ahead where they have a link to copy over
         args = dataclasses.replace(args, ahead=options.ahead and bool(hardware.host_link))
     if hardware is None:

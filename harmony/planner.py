@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
@@ -270,10 +271,11 @@ def with_updates(jobs: list[Job], args: Arguments, budgets: dict[str, int], hard
     """The jobs with their updates placed: a swapped job's in its bwd tasks on the host store, in upd tasks beside
     its device (overlap_update, tasks.graph), or in its bwd tasks on its device (update_on, tasks.updates). As the
     options say; where they leave a choice, the way the simulator predicts fastest for the swapped jobs together.
-    With a scaled loss (fp16), always upd tasks; a job that cannot update on its device updates on the host."""
+    With a scaled loss (fp16) or clipping, always upd tasks; a job that cannot update on its device updates on the
+    host."""
     options = args.options
     swapped = [job.home is None for job in jobs]
-    beside = True if any(job.scaled for job in jobs) else options.overlap_update  # see runtime.scaler
+    beside = True if any(job.whole_step for job in jobs) else options.overlap_update  # runtime.scaler, .clipping
     ways: dict[str, list[Job]] = {}  # the host's first: a tie keeps the updates where fewer bytes cross the link
     if options.update_on != "device":
         for name, overlap in (("in backward", False), ("beside", True)):
@@ -342,6 +344,14 @@ def on_machines(jobs: list[Job], budgets: dict[str, int], machines: dict[str, st
             for job, machine in zip(jobs, placed)]
 
 
+def clips(args: Arguments, members: tuple[int, ...]) -> tuple[float, ...]:
+    """A job's clip: each member's largest gradient norm (inf where it is not clipped), empty where none is."""
+    chosen = [args.clips[member] if args.clips else None for member in members]
+    if all(clip is None for clip in chosen):
+        return ()
+    return tuple(math.inf if clip is None else clip for clip in chosen)
+
+
 def build(
     args: Arguments, candidates: list[Candidate], budgets: dict[str, int], hardware: Hardware,
     machines: dict[str, str] | None = None,
@@ -358,8 +368,8 @@ def build(
         candidates = settle_homes(candidates, budgets, machines)
     groups = groups_for(mode, len(budgets), options.microbatches)
     scaled = options.precision == "fp16"
-    jobs = [with_depth(dataclasses.replace(c.job, groups=groups, scaled=scaled), options.steps_per_task, hardware)
-            for c in candidates]
+    jobs = [with_depth(dataclasses.replace(c.job, groups=groups, scaled=scaled, clip=clips(args, c.job.members)),
+                       options.steps_per_task, hardware) for c in candidates]
     jobs = with_sections(jobs, args, budgets, hardware, mode)
     jobs = with_updates(jobs, args, budgets, hardware, mode)
     jobs = with_stashes(jobs, args, budgets, hardware, mode)

@@ -61,6 +61,7 @@ class Arguments:
     validation_of: list[int] = dataclasses.field(default_factory=list)
     metrics: Any = None
     names: list[str] | None = None
+    clips: list[float | None] = dataclasses.field(default_factory=list)  # each model's clip_grad_norm (None: off)
 
     def expected_steps(self, model: int) -> int | None:
         """How many steps a model will train, when its loader knows its length (or steps= says)."""
@@ -310,6 +311,28 @@ def _lr_schedules(lr_schedule: Any, models: list[nn.Module]) -> list[Schedule | 
     return schedules
 
 
+def _clips(clip_grad_norm: Any, models: list[nn.Module], options: Options) -> list[float | None]:
+    """Every model's largest total gradient norm (None: not clipped), each a finite number > 0; clipping decides
+    every update of a step from all of its gradients, so it takes upd tasks on the host store."""
+    clips = _per_model(clip_grad_norm, len(models), "clip_grad_norm")
+    for index, clip in enumerate(clips):
+        if clip is None:
+            continue
+        if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not 0 < clip < float("inf"):
+            raise InputError(f"clip_grad_norm for {model_label(index, models[index])} is {clip!r}; it must be the "
+                             "largest total gradient norm, a finite number > 0 (as clip_grad_norm_'s max_norm), or "
+                             "None")
+    if any(clip is not None for clip in clips):
+        if options.overlap_update is False:
+            raise InputError("clip_grad_norm steps a swapped model's packs in upd tasks once its whole backward is "
+                             "done (the norm is every pack's gradients'): leave overlap_update as None")
+        if options.update_on == "device":
+            raise InputError("update_on='device' steps a swapped pack's optimizer in its backward task; "
+                             "clip_grad_norm decides every update of a step from all of its gradients, on the host: "
+                             "leave update_on as 'auto'")
+    return [None if clip is None else float(clip) for clip in clips]
+
+
 def optimizer_state_ratio(factory: Callable[..., torch.optim.Optimizer]) -> float:
     """Bytes of optimizer state per parameter byte, from one step on a probe parameter (2.0 if unknown)."""
     probe = nn.Parameter(torch.zeros(64))
@@ -345,6 +368,7 @@ def validate(
     for_training: bool = True,
     host_memory: Any = None,
     lr_schedule: Any = None,
+    clip_grad_norm: Any = None,
 ) -> Arguments:
     """Normalize and check every argument; raises InputError before any work starts.
 
@@ -391,6 +415,7 @@ def validate(
         cluster=cluster,
         host_memory=host_budget,
         ahead=options.ahead and (any(links) or any(device.startswith("cuda") for device in device_list)),
+        clips=_clips(clip_grad_norm, model_list, options),
     )
 
 
@@ -536,6 +561,7 @@ def describe_run(args: Arguments, budgets: dict[str, int]) -> dict[str, Any]:
         "losses": [getattr(fn, "__qualname__", type(fn).__qualname__) for fn in args.loss_fns],
         "optimizers": [_hyperparameters(factory) for factory in args.optimizers],
         "lr_schedules": [_factors(f, args.expected_steps(index)) for index, f in enumerate(args.optimizers)],
+        "clip_grad_norm": args.clips,
         "options": options,
         "devices": budgets,
     }

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from harmony.runtime.clipping import Norms
 from harmony.runtime.code import JobCode, named_state
 from harmony.runtime.counters import Counters, block_bytes
 from harmony.runtime.hoststore import HostStore, tensors_at
@@ -232,6 +233,8 @@ class RunFiles:
             store.create(diverged_name(m), 8 * runtime.members).view(torch.float64).fill_(-1.0)
             if job.scaled:
                 Scaler.create(store, m, len(runtime.packs), job.groups, self.settings)
+            if job.clip and job.home is None:
+                Norms.create(store, m, runtime.members)
         for index, store in enumerate(self.device_stores):
             store.create(counters_name(index), block_bytes(len(self.plan.jobs)))
 

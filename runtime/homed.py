@@ -18,6 +18,7 @@ from torch import nn
 
 from harmony.runtime.array_optimizer import build_optimizer, optimizer_params, step_optimizer
 from harmony.runtime.cache import DeviceCache
+from harmony.runtime.clipping import clip_in_place
 from harmony.runtime.compiled import module_call
 from harmony.runtime.divergence import keep_stopped
 from harmony.runtime.hoststore import tensors_at
@@ -62,9 +63,11 @@ class HomedModel:
         slot: int,
         scaler: torch.amp.GradScaler | None = None,
         compile: bool = False,
+        clip: tuple[float, ...] = (),
     ) -> None:
         self.cache = cache
         self.scaler = scaler
+        self.clip = clip
         self.model = model
         self.weights = weights
         cache.hold((model, 0))
@@ -83,6 +86,7 @@ class HomedModel:
         self.module = module
         self.forward = module_call(module, f"homed_model_{model}", compile, runtime.first, runtime.drawing)
         names = [slot.spec.name for slot in runtime.grads.slots]
+        self.names = names
         self.params = [bound[name] for name in names]
         self.optimizer = build_optimizer(factory, self.params, names)  # type: ignore[arg-type]
         self.fresh_grads = {id(p) for p in optimizer_params(self.optimizer)} == {id(p) for p in self.params}
@@ -121,18 +125,29 @@ class HomedModel:
 
     def step(self, step: int) -> None:
         """Apply the update on the device; the device weights become version step + 1. With a loss scaler, as a
-        plain loop with torch.amp.GradScaler: unscaled, skipped when a gradient is not finite, the scale updated."""
+        plain loop with torch.amp.GradScaler: unscaled, skipped when a gradient is not finite, the scale updated.
+        Clipped (runtime.clipping) after unscaling, as clip_grad_norm_ between GradScaler.unscale_ and step."""
         if self.scaler is not None:
             at_step(self.optimizer, step)
+            if self.clip:
+                self.scaler.unscale_(self.optimizer)
+                self._clip()
             self.scaler.step(self.optimizer)
             self.scaler.update()
         else:
+            if self.clip:
+                self._clip()
             step_optimizer(self.optimizer, step)
         if self.stopped:
             keep_stopped([param.detach() for param in self.params], self.kept, self.stopped)
         self._charge_state()
         self.cache.set_version((self.model, 0), step + 1)
         self.next_step = step + 1
+
+    def _clip(self) -> None:
+        """Clip the step's gradients to each member's largest norm."""
+        clip_in_place([(name, param.grad) for name, param in zip(self.names, self.params) if param.grad is not None],
+                      self.clip)
 
     def _charge_state(self) -> None:
         """Charge the device for optimizer state it holds beyond what was charged (after its first step)."""

@@ -107,12 +107,16 @@ class Scaler:
     def unscale(self, source: torch.Tensor, target: torch.Tensor, layout: BufferLayout, step: int) -> None:
         """target = source times the step's inverse scale, tensor by tensor (the gradients file's bytes)."""
         target.copy_(source)
-        scale, _ = self.state(step)
-        inverse = torch.tensor(scale, dtype=torch.float32).double().reciprocal().float()  # as GradScaler computes it
+        inverse = self.inverse(step)
         found = torch.zeros(1)
         tensors = [tensor for tensor in tensors_at(target, layout).values() if tensor.is_floating_point()]
         if tensors:
             torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, inverse)
+
+    def inverse(self, step: int) -> torch.Tensor:
+        """What unscaling multiplies step's gradients by, as GradScaler computes it."""
+        scale, _ = self.state(step)
+        return torch.tensor(scale, dtype=torch.float32).double().reciprocal().float()
 
     def advance(self, step: int) -> None:
         """Write the state step + 1 runs with: the scale backed off after a skipped step, grown after

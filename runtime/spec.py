@@ -80,13 +80,14 @@ class ModelRuntime:
     overlap: bool = False
     sections: tuple[int, ...] = ()
     scaled: bool = False
+    clip: tuple[float, ...] = ()
     state_ratio: float = 2.0
 
     @property
     def reduced(self) -> bool:
         """Whether its packs' optimizers step with the reduced gradients file (runtime.files): there are several
-        micro-batch groups' gradients to sum, or a scaled loss's to unscale out of place."""
-        return self.groups > 1 or self.scaled
+        micro-batch groups' gradients to sum, a scaled loss's to unscale or clipped ones to scale, out of place."""
+        return self.groups > 1 or self.scaled or bool(self.clip)
 
     def section(self, index: int) -> range:
         """The packs that the tasks of section index run, in order."""
@@ -161,6 +162,7 @@ def describe(plan: RunPlan, codes: list[JobCode]) -> tuple[ModelRuntime, ...]:
                 overlap=job.overlap,
                 sections=job.sections,
                 scaled=job.scaled,
+                clip=job.clip,
                 state_ratio=job.state_ratio,
             )
         )

@@ -24,6 +24,7 @@ from torch import nn
 from harmony.runtime import serialization  # noqa: F401  (tensor serializers on every worker)
 from harmony.runtime.allocator import keep_freed_memory
 from harmony.runtime.cache import DeviceCache, Source
+from harmony.runtime.clipping import Norms, coefficients, scale, tensor_norms, total_norms
 from harmony.runtime.compiled import PackCall, pack_call
 from harmony.runtime.counters import IN_KINDS, OUT_KINDS, Counters, block_bytes
 from harmony.runtime.divergence import Members
@@ -49,6 +50,7 @@ from harmony.runtime.orphans import gone, sweep
 from harmony.runtime.peer import Exported, Outbox, take
 from harmony.runtime.profiling import TaskProfiler
 from harmony.runtime.scaler import Scaler
+from harmony.runtime.serial_copy import copy_serially
 from harmony.runtime.shipping import ShippedTensors, unship
 from harmony.runtime.skeleton import load_skeleton
 from harmony.runtime.spec import RunSpec
@@ -93,6 +95,7 @@ class RunContext:
         self._states: dict[tuple[int, int], OptimizerState] = {}
         self._members: dict[int, Members] = {}
         self._scalers: dict[int, Scaler] = {}
+        self._norms: dict[int, Norms] = {}
         self._calls: dict[tuple[int, int], PackCall] = {}
 
     @property
@@ -230,7 +233,7 @@ class RunContext:
                 scaler.load_state_dict(self.spec.scaler.state_dict(*self.scaler(model).state(version)))
             self.homed_models[model] = HomedModel(
                 self.cache, model, runtime, weights, load_skeleton(runtime.skeleton), self.optimizer_factory(model),
-                self.optimizer_state(model, 0), version, slot, scaler, self.spec.compile,
+                self.optimizer_state(model, 0), version, slot, scaler, self.spec.compile, self.spec.models[model].clip,
             )
             self.homed_models[model].stop(self.members(model).stopped())
         return self.homed_models[model]
@@ -310,6 +313,8 @@ class RunContext:
                 if not skip:
                     scaler.unscale(reduced if spec.groups > 1 else self.host_grads(model, pack), reduced,
                                    runtime.grads, step)
+            if spec.clip and current and not skip and runtime.stepped:
+                self.clip_grads(model, pack, step)
             update(runtime, self.versions(model), pack, step, lambda slot: self.weights_slot(model, pack, slot),
                    lambda slot: self.pack_optimizer(model, pack, slot), stopped, skip)
             if runtime.halved is not None:  # here, beside the device, rather than at the next read
@@ -317,6 +322,51 @@ class RunContext:
                 self.mirror(model, pack, version, slot, locked=True)
             if spec.scaled and pack == len(spec.packs) - 1 and not self.scaler(model).holds(step + 1):
                 self.scaler(model).advance(step)
+
+    def clip_grads(self, model: int, pack: int, step: int) -> None:
+        """Scale a swapped pack's gradients of step, in the reduced file its optimizer reads (summed over groups and
+        unscaled already where they are; copied in here where not, so that an update run again scales the same
+        gradients), by its members' clipping coefficients for step (runtime.clipping). The caller holds the pack's
+        lock."""
+        spec = self.spec.models[model]
+        runtime = spec.packs[pack]
+        reduced = self.store.attach(reduced_grads_name(model, pack), runtime.grads.nbytes)
+        if spec.groups == 1 and not spec.scaled:
+            copy_serially(reduced, self.host_grads(model, pack))
+        grads = self.stepped_grads(model, pack, reduced)
+        dtype = grads[0][1].dtype
+        totals = self.norms(model).totals(step, dtype, lambda: self.step_norms(model, step))
+        scale(grads, coefficients(totals, spec.clip))
+
+    def stepped_grads(self, model: int, pack: int, grads: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """The gradients a pack's optimizer steps, by name, as views of grads (its gradients' bytes)."""
+        runtime = self.spec.models[model].packs[pack]
+        return [(slot.spec.name, tensor_at(grads, slot)) for slot in runtime.stepped]
+
+    def step_norms(self, model: int, step: int) -> list[torch.Tensor]:
+        """Each member's total norm of every pack's gradients of step, as the packs' optimizers read them: the
+        micro-batch groups' summed, fp16's unscaled (computed from the files each group's backward wrote, which
+        hold step's until every pack's update of it has read this, see runtime.clipping)."""
+        spec = self.spec.models[model]
+        inverse = self.scaler(model).inverse(step) if spec.scaled else None
+        norms: list[list[torch.Tensor]] = [[] for _ in range(spec.members)]
+        for pack in range(len(spec.packs)):
+            groups = [self.stepped_grads(model, pack, self.host_grads(model, pack, group))
+                      for group in range(spec.groups)]
+            grads = []
+            for position, (name, grad) in enumerate(groups[0]):
+                if spec.groups > 1:
+                    grad = torch.sum(torch.stack([each[position][1] for each in groups]), 0)
+                grads.append((name, grad if inverse is None else grad * inverse))
+            for member, each in enumerate(tensor_norms(grads, spec.members)):
+                norms[member].extend(each)
+        return total_norms(norms)
+
+    def norms(self, model: int) -> Norms:
+        """The per-step gradient norms of a swapped job that is clipped (runtime.clipping)."""
+        if model not in self._norms:
+            self._norms[model] = Norms(self.store, model, self.spec.models[model].members)
+        return self._norms[model]
 
     def update_on_device(self, model: int, pack: int, step: int, weights: torch.Tensor, grads: torch.Tensor) -> None:
         """Apply a swapped pack's update for step on this device, once (see runtime.optimizer.update_on_device);

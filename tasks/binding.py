@@ -480,7 +480,7 @@ class BindingState:
         """A task of an open span becomes a candidate: who reads it, what it waits for."""
         job = self.jobs[task.model]
         self.readers[task] = len(consumers(task, job.section_count))
-        deps = self._deps[task] = dependencies(task, job.section_count, job.groups, job.overlap, job.scaled)
+        deps = self._deps[task] = dependencies(task, job.section_count, job.groups, job.overlap, job.whole_step)
         unmet = {dep for dep in deps if not self._is_done(dep) and dep not in self.bound}
         for dep in unmet:
             self._dependents.setdefault(dep, []).append(task)
@@ -635,7 +635,7 @@ class BindingState:
         if cached is not None:
             return cached
         job = self.jobs[task.model]
-        return dependencies(task, packs(job), job.groups, job.overlap, job.scaled)
+        return dependencies(task, packs(job), job.groups, job.overlap, job.whole_step)
 
     def _is_done(self, task: TaskId) -> bool:
         """Whether task has finished (every task of a span before the model's last finished one has)."""

@@ -8,7 +8,8 @@ update itself as soon as its gradients are out, so the span has no upd tasks (on
 the chain through the scheduler), unless the job's updates are overlapped: then, as with several groups, a
 pack's upd task steps its optimizer on the host store once its bwd (every group's, which it first reduces) is
 done, on a host thread beside the device, which goes on with the backward of earlier packs (with a scaled fp16
-loss, once every bwd of its span is done: whether any gradient overflowed decides every pack's update).
+loss or clipped gradients, once every bwd of its span is done: whether any gradient overflowed, or the norm of
+them all, decides every pack's update).
 
 Here a "pack" is what one task runs: a pack, or a section of consecutive packs when the job's tasks run several
 (tasks.runplan.Job.sections); the graph is the same, and a pass has one task per section.
@@ -129,14 +130,15 @@ def updater(model: int, pack: int, span: int, groups: int = 1, overlap: bool = F
     return TaskId("upd", model, pack, span)
 
 
-def dependencies(task: TaskId, packs: int, groups: int = 1, overlap: bool = False, scaled: bool = False
+def dependencies(task: TaskId, packs: int, groups: int = 1, overlap: bool = False, whole_step: bool = False
                  ) -> list[TaskId]:
     """Tasks that must finish before task may run: the pack's previous span's update, and its inputs' producers; an
-    upd, its pack's bwd in every group, or with a scaled loss (fp16) every bwd of its span (whether any gradient
-    of the step is not finite decides whether any pack is updated)."""
+    upd, its pack's bwd in every group, or where each update reads the whole step (Job.whole_step: a scaled loss,
+    whose any gradient not finite skips every pack's update; clipping, by the norm of every pack's gradients) every
+    bwd of its span."""
     m, p, s, g = task.model, task.pack, task.span, task.group
     if task.kind == "upd":
-        return [TaskId("bwd", m, pack, s, group) for pack in (range(packs) if scaled else (p,))
+        return [TaskId("bwd", m, pack, s, group) for pack in (range(packs) if whole_step else (p,))
                 for group in range(groups)]
     deps: list[TaskId] = []
     if p > 0:

@@ -66,7 +66,9 @@ class Job:
     run in upd tasks on a host thread beside its device instead of in its bwd tasks (see tasks.graph). sections
     are the first packs of the consecutive packs each of its tasks runs (a task's "pack" in tasks.graph is then its
     section's index); empty, one pack per task. scaled: its loss is scaled for fp16 (runtime.scaler), so that every
-    update of a step waits for every backward of it. device_updates: the packs whose bwd tasks step the pack's
+    update of a step waits for every backward of it. clip: each member's largest total gradient norm (inf where that
+    member is not clipped), empty when none is (runtime.clipping): as with scaled, every update of a step waits for
+    every backward of it. device_updates: the packs whose bwd tasks step the pack's
     optimizer on the device, its state copied in beside the pack's weights and gradients and out with the new
     weights, instead of sending the gradients to the host store's optimizer (tasks.updates). stashes: the packs
     whose forward keeps its activations on the device for its backward (runtime.stash), those whose stash the
@@ -90,8 +92,15 @@ class Job:
     overlap: bool = False
     sections: tuple[int, ...] = ()
     scaled: bool = False
+    clip: tuple[float, ...] = ()
     device_updates: tuple[int, ...] = ()
     stashes: tuple[int, ...] = ()
+
+    @property
+    def whole_step(self) -> bool:
+        """Whether each update of a step reads what every pack's backward of it found (fp16's overflow, the gradient
+        norm for clipping): its upd tasks wait for every bwd of the step (tasks.graph)."""
+        return self.scaled or bool(self.clip)
 
     @property
     def device_update(self) -> bool:

@@ -9,9 +9,10 @@ link, the host's optimizer rate and the device's, which the simulator compares (
 
 A job's packs can update on its device only when nothing but their own bwd task needs the step's gradients: one
 micro-batch group (vDP reduces the groups' gradients on the host first), updates in the bwd task, no loss scaler
-(fp16 unscales and skips across all packs). Then each pack that has weights to step does where its device copy is
-the master (a halved copy is not) and its weights, gradients, state and a neighbour's weights arriving fit the
-budget at once ("for packs whose optimizer state fits the device"); the others update on the host store.
+(fp16 unscales and skips across all packs) and no clipping (by the norm of all packs' gradients). Then each pack
+that has weights to step does where its device copy is the master (a halved copy is not) and its weights,
+gradients, state and a neighbour's weights arriving fit the budget at once ("for packs whose optimizer state fits
+the device"); the others update on the host store.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ def why_not_on_device(job: Job) -> str | None:
         return "its updates run beside the device (overlap_update)"
     if job.scaled:
         return "fp16's loss scaler decides a step's updates from every pack's gradients"
+    if job.clip:
+        return "gradient clipping scales a step's updates by the norm of every pack's gradients"
     return None
 
 

@@ -1,0 +1,105 @@
+"""Gradient clipping by the total norm of a model's gradients, as torch.nn.utils.clip_grad_norm_ does it, for a
+model updated pack by pack.
+
+A plain loop takes every gradient's norm, their norm as the total, and multiplies every gradient by
+``min(1, max_norm / (total + 1e-6))`` before the optimizer steps (after GradScaler.unscale_ with fp16). A fused
+array's members are clipped each by their own gradients (their slices of the stacks, runtime.array.member_layout).
+
+A homed model clips its gradients on its device before it steps. A swapped model's packs update one by one, each in
+an upd task that waits for every bwd of the step (tasks.graph): the first of them to need the step's norm computes
+it from every pack's gradients in the host store, as its optimizer would read them (the micro-batch groups summed,
+fp16's unscaled), and writes it into the job's norms file; the others read it there. It is computed before any pack
+of the step updates (every update reads it first), while every pack's gradients are still the step's: a pack's
+gradients are written again only by the next step's backward, which comes after that pack's update.
+
+  norms   two slots of (step, then each member's total norm), float64, under a lock (the file's): slot step % 2
+          holds step's once computed. The updates of a step all read it before any update of step + 2 can be due.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+
+from harmony.runtime.array import member_layout
+from harmony.runtime.hoststore import HostStore
+
+EPSILON = 1e-6  # clip_grad_norm_'s, added to the total norm
+
+Named = Sequence[tuple[str, torch.Tensor]]  # gradients by their tensors' names in the pack or model
+
+
+def norms_name(model: int) -> str:
+    return f"m{model}-norms"
+
+
+def norms_bytes(members: int) -> int:
+    return 2 * (1 + members) * 8
+
+
+def tensor_norms(grads: Named, members: int) -> list[list[torch.Tensor]]:
+    """Per member, the norm of each gradient (its slice of a stacked one, where members > 1)."""
+    if members == 1:
+        return [[torch.linalg.vector_norm(grad) for _, grad in grads]]
+    return [[torch.linalg.vector_norm(member_layout(name, grad)[member]) for name, grad in grads]
+            for member in range(members)]
+
+
+def total_norms(norms: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    """Per member, the norm of its gradients' norms (as clip_grad_norm_ stacks them)."""
+    return [torch.linalg.vector_norm(torch.stack(each)) if each else torch.zeros(()) for each in norms]
+
+
+def coefficients(totals: Sequence[torch.Tensor], clip: Sequence[float]) -> list[torch.Tensor]:
+    """Per member, what its gradients are multiplied by: max_norm / (total + 1e-6), at most 1 (1 where it is not
+    clipped)."""
+    return [torch.ones((), dtype=total.dtype) if math.isinf(limit)
+            else torch.clamp(limit / (total + EPSILON), max=1.0) for total, limit in zip(totals, clip)]
+
+
+def scale(grads: Named, factors: Sequence[torch.Tensor]) -> None:
+    """Multiply each member's gradients (slices, where there are several) by its factor, in place."""
+    for name, grad in grads:
+        if len(factors) == 1:
+            grad.mul_(factors[0].to(grad.device))
+            continue
+        for member, factor in enumerate(factors):
+            member_layout(name, grad)[member].mul_(factor.to(grad.device))
+
+
+def clip_in_place(grads: Named, clip: Sequence[float]) -> list[torch.Tensor]:
+    """Clip gradients (all of a model's, on one device) to each member's largest norm; returns the total norms."""
+    totals = total_norms(tensor_norms(grads, len(clip)))
+    scale(grads, coefficients(totals, clip))
+    return totals
+
+
+class Norms:
+    """A swapped job's total gradient norm per step and member, computed once per step (see the module)."""
+
+    def __init__(self, store: HostStore, model: int, members: int) -> None:
+        self.members = members
+        self.path = store.path(norms_name(model))
+        self.slots = store.attach(norms_name(model), norms_bytes(members)).view(torch.float64).view(2, 1 + members)
+
+    @staticmethod
+    def create(store: HostStore, model: int, members: int) -> None:
+        store.create(norms_name(model), norms_bytes(members)).view(torch.float64).fill_(-1.0)
+
+    def totals(self, step: int, dtype: torch.dtype, compute: Callable[[], list[torch.Tensor]]) -> list[torch.Tensor]:
+        """Each member's total norm of step's gradients, in their dtype: read, or computed (compute) and written
+        by the first caller of the step. Callers in any process of the machine take turns on the file's lock."""
+        with open(self.path, "rb") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                row = self.slots[step % 2]
+                if int(row[0]) != step:
+                    values = [float(total) for total in compute()]
+                    row[1:] = torch.tensor(values, dtype=torch.float64)
+                    row[0] = float(step)
+                return [torch.tensor(float(value), dtype=dtype) for value in row[1:]]
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
