@@ -58,6 +58,14 @@ def test_an_overlapped_jobs_updates_are_upd_tasks_that_the_next_step_waits_for()
     assert [t.kind for t in tasks] == ["fwd", "fwd", "bwd", "bwd", "bwd", "upd", "upd", "upd"]
     assert dependencies(TaskId("upd", 1, 2, 2), 3, overlap=True) == [TaskId("bwd", 1, 2, 2)]
     assert dependencies(TaskId("fwd", 1, 0, 3), 3, overlap=True) == [TaskId("upd", 1, 0, 2)]
+
+
+def test_an_update_that_reads_the_whole_step_waits_for_every_bwd_of_it() -> None:
+    """fp16's overflow or clipping's norm: each upd of a step waits for every pack's bwd in every group."""
+    assert dependencies(TaskId("upd", 1, 0, 2), 3, groups=2, overlap=True, whole_step=True) == [
+        TaskId("bwd", 1, pack, 2, group) for pack in range(3) for group in range(2)]
+    assert dependencies(TaskId("bwd", 1, 0, 2), 3, overlap=True, whole_step=True) == [
+        TaskId("bwd", 1, 1, 2), TaskId("upd", 1, 0, 1)]
     assert dependencies(TaskId("bwd", 1, 2, 3), 3, overlap=True) == [TaskId("fwd", 1, 1, 3), TaskId("upd", 1, 2, 2)]
     assert dependencies(TaskId("bwd", 1, 1, 2), 3, overlap=True)[:2] == [TaskId("fwd", 1, 0, 2), TaskId("bwd", 1, 2, 2)]
     assert consumers(TaskId("upd", 1, 0, 2), 3) == []

@@ -152,3 +152,17 @@ def test_updates_go_on_the_device_where_the_simulator_predicts_it_faster_and_the
         harmony.plan(models, batches, update_on="device", overlap_update=True)
     with pytest.raises(harmony.InputError, match="fp16"):
         harmony.plan(models, batches, update_on="device", precision="fp16")
+
+
+def test_a_clipped_model_updates_in_upd_tasks_once_its_whole_backward_is_done() -> None:
+    """Clipping reads every pack's gradients of a step, so its upd tasks come after every bwd of it, in the plan's
+    graph and in the simulated order; a model that is not clipped keeps its per-pack dependencies."""
+    models, batches = [deep_mlp(seed=0), deep_mlp(seed=1)], regression_batches(64, 16)
+    forecast = harmony.plan(models, batches, devices=1, device_memory=24_000, clip_grad_norm=[1.0, None], fuse=False,
+                            packs_per_task=1)
+    clipped, free = forecast.plan.jobs
+    assert clipped.clip == (1.0,) and clipped.whole_step and clipped.overlap
+    assert free.clip == () and not free.whole_step
+    packs = len(clipped.packing.packs)
+    order = forecast.simulation.order["cpu-0"]
+    assert max(order.index(TaskId("bwd", 0, pack, 0)) for pack in range(packs)) < order.index(TaskId("upd", 0, 0, 0))

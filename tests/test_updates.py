@@ -39,6 +39,7 @@ def test_only_a_swapped_job_whose_bwd_alone_needs_its_gradients_updates_on_its_d
     assert "vdp" in str(why_not_on_device(job(groups=2)))
     assert "overlap_update" in str(why_not_on_device(job(overlap=True)))
     assert "fp16" in str(why_not_on_device(job(scaled=True)))
+    assert "clipping" in str(why_not_on_device(job(clip=(1.0,))))
     assert packs_on_device(job(groups=2), 10**9) == ()
 
 

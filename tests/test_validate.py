@@ -216,3 +216,19 @@ def test_a_learning_rate_schedule_that_is_not_a_factor_of_the_step(lr_schedule: 
     not a finite factor >= 0 at step 0, or one that cannot cross to the workers is refused, naming the model."""
     with pytest.raises(InputError, match=message):
         call(lr_schedule=lr_schedule)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"clip_grad_norm": 0.0}, "clip_grad_norm for model 0 .* is 0.0; it must be the largest total gradient norm"),
+    ({"clip_grad_norm": [1.0, float("inf")]}, "for model 1 .* is inf"),
+    ({"clip_grad_norm": "1.0"}, "is '1.0'"),
+    ({"clip_grad_norm": True}, "is True"),
+    ({"clip_grad_norm": [1.0]}, "got 1 entries in clip_grad_norm for 2 models"),
+    ({"clip_grad_norm": 1.0, "overlap_update": False}, "clip_grad_norm steps .* leave overlap_update as None"),
+    ({"clip_grad_norm": [None, 1.0], "update_on": "device"}, "clip_grad_norm decides every update"),
+])
+def test_a_clip_that_is_not_a_largest_norm_or_cannot_see_the_whole_step(overrides: dict, message: str) -> None:
+    """clip_grad_norm is clip_grad_norm_'s max_norm, one or one per model (None: not clipped); it decides each
+    update from the whole step's gradients, so it is refused beside options that update a pack alone."""
+    with pytest.raises(InputError, match=message):
+        call(**overrides)

@@ -1,0 +1,187 @@
+"""Gradient clipping by the total norm: clip_grad_norm_'s, for models updated pack by pack and fused arrays."""
+
+from __future__ import annotations
+
+import copy
+import math
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import harmony
+from harmony.runtime.array import member_layout
+from harmony.runtime.clipping import Norms, clip_in_place
+from harmony.runtime.hoststore import HostStore
+from tests.conftest import assert_same_weights, clones, deep_mlp, regression_batches
+
+STEPS = 6
+MICROBATCHES = 2
+
+
+def adam(params: object) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=1e-2)  # type: ignore[arg-type]
+
+
+def sgd(params: object) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)  # type: ignore[arg-type]
+
+
+def plain(model: nn.Module, batches: list, factory: object, clip: float | None) -> list[float]:
+    """The plain loop Harmony must match: micro-batched backward, clip_grad_norm_, step; the total norms."""
+    optimizer = factory(model.parameters())  # type: ignore[operator]
+    norms = []
+    for x, y in batches:
+        optimizer.zero_grad()
+        for xs, ys in zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES)):
+            (nn.functional.mse_loss(model(xs), ys) * (len(xs) / len(x))).backward()
+        if clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        optimizer.step()
+    return norms
+
+
+def distance(a: nn.Module, b: nn.Module) -> float:
+    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+
+
+def test_clipping_in_place_is_clip_grad_norm_and_an_arrays_members_are_each_clipped_alone() -> None:
+    generator = torch.Generator().manual_seed(0)
+    shapes = {"0.weight": (5, 3), "0.bias": (5,), "2.weight": (2, 5)}
+    grads = [(name, torch.randn(shape, generator=generator)) for name, shape in shapes.items()]
+    params = [nn.Parameter(torch.zeros(shape)) for shape in shapes.values()]
+    for param, (_, grad) in zip(params, grads):
+        param.grad = grad.clone()
+    expected = torch.nn.utils.clip_grad_norm_(params, 0.5)
+    (total,) = clip_in_place(grads, (0.5,))
+    assert torch.equal(total, expected), "the same norms, stacked the same way"
+    assert all(torch.equal(grad, param.grad) for (_, grad), param in zip(grads, params))
+
+    limits = (0.5, math.inf, 100.0)  # clipped, not clipped, a norm under its limit
+    stacked = [(name, torch.randn(len(limits), *shape, generator=generator)) for name, shape in shapes.items()]
+    members = []
+    for member in range(len(limits)):
+        views = [nn.Parameter(torch.zeros(shape)) for shape in shapes.values()]
+        for view, (name, grad) in zip(views, stacked):
+            view.grad = member_layout(name, grad)[member].clone()
+        members.append(views)
+    totals = clip_in_place(stacked, limits)
+    for member, (limit, views) in enumerate(zip(limits, members)):
+        norm = torch.nn.utils.clip_grad_norm_(views, limit)
+        torch.testing.assert_close(totals[member], norm, rtol=1e-6, atol=0)
+        for view, (name, grad) in zip(views, stacked):
+            torch.testing.assert_close(member_layout(name, grad)[member], view.grad, rtol=1e-6, atol=1e-7)
+    assert float(totals[0]) > 0.5 and float(totals[2]) < 100.0
+
+
+def test_a_steps_norms_are_computed_once_and_kept_until_the_step_after_next(store: HostStore) -> None:
+    Norms.create(store, 0, 2)
+    norms = Norms(store, 0, 2)
+    calls: list[int] = []
+
+    def compute(values: tuple[float, float]) -> list[torch.Tensor]:
+        calls.append(1)
+        return [torch.tensor(value) for value in values]
+
+    threads = [threading.Thread(target=norms.totals, args=(4, torch.float32, lambda: compute((1.5, 2.5))))
+               for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(calls) == 1, "the first caller of the step computes it, under the file's lock"
+    assert Norms(store, 0, 2).totals(4, torch.float64, lambda: compute((9.0, 9.0))) == [
+        torch.tensor(1.5, dtype=torch.float64), torch.tensor(2.5, dtype=torch.float64)]
+    assert [float(t) for t in norms.totals(5, torch.float32, lambda: compute((3.0, 4.0)))] == [3.0, 4.0]
+    assert [float(t) for t in norms.totals(6, torch.float32, lambda: compute((5.0, 6.0)))] == [5.0, 6.0]
+    assert len(calls) == 3
+    assert [float(t) for t in norms.totals(5, torch.float32, lambda: compute((0.0, 0.0)))] == [3.0, 4.0]
+
+
+CASES = {
+    "swapped": ({"resident": False, "device_memory": 48_000}, False),
+    "sections": ({"resident": False, "device_memory": 48_000, "packs_per_task": 3}, False),
+    "vdp": ({"resident": False, "device_memory": 48_000, "devices": 2, "mode": "vdp"}, False),
+    "homed": ({}, False),
+    "fused-swapped": ({"resident": False, "device_memory": 200_000}, True),
+    "fused-homed": ({}, True),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_clipped_training_equals_a_plain_loop_with_clip_grad_norm(case: str, no_leaks: None) -> None:
+    """In float64, models clipped to their own norms (one not clipped) train as plain loops with clip_grad_norm_
+    within 1e-9, whether swapped (the packs' updates in upd tasks after the whole backward, which the plan chooses,
+    also in sections and with micro-batch groups on two devices), homed, or fused in one array; the clipped ones
+    were clipped at every step and end far from the unclipped loop."""
+    options, fused = CASES[case]
+    count = 4 if fused else 2
+    models = [deep_mlp(seed=seed).double() for seed in range(count)]
+    references = clones(models)
+    batches = [(x.double(), y.double()) for x, y in regression_batches(samples=16 * STEPS, batch=16)]
+    clips = [0.05, None, 0.2, 0.01][:count]
+    factories = [adam] * count if fused else [sgd, adam]
+    result = harmony.train(models, batches, nn.functional.mse_loss, factories, microbatches=MICROBATCHES,
+                           clip_grad_norm=clips, fuse=fused, progress=False, **{"devices": 1, **options})
+    assert result.arrays == ([[0, 1, 2, 3]] if fused else [[0], [1]])
+    for job in result.plan.jobs:
+        limits = tuple(math.inf if clips[m] is None else clips[m] for m in job.members)
+        assert job.clip == (limits if any(clips[m] is not None for m in job.members) else ())
+        if job.home is None:
+            assert job.overlap and len(job.packing.packs) > 2, "upd tasks, once the whole backward is done"
+        assert (job.home is None) == (case not in ("homed", "fused-homed"))
+    for model, reference, factory, clip in zip(models, references, factories, clips):
+        unclipped = copy.deepcopy(reference)
+        norms = plain(reference, batches, factory, clip)
+        assert_same_weights(model, reference, rtol=1e-9, atol=1e-12)
+        if clip is not None:
+            plain(unclipped, batches, factory, None)
+            assert min(norms) > clip, "every step was clipped"
+            assert distance(model, unclipped) > 1e-3
+
+
+@pytest.mark.parametrize("case", ["swapped", "homed"])
+def test_fp16_clips_the_unscaled_gradients_as_a_plain_loop_between_unscale_and_step(case: str,
+                                                                                     no_leaks: None) -> None:
+    """Under fp16's loss scaler the norm is of the unscaled gradients and a skipped step clips nothing, as a plain
+    loop that calls clip_grad_norm_ between GradScaler.unscale_ and GradScaler.step: within that loop's own
+    micro-batching noise, and farther than that from the loop without clipping."""
+    scaler_arguments = {"init_scale": 2.0**24, "growth_interval": 3}
+    model = deep_mlp(seed=0)
+    reference = copy.deepcopy(model)
+    batches = regression_batches(samples=16 * 12, batch=16)
+
+    def scaled_plain(microbatches: int, clip: float | None) -> tuple[nn.Module, int]:
+        model = copy.deepcopy(reference)
+        optimizer = sgd(model.parameters())
+        scaler = torch.amp.GradScaler("cpu", **scaler_arguments)  # type: ignore[arg-type]
+        skipped = 0
+        for x, y in batches:
+            optimizer.zero_grad()
+            for xs, ys in zip(x.chunk(microbatches), y.chunk(microbatches)):
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = nn.functional.mse_loss(model(xs), ys) * (len(xs) / len(x))
+                scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            before = scaler.get_scale()
+            scaler.step(optimizer)
+            scaler.update()
+            skipped += scaler.get_scale() < before
+        return model, skipped
+
+    options = {"resident": False, "device_memory": 24_000} if case == "swapped" else {}
+    result = harmony.train(model, batches, nn.functional.mse_loss, sgd, microbatches=MICROBATCHES, devices=1,
+                           precision="fp16", grad_scaler=scaler_arguments, clip_grad_norm=0.05, progress=False,
+                           **options)
+    assert (result.plan.jobs[0].home is None) == (case == "swapped")
+    micro, skipped = scaled_plain(MICROBATCHES, 0.05)
+    whole, _ = scaled_plain(1, 0.05)
+    unclipped, _ = scaled_plain(MICROBATCHES, None)
+    assert skipped >= 2, "the scale overflowed and backed off"
+    noise = distance(micro, whole)
+    assert noise > 0
+    assert distance(model, micro) <= noise, (distance(model, micro), noise)
+    assert distance(model, unclipped) > noise, (distance(model, unclipped), noise)
