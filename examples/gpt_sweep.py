@@ -3,10 +3,10 @@ the largest model, then judged on held-out text.
 
 The corpus is the Python standard library's own source, read in sorted file order (found through sysconfig): a
 character-level (byte) language model learns to continue Python. The first 90% is for training, the rest for
-validation. Each model trains with AdamW on a linear warm-up and a cosine decay of its learning rate, as GPTs
-are trained. Each model is a chain (embeddings, blocks, head), so Harmony cuts the larger ones into packs of blocks
-that fit the device budget and swaps them through the host store; the models of one size share their data and
-architecture, so they train as a fused array.
+validation. Each model trains with AdamW on a linear warm-up and a cosine decay of its learning rate, its gradients
+clipped at a norm of 1, as GPTs are trained. Each model is a chain (embeddings, blocks, head), so Harmony cuts the
+larger ones into packs of blocks that fit the device budget and swaps them through the host store; the models of one
+size share their data and architecture, so they train as a fused array.
 
     python examples/gpt_sweep.py            # a few minutes on 2 cores
     python examples/gpt_sweep.py --smoke    # seconds: what CI runs
@@ -123,6 +123,7 @@ def main() -> None:
     result = harmony.train(models, batches, loss_fn=next_byte_loss,
                            optimizer=[lambda p, lr=rate: torch.optim.AdamW(p, lr=lr) for _, _, rate in grid],
                            lr_schedule=functools.partial(warmup_cosine, warmup=steps // 10, steps=steps),
+                           clip_grad_norm=1.0,
                            devices=["cpu", "cpu"], device_memory=budget, progress=not options.smoke)
     elapsed = time.perf_counter() - started
 
