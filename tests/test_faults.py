@@ -137,13 +137,15 @@ def test_an_embedded_worker_killed_mid_step_costs_only_that_step(
     assert shown[0][2].startswith(f"{shown[0][1]} on "), shown
 
 
-@pytest.mark.parametrize("where", ["in-backward", "beside-the-device", "on-the-device"])
+@pytest.mark.parametrize("where", ["in-backward", "beside-the-device", "on-the-device", "clipped"])
 def test_a_worker_killed_during_an_update_leaves_the_weights_it_was_writing_intact(
     where: str, tmp_path: Path, no_leaks: None, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The dying update writes garbage into the weights it steps: the host slot it would publish, or, on the device,
-    the cached weights, which die with the worker; the update runs again from the version before it."""
-    overlap, update_on = where == "beside-the-device", "device" if where == "on-the-device" else "host"
+    the cached weights, which die with the worker; the update runs again from the version before it. Clipped, the
+    update run again scales the step's gradients by the norm its first attempt's step computed, as before."""
+    clipped = where == "clipped"
+    overlap, update_on = where in ("beside-the-device", "clipped"), "device" if where == "on-the-device" else "host"
     marker = str(tmp_path / "killed")
     killing = lambda p: KillingSGD(p, marker, calls=7, lr=0.05, momentum=0.9)  # noqa: E731
     models = [deep_mlp(seed=1), deep_mlp(seed=2)]
@@ -151,10 +153,21 @@ def test_a_worker_killed_during_an_update_leaves_the_weights_it_was_writing_inta
     batches = regression_batches(samples=16 * STEPS, batch=16)
     result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss, optimizer=[killing, sgd],
                            microbatches=2, devices=["cpu", "cpu"], device_memory=24_000, progress=False, fuse=False,
-                           overlap_update=overlap, update_on=update_on)
+                           overlap_update=None if clipped else overlap, update_on=update_on,
+                           clip_grad_norm=0.05 if clipped else None)
     assert Path(marker).read_text() == "update"
     assert all(job.overlap == overlap and job.device_update == (update_on == "device") for job in result.plan.jobs)
-    check_against_plain(models, references, batches, [sgd, sgd])
+    if clipped:
+        for model, reference in zip(models, references):
+            optimizer = sgd(reference.parameters())
+            for x, y in batches:
+                optimizer.zero_grad()
+                nn.functional.mse_loss(reference(x), y).backward()
+                assert torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05) > 0.05, "every step is clipped"
+                optimizer.step()
+            assert_same_weights(model, reference)
+    else:
+        check_against_plain(models, references, batches, [sgd, sgd])
     lost = [event for event in result.events if event["event"] == "worker lost"]
     assert len(lost) == 1 and 0 in lost[0]["suspects"], "the job whose update died is a suspect, on any thread"
     logged = [record.getMessage() for record in caplog.records if "worker was lost" in record.getMessage()]
