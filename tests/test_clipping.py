@@ -14,7 +14,7 @@ import harmony
 from harmony.runtime.array import member_layout
 from harmony.runtime.clipping import Norms, clip_in_place
 from harmony.runtime.hoststore import HostStore
-from tests.conftest import assert_same_weights, clones, deep_mlp, regression_batches
+from tests.conftest import TiedEnds, assert_same_weights, clones, deep_mlp, regression_batches
 
 STEPS = 6
 MICROBATCHES = 2
@@ -139,6 +139,25 @@ def test_clipped_training_equals_a_plain_loop_with_clip_grad_norm(case: str, no_
             plain(unclipped, batches, factory, None)
             assert min(norms) > clip, "every step was clipped"
             assert distance(model, unclipped) > 1e-3
+
+
+def test_a_weight_tied_across_packs_counts_once_in_the_norm(no_leaks: None) -> None:
+    """A tie that spans packs: the holder's gradient (with the borrower's added) is in the norm once, as the one
+    parameter clip_grad_norm_ sees; the weights are the plain loop's and the tie holds."""
+    model = TiedEnds().double()
+    reference = copy.deepcopy(model)
+    batches = [(x.double(), y.double()) for x, y in regression_batches(samples=16 * STEPS, batch=16)]
+    result = harmony.train(model, batches, nn.functional.mse_loss, sgd, devices=1, device_memory=60_000,
+                           resident=False, clip_grad_norm=0.05, progress=False)
+    assert len(result.packings[0].packs) > 2 and any(pack.borrowed for pack in result.packings[0].packs)
+    optimizer = sgd(reference.parameters())
+    for x, y in batches:
+        optimizer.zero_grad()
+        nn.functional.mse_loss(reference(x), y).backward()
+        assert torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05) > 0.05
+        optimizer.step()
+    assert_same_weights(model, reference, rtol=1e-9, atol=1e-12)
+    assert model.last.weight is model.first.weight
 
 
 @pytest.mark.parametrize("case", ["swapped", "homed"])
