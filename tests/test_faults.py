@@ -494,7 +494,19 @@ def run_script(path: Path, source: str, timeout: float = 300) -> subprocess.Comp
 FP16 = {"precision": "fp16", "grad_scaler": {"init_scale": 2.0**24, "growth_interval": 3}}
 
 
-@pytest.mark.parametrize("fuse,extra", [(True, {}), (False, FP16)], ids=["fused", "swapped-fp16"])
+class Code(str):
+    """Source text that a script's arguments (formatted with repr) hold as code."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+WARMUP = Code("lambda step: min(1.0, (step + 1) / 10) * 0.97 ** step")
+SCHEDULED = {"lr_schedule": WARMUP, "clip_grad_norm": 0.5}
+
+
+@pytest.mark.parametrize("fuse,extra", [(True, {}), (False, FP16), (False, SCHEDULED)],
+                         ids=["fused", "swapped-fp16", "swapped-scheduled-clipped"])
 def test_a_killed_driver_leaves_nothing_and_its_run_resumes_to_the_uninterrupted_result(
     fuse: bool, extra: dict, tmp_path: Path
 ) -> None:
@@ -547,7 +559,10 @@ def test_a_killed_driver_leaves_nothing_and_its_run_resumes_to_the_uninterrupted
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     optimizer.load_state_dict(plain["optimizer"])
     assert plain["step"] == 80 and len(plain["history"]) == 80
-    if extra:  # fp16: the scaler skipped steps (their updates and the optimizer's count), and says so
+    if "lr_schedule" in extra:  # the plain optimizer's learning rate is the one the next step would use
+        factor = eval(WARMUP)(80)
+        assert [group["lr"] for group in plain["optimizer"]["param_groups"]] == [1e-3 * factor]
+    if "precision" in extra:  # fp16: the scaler skipped steps (their updates and the optimizer's count), and says so
         scaler = torch.amp.GradScaler("cpu")
         scaler.load_state_dict(plain["scaler"])
         skipped = 80 - int(optimizer.state[next(iter(model.parameters()))]["step"])
