@@ -173,6 +173,34 @@ def train_plain_seeded(model: nn.Module, batches: list, optimizer: torch.optim.O
         optimizer.step()
 
 
+def train_plain_scaled(model: nn.Module, batches: list, factory: Callable[..., torch.optim.Optimizer],
+                       microbatches: int, scaler_arguments: dict, schedule: Callable[[int], float] | None = None,
+                       clip: float | None = None) -> tuple[torch.amp.GradScaler, int]:
+    """The plain fp16 loop Harmony must match: micro-batches under autocast(float16), torch.amp.GradScaler; with
+    clip, GradScaler.unscale_ then clip_grad_norm_ before the step; with schedule, LambdaLR.step() after it (also after
+    a skipped one). Trains model in place; returns the scaler and the steps it skipped."""
+    optimizer = factory(model.parameters())
+    scaler = torch.amp.GradScaler("cpu", **scaler_arguments)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule) if schedule is not None else None
+    skipped = 0
+    for x, y in batches:
+        optimizer.zero_grad()
+        for xs, ys in zip(x.chunk(microbatches), y.chunk(microbatches)):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.mse_loss(model(xs), ys) * (len(xs) / len(x))
+            scaler.scale(loss).backward()
+        if clip is not None:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        before = scaler.get_scale()
+        scaler.step(optimizer)
+        scaler.update()
+        if scheduler is not None:
+            scheduler.step()
+        skipped += scaler.get_scale() < before
+    return scaler, skipped
+
+
 def harmony_files() -> list[str]:
     return sorted(p.name for p in shm_directory().glob(f"{PREFIX}*"))
 

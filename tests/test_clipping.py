@@ -14,7 +14,14 @@ import harmony
 from harmony.runtime.array import member_layout
 from harmony.runtime.clipping import Norms, clip_in_place
 from harmony.runtime.hoststore import HostStore
-from tests.conftest import TiedEnds, assert_same_weights, clones, deep_mlp, regression_batches
+from tests.conftest import (
+    TiedEnds,
+    assert_same_weights,
+    clones,
+    deep_mlp,
+    regression_batches,
+    train_plain_scaled,
+)
 
 STEPS = 6
 MICROBATCHES = 2
@@ -173,22 +180,7 @@ def test_fp16_clips_the_unscaled_gradients_as_a_plain_loop_between_unscale_and_s
 
     def scaled_plain(microbatches: int, clip: float | None) -> tuple[nn.Module, int]:
         model = copy.deepcopy(reference)
-        optimizer = sgd(model.parameters())
-        scaler = torch.amp.GradScaler("cpu", **scaler_arguments)  # type: ignore[arg-type]
-        skipped = 0
-        for x, y in batches:
-            optimizer.zero_grad()
-            for xs, ys in zip(x.chunk(microbatches), y.chunk(microbatches)):
-                with torch.autocast("cpu", dtype=torch.float16):
-                    loss = nn.functional.mse_loss(model(xs), ys) * (len(xs) / len(x))
-                scaler.scale(loss).backward()
-            scaler.unscale_(optimizer)
-            if clip is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-            before = scaler.get_scale()
-            scaler.step(optimizer)
-            scaler.update()
-            skipped += scaler.get_scale() < before
+        _, skipped = train_plain_scaled(model, batches, sgd, microbatches, scaler_arguments, clip=clip)
         return model, skipped
 
     options = {"resident": False, "device_memory": 24_000} if case == "swapped" else {}

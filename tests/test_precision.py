@@ -12,7 +12,7 @@ from torch import nn
 
 import harmony
 from harmony.errors import InputError
-from tests.conftest import deep_mlp, regression_batches
+from tests.conftest import deep_mlp, regression_batches, train_plain_scaled
 
 MICROBATCHES = 2
 
@@ -69,21 +69,8 @@ SCALER = {"init_scale": 2.0**24, "growth_interval": 3}  # overflows first, then 
 
 
 def plain_scaled(model: nn.Module, batches: list, microbatches: int) -> tuple[nn.Module, torch.amp.GradScaler, int]:
-    """The plain fp16 loop: autocast(float16), torch.amp.GradScaler; returns the model, its scaler and the steps the
-    scaler skipped."""
-    optimizer = adam(model.parameters())
-    scaler = torch.amp.GradScaler("cpu", **SCALER)  # type: ignore[arg-type]
-    skipped = 0
-    for x, y in batches:
-        optimizer.zero_grad()
-        for xs, ys in zip(x.chunk(microbatches), y.chunk(microbatches)):
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = nn.functional.mse_loss(model(xs), ys) * (len(xs) / len(x))
-            scaler.scale(loss).backward()
-        before = scaler.get_scale()
-        scaler.step(optimizer)
-        scaler.update()
-        skipped += scaler.get_scale() < before
+    """The plain fp16 loop with Adam: the model, its scaler and the steps the scaler skipped."""
+    scaler, skipped = train_plain_scaled(model, batches, adam, microbatches, SCALER)
     return model, scaler, skipped
 
 

@@ -15,7 +15,7 @@ import harmony
 from harmony.errors import InputError
 from harmony.runtime.array_optimizer import ArrayOptimizer, step_optimizer
 from harmony.runtime.schedule import Scheduled, at_step
-from tests.conftest import assert_same_weights, clones, deep_mlp, regression_batches
+from tests.conftest import assert_same_weights, clones, deep_mlp, regression_batches, train_plain_scaled
 
 STEPS = 6
 
@@ -193,21 +193,7 @@ def test_fp16_on_a_schedule_is_a_plain_scaled_loop_with_lambda_lr(no_leaks: None
 
     def plain(microbatches: int, schedule: object) -> tuple[nn.Module, int]:
         model = copy.deepcopy(reference)
-        optimizer = adamw(model.parameters())
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)  # type: ignore[arg-type]
-        scaler = torch.amp.GradScaler("cpu", **scaler_arguments)  # type: ignore[arg-type]
-        skipped = 0
-        for x, y in batches:
-            optimizer.zero_grad()
-            for xs, ys in zip(x.chunk(microbatches), y.chunk(microbatches)):
-                with torch.autocast("cpu", dtype=torch.float16):
-                    loss = nn.functional.mse_loss(model(xs), ys) * (len(xs) / len(x))
-                scaler.scale(loss).backward()
-            before = scaler.get_scale()
-            scaler.step(optimizer)
-            scaler.update()
-            scheduler.step()
-            skipped += scaler.get_scale() < before
+        _, skipped = train_plain_scaled(model, batches, adamw, microbatches, scaler_arguments, schedule=schedule)
         return model, skipped
 
     result = harmony.train(model, batches, nn.functional.mse_loss, adamw, microbatches=2, devices=1,
