@@ -301,7 +301,7 @@ def _lr_schedules(lr_schedule: Any, models: list[nn.Module]) -> list[Schedule | 
         except Exception as error:
             raise InputError(f"lr_schedule for {label} failed at step 0 ({type(error).__name__}: {error}); "
                              f"{usage}") from error
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 <= factor < float("inf"):
+        if not _factor(factor):
             raise InputError(f"lr_schedule for {label} gave {factor!r} at step 0, not a finite factor >= 0; {usage}")
         try:
             cloudpickle.dumps(schedule)
@@ -309,6 +309,28 @@ def _lr_schedules(lr_schedule: Any, models: list[nn.Module]) -> list[Schedule | 
             raise InputError(f"lr_schedule for {label} cannot be pickled for the workers ({type(error).__name__}: "
                              f"{error}); define it at module level or as a lambda or functools.partial") from error
     return schedules
+
+
+def _factor(value: Any) -> bool:
+    """Whether a schedule's value is a finite factor >= 0."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and 0 <= value < float("inf")
+
+
+def check_schedules(args: Arguments) -> None:
+    """Every scheduled model's schedule at every step of its run (its first 100,000 where the run's length is not
+    known): a finite factor >= 0, or an InputError naming the step, before any work starts."""
+    for index, factory in enumerate(args.optimizers):
+        if not isinstance(factory, Scheduled):
+            continue
+        for step in range(min(args.expected_steps(index) or 100_000, 100_000)):
+            try:
+                factor = factory.schedule(step)
+            except Exception as error:
+                raise InputError(f"lr_schedule for {model_label(index, args.models[index])} failed at step {step} "
+                                 f"({type(error).__name__}: {error})") from error
+            if not _factor(factor):
+                raise InputError(f"lr_schedule for {model_label(index, args.models[index])} gave {factor!r} at step "
+                                 f"{step}, not a finite factor >= 0")
 
 
 def _clips(clip_grad_norm: Any, models: list[nn.Module], options: Options) -> list[float | None]:
@@ -400,7 +422,7 @@ def validate(
         host_budget = None if host_memory is None else parse_size(host_memory, "host_memory")
     except ValueError as error:
         raise InputError(str(error)) from None
-    return Arguments(
+    arguments = Arguments(
         models=model_list,
         loaders=loader_list,
         loader_of=loader_of,
@@ -417,6 +439,8 @@ def validate(
         ahead=options.ahead and (any(links) or any(device.startswith("cuda") for device in device_list)),
         clips=_clips(clip_grad_norm, model_list, options),
     )
+    check_schedules(arguments)
+    return arguments
 
 
 def check_validation(

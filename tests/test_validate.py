@@ -210,10 +210,13 @@ class Scheduler(torch.optim.lr_scheduler.LRScheduler):
     (lambda step: -1.0, "gave -1.0 at step 0"),
     (functools.partial(lambda lock, step: 1.0, threading.Lock()), "cannot be pickled"),
     ([lambda step: 1.0], "got 1 entries in lr_schedule for 2 models"),
+    (lambda step: 1.0 if step < 3 else float("nan"), "for model 0 .* gave nan at step 3, not a finite factor"),
+    (lambda step: [1.0, 0.5][step], r"for model 0 .* failed at step 2 \(IndexError"),
 ])
 def test_a_learning_rate_schedule_that_is_not_a_factor_of_the_step(lr_schedule: object, message: str) -> None:
-    """lr_schedule is LambdaLR's lr_lambda, one or one per model: a scheduler (or a factory of one), a value that is
-    not a finite factor >= 0 at step 0, or one that cannot cross to the workers is refused, naming the model."""
+    """lr_schedule is LambdaLR's lr_lambda, one or one per model: a scheduler (or a factory of one), one that is not
+    a finite factor >= 0 at some step of the run (here 4 steps), or one that cannot cross to the workers is refused,
+    naming the model (and the step)."""
     with pytest.raises(InputError, match=message):
         call(lr_schedule=lr_schedule)
 
