@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,6 +117,10 @@ class Forecast:
                 share = ("" if len(job.device_updates) == len(packing.packs)
                          else f" for {len(job.device_updates)} of its packs, on the host for the others")
                 updates = f", updates on the device{share} (optimizer state copied in and out)"
+            if job.clip:
+                limits = ", ".join("not clipped" if math.isinf(limit) else f"{limit:g}" for limit in job.clip)
+                updates += (f", gradients clipped at norm {limits}"
+                            + (" (every update after the whole backward)" if job.home is None else ""))
             if job.sections:
                 updates += f", {job.section_count} tasks a pass ({len(packing.packs)} packs)"
             if job.stashes:

@@ -163,6 +163,9 @@ def test_a_clipped_model_updates_in_upd_tasks_once_its_whole_backward_is_done() 
     clipped, free = forecast.plan.jobs
     assert clipped.clip == (1.0,) and clipped.whole_step and clipped.overlap
     assert free.clip == () and not free.whole_step
+    lines = str(forecast).splitlines()
+    assert "gradients clipped at norm 1 (every update after the whole backward)" in lines[1]
+    assert "clipped" not in lines[2]
     packs = len(clipped.packing.packs)
     order = forecast.simulation.order["cpu-0"]
     assert max(order.index(TaskId("bwd", 0, pack, 0)) for pack in range(packs)) < order.index(TaskId("upd", 0, 0, 0))
