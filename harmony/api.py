@@ -412,7 +412,7 @@ def train(
                 result = TrainResult.assemble(args.models, plan, outcome, wall_seconds, handle.dashboard_link, names,
                                               samples)
                 if log is not None:
-                    log.finish(result.history, result.stats.step_seconds, outcome.validation)
+                    log.finish(result.history, result.stats.step_seconds, outcome.validation, result.grad_norms)
                     logger.info("harmony: metrics in %s", log.path)
             finally:
                 if log is not None:

@@ -5,8 +5,8 @@ line, each with "kind" and "time" (seconds since the run started):
 
 - "step": one per model per training step: model, name, step (1-based: the weights after it), loss, lr (the
   learning rate the step's update used: the optimizer's, on its lr_schedule), samples_per_s (the model's samples
-  over the time its step, or its span of steps in one task, took), and val_loss plus the metrics where the model was
-  evaluated after that step;
+  over the time its step, or its span of steps in one task, took), grad_norm (a clipped model's total gradient norm
+  before clipping), and val_loss plus the metrics where the model was evaluated after that step;
 - "val": one per evaluation: model, name, step, val_loss and each metric;
 - "device": every second or so and at the end, per device: budget, cached (accounted bytes), bytes_in and
   bytes_out (totals so far; the devices count bytes, not models), busy (share of the run so far).
@@ -87,23 +87,25 @@ class MetricsLog:
             steps = min([state.steps_trained[job], *(step - 1 for step in held)])
             if steps > self.written[job] and view.mapped(job):
                 losses = view.losses(job, steps, self.written[job])
-                assert losses is not None
-                self._steps(job, steps, losses, state.step_times[job], dict(validation))
+                norms = view.grad_norms(job, steps, self.written[job])
+                assert losses is not None and norms is not None
+                self._steps(job, steps, losses, norms, state.step_times[job], dict(validation))
         if view.seconds - self.last_device >= DEVICE_INTERVAL or state.finished:
             self.last_device = view.seconds
             self._devices(view)
         self.stream.flush()
 
     def finish(self, history: list[list[float]], step_seconds: list[list[float]],
-               validation: list[list[tuple[int, dict[str, list[float]]]]]) -> None:
-        """Write every step and evaluation not written yet (history and step_seconds per model, validation per job),
-        then close the file."""
+               validation: list[list[tuple[int, dict[str, list[float]]]]], grad_norms: list[list[float]]) -> None:
+        """Write every step and evaluation not written yet (history, step_seconds and grad_norms per model,
+        validation per job), then close the file."""
         for job, spec in enumerate(self.plan.jobs):
             self._evaluations(job, validation[job] if job < len(validation) else [])
             steps = min(len(history[model]) for model in spec.members)
             if steps > self.written[job]:
                 losses = [history[model][self.written[job]:] for model in spec.members]
-                self._steps(job, steps, losses, step_seconds[spec.members[0]],
+                norms = [grad_norms[model][self.written[job]:] for model in spec.members]
+                self._steps(job, steps, losses, norms, step_seconds[spec.members[0]],
                             dict(validation[job]) if job < len(validation) else {})
         self.close()
 
@@ -117,9 +119,10 @@ class MetricsLog:
     def _write(self, record: dict[str, Any]) -> None:
         self.stream.write(json.dumps(record) + "\n")
 
-    def _steps(self, job: int, steps: int, losses: list[list[float]], times: list[float],
+    def _steps(self, job: int, steps: int, losses: list[list[float]], norms: list[list[float]], times: list[float],
                validation: dict[int, dict[str, list[float]]]) -> None:
-        """Records of the job's steps written .. steps - 1; losses per member hold those steps' losses alone."""
+        """Records of the job's steps written .. steps - 1; losses (and norms, a clipped job's gradient norms, else
+        empty) per member hold those steps' alone."""
         members = self.plan.jobs[job].members
         first = self.written[job]
         together, done, began = 1, None, 0.0
@@ -142,6 +145,8 @@ class MetricsLog:
                 record: dict[str, Any] = {"kind": "step", "time": done, "model": model, "name": self.name(model),
                                           "step": step + 1, "loss": finite(loss), "lr": self.lrs[model](step),
                                           "samples_per_s": rate}
+                if norms[position]:
+                    record["grad_norm"] = finite(norms[position][step - first])
                 figures = validation.get(step + 1)
                 if figures is not None:
                     record.update({"val_loss" if name == "loss" else name: finite(values[position])
@@ -151,6 +156,8 @@ class MetricsLog:
                     self.board.add_scalar(f"loss/{self.name(model)}", loss, step + 1)
                     if record["lr"] is not None:
                         self.board.add_scalar(f"lr/{self.name(model)}", record["lr"], step + 1)
+                    if record.get("grad_norm") is not None:
+                        self.board.add_scalar(f"grad_norm/{self.name(model)}", record["grad_norm"], step + 1)
         self.written[job] = steps
 
     def _evaluations(self, job: int, validation: list[tuple[int, dict[str, list[float]]]]) -> None:

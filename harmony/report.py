@@ -62,14 +62,17 @@ def device_rows(result: TrainResult) -> list[dict[str, Any]]:
 
 
 def step_rows(result: TrainResult) -> list[dict[str, Any]]:
-    """One row per model and step: its training loss, and its validation figures where it was evaluated then."""
+    """One row per model and step: its training loss, its gradient norm before clipping where it is clipped, and its
+    validation figures where it was evaluated then."""
     rows = []
     for model, history in enumerate(result.history):
         validation = dict(result.val_history[model]) if result.val_history else {}
         metrics = dict(result.val_metrics[model]) if result.val_metrics else {}
+        norms = result.grad_norms[model] if result.grad_norms else []
         for index, loss in enumerate(history):
             step = index + 1
             rows.append({"model": model, "name": result.name(model), "step": step, "loss": loss,
+                         "grad_norm": norms[index] if index < len(norms) else None,
                          "val_loss": validation.get(step), **metrics.get(step, {})})
     return rows
 

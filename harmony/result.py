@@ -146,6 +146,8 @@ class TrainResult:
     step); events lists, in order, the device workers lost and joined (and what was run again) and the failures.
     val_history is per model its (step, validation loss) pairs, val_metrics its (step, {metric: value}) pairs (with
     val_loaders); names the models' names (names=), or None; samples each model's samples per step (its first batch).
+    grad_norms is per model (clip_grad_norm) each step's total gradient norm before clipping, as clip_grad_norm_
+    returns it; empty for a model that is not clipped.
     """
 
     models: list[nn.Module]
@@ -164,6 +166,7 @@ class TrainResult:
     val_metrics: list[list[tuple[int, dict[str, float]]]] = field(default_factory=list)
     names: list[str] | None = None
     samples: list[int] = field(default_factory=list)
+    grad_norms: list[list[float]] = field(default_factory=list)
 
     def report(self, path: str | os.PathLike[str]) -> Path:
         """Write the run on one page (path ending in .png: an image; .html: the image and the tables): every model's
@@ -209,6 +212,7 @@ class TrainResult:
     ) -> TrainResult:
         """The result of a finished run: every job's figures handed to each of its models."""
         history: list[list[float]] = [[] for _ in models]
+        grad_norms: list[list[float]] = [[] for _ in models]
         val_history: list[list[tuple[int, float]]] = [[] for _ in models]
         val_metrics: list[list[tuple[int, dict[str, float]]]] = [[] for _ in models]
         for index, evaluations in enumerate(outcome.validation):
@@ -225,6 +229,8 @@ class TrainResult:
         for index, job in enumerate(plan.jobs):
             for position, model in enumerate(job.members):
                 history[model] = outcome.history[index][position]
+                if outcome.grad_norms and job.clip and not math.isinf(job.clip[position]):
+                    grad_norms[model] = outcome.grad_norms[index][position]
                 steps[model] = outcome.steps[index]
                 finish[model] = outcome.finish_seconds[index]
                 step_seconds[model] = list(outcome.step_seconds[index])
@@ -235,6 +241,7 @@ class TrainResult:
             for position, step in members.items():
                 model = plan.jobs[job].members[position]
                 history[model] = history[model][:step]
+                grad_norms[model] = grad_norms[model][:step]
                 steps[model] = min(steps[model], step)
                 failed.setdefault(model, {"step": step, "reason": f"its loss stopped being finite at step {step}"})
         counters = outcome.counters
@@ -286,4 +293,5 @@ class TrainResult:
             val_metrics=val_metrics,
             names=names,
             samples=list(samples or []),
+            grad_norms=grad_norms,
         )

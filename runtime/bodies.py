@@ -33,7 +33,7 @@ from harmony.runtime import shipping
 from harmony.runtime.cache import Reservation, Spilled, Taken
 from harmony.runtime.divergence import Diverged
 from harmony.runtime.errors import ModelFailure
-from harmony.runtime.files import LOSS_BLOCK, SPAN_TIMING_BYTES, losses_name, span_timing_name
+from harmony.runtime.files import SPAN_TIMING_BYTES, grad_norms_name, losses_name, record_rows, span_timing_name
 from harmony.runtime.handoff import receive, wait_for
 from harmony.runtime.homed import HomedModel
 from harmony.runtime.hoststore import tensors_at
@@ -522,6 +522,7 @@ def _homed_steps(
     losses = StepLosses(count)
     started = time.perf_counter()
     done = 0
+    state.grad_norms.clear()
     try:
         with torch.enable_grad():
             for index, (inputs, targets, loss_weights) in enumerate(per_step):
@@ -542,8 +543,10 @@ def _homed_steps(
                 done = index + 1
     except Diverged as diverged:
         _record_losses(ctx, model, first, group, losses.totals(done))
+        _record_grad_norms(ctx, model, first, state)
         return time.perf_counter() - started, 0, diverged
     _record_losses(ctx, model, first, group, losses.totals())
+    _record_grad_norms(ctx, model, first, state)
     return time.perf_counter() - started, count - 1 if first == 0 else count, None
 
 
@@ -594,14 +597,15 @@ def _backpropagate_loss(
 
 def _record_losses(ctx: RunContext, model: int, first: int, group: int, totals: torch.Tensor) -> None:
     """Write steps first, first + 1, ...'s per-member losses (rows of totals) into the host store's loss blocks."""
-    members = ctx.spec.models[model].members
-    step, row = first, 0
-    while row < len(totals):
-        block_index, offset = divmod(step, LOSS_BLOCK)
-        rows = min(len(totals) - row, LOSS_BLOCK - offset)
-        block = ctx.store.attach(losses_name(model, block_index, group), 8 * LOSS_BLOCK * members)
-        block.view(torch.float64).view(LOSS_BLOCK, members)[offset : offset + rows] = totals[row : row + rows]
-        step, row = step + rows, row + rows
+    record_rows(ctx.store, lambda block: losses_name(model, block, group), ctx.spec.models[model].members, first,
+                totals)
+
+
+def _record_grad_norms(ctx: RunContext, model: int, first: int, state: HomedModel) -> None:
+    """Write a clipped homed model's gradient norms of the steps it ran from first into the host store's blocks."""
+    if state.grad_norms:
+        record_rows(ctx.store, lambda block: grad_norms_name(model, block), ctx.spec.models[model].members, first,
+                    torch.stack(state.grad_norms).double().cpu())
 
 
 def homed_span_applied(next_step: int, first: int, count: int, model: int) -> bool:

@@ -7,7 +7,8 @@ written it: the driver writes it before it opens the job's next spans). Its dire
   run.msgpack                  what the run is (its arguments' fingerprint) and its plan, written once;
   job-<j>/latest               the name of the job's newest complete checkpoint, replaced atomically;
   job-<j>/v<step>/             that checkpoint: per pack its weights, its optimizer state (layout, bytes,
-                               description), the members' divergence steps, the loss history, and per member
+                               description), the members' divergence steps, the loss history (and a clipped
+                               job's gradient norms), and per member
                                model model-<i>.pt: torch.save({"model": state_dict, "optimizer": state_dict,
                                "step", "history"}, and with fp16 "scaler": a torch.amp.GradScaler state dict), the
                                state dicts of the user's module and of the user's
@@ -41,10 +42,12 @@ from harmony.runtime.files import (
     LOSS_BLOCK,
     RunFiles,
     diverged_name,
+    grad_norms_name,
     losses_name,
     optimizer_layout_name,
     optimizer_meta_name,
     optimizer_name,
+    record_rows,
 )
 from harmony.runtime.hoststore import tensors_at
 from harmony.runtime.optimstate import OptimizerState
@@ -176,6 +179,8 @@ class Checkpoints:
         stopped = store.attach(diverged_name(job), 8 * members).view(torch.float64)
         described["diverged"] = [step if step < version else TRAINING for step in stopped.tolist()]  # the span after
         described["history"] = files.history(job, version)
+        if files.plan.jobs[job].clip:
+            described["grad_norms"] = files.grad_norms(job, version)
         scaler = files.scaler(job).state(version) if files.plan.jobs[job].scaled else None
         if scaler is not None:
             described["scaler"] = list(scaler)
@@ -208,12 +213,12 @@ class Checkpoints:
         if "scaler" in described:
             scale, tracker = described["scaler"]
             files.scaler(job).reset(version, scale, tracker)
-        history = torch.tensor(described["history"], dtype=torch.float64).reshape(runtime.members, -1).T
         for block in range(-(-version // LOSS_BLOCK)):
             files.open_step(job, block * LOSS_BLOCK)
-            rows = history[block * LOSS_BLOCK : (block + 1) * LOSS_BLOCK]
-            losses = store.attach(losses_name(job, block), 8 * LOSS_BLOCK * runtime.members).view(torch.float64)
-            losses.view(LOSS_BLOCK, runtime.members)[: len(rows)] = rows
+        for key, name in (("history", losses_name), ("grad_norms", grad_norms_name)):
+            if key in described:
+                rows = torch.tensor(described[key], dtype=torch.float64).reshape(runtime.members, -1).T
+                record_rows(store, lambda block, name=name: name(job, block), runtime.members, 0, rows)
         return version
 
     def _write_plain(self, folder: Path, job: int, files: RunFiles, codes: list[JobCode], models: list[nn.Module],

@@ -28,6 +28,8 @@ Batch files (``batch-<n>``) belong to shipping.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from harmony.runtime.clipping import Norms
@@ -154,6 +156,23 @@ def losses_name(model: int, block: int, group: int = 0) -> str:
     return f"m{model}-losses{block}" if group == 0 else f"m{model}-g{group}-losses{block}"
 
 
+def grad_norms_name(model: int, block: int) -> str:
+    """A block of LOSS_BLOCK steps of each member's total gradient norm before clipping (a clipped job's)."""
+    return f"m{model}-gradnorms{block}"
+
+
+def record_rows(store: HostStore, name: Callable[[int], str], members: int, first: int, rows: torch.Tensor) -> None:
+    """Write steps first, first + 1, ...'s per-member values (rows) into the blocks name(block) of LOSS_BLOCK steps
+    each (loss shares, gradient norms)."""
+    step, row = first, 0
+    while row < len(rows):
+        block_index, offset = divmod(step, LOSS_BLOCK)
+        count = min(len(rows) - row, LOSS_BLOCK - offset)
+        block = store.attach(name(block_index), 8 * LOSS_BLOCK * members)
+        block.view(torch.float64).view(LOSS_BLOCK, members)[offset : offset + count] = rows[row : row + count]
+        step, row = step + count, row + count
+
+
 def estimate(jobs: list[Job], batch_files: int) -> int:
     """The host store's bytes for these jobs before they run: two slots of every pack's weights (and of the mirror
     of its halved weights), its gradients, two slots of its optimizer state, the loss blocks and versions, and
@@ -198,12 +217,12 @@ class RunFiles:
 
     def pull_results(self) -> None:
         """Bring from machines the driver does not map what a finished run reads: every job's weights, versions,
-        losses and stopped members and every device's counters (not gradients or optimizer state), one pull per
-        store."""
+        losses (and gradient norms) and stopped members and every device's counters (not gradients or optimizer
+        state), one pull per store."""
         wanted: dict[int, tuple[HostStore, list[str]]] = {}
         for job, runtime in enumerate(self.models):
             names = [*(weights_name(job, pack) for pack in range(len(runtime.packs))), versions_name(job),
-                     f"m{job}-losses", f"m{job}-g", diverged_name(job)]  # m<job>-g<group>-losses<block>
+                     f"m{job}-losses", f"m{job}-g", diverged_name(job)]  # -g: g<group>-losses, gradnorms
             wanted.setdefault(id(self.stores[job]), (self.stores[job], []))[1].extend(names)
         for index, store in enumerate(self.device_stores):
             wanted.setdefault(id(store), (store, []))[1].append(counters_name(index))
@@ -241,27 +260,37 @@ class RunFiles:
     def open_step(self, model: int, step: int) -> None:
         """A job's step is about to be fetched: its loss block exists once its first step is."""
         if step % LOSS_BLOCK == 0:
-            for group in range(self.plan.jobs[model].groups):
-                nbytes = 8 * LOSS_BLOCK * self.models[model].members
-                name = losses_name(model, step // LOSS_BLOCK, group)
-                self.stores[model].create(name, nbytes)
+            names = [losses_name(model, step // LOSS_BLOCK, group) for group in range(self.plan.jobs[model].groups)]
+            if self.plan.jobs[model].clip:
+                names.append(grad_norms_name(model, step // LOSS_BLOCK))
+            for name in names:
+                self.stores[model].create(name, 8 * LOSS_BLOCK * self.models[model].members)
                 self.stores[model].push([name])
 
     def history(self, model: int, steps: int, first: int = 0) -> list[list[float]]:
         """Per member of a job, the loss of steps first .. steps - 1: the sum over micro-batch groups of their
         shares (only the blocks holding those steps are read: a display reads the latest ones while a run goes)."""
+        groups = range(self.plan.jobs[model].groups)
+        return self._series(model, steps, first, lambda block: [losses_name(model, block, group) for group in groups])
+
+    def grad_norms(self, model: int, steps: int, first: int = 0) -> list[list[float]]:
+        """Per member of a clipped job, its total gradient norm before clipping at steps first .. steps - 1 (empty
+        lists for a job that is not clipped)."""
+        if not self.plan.jobs[model].clip:
+            return [[] for _ in range(self.models[model].members)]
+        return self._series(model, steps, first, lambda block: [grad_norms_name(model, block)])
+
+    def _series(self, model: int, steps: int, first: int, names: Callable[[int], list[str]]) -> list[list[float]]:
+        """Per member, steps first .. steps - 1 of a per-step series kept in blocks of LOSS_BLOCK steps: the sum of
+        the blocks names(block) gives (only the blocks holding those steps are read)."""
         members = self.models[model].members
         blocks = []
         for block in range(first // LOSS_BLOCK, -(-steps // LOSS_BLOCK)):
             start = max(0, first - block * LOSS_BLOCK)
             size = min(LOSS_BLOCK, steps - block * LOSS_BLOCK)
-            shares = [
-                self.stores[model].attach(losses_name(model, block, group), 8 * LOSS_BLOCK * members)
-                .view(torch.float64)
-                .view(LOSS_BLOCK, members)[start:size]
-                for group in range(self.plan.jobs[model].groups)
-            ]
-            blocks.append(sum(shares[1:], shares[0].clone()))
+            parts = [self.stores[model].attach(name, 8 * LOSS_BLOCK * members).view(torch.float64)
+                     .view(LOSS_BLOCK, members)[start:size] for name in names(block)]
+            blocks.append(sum(parts[1:], parts[0].clone()))
         if not blocks:
             return [[] for _ in range(members)]
         return torch.cat(blocks).T.tolist()

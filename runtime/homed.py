@@ -68,6 +68,7 @@ class HomedModel:
         self.cache = cache
         self.scaler = scaler
         self.clip = clip
+        self.grad_norms: list[torch.Tensor] = []  # each clipped step's members' norms, since the task began
         self.model = model
         self.weights = weights
         cache.hold((model, 0))
@@ -145,9 +146,11 @@ class HomedModel:
         self.next_step = step + 1
 
     def _clip(self) -> None:
-        """Clip the step's gradients to each member's largest norm."""
-        clip_in_place([(name, param.grad) for name, param in zip(self.names, self.params) if param.grad is not None],
-                      self.clip)
+        """Clip the step's gradients to each member's largest norm, and keep the norms (on the device: the task
+        takes them to the host with its losses)."""
+        totals = clip_in_place([(name, param.grad) for name, param in zip(self.names, self.params)
+                                if param.grad is not None], self.clip)
+        self.grad_norms.append(torch.stack([total.to(self.params[0].device) for total in totals]))
 
     def _charge_state(self) -> None:
         """Charge the device for optimizer state it holds beyond what was charged (after its first step)."""

@@ -70,6 +70,7 @@ class RunOutcome:
     traffic: dict[str, int] = field(default_factory=dict)
     validation: list[list[tuple[int, dict[str, list[float]]]]] = field(default_factory=list)
     timeline: dict[str, list[tuple[float, float, float, str]]] = field(default_factory=dict)
+    grad_norms: list[list[list[float]]] = field(default_factory=list)  # per job and member (clipped jobs')
 
 
 def traffic(stores: Iterable[HostStore], batches: Iterable[BatchFiles | RemoteBatches]) -> dict[str, int]:
@@ -187,6 +188,7 @@ def execute(
         device_of = {address: name for name, address in handle.workers.items() if name in plan.devices}
         outcome = RunOutcome(
             history=[files.history(m, files.trained(m)) for m in range(len(plan.jobs))],
+            grad_norms=[files.grad_norms(m, files.trained(m)) for m in range(len(plan.jobs))],
             steps=[files.trained(m) for m in range(len(plan.jobs))],
             step_seconds=state.step_times,
             finish_seconds=[state.finish_times.get(m, run_seconds) for m in range(len(plan.jobs))],

@@ -86,6 +86,13 @@ class RunView:
             return None
         return self.files.history(job, steps, first)
 
+    def grad_norms(self, job: int, steps: int, first: int = 0) -> list[list[float]] | None:
+        """Per member of a clipped job, its gradient norm at steps first .. steps - 1 (empty lists for a job that
+        is not clipped; None where they cannot be read yet)."""
+        if not self.mapped(job):
+            return None
+        return self.files.grad_norms(job, steps, first)
+
     def latest(self) -> list[Latest]:
         """Every model's latest figures, job by job (a fused array's members in order)."""
         figures = []

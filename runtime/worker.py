@@ -32,9 +32,11 @@ from harmony.runtime.files import (
     MIRROR_HEADER,
     Versions,
     counters_name,
+    grad_norms_name,
     grads_name,
     mirror_bytes,
     mirror_name,
+    record_rows,
     reduced_grads_name,
     slot_bytes,
     versions_name,
@@ -337,6 +339,8 @@ class RunContext:
         dtype = grads[0][1].dtype
         totals = self.norms(model).totals(step, dtype, lambda: self.step_norms(model, step))
         scale(grads, coefficients(totals, spec.clip))
+        record_rows(self.store, lambda block: grad_norms_name(model, block), spec.members, step,
+                    torch.stack(totals).double()[None])  # every pack's update writes the same row
 
     def stepped_grads(self, model: int, pack: int, grads: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """The gradients a pack's optimizer steps, by name, as views of grads (its gradients' bytes)."""

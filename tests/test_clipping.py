@@ -138,10 +138,11 @@ def test_clipped_training_equals_a_plain_loop_with_clip_grad_norm(case: str, no_
         if job.home is None:
             assert job.overlap and len(job.packing.packs) > 2, "upd tasks, once the whole backward is done"
         assert (job.home is None) == (case not in ("homed", "fused-homed"))
-    for model, reference, factory, clip in zip(models, references, factories, clips):
+    for index, (model, reference, factory, clip) in enumerate(zip(models, references, factories, clips)):
         unclipped = copy.deepcopy(reference)
         norms = plain(reference, batches, factory, clip)
         assert_same_weights(model, reference, rtol=1e-9, atol=1e-12)
+        assert result.grad_norms[index] == pytest.approx(norms, rel=1e-9), "the norms clip_grad_norm_ returned"
         if clip is not None:
             plain(unclipped, batches, factory, None)
             assert min(norms) > clip, "every step was clipped"

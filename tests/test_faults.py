@@ -478,7 +478,8 @@ factories = [lambda p, lr=lr: torch.optim.Adam(p, lr=lr) for lr in (1e-3, 3e-3, 
 result = harmony.train(models, loader, loss_fn=nn.functional.mse_loss, optimizer=factories, epochs={epochs},
                        devices=["cpu", "cpu"], device_memory={budget}, progress=False, fuse={fuse},
                        checkpoint_dir={directory!r}, checkpoint_every=8, resume={resume}, **{extra})
-torch.save({{"models": [m.state_dict() for m in models], "history": result.history}}, {out!r})
+torch.save({{"models": [m.state_dict() for m in models], "history": result.history,
+            "grad_norms": result.grad_norms}}, {out!r})
 print("DONE")
 """
 
@@ -550,6 +551,9 @@ def test_a_killed_driver_leaves_nothing_and_its_run_resumes_to_the_uninterrupted
     assert len(got["history"]) == len(expected["history"])
     for want_losses, have_losses in zip(expected["history"], got["history"]):
         assert have_losses == pytest.approx(want_losses, rel=1e-6)
+    for want_norms, have_norms in zip(expected["grad_norms"], got["grad_norms"], strict=True):
+        assert len(have_norms) == (80 if "clip_grad_norm" in extra else 0), "the checkpoint kept them all"
+        assert have_norms == pytest.approx(want_norms, rel=1e-5)
     for want, have in zip(expected["models"], got["models"]):
         for name in want:
             torch.testing.assert_close(have[name], want[name], rtol=1e-5, atol=1e-7)

@@ -51,3 +51,21 @@ def test_every_model_and_step_has_one_record_with_its_loss_and_evaluations_carry
 def test_the_learning_rate_comes_from_the_optimizer_factory() -> None:
     assert initial_lr(lambda p: torch.optim.Adam(p, lr=3e-4)) == 3e-4
     assert initial_lr(lambda p: 1 / 0) is None
+
+
+def test_a_clipped_models_records_carry_its_gradient_norm(tmp_path: Path, no_leaks: None) -> None:
+    """Each step of a clipped model (swapped, and homed) has the total gradient norm before clipping in its record, as
+    in result.grad_norms; a model that is not clipped has none."""
+    torch.manual_seed(2)
+    models = [deep_mlp(seed=0), deep_mlp(seed=1), nn.Sequential(nn.Linear(32, 8), nn.Tanh(), nn.Linear(8, 4))]
+    batches = regression_batches(samples=16 * 5, batch=16)
+    result = harmony.train(models, batches, nn.functional.mse_loss, lambda p: torch.optim.SGD(p, lr=0.05),
+                           devices=1, device_memory=60_000, fuse=False, clip_grad_norm=[0.05, None, 0.05],
+                           log_dir=tmp_path / "logs", progress=False)
+    assert result.plan.jobs[0].home is None and result.plan.jobs[2].home is not None
+    [path] = (tmp_path / "logs").glob("harmony-*.jsonl")
+    steps = [json.loads(line) for line in path.read_text().splitlines() if '"kind": "step"' in line]
+    for model in (0, 2):
+        logged = [r["grad_norm"] for r in sorted(steps, key=lambda r: r["step"]) if r["model"] == model]
+        assert logged == result.grad_norms[model] and len(logged) == 5 and min(logged) > 0.05
+    assert result.grad_norms[1] == [] and all("grad_norm" not in r for r in steps if r["model"] == 1)

@@ -17,7 +17,8 @@ def result() -> harmony.TrainResult:
     models = [deep_mlp(depth=2, seed=seed) for seed in range(3)]
     batches = regression_batches(samples=8 * 6, batch=8)
     return harmony.train(models, batches, nn.functional.mse_loss, lambda p: torch.optim.SGD(p, lr=0.05), devices=2,
-                         val_loaders=batches[:2], eval_every=3, names=["a", "b", "c"], progress=False)
+                         val_loaders=batches[:2], eval_every=3, names=["a", "b", "c"],
+                         clip_grad_norm=[0.01, None, None], progress=False)
 
 
 def test_the_report_is_a_png_or_an_html_page_with_the_tables(result: harmony.TrainResult, tmp_path: Path) -> None:
@@ -39,6 +40,8 @@ def test_the_dataframes_hold_the_results_figures(result: harmony.TrainResult) ->
     assert (models["samples_per_s"] > 0).all()
     steps = result.to_dataframe("steps")
     assert len(steps) == 18 and steps["val_loss"].notna().sum() == 6
+    assert list(steps[steps["name"] == "a"]["grad_norm"]) == result.grad_norms[0] and len(result.grad_norms[0]) == 6
+    assert steps[steps["name"] != "a"]["grad_norm"].isna().all(), "b and c are not clipped"
     devices = result.to_dataframe("devices")
     assert set(devices["device"]) == {"cpu-0", "cpu-1"} and devices["tasks"].sum() > 0
     assert ((devices["busy"] >= 0) & (devices["busy"] <= 1)).all() and (devices["busy"] > 0).any()
