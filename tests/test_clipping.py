@@ -106,13 +106,13 @@ def test_a_steps_norms_are_computed_once_and_kept_until_the_step_after_next(stor
     assert [float(t) for t in norms.totals(5, torch.float32, lambda: compute((0.0, 0.0)))] == [3.0, 4.0]
 
 
-CASES = {
+CASES = {  # one device, then two (the embedded cluster starts once for each)
     "swapped": ({"resident": False, "device_memory": 48_000}, False),
     "sections": ({"resident": False, "device_memory": 48_000, "packs_per_task": 3}, False),
-    "vdp": ({"resident": False, "device_memory": 48_000, "devices": 2, "mode": "vdp"}, False),
     "homed": ({}, False),
     "fused-swapped": ({"resident": False, "device_memory": 200_000}, True),
     "fused-homed": ({}, True),
+    "vdp": ({"resident": False, "device_memory": 48_000, "devices": 2, "mode": "vdp"}, False),
 }
 
 
