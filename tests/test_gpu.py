@@ -353,3 +353,36 @@ def test_a_gpu_workers_export_from_another_thread_pins_its_file_for_its_own_gpu(
     assert pinned_store.pinned(shipped[0].name)
     assert torch.equal(shipped[0].unpack(pinned_store)[0].to(device), torch.ones(256, device=device))
     outbox.release_all()
+
+
+@pytest.mark.parametrize("case", ["swapped", "homed", "fused"])
+def test_schedules_and_clipping_on_cuda_match_plain_pytorch(case: str, no_leaks: None) -> None:
+    """lr_schedule and clip_grad_norm on a GPU: a swapped model's updates on the host after its whole backward, a
+    homed model's and a homed fused array's on the device (norms and coefficients computed there); in float64
+    within 1e-9 of plain LambdaLR and clip_grad_norm_, and the recorded norms are those clip_grad_norm_ returned."""
+    models = [deep_mlp(seed=s).double() for s in range(2)]
+    references = clones(models)
+    batches = [(x.double(), y.double()) for x, y in regression_batches(samples=64, batch=16)]
+    factory = lambda p: torch.optim.Adam(p, lr=1e-2)  # noqa: E731
+    schedule = lambda step: min(1.0, (step + 1) / 2) * 0.8**step  # noqa: E731
+    clips = (0.05, 0.2)
+    options = {"swapped": {"device_memory": 64_000, "fuse": False}, "homed": {"fuse": False},
+               "fused": {"fuse": True}}[case]
+    result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss, optimizer=factory, microbatches=2,
+                           devices=["cuda:0"], lr_schedule=schedule, clip_grad_norm=list(clips), progress=False,
+                           **options)
+    assert all((job.home is None) == (case == "swapped") for job in result.plan.jobs)
+    assert (result.arrays == [[0, 1]]) == (case == "fused")
+    for index, (model, reference, clip) in enumerate(zip(models, references, clips)):
+        optimizer = factory(reference.parameters())
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        norms = []
+        for x, y in batches:
+            optimizer.zero_grad()
+            for xs, ys in zip(x.chunk(2), y.chunk(2)):
+                (nn.functional.mse_loss(reference(xs), ys) * (len(xs) / len(x))).backward()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)))
+            optimizer.step()
+            scheduler.step()
+        assert_same_weights(model, reference, rtol=1e-9, atol=1e-12)
+        assert result.grad_norms[index] == pytest.approx(norms, rel=1e-9)
