@@ -315,8 +315,8 @@ class RunContext:
                 if not skip:
                     scaler.unscale(reduced if spec.groups > 1 else self.host_grads(model, pack), reduced,
                                    runtime.grads, step)
-            if spec.clip and current and not skip and runtime.stepped:
-                self.clip_grads(model, pack, step)
+            if spec.clip and current and runtime.stepped:
+                self.clip_grads(model, pack, step, skip)
             update(runtime, self.versions(model), pack, step, lambda slot: self.weights_slot(model, pack, slot),
                    lambda slot: self.pack_optimizer(model, pack, slot), stopped, skip)
             if runtime.halved is not None:  # here, beside the device, rather than at the next read
@@ -325,22 +325,24 @@ class RunContext:
             if spec.scaled and pack == len(spec.packs) - 1 and not self.scaler(model).holds(step + 1):
                 self.scaler(model).advance(step)
 
-    def clip_grads(self, model: int, pack: int, step: int) -> None:
+    def clip_grads(self, model: int, pack: int, step: int, skip: bool) -> None:
         """Scale a swapped pack's gradients of step, in the reduced file its optimizer reads (summed over groups and
         unscaled already where they are; copied in here where not, so that an update run again scales the same
-        gradients), by its members' clipping coefficients for step (runtime.clipping). The caller holds the pack's
-        lock."""
+        gradients), by its members' clipping coefficients for step (runtime.clipping), and record the step's norms.
+        A step fp16's scaler skips has its norms recorded (not finite, as clip_grad_norm_ returns them) and nothing
+        scaled. The caller holds the pack's lock."""
         spec = self.spec.models[model]
         runtime = spec.packs[pack]
         reduced = self.store.attach(reduced_grads_name(model, pack), runtime.grads.nbytes)
-        if spec.groups == 1 and not spec.scaled:
-            copy_serially(reduced, self.host_grads(model, pack))
         grads = self.stepped_grads(model, pack, reduced)
-        dtype = grads[0][1].dtype
-        totals = self.norms(model).totals(step, dtype, lambda: self.step_norms(model, step))
-        scale(grads, coefficients(totals, spec.clip))
+        totals = self.norms(model).totals(step, grads[0][1].dtype, lambda: self.step_norms(model, step))
         record_rows(self.store, lambda block: grad_norms_name(model, block), spec.members, step,
                     torch.stack(totals).double()[None])  # every pack's update writes the same row
+        if skip:
+            return
+        if spec.groups == 1 and not spec.scaled:
+            copy_serially(reduced, self.host_grads(model, pack))
+        scale(grads, coefficients(totals, spec.clip))
 
     def stepped_grads(self, model: int, pack: int, grads: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """The gradients a pack's optimizer steps, by name, as views of grads (its gradients' bytes)."""

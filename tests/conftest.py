@@ -175,14 +175,15 @@ def train_plain_seeded(model: nn.Module, batches: list, optimizer: torch.optim.O
 
 def train_plain_scaled(model: nn.Module, batches: list, factory: Callable[..., torch.optim.Optimizer],
                        microbatches: int, scaler_arguments: dict, schedule: Callable[[int], float] | None = None,
-                       clip: float | None = None) -> tuple[torch.amp.GradScaler, int]:
+                       clip: float | None = None) -> tuple[torch.amp.GradScaler, int, list[float]]:
     """The plain fp16 loop Harmony must match: micro-batches under autocast(float16), torch.amp.GradScaler; with
     clip, GradScaler.unscale_ then clip_grad_norm_ before the step; with schedule, LambdaLR.step() after it (also after
-    a skipped one). Trains model in place; returns the scaler and the steps it skipped."""
+    a skipped one). Trains model in place; returns the scaler, the steps it skipped and the norms clip_grad_norm_
+    returned."""
     optimizer = factory(model.parameters())
     scaler = torch.amp.GradScaler("cpu", **scaler_arguments)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule) if schedule is not None else None
-    skipped = 0
+    skipped, norms = 0, []
     for x, y in batches:
         optimizer.zero_grad()
         for xs, ys in zip(x.chunk(microbatches), y.chunk(microbatches)):
@@ -191,14 +192,14 @@ def train_plain_scaled(model: nn.Module, batches: list, factory: Callable[..., t
             scaler.scale(loss).backward()
         if clip is not None:
             scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
         before = scaler.get_scale()
         scaler.step(optimizer)
         scaler.update()
         if scheduler is not None:
             scheduler.step()
         skipped += scaler.get_scale() < before
-    return scaler, skipped
+    return scaler, skipped, norms
 
 
 def harmony_files() -> list[str]:

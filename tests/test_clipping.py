@@ -173,25 +173,30 @@ def test_fp16_clips_the_unscaled_gradients_as_a_plain_loop_between_unscale_and_s
                                                                                      no_leaks: None) -> None:
     """Under fp16's loss scaler the norm is of the unscaled gradients and a skipped step clips nothing, as a plain
     loop that calls clip_grad_norm_ between GradScaler.unscale_ and GradScaler.step: within that loop's own
-    micro-batching noise, and farther than that from the loop without clipping."""
+    micro-batching noise, and farther than that from the loop without clipping. The recorded norms are the plain
+    loop's: not finite at the steps the scaler skips, equal at the others."""
     scaler_arguments = {"init_scale": 2.0**24, "growth_interval": 3}
     model = deep_mlp(seed=0)
     reference = copy.deepcopy(model)
     batches = regression_batches(samples=16 * 12, batch=16)
 
-    def scaled_plain(microbatches: int, clip: float | None) -> tuple[nn.Module, int]:
+    def scaled_plain(microbatches: int, clip: float | None) -> tuple[nn.Module, int, list[float]]:
         model = copy.deepcopy(reference)
-        _, skipped = train_plain_scaled(model, batches, sgd, microbatches, scaler_arguments, clip=clip)
-        return model, skipped
+        _, skipped, norms = train_plain_scaled(model, batches, sgd, microbatches, scaler_arguments, clip=clip)
+        return model, skipped, norms
 
     options = {"resident": False, "device_memory": 24_000} if case == "swapped" else {}
     result = harmony.train(model, batches, nn.functional.mse_loss, sgd, microbatches=MICROBATCHES, devices=1,
                            precision="fp16", grad_scaler=scaler_arguments, clip_grad_norm=0.05, progress=False,
                            **options)
     assert (result.plan.jobs[0].home is None) == (case == "swapped")
-    micro, skipped = scaled_plain(MICROBATCHES, 0.05)
-    whole, _ = scaled_plain(1, 0.05)
-    unclipped, _ = scaled_plain(MICROBATCHES, None)
+    micro, skipped, norms = scaled_plain(MICROBATCHES, 0.05)
+    whole, _, _ = scaled_plain(1, 0.05)
+    unclipped, _, _ = scaled_plain(MICROBATCHES, None)
+    finite = [math.isfinite(norm) for norm in norms]
+    assert [math.isfinite(norm) for norm in result.grad_norms[0]] == finite, "a skipped step's norm is not finite"
+    kept = [(ours, theirs) for ours, theirs, ok in zip(result.grad_norms[0], norms, finite) if ok]
+    assert kept and [ours for ours, _ in kept] == pytest.approx([theirs for _, theirs in kept], rel=1e-6)
     assert skipped >= 2, "the scale overflowed and backed off"
     noise = distance(micro, whole)
     assert noise > 0

@@ -70,7 +70,7 @@ SCALER = {"init_scale": 2.0**24, "growth_interval": 3}  # overflows first, then 
 
 def plain_scaled(model: nn.Module, batches: list, microbatches: int) -> tuple[nn.Module, torch.amp.GradScaler, int]:
     """The plain fp16 loop with Adam: the model, its scaler and the steps the scaler skipped."""
-    scaler, skipped = train_plain_scaled(model, batches, adam, microbatches, SCALER)
+    scaler, skipped, _ = train_plain_scaled(model, batches, adam, microbatches, SCALER)
     return model, scaler, skipped
 
 

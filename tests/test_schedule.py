@@ -193,7 +193,7 @@ def test_fp16_on_a_schedule_is_a_plain_scaled_loop_with_lambda_lr(no_leaks: None
 
     def plain(microbatches: int, schedule: object) -> tuple[nn.Module, int]:
         model = copy.deepcopy(reference)
-        _, skipped = train_plain_scaled(model, batches, adamw, microbatches, scaler_arguments, schedule=schedule)
+        _, skipped, _ = train_plain_scaled(model, batches, adamw, microbatches, scaler_arguments, schedule=schedule)
         return model, skipped
 
     result = harmony.train(model, batches, nn.functional.mse_loss, adamw, microbatches=2, devices=1,
