@@ -18,7 +18,6 @@ gradients are written again only by the next step's backward, which comes after 
 
 from __future__ import annotations
 
-import fcntl
 import math
 from collections.abc import Callable, Sequence
 
@@ -56,7 +55,7 @@ def total_norms(norms: list[list[torch.Tensor]]) -> list[torch.Tensor]:
 def coefficients(totals: Sequence[torch.Tensor], clip: Sequence[float]) -> list[torch.Tensor]:
     """Per member, what its gradients are multiplied by: max_norm / (total + 1e-6), at most 1 (1 where it is not
     clipped)."""
-    return [torch.ones((), dtype=total.dtype) if math.isinf(limit)
+    return [torch.ones_like(total) if math.isinf(limit)
             else torch.clamp(limit / (total + EPSILON), max=1.0) for total, limit in zip(totals, clip)]
 
 
@@ -81,9 +80,9 @@ class Norms:
     """A swapped job's total gradient norm per step and member, computed once per step (see the module)."""
 
     def __init__(self, store: HostStore, model: int, members: int) -> None:
-        self.members = members
-        self.path = store.path(norms_name(model))
-        self.slots = store.attach(norms_name(model), norms_bytes(members)).view(torch.float64).view(2, 1 + members)
+        self.store = store
+        self.name = norms_name(model)
+        self.slots = store.attach(self.name, norms_bytes(members)).view(torch.float64).view(2, 1 + members)
 
     @staticmethod
     def create(store: HostStore, model: int, members: int) -> None:
@@ -92,14 +91,9 @@ class Norms:
     def totals(self, step: int, dtype: torch.dtype, compute: Callable[[], list[torch.Tensor]]) -> list[torch.Tensor]:
         """Each member's total norm of step's gradients, in their dtype: read, or computed (compute) and written
         by the first caller of the step. Callers in any process of the machine take turns on the file's lock."""
-        with open(self.path, "rb") as handle:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-            try:
-                row = self.slots[step % 2]
-                if int(row[0]) != step:
-                    values = [float(total) for total in compute()]
-                    row[1:] = torch.tensor(values, dtype=torch.float64)
-                    row[0] = float(step)
-                return [torch.tensor(float(value), dtype=dtype) for value in row[1:]]
-            finally:
-                fcntl.flock(handle, fcntl.LOCK_UN)
+        with self.store.locked(self.name):
+            row = self.slots[step % 2]
+            if int(row[0]) != step:
+                row[1:] = torch.tensor([float(total) for total in compute()], dtype=torch.float64)
+                row[0] = float(step)
+            return [torch.tensor(float(value), dtype=dtype) for value in row[1:]]

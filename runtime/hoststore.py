@@ -11,11 +11,13 @@ asynchronous and run at the link's speed.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import tempfile
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -104,6 +106,17 @@ class HostStore:
 
     def path(self, name: str) -> Path:
         return self.directory / f"{PREFIX}{self.run}-{name}"
+
+    @contextmanager
+    def locked(self, name: str) -> Iterator[None]:
+        """Hold an exclusive lock on one of the store's files for the block, across the processes of the machine
+        (flock: released if the holder dies)."""
+        with open(self.path(name), "rb") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
 
     def _check_open(self, name: str) -> None:
         """Refuse to touch files once closed: a task still running when its run ended (on a user's cluster,

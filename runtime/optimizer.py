@@ -12,9 +12,8 @@ the same slot at once.
 
 from __future__ import annotations
 
-import fcntl
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import torch
 from torch import nn
@@ -92,15 +91,9 @@ def fused_on_host(optimizer: torch.optim.Optimizer) -> None:
             group["fused"] = True
 
 
-@contextmanager
-def pack_lock(store: HostStore, name: str) -> Iterator[None]:
+def pack_lock(store: HostStore, name: str) -> AbstractContextManager[None]:
     """Hold the pack's lock (on its weights file) across processes for the block."""
-    with open(store.path(name), "rb") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    return store.locked(name)
 
 
 def update(
