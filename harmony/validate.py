@@ -277,32 +277,27 @@ def _optimizers(
     return factories, classes
 
 
+SCHEDULE_USAGE = ("lr_schedule must be a callable(step) -> factor of the initial learning rate, as LambdaLR's "
+                  "lr_lambda (for a scheduler such as transformers' get_cosine_schedule_with_warmup, pass its "
+                  "lr_lambdas[0])")
+
+
 def _lr_schedules(lr_schedule: Any, models: list[nn.Module]) -> list[Schedule | None]:
-    """Every model's learning-rate schedule (None: constant), each checked at step 0: a callable(step) -> factor of
-    the initial learning rate that crosses to the workers."""
+    """Every model's learning-rate schedule (None: constant): a callable that crosses to the workers (its values
+    are checked once the run's length is known, check_schedules)."""
     schedules = _per_model(lr_schedule, len(models), "lr_schedule")
     for index, schedule in enumerate(schedules):
         if schedule is None:
             continue
         label = model_label(index, models[index])
-        usage = ("lr_schedule must be a callable(step) -> factor of the initial learning rate, as LambdaLR's "
-                 "lr_lambda (for a scheduler such as transformers' get_cosine_schedule_with_warmup, pass its "
-                 "lr_lambdas[0])")
         if isinstance(schedule, torch.optim.lr_scheduler.LRScheduler) or (
             isinstance(schedule, type) and issubclass(schedule, torch.optim.lr_scheduler.LRScheduler)
         ):
             kind = schedule.__name__ if isinstance(schedule, type) else type(schedule).__name__
             raise InputError(f"lr_schedule for {label} is a scheduler ({kind}); Harmony steps one optimizer per "
-                             f"layer pack, so {usage}")
+                             f"layer pack, so {SCHEDULE_USAGE}")
         if not callable(schedule):
-            raise InputError(f"lr_schedule for {label} is a {type(schedule).__name__}; {usage}")
-        try:
-            factor = schedule(0)
-        except Exception as error:
-            raise InputError(f"lr_schedule for {label} failed at step 0 ({type(error).__name__}: {error}); "
-                             f"{usage}") from error
-        if not _factor(factor):
-            raise InputError(f"lr_schedule for {label} gave {factor!r} at step 0, not a finite factor >= 0; {usage}")
+            raise InputError(f"lr_schedule for {label} is a {type(schedule).__name__}; {SCHEDULE_USAGE}")
         try:
             cloudpickle.dumps(schedule)
         except Exception as error:
@@ -322,15 +317,16 @@ def check_schedules(args: Arguments) -> None:
     for index, factory in enumerate(args.optimizers):
         if not isinstance(factory, Scheduled):
             continue
+        label = model_label(index, args.models[index])
         for step in range(min(args.expected_steps(index) or 100_000, 100_000)):
             try:
                 factor = factory.schedule(step)
             except Exception as error:
-                raise InputError(f"lr_schedule for {model_label(index, args.models[index])} failed at step {step} "
-                                 f"({type(error).__name__}: {error})") from error
+                raise InputError(f"lr_schedule for {label} failed at step {step} ({type(error).__name__}: {error}); "
+                                 f"{SCHEDULE_USAGE}") from error
             if not _factor(factor):
-                raise InputError(f"lr_schedule for {model_label(index, args.models[index])} gave {factor!r} at step "
-                                 f"{step}, not a finite factor >= 0")
+                raise InputError(f"lr_schedule for {label} gave {factor!r} at step {step}, not a finite factor >= 0; "
+                                 f"{SCHEDULE_USAGE}")
 
 
 def _clips(clip_grad_norm: Any, models: list[nn.Module], options: Options) -> list[float | None]:
