@@ -173,6 +173,29 @@ def train_plain_seeded(model: nn.Module, batches: list, optimizer: torch.optim.O
         optimizer.step()
 
 
+def train_plain_scheduled(
+    model: nn.Module, batches: list, factory: Callable[..., torch.optim.Optimizer], microbatches: int = 1,
+    scheduler: Callable[[torch.optim.Optimizer], Any] | None = None, clip: float | None = None,
+) -> tuple[torch.optim.Optimizer, list[float]]:
+    """The plain loop with a learning-rate scheduler and clipping that Harmony must match: each batch's micro-batches
+    backward (their shares of the MSE), clip_grad_norm_ where clip is given, optimizer.step(), then the step of the
+    scheduler built on the optimizer where given (LambdaLR, a transformers schedule). Trains model in place; returns
+    the optimizer and the norms clip_grad_norm_ returned."""
+    optimizer = factory(model.parameters())
+    stepping = scheduler(optimizer) if scheduler is not None else None
+    norms = []
+    for x, y in batches:
+        optimizer.zero_grad()
+        for xs, ys in zip(x.chunk(microbatches), y.chunk(microbatches)):
+            (nn.functional.mse_loss(model(xs), ys) * (len(xs) / len(x))).backward()
+        if clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        optimizer.step()
+        if stepping is not None:
+            stepping.step()
+    return optimizer, norms
+
+
 def train_plain_scaled(model: nn.Module, batches: list, factory: Callable[..., torch.optim.Optimizer],
                        microbatches: int, scaler_arguments: dict, schedule: Callable[[int], float] | None = None,
                        clip: float | None = None) -> tuple[torch.amp.GradScaler, int, list[float]]:

@@ -21,6 +21,7 @@ from tests.conftest import (
     deep_mlp,
     regression_batches,
     train_plain_scaled,
+    train_plain_scheduled,
 )
 
 STEPS = 6
@@ -37,16 +38,7 @@ def sgd(params: object) -> torch.optim.Optimizer:
 
 def plain(model: nn.Module, batches: list, factory: object, clip: float | None) -> list[float]:
     """The plain loop Harmony must match: micro-batched backward, clip_grad_norm_, step; the total norms."""
-    optimizer = factory(model.parameters())  # type: ignore[operator]
-    norms = []
-    for x, y in batches:
-        optimizer.zero_grad()
-        for xs, ys in zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES)):
-            (nn.functional.mse_loss(model(xs), ys) * (len(xs) / len(x))).backward()
-        if clip is not None:
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
-        optimizer.step()
-    return norms
+    return train_plain_scheduled(model, batches, factory, MICROBATCHES, clip=clip)[1]  # type: ignore[arg-type]
 
 
 def distance(a: nn.Module, b: nn.Module) -> float:
@@ -158,12 +150,8 @@ def test_a_weight_tied_across_packs_counts_once_in_the_norm(no_leaks: None) -> N
     result = harmony.train(model, batches, nn.functional.mse_loss, sgd, devices=1, device_memory=60_000,
                            resident=False, clip_grad_norm=0.05, progress=False)
     assert len(result.packings[0].packs) > 2 and any(pack.borrowed for pack in result.packings[0].packs)
-    optimizer = sgd(reference.parameters())
-    for x, y in batches:
-        optimizer.zero_grad()
-        nn.functional.mse_loss(reference(x), y).backward()
-        assert torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05) > 0.05
-        optimizer.step()
+    _, norms = train_plain_scheduled(reference, batches, sgd, clip=0.05)
+    assert min(norms) > 0.05, "every step is clipped"
     assert_same_weights(model, reference, rtol=1e-9, atol=1e-12)
     assert model.last.weight is model.first.weight
 

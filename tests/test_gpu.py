@@ -23,6 +23,7 @@ from tests.conftest import (
     stashing_and_recomputing,
     stop,
     train_plain,
+    train_plain_scheduled,
     train_plain_seeded,
 )
 
@@ -374,15 +375,8 @@ def test_schedules_and_clipping_on_cuda_match_plain_pytorch(case: str, no_leaks:
     assert all((job.home is None) == (case == "swapped") for job in result.plan.jobs)
     assert (result.arrays == [[0, 1]]) == (case == "fused")
     for index, (model, reference, clip) in enumerate(zip(models, references, clips)):
-        optimizer = factory(reference.parameters())
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-        norms = []
-        for x, y in batches:
-            optimizer.zero_grad()
-            for xs, ys in zip(x.chunk(2), y.chunk(2)):
-                (nn.functional.mse_loss(reference(xs), ys) * (len(xs) / len(x))).backward()
-            norms.append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)))
-            optimizer.step()
-            scheduler.step()
+        _, norms = train_plain_scheduled(reference, batches, factory, 2, clip=clip,
+                                         scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer,
+                                                                                                       schedule))
         assert_same_weights(model, reference, rtol=1e-9, atol=1e-12)
         assert result.grad_norms[index] == pytest.approx(norms, rel=1e-9)

@@ -15,7 +15,14 @@ import harmony
 from harmony.errors import InputError
 from harmony.runtime.array_optimizer import ArrayOptimizer, step_optimizer
 from harmony.runtime.schedule import Scheduled, at_step
-from tests.conftest import assert_same_weights, clones, deep_mlp, regression_batches, train_plain_scaled
+from tests.conftest import (
+    assert_same_weights,
+    clones,
+    deep_mlp,
+    regression_batches,
+    train_plain_scaled,
+    train_plain_scheduled,
+)
 
 STEPS = 6
 
@@ -39,14 +46,8 @@ def sgd(params: object) -> torch.optim.Optimizer:
 
 def scheduled_plain(model: nn.Module, batches: list, factory: object, schedule: object) -> nn.Module:
     """The plain loop Harmony must match: optimizer.step(), then LambdaLR.step(), once per mini-batch."""
-    optimizer = factory(model.parameters())  # type: ignore[operator]
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule) if schedule is not None else None
-    for x, y in batches:
-        optimizer.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        optimizer.step()
-        if scheduler is not None:
-            scheduler.step()
+    lambda_lr = None if schedule is None else lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    train_plain_scheduled(model, batches, factory, scheduler=lambda_lr)  # type: ignore[arg-type]
     return model
 
 
@@ -170,13 +171,8 @@ def test_a_transformers_schedule_is_taken_as_its_lr_lambda_and_equals_its_schedu
     schedule = transformers.get_cosine_schedule_with_warmup(probe, 2, STEPS).lr_lambdas[0]
     harmony.train(model, batches, nn.functional.mse_loss, adamw, microbatches=2, resident=False,
                   device_memory=48_000, lr_schedule=schedule, progress=False)
-    optimizer = adamw(reference.parameters())
-    scheduler = transformers.get_cosine_schedule_with_warmup(optimizer, 2, STEPS)
-    for x, y in batches:
-        optimizer.zero_grad()
-        nn.functional.mse_loss(reference(x), y).backward()
-        optimizer.step()
-        scheduler.step()
+    train_plain_scheduled(reference, batches, adamw,
+                          scheduler=lambda optimizer: transformers.get_cosine_schedule_with_warmup(optimizer, 2, STEPS))
     assert_same_weights(model, reference, rtol=1e-9, atol=1e-12)
 
 
@@ -221,13 +217,8 @@ def test_checkpoints_and_metrics_hold_the_scheduled_learning_rate_and_a_resume_k
     harmony.train(model, batches, nn.functional.mse_loss, sgd, resident=False, device_memory=48_000,
                   lr_schedule=warmup_decay, checkpoint_dir=tmp_path / "checkpoints", log_dir=tmp_path / "logs",
                   progress=False)
-    optimizer = sgd(reference.parameters())
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_decay)
-    for x, y in batches:
-        optimizer.zero_grad()
-        nn.functional.mse_loss(reference(x), y).backward()
-        optimizer.step()
-        scheduler.step()
+    optimizer, _ = train_plain_scheduled(
+        reference, batches, sgd, scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_decay))
     saved = torch.load(tmp_path / "checkpoints" / "model-0.pt", weights_only=False)["optimizer"]
     plain = optimizer.state_dict()
     assert [(g["lr"], g["initial_lr"]) for g in saved["param_groups"]] == \
