@@ -28,6 +28,7 @@ from harmony.runtime.cluster import LOOPBACK, ClusterHandle, connect, embedded, 
 from harmony.runtime.code import JobCode
 from harmony.runtime.data import LoaderFeed, SharedFeed, batch_size
 from harmony.runtime.devices import DeviceSpec, build_specs
+from harmony.runtime.driver import Ranking
 from harmony.runtime.errors import ModelFailure
 from harmony.runtime.files import estimate
 from harmony.runtime.hoststore import shm_directory
@@ -35,8 +36,9 @@ from harmony.runtime.interrupt import raise_if_interrupted, watching_interrupts
 from harmony.runtime.replicas import replicas_kept
 from harmony.runtime.run import RunOutcome, execute
 from harmony.runtime.shipping import SPARE_FILES
-from harmony.runtime.view import RunView
+from harmony.runtime.view import RunView, model_name
 from harmony.runtime.worker import wait_for_warmup
+from harmony.tasks.pruning import Pruner, Standing
 from harmony.tasks.runplan import Job, RunPlan
 from harmony.validate import (
     Arguments,
@@ -44,6 +46,7 @@ from harmony.validate import (
     check_devices,
     check_models,
     check_options,
+    check_prune,
     check_validation,
     describe_run,
     read_options,
@@ -149,8 +152,8 @@ def _execute(
     progress: bool | None, checkpoints: Checkpoints | None, starts: list[int], log: MetricsLog | None,
     profile: tuple[str, int] | None = None,
 ) -> RunOutcome:
-    """Run the plan with a progress display when wanted, the metrics log and the workers' profiles when asked; a
-    model's failure is a ModelError naming the model."""
+    """Run the plan with a progress display when wanted, the metrics log and the workers' profiles when asked, and
+    the pruner when given; a model's failure is a ModelError naming the model."""
     feeds = []
     for index, loader in enumerate(args.loaders):
         readers = [start for job, start in zip(plan.jobs, starts) if job.feed == index]
@@ -172,7 +175,8 @@ def _execute(
         outcome = execute(plan, codes, feeds, specs, handle, on_progress=watch if watchers else None,
                           host_memory=args.host_memory,
                           checkpoints=checkpoints, starts=starts, users=(args.models, args.optimizers),
-                          validation=validation, metrics=args.metrics, names=args.names, profile=profile)
+                          validation=validation, metrics=args.metrics, names=args.names, profile=profile,
+                          ranking=None if args.pruner is None else ranking(args.pruner, args.names))
     except ModelFailure as failure:
         raise model_error(plan, failure) from None
     finally:
@@ -187,7 +191,31 @@ def _execute(
         for position, step in sorted(members.items()):
             logger.warning("harmony: model %d (member %d of %s) stopped at step %d: its loss stopped being finite",
                            plan.jobs[job].members[position], position, plan.jobs[job].label, step)
+    for job, members in sorted(outcome.pruned.items()):
+        for position, step in sorted(members.items()):
+            logger.info("harmony: model %d (%s) was pruned at step %d", plan.jobs[job].members[position],
+                        plan.jobs[job].label, step)
     return outcome
+
+
+def ranking(pruner: Pruner, names: list[str] | None) -> Ranking:
+    """The driver's ranking from the user's pruner: the models still training as Standings, its answer checked."""
+
+    def rank(step: int, entries: list[tuple[int, float, dict[str, float]]]) -> set[int]:
+        standings = [Standing(model, model_name(model, names), loss, metrics) for model, loss, metrics in entries]
+        answer = pruner(step, standings)
+        try:
+            chosen = set(answer)
+        except TypeError:
+            raise InputError(f"prune returned {answer!r} at step {step}; it must return the indices of the models "
+                             "to stop (an empty list: none)") from None
+        training = {standing.index for standing in standings}
+        if not chosen <= training or any(isinstance(model, bool) for model in chosen):
+            raise InputError(f"prune returned {sorted(chosen, key=repr)} at step {step}; it may stop only models "
+                             f"still training, by index: {sorted(training)}")
+        return chosen
+
+    return rank
 
 
 def model_error(plan: RunPlan, failure: ModelFailure) -> ModelError:
@@ -238,6 +266,7 @@ def train(
     profile_steps: int = 0,
     lr_schedule: Any = None,
     clip_grad_norm: Any = None,
+    prune: Any = None,
 ) -> TrainResult:
     """Train every model on its data through fine-grained tasks on Dask device workers.
 
@@ -371,7 +400,9 @@ def train(
     args = validate(models, loaders, loss_fn, optimizer, options, devices, device_memory, cluster, link_bandwidth,
                     host_memory=host_memory, lr_schedule=lr_schedule, clip_grad_norm=clip_grad_norm)
     validation, validation_of, names = check_validation(val_loaders, metrics, names, options, args.models)
-    args = dataclasses.replace(args, validation=validation, validation_of=validation_of, metrics=metrics, names=names)
+    pruner, prune_name = check_prune(prune, options, val_loaders is not None)
+    args = dataclasses.replace(args, validation=validation, validation_of=validation_of, metrics=metrics, names=names,
+                               pruner=pruner, prune=prune_name)
     directory = check_checkpoints(checkpoint_dir, checkpoint_every, resume)
     with watching_interrupts(), training_conventions(args.models), user_cluster(args.cluster) as user:
         if user is not None:

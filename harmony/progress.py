@@ -22,11 +22,14 @@ ROWS = 8
 
 
 def newly_stopped(view: RunView, reported: set[int]) -> list[str]:
-    """A line for each model that stopped (a job that failed, a fused member whose loss stopped being finite) and
-    is not in reported yet; adds them to reported."""
+    """A line for each model that stopped (a job that failed, a fused member whose loss stopped being finite, a
+    model pruned) and is not in reported yet; adds them to reported."""
     state = view.state
-    stopped = {model: (failure["step"], str(failure["reason"]))
-               for job, failure in state.failed.items() for model in state.jobs[job].members}
+    stopped = {state.jobs[job].members[position]: (step, f"pruned (prune=) at step {step}")
+               for job, members in state.pruned_members.items() for position, step in members.items()}
+    stopped.update({model: (failure["step"], str(failure["reason"]))
+                    for job, failure in state.failed.items() for model in state.jobs[job].members
+                    if model not in stopped})
     for model, step in view.stopped_members().items():
         stopped.setdefault(model, (step, f"its loss stopped being finite at step {step}"))
     lines = []

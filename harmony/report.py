@@ -30,7 +30,8 @@ def model_rows(result: TrainResult) -> list[dict[str, Any]]:
             "val_loss": validation[-1][1] if validation else None,
             "best_val_loss": min(finite) if finite else None,
             "samples_per_s": samples_per_second(result, model),
-            "stopped": str(result.failed[model]["reason"]) if model in result.failed else "",
+            "stopped": (str(result.failed[model]["reason"]) if model in result.failed else
+                        f"pruned at step {result.pruned[model]}" if model in result.pruned else ""),
         })
     return rows
 

@@ -147,7 +147,8 @@ class TrainResult:
     val_history is per model its (step, validation loss) pairs, val_metrics its (step, {metric: value}) pairs (with
     val_loaders); names the models' names (names=), or None; samples each model's samples per step (its first batch).
     grad_norms is per model (clip_grad_norm) each step's total gradient norm before clipping, as clip_grad_norm_
-    returns it; empty for a model that is not clipped.
+    returns it; empty for a model that is not clipped. pruned maps each model that prune= stopped to the step it
+    stopped at (its weights, history and validation figures end there; it is not in failed).
     """
 
     models: list[nn.Module]
@@ -167,6 +168,7 @@ class TrainResult:
     names: list[str] | None = None
     samples: list[int] = field(default_factory=list)
     grad_norms: list[list[float]] = field(default_factory=list)
+    pruned: dict[int, int] = field(default_factory=dict)
 
     def report(self, path: str | os.PathLike[str]) -> Path:
         """Write the run on one page (path ending in .png: an image; .html: the image and the tables): every model's
@@ -244,6 +246,17 @@ class TrainResult:
                 grad_norms[model] = grad_norms[model][:step]
                 steps[model] = min(steps[model], step)
                 failed.setdefault(model, {"step": step, "reason": f"its loss stopped being finite at step {step}"})
+        pruned: dict[int, int] = {}
+        for job, members in outcome.pruned.items():
+            for position, step in members.items():
+                model = plan.jobs[job].members[position]
+                pruned[model] = step
+                failed.pop(model, None)  # its array failed later, when the members left diverged
+                history[model] = history[model][:step]
+                grad_norms[model] = grad_norms[model][:step]
+                steps[model] = min(steps[model], step)
+                val_history[model] = [entry for entry in val_history[model] if entry[0] <= step]
+                val_metrics[model] = [entry for entry in val_metrics[model] if entry[0] <= step]
         counters = outcome.counters
         stats = Stats(
             peak_device_bytes={name: values["peak"] for name, values in counters.items()},
@@ -294,4 +307,5 @@ class TrainResult:
             names=names,
             samples=list(samples or []),
             grad_norms=grad_norms,
+            pruned=pruned,
         )

@@ -21,6 +21,7 @@ from harmony.runtime.devices import DeviceSpecError, parse_devices
 from harmony.runtime.schedule import Schedule, Scheduled
 from harmony.sizes import parse_bandwidths, parse_size
 from harmony.tasks.binding import MODES, POLICIES
+from harmony.tasks.pruning import PRUNERS, Pruner
 from harmony.tasks.runplan import PRECISIONS, Options
 
 
@@ -62,6 +63,8 @@ class Arguments:
     metrics: Any = None
     names: list[str] | None = None
     clips: list[float | None] = dataclasses.field(default_factory=list)  # each model's clip_grad_norm (None: off)
+    pruner: Pruner | None = None
+    prune: str | None = None  # the pruner's name: a built-in's, or the callable's qualified name
 
     def expected_steps(self, model: int) -> int | None:
         """How many steps a model will train, when its loader knows its length (or steps= says)."""
@@ -471,6 +474,32 @@ def check_validation(
     return sets, validation_of, names
 
 
+PRUNE_USAGE = (f"prune must be one of {sorted(PRUNERS)} or a callable(step, standings) -> the indices of the models "
+               "to stop, standings being the models still training, each with .index .name .val_loss .metrics")
+
+
+def check_prune(prune: Any, options: Options, validation: bool) -> tuple[Pruner | None, str | None]:
+    """The pruner and its name (None, None: no pruning); it ranks models by their evaluations within the run, so it
+    needs val_loaders and eval_every."""
+    if prune is None:
+        return None, None
+    if isinstance(prune, str):
+        if prune not in PRUNERS:
+            raise InputError(f"prune={prune!r} is not a pruner; {PRUNE_USAGE}")
+        pruner, name = PRUNERS[prune], prune
+    elif callable(prune):
+        pruner, name = prune, getattr(prune, "__qualname__", type(prune).__qualname__)
+    else:
+        raise InputError(f"prune={prune!r}; {PRUNE_USAGE}")
+    if not validation:
+        raise InputError("prune ranks the models by their validation loss: pass val_loaders, the data they are "
+                         "evaluated on")
+    if options.eval_every is None:
+        raise InputError("prune stops models at the evaluations within the run: pass eval_every, the steps between "
+                         "them (each is a pruning step)")
+    return pruner, name
+
+
 def check_devices(devices: Any, device_memory: Any, link_bandwidth: Any, cluster: Any, for_training: bool = True
                   ) -> tuple[list[str], int | dict[str, int] | None, list[float | None]]:
     """The devices, their budgets and links, and the cluster argument, checked: what starting the embedded cluster
@@ -582,6 +611,7 @@ def describe_run(args: Arguments, budgets: dict[str, int]) -> dict[str, Any]:
         "optimizers": [_hyperparameters(factory) for factory in args.optimizers],
         "lr_schedules": [_factors(f, args.expected_steps(index)) for index, f in enumerate(args.optimizers)],
         "clip_grad_norm": args.clips,
+        **({"prune": args.prune} if args.prune else {}),  # absent without: older checkpoints stay resumable
         "options": options,
         "devices": budgets,
     }

@@ -7,7 +7,7 @@ written it: the driver writes it before it opens the job's next spans). Its dire
   run.msgpack                  what the run is (its arguments' fingerprint) and its plan, written once;
   job-<j>/latest               the name of the job's newest complete checkpoint, replaced atomically;
   job-<j>/v<step>/             that checkpoint: per pack its weights, its optimizer state (layout, bytes,
-                               description), the members' divergence steps, the loss history (and a clipped
+                               description), the members' divergence and pruning steps, the loss history (and a clipped
                                job's gradient norms), and per member
                                model model-<i>.pt: torch.save({"model": state_dict, "optimizer": state_dict,
                                "step", "history"}, and with fp16 "scaler": a torch.amp.GradScaler state dict), the
@@ -47,6 +47,7 @@ from harmony.runtime.files import (
     optimizer_layout_name,
     optimizer_meta_name,
     optimizer_name,
+    pruned_name,
     record_rows,
 )
 from harmony.runtime.hoststore import tensors_at
@@ -178,6 +179,8 @@ class Checkpoints:
         members = runtime.members
         stopped = store.attach(diverged_name(job), 8 * members).view(torch.float64)
         described["diverged"] = [step if step < version else TRAINING for step in stopped.tolist()]  # the span after
+        pruned = store.attach(pruned_name(job), 8 * members).view(torch.float64)
+        described["pruned"] = [step if step <= version else TRAINING for step in pruned.tolist()]
         described["history"] = files.history(job, version)
         if files.plan.jobs[job].clip:
             described["grad_norms"] = files.grad_norms(job, version)
@@ -210,6 +213,8 @@ class Checkpoints:
             versions.publish(pack, version, 0)
         stopped = store.attach(diverged_name(job), 8 * runtime.members).view(torch.float64)
         stopped.copy_(torch.tensor(described["diverged"], dtype=torch.float64))
+        pruned = store.attach(pruned_name(job), 8 * runtime.members).view(torch.float64)
+        pruned.copy_(torch.tensor(described.get("pruned", [TRAINING] * runtime.members), dtype=torch.float64))
         if "scaler" in described:
             scale, tracker = described["scaler"]
             files.scaler(job).reset(version, scale, tracker)

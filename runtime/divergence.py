@@ -6,7 +6,8 @@ its last complete step. The members of a fused array stop one by one while the o
 keeps, per member, the step at which its loss stopped being finite (``Members``); every later update of the array
 puts a stopped member's weights back as they were before that step, so its slices of the stacks never change
 again. Members are independent in an array (each its own slice of every stack), so a stopped member's non-finite
-gradients reach nobody else.
+gradients reach nobody else. A member pruned at a step (tasks.pruning) stops the same way, from its own file: the
+driver writes it while the job waits at that step, before any of the step's updates.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from harmony.runtime.errors import ModelFailure
-from harmony.runtime.files import diverged_name
+from harmony.runtime.files import diverged_name, pruned_name
 from harmony.runtime.hoststore import HostStore
 
 TRAINING = -1.0
@@ -29,26 +30,33 @@ class Diverged(ModelFailure):
 
 
 class Members:
-    """Per member of a job, the step at which its loss stopped being finite (TRAINING while it trains), as the host
-    store keeps it for every process of the run."""
+    """Per member of a job, the step at which its loss stopped being finite, and the one at which it was pruned
+    (TRAINING while it trains), as the host store keeps them for every process of the run."""
 
     def __init__(self, store: HostStore, model: int, members: int) -> None:
         self.model = model
         self.steps = store.attach(diverged_name(model), 8 * members).view(torch.float64)
+        self.pruned = store.attach(pruned_name(model), 8 * members).view(torch.float64)
 
     def stopped(self) -> list[int]:
-        """The members that stopped, in order."""
-        return [index for index, step in enumerate(self.steps.tolist()) if step != TRAINING]
+        """The members that stopped (their loss, or pruning), in order."""
+        return [index for index, (step, pruned) in enumerate(zip(self.steps.tolist(), self.pruned.tolist()))
+                if step != TRAINING or pruned != TRAINING]
+
+    def prune(self, positions: tuple[int, ...], step: int) -> None:
+        """The members at positions stop at step (pruned)."""
+        for position in positions:
+            self.pruned[position] = float(step)
 
     def check(self, losses: torch.Tensor, step: int) -> list[int]:
         """Take a step's per-member losses: members whose loss is not finite stop at step (the first time). Returns
         the members that stopped at this step; raises Diverged once no member trains."""
         finite = torch.isfinite(losses.detach().reshape(-1)).tolist()
-        recorded = self.steps.tolist()
-        stopping = [index for index, ok in enumerate(finite) if not ok and recorded[index] == TRAINING]
+        stopped = set(self.stopped())
+        stopping = [index for index, ok in enumerate(finite) if not ok and index not in stopped]
         for index in stopping:
             self.steps[index] = float(step)
-        if all(not ok or recorded[index] != TRAINING for index, ok in enumerate(finite)):
+        if all(not ok or index in stopped for index, ok in enumerate(finite)):
             value = losses.detach().reshape(-1)[stopping[0] if stopping else 0].item()
             raise Diverged(self.model, step, value)
         return stopping

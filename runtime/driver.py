@@ -23,7 +23,7 @@ from __future__ import annotations
 import queue
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -31,9 +31,10 @@ from distributed import Client, Future
 
 from harmony.runtime import bodies
 from harmony.runtime.data import SharedFeed, batch_size, split_tree
+from harmony.runtime.divergence import Members
 from harmony.runtime.errors import ModelFailure
 from harmony.runtime.evaluation import Evaluations, Metrics
-from harmony.runtime.files import SPAN_TIMING_BYTES, span_timing_name
+from harmony.runtime.files import SPAN_TIMING_BYTES, diverged_name, pruned_name, span_timing_name
 from harmony.runtime.handoff import LocalResult
 from harmony.runtime.hoststore import HostStore
 from harmony.runtime.interrupt import raise_if_interrupted
@@ -51,6 +52,9 @@ from harmony.tasks.events import (
     Instruction,
     Leave,
     MachineLost,
+    Prune,
+    Rank,
+    Ranked,
     ReadTiming,
     Release,
     StepTimed,
@@ -64,6 +68,7 @@ from harmony.tasks.graph import BatchInput, BatchTargets, Value, parse_key
 from harmony.tasks.microbatch import deal, loss_weights, split_sizes
 
 BODIES: dict[str, Callable[..., Any]] = {"fwd": bodies.forward, "bwd": bodies.backward, "upd": bodies.update}
+Ranking = Callable[[int, list[tuple[int, float, dict[str, float]]]], Collection[int]]  # see Driver
 WAKE_SECONDS = 1.0
 DEVICE_TIMEOUT = 120.0  # seconds a run waits for a worker to come back once every device is lost
 
@@ -87,6 +92,7 @@ class Driver:
         validation: list[list[tuple[Any, Any]] | None] | None = None,
         metrics: Metrics = None,
         executing: Callable[[str], frozenset[int] | None] | None = None,
+        ranking: Ranking | None = None,
     ) -> None:
         self.client = client
         self.run = run
@@ -100,6 +106,7 @@ class Driver:
         self.executing = executing
         self.on_progress = on_progress
         self.on_checkpoint = on_checkpoint
+        self.ranking = ranking
         self.values: dict[Value, Any] = {}
         self.loss_weights: dict[BatchTargets, list[Any]] = {}
         self.heard: queue.SimpleQueue[Future | tuple[str, str]] = queue.SimpleQueue()
@@ -245,11 +252,47 @@ class Driver:
         elif isinstance(instruction, Evaluate):
             self.evaluations.submit(instruction, self.workers[instruction.device],
                                     len(self.state.jobs[instruction.model].packing.packs))
+        elif isinstance(instruction, Rank):
+            return self._rank(instruction)
+        elif isinstance(instruction, Prune):
+            store = self.stores[instruction.model]
+            Members(store, instruction.model, len(self.state.jobs[instruction.model].members)).prune(
+                instruction.positions, instruction.step)
+            store.push((pruned_name(instruction.model),))
         elif isinstance(instruction, Fail):
             raise instruction.error
         else:
             raise TypeError(f"not an instruction: {instruction!r}")
         return None
+
+    def _rank(self, rank: Rank) -> Ranked:
+        """The models still training at a pruning step (a fused array's members whose loss is finite and that were
+        not pruned), each with its validation loss and metrics there, go to ranking (the user's pruner, called as
+        ranking(step, [(model, val_loss, metrics), ...]) -> the models to stop): which members stop, which jobs end."""
+        assert self.ranking is not None, "a run without a pruner was asked to rank"
+        entries: list[tuple[int, float, dict[str, float]]] = []
+        where: dict[int, tuple[int, int]] = {}
+        stopped: dict[int, set[int]] = {}
+        for job in rank.models:
+            step, figures = self.evaluations.results[job][-1]
+            assert step == rank.step, f"job {job} was last evaluated at step {step}, not {rank.step}"
+            store = self.stores[job]
+            store.pull((diverged_name(job), pruned_name(job)))
+            members = self.state.jobs[job].members
+            stopped[job] = set(Members(store, job, len(members)).stopped())
+            for position, model in enumerate(members):
+                if position not in stopped[job]:
+                    metrics = {name: values[position] for name, values in figures.items() if name != "loss"}
+                    entries.append((model, figures["loss"][position], metrics))
+                    where[model] = (job, position)
+        pruned: dict[int, list[int]] = {}
+        for model in sorted(self.ranking(rank.step, entries)):
+            job, position = where[model]
+            pruned.setdefault(job, []).append(position)
+        ended = frozenset(job for job in rank.models
+                          if len(stopped[job]) + len(pruned.get(job, ())) == len(self.state.jobs[job].members))
+        return Ranked(rank.step, {job: tuple(positions) for job, positions in pruned.items()}, ended,
+                      time.perf_counter() - self.started)
 
     def _fetch(self, fetch: Fetch) -> BatchReady:
         """The span's batches from the model's loader, split into micro-batch groups and shipped to a file each

@@ -147,6 +147,11 @@ def diverged_name(model: int) -> str:
     return f"m{model}-diverged"
 
 
+def pruned_name(model: int) -> str:
+    """Per member of a job, the pruning step it stopped at (float64, -1 while it trains; see divergence)."""
+    return f"m{model}-pruned"
+
+
 def counters_name(device: int) -> str:
     return f"device{device}-counters"
 
@@ -222,7 +227,7 @@ class RunFiles:
         wanted: dict[int, tuple[HostStore, list[str]]] = {}
         for job, runtime in enumerate(self.models):
             names = [*(weights_name(job, pack) for pack in range(len(runtime.packs))), versions_name(job),
-                     f"m{job}-losses", f"m{job}-g", diverged_name(job)]  # -g: g<group>-losses, gradnorms
+                     f"m{job}-losses", f"m{job}-g", diverged_name(job), pruned_name(job)]  # -g: g<group>-…
             wanted.setdefault(id(self.stores[job]), (self.stores[job], []))[1].extend(names)
         for index, store in enumerate(self.device_stores):
             wanted.setdefault(id(store), (store, []))[1].append(counters_name(index))
@@ -250,6 +255,7 @@ class RunFiles:
             store.create(versions_name(m), 8 * len(runtime.packs))
             store.create(span_timing_name(m), SPAN_TIMING_BYTES)
             store.create(diverged_name(m), 8 * runtime.members).view(torch.float64).fill_(-1.0)
+            store.create(pruned_name(m), 8 * runtime.members).view(torch.float64).fill_(-1.0)
             if job.scaled:
                 Scaler.create(store, m, len(runtime.packs), job.groups, self.settings)
             if job.clip and job.home is None:
@@ -297,7 +303,14 @@ class RunFiles:
 
     def stopped(self, model: int) -> dict[int, int]:
         """The members of a job (by position) whose loss stopped being finite, and the step it happened at."""
-        steps = self.stores[model].attach(diverged_name(model), 8 * self.models[model].members).view(torch.float64)
+        return self._steps(model, diverged_name(model))
+
+    def pruned(self, model: int) -> dict[int, int]:
+        """The members of a job (by position) that were pruned, and the step they stopped at."""
+        return self._steps(model, pruned_name(model))
+
+    def _steps(self, model: int, name: str) -> dict[int, int]:
+        steps = self.stores[model].attach(name, 8 * self.models[model].members).view(torch.float64)
         return {position: int(step) for position, step in enumerate(steps.tolist()) if step >= 0}
 
     def members_stopped(self) -> dict[int, int]:

@@ -112,9 +112,10 @@ class HomedModel:
             param.grad = None
 
     def stop(self, members: list[int]) -> None:
-        """Members of this array whose loss stopped being finite keep their weights as they are now (before the
-        update of the step they stopped at) for the rest of the run (see divergence)."""
-        if members:
+        """Members of this array that stopped (their loss stopped being finite, or they were pruned) keep their
+        weights as they are now (before the update of the step they stopped at) for the rest of the run (see
+        divergence); members already stopped are kept as they were."""
+        if set(members) - set(self.stopped):
             self.stopped = sorted({*self.stopped, *members})
             index = torch.tensor(self.stopped, device=self.params[0].device)
             self.kept = [param.detach().index_select(0, index) for param in self.params]

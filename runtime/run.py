@@ -27,7 +27,7 @@ from harmony.runtime.code import JobCode
 from harmony.runtime.dashboard import PLUGIN, DashboardPage, Publisher
 from harmony.runtime.data import SharedFeed
 from harmony.runtime.devices import DeviceSpec
-from harmony.runtime.driver import Driver
+from harmony.runtime.driver import Driver, Ranking
 from harmony.runtime.evaluation import Metrics
 from harmony.runtime.files import RunFiles
 from harmony.runtime.hoststore import HostStore, shm_directory
@@ -51,8 +51,8 @@ class RunOutcome:
     steps are the training steps each job ran; step_seconds when each finished and finish_seconds when the last
     did (from the moment the driver started); depths the steps its later tasks each ran; counters per device;
     failed the jobs that stopped alone (step, reason); stopped, per job, the members whose loss stopped being
-    finite and the step; events the workers lost and joined, the jobs failed; traffic the bytes that crossed
-    between the driver and machines it is not on.
+    finite and the step; pruned, per job, the members pruned and the step; events the workers lost and joined, the
+    jobs failed and pruned; traffic the bytes that crossed between the driver and machines it is not on.
     """
 
     history: list[list[list[float]]]
@@ -71,6 +71,7 @@ class RunOutcome:
     validation: list[list[tuple[int, dict[str, list[float]]]]] = field(default_factory=list)
     timeline: dict[str, list[tuple[float, float, float, str]]] = field(default_factory=dict)
     grad_norms: list[list[list[float]]] = field(default_factory=list)  # per job and member (clipped jobs')
+    pruned: dict[int, dict[int, int]] = field(default_factory=dict)
 
 
 def traffic(stores: Iterable[HostStore], batches: Iterable[BatchFiles | RemoteBatches]) -> dict[str, int]:
@@ -95,6 +96,7 @@ def execute(
     metrics: Metrics = None,
     names: list[str] | None = None,
     profile: tuple[str, int] | None = None,
+    ranking: Ranking | None = None,
 ) -> RunOutcome:
     """Train the plan's jobs to completion on the cluster whose workers are the devices; cleans up whatever
     happens. The user's modules hold the trained weights when it returns.
@@ -102,8 +104,9 @@ def execute(
     With checkpoints, every job is checkpointed as the plan's options say (users: the user's models and optimizer
     factories, whose state dicts each checkpoint writes too); with starts, each job first takes up its latest
     checkpoint, which holds that many steps. With validation (per job, its validation batches), every job is
-    evaluated every eval_every steps of the plan's options and at its end, with metrics beside the loss. With
-    profile (a directory, a number of steps), every device worker traces its tasks of that many steps there
+    evaluated every eval_every steps of the plan's options and at its end, with metrics beside the loss; with ranking
+    too, every evaluation within the run is a pruning step (tasks.pruning), at which ranking says which models stop.
+    With profile (a directory, a number of steps), every device worker traces its tasks of that many steps there
     (runtime.profiling)."""
     run = secrets.token_hex(6)
     sweep()
@@ -129,10 +132,14 @@ def execute(
         files = RunFiles(job_stores, [stores[d.machine] for d in devices], plan, models)
         files.create(codes)
         starts = starts or [0] * len(plan.jobs)
+        pruned: dict[int, int] = {}  # jobs a resumed run finds pruned whole, at their step
         if checkpoints is not None:
             for job, start in enumerate(starts):
                 if start and checkpoints.restore(job, files) != start:
                     raise RuntimeError(f"the checkpoint of job {job} changed while the run resumed it")
+                members = files.pruned(job)
+                if members and len({*members, *files.stopped(job)}) == len(plan.jobs[job].members):
+                    pruned[job] = max(members.values())
         for store in stores.values():
             store.push_all()
         spec = RunSpec(run, str(stores[""].directory if "" in stores else shm_directory()), models, tuple(devices),
@@ -153,7 +160,7 @@ def execute(
                              start=starts,
                              allowed_failures=dask.config.get("distributed.scheduler.allowed-failures"),
                              machines=dict(plan.machines), evaluate=validation is not None,
-                             eval_every=plan.options.eval_every)
+                             eval_every=plan.options.eval_every, prune=ranking is not None, pruned=pruned)
 
         def checkpoint(job: int, step: int) -> None:
             assert checkpoints is not None
@@ -168,7 +175,7 @@ def execute(
                         plan.options.microbatches, on_step=files.open_step,
                         on_progress=lambda _: watch(view),
                         on_checkpoint=checkpoint if checkpoints is not None else None,
-                        validation=validation, metrics=metrics, executing=files.executing)
+                        validation=validation, metrics=metrics, executing=files.executing, ranking=ranking)
         publisher = Publisher(handle.client, run, names)
 
         def watch(view: RunView) -> None:
@@ -202,6 +209,7 @@ def execute(
                       for address, tasks in executed.items() if address in device_of},
             failed=dict(state.failed),
             stopped={m: stopped for m in range(len(plan.jobs)) if (stopped := files.stopped(m))},
+            pruned={m: members for m in range(len(plan.jobs)) if (members := files.pruned(m))},
             events=list(state.events),
             traffic=traffic(stores.values(), batches.values()),
             validation=driver.evaluations.results,

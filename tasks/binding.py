@@ -30,6 +30,9 @@ from harmony.tasks.events import (
     Instruction,
     Leave,
     MachineLost,
+    Prune,
+    Rank,
+    Ranked,
     ReadTiming,
     Release,
     StepTimed,
@@ -89,6 +92,8 @@ class BindingState:
         machines: dict[str, str] | None = None,
         evaluate: bool = False,
         eval_every: int | None = None,
+        prune: bool = False,
+        pruned: dict[int, int] | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy={policy!r}; use one of {POLICIES}")
@@ -139,24 +144,44 @@ class BindingState:
         self.evaluating: dict[int, Evaluate] = {}
         self.evaluations_owed: dict[int, int] = {}
         self.attempts_evaluated: dict[int, int] = {}
+        self.prune = prune and self.eval_every is not None
+        self.pruned: dict[int, int] = dict(pruned or {})  # jobs none of whose members trains any more: their step
+        self.pruned_members: dict[int, dict[int, int]] = {}  # per job, its members this run pruned: their step
+        self.standing: set[int] = set()  # the jobs evaluated at the next pruning step
+        self.ranking: Rank | None = None
+        every = self.eval_every or 1
+        self.decided = max([*self.pruned.values(), *((steps - 1) // every * every for model, steps in
+                                                      enumerate(start or []) if steps and model not in self.pruned)],
+                           default=0) if self.prune else 0  # the last pruning step ranked
         for model, steps in enumerate(start or []):
             self._resume(model, steps)
+        for model in self.pruned:
+            self.finish_times[model] = 0.0
+            self.evaluations_owed.pop(model, None)
 
     def _resume(self, model: int, steps: int) -> None:
         """A job resumed from a checkpoint has trained steps already: its spans start there (a job stepping once
-        per task keeps its span numbers equal to its steps)."""
+        per task keeps its span numbers equal to its steps).
+
+        With pruning, every pruning step before a job's checkpoint was ranked (no job passes one before it is) and
+        what it stopped was checkpointed then (the pruned jobs); a job resumed at a pruning step not known to be
+        ranked is evaluated there again, for the ranking."""
         self.spans[model].open(steps)
         self.steps_trained[model] = steps
         self.step_times[model] = [0.0] * steps
         if not self.spans[model].multistep:
             self.spans_opened[model] = self.spans_done[model] = steps
         self.evaluated[model] = steps
+        if (self.prune and model not in self.pruned and steps == self.decided + (self.eval_every or 0)
+                and (self.spans[model].steps or steps + 1) > steps):
+            self.evaluated[model] = steps - 1
+            self.evaluations_owed[model] = steps
 
     # Events
 
     def start(self) -> list[Instruction]:
         """The run begins: the first batches to fetch."""
-        return self._record(None, self._advance() + self._evaluations())
+        return self._record(None, self._advance() + self._evaluations() + self._rank())
 
     def handle(self, event: Event) -> list[Instruction]:
         """Take one event; return what the driver must do now, in order."""
@@ -178,9 +203,11 @@ class BindingState:
             instructions = self._machine_lost(event)
         elif isinstance(event, Evaluated):
             instructions = self._evaluated(event)
+        elif isinstance(event, Ranked):
+            instructions = self._ranked(event)
         else:
             raise TypeError(f"not an event: {event!r}")
-        return self._record(event, instructions + self._evaluations())
+        return self._record(event, instructions + self._evaluations() + self._rank())
 
     def _record(self, event: Event | None, instructions: list[Instruction]) -> list[Instruction]:
         self.story.append((event, tuple(instructions)))
@@ -241,6 +268,12 @@ class BindingState:
         return instructions + self._advance()
 
     def _fail_job(self, model: int, step: int, reason: str, at: float) -> list[Instruction]:
+        """A job fails: it stops for good, with the weights of its last complete step."""
+        self.failed[model] = {"step": step, "reason": reason, "steps": self.steps_trained[model]}
+        self.events.append({"at": at, "event": "job failed", "job": model, "step": step, "reason": reason})
+        return self._stop_job(model, at)
+
+    def _stop_job(self, model: int, at: float) -> list[Instruction]:
         """Stop a job for good: its tasks cancelled, its values and batches dropped, its loader left."""
         instructions: list[Instruction] = []
         for span in range(self.spans_done[model], self.spans_opened[model]):
@@ -250,11 +283,10 @@ class BindingState:
                 for value in (BatchInput(model, span, group), BatchTargets(model, span, group)):
                     self.readers.pop(value, None)
                     instructions.append(Release(value))
-        self.failed[model] = {"step": step, "reason": reason, "steps": self.steps_trained[model]}
         self.evaluating.pop(model, None)
         self.evaluations_owed.pop(model, None)
+        self.standing.discard(model)
         self.finish_times.setdefault(model, at)
-        self.events.append({"at": at, "event": "job failed", "job": model, "step": step, "reason": reason})
         self.timing.discard(model)
         return [*instructions, Leave(model, self.spans[model].opened)]
 
@@ -316,7 +348,7 @@ class BindingState:
                     | {model for model, home in self.homes.items() if home == device})
         instructions: list[Instruction] = []
         redone: dict[int, str] = {}
-        for model in sorted(affected - set(self.failed)):
+        for model in sorted(model for model in affected if not self.stopped(model)):
             if model in suspects:
                 self.losses[model] += 1
             if self.losses[model] > self.allowed_failures:
@@ -329,7 +361,7 @@ class BindingState:
                 self.homes[model] = self._home_for(model)
             redone[model] = self.homes.get(model, "any device")
         for model, evaluation in list(self.evaluating.items()):
-            if evaluation.device == device and model not in self.failed:
+            if evaluation.device == device and not self.stopped(model):
                 del self.evaluating[model]
                 self.evaluations_owed[model] = evaluation.step
                 redone.setdefault(model, f"its evaluation at step {evaluation.step}")
@@ -367,7 +399,7 @@ class BindingState:
         if any(self.machines[name] == machine for name in self.device_names):
             return []
         return [model for model, job in enumerate(self.jobs)
-                if job.machine == machine and model not in self.failed and not self._job_finished(model)]
+                if job.machine == machine and not self.stopped(model) and not self._job_finished(model)]
 
     def _home_for(self, model: int) -> str:
         """The live device of its machine a homed job moves to: the one with the fewest jobs homed there."""
@@ -437,12 +469,14 @@ class BindingState:
         """
         wanted = []
         for model, opened in enumerate(self.spans_opened):
-            if model in self.failed:
+            if self.stopped(model):
                 continue
             total = self.total_spans(model)
             point = self.next_evaluation(model)
             if point is not None and self.spans[model].opened >= point + self.ahead(model):
                 continue  # its weights at point are evaluated before a later step may overwrite them
+            if self.prune and self.spans[model].opened >= self.decided + (self.eval_every or 0):
+                continue  # held at the next pruning step until every job still training is ranked there
             span = opened
             while (total is None or span < total) and (span < 2 or self.spans_done[model] >= span - 1):
                 wanted.append((model, span))
@@ -721,6 +755,8 @@ class BindingState:
             self.failed[event.model]["error"] = event.error
             return instructions + self._advance()
         self.evaluated[event.model] = event.step
+        if self.prune and event.step == self.decided + (self.eval_every or 0):
+            self.standing.add(event.model)
         self._owe_evaluation(event.model, self._all_spans_done(event.model))
         if self._job_finished(event.model):
             self.finish_times.setdefault(event.model, event.at)
@@ -737,6 +773,45 @@ class BindingState:
             self.evaluations_owed[model] = trained
         return model in self.evaluations_owed
 
+    # Pruning
+
+    def contends(self, model: int, step: int) -> bool:
+        """Whether a job is ranked at pruning step: it still trains, and its data goes past step."""
+        total = self.spans[model].steps
+        return not self.stopped(model) and (total is None or total > step) and not self._all_spans_done(model)
+
+    def _rank(self) -> list[Instruction]:
+        """With pruning: once every job still training past the next pruning step has been evaluated there, rank
+        them (one ranking at a time; they all wait at that step meanwhile)."""
+        if not self.prune or self.ranking is not None:
+            return []
+        step = self.decided + (self.eval_every or 0)
+        contenders = [model for model in range(len(self.jobs)) if self.contends(model, step)]
+        if not contenders or any(model not in self.standing for model in contenders):
+            return []
+        self.ranking = Rank(step, tuple(contenders))
+        return [self.ranking]
+
+    def _ranked(self, event: Ranked) -> list[Instruction]:
+        """A ranking is done: its pruned members stop at its step, a job with none left training stops whole (and is
+        checkpointed there, what a resumed run knows it by), and every other job goes on past the step."""
+        assert self.ranking is not None and event.step == self.ranking.step, f"{event} was not asked for"
+        assert set(event.pruned) <= set(self.ranking.models) >= event.ended, f"{event} ranks jobs not ranked"
+        self.ranking = None
+        self.decided = event.step
+        self.standing.clear()
+        instructions: list[Instruction] = []
+        for model, positions in sorted(event.pruned.items()):
+            instructions.append(Prune(model, event.step, positions))
+            self.pruned_members.setdefault(model, {}).update(dict.fromkeys(positions, event.step))
+        for model in sorted(event.ended):
+            self.pruned[model] = event.step
+            self.events.append({"at": event.at, "event": "job pruned", "job": model, "step": event.step})
+            if self.checkpoint_every:
+                instructions.append(Checkpoint(model, event.step))
+            instructions += self._stop_job(model, event.at)
+        return instructions + self._advance()
+
     # What the run has done
 
     def total_spans(self, model: int) -> int | None:
@@ -750,13 +825,17 @@ class BindingState:
         train in all (None while a loader's length is unknown; a failed job's count ends where it stopped)."""
         members = [len(job.members) for job in self.jobs]
         done = sum(steps * count for steps, count in zip(self.steps_trained, members))
-        totals = [(self.steps_trained[job] if job in self.failed else spans.steps) * count
+        totals = [(self.steps_trained[job] if self.stopped(job) else spans.steps) * count
                   for job, (spans, count) in enumerate(zip(self.spans, members)) if spans.steps is not None]
         return done, sum(totals) if len(totals) == len(self.spans) else None
 
     @property
     def finished(self) -> bool:
-        return all(m in self.failed or self._job_finished(m) for m in range(len(self.jobs)))
+        return all(self.stopped(m) or self._job_finished(m) for m in range(len(self.jobs)))
+
+    def stopped(self, model: int) -> bool:
+        """Whether a job stopped before its end: it failed, or it was pruned."""
+        return model in self.failed or model in self.pruned
 
     def _all_spans_done(self, model: int) -> bool:
         """Whether a job has run every span of its data."""
@@ -797,17 +876,24 @@ class BindingState:
             assert self.machines[home] == self.jobs[model].machine, f"job {model} is homed off its machine"
         for task, device in self.bound.items():
             assert self.machines[device] == self.jobs[task.model].machine, f"{task} is bound off its job's machine"
-        assert not set(self.failed) & {task.model for task in self.bound}, "a failed job has tasks bound"
+        assert not any(self.stopped(task.model) for task in self.bound), "a stopped job has tasks bound"
         for model, spans in enumerate(self.spans):
             assert self.spans_done[model] <= self.spans_opened[model], f"model {model} finished unopened spans"
             assert len(self.step_times[model]) == self.steps_trained[model], f"model {model}'s steps are miscounted"
             assert spans.opened >= self.steps_trained[model], f"model {model} trained steps it never opened"
         for model, evaluation in self.evaluating.items():
-            assert model not in self.failed, f"failed model {model} is evaluated"
+            assert not self.stopped(model), f"stopped model {model} is evaluated"
             assert self.evaluations_owed.get(model, evaluation.step + 1) > evaluation.step, f"{model} evaluates twice"
             ahead = self.ahead(model)
             assert 0 <= self.steps_trained[model] - evaluation.step <= ahead, f"model {model} evaluates stale weights"
             assert self.spans[model].opened <= evaluation.step + ahead, f"{model} opened steps past its evaluation"
+        if self.prune:
+            step = self.decided + (self.eval_every or 0)
+            for model in range(len(self.jobs)):
+                assert self.stopped(model) or self.spans[model].opened <= step, f"model {model} passed step {step}"
+                assert model not in self.standing or self.evaluated[model] == step, f"model {model} stands unevaluated"
+            assert self.ranking is None or self.ranking.step == step, "a ranking of another step is awaited"
+            assert not set(self.pruned) & {task.model for task in self.bound}, "a pruned job has tasks bound"
         for model, step in self.evaluations_owed.items():
             assert step <= self.steps_trained[model] <= step + self.ahead(model), f"model {model}'s evaluation is stale"
             assert self.spans[model].opened <= step + self.ahead(model), f"{model} opened steps past its evaluation"

@@ -94,7 +94,19 @@ class Evaluated:
     isolated: bool = False
 
 
-Event = BatchReady | TaskFinished | TaskFailed | StepTimed | WorkerLost | WorkerJoined | MachineLost | Evaluated
+@dataclass(frozen=True)
+class Ranked:
+    """The models still training were ranked at a pruning step: pruned holds, per job, the positions of its members
+    that stop there (their weights stay those of step); ended the jobs none of whose members trains any more."""
+
+    step: int
+    pruned: dict[int, tuple[int, ...]]
+    ended: frozenset[int]
+    at: float
+
+
+Event = (BatchReady | TaskFinished | TaskFailed | StepTimed | WorkerLost | WorkerJoined | MachineLost | Evaluated
+         | Ranked)
 
 # Instructions
 
@@ -198,4 +210,23 @@ class Evaluate:
     attempt: int
 
 
-Instruction = Fetch | Submit | Release | Cancel | Leave | Checkpoint | ReadTiming | Fail | Evaluate
+@dataclass(frozen=True)
+class Rank:
+    """Every job still training has been evaluated at step, a pruning step: rank their models that still train there
+    and say which stop; answer with Ranked."""
+
+    step: int
+    models: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Prune:
+    """The members at positions of the job stop at step, for every process of the run: their weights stay those of
+    step (see divergence, whose keeping of stopped members' weights this shares)."""
+
+    model: int
+    step: int
+    positions: tuple[int, ...]
+
+
+Instruction = Fetch | Submit | Release | Cancel | Leave | Checkpoint | ReadTiming | Fail | Evaluate | Rank | Prune

@@ -18,6 +18,9 @@ from harmony.tasks.events import (
     Instruction,
     Leave,
     MachineLost,
+    Prune,
+    Rank,
+    Ranked,
     ReadTiming,
     Release,
     StepTimed,
@@ -35,17 +38,19 @@ from harmony.tasks.runplan import Job
 def job(*pack_bytes: int, steps: int | None = None, home: str | None = None, **fields: object) -> Job:
     """A job of packs with these weight bytes (and as many gradient bytes)."""
     packs = tuple(Pack(i, i, i + 1, (), (), (), PackCost(b, b, 0, 0), 0.0) for i, b in enumerate(pack_bytes))
-    return Job(members=(0,), label="m", feed=0, seed=0, packing=Packing("m", packs, 10**12, 1), steps=steps,
-               step_seconds=fields.pop("step_seconds", 0.0), batch_bytes=fields.pop("batch_bytes", 0),  # type: ignore[arg-type]
-               home=home, **fields)  # type: ignore[arg-type]
+    defaults: dict[str, object] = {"members": (0,), "step_seconds": 0.0, "batch_bytes": 0}
+    return Job(label="m", feed=0, seed=0, packing=Packing("m", packs, 10**12, 1), steps=steps, home=home,
+               **{**defaults, **fields})  # type: ignore[arg-type]
 
 
 class Player:
     """Plays the driver: answers fetches from loaders of steps[m] steps, keeps submitted tasks in flight in the
-    order they came, records releases, answers timing reads with timings[model] (seconds, steps)."""
+    order they came, records releases, answers timing reads with timings[model] (seconds, steps) and rankings with
+    rank's answer."""
 
     def __init__(self, state: BindingState, steps: dict[int, int | None],
-                 timings: dict[int, tuple[float, int]] | None = None) -> None:
+                 timings: dict[int, tuple[float, int]] | None = None,
+                 rank: Callable[[Rank], Ranked] | None = None) -> None:
         self.state = state
         self.steps = steps
         self.timings = timings or {}
@@ -56,6 +61,10 @@ class Player:
         self.cancelled: list[TaskId] = []
         self.left: list[Leave] = []
         self.evaluations: list[Evaluate] = []
+        self.rank = rank
+        self.rankings: list[Rank] = []
+        self.pruned: list[Prune] = []
+        self.checkpoints: list[Checkpoint] = []
         self.clock = 0.0
 
     def carry_out(self, instructions: list[Instruction]) -> None:
@@ -82,6 +91,14 @@ class Player:
             elif isinstance(instruction, ReadTiming):
                 seconds, steps = self.timings.get(instruction.model, (0.0, 0))
                 queue += self.state.handle(StepTimed(instruction.model, seconds, steps))
+            elif isinstance(instruction, Rank):
+                assert self.rank is not None, f"{instruction} in a run without pruning"
+                self.rankings.append(instruction)
+                queue += self.state.handle(self.rank(instruction))
+            elif isinstance(instruction, Prune):
+                self.pruned.append(instruction)
+            elif isinstance(instruction, Checkpoint):
+                self.checkpoints.append(instruction)
 
     def finish(self, submit: Submit) -> None:
         self.in_flight.remove(submit)
@@ -591,3 +608,60 @@ def test_a_swapped_job_evaluated_every_step_takes_one_step_while_each_evaluation
     player.play_evaluating(lambda evaluation: trained_while.append(state.steps_trained[0] - evaluation.step))
     assert set(trained_while) <= {0, 1} and 1 in trained_while, "one step, no more, runs while an evaluation does"
     assert [e.step for e in player.evaluations] == [1, 2, 3, 4]
+
+
+def test_with_pruning_every_job_waits_at_each_pruning_step_until_all_still_training_are_ranked_there() -> None:
+    """The jobs still training meet at every evaluation within the run (none opens a step past it before the
+    ranking), whatever order their tasks and evaluations finish in; a job stopped whole trains and is evaluated no
+    more and is checkpointed at its step; one whose data ends at a pruning step is not ranked there."""
+    jobs = [job(10, 10, steps=8), job(10, steps=8, step_seconds=0.05, depth=3, home="b"), job(10, 10, steps=8),
+            job(10, steps=4)]
+    for seed in range(5):
+        state = BindingState(jobs, {"a": 1000, "b": 1000}, homes={1: "b"}, validate=True, evaluate=True,
+                             eval_every=2, prune=True, checkpoint_every=100)
+
+        def rank(rank: Rank, state: BindingState = state) -> Ranked:
+            for model in range(len(jobs)):
+                assert state.stopped(model) or state.spans[model].opened <= rank.step, "a job passed the step"
+            stop = max(rank.models)  # the last job still training stops, until one is left
+            ended = frozenset({stop}) if len(rank.models) > 1 else frozenset()
+            return Ranked(rank.step, {model: (0,) for model in ended}, ended, 0.0)
+
+        player = Player(state, {0: 8, 1: 8, 2: 8, 3: 4}, rank=rank)
+        player.play(random.Random(seed))
+        assert [(r.step, r.models) for r in player.rankings] == [(2, (0, 1, 2, 3)), (4, (0, 1, 2)), (6, (0, 1))]
+        assert state.pruned == {3: 2, 2: 4, 1: 6} and state.steps_trained == [8, 6, 4, 2]
+        assert player.pruned == [Prune(3, 2, (0,)), Prune(2, 4, (0,)), Prune(1, 6, (0,))]
+        assert [(c.model, c.step) for c in player.checkpoints if c.model != 0] == [(3, 2), (2, 4), (1, 6)]
+        assert sorted({(e.model, e.step) for e in player.evaluations}) == [
+            (0, 2), (0, 4), (0, 6), (0, 8), (1, 2), (1, 4), (1, 6), (2, 2), (2, 4), (3, 2)]
+        assert not player.left or all(leave.model != 0 for leave in player.left)
+        assert state.finished and not state.failed
+
+
+def test_a_ranking_that_stops_some_members_of_an_array_goes_on_and_one_that_stops_none_lets_every_job_pass() -> None:
+    fused = job(10, 10, steps=4, members=(0, 1, 2))
+    state = BindingState([fused, job(10, steps=4)], {"a": 1000}, validate=True, evaluate=True, eval_every=2,
+                         prune=True)
+    answers = iter([Ranked(2, {0: (1, 2)}, frozenset(), 0.0)])
+    player = Player(state, {0: 4, 1: 4}, rank=lambda rank: next(answers))
+    player.play()
+    assert [r.step for r in player.rankings] == [2], "the end of the data is no pruning step"
+    assert player.pruned == [Prune(0, 2, (1, 2))] and not state.pruned and state.steps_trained == [4, 4]
+
+
+def test_a_resumed_run_with_pruning_ranks_again_where_its_checkpoints_may_not_have_been_ranked() -> None:
+    """Checkpoints at steps 4, 4, 2 (pruned there) and 6: a job at step 6 means step 4 was ranked (no job passes an
+    unranked one), so the jobs at 4 go on, and the one at 6 is evaluated there again for the ranking it waits for;
+    with the jobs at 4, 4 and 2 alone, step 4 may not have been: the jobs at 4 are evaluated there again."""
+    jobs = [job(10, steps=8), job(10, steps=8), job(10, steps=8), job(10, steps=8)]
+    for starts, owed in (([4, 4, 2, 6], {3: 6}), ([4, 4, 2, 4], {0: 4, 1: 4, 3: 4})):
+        state = BindingState(jobs, {"a": 1000}, validate=True, evaluate=True, eval_every=2, prune=True,
+                             start=starts, pruned={2: 2})
+        assert state.evaluations_owed == owed and state.decided == (4 if 6 in starts else 2)
+        player = Player(state, dict.fromkeys(range(4), 8),
+                        rank=lambda rank: Ranked(rank.step, {}, frozenset(), 0.0))
+        player.play()
+        assert [(r.step, r.models) for r in player.rankings] == [*([(4, (0, 1, 3))] if 4 in owed.values() else []),
+                                                                  (6, (0, 1, 3))]
+        assert state.steps_trained == [8, 8, 2, 8] and state.pruned == {2: 2}

@@ -1,0 +1,159 @@
+"""Pruning a sweep (prune=): the built-in pruners' choices, and through harmony.train the weights, histories and
+validation figures of the models stopped and of those left, against plain PyTorch loops that stop the same models
+at the same steps, for homed, swapped and fused models; a user's pruner; bad arguments."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+import harmony
+from harmony.errors import InputError
+from harmony.tasks.pruning import Pruner, Standing, halving, median
+from tests.conftest import assert_same_weights, clones, deep_mlp, param_bytes, regression_batches
+
+EVERY = 2
+STEPS = 7
+RATES = (0.002, 0.05, 0.0005, 0.02)  # four learning rates: their validation losses part early
+
+
+def standings(*losses: float) -> list[Standing]:
+    return [Standing(index, f"model {index}", loss) for index, loss in enumerate(losses)]
+
+
+def test_halving_stops_the_worse_half_and_never_the_last_model() -> None:
+    assert sorted(halving(2, standings(0.5, 0.1, 0.9, 0.3))) == [0, 2]
+    assert sorted(halving(2, standings(0.5, 0.1, 0.9))) == [2], "three: one stops, two go on"
+    assert halving(2, standings(0.5)) == []
+    assert sorted(halving(2, standings(math.nan, 0.1, 0.2, math.inf))) == [0, 3], "a loss not finite ranks last"
+    assert halving(2, standings(0.5, 0.5)) == [1], "equal losses: the later model stops"
+
+
+def test_the_median_rule_stops_the_models_worse_than_the_median() -> None:
+    assert sorted(median(2, standings(0.5, 0.1, 0.9, 0.3))) == [0, 2]
+    assert median(2, standings(0.5, 0.1, 0.9)) == [2], "the median model itself goes on"
+    assert median(2, standings(0.2, math.nan, 0.4)) == [1, 2]
+    assert median(2, standings(0.5, 0.5)) == []
+
+
+def sgd(lr: float) -> Callable[..., torch.optim.Optimizer]:
+    return lambda parameters: torch.optim.SGD(parameters, lr=lr, momentum=0.9)
+
+
+def validation_loss(model: nn.Module, val: list) -> float:
+    model.eval()
+    with torch.no_grad():
+        total = sum(nn.functional.mse_loss(model(x), y).item() * len(x) for x, y in val)
+    model.train()
+    return total / sum(len(x) for x, _ in val)
+
+
+def plain_sweep(models: list[nn.Module], batches: list, val: list, pruner: Pruner) -> tuple[dict, list, list]:
+    """The sweep as plain loops in lockstep: every model steps, every EVERY steps each model still training is
+    evaluated and pruner says which stop there (their weights stay). Returns the pruned {model: step}, the loss
+    histories and the validation histories."""
+    optimizers = [sgd(lr)(model.parameters()) for model, lr in zip(models, RATES)]
+    training = list(range(len(models)))
+    pruned: dict[int, int] = {}
+    history: list[list[float]] = [[] for _ in models]
+    val_history: list[list[tuple[int, float]]] = [[] for _ in models]
+    for step, (x, y) in enumerate(batches, start=1):
+        for index in training:
+            optimizers[index].zero_grad()
+            loss = nn.functional.mse_loss(models[index](x), y)
+            loss.backward()
+            optimizers[index].step()
+            history[index].append(loss.item())
+        if step % EVERY == 0 or step == len(batches):
+            for index in training:
+                val_history[index].append((step, validation_loss(models[index], val)))
+        if step % EVERY == 0 and step < len(batches):
+            ranked = [Standing(index, f"model {index}", val_history[index][-1][1]) for index in training]
+            for index in pruner(step, ranked):
+                pruned[index] = step
+            training = [index for index in training if index not in pruned]
+    return pruned, history, val_history
+
+
+CASES = {
+    "homed": {"fuse": False},
+    "swapped": {"fuse": False, "device_memory": "budget"},
+    "fused": {"fuse": True},
+    "fused-swapped": {"fuse": True, "device_memory": "budget"},
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_halving_sweep_stops_the_models_a_plain_sweep_stops_with_their_weights_of_that_step(
+    case: str, no_leaks: None
+) -> None:
+    models = [deep_mlp(seed=seed).double() for seed in range(len(RATES))]
+    references = clones(models)
+    batches = [(x.double(), y.double()) for x, y in regression_batches(samples=8 * STEPS, batch=8)]
+    val = [(x.double(), y.double()) for x, y in regression_batches(samples=16, batch=8, seed=7)]
+    options = dict(CASES[case])
+    if options.get("device_memory") == "budget":
+        options["device_memory"] = param_bytes(models[0]) * (4 if options["fuse"] else 1) // 2
+    result = harmony.train(models, batches, nn.functional.mse_loss, [sgd(lr) for lr in RATES], devices=2,
+                           val_loaders=val, eval_every=EVERY, prune="halving", progress=False, **options)
+    expected, history, val_history = plain_sweep(references, batches, val, halving)
+    assert len(expected) == 3 and len(set(expected.values())) == 2, "the plain sweep halves twice: 4 -> 2 -> 1"
+    if case.startswith("fused"):
+        assert result.arrays == [[0, 1, 2, 3]]
+    if "swapped" in case:
+        assert not result.homes and all(len(packing.packs) > 1 for packing in result.packings)
+    else:
+        assert result.homes
+    assert result.pruned == expected and not result.failed
+    for index, (model, reference) in enumerate(zip(result.models, references)):
+        assert_same_weights(model, reference, rtol=1e-9, atol=1e-12)
+        assert result.history[index] == pytest.approx(history[index], rel=1e-9)
+        assert result.stats.steps[index] == expected.get(index, STEPS)
+        assert [step for step, _ in result.val_history[index]] == [step for step, _ in val_history[index]]
+        assert [loss for _, loss in result.val_history[index]] == pytest.approx(
+            [loss for _, loss in val_history[index]], rel=1e-9)
+
+
+def test_a_users_pruner_sees_the_models_still_training_and_a_bad_answer_ends_the_run(no_leaks: None) -> None:
+    models = [nn.Linear(4, 1) for _ in range(3)]
+    torch.manual_seed(0)
+    x = torch.randn(32, 4)
+    y = x.sum(1, keepdim=True)
+    batches = [(x[i : i + 8], y[i : i + 8]) for i in range(0, 32, 8)]
+    seen: list[tuple[int, list[str]]] = []
+
+    def by_name(step: int, standings: list[Standing]) -> list[int]:
+        seen.append((step, [standing.name for standing in standings]))
+        assert all("within" in standing.metrics for standing in standings)
+        return [standing.index for standing in standings if standing.name == "b"]
+
+    def within(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return ((output - target).abs() < 1).double().mean()
+
+    arguments = dict(loss_fn=nn.functional.mse_loss, optimizer=lambda p: torch.optim.SGD(p, lr=0.01), epochs=2,
+                     val_loaders=batches[:1], eval_every=3, metrics=within, names=["a", "b", "c"], fuse=False,
+                     progress=False)
+    result = harmony.train(models, batches, prune=by_name, **arguments)
+    assert seen == [(3, ["a", "b", "c"]), (6, ["a", "c"])]
+    assert result.pruned == {1: 3} and result.stats.steps == [8, 3, 8] and len(result.history[1]) == 3
+    with pytest.raises(InputError, match=r"prune returned \[7\] at step 3; it may stop only models still training"):
+        harmony.train(models, batches, prune=lambda step, standings: [7], **arguments)
+
+
+@pytest.mark.parametrize("arguments, message", [
+    ({"prune": "halving", "eval_every": 2}, "eval_every needs val_loaders"),
+    ({"prune": "halving", "val_loaders": "val"}, "pass eval_every"),
+    ({"prune": "hyperband", "val_loaders": "val", "eval_every": 2}, "prune='hyperband' is not a pruner"),
+    ({"prune": 0.5, "val_loaders": "val", "eval_every": 2}, "prune=0.5; prune must be one of"),
+])
+def test_bad_pruning_arguments_are_refused_before_work_starts(arguments: dict, message: str) -> None:
+    batch = (torch.randn(4, 4), torch.randn(4, 1))
+    if arguments.get("val_loaders") == "val":
+        arguments = {**arguments, "val_loaders": [batch]}
+    with pytest.raises(InputError, match=message):
+        harmony.train(nn.Linear(4, 1), [batch], nn.functional.mse_loss, lambda p: torch.optim.SGD(p, lr=0.1),
+                      progress=False, **arguments)
