@@ -5,14 +5,16 @@ at the same steps, for homed, swapped and fused models; a user's pruner; bad arg
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 import harmony
-from harmony.errors import InputError
+from harmony.errors import InputError, ModelError
 from harmony.tasks.pruning import Pruner, Standing, halving, median
 from tests.conftest import assert_same_weights, clones, deep_mlp, param_bytes, regression_batches
 
@@ -157,3 +159,46 @@ def test_bad_pruning_arguments_are_refused_before_work_starts(arguments: dict, m
     with pytest.raises(InputError, match=message):
         harmony.train(nn.Linear(4, 1), [batch], nn.functional.mse_loss, lambda p: torch.optim.SGD(p, lr=0.1),
                       progress=False, **arguments)
+
+
+class FailingOnce:
+    """mse_loss that raises on the batch whose first target is marker while the file flag exists (a crash that a
+    resumed run, with the flag gone, does not meet)."""
+
+    def __init__(self, flag: Path, marker: float) -> None:
+        self.flag = str(flag)
+        self.marker = marker
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if os.path.exists(self.flag) and target.reshape(-1)[0].item() == self.marker:
+            raise RuntimeError("a crash")
+        return nn.functional.mse_loss(output, target)
+
+
+@pytest.mark.parametrize("fuse", [False, True], ids=["alone", "fused"])
+def test_a_pruned_sweep_that_crashed_resumes_to_the_models_and_stops_of_the_uninterrupted_one(
+    fuse: bool, tmp_path: Path, no_leaks: None
+) -> None:
+    """The run ends at step 5 of the model that wins (fail_fast): two models were pruned at step 2 and one at 4 (a
+    fused array's members in its checkpoint, the others checkpointed whole there); the resumed run keeps them
+    stopped and trains the winner to the end, as a plain sweep does."""
+    models = [deep_mlp(seed=seed).double() for seed in range(len(RATES))]
+    references = clones(models)
+    batches = [(x.double(), y.double()) for x, y in regression_batches(samples=8 * STEPS, batch=8)]
+    val = [(x.double(), y.double()) for x, y in regression_batches(samples=16, batch=8, seed=7)]
+    expected, _, _ = plain_sweep(references, batches, val, halving)
+    [winner] = set(range(len(RATES))) - set(expected)
+    flag = tmp_path / "crash"
+    flag.touch()
+    marker = batches[5][1].reshape(-1)[0].item()
+    losses = [FailingOnce(flag if index == winner else tmp_path / "never", marker) for index in range(len(RATES))]
+    arguments = dict(devices=2, val_loaders=val, eval_every=EVERY, prune="halving", progress=False, fuse=fuse,
+                     checkpoint_dir=tmp_path / "checkpoints", checkpoint_every=1, fail_fast=True)
+    with pytest.raises(ModelError, match="a crash"):
+        harmony.train(models, batches, losses, [sgd(lr) for lr in RATES], **arguments)
+    flag.unlink()
+    result = harmony.train(models, batches, losses, [sgd(lr) for lr in RATES], resume=True, **arguments)
+    assert result.pruned == expected and not result.failed
+    for model, reference in zip(result.models, references):
+        assert_same_weights(model, reference, rtol=1e-9, atol=1e-12)
+    assert result.stats.steps == [expected.get(index, STEPS) for index in range(len(RATES))]
