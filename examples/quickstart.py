@@ -5,10 +5,11 @@ optimizers x three learning rates) train concurrently. The three models of each 
 into an array (one stacked computation for all three), cut into layer packs where an array does not fit the
 300 kB budget; Harmony runs whichever its simulator predicts fastest, and the last lines say which and why.
 
-    python examples/quickstart.py [--report run.png]
+    python examples/quickstart.py [--report run.png] [--prune]
 
 Each model is evaluated on held-out points every 16 steps and at the end (loss and accuracy); the best one is
-printed, and --report writes the run's page (curves, table, device timeline).
+printed, and --report writes the run's page (curves, table, device timeline). --prune stops the worse half of the
+models still training at every evaluation within the run (successive halving: 6 -> 3 -> 2 -> 1).
 """
 
 import argparse
@@ -43,6 +44,7 @@ def accuracy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--report", default=None, help="write the run's report page here (.png or .html)")
+parser.add_argument("--prune", action="store_true", help="successive halving at every evaluation within the run")
 options = parser.parse_args()
 
 torch.manual_seed(0)
@@ -68,18 +70,20 @@ result = harmony.train(
     eval_every=16,
     metrics=accuracy,
     names=[f"{name} lr={lr:g}" for name, lr, _ in grid],
+    prune="halving" if options.prune else None,
 )
 elapsed = time.perf_counter() - started
 
 print(f"\ntrained {len(models)} models in {elapsed:.1f}s (mode {result.mode})")
 print(f"dashboard was at {result.dashboard_link}")
-print(f"{'model':<22}{'job':>6}{'packs':>6}{'first loss':>11}{'last loss':>10}{'val loss':>10}{'val accuracy':>14}")
+print(f"{'model':<22}{'job':>6}{'packs':>6}{'steps':>6}{'first loss':>11}{'last loss':>10}{'val loss':>10}"
+      f"{'val accuracy':>14}")
 for index, losses in enumerate(result.history):
     job, packs = result.job_of(index), len(result.packing_of(index).packs)
     _, val_loss = result.val_history[index][-1]
     _, figures = result.val_metrics[index][-1]
-    print(f"{result.name(index):<22}{job:>6}{packs:>6}{losses[0]:>11.4f}{losses[-1]:>10.4f}{val_loss:>10.4f}"
-          f"{figures['accuracy']:>14.1%}")
+    print(f"{result.name(index):<22}{job:>6}{packs:>6}{result.stats.steps[index]:>6}{losses[0]:>11.4f}"
+          f"{losses[-1]:>10.4f}{val_loss:>10.4f}{figures['accuracy']:>14.1%}")
 best = result.best()
 print(f"best: {best.name} (validation loss {best.val_loss:.4f}, accuracy {best.metrics['accuracy']:.1%})")
 for choice in result.fusion:

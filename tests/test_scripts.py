@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from tests.conftest import harmony_files, worker_processes
 
@@ -145,16 +146,22 @@ def test_the_gpt_sweep_example_runs_and_picks_the_best_configuration(no_leaks: N
     assert f"validation loss {min(losses):.3f}" in done.stdout.splitlines()[-1]
 
 
-def test_the_quickstart_trains_the_grid_evaluates_it_and_writes_its_report(tmp_path: Path, no_leaks: None) -> None:
+@pytest.mark.parametrize("prune", [False, True], ids=["grid", "pruned"])
+def test_the_quickstart_trains_the_grid_evaluates_it_and_writes_its_report(
+    prune: bool, tmp_path: Path, no_leaks: None
+) -> None:
     """examples/quickstart.py --report: six models in two fused arrays under a 300 kB budget, evaluated on held-out
-    points; it prints every model's validation loss and accuracy and the best, and writes the report page."""
+    points; it prints every model's validation loss and accuracy and the best, and writes the report page. With
+    --prune, the models stop by successive halving at steps 16, 32 and 48: three, one and one of them."""
     example = Path(__file__).parent.parent / "examples" / "quickstart.py"
     page = tmp_path / "run.png"
-    done = subprocess.run([sys.executable, str(example), "--report", str(page)], text=True, capture_output=True,
-                          timeout=300)
+    done = subprocess.run([sys.executable, str(example), "--report", str(page), *(["--prune"] if prune else [])],
+                          text=True, capture_output=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [line for line in done.stdout.splitlines() if line.startswith(("SGD", "Adam"))]
     assert len(rows) == 6, done.stdout
+    steps = sorted(int(row[22:].split()[2]) for row in rows)
+    assert steps == ([16, 16, 16, 32, 48, 64] if prune else [64] * 6), done.stdout
     best = min(rows, key=lambda row: float(row.split()[-2]))
     assert f"best: {best[:22].strip()} (validation loss {float(best.split()[-2]):.4f}" in done.stdout, done.stdout
     assert page.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,137 @@
+"""Benchmark: what prune="halving" saves a sweep, against the same sweep trained to the end and the plain loop's
+successive halving.
+
+A grid of MLPs (one architecture, SGD with momentum at a spread of learning rates) learning a fixed random MLP,
+evaluated every --every steps. Each way trains the grid and reports its seconds, the model-steps it trained and the
+validation loss of the model it ends with as best. The plain loops step every model still training once per
+batch in turn (as a hand-written sweep in one process does) and halve at each evaluation like Harmony's pruner;
+Harmony runs on two CPU devices, unfused (a pruned model frees its device) and fused (an array computes its pruned
+members until all have stopped). Seconds are medians over rounds (the ways alternate, so that the machine's drift
+falls on all of them).
+
+    python -m benchmarks.pruning [--quick] [--rounds N] [--models 8] [--every 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+import harmony
+from benchmarks.models import mlp
+from benchmarks.report import arguments, report
+from harmony.tasks.pruning import Standing, halving
+
+
+def rates(count: int) -> list[float]:
+    """count learning rates spread evenly in log space over [1e-4, 0.1]."""
+    return [10 ** (-4 + 3 * index / max(count - 1, 1)) for index in range(count)]
+
+
+def factory(rate: float) -> Callable[..., torch.optim.Optimizer]:
+    return lambda parameters: torch.optim.SGD(parameters, lr=rate, momentum=0.9)
+
+
+def teacher_data(steps: int, batch: int, width: int, seed: int) -> list:
+    """Batches of inputs and a fixed random MLP's outputs for them (with a little noise): a target the grid can learn,
+    so that the learning rates part."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(steps * batch, width, generator=generator)
+    with torch.no_grad():
+        y = mlp(width, 2, seed=99)(x)
+        y = y / y.std() + 0.1 * torch.randn(steps * batch, 8, generator=generator)  # unit scale, a little noise
+    return [(x[i : i + batch], y[i : i + batch]) for i in range(0, steps * batch, batch)]
+
+
+def validation_loss(model: nn.Module, val: list) -> float:
+    with torch.no_grad():
+        return sum(nn.functional.mse_loss(model(x), y).item() * len(x) for x, y in val) / sum(len(x) for x, _ in val)
+
+
+def plain(models: list[nn.Module], data: list, val: list, every: int, prune: bool) -> dict[str, Any]:
+    """The plain sweep in one process: per batch every model still training steps; every `every` steps they are
+    evaluated and, with prune, the worse half stops."""
+    optimizers = [factory(rate)(model.parameters()) for model, rate in zip(models, rates(len(models)))]
+    training = list(range(len(models)))
+    losses = dict.fromkeys(training, math.inf)
+    model_steps = 0
+    started = time.perf_counter()
+    for step, (x, y) in enumerate(data, start=1):
+        for index in training:
+            optimizers[index].zero_grad()
+            nn.functional.mse_loss(models[index](x), y).backward()
+            optimizers[index].step()
+            model_steps += 1
+        if step % every == 0 or step == len(data):
+            for index in training:
+                losses[index] = validation_loss(models[index], val)
+        if prune and step % every == 0 and step < len(data):
+            stopped = set(halving(step, [Standing(index, "", losses[index]) for index in training]))
+            training = [index for index in training if index not in stopped]
+    seconds = time.perf_counter() - started
+    return {"seconds": seconds, "model-steps": model_steps, "computed": model_steps,
+            "best val loss": min(losses.values())}
+
+
+def with_harmony(models: list[nn.Module], data: list, val: list, every: int, prune: bool, fuse: bool
+                 ) -> dict[str, Any]:
+    result = harmony.train(models, data, nn.functional.mse_loss, [factory(rate) for rate in rates(len(models))],
+                           devices=2, fuse=fuse, val_loaders=val, eval_every=every,
+                           prune="halving" if prune else None, progress=False)
+    computed = sum(len(job.members) * max(result.stats.steps[model] for model in job.members)
+                   for job in result.plan.jobs)  # an array computes its pruned members until all have stopped
+    return {"seconds": result.stats.wall_seconds, "model-steps": sum(result.stats.steps), "computed": computed,
+            "best val loss": result.best().val_loss, "busy": statistics.mean(result.stats.utilization().values())}
+
+
+def main() -> None:
+    def extend(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--rounds", type=int, default=3, help="runs of each way (the table gives the median)")
+        parser.add_argument("--models", type=int, default=8, help="the grid's size")
+        parser.add_argument("--every", type=int, default=8, help="steps between evaluations (pruning steps)")
+
+    args = arguments(__doc__.splitlines()[0], extend)
+    logging.getLogger("distributed").setLevel(logging.ERROR)
+    width, depth, batch, steps = (128, 4, 32, 24) if args.quick else (512, 6, 128, 48)
+    every = min(args.every, steps // 4)
+    data = teacher_data(steps, batch, width, seed=1)
+    val = teacher_data(4, batch, width, seed=7)
+    ways: dict[str, Callable[[list[nn.Module]], dict[str, Any]]] = {
+        "plain loop, every model to the end": lambda models: plain(models, data, val, every, False),
+        "plain loop, successive halving": lambda models: plain(models, data, val, every, True),
+        "Harmony, every model to the end": lambda models: with_harmony(models, data, val, every, False, False),
+        "Harmony, prune='halving'": lambda models: with_harmony(models, data, val, every, True, False),
+        "Harmony fused, prune='halving'": lambda models: with_harmony(models, data, val, every, True, True),
+    }
+    with_harmony([mlp(width, depth, seed=seed) for seed in range(2)], data[:2], val, 1, False, False)  # warm
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in ways}
+    for _ in range(args.rounds):
+        for name, way in ways.items():
+            runs[name].append(way([mlp(width, depth, seed=seed) for seed in range(args.models)]))
+    rows = []
+    for name, measured in runs.items():
+        seconds = [run["seconds"] for run in measured]
+        rows.append({"way": name, "model-steps": measured[0]["model-steps"], "computed": measured[0]["computed"],
+                     "seconds": statistics.median(seconds),
+                     "range": f"{min(seconds):.2f}-{max(seconds):.2f}",
+                     "best val loss": measured[0]["best val loss"],
+                     "busy": measured[0].get("busy", 1.0)})
+    base = rows[1]["seconds"]
+    for row in rows:
+        row["/ plain halving"] = row["seconds"] / base
+    report("pruning", f"prune='halving': {args.models} MLPs {width}x{depth}, batch {batch}, {steps} steps, evaluated "
+           f"every {every}, SGD+momentum at {args.models} learning rates, 2 CPU devices, {args.rounds} rounds", rows,
+           args.out, raw=runs, notes="model-steps: the steps the models trained; computed: those computed (a fused "
+           "array's pruned members too); busy: the devices' mean busy share (Harmony)")
+
+
+if __name__ == "__main__":
+    main()
