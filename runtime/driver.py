@@ -258,7 +258,7 @@ class Driver:
             store = self.stores[instruction.model]
             Members(store, instruction.model, len(self.state.jobs[instruction.model].members)).prune(
                 instruction.positions, instruction.step)
-            store.push((pruned_name(instruction.model),))
+            store.overwrite((pruned_name(instruction.model),))  # its workers map the file already
         elif isinstance(instruction, Fail):
             raise instruction.error
         else:

@@ -221,6 +221,10 @@ class HostStore:
     def push_all(self) -> None:
         """push every file of the run."""
 
+    def overwrite(self, names: Iterable[str]) -> None:
+        """Write these files' bytes into the files the workers map, in place, so that a process that maps one sees
+        them (nothing to do for a store the driver maps itself: it wrote them there)."""
+
     def pull(self, prefixes: tuple[str, ...] = ("",)) -> bool:
         """Bring the files whose names start with one of prefixes from where the workers write them (nothing to
         do for a store the driver maps itself); False when they are out of reach."""

@@ -95,6 +95,16 @@ def write_files(run: str, directory: str, files: dict[str, bytes]) -> int:
     return sum(len(data) for data in files.values())
 
 
+def overwrite_files(run: str, directory: str, files: dict[str, bytes]) -> int:
+    """On a worker of the machine: write these bytes over existing files of the run, in place (the pages its
+    processes map are the file's, so they see them); returns the bytes written."""
+    store = keeper(run, directory).store
+    for name, data in files.items():
+        with open(store.path(name), "r+b") as handle:
+            handle.write(data)
+    return sum(len(data) for data in files.values())
+
+
 def read_files(run: str, directory: str, prefixes: tuple[str, ...]) -> dict[str, bytes]:
     """On a worker of the machine: the bytes of the run's files whose names start with one of prefixes (batch
     files excepted)."""
@@ -182,6 +192,14 @@ class RemoteStore(HostStore):
 
     def push_all(self) -> None:
         self.push(path.name[len(f"{PREFIX}{self.run}-"):] for path in self.scratch.glob(f"{PREFIX}{self.run}-*"))
+
+    def overwrite(self, names: Iterable[str]) -> None:
+        """Write these files of the scratch copy over the machine's, in place: its workers may map them."""
+        files = {name: self.path(name).read_bytes() for name in names}
+        if files:
+            future = on_machine(self.client, self.addresses(), overwrite_files, self.run, self.remote_directory, files,
+                                key="overwrite")
+            self.bytes_pushed += self._wait(future)
 
     def pull(self, prefixes: tuple[str, ...] = ("",)) -> bool:
         """Bring the machine's files whose names start with one of prefixes into the scratch copy; False (the copy

@@ -35,8 +35,9 @@ def event_line(event: dict[str, Any], jobs: list[Job]) -> str:
     at = f"{float(event['at']):.1f} s into the run"
     if event["event"] == "job failed":
         return f"{jobs[event['job']].label} stopped at step {event['step']} ({at}): {event['reason']}"
-    if event["event"] == "job pruned":
-        return f"{jobs[event['job']].label} was pruned at step {event['step']} ({at})"
+    if event["event"] == "models pruned":
+        models = ", ".join(str(model) for model in event["models"])
+        return f"model{'s' if len(event['models']) > 1 else ''} {models} pruned at step {event['step']} ({at})"
     if event["event"] == "worker joined":
         return f"{event['device']}'s worker joined {at}"
     line = f"{event['device']}'s worker was lost {at}"

@@ -804,9 +804,12 @@ class BindingState:
         for model, positions in sorted(event.pruned.items()):
             instructions.append(Prune(model, event.step, positions))
             self.pruned_members.setdefault(model, {}).update(dict.fromkeys(positions, event.step))
+        models = sorted(self.jobs[model].members[position] for model, positions in event.pruned.items()
+                        for position in positions)
+        if models:
+            self.events.append({"at": event.at, "event": "models pruned", "models": models, "step": event.step})
         for model in sorted(event.ended):
             self.pruned[model] = event.step
-            self.events.append({"at": event.at, "event": "job pruned", "job": model, "step": event.step})
             if self.checkpoint_every:
                 instructions.append(Checkpoint(model, event.step))
             instructions += self._stop_job(model, event.at)

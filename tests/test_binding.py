@@ -633,6 +633,8 @@ def test_with_pruning_every_job_waits_at_each_pruning_step_until_all_still_train
         assert state.pruned == {3: 2, 2: 4, 1: 6} and state.steps_trained == [8, 6, 4, 2]
         assert player.pruned == [Prune(3, 2, (0,)), Prune(2, 4, (0,)), Prune(1, 6, (0,))]
         assert [(c.model, c.step) for c in player.checkpoints if c.model != 0] == [(3, 2), (2, 4), (1, 6)]
+        assert [(e["step"], e["models"]) for e in state.events] == [(2, [0]), (4, [0]), (6, [0])], (
+            "each ranking that stops models is an event (these jobs' one member is each model 0)")
         assert sorted({(e.model, e.step) for e in player.evaluations}) == [
             (0, 2), (0, 4), (0, 6), (0, 8), (1, 2), (1, 4), (1, 6), (2, 2), (2, 4), (3, 2)]
         assert not player.left or all(leave.model != 0 for leave in player.left)

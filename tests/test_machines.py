@@ -208,3 +208,47 @@ def test_the_models_of_a_machine_lost_for_good_fail_alone_and_the_others_equal_p
                     sgd)
         assert_same_weights(models[index], references[index])
     assert not harmony_files(groups[0].pid)
+
+
+def stop_one_and_four(step: int, standings: list) -> list[int]:
+    """A pruner: model 1 (a member of the array [0, 1]) and model 4 (a job alone) stop at step 2."""
+    return [standing.index for standing in standings if step == 2 and standing.index in (1, 4)]
+
+
+PRUNED_DRIVER = """
+import sys
+import torch
+from torch import nn
+import harmony
+from tests.conftest import regression_batches
+from tests.test_machines import sgd, stop_one_and_four, sweep
+
+models, loaders = sweep()
+result = harmony.train(models, loaders, loss_fn=nn.functional.mse_loss, optimizer=sgd, cluster=sys.argv[1],
+                       device_memory=100_000, fuse=2, progress=False, val_loaders=regression_batches(16, 8, seed=9),
+                       eval_every=2, prune=stop_one_and_four)
+torch.save({"states": [model.state_dict() for model in models], "pruned": result.pruned,
+            "arrays": result.arrays, "machines": sorted({job.machine for job in result.plan.jobs})}, sys.argv[2])
+"""
+
+
+def test_a_pruned_member_of_an_array_on_another_machine_keeps_its_weights_of_that_step(
+    machines: tuple[str, list[subprocess.Popen]], tmp_path: Path
+) -> None:
+    """The driver's machine has no store: it writes a pruned member's step into the machine's file that the
+    workers there map already (in place), and ranks the members from the files it pulls from them."""
+    address, _ = machines
+    script, out = tmp_path / "driver.py", tmp_path / "result.pt"
+    script.write_text(PRUNED_DRIVER)
+    done = subprocess.run(in_namespace(f"exec {sys.executable} {script} {address} {out}"), env=environment(),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=400, start_new_session=True)
+    assert done.returncode == 0, done.stdout.decode(errors="replace")[-4000:]
+    saved = torch.load(out, weights_only=False)
+    assert saved["arrays"] == [[0, 1], [2, 3], [4], [5]] and len(saved["machines"]) == 2
+    assert saved["pruned"] == {1: 2, 4: 2}
+    models, loaders = sweep()
+    for index, (model, batches) in enumerate(zip(models, loaders)):
+        train_plain(model, batches[:saved["pruned"].get(index, STEPS)], nn.functional.mse_loss, sgd)
+        trained = deep_mlp(depth=4 if index < 4 else 6)
+        trained.load_state_dict(saved["states"][index])
+        assert_same_weights(trained, model)

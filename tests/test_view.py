@@ -7,7 +7,7 @@ from types import SimpleNamespace
 from harmony.runtime.view import event_line
 
 
-def test_a_worker_lost_or_joined_and_a_job_failed_are_one_line_each_naming_jobs_by_their_labels() -> None:
+def test_a_worker_lost_or_joined_a_job_failed_and_models_pruned_are_one_line_each() -> None:
     jobs = [SimpleNamespace(label="model 0 (MLP)"), SimpleNamespace(label="array of models 1-4 (MLP)")]
     lost = {"at": 12.345, "event": "worker lost", "device": "cpu-1", "suspects": [1],
             "jobs redone": {0: "any device", 1: "its evaluation at step 16"}}
@@ -20,3 +20,6 @@ def test_a_worker_lost_or_joined_and_a_job_failed_are_one_line_each_naming_jobs_
     assert event_line(joined, jobs) == "cpu-1's worker joined 20.0 s into the run"
     failed = {"at": 3.0, "event": "job failed", "job": 0, "step": 2, "reason": "its loss became nan"}
     assert event_line(failed, jobs) == "model 0 (MLP) stopped at step 2 (3.0 s into the run): its loss became nan"
+    pruned = {"at": 4.0, "event": "models pruned", "models": [1, 3], "step": 16}
+    assert event_line(pruned, jobs) == "models 1, 3 pruned at step 16 (4.0 s into the run)"
+    assert event_line({**pruned, "models": [2]}, jobs) == "model 2 pruned at step 16 (4.0 s into the run)"
