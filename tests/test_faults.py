@@ -503,8 +503,8 @@ WARMUP = Code("lambda step: min(1.0, (step + 1) / 10) * 0.97 ** step")
 SCHEDULED = {"lr_schedule": WARMUP, "clip_grad_norm": 0.5}
 
 
-@pytest.mark.parametrize("fuse,extra", [(True, {}), (False, FP16), (False, SCHEDULED)],
-                         ids=["fused", "swapped-fp16", "swapped-scheduled-clipped"])
+@pytest.mark.parametrize("fuse,extra", [(True, {}), (False, {**FP16, **SCHEDULED})],
+                         ids=["fused", "swapped-fp16-scheduled-clipped"])
 def test_a_killed_driver_leaves_nothing_and_its_run_resumes_to_the_uninterrupted_result(
     fuse: bool, extra: dict, tmp_path: Path
 ) -> None:
@@ -550,7 +550,7 @@ def test_a_killed_driver_leaves_nothing_and_its_run_resumes_to_the_uninterrupted
         assert have_losses == pytest.approx(want_losses, rel=1e-6)
     for want_norms, have_norms in zip(expected["grad_norms"], got["grad_norms"], strict=True):
         assert len(have_norms) == (80 if "clip_grad_norm" in extra else 0), "the checkpoint kept them all"
-        assert have_norms == pytest.approx(want_norms, rel=1e-5)
+        assert have_norms == pytest.approx(want_norms, rel=1e-5, nan_ok=True)  # fp16's skipped steps: not finite
     for want, have in zip(expected["models"], got["models"]):
         for name in want:
             torch.testing.assert_close(have[name], want[name], rtol=1e-5, atol=1e-7)
