@@ -251,7 +251,7 @@ class Driver:
             return StepTimed(instruction.model, seconds, int(steps))
         elif isinstance(instruction, Evaluate):
             self.evaluations.submit(instruction, self.workers[instruction.device],
-                                    len(self.state.jobs[instruction.model].packing.packs))
+                                    self.state.jobs[instruction.model].packing)
         elif isinstance(instruction, Rank):
             return self._rank(instruction)
         elif isinstance(instruction, Prune):

@@ -1,10 +1,12 @@
 """Evaluation: a job's validation loss (and metrics) with its weights after a given step, run as Dask tasks.
 
 The binder decides when (every eval_every steps and at the end, with no later step applied meanwhile) and where
-(the job's home, else one device of its machine); this module does it. One ``evl`` task per pack and validation
-batch runs the batch's micro-batches through the pack forward with no gradients, in eval mode (dropout off,
-running statistics read, not written), with the pack's weights at that step's version swapped in as a training
-task would; the last pack computes the loss and the metrics, and one ``val`` task sums them. The validation
+(the job's home, else one device of its machine); this module does it. One ``evl`` task per pack runs a chunk of
+validation batches (their micro-batches) through the pack forward with no gradients, in eval mode (dropout off,
+running statistics read, not written), with the pack's weights at that step's version swapped in once for them
+all, as a training task groups its micro-batches; the last pack computes the loss and the metrics. A chunk is as
+many batches as keep the boundary activations it holds on the host under CHUNK_BYTES: one chunk (the usual case)
+ends in its last pack's task, named ``val-…``; several end in a ``val`` task that sums them. The validation
 batches are scattered to a device's worker once per validation set (jobs on one loader share them) and kept there
 for the run.
 
@@ -28,7 +30,9 @@ from harmony.runtime.hoststore import tensors_at
 from harmony.runtime.worker import RunContext
 from harmony.tasks.events import Evaluate, Evaluated
 from harmony.tasks.microbatch import split_sizes
+from harmony.tasks.packing import Packing
 
+CHUNK_BYTES = 256 * 2**20  # boundary activations an evaluation's chunk of batches holds on the host, at most
 Metrics = Callable[[Any, Any], Any] | Mapping[str, Callable[[Any, Any], Any]] | None
 
 
@@ -47,11 +51,12 @@ def metric_values(metrics: Metrics, output: Any, target: Any) -> dict[str, float
 
 @task_body("evl")
 def evaluation(
-    ctx: RunContext, model: int, pack: int, span: int, inputs: list[Any], targets: list[Any] | None,
-    metrics: Metrics, group: int, first: int, steps: None,
+    ctx: RunContext, model: int, pack: int, span: int, batches: list[list[Any]], targets: list[list[Any]] | None,
+    metrics: Metrics, finish: bool, group: int, first: int, steps: None,
 ) -> Any:
-    """One validation batch's micro-batches through a pack with its weights after step first: the outputs (host
-    copies), or for the last pack each member's loss and metrics summed over the batch's samples."""
+    """Validation batches' micro-batches through a pack with its weights after step first: per batch its outputs
+    (host copies), or for the last pack each member's loss and metrics summed over the batches' samples (with
+    finish, their means: the evaluation's figures)."""
     spec = ctx.spec.models[model]
     runtime = spec.packs[pack]
     module = ctx.module(model, pack)
@@ -64,29 +69,33 @@ def evaluation(
         tensors = {**tensors_at(weights, runtime.device_weights), **borrowed}
         module.eval()
         try:
-            for index, microbatch in enumerate(inputs):
-                with ctx.cache.scratch(runtime.workspace, f"activations of pack {pack}"), torch.no_grad():
-                    x = ctx.cache.copy_in(microbatch, "activations" if pack else "inputs")
-                    with ctx.autocast():
-                        y = ctx.call(model, pack)(tensors, x)
-                    if not last:
-                        outputs.append(ctx.cache.copy_out(y, "activations"))
-                        continue
-                    assert targets is not None
-                    target = ctx.cache.copy_in(targets[index], "inputs")
-                    count = batch_size(microbatch)
-                    with ctx.autocast():
-                        losses = ctx.loss_fn(model)(y, target).reshape(-1).to("cpu", torch.float64)
-                    sums["loss"] += losses * count
-                    for member in range(spec.members):
-                        output = member_slice(y, member) if spec.members > 1 else y
-                        for name, value in metric_values(metrics, output, target).items():
-                            sums.setdefault(name, torch.zeros(spec.members, dtype=torch.float64))[member] += (
-                                value * count)
-                    samples += count
+            for batch, inputs in enumerate(batches):
+                outputs.append([])
+                for index, microbatch in enumerate(inputs):
+                    with ctx.cache.scratch(runtime.workspace, f"activations of pack {pack}"), torch.no_grad():
+                        x = ctx.cache.copy_in(microbatch, "activations" if pack else "inputs")
+                        with ctx.autocast():
+                            y = ctx.call(model, pack)(tensors, x)
+                        if not last:
+                            outputs[-1].append(ctx.cache.copy_out(y, "activations"))
+                            continue
+                        assert targets is not None
+                        target = ctx.cache.copy_in(targets[batch][index], "inputs")
+                        count = batch_size(microbatch)
+                        with ctx.autocast():
+                            losses = ctx.loss_fn(model)(y, target).reshape(-1).to("cpu", torch.float64)
+                        sums["loss"] += losses * count
+                        for member in range(spec.members):
+                            output = member_slice(y, member) if spec.members > 1 else y
+                            for name, value in metric_values(metrics, output, target).items():
+                                sums.setdefault(name, torch.zeros(spec.members, dtype=torch.float64))[member] += (
+                                    value * count)
+                        samples += count
         finally:
             module.train()
-    return {"sums": sums, "samples": samples} if last else outputs
+    if not last:
+        return outputs
+    return total([{"sums": sums, "samples": samples}]) if finish else {"sums": sums, "samples": samples}
 
 
 def total(parts: Sequence[dict[str, Any]]) -> dict[str, list[float]]:
@@ -115,8 +124,9 @@ class Evaluations:
         self.flight: dict[int, tuple[Evaluate, list[Future]]] = {}
         self.results: list[list[tuple[int, dict[str, list[float]]]]] = [[] for _ in batches]
 
-    def submit(self, evaluate: Evaluate, worker: str, packs: int) -> None:
-        """The evaluation's tasks, all restricted to worker; its sum task's future reports to on_done."""
+    def submit(self, evaluate: Evaluate, worker: str, packing: Packing) -> None:
+        """The evaluation's tasks, all restricted to worker; its last task's future (the figures) reports to
+        on_done."""
         self.release(evaluate.model)
         model, step = evaluate.model, evaluate.step
         batches = self.batches[model]
@@ -125,25 +135,28 @@ class Evaluations:
         if data is None:  # once per validation set and device: a scatter is a round trip that holds the driver
             data = self.scattered[(self.sets[model], worker)] = self.client.scatter(
                 [part for batch in batches for part in batch], workers=[worker], hash=False)
+        packs = len(packing.packs)
+        held = max([pack.input_bytes_per_sample for pack in packing.packs[1:]], default=0.0)
+        chunks = chunked([sum(batch_size(x) for x in inputs) * held for inputs, _ in batches], CHUNK_BYTES)
         futures: list[Future] = []
-        lasts = []
         suffix = f"-r{evaluate.attempt}" if evaluate.attempt else ""
-        for index in range(len(batches)):
-            value: Any = data[2 * index]
-            targets = data[2 * index + 1]
+        for index, chunk in enumerate(chunks):
+            value: Any = [data[2 * batch] for batch in chunk]
             for pack in range(packs):
+                last, finish = pack == packs - 1, len(chunks) == 1
+                kind = "val" if last and finish else "evl"
                 value = self.client.submit(
-                    evaluation, self.run, model, pack, step, value, targets if pack == packs - 1 else None,
-                    self.metrics, first=step,
-                    key=f"evl-m{model}-p{pack}-s{step}-b{index}-{self.run}{suffix}",
+                    evaluation, self.run, model, pack, step, value,
+                    [data[2 * batch + 1] for batch in chunk] if last else None, self.metrics, finish, first=step,
+                    key=f"{kind}-m{model}-p{pack}-s{step}-b{index}-{self.run}{suffix}",
                     workers=[worker], allow_other_workers=False, pure=False, priority=2)
                 futures.append(value)
-            lasts.append(value)
-        summed = self.client.submit(total, lasts, key=f"val-m{model}-s{step}-{self.run}{suffix}", workers=[worker],
-                                    allow_other_workers=False, pure=False, priority=2)
-        futures.append(summed)
+        if len(chunks) > 1:
+            lasts = futures[packs - 1::packs]
+            futures.append(self.client.submit(total, lasts, key=f"val-m{model}-s{step}-{self.run}{suffix}",
+                                              workers=[worker], allow_other_workers=False, pure=False, priority=2))
         self.flight[model] = (evaluate, futures)
-        summed.add_done_callback(self.on_done)
+        futures[-1].add_done_callback(self.on_done)
 
     def heard(self, future: Future, at: float) -> Evaluated | None:
         """The event a finished sum task means, or None for a future not (or no longer) in flight."""
@@ -181,6 +194,19 @@ class Evaluations:
             for future in data:
                 future.release()
         self.scattered.clear()
+
+
+def chunked(sizes: list[float], limit: float) -> list[list[int]]:
+    """Consecutive indices of sizes in chunks whose sizes add up to at most limit (a larger one alone)."""
+    chunks: list[list[int]] = [[]]
+    held = 0.0
+    for index, size in enumerate(sizes):
+        if chunks[-1] and held + size > limit:
+            chunks.append([])
+            held = 0.0
+        chunks[-1].append(index)
+        held += size
+    return chunks
 
 
 def _split(batch: tuple[Any, Any], microbatches: int) -> tuple[list[Any], list[Any]]:

@@ -9,7 +9,8 @@ from torch import nn
 
 import harmony
 from harmony.errors import InputError
-from harmony.runtime.evaluation import metric_values, total
+from harmony.runtime import evaluation
+from harmony.runtime.evaluation import chunked, metric_values, total
 from tests.conftest import clones, deep_mlp, param_bytes, regression_batches
 
 EVERY = 3
@@ -138,3 +139,39 @@ def test_metric_values_and_totals_are_means_over_samples() -> None:
     parts = [{"sums": {"loss": torch.tensor([8.0, 4.0], dtype=torch.float64)}, "samples": 8},
              {"sums": {"loss": torch.tensor([2.0, 0.0], dtype=torch.float64)}, "samples": 2}]
     assert total(parts) == {"loss": [1.0, 0.4]}
+
+
+def test_chunks_hold_consecutive_batches_up_to_the_limit() -> None:
+    assert chunked([3, 3, 3, 3], 6) == [[0, 1], [2, 3]]
+    assert chunked([3, 9, 1], 6) == [[0], [1], [2]], "a batch over the limit is a chunk alone"
+    assert chunked([0, 0, 0], 6) == [[0, 1, 2]]
+
+
+@pytest.mark.parametrize("chunk_bytes", [None, 1], ids=["one-chunk", "a-batch-a-chunk"])
+def test_a_swapped_models_evaluation_swaps_each_pack_in_once_per_chunk_of_validation_batches(
+    chunk_bytes: int | None, monkeypatch: pytest.MonkeyPatch, no_leaks: None
+) -> None:
+    """One evl task per pack runs a chunk of validation batches with the pack's weights swapped in once (the last
+    pack's task of a lone chunk gives the figures: a val task); chunks each run their packs, and a val task sums
+    them. The figures are a plain no_grad loop's either way."""
+    if chunk_bytes is not None:
+        monkeypatch.setattr(evaluation, "CHUNK_BYTES", chunk_bytes)
+    models = models_in_float64(2)
+    references = clones(models)
+    batches = double(regression_batches(samples=8 * 4, batch=8))
+    val = double(regression_batches(samples=20, batch=8, seed=7))  # three batches
+    result = harmony.train(models, batches, nn.functional.mse_loss, sgd, devices=2,
+                           device_memory=param_bytes(models[0]) // 3, fuse=False, val_loaders=val, eval_every=2,
+                           metrics=within, progress=False)
+    packs = len(result.packings[0].packs)
+    assert packs > 2 and not result.homes
+    keys = [key for tasks in result.stats.timeline.values() for *_, key in tasks]
+    evaluations = sum(len(history) for history in result.val_history)
+    chunks = 1 if chunk_bytes is None else len(val)
+    assert sum(key.startswith("evl-") for key in keys) == evaluations * (packs * chunks - (chunks == 1))
+    assert sum(key.startswith("val-") for key in keys) == evaluations * (chunks == 1), "a sum task is no body"
+    for index, reference in enumerate(references):
+        losses, metrics = plain_validation(reference, batches, val, 2)
+        torch.testing.assert_close(torch.tensor(result.val_history[index], dtype=torch.float64),
+                                   torch.tensor(losses, dtype=torch.float64), rtol=1e-9, atol=0)
+        assert result.val_metrics[index] == [(step, pytest.approx(values)) for step, values in metrics]
