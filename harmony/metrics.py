@@ -8,6 +8,8 @@ line, each with "kind" and "time" (seconds since the run started):
   over the time its step, or its span of steps in one task, took), grad_norm (a clipped model's total gradient norm
   before clipping), and val_loss plus the metrics where the model was evaluated after that step;
 - "val": one per evaluation: model, name, step, val_loss and each metric;
+- "pruned": one per model that prune= stopped: model, name, step (its last; a fused array's member has no record
+  past it, although its array computes on);
 - "device": every second or so and at the end, per device: budget, cached (accounted bytes), bytes_in and
   bytes_out (totals so far; the devices count bytes, not models), busy (share of the run so far).
 
@@ -70,6 +72,7 @@ class MetricsLog:
         self.samples = samples
         self.written = [0] * len(plan.jobs)
         self.evaluations = [0] * len(plan.jobs)
+        self.pruned: set[int] = set()
         self.last_device = -math.inf
         self.board = _tensorboard(self.directory / self.path.stem)
 
@@ -79,9 +82,17 @@ class MetricsLog:
     def __call__(self, view: RunView) -> None:
         """Write what the run has done since the last call: new evaluations, new steps, the devices each second."""
         state = view.state
+        for job, members in state.pruned_members.items():
+            for position, step in sorted(members.items()):
+                model = self.plan.jobs[job].members[position]
+                if model not in self.pruned:
+                    self.pruned.add(model)
+                    self._write({"kind": "pruned", "time": view.seconds, "model": model, "name": self.name(model),
+                                 "step": step})
         for job in range(len(self.plan.jobs)):
+            ends = state.pruned_members.get(job, {})
             validation = view.validation[job]
-            self._evaluations(job, validation)
+            self._evaluations(job, validation, ends)
             held = {evaluation.step for evaluation in state.evaluating.values() if evaluation.model == job}
             held |= {step for model, step in state.evaluations_owed.items() if model == job}
             steps = min([state.steps_trained[job], *(step - 1 for step in held)])
@@ -89,7 +100,7 @@ class MetricsLog:
                 losses = view.losses(job, steps, self.written[job])
                 norms = view.grad_norms(job, steps, self.written[job])
                 assert losses is not None and norms is not None
-                self._steps(job, steps, losses, norms, state.step_times[job], dict(validation))
+                self._steps(job, steps, losses, norms, state.step_times[job], dict(validation), ends)
         if view.seconds - self.last_device >= DEVICE_INTERVAL or state.finished:
             self.last_device = view.seconds
             self._devices(view)
@@ -100,13 +111,15 @@ class MetricsLog:
         """Write every step and evaluation not written yet (history, step_seconds and grad_norms per model,
         validation per job), then close the file."""
         for job, spec in enumerate(self.plan.jobs):
-            self._evaluations(job, validation[job] if job < len(validation) else [])
-            steps = min(len(history[model]) for model in spec.members)
+            steps = max(len(history[model]) for model in spec.members)
+            ends = {position: len(history[model]) for position, model in enumerate(spec.members)
+                    if len(history[model]) < steps}  # a member stopped early: its history ends there
+            self._evaluations(job, validation[job] if job < len(validation) else [], ends)
             if steps > self.written[job]:
                 losses = [history[model][self.written[job]:] for model in spec.members]
                 norms = [grad_norms[model][self.written[job]:] for model in spec.members]
                 self._steps(job, steps, losses, norms, step_seconds[spec.members[0]],
-                            dict(validation[job]) if job < len(validation) else {})
+                            dict(validation[job]) if job < len(validation) else {}, ends)
         self.close()
 
     def close(self) -> None:
@@ -120,9 +133,9 @@ class MetricsLog:
         self.stream.write(json.dumps(record) + "\n")
 
     def _steps(self, job: int, steps: int, losses: list[list[float]], norms: list[list[float]], times: list[float],
-               validation: dict[int, dict[str, list[float]]]) -> None:
+               validation: dict[int, dict[str, list[float]]], ends: dict[int, int]) -> None:
         """Records of the job's steps written .. steps - 1; losses (and norms, a clipped job's gradient norms, else
-        empty) per member hold those steps' alone."""
+        empty) per member hold those steps' alone; a member whose position ends holds none from that step on."""
         members = self.plan.jobs[job].members
         first = self.written[job]
         together, done, began = 1, None, 0.0
@@ -139,6 +152,8 @@ class MetricsLog:
                     end += 1
                 began, together = (times[start - 1] if start else 0.0), end - start
             for position, model in enumerate(members):
+                if step >= ends.get(position, steps):
+                    continue
                 rate = (self.samples[model] * together / (done - began)
                         if done is not None and done > began else None)
                 loss = losses[position][step - first]
@@ -160,9 +175,12 @@ class MetricsLog:
                         self.board.add_scalar(f"grad_norm/{self.name(model)}", record["grad_norm"], step + 1)
         self.written[job] = steps
 
-    def _evaluations(self, job: int, validation: list[tuple[int, dict[str, list[float]]]]) -> None:
+    def _evaluations(self, job: int, validation: list[tuple[int, dict[str, list[float]]]], ends: dict[int, int]
+                     ) -> None:
         for step, figures in validation[self.evaluations[job]:]:
             for position, model in enumerate(self.plan.jobs[job].members):
+                if step > ends.get(position, step):
+                    continue
                 values = {"val_loss" if name == "loss" else name: finite(values[position])
                           for name, values in figures.items()}
                 self._write({"kind": "val", "model": model, "name": self.name(model), "step": step, **values})

@@ -97,14 +97,21 @@ class RunView:
         return self.files.grad_norms(job, steps, first)
 
     def latest(self) -> list[Latest]:
-        """Every model's latest figures, job by job (a fused array's members in order)."""
+        """Every model's latest figures, job by job (a fused array's members in order; a member pruned at a step
+        has its figures of that step, although its array computes on)."""
         figures = []
         for job, spec in enumerate(self.state.jobs):
-            steps = self.state.steps_trained[job]
-            losses = self.losses(job, steps, steps - 1) if steps else None
-            evaluated = self.validation[job][-1] if job < len(self.validation) and self.validation[job] else None
+            trained = self.state.steps_trained[job]
+            pruned = self.state.pruned_members.get(job, {})
+            read: dict[int, list[list[float]] | None] = {}
             for position, model in enumerate(spec.members):
+                steps = min(trained, pruned.get(position, trained))
+                if steps and steps not in read:
+                    read[steps] = self.losses(job, steps, steps - 1)
+                losses = read.get(steps)
                 loss = losses[position][-1] if losses and losses[position] else None
+                validation = self.validation[job] if job < len(self.validation) else []
+                evaluated = next((entry for entry in reversed(validation) if entry[0] <= steps), None)
                 val = evaluated[1]["loss"][position] if evaluated else None
                 figures.append(Latest(model, steps, loss, val, evaluated[0] if evaluated else None))
         return figures

@@ -69,3 +69,20 @@ def test_a_clipped_models_records_carry_its_gradient_norm(tmp_path: Path, no_lea
         logged = [r["grad_norm"] for r in sorted(steps, key=lambda r: r["step"]) if r["model"] == model]
         assert logged == result.grad_norms[model] and len(logged) == 5 and min(logged) > 0.05
     assert result.grad_norms[1] == [] and all("grad_norm" not in r for r in steps if r["model"] == 1)
+
+
+def test_a_pruned_member_of_an_array_has_no_records_past_its_step_and_one_that_says_it_was_pruned(
+    tmp_path: Path, no_leaks: None
+) -> None:
+    models = [deep_mlp(depth=2, seed=seed) for seed in range(3)]
+    batches = regression_batches(samples=8 * 6, batch=8)
+    result = harmony.train(models, batches, nn.functional.mse_loss, lambda p: torch.optim.SGD(p, lr=0.01), fuse=True,
+                           val_loaders=batches[:2], eval_every=2, prune=lambda step, standings: [1] * (step == 2),
+                           log_dir=tmp_path / "logs", progress=False)
+    assert result.arrays == [[0, 1, 2]] and result.pruned == {1: 2}
+    [path] = (tmp_path / "logs").glob("harmony-*.jsonl")
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["model"], r["step"]) for r in records if r["kind"] == "pruned"] == [(1, 2)]
+    for kind, steps in (("step", [1, 2]), ("val", [2])):
+        assert sorted(r["step"] for r in records if r["kind"] == kind and r["model"] == 1) == steps
+        assert len([r for r in records if r["kind"] == kind and r["model"] == 0]) == (6 if kind == "step" else 3)
