@@ -6,7 +6,8 @@ from harmony.plan import Forecast, plan
 from harmony.result import Stats, TrainResult
 from harmony.runtime.cluster import shutdown
 from harmony.tasks.hardware import Hardware
+from harmony.tasks.pruning import Standing
 
-__all__ = ["Forecast", "Hardware", "HarmonyError", "InputError", "ModelError", "Stats", "TrainResult", "plan",
-           "shutdown", "train"]
+__all__ = ["Forecast", "Hardware", "HarmonyError", "InputError", "ModelError", "Standing", "Stats", "TrainResult",
+           "plan", "shutdown", "train"]
 __version__ = "0.1.0"
