@@ -202,3 +202,23 @@ def test_a_pruned_sweep_that_crashed_resumes_to_the_models_and_stops_of_the_unin
     for model, reference in zip(result.models, references):
         assert_same_weights(model, reference, rtol=1e-9, atol=1e-12)
     assert result.stats.steps == [expected.get(index, STEPS) for index in range(len(RATES))]
+
+
+def test_a_fused_member_that_diverged_is_not_ranked_and_stays_failed_not_pruned(no_leaks: None) -> None:
+    """In an array of four, the member whose loss stops being finite before the first pruning step (step 4) is left
+    out of the ranking there; halving ranks the three others and stops one."""
+    models = [deep_mlp(seed=seed) for seed in range(4)]
+    batches = regression_batches(samples=8 * 8, batch=8)
+    seen: list[tuple[int, list[int]]] = []
+
+    def halving_seen(step: int, standings: list[Standing]) -> list[int]:
+        seen.append((step, sorted(standing.index for standing in standings)))
+        return halving(step, standings)
+
+    optimizers = [sgd(lr) for lr in (0.002, 1e8, 0.0005, 0.02)]  # model 1 blows up at its third or fourth step
+    result = harmony.train(models, batches, nn.functional.mse_loss, optimizers, fuse=True, val_loaders=batches[:2],
+                           eval_every=4, prune=halving_seen, progress=False)
+    assert result.arrays == [[0, 1, 2, 3]]
+    assert list(result.failed) == [1] and result.failed[1]["step"] < 4
+    assert seen == [(4, [0, 2, 3])]
+    assert len(result.pruned) == 1 and set(result.pruned.values()) == {4} and 1 not in result.pruned
