@@ -16,6 +16,10 @@ tasks, which go first since the next span waits for them. A dependency on the sa
 the scheduler: the task names it and reads its result from the worker's memory (see handoff); one on another
 device is a Dask edge, an argument when the task reads its result and an ``after=`` future when it only must
 finish first. Activations flow worker to worker as Dask results; nothing large passes through the driver.
+
+With pruning, a Rank is answered here at once: the user's pruner (``ranking``, called in this process) gets the
+models still training with their figures at the step, and what it stops becomes the Ranked event; a Prune writes
+the members' step into their job's host-store file, which every process of the run reads.
 """
 
 from __future__ import annotations
