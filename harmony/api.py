@@ -425,6 +425,9 @@ def train(
             machines = {spec.name: spec.machine for spec in specs}
             if recorded is None:
                 plan, codes = build(args, candidates, budgets, hardware, machines)
+                if args.pruner is not None and any(len(job.members) > 1 for job in plan.jobs):
+                    logger.info("harmony: prune= with fused arrays: an array computes its pruned members until all "
+                                "of them have stopped (fuse=False frees what pruning stops)")
             else:
                 plan = replan_machines(recorded, machines)
                 codes = codes_for(recorded, candidates, args, min(budgets.values()))
