@@ -239,22 +239,25 @@ class TrainResult:
                 depths[model] = outcome.depths[index]
         failed = {model: {"step": failure["step"], "reason": failure["reason"]}
                   for job, failure in outcome.failed.items() for model in plan.jobs[job].members}
+
+        def stop(model: int, step: int) -> None:
+            """A model stopped at step (a fused member's array may have trained on): its figures end there."""
+            history[model] = history[model][:step]
+            grad_norms[model] = grad_norms[model][:step]
+            steps[model] = min(steps[model], step)
+
         for job, members in outcome.stopped.items():
             for position, step in members.items():
                 model = plan.jobs[job].members[position]
-                history[model] = history[model][:step]
-                grad_norms[model] = grad_norms[model][:step]
-                steps[model] = min(steps[model], step)
+                stop(model, step)
                 failed.setdefault(model, {"step": step, "reason": f"its loss stopped being finite at step {step}"})
         pruned: dict[int, int] = {}
         for job, members in outcome.pruned.items():
             for position, step in members.items():
                 model = plan.jobs[job].members[position]
+                stop(model, step)
                 pruned[model] = step
                 failed.pop(model, None)  # its array failed later, when the members left diverged
-                history[model] = history[model][:step]
-                grad_norms[model] = grad_norms[model][:step]
-                steps[model] = min(steps[model], step)
                 val_history[model] = [entry for entry in val_history[model] if entry[0] <= step]
                 val_metrics[model] = [entry for entry in val_metrics[model] if entry[0] <= step]
         counters = outcome.counters

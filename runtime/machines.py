@@ -86,22 +86,17 @@ def keeper(run: str, directory: str) -> Keeper:
     return KEEPERS[run]
 
 
-def write_files(run: str, directory: str, files: dict[str, bytes]) -> int:
-    """On a worker of the machine: make each file (private) with these bytes; returns the bytes written."""
+def write_files(run: str, directory: str, files: dict[str, bytes], in_place: bool = False) -> int:
+    """On a worker of the machine: make each file (private) with these bytes, or with in_place write them over the
+    existing file (the pages its processes map are the file's, so they see them); returns the bytes written."""
     store = keeper(run, directory).store
     for name, data in files.items():
-        store.forget(name)
-        store.write_bytes(name, data)  # a new file: pushed only where no task of the run maps it yet
-    return sum(len(data) for data in files.values())
-
-
-def overwrite_files(run: str, directory: str, files: dict[str, bytes]) -> int:
-    """On a worker of the machine: write these bytes over existing files of the run, in place (the pages its
-    processes map are the file's, so they see them); returns the bytes written."""
-    store = keeper(run, directory).store
-    for name, data in files.items():
-        with open(store.path(name), "r+b") as handle:
-            handle.write(data)
+        if in_place:
+            with open(store.path(name), "r+b") as handle:
+                handle.write(data)
+        else:
+            store.forget(name)
+            store.write_bytes(name, data)  # a new file: pushed only where no task of the run maps it yet
     return sum(len(data) for data in files.values())
 
 
@@ -184,21 +179,20 @@ class RemoteStore(HostStore):
 
     def push(self, names: Iterable[str]) -> None:
         """Make these files on the machine as the scratch copy has them."""
-        files = {name: self.path(name).read_bytes() for name in names}
-        if files:
-            future = on_machine(self.client, self.addresses(), write_files, self.run, self.remote_directory, files,
-                                key="push")
-            self.bytes_pushed += self._wait(future)
+        self._send(names, in_place=False)
 
     def push_all(self) -> None:
         self.push(path.name[len(f"{PREFIX}{self.run}-"):] for path in self.scratch.glob(f"{PREFIX}{self.run}-*"))
 
     def overwrite(self, names: Iterable[str]) -> None:
         """Write these files of the scratch copy over the machine's, in place: its workers may map them."""
+        self._send(names, in_place=True)
+
+    def _send(self, names: Iterable[str], in_place: bool) -> None:
         files = {name: self.path(name).read_bytes() for name in names}
         if files:
-            future = on_machine(self.client, self.addresses(), overwrite_files, self.run, self.remote_directory, files,
-                                key="overwrite")
+            future = on_machine(self.client, self.addresses(), write_files, self.run, self.remote_directory, files,
+                                in_place, key="overwrite" if in_place else "push")
             self.bytes_pushed += self._wait(future)
 
     def pull(self, prefixes: tuple[str, ...] = ("",)) -> bool:

@@ -52,7 +52,7 @@ class RunOutcome:
     did (from the moment the driver started); depths the steps its later tasks each ran; counters per device;
     failed the jobs that stopped alone (step, reason); stopped, per job, the members whose loss stopped being
     finite and the step; pruned, per job, the members pruned and the step; events the workers lost and joined, the
-    jobs failed and pruned; traffic the bytes that crossed between the driver and machines it is not on.
+    jobs failed, the models pruned; traffic the bytes that crossed between the driver and machines it is not on.
     """
 
     history: list[list[list[float]]]

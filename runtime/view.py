@@ -31,7 +31,7 @@ def finite(value: float | None) -> float | None:
 
 def event_line(event: dict[str, Any], jobs: list[Job]) -> str:
     """One of the binding state's events as a line: a device worker lost (the jobs it was busy with, what is redone
-    where) or joined, a job failed or was pruned."""
+    where) or joined, a job failed, models pruned."""
     at = f"{float(event['at']):.1f} s into the run"
     if event["event"] == "job failed":
         return f"{jobs[event['job']].label} stopped at step {event['step']} ({at}): {event['reason']}"
