@@ -106,6 +106,15 @@ def regression_batches(samples: int, batch: int, width: int = 32, out: int = 4, 
     return [(x[i : i + batch], y[i : i + batch]) for i in range(0, samples, batch)]
 
 
+def sum_batches() -> list:
+    """Four batches of 8 points in 4 dimensions whose target is their sum (from the global seed 0): what a linear
+    model learns in a few steps."""
+    torch.manual_seed(0)
+    x = torch.randn(32, 4)
+    y = x.sum(1, keepdim=True)
+    return [(x[i : i + 8], y[i : i + 8]) for i in range(0, 32, 8)]
+
+
 def train_plain(
     model: nn.Module,
     batches: list,

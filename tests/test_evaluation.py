@@ -11,7 +11,7 @@ import harmony
 from harmony.errors import InputError
 from harmony.runtime import evaluation
 from harmony.runtime.evaluation import chunked, metric_values, total
-from tests.conftest import clones, deep_mlp, param_bytes, regression_batches
+from tests.conftest import clones, deep_mlp, param_bytes, regression_batches, sum_batches
 
 EVERY = 3
 STEPS = 7
@@ -97,10 +97,7 @@ def test_validation_equals_a_plain_no_grad_loop(case: str, no_leaks: None) -> No
 
 def test_best_is_the_model_with_the_lowest_final_validation_loss_and_carries_its_name(no_leaks: None) -> None:
     models = [nn.Linear(4, 1) for _ in range(3)]
-    torch.manual_seed(0)
-    x = torch.randn(32, 4)
-    y = x.sum(1, keepdim=True)
-    batches = [(x[i : i + 8], y[i : i + 8]) for i in range(0, 32, 8)]
+    batches = sum_batches()
     result = harmony.train(models, batches, nn.functional.mse_loss,
                            [lambda p, lr=lr: torch.optim.SGD(p, lr=lr) for lr in (1e-4, 0.1, 1e-3)],
                            epochs=5, val_loaders=[batches[:2]] * 3, names=["tiny", "right", "small"], progress=False)

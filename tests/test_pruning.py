@@ -16,7 +16,7 @@ from torch import nn
 import harmony
 from harmony.errors import InputError, ModelError
 from harmony.tasks.pruning import Pruner, Standing, halving, median
-from tests.conftest import assert_same_weights, clones, deep_mlp, param_bytes, regression_batches
+from tests.conftest import assert_same_weights, clones, deep_mlp, param_bytes, regression_batches, sum_batches
 
 EVERY = 2
 STEPS = 7
@@ -122,10 +122,7 @@ def test_a_halving_sweep_stops_the_models_a_plain_sweep_stops_with_their_weights
 
 def test_a_users_pruner_sees_the_models_still_training_and_a_bad_answer_ends_the_run(no_leaks: None) -> None:
     models = [nn.Linear(4, 1) for _ in range(3)]
-    torch.manual_seed(0)
-    x = torch.randn(32, 4)
-    y = x.sum(1, keepdim=True)
-    batches = [(x[i : i + 8], y[i : i + 8]) for i in range(0, 32, 8)]
+    batches = sum_batches()
     seen: list[tuple[int, list[str]]] = []
 
     def by_name(step: int, standings: list[Standing]) -> list[int]:
