@@ -2,8 +2,9 @@
 
 For every group of fusable models (tasks.fusion), each candidate sub-array size is built as an array (runtime.array),
 piloted, cut for the budget and simulated; the size with the best predicted throughput wins ("auto"), or the
-largest that fits up to a cap (True, or an int). Each array takes the place of its first member, so jobs keep
-the order of the models.
+largest that fits up to a cap (True, or an int). Under a built-in pruner the throughput counts only what each size
+is expected to compute (tasks.pruning.computed_share): an array computes its pruned members until all have stopped.
+Each array takes the place of its first member, so jobs keep the order of the models.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from harmony.tasks.hardware import Hardware
 from harmony.tasks.homes import choose_homes
 from harmony.tasks.packing import LayerTooLarge, cut_packs, minimal_budget
 from harmony.tasks.profile import ModelProfile
+from harmony.tasks.pruning import PRUNERS, computed_share
 from harmony.tasks.runplan import Job
 from harmony.tasks.simulator import model_step_seconds, simulate
 from harmony.validate import Arguments
@@ -132,7 +134,8 @@ def _choose(
         sizes = sorted({size for size in sizes if size < cap} | {cap}, reverse=True)
     predicted: dict[int, float | None] = {}
     unbuilt: dict[int, int] = {}
-    best: tuple[float, int] | None = None  # the best array's (seconds, -size), the order choose_size ranks by
+    shares = _shares(group, sizes, candidates, sizing.args)
+    best: tuple[float, int] | None = None  # the best array's (cost, -size), the order choose_size ranks by
     samples = pilot_batch(sizing.args, group[0])[2][0]
     for size in sizes:
         need, free = _trial_room(group, size, candidates, sizing.args, samples)
@@ -142,15 +145,28 @@ def _choose(
             predicted[size], unbuilt[size] = None, need
             continue
         predicted[size], array = _trial(group, size, candidates, sizing)
-        if array is not None and (best is None or (predicted[size], -size) < best):
+        rank = (predicted[size] * shares.get(size, 1.0), -size) if array is not None else None
+        if rank is not None and (best is None or rank < best):
             if best is not None:
                 del built[tuple(group[: -best[1]])]
             built[tuple(group[:size])] = array
-            best = (predicted[size], -size)
+            best = rank
         del array  # before the next size's array is built
         if fuse != "auto" and predicted[size] is not None:
-            return FusionChoice(tuple(group), predicted, size, unbuilt)
-    return choose_size(group, predicted, unbuilt)
+            return FusionChoice(tuple(group), predicted, size, unbuilt, shares)
+    return choose_size(group, predicted, unbuilt, shares)
+
+
+def _shares(group: list[int], sizes: list[int], candidates: list[Candidate], args: Arguments) -> dict[int, float]:
+    """Per candidate size, the share of its steps the group is expected to compute under the run's built-in pruner
+    (tasks.pruning.computed_share); empty where nothing is pruned, the pruner is the user's own (how many it stops
+    is not known) or the run's length is not known."""
+    steps = candidates[group[0]].job.steps
+    every = args.options.eval_every
+    if args.pruner not in PRUNERS.values() or steps is None or every is None:
+        return {}
+    return {size: computed_share([len(array) for array in split(group, size)], len(args.models), steps, every)
+            for size in sizes}
 
 
 def _trial_room(group: list[int], size: int, candidates: list[Candidate], args: Arguments, samples: int

@@ -24,7 +24,7 @@ from harmony.tasks.microbatch import split_sizes
 from harmony.tasks.packing import Packing
 from harmony.tasks.runplan import Options, RunPlan
 from harmony.tasks.simulator import MemoryReport, ScheduleExceedsBudget, Simulation, replay_memory, simulate_jobs
-from harmony.validate import read_options, validate
+from harmony.validate import check_prune, read_options, validate
 
 
 @dataclass
@@ -145,7 +145,8 @@ class Forecast:
         return "\n".join(lines)
 
 
-PLANNED = ("devices", "device_memory", "clip_grad_norm", *(field.name for field in dataclasses.fields(Options)))
+PLANNED = ("devices", "device_memory", "clip_grad_norm", "prune",
+           *(field.name for field in dataclasses.fields(Options)))
 
 
 def plan(
@@ -166,7 +167,8 @@ def plan(
     ``harmony.plan(models, loader, devices=4, device_memory="40GB", hardware=Hardware(...))``. machines=k
     predicts k such machines of `devices` devices each: each job is homed on one machine (as train homes them on a
     cluster of several) and each machine's jobs are simulated on its devices; the run takes the longest machine's
-    time.
+    time. prune (with eval_every, as train takes them; no val_loaders needed) weighs each fusion size by the share of
+    its steps it is expected to compute under a built-in pruner; the forecast's times are for every model to its end.
     """
     unknown = sorted(set(arguments) - set(PLANNED))
     if unknown:
@@ -188,6 +190,8 @@ def plan(
     options = read_options(given)
     args = validate(models, loaders, loss_fn, optimizer, options, devices, device_memory, for_training=False,
                     clip_grad_norm=given["clip_grad_norm"])
+    pruner, prune = check_prune(given["prune"], options, validation=True)  # what it would rank by is not needed here
+    args = dataclasses.replace(args, pruner=pruner, prune=prune)
     if hardware is not None:  # its devices copy micro-batch values ahead where they have a link to copy over
         args = dataclasses.replace(args, ahead=options.ahead and bool(hardware.host_link))
     if hardware is None:

@@ -3,13 +3,16 @@
 Models whose keys are equal (same architecture layer by layer, same loader, same optimizer class; the
 caller computes the key) and not None can be fused. A group of n such models runs as sub-arrays of a
 chosen size s: ceil(n / s) arrays with sizes as even as possible. The size is chosen by predicted
-throughput, which the caller obtains from the simulator for every candidate size whose packs fit. A size whose
+throughput, which the caller obtains from the simulator for every candidate size whose packs fit, weighted, where a
+built-in pruner stops models during the run, by the share of its steps each size is expected to compute
+(tasks.pruning.computed_share: an array computes its pruned members until all of them stop). A size whose
 trial array (trial_bytes) would not fit the memory it is built in is not tried: the caller builds each trial array
 beside the members' own weights.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
@@ -64,13 +67,16 @@ class FusionChoice:
 
     predicted maps every candidate size to the predicted seconds for the whole group to advance one step
     (None where the size's packs do not fit the budget, or where it was not tried). unbuilt maps a size that was
-    not tried to the host bytes its trial array would have needed (the host had less free).
+    not tried to the host bytes its trial array would have needed (the host had less free). shares maps every
+    candidate size to the share of its steps it is expected to compute under the run's pruner (empty without one);
+    a size is ranked by predicted times share.
     """
 
     members: tuple[int, ...]
     predicted: dict[int, float | None]
     size: int
     unbuilt: dict[int, int] = field(default_factory=dict)
+    shares: dict[int, float] = field(default_factory=dict)
 
     @property
     def arrays(self) -> list[list[int]]:
@@ -78,6 +84,8 @@ class FusionChoice:
 
     def explain(self, name: str) -> str:
         tried = ", ".join(f"{size}: {self._outcome(size, seconds)}" for size, seconds in self.predicted.items())
+        if self.shares:
+            tried += "; pruned, as a built-in pruner is expected to leave them"
         if self.size == 1:
             return f"{len(self.members)} x {name} trained unfused (predicted {tried})"
         arrays = " + ".join(str(len(array)) for array in self.arrays)
@@ -89,13 +97,22 @@ class FusionChoice:
         if seconds is None:
             return "does not fit"
         rate = len(self.members) / seconds  # a sweep of large models on a CPU steps well under one a second
-        return f"{rate:,.0f} model-steps/s" if rate >= 100 else f"{rate:.3g} model-steps/s"
+        shown = f"{rate:,.0f} model-steps/s" if rate >= 100 else f"{rate:.3g} model-steps/s"
+        return f"{shown} computing {self.shares[size]:.0%} of its steps" if size in self.shares else shown
+
+    def cost(self, size: int) -> float | None:
+        """What a size is ranked by: its predicted seconds a step, times the share it computes (None: no fit)."""
+        seconds = self.predicted.get(size)
+        return None if seconds is None else seconds * self.shares.get(size, 1.0)
 
 
 def choose_size(
-    members: Sequence[int], predicted: dict[int, float | None], unbuilt: dict[int, int] | None = None
+    members: Sequence[int], predicted: dict[int, float | None], unbuilt: dict[int, int] | None = None,
+    shares: dict[int, float] | None = None,
 ) -> FusionChoice:
-    """The size with the best predicted throughput (ties go to the larger size); 1 when none fits."""
-    fitting = {size: seconds for size, seconds in predicted.items() if seconds is not None}
+    """The size with the best predicted throughput, pruned where shares are given (ties go to the larger size); 1
+    when none fits."""
+    ranked = FusionChoice(tuple(members), dict(predicted), 1, dict(unbuilt or {}), dict(shares or {}))
+    fitting = {size: cost for size in predicted if (cost := ranked.cost(size)) is not None}
     best = min(fitting, key=lambda size: (fitting[size], -size)) if fitting else 1
-    return FusionChoice(tuple(members), dict(predicted), best, dict(unbuilt or {}))
+    return dataclasses.replace(ranked, size=best)

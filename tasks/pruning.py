@@ -4,6 +4,10 @@ A pruner is a callable(step, standings) -> the indices of the models to stop, gi
 with its validation figures at that step (the binding state holds every model at the step until all of them are
 evaluated there, so that the choice does not depend on which model the devices served first). The two built in
 rank by validation loss, a loss that is not finite last and equal losses by model index.
+
+Both built-in pruners stop the worse half (rounded down) of the models still training, so how many train after each
+pruning step is known before the run, though not which: computed_share gives fusion (tasks.fusion) what a sub-array
+size is expected to compute under them.
 """
 
 from __future__ import annotations
@@ -48,3 +52,25 @@ def median(step: int, standings: Sequence[Standing]) -> list[int]:
 
 
 PRUNERS: dict[str, Pruner] = {"halving": halving, "median": median}
+
+
+def computed_share(sizes: Sequence[int], contenders: int, steps: int, every: int) -> float:
+    """The expected share of a group's array-steps computed when its arrays have sizes members each and a built-in
+    pruner stops the worse half of contenders (every model the run ranks) after each every steps, of steps.
+
+    An array computes a step while any of its members trains (runtime.divergence keeps its pruned members). Which
+    models survive is not known when fusing, so the survivors of each pruning step are taken as drawn at random from
+    the contenders: an array of k members stops after a pruning step with s survivors with probability
+    C(contenders - k, s) / C(contenders, s). Unfused models (sizes of 1) compute their share of model-steps.
+    """
+    ends = [*range(every, steps, every), steps]
+    training = [contenders]
+    for _ in ends[1:]:
+        training.append(training[-1] - training[-1] // 2)
+    computed = 0.0
+    start = 0
+    for end, alive in zip(ends, training):
+        for size in sizes:
+            computed += (end - start) * (1 - math.comb(contenders - size, alive) / math.comb(contenders, alive))
+        start = end
+    return computed / (steps * len(sizes))

@@ -24,6 +24,17 @@ def test_fusion_groups_sizes_and_splits() -> None:
         "a rate under one a second keeps its figures")
 
 
+def test_a_pruned_sweep_ranks_each_size_by_what_it_is_expected_to_compute() -> None:
+    predicted: dict[int, float | None] = {1: 1.0, 2: 0.7, 4: 0.4, 8: None}
+    assert choose_size(range(8), predicted).size == 4
+    pruned = choose_size(range(8), predicted, shares={1: 0.3, 2: 0.5, 4: 0.8, 8: 1.0})
+    assert pruned.size == 1 and pruned.cost(4) == 0.4 * 0.8 and pruned.cost(8) is None
+    assert choose_size(range(8), predicted, shares={1: 0.4, 2: 0.5, 4: 1.0}).size == 2
+    text = pruned.explain("MLP")
+    assert "1: 8 model-steps/s computing 30% of its steps" in text and "does not fit" in text
+    assert "as a built-in pruner is expected to leave them" in text
+
+
 def test_a_trial_arrays_bytes_are_its_members_weights_and_one_layers_backward_each() -> None:
     wide = LayerProfile("wide", params=(TensorSpec("weight", "float32", (64, 64)),), buffers=(),
                         input_bytes_per_sample=256, output_bytes_per_sample=256)

@@ -4,6 +4,7 @@ at the same steps, for homed, swapped and fused models; a user's pruner; bad arg
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from collections.abc import Callable
@@ -15,7 +16,7 @@ from torch import nn
 
 import harmony
 from harmony.errors import InputError, ModelError
-from harmony.tasks.pruning import Pruner, Standing, halving, median
+from harmony.tasks.pruning import Pruner, Standing, computed_share, halving, median
 from tests.conftest import assert_same_weights, clones, deep_mlp, param_bytes, regression_batches, sum_batches
 
 EVERY = 2
@@ -40,6 +41,29 @@ def test_the_median_rule_stops_the_models_worse_than_the_median() -> None:
     assert median(2, standings(0.5, 0.1, 0.9)) == [2], "the median model itself goes on"
     assert median(2, standings(0.2, math.nan, 0.4)) == [1, 2]
     assert median(2, standings(0.5, 0.5)) == []
+
+
+@pytest.mark.parametrize("pruner", [halving, median])
+@pytest.mark.parametrize("sizes", [[1] * 6, [3, 3], [2, 2, 2], [4, 2], [6]])
+def test_the_share_fusion_expects_to_compute_is_the_average_over_every_order_the_models_could_finish_in(
+    pruner: Pruner, sizes: list[int],
+) -> None:
+    """Every ranking of six models equally likely, each pruning step run by the real pruner: the mean share of the
+    arrays' steps computed (an array computes while any member trains) is what computed_share predicts."""
+    steps, every = 11, 2
+    arrays = [set(range(a, b)) for a, b in itertools.pairwise(itertools.accumulate([0, *sizes]))]
+    computed = 0
+    orders = list(itertools.permutations(range(6)))
+    for order in orders:
+        training = set(range(6))
+        for step in range(1, steps + 1):
+            computed += sum(bool(training & array) for array in arrays)
+            if step % every == 0 and step < steps:
+                losses = {model: float(order.index(model)) for model in training}
+                training -= set(pruner(step, [Standing(m, f"model {m}", loss) for m, loss in losses.items()]))
+    expected = computed / (len(orders) * steps * len(sizes))
+    assert computed_share(sizes, 6, steps, every) == pytest.approx(expected, rel=1e-12)
+    assert computed_share([1] * 8, 8, 48, 8) == 136 / 384, "benchmarks/pruning.py's grid"
 
 
 def sgd(lr: float) -> Callable[..., torch.optim.Optimizer]:
