@@ -22,6 +22,7 @@ from harmony.tasks.graph import TaskId
 from harmony.tasks.hardware import Hardware
 from harmony.tasks.microbatch import split_sizes
 from harmony.tasks.packing import Packing
+from harmony.tasks.pruning import PRUNERS, computed_share
 from harmony.tasks.runplan import Options, RunPlan
 from harmony.tasks.simulator import MemoryReport, ScheduleExceedsBudget, Simulation, replay_memory, simulate_jobs
 from harmony.validate import check_prune, read_options, validate
@@ -33,7 +34,8 @@ class Forecast:
 
     plan is the RunPlan train would run; a job is one model or a fused array: arrays lists the models of each
     job (in the order of packings), fusion the sub-array size chosen for each group of fusable models and the
-    throughput predicted per size; steps the steps each job was simulated for.
+    throughput predicted per size; steps the steps each job was simulated for (every model to its end); computed,
+    under a built-in pruner, the share of those steps it is expected to leave computed (None without one).
     """
 
     plan: RunPlan
@@ -41,6 +43,8 @@ class Forecast:
     memory: MemoryReport
     steps: list[int]
     names: list[str] = field(default_factory=list)
+    computed: float | None = None
+    prune: str | None = None
 
     @property
     def packings(self) -> list[Packing]:
@@ -98,7 +102,10 @@ class Forecast:
     def __str__(self) -> str:
         lines = [
             f"Harmony plan on {len(self.budgets)} device{'s' if len(self.budgets) != 1 else ''} "
-            f"({self.hardware.name}), {sum(self.steps)} model-steps, mode {self.mode}"
+            f"({self.hardware.name}), {sum(self.steps)} model-steps"
+            + (f" (about {self.computed:.0%} of them computed under prune={self.prune!r}, the survivors unknown "
+               "until the run)" if self.computed is not None else "")
+            + f", mode {self.mode}"
             + (", every pack through torch.compile" if self.plan.options.compile else ""),
         ]
         if self.predicted_modes and len(self.predicted_modes) > 1:
@@ -222,7 +229,12 @@ def plan(
                                {index: job.stashes for index, job in enumerate(jobs)})
     except ScheduleExceedsBudget as error:
         raise InputError(f"the planned schedule would not fit: {error}") from None
-    return Forecast(run_plan, simulation, memory, counts, names=[type(model).__name__ for model in args.models])
+    computed = None
+    if pruner in PRUNERS.values() and options.eval_every is not None:
+        computed = sum(count * computed_share([len(job.members)], len(args.models), count, options.eval_every)
+                       for job, count in zip(jobs, counts)) / max(sum(counts), 1)
+    return Forecast(run_plan, simulation, memory, counts, names=[type(model).__name__ for model in args.models],
+                    computed=computed, prune=prune)
 
 
 def simulate_machines(plan: RunPlan, counts: list[int], samples: list[int], machines: dict[str, str]) -> Simulation:

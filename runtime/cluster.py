@@ -116,6 +116,12 @@ class DeviceWorkerProcess(ProcessInterface):
                 return
             await self.launch()
 
+    @property
+    def gone(self) -> bool:
+        """Whether the worker died and will not be started again (it died after its last restart)."""
+        return (not self.closing and self.restarts >= RESTARTS and self.process is not None
+                and self.process.returncode is not None)
+
     async def launch(self) -> None:
         spec = {
             "cls": "distributed.Worker",
@@ -199,6 +205,12 @@ class ClusterHandle:
             return
         self.close()
 
+    def gone(self) -> list[str]:
+        """The devices whose embedded worker died for good (see DeviceWorkerProcess.gone)."""
+        workers = self.cluster.workers if self.cluster is not None else {}
+        return sorted(name for name, worker in workers.items()
+                      if isinstance(worker, DeviceWorkerProcess) and worker.gone)
+
     def close(self) -> None:
         global WARM
         if WARM is not None and WARM[1] is self:
@@ -248,7 +260,9 @@ def _embedded(devices: list[DeviceSpec], dashboard_address: str, host: str) -> C
     key = (tuple((device.name, device.kind, device.threads) for device in devices), dashboard_address, host)
     if WARM is not None:
         known, handle = WARM
-        if known == key:
+        if known == key and handle.gone():
+            logger.info("harmony: the warm cluster lost %s for good; starting another", ", ".join(handle.gone()))
+        elif known == key:
             try:
                 handle.client.wait_for_workers(len(devices), timeout=WORKER_START_TIMEOUT)
                 handle.workers = worker_addresses(handle.client)

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import harmony
+from harmony.runtime import cluster
 from harmony.runtime.cluster import shutdown
 from harmony.runtime.hoststore import PREFIX, HostStore, shm_directory
 from harmony.runtime.seeding import begin, reseed
@@ -267,31 +268,52 @@ def worker_processes() -> list[psutil.Process]:
 
 @pytest.fixture(autouse=True, scope="session")
 def nothing_outlives_the_suite() -> Iterator[None]:
-    """After every test has run, no shared-memory file of Harmony's and no device worker may remain."""
+    """After every test has run and the warm cluster is shut down (as harmony.shutdown() or the interpreter's exit
+    does), no shared-memory file of Harmony's and no device worker may remain."""
     yield
+    shutdown()
     leftover_files = harmony_files()
     alive = [p for p in worker_processes() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not leftover_files, f"shared-memory files left behind: {leftover_files}"
     assert not alive, f"worker processes left alive: {[p.pid for p in alive]}"
 
 
+def warm_workers() -> set[int]:
+    """The process ids of the warm embedded cluster's device workers (none without one)."""
+    warm = cluster.WARM
+    return set() if warm is None else set(warm[1].client.run(os.getpid).values())
+
+
 @pytest.fixture(autouse=True)
-def cold_cluster() -> Iterator[None]:
-    """Every test starts without the warm cluster a test before it kept (its workers may have been killed)."""
+def warm_cluster(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Tests keep the embedded cluster warm between them, as a notebook's re-run calls do (a cold start is seconds of
+    two cores' time, most of this suite's once); a test that failed closes it, its workers being in any state."""
+    failures = request.session.testsfailed
     yield
+    if request.session.testsfailed > failures:
+        shutdown()
+
+
+@pytest.fixture
+def cold_start() -> None:
+    """For a test whose own processes run Harmony: this process's warm cluster is shut down first, so that it holds
+    neither the dashboard's default port (theirs would warn that it is taken) nor cores they would compete for."""
     shutdown()
 
 
 @pytest.fixture
-def no_leaks() -> Iterator[None]:
-    """The same check around one test, so the test that leaks is the one that fails (after the warm cluster a
-    clean run keeps is shut down, as harmony.shutdown() or the interpreter's exit does)."""
+def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
+    """The same check around one test, so the test that leaks is the one that fails: no shared-memory file left
+    behind, and no worker process alive but the warm cluster's, which a run that ended well keeps (the suite's end
+    checks that shutting it down leaves nothing)."""
     before = set(harmony_files())
+    failures = request.session.testsfailed
     yield
-    shutdown()
+    if request.session.testsfailed > failures:
+        shutdown()
     assert set(harmony_files()) - before == set(), "this test left shared-memory files behind"
-    alive = [p for p in worker_processes() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    assert not alive, f"this test left worker processes alive: {[p.pid for p in alive]}"
+    alive = {p.pid for p in worker_processes() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE}
+    assert alive <= warm_workers(), f"this test left worker processes alive: {sorted(alive - warm_workers())}"
 
 
 @pytest.fixture

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
+import logging
 import os
+import signal
+import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -289,6 +294,55 @@ def test_the_embedded_cluster_stays_warm_between_calls_until_other_devices_a_fai
     assert len(worker_processes()) == 1
     harmony.shutdown()
     assert not [p for p in worker_processes() if p.is_running() and p.status() != "zombie"]
+
+
+def test_a_warm_cluster_whose_worker_died_for_good_is_replaced_without_waiting_for_it(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, no_leaks: None
+) -> None:
+    """A device worker that dies is started again, RESTARTS times over the cluster's life (faults across a notebook's
+    calls add up); one that died after its last restart never comes back, so the next call replaces the warm
+    cluster at once instead of waiting WORKER_START_TIMEOUT for it."""
+    from harmony.runtime import cluster
+
+    sgd = lambda p: torch.optim.SGD(p, lr=0.05)  # noqa: E731
+    batches = regression_batches(samples=32, batch=8)
+
+    def call() -> None:
+        harmony.train(deep_mlp(depth=2), batches, nn.functional.mse_loss, sgd, devices=["cpu"], dashboard_address=":0",
+                      progress=False)
+
+    call()
+    assert cluster.WARM is not None
+    handle = cluster.WARM[1]
+    assert handle.cluster is not None
+    worker = handle.cluster.workers["cpu-0"]
+    worker.restarts = cluster.RESTARTS - 1
+
+    def until(condition: Callable[[], object]) -> object:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with contextlib.suppress(Exception):
+                if answer := condition():
+                    return answer
+            time.sleep(0.05)
+        raise AssertionError("the embedded cluster did not get there in a minute")
+
+    first = until(lambda: next(iter(handle.client.run(os.getpid).values())))
+    os.kill(first, signal.SIGKILL)
+    until(lambda: worker.restarts == cluster.RESTARTS)  # started again: its last restart
+    second = until(lambda: next(pid for pid in handle.client.run(os.getpid).values() if pid != first))
+    os.kill(second, signal.SIGKILL)
+    until(handle.gone)
+    assert handle.gone() == ["cpu-0"]
+
+    def waiting(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the call waited for a worker that will not come back")
+
+    monkeypatch.setattr(handle.client, "wait_for_workers", waiting)
+    with caplog.at_level(logging.INFO, logger="harmony"):
+        call()
+    assert "the warm cluster lost cpu-0 for good" in caplog.text
+    assert cluster.WARM is not None and cluster.WARM[1] is not handle
 
 
 def test_worker_names_are_asked_again_when_the_clients_answer_lists_none() -> None:

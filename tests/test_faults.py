@@ -503,6 +503,7 @@ WARMUP = Code("lambda step: min(1.0, (step + 1) / 10) * 0.97 ** step")
 SCHEDULED = {"lr_schedule": WARMUP, "clip_grad_norm": 0.5}
 
 
+@pytest.mark.usefixtures("cold_start")
 @pytest.mark.parametrize("fuse,extra", [(True, {}), (False, {**FP16, **SCHEDULED})],
                          ids=["fused", "swapped-fp16-scheduled-clipped"])
 def test_a_killed_driver_leaves_nothing_and_its_run_resumes_to_the_uninterrupted_result(
@@ -641,6 +642,7 @@ harmony.train([model, nn.Sequential(nn.Linear(8, 1))], batches, loss_fn=nn.funct
 """
 
 
+@pytest.mark.usefixtures("cold_start")
 def test_a_process_killed_while_writing_a_checkpoint_leaves_the_previous_one_whole(tmp_path: Path) -> None:
     marker = tmp_path / "killed"
     done = run_script(tmp_path / "interrupted.py", INTERRUPTED_WRITE.format(marker=str(marker), die=True, resume=False,
@@ -691,6 +693,7 @@ torch.save({{"model": model.state_dict(), "history": result.history[0]}}, {out!r
 """
 
 
+@pytest.mark.usefixtures("cold_start")
 def test_a_driver_killed_after_its_last_checkpoints_latest_is_resumed_to_links_at_that_checkpoint(
     tmp_path: Path
 ) -> None:

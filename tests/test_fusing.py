@@ -239,8 +239,10 @@ def test_a_pruned_sweep_is_fused_by_what_each_size_is_expected_to_compute(
         assert choice.size == 1 and plan.arrays == [[0], [1], [2], [3]]
         assert choice.shares[1] == 16 / 48 and choice.shares[4] == 1.0
         assert "computing 33% of its steps" in str(plan)
+        assert plan.computed == 16 / 48 and f"about 33% of them computed under prune={prune!r}" in str(plan)
     else:
         assert choice.size == 4 and plan.arrays == [[0, 1, 2, 3]] and not choice.shares
+        assert plan.computed is None and "computed under" not in str(plan)
 
 
 def test_resident_arrays_run_several_steps_per_task_and_still_match_plain_pytorch(no_leaks: None) -> None:

@@ -93,6 +93,7 @@ harmony.train(models, batches, nn.functional.mse_loss, lambda p: torch.optim.SGD
 """
 
 
+@pytest.mark.usefixtures("cold_start")
 def test_under_a_terminal_the_display_shows_each_models_losses_and_the_time_left(tmp_path: Path) -> None:
     """Run as a user would in a terminal (a pseudo-terminal); with stderr a pipe, nothing is shown."""
     pytest.importorskip("tqdm")

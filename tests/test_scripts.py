@@ -14,6 +14,8 @@ import pytest
 
 from tests.conftest import harmony_files, worker_processes
 
+pytestmark = pytest.mark.usefixtures("cold_start")  # every test here runs Harmony in processes of its own
+
 SCRIPT = """
 import torch
 from torch import nn
