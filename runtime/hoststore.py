@@ -25,6 +25,7 @@ import torch
 from harmony.tasks.layout import BufferLayout, Slot
 
 PREFIX = "harmony-"
+OWNER = "owner"  # the file naming the process that owns a run's files (runtime.orphans)
 _CREATING = threading.Lock()  # held while a file is made; freeze takes it for good
 
 
@@ -248,10 +249,13 @@ class HostStore:
         self._mapped.clear()
 
     def unlink_all(self) -> int:
-        """Remove every file of this run; returns how many were removed."""
+        """Remove every file of this run, its owner record last (runtime.orphans: a removal cut short, as a worker's
+        by its process's exit, leaves the record by which a later sweep removes the rest); returns how many were
+        removed."""
         self.close()
         removed = 0
-        for path in self.directory.glob(f"{PREFIX}{self.run}-*"):
+        paths = sorted(self.directory.glob(f"{PREFIX}{self.run}-*"), key=lambda path: path == self.path(OWNER))
+        for path in paths:
             try:
                 os.unlink(path)
                 removed += 1

@@ -19,9 +19,8 @@ from pathlib import Path
 
 import psutil
 
-from harmony.runtime.hoststore import PREFIX, HostStore, freeze, shm_directory
+from harmony.runtime.hoststore import OWNER, PREFIX, HostStore, freeze, shm_directory
 
-OWNER = "owner"
 WATCH_INTERVAL = 0.5
 DRIVER = "HARMONY_DRIVER_PID"
 

@@ -343,8 +343,12 @@ class BindingState:
             suspects = set(event.executing)
         else:
             suspects = {min(running, key=running.__getitem__).model} if running else set()
+        # and what waits there for a result the device held: Dask runs a lost result's task again, on the device it
+        # was bound to, which never comes back under that address, so a task bound elsewhere would wait for it for
+        # good (its producer may have finished and been forgotten here already)
         affected = (suspects
                     | {task.model for task, at in self.placed.items() if at == device}
+                    | {task.model for task in self.bound if device in self.edges.get(task, {}).values()}
                     | {model for model, home in self.homes.items() if home == device})
         instructions: list[Instruction] = []
         redone: dict[int, str] = {}

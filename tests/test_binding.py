@@ -395,6 +395,42 @@ def test_a_lost_workers_jobs_run_their_open_spans_again_on_the_devices_left_and_
     assert not state.readers and not state.bound and not state.placed and not state.attempts
 
 
+def test_a_task_waiting_for_a_finished_result_of_a_lost_device_runs_again() -> None:
+    """A task submitted while a producer on another device ran waits for that producer's Dask result, which lives on
+    the producer's worker after the producer is done and forgotten here. Lose that worker and Dask runs the producer
+    again on the address it was bound to, which never comes back: the waiting task's job runs again instead (a
+    user's nanny cluster hung so)."""
+    jobs = [job(100, 100), job(100, 100)]
+    state = BindingState(jobs, {"a": 10_000, "b": 10_000}, slots_per_device=2, mode="free", validate=True)
+    player = Player(state, {0: 4, 1: 4})
+    player.carry_out(state.start())
+    pick = random.Random(0)
+
+    def runnable() -> list[Submit]:
+        return [s for s in player.in_flight if not any(dep in state.bound for dep in state.dependencies(s.task))]
+
+    def waiting() -> tuple[Submit, str] | None:
+        """An in-flight task waiting for a finished producer on another device that holds nothing else of its job."""
+        for submit in player.in_flight:
+            for producer in submit.after:
+                at = state.edges[submit.task][producer]
+                held = {task.model for task, device in state.placed.items() if device == at}
+                if producer not in state.bound and at != submit.device and submit.task.model not in held:
+                    return submit, at
+        return None
+
+    while (found := waiting()) is None:
+        player.finish(pick.choice(runnable()))
+    submit, device = found
+    player.handle(WorkerLost(device, 9.0))
+    assert submit.task in player.cancelled and submit.task.model in state.events[-1]["jobs redone"]
+    assert state.attempts.get(submit.task) == 1
+    player.handle(WorkerJoined(device, 10.0))
+    while not state.finished:
+        player.finish(runnable()[0])
+    assert state.steps_trained == [4, 4] and not state.failed
+
+
 def test_a_job_homed_on_a_lost_device_moves_and_every_device_lost_waits_for_one_to_join() -> None:
     jobs = [job(10, home="a"), job(10, home="b")]
     state = BindingState(jobs, {"a": 1000, "b": 1000}, homes={0: "a", 1: "b"}, validate=True)

@@ -247,6 +247,7 @@ def test_a_users_cluster_on_ucx_trains_a_model_across_its_workers_and_equals_pla
     assert result.stats.bytes_p2p + result.stats.bytes_remote > 0, "no value passed between the workers"
 
 
+@pytest.mark.usefixtures("cold_start")  # it counts the calibrations of a cluster it starts
 def test_the_embedded_cluster_stays_warm_between_calls_until_other_devices_a_failure_or_shutdown(
     monkeypatch: pytest.MonkeyPatch, no_leaks: None
 ) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -45,6 +46,36 @@ def test_a_run_whose_owner_is_gone_is_swept_and_a_live_one_is_not() -> None:
         assert len(list(live.directory.glob("harmony-live-unit-*"))) == 2
     finally:
         live.unlink_all()
+        stale.unlink_all()
+
+
+def test_a_sweep_cut_short_leaves_the_owner_record_by_which_the_next_sweep_removes_the_rest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker's watchdog sweeping its dead driver's files dies with its process when the worker's own close ends
+    first (that close sweeps too, but finds no run whose owner record the watchdog already removed): the record
+    goes last, so the files it leaves are still found."""
+    stale = stale_run("stale-cut")
+    for index in range(1, 8):
+        stale.create(f"batch-{index}", 64)
+    unlink = os.unlink
+    removed: list[str] = []
+
+    def cut_short(path: object) -> None:
+        if len(removed) == 3:
+            raise SystemExit("the worker's process ends")
+        unlink(path)  # type: ignore[arg-type]
+        removed.append(str(path))
+
+    monkeypatch.setattr(os, "unlink", cut_short)
+    with pytest.raises(SystemExit):
+        sweep()
+    monkeypatch.setattr(os, "unlink", unlink)
+    try:
+        left = sorted(path.name for path in stale.directory.glob("harmony-stale-cut-*"))
+        assert len(left) == 7 and "harmony-stale-cut-owner" in left
+        assert "stale-cut" in sweep() and not list(stale.directory.glob("harmony-stale-cut-*"))
+    finally:
         stale.unlink_all()
 
 
