@@ -255,19 +255,34 @@ def embedded(devices: list[DeviceSpec], dashboard_address: str = ":8787", host: 
         return _embedded(devices, dashboard_address, host)
 
 
+def _rejoined(handle: ClusterHandle, count: int) -> bool:
+    """Whether the warm cluster has count workers again (those that died restarted): False as soon as one of them
+    is gone for good, TimeoutError after WORKER_START_TIMEOUT."""
+    deadline = time.monotonic() + WORKER_START_TIMEOUT
+    while not handle.gone():
+        try:
+            handle.client.wait_for_workers(count, timeout=1)
+            return True
+        except TimeoutError:
+            if time.monotonic() > deadline:
+                raise
+    return False
+
+
 def _embedded(devices: list[DeviceSpec], dashboard_address: str, host: str) -> ClusterHandle:
     global WARM
     key = (tuple((device.name, device.kind, device.threads) for device in devices), dashboard_address, host)
     if WARM is not None:
         known, handle = WARM
-        if known == key and handle.gone():
-            logger.info("harmony: the warm cluster lost %s for good; starting another", ", ".join(handle.gone()))
-        elif known == key:
+        if known == key:
             try:
-                handle.client.wait_for_workers(len(devices), timeout=WORKER_START_TIMEOUT)
-                handle.workers = worker_addresses(handle.client)
-                if set(handle.workers) == {device.name for device in devices}:
-                    return handle
+                if _rejoined(handle, len(devices)):
+                    handle.workers = worker_addresses(handle.client)
+                    if set(handle.workers) == {device.name for device in devices}:
+                        return handle
+                else:
+                    logger.info("harmony: the warm cluster lost %s for good; starting another",
+                                ", ".join(handle.gone()))
             except Exception as error:
                 logger.info("harmony: the warm cluster cannot be reused (%s); starting another", error)
         shutdown()

@@ -19,6 +19,7 @@ import harmony
 from harmony.runtime import cluster
 from harmony.runtime.cluster import shutdown
 from harmony.runtime.hoststore import PREFIX, HostStore, shm_directory
+from harmony.runtime.orphans import owner_alive
 from harmony.runtime.seeding import begin, reseed
 from harmony.tasks.graph import TaskId, inputs, parse_key
 
@@ -239,6 +240,26 @@ def harmony_files() -> list[str]:
     return sorted(p.name for p in shm_directory().glob(f"{PREFIX}*"))
 
 
+def described(names: set[str] | list[str]) -> str:
+    """Leftover files by run, each run's owner record and whether its owner still runs, and the device workers alive:
+    what a leak's failure message needs to tell which process should have removed them."""
+    runs: dict[str, int] = {}
+    for name in names:
+        run = name[len(PREFIX):].split("-", 1)[0]
+        runs[run] = runs.get(run, 0) + 1
+    lines = []
+    for run, count in sorted(runs.items()):
+        record = shm_directory() / f"{PREFIX}{run}-owner"
+        try:
+            owner = record.read_bytes()
+            state = "alive" if owner_alive(owner) else "gone"
+            lines.append(f"run {run}: {count} files, owner {owner.decode()} ({state})")
+        except FileNotFoundError:
+            lines.append(f"run {run}: {count} files, no owner record")
+    alive = [(p.pid, p.ppid(), p.status()) for p in worker_processes() if p.is_running()]
+    return "; ".join(lines) + f"; workers alive (pid, parent, status): {alive}"
+
+
 def native_threads() -> set[int]:
     """Ids of the calling process's threads that Python did not start: torch's OpenMP pool threads among them."""
     started_by_python = {thread.native_id for thread in threading.enumerate()}
@@ -274,7 +295,7 @@ def nothing_outlives_the_suite() -> Iterator[None]:
     shutdown()
     leftover_files = harmony_files()
     alive = [p for p in worker_processes() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    assert not leftover_files, f"shared-memory files left behind: {leftover_files}"
+    assert not leftover_files, f"shared-memory files left behind: {described(leftover_files)}"
     assert not alive, f"worker processes left alive: {[p.pid for p in alive]}"
 
 
@@ -311,7 +332,8 @@ def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
     yield
     if request.session.testsfailed > failures:
         shutdown()
-    assert set(harmony_files()) - before == set(), "this test left shared-memory files behind"
+    left = set(harmony_files()) - before
+    assert not left, f"this test left shared-memory files behind: {described(left)}"
     alive = {p.pid for p in worker_processes() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE}
     assert alive <= warm_workers(), f"this test left worker processes alive: {sorted(alive - warm_workers())}"
 

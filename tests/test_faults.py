@@ -24,6 +24,7 @@ from tests.conftest import (
     assert_same_weights,
     clones,
     deep_mlp,
+    described,
     harmony_files,
     regression_batches,
     stop,
@@ -541,7 +542,8 @@ def test_a_killed_driver_leaves_nothing_and_its_run_resumes_to_the_uninterrupted
     while time.monotonic() - killed_at < 10 and (set(harmony_files()) - before_files or
                                                   any(p.is_running() for p in workers)):
         time.sleep(0.1)
-    assert not set(harmony_files()) - before_files, "the killed driver's shared memory stayed"
+    left = set(harmony_files()) - before_files
+    assert not left, f"the killed driver's shared memory stayed: {described(left)}"
     assert not [p for p in workers if p.is_running() and p.status() != "zombie"], "its workers stayed"
     resumed = run_script(script, script.read_text())
     assert resumed.returncode == 0, resumed.stderr
@@ -659,7 +661,7 @@ def test_a_process_killed_while_writing_a_checkpoint_leaves_the_previous_one_who
         assert saved["step"] == written and len(saved["history"]) == written
         assert (tmp_path / "ckpt" / f"job-{model}" / f"v{written}" / "checkpoint.msgpack").exists()
     time.sleep(2)
-    assert not harmony_files(), "the killed run's files stayed"
+    assert not harmony_files(), f"the killed run's files stayed: {described(harmony_files())}"
     assert interrupted.parent.exists(), "the scratch of the killed write"
     resumed = run_script(tmp_path / "resumed.py", INTERRUPTED_WRITE.format(marker=str(marker), die=False, resume=True,
                                                                          directory=str(tmp_path / "ckpt")))
@@ -713,4 +715,4 @@ def test_a_driver_killed_after_its_last_checkpoints_latest_is_resumed_to_links_a
         assert torch.equal(saved["model"][name], value)
     assert sorted(path.name for path in job.glob("v*")) == ["v10"]
     time.sleep(2)
-    assert not harmony_files(), "the killed run's files stayed"
+    assert not harmony_files(), f"the killed run's files stayed: {described(harmony_files())}"
