@@ -118,9 +118,9 @@ class DeviceWorkerProcess(ProcessInterface):
 
     @property
     def gone(self) -> bool:
-        """Whether the worker died and will not be started again (it died after its last restart)."""
-        return (not self.closing and self.restarts >= RESTARTS and self.process is not None
-                and self.process.returncode is not None)
+        """Whether the worker died and will not be started again: its restarts are used up and no process of it
+        runs."""
+        return self.restarts >= RESTARTS and (self.process is None or self.process.returncode is not None)
 
     async def launch(self) -> None:
         spec = {
@@ -206,10 +206,14 @@ class ClusterHandle:
         self.close()
 
     def gone(self) -> list[str]:
-        """The devices whose embedded worker died for good (see DeviceWorkerProcess.gone)."""
-        workers = self.cluster.workers if self.cluster is not None else {}
-        return sorted(name for name, worker in workers.items()
-                      if isinstance(worker, DeviceWorkerProcess) and worker.gone)
+        """The devices whose embedded worker died for good: its restarts used up (DeviceWorkerProcess.gone), or
+        dropped by the SpecCluster, which closes a worker that has not come back within
+        distributed.deploy.lost-worker-timeout and never starts it again."""
+        if self.cluster is None:
+            return []
+        workers = self.cluster.workers
+        return sorted(name for name in self.cluster.worker_spec if name not in workers
+                      or (isinstance(workers[name], DeviceWorkerProcess) and workers[name].gone))
 
     def close(self) -> None:
         global WARM
