@@ -29,6 +29,7 @@ from typing import Any
 import dask
 import torch
 from distributed import Client, Scheduler
+from distributed.deploy.cluster import Cluster
 from distributed.deploy.spec import ProcessInterface, SpecCluster
 
 from harmony.runtime.devices import DeviceSpec, capacity, cpu_count, threads_per_device
@@ -173,12 +174,22 @@ class DeviceWorkerProcess(ProcessInterface):
         await super().close()
 
 
+class DeviceCluster(SpecCluster):
+    """The embedded cluster: a SpecCluster whose workers start themselves again (DeviceWorkerProcess). SpecCluster
+    closes and forgets a worker the scheduler lost that has not come back within
+    distributed.deploy.lost-worker-timeout (15 s), which would lose for good a device whose restart takes longer (a
+    GPU worker's start on a busy machine can); here a worker is forgotten only when it is gone for good."""
+
+    def _update_worker_status(self, op: str, msg: Any) -> None:
+        Cluster._update_worker_status(self, op, msg)
+
+
 @dataclass
 class ClusterHandle:
     """The client a run talks through, and what the run owns and must close."""
 
     client: Client
-    cluster: SpecCluster | None = None
+    cluster: DeviceCluster | None = None
     owns_client: bool = False
     workers: dict[str, str] = field(default_factory=dict)
     warm: bool = False
@@ -206,14 +217,10 @@ class ClusterHandle:
         self.close()
 
     def gone(self) -> list[str]:
-        """The devices whose embedded worker died for good: its restarts used up (DeviceWorkerProcess.gone), or
-        dropped by the SpecCluster, which closes a worker that has not come back within
-        distributed.deploy.lost-worker-timeout and never starts it again."""
-        if self.cluster is None:
-            return []
-        workers = self.cluster.workers
-        return sorted(name for name in self.cluster.worker_spec if name not in workers
-                      or (isinstance(workers[name], DeviceWorkerProcess) and workers[name].gone))
+        """The devices whose embedded worker died for good (DeviceWorkerProcess.gone)."""
+        workers = self.cluster.workers if self.cluster is not None else {}
+        return sorted(name for name, worker in workers.items()
+                      if isinstance(worker, DeviceWorkerProcess) and worker.gone)
 
     def close(self) -> None:
         global WARM
@@ -322,7 +329,7 @@ def start_embedded(devices: list[DeviceSpec], dashboard_address: str = ":8787", 
     scheduler = {"cls": Scheduler, "options": {"dashboard_address": dashboard_address, "host": host}}
     memory_manager = {"distributed.scheduler.active-memory-manager.start": False}  # see runtime.handoff
     with dask.config.set({**memory_manager, **sampling}):
-        cluster = SpecCluster(workers=workers, scheduler=scheduler, silence_logs=logging.ERROR, name="harmony")
+        cluster = DeviceCluster(workers=workers, scheduler=scheduler, silence_logs=logging.ERROR, name="harmony")
     handle = ClusterHandle(client=Client(cluster), cluster=cluster, owns_client=True)
     try:
         handle.client.wait_for_workers(len(devices), timeout=WORKER_START_TIMEOUT)

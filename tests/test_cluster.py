@@ -302,9 +302,9 @@ def test_a_warm_cluster_whose_worker_died_for_good_is_replaced_without_waiting_f
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, no_leaks: None
 ) -> None:
     """A device worker that dies is started again, RESTARTS times over the cluster's life (faults across a notebook's
-    calls add up); one that died after its last restart never comes back (and the SpecCluster drops it once
-    distributed.deploy.lost-worker-timeout has passed), so the next call replaces the warm cluster at once instead
-    of waiting WORKER_START_TIMEOUT for it."""
+    calls add up), however long after distributed.deploy.lost-worker-timeout it comes back (a plain SpecCluster
+    would close and forget it then); one that died after its last restart never comes back, so the next call
+    replaces the warm cluster at once instead of waiting WORKER_START_TIMEOUT for it."""
     from harmony.runtime import cluster
 
     sgd = lambda p: torch.optim.SGD(p, lr=0.05)  # noqa: E731
@@ -331,13 +331,13 @@ def test_a_warm_cluster_whose_worker_died_for_good_is_replaced_without_waiting_f
         raise AssertionError("the embedded cluster did not get there in a minute")
 
     first = until(lambda: next(iter(handle.client.run(os.getpid).values())))
-    os.kill(first, signal.SIGKILL)
-    until(lambda: worker.restarts == cluster.RESTARTS)  # started again: its last restart
-    second = until(lambda: next(pid for pid in handle.client.run(os.getpid).values() if pid != first))
-    with dask.config.set({"distributed.deploy.lost-worker-timeout": "100ms"}):
-        os.kill(second, signal.SIGKILL)
-        until(handle.gone)  # its process ended after its last restart
-        until(lambda: "cpu-0" not in handle.cluster.workers)  # and then the SpecCluster dropped it
+    with dask.config.set({"distributed.deploy.lost-worker-timeout": "100ms"}):  # shorter than any restart
+        os.kill(first, signal.SIGKILL)
+        until(lambda: worker.restarts == cluster.RESTARTS)  # started again: its last restart
+        second = until(lambda: next(pid for pid in handle.client.run(os.getpid).values() if pid != first))
+    assert handle.cluster.workers["cpu-0"] is worker and not handle.gone()
+    os.kill(second, signal.SIGKILL)
+    until(handle.gone)  # its process ended after its last restart
     assert handle.gone() == ["cpu-0"]
 
     def waiting(*args: object, **kwargs: object) -> None:
