@@ -18,7 +18,7 @@ from torch import nn
 import harmony
 from harmony.runtime import cluster
 from harmony.runtime.cluster import shutdown
-from harmony.runtime.hoststore import PREFIX, HostStore, shm_directory
+from harmony.runtime.hoststore import OWNER, PREFIX, HostStore, shm_directory
 from harmony.runtime.orphans import owner_alive
 from harmony.runtime.seeding import begin, reseed
 from harmony.tasks.graph import TaskId, inputs, parse_key
@@ -249,13 +249,12 @@ def described(names: set[str] | list[str]) -> str:
         runs[run] = runs.get(run, 0) + 1
     lines = []
     for run, count in sorted(runs.items()):
-        record = shm_directory() / f"{PREFIX}{run}-owner"
-        try:
-            owner = record.read_bytes()
+        owner = HostStore(run).read_bytes(OWNER)
+        if owner is None:
+            lines.append(f"run {run}: {count} files, no owner record")
+        else:
             state = "alive" if owner_alive(owner) else "gone"
             lines.append(f"run {run}: {count} files, owner {owner.decode()} ({state})")
-        except FileNotFoundError:
-            lines.append(f"run {run}: {count} files, no owner record")
     alive = [(p.pid, p.ppid(), p.status()) for p in worker_processes() if p.is_running()]
     return "; ".join(lines) + f"; workers alive (pid, parent, status): {alive}"
 
@@ -287,6 +286,11 @@ def worker_processes() -> list[psutil.Process]:
     return found
 
 
+def live_workers() -> list[psutil.Process]:
+    """The worker processes of worker_processes that still run (a zombie has ended, reaped or not)."""
+    return [p for p in worker_processes() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
 @pytest.fixture(autouse=True, scope="session")
 def nothing_outlives_the_suite() -> Iterator[None]:
     """After every test has run and the warm cluster is shut down (as harmony.shutdown() or the interpreter's exit
@@ -294,7 +298,7 @@ def nothing_outlives_the_suite() -> Iterator[None]:
     yield
     shutdown()
     leftover_files = harmony_files()
-    alive = [p for p in worker_processes() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    alive = live_workers()
     assert not leftover_files, f"shared-memory files left behind: {described(leftover_files)}"
     assert not alive, f"worker processes left alive: {[p.pid for p in alive]}"
 
@@ -334,7 +338,7 @@ def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
         shutdown()
     left = set(harmony_files()) - before
     assert not left, f"this test left shared-memory files behind: {described(left)}"
-    alive = {p.pid for p in worker_processes() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE}
+    alive = {p.pid for p in live_workers()}
     assert alive <= warm_workers(), f"this test left worker processes alive: {sorted(alive - warm_workers())}"
 
 

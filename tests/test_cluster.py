@@ -256,7 +256,7 @@ def test_the_embedded_cluster_stays_warm_between_calls_until_other_devices_a_fai
     again, and equals plain PyTorch; a call with other devices replaces them; a run that fails leaves none;
     harmony.shutdown() closes the warm one."""
     from harmony.runtime import calibrate
-    from tests.conftest import worker_processes
+    from tests.conftest import live_workers, worker_processes
 
     measured = []
     task_cost = calibrate.task_cost
@@ -290,12 +290,12 @@ def test_the_embedded_cluster_stays_warm_between_calls_until_other_devices_a_fai
     with pytest.raises(harmony.ModelError, match="a loss that fails"):
         harmony.train(deep_mlp(depth=2), marked, broken, sgd, devices=["cpu"], dashboard_address=":0",
                       progress=False)
-    assert not [p for p in worker_processes() if p.is_running() and p.status() != "zombie"], (
+    assert not live_workers(), (
         "a failed run leaves no worker that may still be in one of its tasks")
     call(["cpu"])
     assert len(worker_processes()) == 1
     harmony.shutdown()
-    assert not [p for p in worker_processes() if p.is_running() and p.status() != "zombie"]
+    assert not live_workers()
 
 
 def test_a_warm_cluster_whose_worker_died_for_good_is_replaced_without_waiting_for_it(
