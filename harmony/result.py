@@ -61,6 +61,9 @@ class Stats:
     that recomputed the pack's forward instead. inputs_recomputed: micro-batch forwards that the bwd task of a
     section of several packs (not a pass's last) ran first to recompute its later packs' inputs; none where those
     packs' stashes were all on the device.
+    computed: model-steps the devices computed, a job's step counting each member that computed it: a fused array
+    homed on its device computes its members still training, a swapped one every member until all have stopped (a
+    step run again after a lost worker counts again).
     busy_seconds / idle_seconds: per device, time running tasks and time without one, from the moment
     the workers were ready; schedule: per device, the keys of the tasks in the order it ran them;
     finish_seconds: per model, when its last step finished, counted from the same moment;
@@ -97,6 +100,7 @@ class Stats:
     stashed: int = 0
     recomputed: int = 0
     inputs_recomputed: int = 0
+    computed: int = 0
     budgets: dict[str, int] = field(default_factory=dict)
     schedule: dict[str, list[str]] = field(default_factory=dict)
     finish_seconds: list[float] = field(default_factory=list)
@@ -282,6 +286,7 @@ class TrainResult:
             stashed=sum(values["stashed"] for values in counters.values()),
             recomputed=sum(values["recomputed"] for values in counters.values()),
             inputs_recomputed=sum(values["inputs_recomputed"] for values in counters.values()),
+            computed=sum(values["computed"] for values in counters.values()),
             budgets=plan.devices,
             schedule=outcome.schedule,
             finish_seconds=finish,

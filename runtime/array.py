@@ -13,7 +13,8 @@ mini-batch.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -177,6 +178,60 @@ class ArrayLayer(nn.Module):
                     member.get_buffer(name).copy_(getattr(self, stacked_name(name))[index])
 
 
+def member_rows(stack: torch.Tensor, live: list[int]) -> torch.Tensor:
+    """The live members' rows of a stack (members first), in order: a view where they are consecutive, else a copy
+    whose gradient goes back into the stack's rows."""
+    if live == list(range(live[0], live[0] + len(live))):
+        return stack.narrow(0, live[0], len(live))
+    return stack.index_select(0, torch.tensor(live, device=stack.device))
+
+
+def narrowed_bytes(module: nn.Module, live: list[int]) -> int:
+    """The bytes narrowed(module, live) copies: the live members' rows of every stack, unless they are consecutive."""
+    if live == list(range(live[0], live[0] + len(live))):
+        return 0
+    layers = [layer for layer in module.modules() if isinstance(layer, ArrayLayer)]
+    return sum(tensor[0].nbytes * len(live) for layer in layers
+               for tensor in [*layer._parameters.values(), *layer._buffers.values()] if tensor is not None)
+
+
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+@contextmanager
+def narrowed(module: nn.Module, live: list[int]) -> Iterator[None]:
+    """Within the block, the ArrayLayers of module compute the members at positions live alone (in that order, one
+    row of each output per live member): a fused array whose other members stopped (pruned, or their loss no longer
+    finite) computes only those still training.
+
+    Gradients reach the full stacks' rows of the live members (the others get zeros); buffers the layers update in
+    place (BatchNorm's running statistics) are written back to the live members' rows as the block ends. What the
+    layers draw at random is drawn for the live members alone, so their masks differ from the full array's.
+    """
+    layers = [layer for layer in module.modules() if isinstance(layer, ArrayLayer)]
+    saved = [(layer.size, dict(layer._parameters), dict(layer._buffers)) for layer in layers]
+    try:
+        for layer in layers:
+            layer.size = len(live)
+            for table in (layer._parameters, layer._buffers):
+                for name, tensor in table.items():
+                    if tensor is not None:
+                        table[name] = member_rows(tensor, live)  # type: ignore[assignment]
+        yield
+    finally:
+        index = torch.tensor(live)
+        for layer, (size, parameters, buffers) in zip(layers, saved):
+            with torch.no_grad():
+                for name, full in buffers.items():
+                    rows = layer._buffers[name]
+                    if full is not None and rows is not None and not _shares_storage(rows, full):  # a copy
+                        full.index_copy_(0, index.to(full.device), rows)
+            layer.size = size
+            layer._parameters.update(parameters)
+            layer._buffers.update(buffers)
+
+
 def retie(template: nn.Module, original: nn.Module) -> nn.Module:
     """template with the parameters original shares between modules (tied embeddings: GPT-2's ``wte`` and
     ``lm_head``) shared again: moving a module to the meta device gives each use a parameter of its own, and
@@ -284,6 +339,10 @@ class ArrayLoss:
     @property
     def vectorized(self) -> bool:
         return self.mode != "loop"
+
+    def narrowed(self, live: list[int]) -> ArrayLoss:
+        """The losses of the members at positions live alone, on an output narrowed to them (see narrowed)."""
+        return ArrayLoss([self.loss_fns[position] for position in live], self.mode)
 
     def __call__(self, output: Any, target: Any) -> torch.Tensor:
         members = len(self.loss_fns)

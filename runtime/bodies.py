@@ -477,6 +477,8 @@ def _backward_pack(
         input_grads = _backward_step(ctx, model, pack, span, step, weights, tensors, grads, inputs,
                                      gradients_or_targets, loss_weights, group, claim_input, claim_upstream, keep,
                                      functools.partial(_prefetch, ctx, model, following, step, 0), losses, taken)
+        if last and group == 0:
+            ctx.counters.add("computed", spec.members)  # a swapped array computes every member
         with ctx.writing(model, pack, step) as current:  # what the step's attempt computed, written once
             if current:
                 if last:
@@ -530,15 +532,19 @@ def _homed_steps(
                 if step == 1 and index == 1:
                     started = time.perf_counter()
                 state.clear_grads()
-                with ctx.cache.scratch(runtime.workspace, "activations of pack 0"):
+                with ctx.cache.scratch(runtime.workspace, "activations of pack 0"), state.narrowing():
+                    computing = state.computing
                     for microbatch, (x, target, weight) in enumerate(zip(inputs, targets, loss_weights)):
                         x = ctx.cache.copy_in(x, "inputs")
                         target = ctx.cache.copy_in(target, "inputs")
                         _begin(ctx, model, 0, step, group, microbatch)
                         with ctx.autocast():
-                            step_losses = loss_fn(state.forward(x), target)
+                            computed, step_losses = state.losses(loss_fn, x, target)
                         state.stop(members.check(step_losses, step))  # a sync per step (see divergence)
-                        losses.add(index, _backpropagate_loss(step_losses, weight, state.scaled), weight)
+                        _backpropagate_loss(computed, weight, state.scaled)
+                        losses.add(index, step_losses.detach().reshape(-1), weight)
+                if group == 0:
+                    ctx.counters.add("computed", computing)
                 state.step(step)  # after the activations are gone, as in a plain loop (its state is charged then)
                 done = index + 1
     except Diverged as diverged:

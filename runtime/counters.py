@@ -21,6 +21,7 @@ NAMES = (
     "stashed",
     "recomputed",
     "inputs_recomputed",
+    "computed",
     "peak",
     "used",
     "busy_ns",

@@ -11,11 +11,13 @@ from there, on its device when it comes back or on another.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 
 import torch
 from torch import nn
 
+from harmony.runtime.array import ArrayLoss, narrowed, narrowed_bytes
 from harmony.runtime.array_optimizer import build_optimizer, optimizer_params, step_optimizer
 from harmony.runtime.cache import DeviceCache
 from harmony.runtime.clipping import clip_in_place
@@ -25,6 +27,7 @@ from harmony.runtime.hoststore import tensors_at
 from harmony.runtime.optimstate import OptimizerState
 from harmony.runtime.schedule import at_step
 from harmony.runtime.spec import PackRuntime
+from harmony.tasks.memory import BudgetExceeded
 
 
 def bind(module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
@@ -48,6 +51,11 @@ class HomedModel:
     parameters, as ``zero_grad(set_to_none=True)`` does in a plain loop (no zeroing, no accumulation pass);
     the budget is charged for them all the same. An optimizer over other tensors (an array's members merged
     into one torch optimizer steps views of the stacked gradients) gets a gradient buffer zeroed every step.
+
+    A fused array whose members stopped computes the others alone (narrowing; runtime.array.narrowed). Its
+    optimizer still steps every member's stacks (a stopped member's gradients are zeros, and its weights are put
+    back after each update); compiled, it computes every member (a narrowed module would be compiled again as its
+    members change).
     """
 
     def __init__(
@@ -64,8 +72,13 @@ class HomedModel:
         scaler: torch.amp.GradScaler | None = None,
         compile: bool = False,
         clip: tuple[float, ...] = (),
+        members: int = 1,
     ) -> None:
         self.cache = cache
+        self.members = members
+        self.narrowable = members > 1 and not compile
+        self.workspace = runtime.workspace
+        self.live: list[int] | None = None  # the members that compute, where not all of them do
         self.scaler = scaler
         self.clip = clip
         self.grad_norms: list[torch.Tensor] = []  # each clipped step's members' norms, since the task began
@@ -119,6 +132,43 @@ class HomedModel:
             self.stopped = sorted({*self.stopped, *members})
             index = torch.tensor(self.stopped, device=self.params[0].device)
             self.kept = [param.detach().index_select(0, index) for param in self.params]
+
+    @contextmanager
+    def narrowing(self) -> Iterator[None]:
+        """A step of a fused array with stopped members computes the others alone (live), the copy of their rows
+        charged beyond the room their fewer activations leave in the step's workspace; where that copy does not fit
+        the budget now, the step computes every member."""
+        training = [member for member in range(self.members) if member not in self.stopped]
+        self.live = None
+        with ExitStack() as reserved:
+            if self.narrowable and 0 < len(training) < self.members:
+                freed = int(self.workspace * (1 - len(training) / self.members))
+                extra = max(0, narrowed_bytes(self.module, training) - freed)
+                try:
+                    reserved.enter_context(self.cache.scratch(extra, f"rows of model {self.model}'s live members"))
+                    self.live = training
+                except BudgetExceeded:
+                    pass
+            yield
+
+    @property
+    def computing(self) -> int:
+        """How many members a step computes."""
+        return self.members if self.live is None else len(self.live)
+
+    def losses(self, loss_fn: Callable[..., torch.Tensor], x: torch.Tensor, target: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A micro-batch's losses: those to backpropagate (the computing members'), and one per member of the
+        array (NaN for a member that no longer computes, which stopped before)."""
+        if self.live is None:
+            losses = loss_fn(self.forward(x), target)
+            return losses, losses
+        assert isinstance(loss_fn, ArrayLoss), "only a fused array's members stop apart"
+        with narrowed(self.module, self.live):
+            computed = loss_fn.narrowed(self.live)(self.forward(x), target)
+        every = torch.full((self.members,), float("nan"), dtype=computed.dtype, device=computed.device)
+        every[self.live] = computed.detach().reshape(-1)
+        return computed, every
 
     @property
     def scaled(self) -> Callable[[torch.Tensor], torch.Tensor] | None:

@@ -236,6 +236,7 @@ class RunContext:
             self.homed_models[model] = HomedModel(
                 self.cache, model, runtime, weights, load_skeleton(runtime.skeleton), self.optimizer_factory(model),
                 self.optimizer_state(model, 0), version, slot, scaler, self.spec.compile, self.spec.models[model].clip,
+                self.spec.models[model].members,
             )
         if self.spec.models[model].members > 1:  # members pruned while the job waited since its last task
             self.homed_models[model].stop(self.members(model).stopped())

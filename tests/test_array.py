@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from harmony.runtime.array import ArrayLayer, array_loss, layer_signature
+from harmony.runtime.array import ArrayLayer, array_loss, layer_signature, narrowed, narrowed_bytes
 
 
 class Block(nn.Module):
@@ -69,6 +69,39 @@ def test_an_array_layer_computes_each_members_forward_and_backward(name: str, sh
     for member, reference in zip(members, references):
         for (_, got), (_, want) in zip(member.state_dict().items(), reference.state_dict().items()):
             torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-input", "stacked-input"])
+@pytest.mark.parametrize("live", [[0, 2], [1, 2]], ids=["copied", "viewed"])
+def test_a_narrowed_array_computes_its_live_members_as_the_whole_array_does(name: str, shared: bool, live: list[int]
+                                                                            ) -> None:
+    """Narrowed to live, an array gives the live members' rows of the whole array's output, gradients and running
+    statistics; the other members' gradients are zeros and their buffers stay; afterwards the layer is as it was."""
+    make, data = LAYERS[name]
+    torch.manual_seed(0)
+    array = ArrayLayer([make() for _ in range(4)], shared_input=shared)
+    whole = copy.deepcopy(array)
+    x = data() if shared else torch.stack([data() for _ in range(4)])
+    x.requires_grad_(x.is_floating_point())
+    before = {key: value.clone() for key, value in array.state_dict().items()}
+    parameters = dict(array.named_parameters())
+    with narrowed(array, live):
+        out = array(x if shared else x[live])
+    expected = whole(x)[live]
+    torch.testing.assert_close(out, expected)
+    out.pow(2).sum().backward()
+    expected.pow(2).sum().backward()
+    others = [member for member in range(4) if member not in live]
+    for parameter, reference in zip(array.parameters(), whole.parameters()):
+        torch.testing.assert_close(parameter.grad[live], reference.grad[live], rtol=1e-5, atol=1e-6)
+        assert not parameter.grad[others].any()
+    for key, buffer in array.named_buffers():
+        torch.testing.assert_close(buffer[live], whole.get_buffer(key)[live])
+        torch.testing.assert_close(buffer[others], before[key][others])
+    assert dict(array.named_parameters()) == parameters and array.size == 4
+    rows = sum(value[0].nbytes for value in before.values()) * len(live)
+    assert narrowed_bytes(array, live) == (rows if live == [0, 2] else 0)
 
 
 def test_linear_layers_run_as_one_batched_matmul_and_dropout_draws_per_member() -> None:

@@ -9,6 +9,7 @@ import math
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -78,11 +79,12 @@ def validation_loss(model: nn.Module, val: list) -> float:
     return total / sum(len(x) for x, _ in val)
 
 
-def plain_sweep(models: list[nn.Module], batches: list, val: list, pruner: Pruner) -> tuple[dict, list, list]:
+def plain_sweep(models: list[nn.Module], batches: list, val: list, pruner: Pruner, rates: tuple[float, ...] = RATES
+                ) -> tuple[dict, list, list]:
     """The sweep as plain loops in lockstep: every model steps, every EVERY steps each model still training is
     evaluated and pruner says which stop there (their weights stay). Returns the pruned {model: step}, the loss
     histories and the validation histories."""
-    optimizers = [sgd(lr)(model.parameters()) for model, lr in zip(models, RATES)]
+    optimizers = [sgd(lr)(model.parameters()) for model, lr in zip(models, rates)]
     training = list(range(len(models)))
     pruned: dict[int, int] = {}
     history: list[list[float]] = [[] for _ in models]
@@ -135,6 +137,8 @@ def test_a_halving_sweep_stops_the_models_a_plain_sweep_stops_with_their_weights
     else:
         assert result.homes
     assert result.pruned == expected and not result.failed
+    everyone = 4 * STEPS if case == "fused-swapped" else sum(result.stats.steps)  # homed, an array computes the live
+    assert result.stats.computed == everyone
     for index, (model, reference) in enumerate(zip(result.models, references)):
         assert_same_weights(model, reference, rtol=1e-9, atol=1e-12)
         assert result.history[index] == pytest.approx(history[index], rel=1e-9)
@@ -142,6 +146,34 @@ def test_a_halving_sweep_stops_the_models_a_plain_sweep_stops_with_their_weights
         assert [step for step, _ in result.val_history[index]] == [step for step, _ in val_history[index]]
         assert [loss for _, loss in result.val_history[index]] == pytest.approx(
             [loss for _, loss in val_history[index]], rel=1e-9)
+
+
+@pytest.mark.parametrize("room", [True, False], ids=["room", "tight"])
+def test_a_homed_array_computes_its_live_members_alone_where_the_copy_of_their_rows_fits(
+    room: bool, no_leaks: None
+) -> None:
+    """Halving keeps members 0 and 3 of the array at step 2 (not consecutive: their rows are copied to compute them)
+    and member 0 at step 4 (a view of its rows). With room, every step computes the members still training; under a
+    budget of the array's own planned peak the copy does not fit (batches of 4: little room for activations), so
+    steps 2 and 3 compute all four. The weights are a plain sweep's either way."""
+    rates = (0.002, 0.05, 0.0005, 0.02)
+    models = [deep_mlp(seed=seed).double() for seed in range(len(rates))]
+    references = clones(models)
+    batches = [(x.double(), y.double()) for x, y in regression_batches(samples=4 * STEPS, batch=4)]
+    val = [(x.double(), y.double()) for x, y in regression_batches(samples=16, batch=8, seed=7)]
+    expected, _, _ = plain_sweep(references, batches, val, halving, rates)
+    assert expected == {1: 2, 2: 2, 3: 4}
+    options: dict[str, Any] = dict(devices=2, fuse=True, eval_every=EVERY, prune="halving")
+    if not room:
+        planned = harmony.plan(models, batches, nn.functional.mse_loss, [sgd(lr) for lr in rates], **options)
+        options["device_memory"] = max(planned.peak_device_bytes.values())
+    result = harmony.train(models, batches, nn.functional.mse_loss, [sgd(lr) for lr in rates], val_loaders=val,
+                           progress=False, **options)
+    assert result.arrays == [[0, 1, 2, 3]] and result.homes
+    assert result.pruned == expected and not result.failed
+    assert result.stats.computed == 4 * 2 + (2 if room else 4) * 2 + 1 * (STEPS - 4)
+    for model, reference in zip(result.models, references):
+        assert_same_weights(model, reference, rtol=1e-9, atol=1e-12)
 
 
 def test_a_users_pruner_sees_the_models_still_training_and_a_bad_answer_ends_the_run(no_leaks: None) -> None:
