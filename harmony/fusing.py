@@ -3,7 +3,8 @@
 For every group of fusable models (tasks.fusion), each candidate sub-array size is built as an array (runtime.array),
 piloted, cut for the budget and simulated; the size with the best predicted throughput wins ("auto"), or the
 largest that fits up to a cap (True, or an int). Under a built-in pruner the throughput counts only what each size
-is expected to compute (tasks.pruning.computed_share): an array computes its pruned members until all have stopped.
+is expected to compute (tasks.pruning.computed_share): a swapped array computes its pruned members until all have
+stopped, a homed one its members still training.
 Each array takes the place of its first member, so jobs keep the order of the models.
 """
 
@@ -106,15 +107,21 @@ class Sizing:
     hardware: Hardware
 
 
-def _predict(arrays: list[Candidate], sizing: Sizing) -> float:
-    """Predicted seconds for every array to advance one step, with the arrays that fit a device homed."""
+def _homes(arrays: list[Candidate], sizing: Sizing) -> dict[int, str]:
+    """The arrays (by index) that fit a device whole, homed there, as the plan would home them."""
     packings = [array.job.packing for array in arrays]
     floors = [minimal_budget(array.profile, array.job.packing.microbatch_samples, prefetch=True) for array in arrays]
     homes, _ = choose_homes(packings, [array.job.state_ratio for array in arrays], sizing.budgets, floors)
+    return homes
+
+
+def _predict(arrays: list[Candidate], sizing: Sizing) -> float:
+    """Predicted seconds for every array to advance one step, with the arrays that fit a device homed."""
     options = sizing.args.options
-    run = simulate(packings, [RANKING_STEPS] * len(arrays), [step_samples(sizing.args, a.job) for a in arrays],
-                   sizing.budgets, sizing.hardware, prefetch=options.prefetch, policy=options.policy, mode="free",
-                   groups=[1] * len(arrays), homes=homes, stash=options.stash)
+    run = simulate([array.job.packing for array in arrays], [RANKING_STEPS] * len(arrays),
+                   [step_samples(sizing.args, a.job) for a in arrays], sizing.budgets, sizing.hardware,
+                   prefetch=options.prefetch, policy=options.policy, mode="free", groups=[1] * len(arrays),
+                   homes=_homes(arrays, sizing), stash=options.stash)
     return run.makespan / RANKING_STEPS
 
 
@@ -134,7 +141,7 @@ def _choose(
         sizes = sorted({size for size in sizes if size < cap} | {cap}, reverse=True)
     predicted: dict[int, float | None] = {}
     unbuilt: dict[int, int] = {}
-    shares = _shares(group, sizes, candidates, sizing.args)
+    shares: dict[int, float] = {}
     best: tuple[float, int] | None = None  # the best array's (cost, -size), the order choose_size ranks by
     samples = pilot_batch(sizing.args, group[0])[2][0]
     for size in sizes:
@@ -145,6 +152,9 @@ def _choose(
             predicted[size], unbuilt[size] = None, need
             continue
         predicted[size], array = _trial(group, size, candidates, sizing)
+        share = _share(group, size, array, candidates, sizing)
+        if share is not None:
+            shares[size] = share
         rank = (predicted[size] * shares.get(size, 1.0), -size) if array is not None else None
         if rank is not None and (best is None or rank < best):
             if best is not None:
@@ -157,16 +167,22 @@ def _choose(
     return choose_size(group, predicted, unbuilt, shares)
 
 
-def _shares(group: list[int], sizes: list[int], candidates: list[Candidate], args: Arguments) -> dict[int, float]:
-    """Per candidate size, the share of its steps the group is expected to compute under the run's built-in pruner
-    (tasks.pruning.computed_share); empty where nothing is pruned, the pruner is the user's own (how many it stops
-    is not known) or the run's length is not known."""
+def _share(group: list[int], size: int, array: Candidate | None, candidates: list[Candidate], sizing: Sizing
+           ) -> float | None:
+    """The share of its steps the group in sub-arrays of size (array: one of them, None for size 1) is expected to
+    compute under the run's built-in pruner (tasks.pruning.computed_share): homed arrays compute their members still
+    training alone (uncompiled; runtime.array.narrowed), swapped ones every member until all have stopped. None where
+    nothing is pruned, the pruner is the user's own (how many it stops is not known) or the run's length is not
+    known."""
+    args = sizing.args
     steps = candidates[group[0]].job.steps
     every = args.options.eval_every
     if args.pruner not in PRUNERS.values() or steps is None or every is None:
-        return {}
-    return {size: computed_share([len(array) for array in split(group, size)], len(args.models), steps, every)
-            for size in sizes}
+        return None
+    arrays = split(group, size)
+    narrowed = (array is not None and not args.options.compile
+                and len(_homes([array] * len(arrays), sizing)) == len(arrays))
+    return computed_share([len(members) for members in arrays], len(args.models), steps, every, narrowed)
 
 
 def _trial_room(group: list[int], size: int, candidates: list[Candidate], args: Arguments, samples: int

@@ -231,7 +231,8 @@ def plan(
         raise InputError(f"the planned schedule would not fit: {error}") from None
     computed = None
     if pruner in PRUNERS.values() and options.eval_every is not None:
-        computed = sum(count * computed_share([len(job.members)], len(args.models), count, options.eval_every)
+        computed = sum(count * computed_share([len(job.members)], len(args.models), count, options.eval_every,
+                                              narrowed=job.home is not None and not options.compile)
                        for job, count in zip(jobs, counts)) / max(sum(counts), 1)
     return Forecast(run_plan, simulation, memory, counts, names=[type(model).__name__ for model in args.models],
                     computed=computed, prune=prune)

@@ -54,14 +54,16 @@ def median(step: int, standings: Sequence[Standing]) -> list[int]:
 PRUNERS: dict[str, Pruner] = {"halving": halving, "median": median}
 
 
-def computed_share(sizes: Sequence[int], contenders: int, steps: int, every: int) -> float:
+def computed_share(sizes: Sequence[int], contenders: int, steps: int, every: int, narrowed: bool = False) -> float:
     """The expected share of a group's array-steps computed when its arrays have sizes members each and a built-in
     pruner stops the worse half of contenders (every model the run ranks) after each every steps, of steps.
 
-    An array computes a step while any of its members trains (runtime.divergence keeps its pruned members). Which
-    models survive is not known when fusing, so the survivors of each pruning step are taken as drawn at random from
-    the contenders: an array of k members stops after a pruning step with s survivors with probability
-    C(contenders - k, s) / C(contenders, s). Unfused models (sizes of 1) compute their share of model-steps.
+    Which models survive is not known when fusing, so the survivors of each pruning step are taken as drawn at random
+    from the contenders. An array that computes every member while any of them trains (a swapped one) stops after a
+    pruning step with s survivors with probability C(contenders - k, s) / C(contenders, s) for k members; one that
+    computes its members still training alone (narrowed: a homed one, runtime.array.narrowed) costs, as taken here,
+    in proportion to them: s / contenders of a step, whatever its size. Unfused models (sizes of 1) compute their
+    share of model-steps either way.
     """
     ends = [*range(every, steps, every), steps]
     training = [contenders]
@@ -71,6 +73,8 @@ def computed_share(sizes: Sequence[int], contenders: int, steps: int, every: int
     start = 0
     for end, alive in zip(ends, training):
         for size in sizes:
-            computed += (end - start) * (1 - math.comb(contenders - size, alive) / math.comb(contenders, alive))
+            share = alive / contenders if narrowed else 1 - math.comb(contenders - size, alive) / math.comb(
+                contenders, alive)
+            computed += (end - start) * share
         start = end
     return computed / (steps * len(sizes))

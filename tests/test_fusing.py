@@ -221,28 +221,34 @@ def test_plan_shows_the_arrays_and_the_sizes_it_compared() -> None:
     assert unfused.arrays == [[0], [1], [2], [3]] and "fused" not in str(unfused)
 
 
+@pytest.mark.parametrize("budget", ["4MB", "200kB"], ids=["homed", "swapped"])
 @pytest.mark.parametrize("prune", [None, "halving", "median", lambda step, standings: []])
 def test_a_pruned_sweep_is_fused_by_what_each_size_is_expected_to_compute(
-    prune: Any, monkeypatch: pytest.MonkeyPatch,
+    prune: Any, budget: str, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Arrays of 4 predicted 2.5x as fast as models alone win unpruned; halving every step of 12 leaves models
-    alone computing a third of their steps (16 of 48 model-steps), arrays of 4 all of theirs, so the built-in pruners
-    train them unfused. A user's pruner stops an unknown number: the sizes are ranked as unpruned."""
+    """Arrays of 4 predicted 2.5x as fast as models alone win unpruned. Halving every step of 12 leaves models alone
+    computing a third of their steps (16 of 48 model-steps), and so do homed arrays, which compute their members
+    still training alone: arrays of 4 still win. Swapped arrays of 4 compute all of their steps, so the built-in
+    pruners train them unfused. A user's pruner stops an unknown number: the sizes are ranked as unpruned."""
     seconds = {4: 1.0, 2: 0.7, 1: 0.4}  # the group's step by the number of arrays it runs as
     monkeypatch.setattr(fusing, "_predict", lambda arrays, sizing: seconds[len(arrays)])
     models = [batchnorm_mlp(seed) for seed in range(4)]
     plan = harmony.plan(models, regression_batches(samples=16 * 12, batch=16), loss_fn=nn.functional.mse_loss,
-                        optimizer=lambda p: torch.optim.SGD(p, lr=0.1), devices=["cpu"], device_memory="4MB",
+                        optimizer=lambda p: torch.optim.SGD(p, lr=0.1), devices=["cpu"], device_memory=budget,
                         prune=prune, eval_every=1)
     (choice,) = plan.fusion
-    if prune in ("halving", "median"):
-        assert choice.size == 1 and plan.arrays == [[0], [1], [2], [3]]
+    if prune not in ("halving", "median"):
+        assert choice.size == 4 and plan.arrays == [[0, 1, 2, 3]] and not choice.shares
+        assert plan.computed is None and "computed under" not in str(plan)
+    elif budget == "4MB":
+        assert choice.size == 4 and plan.arrays == [[0, 1, 2, 3]] and plan.plan.homes
+        assert choice.shares[1] == choice.shares[4] == 16 / 48
+        assert plan.computed == 16 / 48 and f"about 33% of them computed under prune={prune!r}" in str(plan)
+    else:
+        assert choice.size == 1 and plan.arrays == [[0], [1], [2], [3]] and choice.predicted[4] is not None
         assert choice.shares[1] == 16 / 48 and choice.shares[4] == 1.0
         assert "computing 33% of its steps" in str(plan)
         assert plan.computed == 16 / 48 and f"about 33% of them computed under prune={prune!r}" in str(plan)
-    else:
-        assert choice.size == 4 and plan.arrays == [[0, 1, 2, 3]] and not choice.shares
-        assert plan.computed is None and "computed under" not in str(plan)
 
 
 def test_resident_arrays_run_several_steps_per_task_and_still_match_plain_pytorch(no_leaks: None) -> None:
