@@ -5,11 +5,11 @@ A grid of MLPs (one architecture, SGD with momentum at a spread of learning rate
 evaluated every --every steps. Each way trains the grid and reports its seconds, the model-steps it trained and the
 validation loss of the model it ends with as best. The plain loops step every model still training once per
 batch in turn (as a hand-written sweep in one process does) and halve at each evaluation like Harmony's pruner;
-Harmony runs on two CPU devices, unfused (a pruned model frees its device) and fused (an array computes its pruned
-members until all have stopped). Seconds are medians over rounds (the ways alternate, so that the machine's drift
-falls on all of them).
+Harmony runs on two CPU devices, unfused (a pruned model frees its device), fused (an array homed on its device
+computes its members still training) and as fuse="auto" chooses. Seconds are medians over rounds (the ways
+alternate, so that the machine's drift falls on all of them).
 
-    python -m benchmarks.pruning [--quick] [--rounds N] [--models 8] [--every 8]
+    python -m benchmarks.pruning [--quick] [--rounds N] [--models 8] [--every 8] [--width 512]
 """
 
 from __future__ import annotations
@@ -81,15 +81,15 @@ def plain(models: list[nn.Module], data: list, val: list, every: int, prune: boo
             "best val loss": min(losses.values())}
 
 
-def with_harmony(models: list[nn.Module], data: list, val: list, every: int, prune: bool, fuse: bool
+def with_harmony(models: list[nn.Module], data: list, val: list, every: int, prune: bool, fuse: bool | str
                  ) -> dict[str, Any]:
     result = harmony.train(models, data, nn.functional.mse_loss, [factory(rate) for rate in rates(len(models))],
                            devices=2, fuse=fuse, val_loaders=val, eval_every=every,
                            prune="halving" if prune else None, progress=False)
-    computed = sum(len(job.members) * max(result.stats.steps[model] for model in job.members)
-                   for job in result.plan.jobs)  # an array computes its pruned members until all have stopped
-    return {"seconds": result.stats.wall_seconds, "model-steps": sum(result.stats.steps), "computed": computed,
-            "best val loss": result.best().val_loss, "busy": statistics.mean(result.stats.utilization().values())}
+    return {"seconds": result.stats.wall_seconds, "model-steps": sum(result.stats.steps),
+            "computed": result.stats.computed, "best val loss": result.best().val_loss,
+            "busy": statistics.mean(result.stats.utilization().values()),
+            "arrays": " + ".join(str(len(members)) for members in result.arrays)}
 
 
 def main() -> None:
@@ -97,10 +97,12 @@ def main() -> None:
         parser.add_argument("--rounds", type=int, default=3, help="runs of each way (the table gives the median)")
         parser.add_argument("--models", type=int, default=8, help="the grid's size")
         parser.add_argument("--every", type=int, default=8, help="steps between evaluations (pruning steps)")
+        parser.add_argument("--width", type=int, default=None, help="the MLPs' width (default 512; 128 quick)")
 
     args = arguments(__doc__.splitlines()[0], extend)
     logging.getLogger("distributed").setLevel(logging.ERROR)
     width, depth, batch, steps = (128, 4, 32, 24) if args.quick else (512, 6, 128, 48)
+    width = args.width or width
     every = min(args.every, steps // 4)
     data = teacher_data(steps, batch, width, seed=1)
     val = teacher_data(4, batch, width, seed=7)
@@ -109,7 +111,9 @@ def main() -> None:
         "plain loop, successive halving": lambda models: plain(models, data, val, every, True),
         "Harmony, every model to the end": lambda models: with_harmony(models, data, val, every, False, False),
         "Harmony, prune='halving'": lambda models: with_harmony(models, data, val, every, True, False),
+        "Harmony fused, every model to the end": lambda models: with_harmony(models, data, val, every, False, True),
         "Harmony fused, prune='halving'": lambda models: with_harmony(models, data, val, every, True, True),
+        "Harmony fuse='auto', prune='halving'": lambda models: with_harmony(models, data, val, every, True, "auto"),
     }
     with_harmony([mlp(width, depth, seed=seed) for seed in range(2)], data[:2], val, 1, False, False)  # warm
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in ways}
@@ -123,14 +127,15 @@ def main() -> None:
                      "seconds": statistics.median(seconds),
                      "range": f"{min(seconds):.2f}-{max(seconds):.2f}",
                      "best val loss": measured[0]["best val loss"],
-                     "busy": measured[0].get("busy", 1.0)})
+                     "busy": measured[0].get("busy", 1.0), "arrays": measured[0].get("arrays", "")})
     base = rows[1]["seconds"]
     for row in rows:
         row["/ plain halving"] = row["seconds"] / base
     report("pruning", f"prune='halving': {args.models} MLPs {width}x{depth}, batch {batch}, {steps} steps, evaluated "
            f"every {every}, SGD+momentum at {args.models} learning rates, 2 CPU devices, {args.rounds} rounds", rows,
-           args.out, raw=runs, notes="model-steps: the steps the models trained; computed: those computed (a fused "
-           "array's pruned members too); busy: the devices' mean busy share (Harmony)")
+           args.out, raw=runs, notes="model-steps: the steps the models trained; computed: those computed "
+           "(stats.computed: a swapped array's pruned members too); busy: the devices' mean busy share; arrays: the "
+           "jobs' sizes (Harmony)")
 
 
 if __name__ == "__main__":

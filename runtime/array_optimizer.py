@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from harmony.runtime.array import member_layout
+from harmony.runtime.array import member_layout, member_rows
 from harmony.runtime.schedule import at_step, schedules
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -51,11 +51,14 @@ class StackedOptimizer(torch.optim.Optimizer):
 
     The hyperparameters become columns (one value per member, broadcasting against a stack) built once per
     group and stack shape and rebuilt only if a group's values change; Adam's bias corrections are computed
-    once per step for all of a group's stacks, in double precision as torch does, then rounded once.
+    once per step for all of a group's stacks, in double precision as torch does, then rounded once. With live
+    set, a step updates those members' rows of every stack and of its state alone (the others' stay as they are):
+    views where they are consecutive, else copies written back.
     """
 
     def __init__(self, algorithm: type[torch.optim.Optimizer], groups: list[dict[str, Any]]) -> None:
         self.algorithm = algorithm
+        self.live: list[int] | None = None  # the members whose rows a step updates, where not every member's
         self.columns: dict[tuple[Any, ...], Columns] = {}
         self.hyperparameters: dict[int, list[list[Any]]] = {}
         self.corrections: dict[tuple[Any, ...], tuple[float, Columns]] = {}
@@ -79,10 +82,36 @@ class StackedOptimizer(torch.optim.Optimizer):
                     continue
                 grad = -param.grad if group["maximize"] else param.grad
                 columns = self._columns(index, group, param)
-                if self.algorithm is torch.optim.SGD:
-                    self._sgd(param, grad, columns)
+                if self.live is None:
+                    self._step(index, param, grad, columns, self.state[param])
                 else:
-                    self._adam(index, param, grad, columns)
+                    self._step_rows(index, param, grad, columns, self.live)
+
+    def _step(self, index: int, param: torch.Tensor, grad: torch.Tensor, columns: Columns, state: dict[str, Any]
+              ) -> None:
+        if self.algorithm is torch.optim.SGD:
+            self._sgd(param, grad, columns, state)
+        else:
+            self._adam(index, param, grad, columns, state)
+
+    def _step_rows(self, index: int, param: torch.Tensor, grad: torch.Tensor, columns: Columns, live: list[int]
+                   ) -> None:
+        """One step of the live members' rows of param and of its state."""
+        state = self.state[param]
+        rows = {name: member_rows(value, live) if name != "step" else value for name, value in state.items()}
+        picked = member_rows(param, live)
+        self._step(index, picked, member_rows(grad, live),
+                   {name: None if column is None else member_rows(column, live) for name, column in columns.items()},
+                   rows)
+        consecutive = live == list(range(live[0], live[0] + len(live)))
+        where = torch.tensor(live, device=param.device)
+        if not consecutive:
+            param.index_copy_(0, where, picked)
+        for name, value in rows.items():
+            if name == "step" or name not in state:  # made by this step (its first): the others' rows zeros
+                state[name] = value if name == "step" else torch.zeros_like(param).index_copy_(0, where, value)
+            elif not consecutive:
+                state[name].index_copy_(0, where, value)
 
     def _columns(self, index: int, group: dict[str, Any], like: torch.Tensor) -> Columns:
         """The group's hyperparameter columns shaped to broadcast against like (members first)."""
@@ -123,12 +152,11 @@ class StackedOptimizer(torch.optim.Optimizer):
             "beta2_64": column(group["beta2"], torch.float64),
         }
 
-    def _sgd(self, param: torch.Tensor, grad: torch.Tensor, columns: Columns) -> None:
+    def _sgd(self, param: torch.Tensor, grad: torch.Tensor, columns: Columns, state: dict[str, Any]) -> None:
         if columns["weight_decay"] is not None:
             grad = grad.add(param * columns["weight_decay"])
         momentum = columns["momentum"]
         if momentum is not None:
-            state = self.state[param]
             buffer = state.get("momentum_buffer")
             if buffer is None:
                 buffer = torch.clone(grad).detach()
@@ -148,7 +176,7 @@ class StackedOptimizer(torch.optim.Optimizer):
 
     def _corrections(self, index: int, like: torch.Tensor, step: float, columns: Columns) -> Columns:
         """Adam's step-dependent columns: minus the step size, and the second moment's correction."""
-        key = (index, like.dim(), like.dtype, like.device)
+        key = (index, like.dim(), like.dtype, like.device, tuple(self.live or ()))
         cached = self.corrections.get(key)
         if cached is None or cached[0] != step:
             step_size = columns["lr64"] / (1 - columns["beta1_64"] ** step)
@@ -158,8 +186,8 @@ class StackedOptimizer(torch.optim.Optimizer):
             self.corrections[key] = cached
         return cached[1]
 
-    def _adam(self, index: int, param: torch.Tensor, grad: torch.Tensor, columns: Columns) -> None:
-        state = self.state[param]
+    def _adam(self, index: int, param: torch.Tensor, grad: torch.Tensor, columns: Columns, state: dict[str, Any]
+              ) -> None:
         if not state:
             state["step"] = torch.tensor(0.0)
             state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from harmony.runtime.array import ArrayLoss, narrowed, narrowed_bytes
-from harmony.runtime.array_optimizer import build_optimizer, optimizer_params, step_optimizer
+from harmony.runtime.array_optimizer import StackedOptimizer, build_optimizer, optimizer_params, step_optimizer
 from harmony.runtime.cache import DeviceCache
 from harmony.runtime.clipping import clip_in_place
 from harmony.runtime.compiled import module_call
@@ -52,10 +52,11 @@ class HomedModel:
     the budget is charged for them all the same. An optimizer over other tensors (an array's members merged
     into one torch optimizer steps views of the stacked gradients) gets a gradient buffer zeroed every step.
 
-    A fused array whose members stopped computes the others alone (narrowing; runtime.array.narrowed). Its
-    optimizer still steps every member's stacks (a stopped member's gradients are zeros, and its weights are put
-    back after each update); compiled, it computes every member (a narrowed module would be compiled again as its
-    members change).
+    A fused array whose members stopped computes the others alone (narrowing; runtime.array.narrowed), and its
+    stacked optimizer steps their rows alone (another optimizer steps every member's, and the stopped members'
+    weights are put back after each update); compiled, it computes every member (a narrowed module would be
+    compiled again as its members change). The rows an update copies (members not consecutive) are transient, as
+    the update's own temporaries are.
     """
 
     def __init__(
@@ -179,18 +180,26 @@ class HomedModel:
         """Apply the update on the device; the device weights become version step + 1. With a loss scaler, as a
         plain loop with torch.amp.GradScaler: unscaled, skipped when a gradient is not finite, the scale updated.
         Clipped (runtime.clipping) after unscaling, as clip_grad_norm_ between GradScaler.unscale_ and step."""
-        if self.scaler is not None:
-            at_step(self.optimizer, step)
-            if self.clip:
-                self.scaler.unscale_(self.optimizer)
-                self._clip()
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            if self.clip:
-                self._clip()
-            step_optimizer(self.optimizer, step)
-        if self.stopped:
+        training = [member for member in range(self.members) if member not in self.stopped]
+        rows = isinstance(self.optimizer, StackedOptimizer) and bool(self.stopped) and bool(training)
+        if rows:
+            self.optimizer.live = training  # the stopped members' rows stay as they are
+        try:
+            if self.scaler is not None:
+                at_step(self.optimizer, step)
+                if self.clip:
+                    self.scaler.unscale_(self.optimizer)
+                    self._clip()
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+            else:
+                if self.clip:
+                    self._clip()
+                step_optimizer(self.optimizer, step)
+        finally:
+            if rows:
+                self.optimizer.live = None
+        if self.stopped and not rows:
             keep_stopped([param.detach() for param in self.params], self.kept, self.stopped)
         self._charge_state()
         self.cache.set_version((self.model, 0), step + 1)

@@ -102,3 +102,34 @@ def test_an_array_optimizer_gives_each_factory_its_members_own_shapes_for_transp
     for index in range(2):
         torch.testing.assert_close(stacked_weight.detach()[index].t(), weights[index].detach())
         torch.testing.assert_close(stacked_bias.detach()[index, 0], biases[index].detach())
+
+
+@pytest.mark.parametrize("first", [0, 1], ids=["from-the-first-step", "later"])
+@pytest.mark.parametrize("name", ["sgd", "adam", "adamw"])
+def test_a_stacked_optimizer_with_live_members_steps_their_rows_alone(name: str, first: int) -> None:
+    """Members drop out (live: every member but the second from step `first`, then the first alone, a view of its
+    rows): each live member's rows move as its own optimizer steps it, the others' stay where they stopped."""
+    factories = HYPERPARAMETERS[name]
+    torch.manual_seed(1)
+    shapes = [(5, 4), (5,)]
+    members = [[nn.Parameter(torch.randn(shape)) for shape in shapes] for _ in factories]
+    stacked = [nn.Parameter(torch.stack([m[k].detach() for m in members])) for k in range(len(shapes))]
+    optimizers = [factory(params) for factory, params in zip(factories, members)]
+    array = ArrayOptimizer(factories)(stacked)
+    assert isinstance(array, StackedOptimizer)
+    everyone = list(range(len(factories)))
+    for step in range(5):
+        live = None if step < first else [m for m in everyone if m != 1] if step < 3 else [0]
+        grads = [torch.randn(len(factories), *shape) for shape in shapes]
+        for param, grad in zip(stacked, grads):
+            param.grad = grad.clone()
+        array.live = live
+        step_optimizer(array, step)
+        for index, (optimizer, params) in enumerate(zip(optimizers, members)):
+            if live is None or index in live:
+                for param, grad in zip(params, grads):
+                    param.grad = grad[index].clone()
+                optimizer.step()
+        for index, params in enumerate(members):
+            for param, stack in zip(params, stacked):
+                torch.testing.assert_close(stack.detach()[index], param.detach(), rtol=1e-6, atol=1e-7)
