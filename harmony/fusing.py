@@ -4,7 +4,7 @@ For every group of fusable models (tasks.fusion), each candidate sub-array size 
 piloted, cut for the budget and simulated; the size with the best predicted throughput wins ("auto"), or the
 largest that fits up to a cap (True, or an int). Under a built-in pruner the throughput counts only what each size
 is expected to compute (tasks.pruning.computed_share): a swapped array computes its pruned members until all have
-stopped, a homed one its members still training.
+stopped, a homed one its members still training (at what an array of that many is predicted to cost).
 Each array takes the place of its first member, so jobs keep the order of the models.
 """
 
@@ -25,12 +25,20 @@ from harmony.runtime.array_optimizer import ArrayOptimizer
 from harmony.runtime.code import JobCode
 from harmony.runtime.pilot import decompose
 from harmony.runtime.stages import Entry
-from harmony.tasks.fusion import FusionChoice, candidate_sizes, choose_size, fusion_groups, split, trial_bytes
+from harmony.tasks.fusion import (
+    FusionChoice,
+    candidate_sizes,
+    choose_size,
+    fusion_groups,
+    narrowed_cost,
+    split,
+    trial_bytes,
+)
 from harmony.tasks.hardware import Hardware
 from harmony.tasks.homes import choose_homes
 from harmony.tasks.packing import LayerTooLarge, cut_packs, minimal_budget
 from harmony.tasks.profile import ModelProfile
-from harmony.tasks.pruning import PRUNERS, computed_share
+from harmony.tasks.pruning import PRUNERS, computed_share, every_member
 from harmony.tasks.runplan import Job
 from harmony.tasks.simulator import model_step_seconds, simulate
 from harmony.validate import Arguments
@@ -152,7 +160,7 @@ def _choose(
             predicted[size], unbuilt[size] = None, need
             continue
         predicted[size], array = _trial(group, size, candidates, sizing)
-        share = _share(group, size, array, candidates, sizing)
+        share = _share(group, size, array, predicted, candidates, sizing)
         if share is not None:
             shares[size] = share
         rank = (predicted[size] * shares.get(size, 1.0), -size) if array is not None else None
@@ -167,13 +175,13 @@ def _choose(
     return choose_size(group, predicted, unbuilt, shares)
 
 
-def _share(group: list[int], size: int, array: Candidate | None, candidates: list[Candidate], sizing: Sizing
-           ) -> float | None:
+def _share(group: list[int], size: int, array: Candidate | None, predicted: dict[int, float | None],
+           candidates: list[Candidate], sizing: Sizing) -> float | None:
     """The share of its steps the group in sub-arrays of size (array: one of them, None for size 1) is expected to
     compute under the run's built-in pruner (tasks.pruning.computed_share): homed arrays compute their members still
-    training alone (uncompiled; runtime.array.narrowed), swapped ones every member until all have stopped. None where
-    nothing is pruned, the pruner is the user's own (how many it stops is not known) or the run's length is not
-    known."""
+    training alone (uncompiled; runtime.array.narrowed), at what the sizes predicted so far say an array of that
+    many costs (tasks.fusion.narrowed_cost); swapped ones every member until all have stopped. None where nothing
+    is pruned, the pruner is the user's own (how many it stops is not known) or the run's length is not known."""
     args = sizing.args
     steps = candidates[group[0]].job.steps
     every = args.options.eval_every
@@ -182,7 +190,8 @@ def _share(group: list[int], size: int, array: Candidate | None, candidates: lis
     arrays = split(group, size)
     narrowed = (array is not None and not args.options.compile
                 and len(_homes([array] * len(arrays), sizing)) == len(arrays))
-    return computed_share([len(members) for members in arrays], len(args.models), steps, every, narrowed)
+    cost = narrowed_cost(len(group), predicted, len(sizing.budgets)) if narrowed else every_member
+    return computed_share([len(members) for members in arrays], len(args.models), steps, every, cost)
 
 
 def _trial_room(group: list[int], size: int, candidates: list[Candidate], args: Arguments, samples: int

@@ -22,7 +22,7 @@ from harmony.tasks.graph import TaskId
 from harmony.tasks.hardware import Hardware
 from harmony.tasks.microbatch import split_sizes
 from harmony.tasks.packing import Packing
-from harmony.tasks.pruning import PRUNERS, computed_share
+from harmony.tasks.pruning import PRUNERS, computed_share, every_member, live_members
 from harmony.tasks.runplan import Options, RunPlan
 from harmony.tasks.simulator import MemoryReport, ScheduleExceedsBudget, Simulation, replay_memory, simulate_jobs
 from harmony.validate import check_prune, read_options, validate
@@ -232,7 +232,8 @@ def plan(
     computed = None
     if pruner in PRUNERS.values() and options.eval_every is not None:
         computed = sum(count * computed_share([len(job.members)], len(args.models), count, options.eval_every,
-                                              narrowed=job.home is not None and not options.compile)
+                                              live_members if job.home is not None and not options.compile
+                                              else every_member)  # model-steps: a homed array's live members
                        for job, count in zip(jobs, counts)) / max(sum(counts), 1)
     return Forecast(run_plan, simulation, memory, counts, names=[type(model).__name__ for model in args.models],
                     computed=computed, prune=prune)

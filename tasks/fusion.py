@@ -5,7 +5,8 @@ caller computes the key) and not None can be fused. A group of n such models run
 chosen size s: ceil(n / s) arrays with sizes as even as possible. The size is chosen by predicted
 throughput, which the caller obtains from the simulator for every candidate size whose packs fit, weighted, where a
 built-in pruner stops models during the run, by the share of its steps each size is expected to compute
-(tasks.pruning.computed_share: an array computes its pruned members until all of them stop). A size whose
+(tasks.pruning.computed_share: a swapped array computes its pruned members until all of them stop, a homed one its
+members still training, at what an array of that many costs: narrowed_cost). A size whose
 trial array (trial_bytes) would not fit the memory it is built in is not tried: the caller builds each trial array
 beside the members' own weights.
 """
@@ -13,7 +14,7 @@ beside the members' own weights.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 from harmony.tasks.packing import workspace_bytes
@@ -59,6 +60,43 @@ def split(members: Sequence[int], size: int) -> list[list[int]]:
         arrays.append(list(members[first:stop]))
         first = stop
     return arrays
+
+
+def narrowed_cost(group: int, predicted: dict[int, float | None], devices: int) -> Callable[[int, int], float]:
+    """What a step of a narrowed array (one that computes its members still training alone) of size members costs
+    with live of them training, as a share of its whole step: an array of live members' predicted step over its own
+    (tasks.pruning.computed_share's cost).
+
+    predicted is a group of group models' predicted seconds a step in sub-arrays of each size (FusionChoice); one
+    array's step is that, times the arrays that run at once (at most one a device), over the arrays. Between the
+    sizes predicted it is interpolated linearly (below the smallest, in proportion to the members); a size not
+    predicted costs in proportion to its live members.
+    """
+    steps: dict[int, float] = {}
+    for size, seconds in predicted.items():
+        if seconds is not None:
+            arrays = len(split(range(group), size))
+            steps[size] = seconds * min(devices, arrays) / arrays
+    known = sorted(steps)
+
+    def step(members: int) -> float:
+        below = max((size for size in known if size <= members), default=None)
+        above = min((size for size in known if size >= members), default=None)
+        if below is None:
+            assert above is not None
+            return steps[above] * members / above
+        if above is None or above == below:
+            return steps[below]
+        return steps[below] + (steps[above] - steps[below]) * (members - below) / (above - below)
+
+    def cost(live: int, size: int) -> float:
+        if live == 0:
+            return 0.0
+        if size not in steps:
+            return live / size
+        return min(1.0, step(live) / steps[size])
+
+    return cost
 
 
 @dataclass(frozen=True)

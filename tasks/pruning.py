@@ -54,16 +54,30 @@ def median(step: int, standings: Sequence[Standing]) -> list[int]:
 PRUNERS: dict[str, Pruner] = {"halving": halving, "median": median}
 
 
-def computed_share(sizes: Sequence[int], contenders: int, steps: int, every: int, narrowed: bool = False) -> float:
-    """The expected share of a group's array-steps computed when its arrays have sizes members each and a built-in
-    pruner stops the worse half of contenders (every model the run ranks) after each every steps, of steps.
+def every_member(live: int, size: int) -> float:
+    """What a step of an array that computes every member while any trains costs with live of them training, as a
+    share of its whole step."""
+    return 1.0 if live else 0.0
 
-    Which models survive is not known when fusing, so the survivors of each pruning step are taken as drawn at random
-    from the contenders. An array that computes every member while any of them trains (a swapped one) stops after a
-    pruning step with s survivors with probability C(contenders - k, s) / C(contenders, s) for k members; one that
-    computes its members still training alone (narrowed: a homed one, runtime.array.narrowed) costs, as taken here,
-    in proportion to them: s / contenders of a step, whatever its size. Unfused models (sizes of 1) compute their
-    share of model-steps either way.
+
+def live_members(live: int, size: int) -> float:
+    """The share of an array's members a step computes with live of them training, where it computes those alone."""
+    return live / size
+
+
+def computed_share(sizes: Sequence[int], contenders: int, steps: int, every: int,
+                   cost: Callable[[int, int], float] = every_member) -> float:
+    """The expected share of a group's array-steps computed (weighted by what each costs) when its arrays have sizes
+    members each and a built-in pruner stops the worse half of contenders (every model the run ranks) after each
+    every steps, of steps.
+
+    cost(live, size) is what a step of an array of size members costs with live of them training, as a share of
+    its whole step: a swapped array computes every member while any trains (every_member); a homed one computes
+    its members still training alone (runtime.array.narrowed), at a cost tasks.fusion.narrowed_cost predicts. Which
+    models survive is not known when fusing, so the survivors of each pruning step are taken as drawn at random from
+    the contenders: with s survivors, an array of k members has j of them with probability
+    C(k, j) C(contenders - k, s - j) / C(contenders, s). Unfused models (sizes of 1) compute their share of
+    model-steps.
     """
     ends = [*range(every, steps, every), steps]
     training = [contenders]
@@ -73,8 +87,8 @@ def computed_share(sizes: Sequence[int], contenders: int, steps: int, every: int
     start = 0
     for end, alive in zip(ends, training):
         for size in sizes:
-            share = alive / contenders if narrowed else 1 - math.comb(contenders - size, alive) / math.comb(
-                contenders, alive)
-            computed += (end - start) * share
+            expected = sum(math.comb(size, live) * math.comb(contenders - size, alive - live) * cost(live, size)
+                           for live in range(min(size, alive) + 1)) / math.comb(contenders, alive)
+            computed += (end - start) * expected
         start = end
     return computed / (steps * len(sizes))

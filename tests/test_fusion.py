@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from harmony.tasks.fusion import candidate_sizes, choose_size, fusion_groups, split, trial_bytes
+import pytest
+
+from harmony.tasks.fusion import candidate_sizes, choose_size, fusion_groups, narrowed_cost, split, trial_bytes
 from harmony.tasks.layout import TensorSpec
 from harmony.tasks.profile import LayerProfile, ModelProfile
 
@@ -53,3 +55,16 @@ def test_a_size_not_tried_for_host_memory_is_never_chosen_and_the_choice_says_wh
     assert choice.size == 2 and choice.unbuilt == {8: 12_400_000_000}
     text = choice.explain("GPT2LMHeadModel")
     assert "8: not tried, its trial array needs 12.4 GB of host memory" in text and "4: does not fit" in text
+
+
+def test_a_narrowed_arrays_step_costs_what_an_array_of_its_live_members_is_predicted_to() -> None:
+    """Eight models on two devices: one array's step is the group's over the arrays, times those that run at once
+    (models alone 1 s, arrays of 2 1.5 s, of 4 2 s, of 8 3 s); between the sizes predicted it is interpolated."""
+    cost = narrowed_cost(8, {1: 4.0, 2: 3.0, 4: 2.0, 8: 3.0}, devices=2)
+    assert cost(0, 4) == 0.0 and cost(4, 4) == 1.0 and cost(8, 8) == 1.0
+    assert cost(1, 8) == pytest.approx(1 / 3) and cost(2, 4) == pytest.approx(0.75)
+    assert cost(3, 4) == pytest.approx(1.75 / 2) and cost(6, 8) == pytest.approx(2.5 / 3)
+    unfit = narrowed_cost(8, {1: 4.0, 2: 3.0, 4: 2.0, 8: None}, devices=2)
+    assert unfit(3, 8) == pytest.approx(3 / 8), "a size not predicted: in proportion to its live members"
+    assert narrowed_cost(4, {1: 10.0, 4: 1.0}, devices=1)(1, 4) == 1.0, "never more than the whole array's step"
+    assert narrowed_cost(4, {2: 2.0, 4: 3.0}, devices=1)(1, 4) == pytest.approx(0.5 / 3), "below: in proportion"

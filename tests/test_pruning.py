@@ -17,7 +17,7 @@ from torch import nn
 
 import harmony
 from harmony.errors import InputError, ModelError
-from harmony.tasks.pruning import Pruner, Standing, computed_share, halving, median
+from harmony.tasks.pruning import Pruner, Standing, computed_share, halving, live_members, median
 from tests.conftest import assert_same_weights, clones, deep_mlp, param_bytes, regression_batches, sum_batches
 
 EVERY = 2
@@ -51,23 +51,29 @@ def test_the_share_fusion_expects_to_compute_is_the_average_over_every_order_the
 ) -> None:
     """Every ranking of six models equally likely, each pruning step run by the real pruner: the mean share of the
     arrays' steps computed is what computed_share predicts, for arrays that compute while any member trains and for
-    narrowed ones, whose step costs the share of their members still training."""
+    narrowed ones, whose step costs what their members still training cost (in proportion to them, or not)."""
     steps, every = 11, 2
     arrays = [set(range(a, b)) for a, b in itertools.pairwise(itertools.accumulate([0, *sizes]))]
-    computed = narrowed = 0.0
+    def concave(live: int, size: int) -> float:
+        return (live / size) ** 0.5
+
+    computed = narrowed = bent = 0.0
     orders = list(itertools.permutations(range(6)))
     for order in orders:
         training = set(range(6))
         for step in range(1, steps + 1):
             computed += sum(bool(training & array) for array in arrays)
             narrowed += sum(len(training & array) / len(array) for array in arrays)
+            bent += sum(concave(len(training & array), len(array)) for array in arrays)
             if step % every == 0 and step < steps:
                 losses = {model: float(order.index(model)) for model in training}
                 training -= set(pruner(step, [Standing(m, f"model {m}", loss) for m, loss in losses.items()]))
     expected = computed / (len(orders) * steps * len(sizes))
     assert computed_share(sizes, 6, steps, every) == pytest.approx(expected, rel=1e-12)
     expected = narrowed / (len(orders) * steps * len(sizes))
-    assert computed_share(sizes, 6, steps, every, narrowed=True) == pytest.approx(expected, rel=1e-12)
+    assert computed_share(sizes, 6, steps, every, live_members) == pytest.approx(expected, rel=1e-12)
+    expected = bent / (len(orders) * steps * len(sizes))
+    assert computed_share(sizes, 6, steps, every, concave) == pytest.approx(expected, rel=1e-12)
     assert computed_share([1] * 8, 8, 48, 8) == 136 / 384, "benchmarks/pruning.py's grid"
 
 
