@@ -27,7 +27,7 @@ from harmony.runtime.checkpoint import Checkpoints, fingerprint
 from harmony.runtime.cluster import LOOPBACK, ClusterHandle, connect, embedded, external_devices, worker_threads
 from harmony.runtime.code import JobCode
 from harmony.runtime.data import LoaderFeed, SharedFeed, batch_size
-from harmony.runtime.devices import DeviceSpec, build_specs
+from harmony.runtime.devices import DeviceSpec, build_specs, device_threads
 from harmony.runtime.driver import Ranking
 from harmony.runtime.errors import ModelFailure
 from harmony.runtime.files import estimate
@@ -411,7 +411,8 @@ def train(
         budgets = {spec.name: spec.budget for spec in specs}
         if starting is not None:
             starting.ready()  # before the pilot times layers: workers starting on the same cores would skew them
-        candidates = pilot(args, min(budgets.values()))
+        with device_threads(specs):
+            candidates = pilot(args, min(budgets.values()))
         check_host_memory([candidate.job for candidate in candidates], args.host_memory)
         checkpoints, recorded = open_checkpoints(directory, args, budgets, resume)
         started = time.perf_counter()
@@ -424,13 +425,15 @@ def train(
                                          cpu_compute=any(spec.kind == "cpu" for spec in specs))
             machines = {spec.name: spec.machine for spec in specs}
             if recorded is None:
-                plan, codes = build(args, candidates, budgets, hardware, machines)
-                if args.pruner is not None and any(len(job.members) > 1 for job in plan.jobs):
-                    logger.info("harmony: prune= with fused arrays: an array computes its pruned members until all "
-                                "of them have stopped (fuse=False frees what pruning stops)")
+                with device_threads(specs):  # fusion pilots its trial arrays
+                    plan, codes = build(args, candidates, budgets, hardware, machines)
+                if args.pruner is not None and any(len(job.members) > 1 and job.home is None for job in plan.jobs):
+                    logger.info("harmony: prune= with swapped fused arrays: such an array computes its pruned members "
+                                "until all of them have stopped (fuse=False frees what pruning stops)")
             else:
                 plan = replan_machines(recorded, machines)
-                codes = codes_for(recorded, candidates, args, min(budgets.values()))
+                with device_threads(specs):
+                    codes = codes_for(recorded, candidates, args, min(budgets.values()))
             starts = [0] * len(plan.jobs)
             if checkpoints is not None:
                 checkpoints.begin(plan, ", ".join(job.label for job in plan.jobs))

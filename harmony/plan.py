@@ -15,7 +15,7 @@ from harmony.candidate import step_samples
 from harmony.conventions import training_conventions
 from harmony.errors import InputError
 from harmony.planner import build, pilot
-from harmony.runtime.devices import build_specs
+from harmony.runtime.devices import DeviceSpec, build_specs, device_threads
 from harmony.runtime.measure import accelerator_speed, this_machine, with_accelerator
 from harmony.tasks.fusion import FusionChoice
 from harmony.tasks.graph import TaskId
@@ -199,6 +199,7 @@ def plan(
                     clip_grad_norm=given["clip_grad_norm"])
     pruner, prune = check_prune(given["prune"], options, validation=True)  # what it would rank by is not needed here
     args = dataclasses.replace(args, pruner=pruner, prune=prune)
+    specs: list[DeviceSpec] = []  # devices of this machine (none for hardware that need not exist here)
     if hardware is not None:  # its devices copy micro-batch values ahead where they have a link to copy over
         args = dataclasses.replace(args, ahead=options.ahead and bool(hardware.host_link))
     if hardware is None:
@@ -215,7 +216,7 @@ def plan(
     for index in range(len(args.models)):
         if args.expected_steps(index) is None:
             raise InputError(f"loaders for model {index} have no length; pass steps= to plan a fixed number of steps")
-    with training_conventions(args.models):
+    with training_conventions(args.models), device_threads(specs):
         run_plan, _ = build(args, pilot(args, min(budgets.values())), budgets, hardware, machine_of)
     jobs = list(run_plan.jobs)
     counts = [job.steps or 0 for job in jobs]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import psutil
@@ -38,6 +40,23 @@ def cpu_count() -> int:
 def threads_per_device(cpus: int, devices: int) -> int:
     """An even share of a machine's CPU threads for each of its device workers, at least one."""
     return max(1, cpus // max(devices, 1))
+
+
+@contextmanager
+def device_threads(specs: Sequence[DeviceSpec]) -> Iterator[None]:
+    """Within the block this process computes with the threads of a CPU device worker of specs (the fewest), so
+    that the pilot pass times layers as those devices will run them: a fused array's batched multiply gains more
+    from a second thread than one model's small one does, so timed with all of the machine's threads an array looks
+    faster against its members than it is on a device of one. Unchanged where the devices are GPUs."""
+    cpus = [spec.threads for spec in specs if spec.kind == "cpu"]
+    before = torch.get_num_threads()
+    if cpus and min(cpus) != before:
+        torch.set_num_threads(min(cpus))
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
 
 
 _DEVICE = re.compile(r"^(cpu|cuda)(?::(\d+))?$")

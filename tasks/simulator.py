@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from harmony.tasks.amortize import steps_per_task
 from harmony.tasks.binding import BindingState
 from harmony.tasks.events import BatchReady, Fetch, Instruction, Submit, TaskFinished
 from harmony.tasks.graph import TaskId, parse_key, successor, updates_in_backward
@@ -384,6 +385,8 @@ def simulate_jobs(
     """simulate for a plan's jobs, as they are cut, homed, grouped, sectioned, overlapped and scaled: each at its
     device packing (Job.device_packing), for steps[j] steps of samples[j] samples, a step per task, numbered by its
     position, on budgets' devices whatever its machine (simulate one machine's jobs on its devices)."""
+    spans = [_span(job, model_step_seconds(job.device_packing, n, hardware), hardware)
+             for job, n in zip(jobs, samples, strict=True)]
     jobs = [
         dataclasses.replace(job, members=(index,), feed=index, seed=index, packing=job.device_packing, steps=count,
                             step_seconds=model_step_seconds(job.device_packing, n, hardware), batch_bytes=0,
@@ -392,7 +395,7 @@ def simulate_jobs(
     ]
     homes = {index: job.home for index, job in enumerate(jobs) if job.home is not None}
     state = BindingState(jobs, budgets, slots_per_device=1, policy=policy, mode=mode, homes=homes)
-    clock = _Clock(jobs, samples, budgets, hardware, prefetch, stash)
+    clock = _Clock(jobs, samples, budgets, hardware, prefetch, stash, spans)
     clock.carry_out(state, state.start())
     while not state.finished:
         if not clock.events:
@@ -403,14 +406,26 @@ def simulate_jobs(
                       clock.stashed)
 
 
+def _span(job: Job, step_seconds: float, hardware: Hardware) -> int:
+    """The steps one task of a homed single-pack job runs (harmony.planner.with_depth: as given, or from its step
+    time, the task's cost, its CPU time too, and the run's length where known), over which the simulator spreads
+    that task's cost while binding it a step per task; 1 for any other job."""
+    if job.home is None or len(job.packing.packs) != 1 or job.groups != 1:
+        return 1
+    if job.depth > 1:
+        return job.depth
+    return steps_per_task(step_seconds, max(hardware.task_overhead, hardware.task_cpu), job.batch_bytes, job.steps)
+
+
 class _Clock:
     """What the simulated devices do with the binding state's instructions, and when."""
 
     def __init__(
         self, jobs: list[Job], samples: list[int], budgets: dict[str, int], hardware: Hardware,
-        prefetch: bool | str, stash: bool = True,
+        prefetch: bool | str, stash: bool = True, spans: list[int] | None = None,
     ) -> None:
         self.jobs = jobs
+        self.spans = spans or [1] * len(jobs)
         self.samples = samples
         self.hardware = hardware
         self.prefetch = bool(prefetch)  # weights copied in while the task before computes
@@ -463,7 +478,7 @@ class _Clock:
             compute -= saved
         if recomputes:
             copy += self._again_seconds(task, n)
-        end = start + self.hardware.task_overhead + compute + copy
+        end = start + self.hardware.task_overhead / self.spans[task.model] + compute + copy
         self.times[task] = (start, end)
         self.order[device].append(task)
         self.previous[device] = task
