@@ -150,6 +150,7 @@ def _choose(
     predicted: dict[int, float | None] = {}
     unbuilt: dict[int, int] = {}
     shares: dict[int, float] = {}
+    interleaved = sizing.args.pruner is not None  # see FusionChoice
     best: tuple[float, int] | None = None  # the best array's (cost, -size), the order choose_size ranks by
     samples = pilot_batch(sizing.args, group[0])[2][0]
     for size in sizes:
@@ -171,8 +172,8 @@ def _choose(
             best = rank
         del array  # before the next size's array is built
         if fuse != "auto" and predicted[size] is not None:
-            return FusionChoice(tuple(group), predicted, size, unbuilt, shares)
-    return choose_size(group, predicted, unbuilt, shares)
+            return FusionChoice(tuple(group), predicted, size, unbuilt, shares, interleaved)
+    return choose_size(group, predicted, unbuilt, shares, interleaved)
 
 
 def _share(group: list[int], size: int, array: Candidate | None, predicted: dict[int, float | None],

@@ -49,9 +49,12 @@ def trial_bytes(profile: ModelProfile, size: int, samples: int) -> int:
     return size * (profile.weight_bytes + layer)
 
 
-def split(members: Sequence[int], size: int) -> list[list[int]]:
-    """members in consecutive sub-arrays of at most size models, as even as possible."""
+def split(members: Sequence[int], size: int, interleaved: bool = False) -> list[list[int]]:
+    """members in sub-arrays of at most size models, as even as possible: consecutive, or interleaved (the first
+    array takes the first member, the second the second, ... and round again)."""
     count = -(-len(members) // size)
+    if interleaved:
+        return [list(members[index::count]) for index in range(count)]
     base, extra = divmod(len(members), count)
     arrays = []
     first = 0
@@ -107,7 +110,9 @@ class FusionChoice:
     (None where the size's packs do not fit the budget, or where it was not tried). unbuilt maps a size that was
     not tried to the host bytes its trial array would have needed (the host had less free). shares maps every
     candidate size to the share of its steps it is expected to compute under the run's pruner (empty without one);
-    a size is ranked by predicted times share.
+    a size is ranked by predicted times share. interleaved (a pruned run) deals the members out to the arrays in turn:
+    a sweep's neighbours (the learning rates next to each other) tend to survive pruning together, and in one array
+    they would leave the others' devices with nothing to compute.
     """
 
     members: tuple[int, ...]
@@ -115,10 +120,11 @@ class FusionChoice:
     size: int
     unbuilt: dict[int, int] = field(default_factory=dict)
     shares: dict[int, float] = field(default_factory=dict)
+    interleaved: bool = False
 
     @property
     def arrays(self) -> list[list[int]]:
-        return split(self.members, self.size)
+        return split(self.members, self.size, self.interleaved)
 
     def explain(self, name: str) -> str:
         tried = ", ".join(f"{size}: {self._outcome(size, seconds)}" for size, seconds in self.predicted.items())
@@ -127,6 +133,8 @@ class FusionChoice:
         if self.size == 1:
             return f"{len(self.members)} x {name} trained unfused (predicted {tried})"
         arrays = " + ".join(str(len(array)) for array in self.arrays)
+        if self.interleaved and len(self.arrays) > 1:
+            arrays += " (members dealt out in turn: " + " | ".join(",".join(map(str, a)) for a in self.arrays) + ")"
         return f"{len(self.members)} x {name} fused as {arrays} (sub-array size {self.size}; predicted {tried})"
 
     def _outcome(self, size: int, seconds: float | None) -> str:
@@ -146,11 +154,11 @@ class FusionChoice:
 
 def choose_size(
     members: Sequence[int], predicted: dict[int, float | None], unbuilt: dict[int, int] | None = None,
-    shares: dict[int, float] | None = None,
+    shares: dict[int, float] | None = None, interleaved: bool = False,
 ) -> FusionChoice:
     """The size with the best predicted throughput, pruned where shares are given (ties go to the larger size); 1
     when none fits."""
-    ranked = FusionChoice(tuple(members), dict(predicted), 1, dict(unbuilt or {}), dict(shares or {}))
+    ranked = FusionChoice(tuple(members), dict(predicted), 1, dict(unbuilt or {}), dict(shares or {}), interleaved)
     fitting = {size: cost for size in predicted if (cost := ranked.cost(size)) is not None}
     best = min(fitting, key=lambda size: (fitting[size], -size)) if fitting else 1
     return dataclasses.replace(ranked, size=best)

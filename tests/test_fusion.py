@@ -16,6 +16,7 @@ def test_fusion_groups_sizes_and_splits() -> None:
     assert candidate_sizes(16) == [1, 2, 4, 8, 16]
     assert split(list(range(10)), 4) == [[0, 1, 2, 3], [4, 5, 6], [7, 8, 9]]
     assert split(list(range(4)), 4) == [[0, 1, 2, 3]]
+    assert split(list(range(10)), 4, interleaved=True) == [[0, 3, 6, 9], [1, 4, 7], [2, 5, 8]]
     assert choose_size(range(4), {1: 4.0, 2: 2.0, 4: 2.0}).size == 4
     assert choose_size(range(4), {1: 4.0, 2: 1.0, 4: 2.0}).size == 2
     assert choose_size(range(4), {1: 4.0, 2: None, 4: None}).size == 1
@@ -35,6 +36,9 @@ def test_a_pruned_sweep_ranks_each_size_by_what_it_is_expected_to_compute() -> N
     text = pruned.explain("MLP")
     assert "1: 8 model-steps/s computing 30% of its steps" in text and "does not fit" in text
     assert "as a built-in pruner is expected to leave them" in text
+    dealt = choose_size(range(8), predicted, interleaved=True)
+    assert dealt.arrays == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert "fused as 4 + 4 (members dealt out in turn: 0,2,4,6 | 1,3,5,7)" in dealt.explain("MLP")
 
 
 def test_a_trial_arrays_bytes_are_its_members_weights_and_one_layers_backward_each() -> None:
