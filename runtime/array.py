@@ -200,15 +200,18 @@ def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @contextmanager
-def narrowed(module: nn.Module, live: list[int]) -> Iterator[None]:
+def narrowed(module: nn.Module, live: list[int], rows: dict[int, torch.Tensor] | None = None) -> Iterator[None]:
     """Within the block, the ArrayLayers of module compute the members at positions live alone (in that order, one
     row of each output per live member): a fused array whose other members stopped (pruned, or their loss no longer
     finite) computes only those still training.
 
-    Gradients reach the full stacks' rows of the live members (the others get zeros); buffers the layers update in
-    place (BatchNorm's running statistics) are written back to the live members' rows as the block ends. What the
-    layers draw at random is drawn for the live members alone, so their masks differ from the full array's.
+    A parameter's live rows are rows[id(parameter)] where given (leaves of their own, whose gradient is those rows'
+    alone), else member_rows of it, whose gradient reaches the full stack (zeros in the other members' rows).
+    Buffers the layers update in place (BatchNorm's running statistics) are written back to the live members' rows
+    as the block ends. What the layers draw at random is drawn for the live members alone, so their masks differ
+    from the full array's.
     """
+    rows = rows or {}
     layers = [layer for layer in module.modules() if isinstance(layer, ArrayLayer)]
     saved = [(layer.size, dict(layer._parameters), dict(layer._buffers)) for layer in layers]
     try:
@@ -217,7 +220,8 @@ def narrowed(module: nn.Module, live: list[int]) -> Iterator[None]:
             for table in (layer._parameters, layer._buffers):
                 for name, tensor in table.items():
                     if tensor is not None:
-                        table[name] = member_rows(tensor, live)  # type: ignore[assignment]
+                        given = rows.get(id(tensor))
+                        table[name] = member_rows(tensor, live) if given is None else given  # type: ignore[assignment]
         yield
     finally:
         index = torch.tensor(live)

@@ -53,12 +53,14 @@ class StackedOptimizer(torch.optim.Optimizer):
     group and stack shape and rebuilt only if a group's values change; Adam's bias corrections are computed
     once per step for all of a group's stacks, in double precision as torch does, then rounded once. With live
     set, a step updates those members' rows of every stack and of its state alone (the others' stay as they are):
-    views where they are consecutive, else copies written back.
+    views where they are consecutive, else copies written back; their gradient is row_grads' where given (a
+    narrowed array's rows computed as leaves of their own), else those rows of the stack's.
     """
 
     def __init__(self, algorithm: type[torch.optim.Optimizer], groups: list[dict[str, Any]]) -> None:
         self.algorithm = algorithm
         self.live: list[int] | None = None  # the members whose rows a step updates, where not every member's
+        self.row_grads: dict[int, torch.Tensor] = {}  # by id of a stack, its live rows' gradient (else param.grad's)
         self.columns: dict[tuple[Any, ...], Columns] = {}
         self.hyperparameters: dict[int, list[list[Any]]] = {}
         self.corrections: dict[tuple[Any, ...], tuple[float, Columns]] = {}
@@ -78,14 +80,16 @@ class StackedOptimizer(torch.optim.Optimizer):
                 self.columns = {key: columns for key, columns in self.columns.items() if key[0] != index}
                 self.corrections = {key: cached for key, cached in self.corrections.items() if key[0] != index}
             for param in group["params"]:
-                if param.grad is None:
+                rows = self.row_grads.get(id(param)) if self.live is not None else None
+                if rows is None and param.grad is None:
                     continue
-                grad = -param.grad if group["maximize"] else param.grad
                 columns = self._columns(index, group, param)
                 if self.live is None:
+                    grad = -param.grad if group["maximize"] else param.grad
                     self._step(index, param, grad, columns, self.state[param])
                 else:
-                    self._step_rows(index, param, grad, columns, self.live)
+                    rows = member_rows(param.grad, self.live) if rows is None else rows
+                    self._step_rows(index, param, -rows if group["maximize"] else rows, columns, self.live)
 
     def _step(self, index: int, param: torch.Tensor, grad: torch.Tensor, columns: Columns, state: dict[str, Any]
               ) -> None:
@@ -96,11 +100,11 @@ class StackedOptimizer(torch.optim.Optimizer):
 
     def _step_rows(self, index: int, param: torch.Tensor, grad: torch.Tensor, columns: Columns, live: list[int]
                    ) -> None:
-        """One step of the live members' rows of param and of its state."""
+        """One step of the live members' rows of param and of its state, grad being those rows' gradient."""
         state = self.state[param]
         rows = {name: member_rows(value, live) if name != "step" else value for name, value in state.items()}
         picked = member_rows(param, live)
-        self._step(index, picked, member_rows(grad, live),
+        self._step(index, picked, grad,
                    {name: None if column is None else member_rows(column, live) for name, column in columns.items()},
                    rows)
         consecutive = live == list(range(live[0], live[0] + len(live)))

@@ -532,20 +532,20 @@ def _homed_steps(
                 if step == 1 and index == 1:
                     started = time.perf_counter()
                 state.clear_grads()
-                with ctx.cache.scratch(runtime.workspace, "activations of pack 0"), state.narrowing():
-                    computing = state.computing
-                    for microbatch, (x, target, weight) in enumerate(zip(inputs, targets, loss_weights)):
-                        x = ctx.cache.copy_in(x, "inputs")
-                        target = ctx.cache.copy_in(target, "inputs")
-                        _begin(ctx, model, 0, step, group, microbatch)
-                        with ctx.autocast():
-                            computed, step_losses = state.losses(loss_fn, x, target)
-                        state.stop(members.check(step_losses, step))  # a sync per step (see divergence)
-                        _backpropagate_loss(computed, weight, state.scaled)
-                        losses.add(index, step_losses.detach().reshape(-1), weight)
-                if group == 0:
-                    ctx.counters.add("computed", computing)
-                state.step(step)  # after the activations are gone, as in a plain loop (its state is charged then)
+                with state.narrowing():
+                    with ctx.cache.scratch(runtime.workspace, "activations of pack 0"):
+                        for microbatch, (x, target, weight) in enumerate(zip(inputs, targets, loss_weights)):
+                            x = ctx.cache.copy_in(x, "inputs")
+                            target = ctx.cache.copy_in(target, "inputs")
+                            _begin(ctx, model, 0, step, group, microbatch)
+                            with ctx.autocast():
+                                computed, step_losses = state.losses(loss_fn, x, target)
+                            state.stop(members.check(step_losses, step))  # a sync per step (see divergence)
+                            _backpropagate_loss(computed, weight, state.scaled)
+                            losses.add(index, step_losses.detach().reshape(-1), weight)
+                    if group == 0:
+                        ctx.counters.add("computed", state.computing)
+                    state.step(step)  # after the activations are gone, as in a plain loop (its state charged then)
                 done = index + 1
     except Diverged as diverged:
         _record_losses(ctx, model, first, group, losses.totals(done))

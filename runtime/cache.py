@@ -308,6 +308,11 @@ class DeviceCache:
         self._copy_weights(key, entry, host)
         self._wait_arrived(key, entry)
 
+    def fits(self, nbytes: int) -> bool:
+        """Whether a reservation of nbytes would fit now (evicting what it may)."""
+        with self._lock:
+            return self.memory.fits(nbytes)
+
     @contextmanager
     def scratch(self, nbytes: int, what: str) -> Iterator[Reservation]:
         """Reserve nbytes for the duration of the block (activations, gradient buffers)."""

@@ -17,7 +17,7 @@ from contextlib import ExitStack, contextmanager
 import torch
 from torch import nn
 
-from harmony.runtime.array import ArrayLoss, narrowed, narrowed_bytes
+from harmony.runtime.array import ArrayLoss, member_rows, narrowed, narrowed_bytes
 from harmony.runtime.array_optimizer import StackedOptimizer, build_optimizer, optimizer_params, step_optimizer
 from harmony.runtime.cache import DeviceCache
 from harmony.runtime.clipping import clip_in_place
@@ -27,7 +27,6 @@ from harmony.runtime.hoststore import tensors_at
 from harmony.runtime.optimstate import OptimizerState
 from harmony.runtime.schedule import at_step
 from harmony.runtime.spec import PackRuntime
-from harmony.tasks.memory import BudgetExceeded
 
 
 def bind(module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
@@ -80,6 +79,7 @@ class HomedModel:
         self.narrowable = members > 1 and not compile
         self.workspace = runtime.workspace
         self.live: list[int] | None = None  # the members that compute, where not all of them do
+        self.leaves: dict[int, torch.Tensor] = {}  # by id of a stack, its live rows as a leaf (see narrowing)
         self.scaler = scaler
         self.clip = clip
         self.grad_norms: list[torch.Tensor] = []  # each clipped step's members' norms, since the task began
@@ -136,21 +136,25 @@ class HomedModel:
 
     @contextmanager
     def narrowing(self) -> Iterator[None]:
-        """A step of a fused array with stopped members computes the others alone (live), the copy of their rows
-        charged beyond the room their fewer activations leave in the step's workspace; where that copy does not fit
-        the budget now, the step computes every member."""
+        """A step (its update too) of a fused array with stopped members computes the others alone (live): their
+        rows of each stack are leaves of their own (leaves), whose gradients the stacked optimizer steps them by, the
+        copy of them (members not consecutive) charged beyond the room their fewer activations leave in the step's
+        workspace; where that copy does not fit the budget now, the step computes every member."""
         training = [member for member in range(self.members) if member not in self.stopped]
         self.live = None
         with ExitStack() as reserved:
             if self.narrowable and 0 < len(training) < self.members:
                 freed = int(self.workspace * (1 - len(training) / self.members))
                 extra = max(0, narrowed_bytes(self.module, training) - freed)
-                try:
+                if self.cache.fits(extra + self.workspace):  # beside the step's activations, reserved next
                     reserved.enter_context(self.cache.scratch(extra, f"rows of model {self.model}'s live members"))
                     self.live = training
-                except BudgetExceeded:
-                    pass
-            yield
+                    self.leaves = {id(param): member_rows(param.detach(), training).requires_grad_()
+                                   for param in self.params}
+            try:
+                yield
+            finally:
+                self.leaves = {}
 
     @property
     def computing(self) -> int:
@@ -165,7 +169,7 @@ class HomedModel:
             losses = loss_fn(self.forward(x), target)
             return losses, losses
         assert isinstance(loss_fn, ArrayLoss), "only a fused array's members stop apart"
-        with narrowed(self.module, self.live):
+        with narrowed(self.module, self.live, self.leaves):
             computed = loss_fn.narrowed(self.live)(self.forward(x), target)
         every = torch.full((self.members,), float("nan"), dtype=computed.dtype, device=computed.device)
         every[self.live] = computed.detach().reshape(-1)
@@ -182,6 +186,12 @@ class HomedModel:
         Clipped (runtime.clipping) after unscaling, as clip_grad_norm_ between GradScaler.unscale_ and step."""
         training = [member for member in range(self.members) if member not in self.stopped]
         rows = isinstance(self.optimizer, StackedOptimizer) and bool(self.stopped) and bool(training)
+        if self.leaves:
+            if rows and self.live == training and self.scaler is None and not self.clip:
+                self.optimizer.row_grads = {key: leaf.grad for key, leaf in self.leaves.items()
+                                            if leaf.grad is not None}
+            else:  # clipped, loss-scaled, another optimizer, or a member stopped within the step: whole gradients
+                self._gather_grads()
         if rows:
             self.optimizer.live = training  # the stopped members' rows stay as they are
         try:
@@ -199,11 +209,23 @@ class HomedModel:
         finally:
             if rows:
                 self.optimizer.live = None
+                self.optimizer.row_grads = {}
         if self.stopped and not rows:
             keep_stopped([param.detach() for param in self.params], self.kept, self.stopped)
         self._charge_state()
         self.cache.set_version((self.model, 0), step + 1)
         self.next_step = step + 1
+
+    def _gather_grads(self) -> None:
+        """The stacks' gradients from their live rows' leaves (zeros in the other members' rows)."""
+        assert self.live is not None
+        where = torch.tensor(self.live, device=self.params[0].device)
+        for param in self.params:
+            leaf = self.leaves.get(id(param))
+            if leaf is not None and leaf.grad is not None:
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                param.grad.index_copy_(0, where, leaf.grad)
 
     def _clip(self) -> None:
         """Clip the step's gradients to each member's largest norm, and keep the norms (on the device: the task

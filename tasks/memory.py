@@ -88,6 +88,11 @@ class DeviceMemory:
                 return chosen
         return None
 
+    def fits(self, nbytes: int) -> bool:
+        """Whether nbytes could be reserved now, evicting what may be evicted."""
+        over = self.used + nbytes - self.budget
+        return over <= 0 or over <= sum(entry.nbytes for entry in self.entries.values() if entry.evictable)
+
     def reserve(self, nbytes: int, what: str, spared: tuple[Hashable, ...] = (), stashes: bool = True
                 ) -> list[Hashable]:
         """Charge nbytes, evicting least recently used entries as needed (the stashes of spared packs last; with

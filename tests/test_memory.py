@@ -40,6 +40,9 @@ def test_nothing_ever_goes_over_budget() -> None:
         memory.reserve(500, "activations")
     assert (raised.value.need, raised.value.held, raised.value.budget) == (500, 600, 1000)
     assert memory.used == 600 and memory.peak == 600
+    memory.load("b", 0, 300)
+    assert memory.fits(400) and not memory.fits(401), "b may be evicted, a may not"
+    assert memory.used == 900, "asking reserves nothing"
 
 
 def test_weights_in_use_or_arriving_are_never_replaced_by_another_version() -> None:

@@ -4,6 +4,7 @@ at the same steps, for homed, swapped and fused models; a user's pruner; bad arg
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
@@ -123,7 +124,12 @@ CASES = {
     "fused": {"fuse": True},
     "fused-swapped": {"fuse": True, "device_memory": "budget"},
     "fused-pairs": {"fuse": 2},
+    "fused-merged": {"fuse": True, "merged": True},  # members' optimizers merged, not stacked: whole gradients
 }
+
+
+class MergedSGD(torch.optim.SGD):
+    """torch's SGD under another class, which an array does not step as stacks (runtime.array_optimizer)."""
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -137,7 +143,10 @@ def test_a_halving_sweep_stops_the_models_a_plain_sweep_stops_with_their_weights
     options = dict(CASES[case])
     if options.get("device_memory") == "budget":
         options["device_memory"] = param_bytes(models[0]) * (4 if options["fuse"] else 1) // 2
-    result = harmony.train(models, batches, nn.functional.mse_loss, [sgd(lr) for lr in RATES], devices=2,
+    optimizers = [sgd(lr) for lr in RATES]
+    if options.pop("merged", False):
+        optimizers = [functools.partial(MergedSGD, lr=lr, momentum=0.9) for lr in RATES]
+    result = harmony.train(models, batches, nn.functional.mse_loss, optimizers, devices=2,
                            val_loaders=val, eval_every=EVERY, prune="halving", progress=False, **options)
     expected, history, val_history = plain_sweep(references, batches, val, halving)
     assert len(expected) == 3 and len(set(expected.values())) == 2, "the plain sweep halves twice: 4 -> 2 -> 1"
