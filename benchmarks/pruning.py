@@ -86,7 +86,8 @@ def with_harmony(models: list[nn.Module], data: list, val: list, every: int, pru
     result = harmony.train(models, data, nn.functional.mse_loss, [factory(rate) for rate in rates(len(models))],
                            devices=2, fuse=fuse, val_loaders=val, eval_every=every,
                            prune="halving" if prune else None, progress=False)
-    return {"seconds": result.stats.wall_seconds, "model-steps": sum(result.stats.steps),
+    return {"seconds": result.stats.wall_seconds, "run": result.stats.run_seconds,
+            "model-steps": sum(result.stats.steps),
             "computed": result.stats.computed, "best val loss": result.best().val_loss,
             "busy": statistics.mean(result.stats.utilization().values()),
             "arrays": " + ".join(str(len(members)) for members in result.arrays)}
@@ -126,6 +127,7 @@ def main() -> None:
         rows.append({"way": name, "model-steps": measured[0]["model-steps"], "computed": measured[0]["computed"],
                      "seconds": statistics.median(seconds),
                      "range": f"{min(seconds):.2f}-{max(seconds):.2f}",
+                     "run s": statistics.median(run.get("run", run["seconds"]) for run in measured),
                      "best val loss": measured[0]["best val loss"],
                      "busy": measured[0].get("busy", 1.0), "arrays": measured[0].get("arrays", "")})
     base = rows[1]["seconds"]
@@ -133,9 +135,10 @@ def main() -> None:
         row["/ plain halving"] = row["seconds"] / base
     report("pruning", f"prune='halving': {args.models} MLPs {width}x{depth}, batch {batch}, {steps} steps, evaluated "
            f"every {every}, SGD+momentum at {args.models} learning rates, 2 CPU devices, {args.rounds} rounds", rows,
-           args.out, raw=runs, notes="model-steps: the steps the models trained; computed: those computed "
-           "(stats.computed: a swapped array's pruned members too); busy: the devices' mean busy share; arrays: the "
-           "jobs' sizes (Harmony)")
+           args.out, raw=runs, notes="seconds: the whole call; run s: the training alone (Harmony: stats.run_seconds, "
+           "without starting, planning and taking down); model-steps: the steps the models trained; computed: those "
+           "computed (stats.computed: a swapped array's pruned members too); busy: the devices' mean busy share; "
+           "arrays: the jobs' sizes (Harmony)")
 
 
 if __name__ == "__main__":
