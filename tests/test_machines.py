@@ -244,7 +244,7 @@ def test_a_pruned_member_of_an_array_on_another_machine_keeps_its_weights_of_tha
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=400, start_new_session=True)
     assert done.returncode == 0, done.stdout.decode(errors="replace")[-4000:]
     saved = torch.load(out, weights_only=False)
-    assert saved["arrays"] == [[0, 1], [2, 3], [4], [5]] and len(saved["machines"]) == 2
+    assert saved["arrays"] == [[0, 2], [1, 3], [4], [5]] and len(saved["machines"]) == 2  # dealt out in turn
     assert saved["pruned"] == {1: 2, 4: 2}
     models, loaders = sweep()
     for index, (model, batches) in enumerate(zip(models, loaders)):
