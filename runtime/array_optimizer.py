@@ -52,9 +52,9 @@ class StackedOptimizer(torch.optim.Optimizer):
     The hyperparameters become columns (one value per member, broadcasting against a stack) built once per
     group and stack shape and rebuilt only if a group's values change; Adam's bias corrections are computed
     once per step for all of a group's stacks, in double precision as torch does, then rounded once. With live
-    set, a step updates those members' rows of every stack and of its state alone (the others' stay as they are):
-    views where they are consecutive, else copies written back; their gradient is row_grads' where given (a
-    narrowed array's rows computed as leaves of their own), else those rows of the stack's.
+    set, a step updates those members' rows of every stack and of its state alone (the others' stay as they are),
+    run by run of consecutive members, on views; their gradient is row_grads' where given (a narrowed array's rows
+    computed as leaves of their own), else those rows of the stack's.
     """
 
     def __init__(self, algorithm: type[torch.optim.Optimizer], groups: list[dict[str, Any]]) -> None:
@@ -100,21 +100,42 @@ class StackedOptimizer(torch.optim.Optimizer):
 
     def _step_rows(self, index: int, param: torch.Tensor, grad: torch.Tensor, columns: Columns, live: list[int]
                    ) -> None:
-        """One step of the live members' rows of param and of its state, grad being those rows' gradient."""
+        """One step of the live members' rows of param and of its state, grad being those rows' gradient: run by
+        run of consecutive members, on views (no copies); the step that makes the state (its first) on copies of
+        the rows, the state's other rows zeros."""
         state = self.state[param]
-        rows = {name: member_rows(value, live) if name != "step" else value for name, value in state.items()}
+        momentum = self.algorithm is torch.optim.SGD and columns["momentum"] is not None
+        if (momentum and "momentum_buffer" not in state) or (self.algorithm is not torch.optim.SGD and not state):
+            self._first_step_rows(index, param, grad, columns, live, state)
+            return
+        count = state.get("step")
+        rows: dict[str, Any] = {}
+        for first, members, offset in consecutive_runs(live):
+            rows = {name: value.narrow(0, first, members) for name, value in state.items() if name != "step"}
+            if count is not None:
+                rows["step"] = count.clone()  # each run takes the step once, from where it was
+            self._step(index, param.narrow(0, first, members), grad.narrow(0, offset, members),
+                       {name: None if column is None else column.narrow(0, first, members)
+                        for name, column in columns.items()}, rows)
+        if count is not None:
+            count.copy_(rows["step"])
+
+    def _first_step_rows(self, index: int, param: torch.Tensor, grad: torch.Tensor, columns: Columns,
+                         live: list[int], state: dict[str, Any]) -> None:
         picked = member_rows(param, live)
+        rows: dict[str, Any] = {name: member_rows(value, live) if name != "step" else value
+                                for name, value in state.items()}
         self._step(index, picked, grad,
                    {name: None if column is None else member_rows(column, live) for name, column in columns.items()},
                    rows)
-        consecutive = live == list(range(live[0], live[0] + len(live)))
+        copied = len(consecutive_runs(live)) > 1  # else views, stepped in place
         where = torch.tensor(live, device=param.device)
-        if not consecutive:
+        if copied:
             param.index_copy_(0, where, picked)
         for name, value in rows.items():
-            if name == "step" or name not in state:  # made by this step (its first): the others' rows zeros
+            if name == "step" or name not in state:  # made by this step: the others' rows zeros
                 state[name] = value if name == "step" else torch.zeros_like(param).index_copy_(0, where, value)
-            elif not consecutive:
+            elif copied:
                 state[name].index_copy_(0, where, value)
 
     def _columns(self, index: int, group: dict[str, Any], like: torch.Tensor) -> Columns:
@@ -180,14 +201,15 @@ class StackedOptimizer(torch.optim.Optimizer):
 
     def _corrections(self, index: int, like: torch.Tensor, step: float, columns: Columns) -> Columns:
         """Adam's step-dependent columns: minus the step size, and the second moment's correction."""
-        key = (index, like.dim(), like.dtype, like.device, tuple(self.live or ()))
-        cached = self.corrections.get(key)
+        key = (index, like.dim(), like.dtype, like.device)
+        cached = None if self.live is not None else self.corrections.get(key)  # rows: their own columns
         if cached is None or cached[0] != step:
             step_size = columns["lr64"] / (1 - columns["beta1_64"] ** step)
             correction = (1 - columns["beta2_64"] ** step).sqrt()
             cached = (step, {"negative_step_size": (-step_size).to(like.dtype),
                              "correction": correction.to(like.dtype)})
-            self.corrections[key] = cached
+            if self.live is None:
+                self.corrections[key] = cached
         return cached[1]
 
     def _adam(self, index: int, param: torch.Tensor, grad: torch.Tensor, columns: Columns, state: dict[str, Any]
@@ -206,6 +228,18 @@ class StackedOptimizer(torch.optim.Optimizer):
         state["exp_avg_sq"].mul_(columns["beta2"]).add_(columns["second_kept"] * grad * grad)
         denom = (state["exp_avg_sq"].sqrt() / corrections["correction"]).add_(columns["eps"])
         param.add_(corrections["negative_step_size"] * (state["exp_avg"] / denom))
+
+
+def consecutive_runs(members: list[int]) -> list[tuple[int, int, int]]:
+    """members (increasing) as runs of consecutive ones: (first, how many, where the run starts in members)."""
+    runs: list[tuple[int, int, int]] = []
+    for offset, member in enumerate(members):
+        if runs and runs[-1][0] + runs[-1][1] == member:
+            first, count, start = runs[-1]
+            runs[-1] = (first, count + 1, start)
+        else:
+            runs.append((member, 1, offset))
+    return runs
 
 
 def _stacked_groups(
