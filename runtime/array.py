@@ -195,6 +195,21 @@ def narrowed_bytes(module: nn.Module, live: list[int]) -> int:
                for tensor in [*layer._parameters.values(), *layer._buffers.values()] if tensor is not None)
 
 
+@contextmanager
+def sized(module: nn.Module, members: int) -> Iterator[None]:
+    """Within the block, module's ArrayLayers compute that many members (their rows given as the tensors of a
+    functional call, or by narrowed)."""
+    layers = [layer for layer in module.modules() if isinstance(layer, ArrayLayer)]
+    sizes = [layer.size for layer in layers]
+    try:
+        for layer in layers:
+            layer.size = members
+        yield
+    finally:
+        for layer, size in zip(layers, sizes):
+            layer.size = size
+
+
 def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
@@ -213,25 +228,24 @@ def narrowed(module: nn.Module, live: list[int], rows: dict[int, torch.Tensor] |
     """
     rows = rows or {}
     layers = [layer for layer in module.modules() if isinstance(layer, ArrayLayer)]
-    saved = [(layer.size, dict(layer._parameters), dict(layer._buffers)) for layer in layers]
+    saved = [(dict(layer._parameters), dict(layer._buffers)) for layer in layers]
     try:
         for layer in layers:
-            layer.size = len(live)
             for table in (layer._parameters, layer._buffers):
                 for name, tensor in table.items():
                     if tensor is not None:
                         given = rows.get(id(tensor))
                         table[name] = member_rows(tensor, live) if given is None else given  # type: ignore[assignment]
-        yield
+        with sized(module, len(live)):
+            yield
     finally:
         index = torch.tensor(live)
-        for layer, (size, parameters, buffers) in zip(layers, saved):
+        for layer, (parameters, buffers) in zip(layers, saved):
             with torch.no_grad():
                 for name, full in buffers.items():
                     rows = layer._buffers[name]
                     if full is not None and rows is not None and not _shares_storage(rows, full):  # a copy
                         full.index_copy_(0, index.to(full.device), rows)
-            layer.size = size
             layer._parameters.update(parameters)
             layer._buffers.update(buffers)
 

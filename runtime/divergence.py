@@ -43,6 +43,10 @@ class Members:
         return [index for index, (step, pruned) in enumerate(zip(self.steps.tolist(), self.pruned.tolist()))
                 if step != TRAINING or pruned != TRAINING]
 
+    def pruned_members(self) -> list[int]:
+        """The members that were pruned, in order."""
+        return [index for index, step in enumerate(self.pruned.tolist()) if step != TRAINING]
+
     def prune(self, positions: tuple[int, ...], step: int) -> None:
         """The members at positions stop at step (pruned)."""
         for position in positions:

@@ -11,18 +11,20 @@ batches are scattered to a device's worker once per validation set (jobs on one 
 for the run.
 
 Figures are means over the validation samples: each batch's loss (a mean over its samples, as a training loss
-is) weighted by its share of the samples; a fused array's members each get their own.
+is) weighted by its share of the samples; a fused array's members each get their own. A one-pack array evaluates
+its members not pruned alone (the others' figures, past their pruning step, are NaN and kept by nobody).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 from distributed import Client, Future
 
-from harmony.runtime.array import member_slice
+from harmony.runtime.array import ArrayLoss, member_rows, member_slice, sized
 from harmony.runtime.bodies import task_body
 from harmony.runtime.data import batch_size, split_tree
 from harmony.runtime.errors import ModelFailure
@@ -49,6 +51,19 @@ def metric_values(metrics: Metrics, output: Any, target: Any) -> dict[str, float
     return {getattr(metrics, "__name__", "metric"): float(value)}
 
 
+def _evaluated(ctx: RunContext, model: int) -> list[int] | None:
+    """The members an evaluation computes where not every one: a one-pack array's members not pruned (their figures
+    past their pruning step are not kept; a member whose loss diverged is still evaluated, on the weights it kept).
+    An array of several packs computes every member: a member that stopped between two of its packs' tasks would
+    change the rows they pass on."""
+    spec = ctx.spec.models[model]
+    if spec.members == 1 or len(spec.packs) != 1 or ctx.spec.compile or not isinstance(ctx.loss_fn(model), ArrayLoss):
+        return None
+    pruned = set(ctx.members(model).pruned_members())
+    live = [member for member in range(spec.members) if member not in pruned]
+    return live if 0 < len(live) < spec.members else None
+
+
 @task_body("evl")
 def evaluation(
     ctx: RunContext, model: int, pack: int, span: int, batches: list[list[Any]], targets: list[list[Any]] | None,
@@ -64,9 +79,15 @@ def evaluation(
     outputs: list[Any] = []
     sums: dict[str, torch.Tensor] = {"loss": torch.zeros(spec.members, dtype=torch.float64)}
     samples = 0
+    live = _evaluated(ctx, model)
+    members = list(range(spec.members)) if live is None else live
+    loss_fn = ctx.loss_fn(model) if live is None else ctx.loss_fn(model).narrowed(live)
     with (ctx.cache.weights((model, pack), first, ctx.device_source(model, pack, first)) as weights,
-          ctx.borrowed(model, pack, first) as borrowed):
+          ctx.borrowed(model, pack, first) as borrowed,
+          nullcontext() if live is None else sized(module, len(live))):
         tensors = {**tensors_at(weights, runtime.device_weights), **borrowed}
+        if live is not None:
+            tensors = {name: member_rows(tensor, live) for name, tensor in tensors.items()}
         module.eval()
         try:
             for batch, inputs in enumerate(batches):
@@ -83,16 +104,19 @@ def evaluation(
                         target = ctx.cache.copy_in(targets[batch][index], "inputs")
                         count = batch_size(microbatch)
                         with ctx.autocast():
-                            losses = ctx.loss_fn(model)(y, target).reshape(-1).to("cpu", torch.float64)
-                        sums["loss"] += losses * count
-                        for member in range(spec.members):
-                            output = member_slice(y, member) if spec.members > 1 else y
+                            losses = loss_fn(y, target).reshape(-1).to("cpu", torch.float64)
+                        sums["loss"][members] += losses * count
+                        for row, member in enumerate(members):
+                            output = member_slice(y, row) if spec.members > 1 else y
                             for name, value in metric_values(metrics, output, target).items():
                                 sums.setdefault(name, torch.zeros(spec.members, dtype=torch.float64))[member] += (
                                     value * count)
                         samples += count
         finally:
             module.train()
+    if last and live is not None:
+        for values in sums.values():  # figures past their pruning step, which nobody keeps
+            values[[member for member in range(spec.members) if member not in live]] = float("nan")
     if not last:
         return outputs
     return total([{"sums": sums, "samples": samples}]) if finish else {"sums": sums, "samples": samples}

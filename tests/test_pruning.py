@@ -172,30 +172,43 @@ def test_a_halving_sweep_stops_the_models_a_plain_sweep_stops_with_their_weights
 
 @pytest.mark.parametrize("room", [True, False], ids=["room", "tight"])
 def test_a_homed_array_computes_its_live_members_alone_where_the_copy_of_their_rows_fits(
-    room: bool, no_leaks: None
+    room: bool, tmp_path: Path, no_leaks: None
 ) -> None:
     """Halving keeps members 0 and 3 of the array at step 2 (not consecutive: their rows are copied to compute them)
     and member 0 at step 4 (a view of its rows). With room, every step computes the members still training; under a
     budget of the array's own planned peak the copy does not fit (batches of 4: little room for activations), so
-    steps 2 and 3 compute all four. The weights are a plain sweep's either way."""
+    steps 2 and 3 compute all four. The weights and validation losses are a plain sweep's either way, and each
+    evaluation computes the members not pruned: a metric called once per member and validation batch is called
+    2 x (4 + 2 + 1 + 1) times over the evaluations at steps 2, 4, 6 and 7."""
+    calls = tmp_path / "calls"
+
+    def counted(output: torch.Tensor, target: torch.Tensor) -> float:
+        with open(calls, "a") as file:
+            file.write("called\n")
+        return 0.0
+
     rates = (0.002, 0.05, 0.0005, 0.02)
     models = [deep_mlp(seed=seed).double() for seed in range(len(rates))]
     references = clones(models)
     batches = [(x.double(), y.double()) for x, y in regression_batches(samples=4 * STEPS, batch=4)]
     val = [(x.double(), y.double()) for x, y in regression_batches(samples=16, batch=8, seed=7)]
-    expected, _, _ = plain_sweep(references, batches, val, halving, rates)
+    expected, _, val_history = plain_sweep(references, batches, val, halving, rates)
     assert expected == {1: 2, 2: 2, 3: 4}
     options: dict[str, Any] = dict(devices=2, fuse=True, eval_every=EVERY, prune="halving")
     if not room:
         planned = harmony.plan(models, batches, nn.functional.mse_loss, [sgd(lr) for lr in rates], **options)
         options["device_memory"] = max(planned.peak_device_bytes.values())
     result = harmony.train(models, batches, nn.functional.mse_loss, [sgd(lr) for lr in rates], val_loaders=val,
-                           progress=False, **options)
+                           metrics={"counted": counted}, progress=False, **options)
     assert result.arrays == [[0, 1, 2, 3]] and result.homes
     assert result.pruned == expected and not result.failed
     assert result.stats.computed == 4 * 2 + (2 if room else 4) * 2 + 1 * (STEPS - 4)
-    for model, reference in zip(result.models, references):
+    assert len(calls.read_text().splitlines()) == 2 * (4 + 2 + 1 + 1)
+    for index, (model, reference) in enumerate(zip(result.models, references)):
         assert_same_weights(model, reference, rtol=1e-9, atol=1e-12)
+        assert [step for step, _ in result.val_history[index]] == [step for step, _ in val_history[index]]
+        assert [loss for _, loss in result.val_history[index]] == pytest.approx(
+            [loss for _, loss in val_history[index]], rel=1e-9)
 
 
 def test_a_users_pruner_sees_the_models_still_training_and_a_bad_answer_ends_the_run(no_leaks: None) -> None:
