@@ -35,7 +35,8 @@ class Forecast:
     plan is the RunPlan train would run; a job is one model or a fused array: arrays lists the models of each
     job (in the order of packings), fusion the sub-array size chosen for each group of fusable models and the
     throughput predicted per size; steps the steps each job was simulated for (every model to its end); computed,
-    under a built-in pruner, the share of those steps it is expected to leave computed (None without one).
+    under a built-in pruner, the share of those steps it is expected to leave computed, and pruned_seconds the run's
+    seconds simulated with each job computing its expected share of its steps (None without one).
     """
 
     plan: RunPlan
@@ -45,6 +46,7 @@ class Forecast:
     names: list[str] = field(default_factory=list)
     computed: float | None = None
     prune: str | None = None
+    pruned_seconds: float | None = None
 
     @property
     def packings(self) -> list[Packing]:
@@ -88,12 +90,19 @@ class Forecast:
         return self.memory.peak
 
     @property
+    def model_steps(self) -> int:
+        """The steps of every model (a fused array's step is one of each of its members)."""
+        return sum(count * len(job.members) for count, job in zip(self.steps, self.plan.jobs))
+
+    @property
     def weights_in_per_step(self) -> float:
-        return self.memory.weights_in / max(sum(self.steps), 1)
+        """Weight bytes copied in per model-step."""
+        return self.memory.weights_in / max(self.model_steps, 1)
 
     @property
     def grads_out_per_step(self) -> float:
-        return self.memory.grads_out / max(sum(self.steps), 1)
+        """Gradient bytes copied out per model-step."""
+        return self.memory.grads_out / max(self.model_steps, 1)
 
     def devices_of(self, model: int) -> list[str]:
         """The devices that run some task of model in the predicted schedule."""
@@ -102,7 +111,7 @@ class Forecast:
     def __str__(self) -> str:
         lines = [
             f"Harmony plan on {len(self.budgets)} device{'s' if len(self.budgets) != 1 else ''} "
-            f"({self.hardware.name}), {sum(self.steps)} model-steps"
+            f"({self.hardware.name}), {self.model_steps} model-steps"
             + (f" (about {self.computed:.0%} of them computed under prune={self.prune!r}, the survivors unknown "
                "until the run)" if self.computed is not None else "")
             + f", mode {self.mode}"
@@ -142,11 +151,13 @@ class Forecast:
         lines.append("  device      budget         predicted peak")
         for device, budget in self.budgets.items():
             lines.append(f"  {device:<10}{budget:>14,}{self.memory.peak.get(device, 0):>20,}")
+        pruned = ("" if self.pruned_seconds is None else
+                  f" (about {self.pruned_seconds:.2f} s with prune={self.prune!r} stopping models)")
         lines.append(
-            f"  predicted: {self.step_seconds * 1e3:.2f} ms per step, {self.total_seconds:.2f} s in all; "
+            f"  predicted: {self.step_seconds * 1e3:.2f} ms per step, {self.total_seconds:.2f} s in all{pruned}; "
             f"per model-step {self.weights_in_per_step:,.0f} weight bytes in, "
             f"{self.grads_out_per_step:,.0f} gradient bytes out"
-            + (f", {self.memory.weights_out / max(sum(self.steps), 1):,.0f} weight bytes out"
+            + (f", {self.memory.weights_out / max(self.model_steps, 1):,.0f} weight bytes out"
                if self.memory.weights_out else "")
         )
         return "\n".join(lines)
@@ -175,7 +186,9 @@ def plan(
     predicts k such machines of `devices` devices each: each job is homed on one machine (as train homes them on a
     cluster of several) and each machine's jobs are simulated on its devices; the run takes the longest machine's
     time. prune (with eval_every, as train takes them; no val_loaders needed) weighs each fusion size by the share of
-    its steps it is expected to compute under a built-in pruner; the forecast's times are for every model to its end.
+    its steps it is expected to compute under a built-in pruner; the forecast's times are for every model to its end,
+    and pruned_seconds the run simulated with each job computing its expected share of its steps (the survivors of
+    each pruning step taken as any of the models, equally likely).
     """
     unknown = sorted(set(arguments) - set(PLANNED))
     if unknown:
@@ -230,14 +243,18 @@ def plan(
                                {index: job.stashes for index, job in enumerate(jobs)})
     except ScheduleExceedsBudget as error:
         raise InputError(f"the planned schedule would not fit: {error}") from None
-    computed = None
+    computed = pruned_seconds = None
     if pruner in PRUNERS.values() and options.eval_every is not None:
-        computed = sum(count * computed_share([len(job.members)], len(args.models), count, options.eval_every,
-                                              live_members if job.home is not None and not options.compile
-                                              else every_member)  # model-steps: a homed array's live members
-                       for job, count in zip(jobs, counts)) / max(sum(counts), 1)
+        shares = [computed_share([len(job.members)], len(args.models), count, options.eval_every,
+                                 live_members if job.home is not None and not options.compile
+                                 else every_member)  # model-steps: a homed array's live members
+                  for job, count in zip(jobs, counts)]
+        model_steps = [count * len(job.members) for job, count in zip(jobs, counts)]
+        computed = sum(steps * share for steps, share in zip(model_steps, shares)) / max(sum(model_steps), 1)
+        expected = [max(1, round(count * share)) for count, share in zip(counts, shares)]  # a job's first rung runs
+        pruned_seconds = simulate_machines(run_plan, expected, samples, machine_of).makespan
     return Forecast(run_plan, simulation, memory, counts, names=[type(model).__name__ for model in args.models],
-                    computed=computed, prune=prune)
+                    computed=computed, prune=prune, pruned_seconds=pruned_seconds)
 
 
 def simulate_machines(plan: RunPlan, counts: list[int], samples: list[int], machines: dict[str, str]) -> Simulation:

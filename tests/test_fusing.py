@@ -231,7 +231,8 @@ def test_a_pruned_sweep_is_fused_by_what_each_size_is_expected_to_compute(
     alone, each step costing what an array of that many is predicted to (on one device: 1 of 4 a model's 0.25 s of
     the array's 0.4, 2 of 4 an array of two's 0.35): (1 + 0.875 + 10 x 0.625) / 12 of its steps' cost, so arrays
     of 4 still win. Swapped arrays of 4 compute all of their steps, so the built-in pruners train them unfused. A
-    user's pruner stops an unknown number: the sizes are ranked as unpruned."""
+    user's pruner stops an unknown number: the sizes are ranked as unpruned. Under a built-in pruner the plan also
+    simulates each job computing its expected share of its steps: here a third of the time."""
     seconds = {4: 1.0, 2: 0.7, 1: 0.4}  # the group's step by the number of arrays it runs as
     monkeypatch.setattr(fusing, "_predict", lambda arrays, sizing: seconds[len(arrays)])
     models = [batchnorm_mlp(seed) for seed in range(4)]
@@ -242,7 +243,12 @@ def test_a_pruned_sweep_is_fused_by_what_each_size_is_expected_to_compute(
     if prune not in ("halving", "median"):
         assert choice.size == 4 and plan.arrays == [[0, 1, 2, 3]] and not choice.shares
         assert plan.computed is None and "computed under" not in str(plan)
-    elif budget == "4MB":
+        assert plan.pruned_seconds is None and "stopping models" not in str(plan)
+        return
+    # every model computes a third of its steps, each of them as long as any other
+    assert plan.pruned_seconds == pytest.approx(plan.total_seconds / 3, rel=0.01)
+    assert f"s with prune={prune!r} stopping models" in str(plan)
+    if budget == "4MB":
         assert choice.size == 4 and plan.arrays == [[0, 1, 2, 3]] and plan.plan.homes
         assert choice.shares[1] == 16 / 48 and choice.shares[4] == pytest.approx((1 + 0.875 + 10 * 0.625) / 12)
         assert "computing 68% of its steps" in str(plan)
