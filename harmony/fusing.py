@@ -236,13 +236,15 @@ def fuse(
     first_of: dict[int, Candidate] = {}
     for choice in choices:
         logger.info("%s", choice.explain(type(args.models[choice.members[0]]).__name__))
-        timed = None  # the choice's first array's profile: the others of as many members take its timings
+        trial = built.get(tuple(choice.members[: choice.size]))  # timed while choosing
+        timed = {} if trial is None else {choice.size: trial.profile}  # per array size, the timings its arrays take
         for members in choice.arrays:
             if len(members) == 1:
                 first_of[members[0]] = candidates[members[0]]
                 continue
-            array = built.get(tuple(members)) or build_array(members, candidates, args, min(budgets.values()), timed)
-            timed = timed or array.profile
+            array = built.get(tuple(members)) or build_array(members, candidates, args, min(budgets.values()),
+                                                             timed.get(len(members)))
+            timed.setdefault(len(members), array.profile)
             logger.info("%s", array.job.packing.explain())
             first_of[members[0]] = array
     grouped = {model for choice in choices for model in choice.members}

@@ -410,3 +410,24 @@ def test_swapped_arrays_of_traced_models_carry_several_tensors_across_their_cuts
         losses = train_plain(reference, batches, nn.functional.mse_loss, factory)
         assert_same_weights(model, reference, rtol=0, atol=1e-9)
     assert result.history[1] == pytest.approx(losses, abs=1e-9)
+
+
+def test_arrays_dealt_out_in_turn_take_the_timings_of_the_trial_array_of_their_size(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Pruned, the arrays [0, 2] and [1, 3] are not the trial array [0, 1] that chose their size: they are built
+    with its timings, not piloted again."""
+    calls: list[tuple[list[int], bool]] = []
+    build = fusing.build_array
+
+    def recorded(members: list[int], *args: Any) -> Any:
+        calls.append((list(members), len(args) > 3 and args[3] is not None))
+        return build(members, *args)
+
+    monkeypatch.setattr(fusing, "build_array", recorded)
+    models = [batchnorm_mlp(seed) for seed in range(4)]
+    plan = harmony.plan(models, regression_batches(samples=16 * 12, batch=16), loss_fn=nn.functional.mse_loss,
+                        optimizer=lambda p: torch.optim.SGD(p, lr=0.1), devices=["cpu"], fuse=2, prune="halving",
+                        eval_every=4)
+    assert plan.arrays == [[0, 2], [1, 3]]
+    assert calls == [([0, 1], False), ([0, 2], True), ([1, 3], True)]
