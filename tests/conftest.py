@@ -304,9 +304,14 @@ def nothing_outlives_the_suite() -> Iterator[None]:
 
 
 def warm_workers() -> set[int]:
-    """The process ids of the warm embedded cluster's device workers (none without one)."""
+    """The process ids of the warm embedded cluster's device workers (none without one): those registered with its
+    scheduler, and those its cluster started that have not registered yet (a killed worker starting again)."""
     warm = cluster.WARM
-    return set() if warm is None else set(warm[1].client.run(os.getpid).values())
+    if warm is None:
+        return set()
+    started = [] if warm[1].cluster is None else warm[1].cluster.workers.values()
+    return set(warm[1].client.run(os.getpid).values()) | {
+        worker.process.pid for worker in started if getattr(worker, "process", None) is not None}
 
 
 @pytest.fixture(autouse=True)
