@@ -52,10 +52,11 @@ class HomedModel:
     into one torch optimizer steps views of the stacked gradients) gets a gradient buffer zeroed every step.
 
     A fused array whose members stopped computes the others alone (narrowing; runtime.array.narrowed), and its
-    stacked optimizer steps their rows alone (another optimizer steps every member's, and the stopped members'
-    weights are put back after each update); compiled, it computes every member (a narrowed module would be
-    compiled again as its members change). The rows an update copies (members not consecutive) are transient, as
-    the update's own temporaries are.
+    stacked optimizer steps their rows alone, by the gradients of their leaves (a clipped array, or one whose
+    members' optimizers are merged, gets whole gradients, and its stopped members' weights are put back after each
+    update); compiled, it computes every member (a narrowed module would be compiled again as its members change).
+    The copies an update makes (the rows its first step makes its state on) are transient, as the update's own
+    temporaries are.
     """
 
     def __init__(
