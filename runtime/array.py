@@ -178,17 +178,22 @@ class ArrayLayer(nn.Module):
                     member.get_buffer(name).copy_(getattr(self, stacked_name(name))[index])
 
 
+def consecutive(members: list[int]) -> bool:
+    """Whether members (increasing) follow one another, so that their rows of a stack are one view of it."""
+    return members == list(range(members[0], members[0] + len(members)))
+
+
 def member_rows(stack: torch.Tensor, live: list[int]) -> torch.Tensor:
     """The live members' rows of a stack (members first), in order: a view where they are consecutive, else a copy
     whose gradient goes back into the stack's rows."""
-    if live == list(range(live[0], live[0] + len(live))):
+    if consecutive(live):
         return stack.narrow(0, live[0], len(live))
     return stack.index_select(0, torch.tensor(live, device=stack.device))
 
 
 def narrowed_bytes(module: nn.Module, live: list[int]) -> int:
     """The bytes narrowed(module, live) copies: the live members' rows of every stack, unless they are consecutive."""
-    if live == list(range(live[0], live[0] + len(live))):
+    if consecutive(live):
         return 0
     layers = [layer for layer in module.modules() if isinstance(layer, ArrayLayer)]
     return sum(tensor[0].nbytes * len(live) for layer in layers
@@ -243,9 +248,9 @@ def narrowed(module: nn.Module, live: list[int], rows: dict[int, torch.Tensor] |
         for layer, (parameters, buffers) in zip(layers, saved):
             with torch.no_grad():
                 for name, full in buffers.items():
-                    rows = layer._buffers[name]
-                    if full is not None and rows is not None and not _shares_storage(rows, full):  # a copy
-                        full.index_copy_(0, index.to(full.device), rows)
+                    used = layer._buffers[name]
+                    if full is not None and used is not None and not _shares_storage(used, full):  # a copy
+                        full.index_copy_(0, index.to(full.device), used)
             layer._parameters.update(parameters)
             layer._buffers.update(buffers)
 

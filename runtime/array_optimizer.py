@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from harmony.runtime.array import member_layout, member_rows
+from harmony.runtime.array import consecutive, member_layout, member_rows
 from harmony.runtime.schedule import at_step, schedules
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -128,7 +128,7 @@ class StackedOptimizer(torch.optim.Optimizer):
         self._step(index, picked, grad,
                    {name: None if column is None else member_rows(column, live) for name, column in columns.items()},
                    rows)
-        copied = len(consecutive_runs(live)) > 1  # else views, stepped in place
+        copied = not consecutive(live)  # else views, stepped in place
         where = torch.tensor(live, device=param.device)
         if copied:
             param.index_copy_(0, where, picked)
