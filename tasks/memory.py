@@ -88,19 +88,18 @@ class DeviceMemory:
                 return chosen
         return None
 
-    def fits(self, nbytes: int) -> bool:
-        """Whether nbytes could be reserved now, evicting what may be evicted."""
+    def fits(self, nbytes: int, stashes: bool = True) -> bool:
+        """Whether nbytes could be reserved now, evicting what may be evicted (with stashes False, no stash)."""
         over = self.used + nbytes - self.budget
-        return over <= 0 or over <= sum(entry.nbytes for entry in self.entries.values() if entry.evictable)
+        return over <= 0 or over <= sum(entry.nbytes for entry in self.entries.values()
+                                        if entry.evictable and (stashes or entry.needs is None))
 
     def reserve(self, nbytes: int, what: str, spared: tuple[Hashable, ...] = (), stashes: bool = True
                 ) -> list[Hashable]:
         """Charge nbytes, evicting least recently used entries as needed (the stashes of spared packs last; with
         stashes False, no stash: BudgetExceeded instead); returns the evicted keys. Nothing is evicted if the
         charge fails."""
-        over = self.used + nbytes - self.budget
-        if over > 0 and over > sum(entry.nbytes for entry in self.entries.values()
-                                   if entry.evictable and (stashes or entry.needs is None)):
+        if not self.fits(nbytes, stashes):
             raise BudgetExceeded(self.name, what, nbytes, self.used, self.budget)
         evicted = []
         while self.used + nbytes > self.budget:
