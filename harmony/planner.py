@@ -25,7 +25,7 @@ from harmony.fusing import build_array, fuse
 from harmony.runtime.cache import tree_nbytes
 from harmony.runtime.code import JobCode
 from harmony.runtime.pilot import Decomposition, KeywordCall, decompose
-from harmony.tasks.amortize import even_sections, pack_sections, steps_per_task
+from harmony.tasks.amortize import even_sections, homed_task_seconds, pack_sections, runs_spans, steps_per_task
 from harmony.tasks.binding import MODES
 from harmony.tasks.hardware import Hardware
 from harmony.tasks.homes import assign_machines, choose_homes
@@ -228,13 +228,11 @@ def with_depth(job: Job, depth: int | str, hardware: Hardware) -> Job:
     predicted step time and the task's cost first, and re-cut from its measured step time as it runs. A task's
     cost is Dask's per task and the flush of the job's weights and optimizer state to the host store that ends
     every homed task."""
-    if job.home is None or len(job.packing.packs) != 1 or job.groups != 1:
+    if not runs_spans(job):
         return job
     if isinstance(depth, int):
         return dataclasses.replace(job, depth=depth)
-    pack = job.packing.packs[0]
-    flushed = pack.float_bytes + job.state_ratio * pack.grad_bytes
-    task_seconds = max(hardware.task_overhead, hardware.task_cpu) + flushed / (hardware.host_link or float("inf"))
+    task_seconds = homed_task_seconds(job, hardware)
     return dataclasses.replace(job, task_seconds=task_seconds,
                                depth=steps_per_task(job.step_seconds, task_seconds, job.batch_bytes, job.steps))
 

@@ -16,6 +16,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from harmony.tasks.hardware import Hardware
+from harmony.tasks.runplan import Job
+
 OVERHEAD_SHARE = 0.01
 MAX_DEPTH = 256
 MAX_SHIPPED_BYTES = 64 * 2**20
@@ -44,6 +47,19 @@ def steps_per_task(
     if steps is not None:
         depth = min(depth, max(1, steps // 4))
     return max(1, depth)
+
+
+def runs_spans(job: Job) -> bool:
+    """Whether a job's tasks each run a span of steps: a homed single-pack job with one micro-batch group."""
+    return job.home is not None and len(job.packing.packs) == 1 and job.groups == 1
+
+
+def homed_task_seconds(job: Job, hardware: Hardware) -> float:
+    """What one task of a job that runs spans costs besides its steps: Dask's per task (or the CPU time it takes,
+    where more) and the flush of the job's weights and optimizer state to the host store that ends it."""
+    pack = job.packing.packs[0]
+    flushed = pack.float_bytes + job.state_ratio * pack.grad_bytes
+    return max(hardware.task_overhead, hardware.task_cpu) + flushed / (hardware.host_link or float("inf"))
 
 
 PACK_OVERHEAD_SHARE = 0.1

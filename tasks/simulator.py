@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from harmony.tasks.amortize import steps_per_task
+from harmony.tasks.amortize import homed_task_seconds, runs_spans, steps_per_task
 from harmony.tasks.binding import BindingState
 from harmony.tasks.events import BatchReady, Fetch, Instruction, Submit, TaskFinished
 from harmony.tasks.graph import TaskId, parse_key, successor, updates_in_backward
@@ -407,14 +407,14 @@ def simulate_jobs(
 
 
 def _span(job: Job, step_seconds: float, hardware: Hardware) -> int:
-    """The steps one task of a homed single-pack job runs (harmony.planner.with_depth: as given, or from its step
-    time, the task's cost, its CPU time too, and the run's length where known), over which the simulator spreads
-    that task's cost while binding it a step per task; 1 for any other job."""
-    if job.home is None or len(job.packing.packs) != 1 or job.groups != 1:
+    """The steps one task of a job that runs spans runs (harmony.planner.with_depth: as given, or from its step
+    time, the task's cost and the run's length where known), over which the simulator spreads the task's cost while
+    binding it a step per task; 1 for any other job."""
+    if not runs_spans(job):
         return 1
     if job.depth > 1:
         return job.depth
-    return steps_per_task(step_seconds, max(hardware.task_overhead, hardware.task_cpu), job.batch_bytes, job.steps)
+    return steps_per_task(step_seconds, homed_task_seconds(job, hardware), job.batch_bytes, job.steps)
 
 
 class _Clock:
