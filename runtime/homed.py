@@ -135,13 +135,18 @@ class HomedModel:
             index = torch.tensor(self.stopped, device=self.params[0].device)
             self.kept = [param.detach().index_select(0, index) for param in self.params]
 
+    @property
+    def training(self) -> list[int]:
+        """The members not stopped (every one of a single model)."""
+        return [member for member in range(self.members) if member not in self.stopped]
+
     @contextmanager
     def narrowing(self) -> Iterator[None]:
         """A step (its update too) of a fused array with stopped members computes the others alone (live): their
         rows of each stack are leaves of their own (leaves), whose gradients the stacked optimizer steps them by, the
         copy of them (members not consecutive) charged beyond the room their fewer activations leave in the step's
         workspace; where that copy does not fit the budget now, the step computes every member."""
-        training = [member for member in range(self.members) if member not in self.stopped]
+        training = self.training
         self.live = None
         with ExitStack() as reserved:
             if self.narrowable and 0 < len(training) < self.members:
@@ -185,7 +190,7 @@ class HomedModel:
         """Apply the update on the device; the device weights become version step + 1. With a loss scaler, as a
         plain loop with torch.amp.GradScaler: unscaled, skipped when a gradient is not finite, the scale updated.
         Clipped (runtime.clipping) after unscaling, as clip_grad_norm_ between GradScaler.unscale_ and step."""
-        training = [member for member in range(self.members) if member not in self.stopped]
+        training = self.training
         rows = isinstance(self.optimizer, StackedOptimizer) and bool(self.stopped) and bool(training)
         if self.leaves:
             if rows and self.live == training and self.scaler is None and not self.clip:
