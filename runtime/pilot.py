@@ -20,16 +20,17 @@ from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from harmony.runtime.cache import tree_nbytes
 from harmony.runtime.halving import cast_only
 from harmony.runtime.hoststore import dtype_name
 from harmony.runtime.stages import CONTAINERS, trace_stages, weight_bytes
 from harmony.tasks.layout import TensorSpec
-from harmony.tasks.profile import LayerProfile, ModelProfile
+from harmony.tasks.profile import BACKWARD_RATIO, LayerProfile, ModelProfile
 
 TIMING_BUDGET = 0.05  # seconds of calls per layer the pilot may spend timing it
+BACKWARD_BYTES = 2**30  # activations the pilot may keep to time a backward through the chain
 
 
 @dataclass
@@ -259,7 +260,9 @@ def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7, larges
         output = x
         if not known and len(layers) > 1:  # a chain of one layer is the layer the calls above timed
             profiles = _as_chained(profiles, layers, sample, samples)
-    profile = ModelProfile(name=name, layers=tuple(profiles), pilot_samples=samples)
+        kept = sum(profile.output_bytes_per_sample for profile in profiles) * samples
+        ratio = timed.backward_ratio if known and timed else _backward_ratio(layers, sample, kept)
+    profile = ModelProfile(name=name, layers=tuple(profiles), pilot_samples=samples, backward_ratio=ratio)
     return Decomposition(layers=layers, profile=profile, output=output, notes=notes)
 
 
@@ -286,6 +289,47 @@ def _as_chained(profiles: list[LayerProfile], layers: list[nn.Module], sample: A
     scale = chained / alone
     return [replace(profile, forward_seconds_per_sample=profile.forward_seconds_per_sample * scale)
             for profile in profiles]
+
+
+def _backward_ratio(layers: list[nn.Module], sample: Any, kept: float) -> float:
+    """A backward's seconds per forward's through the chain, the forward with autograd recording (as a bwd task
+    runs it), the fastest of each over up to three rounds while they take under TIMING_BUDGET, after one round on
+    two samples (an op's first backward in a process can take a third of a second). A backward costs two forwards
+    in the textbook count, but on one CPU thread a stacked array's takes more than a model's. BACKWARD_RATIO where
+    nothing is trained, or where the activations kept for it (kept bytes) would be more than BACKWARD_BYTES. The
+    parameters' gradients are left as they were; the caller restores the buffers and the RNG."""
+    parameters = [parameter for layer in layers for parameter in layer.parameters()]
+    if kept > BACKWARD_BYTES or not any(parameter.requires_grad for parameter in parameters):
+        return BACKWARD_RATIO
+    grads = [(parameter, parameter.grad) for parameter in parameters]
+    samples = _batch_size(sample)
+    warm = tree_map(lambda leaf: leaf[:2] if isinstance(leaf, torch.Tensor) and leaf.dim() > 0
+                    and leaf.shape[0] == samples else leaf, sample)
+    forward = backward = float("inf")
+    try:
+        with torch.enable_grad():
+            for turn in range(4):
+                started = time.perf_counter()
+                x = warm if turn == 0 else sample
+                for layer in layers:
+                    x = layer(x)
+                middle = time.perf_counter()
+                outputs = [leaf for leaf in tree_leaves(x) if isinstance(leaf, torch.Tensor) and leaf.grad_fn]
+                if not outputs:
+                    return BACKWARD_RATIO
+                torch.autograd.backward(outputs, [torch.ones_like(output) for output in outputs])
+                ended = time.perf_counter()
+                del x, outputs
+                for parameter in parameters:
+                    parameter.grad = None
+                if turn > 0:
+                    forward, backward = min(forward, middle - started), min(backward, ended - middle)
+                    if ended - started > TIMING_BUDGET:
+                        break
+    finally:
+        for parameter, grad in grads:
+            parameter.grad = grad
+    return backward / forward if forward > 0 else BACKWARD_RATIO
 
 
 def _timings(timed: ModelProfile | None, layers: list[nn.Module], borrowings: list[dict[str, tuple[int, str]]],

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from harmony.tasks.layout import TensorSpec
-from harmony.tasks.profile import LayerProfile, ModelProfile
+from harmony.tasks.profile import BACKWARD_RATIO, LayerProfile, ModelProfile
 
 
 class LayerTooLarge(ValueError):
@@ -68,6 +68,7 @@ class Pack:
     borrowed: tuple[tuple[str, int, str], ...] = ()  # (name here, pack that holds it, its name there): tied weights
     halved: tuple[str, ...] = ()  # own parameters autocast only casts (LayerProfile.halved)
     drawing: tuple[int, ...] = ()  # its layers (by index in the chain) that draw random numbers (LayerProfile.draws)
+    backward_ratio: float = BACKWARD_RATIO  # its backward's seconds per its forward's (ModelProfile.backward_ratio)
 
     @property
     def weight_bytes(self) -> int:
@@ -190,6 +191,7 @@ def make_pack(profile: ModelProfile, index: int, first: int, stop: int, samples:
         borrowed=tuple(borrowed),
         halved=tuple(f"{offset}.{name}" for offset, layer in enumerate(layers) for name in sorted(layer.halved)),
         drawing=tuple(first + offset for offset, layer in enumerate(layers) if layer.draws),
+        backward_ratio=profile.backward_ratio,
     )
 
 

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from harmony.tasks.layout import TensorSpec
 
+BACKWARD_RATIO = 2.0  # a backward's seconds per forward's where the pilot did not measure them
+
 
 @dataclass(frozen=True)
 class LayerProfile:
@@ -73,12 +75,17 @@ class LayerProfile:
 
 @dataclass(frozen=True)
 class ModelProfile:
-    """A model decomposed into a chain of layers, with the pilot micro-batch size it was measured at."""
+    """A model decomposed into a chain of layers, with the pilot micro-batch size it was measured at.
+
+    ``backward_ratio`` is a backward's seconds per forward's through the whole chain, as the pilot measured them
+    (BACKWARD_RATIO where it did not: a model with nothing to train, or too many activations to keep); a pack's
+    backward is predicted at its forward times this."""
 
     name: str
     layers: tuple[LayerProfile, ...]
     pilot_samples: int = 1
     notes: tuple[str, ...] = field(default_factory=tuple)
+    backward_ratio: float = BACKWARD_RATIO
 
     @property
     def param_bytes(self) -> int:

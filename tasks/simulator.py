@@ -271,16 +271,17 @@ def order_from_keys(schedule: dict[str, list[str]]) -> dict[str, list[TaskId]]:
 
 def task_seconds(task: TaskId, packing: Packing, samples: int, hardware: Hardware, packs: range | None = None
                  ) -> float:
-    """Predicted compute time of a task over its packs (task.pack alone unless given): forward once for fwd,
-    forward three times' worth for bwd (the recompute plus a backward that costs about two forwards) and, over
-    several packs, once more for every pack but the last (the inputs of each, recomputed first), the optimizer's
-    passes for upd."""
+    """Predicted compute time of a task over its packs (task.pack alone unless given): forward once for fwd; for
+    bwd the recompute and a backward (the forward times the pack's backward_ratio) and, over several packs, a
+    forward more for every pack but the last (the inputs of each, recomputed first); the optimizer's passes for
+    upd."""
     packs = packs or range(task.pack, task.pack + 1)
     forwards = [packing.packs[pack].forward_seconds_per_sample * samples / hardware.compute_scale for pack in packs]
     if task.kind == "fwd":
         return sum(forwards)
     if task.kind == "bwd":
-        return 3 * sum(forwards) + sum(forwards[:-1])
+        backwards = [packing.packs[pack].backward_ratio * forward for pack, forward in zip(packs, forwards)]
+        return sum(forwards) + sum(backwards) + sum(forwards[:-1])
     return update_seconds(packing, packs, hardware)
 
 

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import weakref
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
 from harmony.runtime.pilot import decompose
+from harmony.tasks.graph import TaskId
+from harmony.tasks.hardware import Hardware
+from harmony.tasks.packing import cut_packs
+from harmony.tasks.profile import BACKWARD_RATIO
 from tests.conftest import ResidualBlock
 
 
@@ -274,9 +279,75 @@ def test_a_model_that_is_one_layer_is_not_timed_again_as_a_chain() -> None:
     measured: a forward through it would take as long again for nothing (a GPT-2 array's forward takes seconds)."""
     layer = nn.Linear(8, 2)
     calls = []
-    layer.register_forward_hook(lambda *_: calls.append(1))
+    layer.register_forward_hook(lambda *_: calls.append(1) if not torch.is_grad_enabled() else None)
     decompose(layer, torch.randn(4, 8), "m", repeats=5)
     assert len(calls) == 5
     calls.clear()
     decompose(nn.Sequential(layer, nn.ReLU()), torch.randn(4, 8), "m", repeats=5)
     assert len(calls) == 5 + 2, "a chain of several layers is timed through once more, twice"
+
+
+class Backward(torch.autograd.Function):
+    """The identity, whose backward takes the layer's backward seconds of its clock (first_backward more the first
+    time: an op's first backward in a process)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+        ctx.layer = layer
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        layer = ctx.layer
+        layer.clock.now += layer.backward_cost + layer.clock.first_backward
+        layer.clock.first_backward = 0.0
+        return grad, None
+
+
+class TimedBoth(Clocked):
+    """A Clocked layer whose backward takes backward_cost seconds of the clock."""
+
+    def __init__(self, clock: SimpleNamespace, cost: float, backward_cost: float) -> None:
+        super().__init__(clock, cost)
+        self.backward_cost = backward_cost
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return Backward.apply(super().forward(x), self)
+
+
+def test_the_backward_is_timed_through_the_chain_after_a_round_that_warms_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chain's forward takes 0.5 + 1 s (each layer called after the other: twice its cost) and its backward
+    1.5 + 4.5 s: a backward of three forwards, which the simulator then predicts; the first backward's 100 s more
+    fall in the round on two samples, which is not counted. The parameters' gradients are as they were."""
+    from harmony.runtime import pilot
+    from harmony.tasks.simulator import task_seconds
+
+    clock = SimpleNamespace(now=0.0, last=None, first_backward=100.0)
+    monkeypatch.setattr(pilot, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    model = nn.Sequential(TimedBoth(clock, 0.25, 1.5), TimedBoth(clock, 0.5, 4.5))
+    kept = torch.full((1,), 7.0)
+    model[0].weight.grad = kept
+    profile = decompose(model, torch.randn(4, 8), "m", repeats=3).profile
+    assert profile.backward_ratio == 4.0
+    assert model[0].weight.grad is kept and model[1].weight.grad is None
+    packing = cut_packs(profile, 10**6, 4)
+    forward = sum(layer.forward_seconds_per_sample for layer in profile.layers) * 4
+    bwd = task_seconds(TaskId("bwd", 0, 0, 0), packing, 4, Hardware())
+    assert bwd == pytest.approx(forward * (1 + 4.0))
+
+    clock.first_backward = 100.0
+    again = decompose(nn.Sequential(TimedBoth(clock, 0.25, 9.0), TimedBoth(clock, 0.5, 9.0)), torch.randn(4, 8), "m",
+                      timed=profile).profile
+    assert again.backward_ratio == 4.0 and clock.first_backward == 100.0, "a profile timed before is not timed again"
+
+
+def test_a_backward_is_two_forwards_where_it_is_not_timed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing to train, or more activations to keep than BACKWARD_BYTES: the textbook count."""
+    from harmony.runtime import pilot
+
+    frozen = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)).requires_grad_(False)
+    assert decompose(frozen, torch.randn(4, 8), "m").profile.backward_ratio == BACKWARD_RATIO == 2.0
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    assert decompose(model, torch.randn(4, 8), "m").profile.backward_ratio != BACKWARD_RATIO
+    monkeypatch.setattr(pilot, "BACKWARD_BYTES", 4 * (8 + 8 + 8) * 4 - 1)
+    assert decompose(model, torch.randn(4, 8), "m").profile.backward_ratio == BACKWARD_RATIO
