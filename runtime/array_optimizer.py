@@ -179,7 +179,7 @@ class StackedOptimizer(torch.optim.Optimizer):
 
     def _sgd(self, param: torch.Tensor, grad: torch.Tensor, columns: Columns, state: dict[str, Any]) -> None:
         if columns["weight_decay"] is not None:
-            grad = grad.add(param * columns["weight_decay"])
+            grad = torch.addcmul(grad, param, columns["weight_decay"])
         momentum = columns["momentum"]
         if momentum is not None:
             buffer = state.get("momentum_buffer")
@@ -187,7 +187,7 @@ class StackedOptimizer(torch.optim.Optimizer):
                 buffer = torch.clone(grad).detach()
                 state["momentum_buffer"] = buffer
             else:
-                buffer.mul_(momentum).add_(grad * columns["kept"])
+                buffer.mul_(momentum).addcmul_(grad, columns["kept"])
             uses_buffer = columns["uses_buffer"]
             if columns["nesterov"] is not None:
                 nesterov = grad.add(buffer * momentum)
@@ -222,12 +222,13 @@ class StackedOptimizer(torch.optim.Optimizer):
         if columns["decay"] is not None:
             param.mul_(columns["decay"])
         elif columns["weight_decay"] is not None:
-            grad = grad.add(param * columns["weight_decay"])
+            grad = torch.addcmul(grad, param, columns["weight_decay"])
         corrections = self._corrections(index, param, float(state["step"]), columns)
         state["exp_avg"].lerp_(grad, columns["first_kept"])
-        state["exp_avg_sq"].mul_(columns["beta2"]).add_(columns["second_kept"] * grad * grad)
-        denom = (state["exp_avg_sq"].sqrt() / corrections["correction"]).add_(columns["eps"])
-        param.add_(corrections["negative_step_size"] * (state["exp_avg"] / denom))
+        state["exp_avg_sq"].mul_(columns["beta2"]).addcmul_(columns["second_kept"] * grad, grad)
+        update = state["exp_avg_sq"].sqrt().div_(corrections["correction"]).add_(columns["eps"])
+        torch.div(state["exp_avg"], update, out=update)  # one stack-sized buffer for the denominator and the step
+        param.addcmul_(update, corrections["negative_step_size"])
 
 
 def consecutive_runs(members: list[int]) -> list[tuple[int, int, int]]:
