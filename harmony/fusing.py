@@ -23,6 +23,7 @@ from harmony.errors import ModelError
 from harmony.runtime.array import ArrayLayer, array_loss, layer_signature
 from harmony.runtime.array_optimizer import ArrayOptimizer
 from harmony.runtime.code import JobCode
+from harmony.runtime.measure import update_rate
 from harmony.runtime.pilot import decompose
 from harmony.runtime.stages import Entry
 from harmony.tasks.fusion import (
@@ -36,7 +37,7 @@ from harmony.tasks.fusion import (
 )
 from harmony.tasks.hardware import Hardware
 from harmony.tasks.homes import choose_homes
-from harmony.tasks.packing import LayerTooLarge, cut_packs, minimal_budget
+from harmony.tasks.packing import LayerTooLarge, cut_packs, minimal_budget, with_update_rate
 from harmony.tasks.profile import ModelProfile
 from harmony.tasks.pruning import PRUNERS, computed_share, every_member
 from harmony.tasks.runplan import Job
@@ -68,8 +69,8 @@ def _label(members: list[int], args: Arguments) -> str:
 
 def build_array(members: list[int], candidates: list[Candidate], args: Arguments, budget: int,
                 timed: ModelProfile | None = None) -> Candidate:
-    """Stack the members' layers into ArrayLayers, pilot the array (its layers' times from timed, an array of as many
-    members of the same group, where given) and cut it into packs for budget.
+    """Stack the members' layers into ArrayLayers, pilot the array (its layers' times and its update's from timed,
+    an array of as many members of the same group, where given) and cut it into packs for budget.
 
     Raises LayerTooLarge when the array's largest layer does not fit budget.
     """
@@ -90,6 +91,9 @@ def build_array(members: list[int], candidates: list[Candidate], args: Arguments
     factories = [args.optimizers[m] for m in members]
     optimizer = ArrayOptimizer(factories) if all(f is not None for f in factories) else None  # type: ignore[arg-type]
     packing = cut_packs(decomposition.profile, budget, sizes[0], args.ahead)
+    rate = (timed.update_seconds_per_byte if timed else
+            update_rate(optimizer, decomposition.layers) if optimizer else None)
+    profile, packing = with_update_rate(decomposition.profile, packing, rate)
     first = parts[0].job
     job = Job(
         members=tuple(members),
@@ -103,7 +107,7 @@ def build_array(members: list[int], candidates: list[Candidate], args: Arguments
         state_ratio=first.state_ratio,
     )
     code = JobCode(tuple(decomposition.layers), loss, optimizer, tuple(part.code.layers for part in parts))
-    return Candidate(job, code, decomposition.profile)
+    return Candidate(job, code, profile)
 
 
 @dataclass(frozen=True)

@@ -24,12 +24,13 @@ from harmony.errors import InputError, ModelError
 from harmony.fusing import build_array, fuse
 from harmony.runtime.cache import tree_nbytes
 from harmony.runtime.code import JobCode
+from harmony.runtime.measure import update_rate
 from harmony.runtime.pilot import Decomposition, KeywordCall, decompose
 from harmony.tasks.amortize import even_sections, homed_task_seconds, pack_sections, runs_spans, steps_per_task
 from harmony.tasks.binding import MODES
 from harmony.tasks.hardware import Hardware
 from harmony.tasks.homes import assign_machines, choose_homes
-from harmony.tasks.packing import LayerTooLarge, cut_packs, minimal_budget
+from harmony.tasks.packing import LayerTooLarge, cut_packs, minimal_budget, with_update_rate
 from harmony.tasks.profile import LayerProfile, ModelProfile
 from harmony.tasks.runplan import PRECISIONS, Job, RunPlan
 from harmony.tasks.simulator import Simulation, model_step_seconds, simulate_jobs
@@ -71,6 +72,7 @@ def pilot(args: Arguments, budget: int) -> list[Candidate]:
     """Profile every model on its first micro-batch and cut it into packs that fit budget."""
     candidates = []
     timed: dict[Hashable, ModelProfile] = {}  # the first profile of each architecture, whose timings the rest take
+    rates: dict[Hashable, float | None] = {}  # per architecture and optimizer, its update's seconds per byte
     for index, model in enumerate(args.models):
         label = model_label(index, model)
         sample, target, sizes = pilot_batch(args, index)
@@ -78,6 +80,10 @@ def pilot(args: Arguments, budget: int) -> list[Candidate]:
         decomposition, packing = _decompose_and_cut(args, index, sample, target, sizes[0], budget,
                                                     timed.get(architecture))
         timed.setdefault(architecture, decomposition.profile)
+        optimizer = (architecture, args.optimizer_classes[index], args.optimizer_state_ratios[index])
+        if optimizer not in rates and args.optimizers[index] is not None:
+            rates[optimizer] = update_rate(args.optimizers[index], decomposition.layers)
+        profile, packing = with_update_rate(decomposition.profile, packing, rates.get(optimizer))
         logger.info("%s%s", packing.explain(), "".join(f"; {note}" for note in decomposition.notes[:3]))
         job = Job(
             members=(index,),
@@ -91,7 +97,7 @@ def pilot(args: Arguments, budget: int) -> list[Candidate]:
             state_ratio=args.optimizer_state_ratios[index],
         )
         code = JobCode(tuple(decomposition.layers), args.loss_fns[index], args.optimizers[index])
-        candidates.append(Candidate(job, code, decomposition.profile))
+        candidates.append(Candidate(job, code, profile))
     return candidates
 
 

@@ -1,16 +1,21 @@
 """Measurements of this machine that the simulator needs to predict times here: memory copy speed, the host
-optimizer's rate, and a GPU's speed against this machine's CPU and its link from pinned memory."""
+optimizer's rate, a job's own optimizer step, and a GPU's speed against this machine's CPU and its link from pinned
+memory."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
 import time
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
+from harmony.runtime.array_optimizer import build_optimizer, step_optimizer
 from harmony.tasks.hardware import Hardware
+
+PROBE_BYTES = 256 * 2**20  # the most parameter bytes update_time builds probes of
 
 
 @functools.cache
@@ -44,6 +49,35 @@ def optimizer_rate(elements: int = 1 << 22, repeats: int = 3) -> float:
             target.copy_(source)
         optimizer.step()
     return 4 * param.nbytes * repeats / (time.perf_counter() - started)
+
+
+def update_rate(factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer], layers: Sequence[nn.Module]
+                ) -> float | None:
+    """Seconds per trainable parameter byte of one step of factory's optimizer (an array's ArrayOptimizer too) over
+    layers' trainable parameters, on zero probes of their shapes named as a pack of these layers names them: the
+    fastest of three steps after the one that makes its state. What a homed job's update takes on a device that
+    computes like this thread (the caller sets a CPU device's threads). None where the parameters pass PROBE_BYTES
+    or the optimizer fails on probes."""
+    named = [(name, param) for name, param in nn.Sequential(*layers).named_parameters() if param.requires_grad]
+    nbytes = sum(param.nbytes for _, param in named)
+    if not named or nbytes > PROBE_BYTES:
+        return None
+    probes = []
+    for _, param in named:
+        probe = nn.Parameter(torch.zeros_like(param, device="cpu"))
+        probe.grad = torch.full_like(probe, 1e-3)
+        probes.append(probe)
+    try:
+        optimizer = build_optimizer(factory, probes, [name for name, _ in named])
+        step_optimizer(optimizer, 0)  # its state exists from here
+        fastest = float("inf")
+        for step in range(1, 4):
+            started = time.perf_counter()
+            step_optimizer(optimizer, step)
+            fastest = min(fastest, time.perf_counter() - started)
+    except Exception:  # a user's optimizer that cannot step zero probes: the prediction goes without it
+        return None
+    return fastest / nbytes
 
 
 def matmul_seconds(device: torch.device, size: int = 1024, repeats: int = 8) -> float:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from harmony.tasks.layout import TensorSpec
@@ -69,6 +70,7 @@ class Pack:
     halved: tuple[str, ...] = ()  # own parameters autocast only casts (LayerProfile.halved)
     drawing: tuple[int, ...] = ()  # its layers (by index in the chain) that draw random numbers (LayerProfile.draws)
     backward_ratio: float = BACKWARD_RATIO  # its backward's seconds per its forward's (ModelProfile.backward_ratio)
+    update_seconds: float | None = None  # its optimizer step where measured (ModelProfile.update_seconds_per_byte)
 
     @property
     def weight_bytes(self) -> int:
@@ -192,7 +194,20 @@ def make_pack(profile: ModelProfile, index: int, first: int, stop: int, samples:
         halved=tuple(f"{offset}.{name}" for offset, layer in enumerate(layers) for name in sorted(layer.halved)),
         drawing=tuple(first + offset for offset, layer in enumerate(layers) if layer.draws),
         backward_ratio=profile.backward_ratio,
+        update_seconds=_update_seconds(trainable, profile.update_seconds_per_byte),
     )
+
+
+def _update_seconds(trainable: tuple[TensorSpec, ...], rate: float | None) -> float | None:
+    return None if rate is None else rate * sum(spec.nbytes for spec in trainable)
+
+
+def with_update_rate(profile: ModelProfile, packing: Packing, rate: float | None) -> tuple[ModelProfile, Packing]:
+    """profile and packing with the optimizer's measured seconds per trainable byte (None: not measured)."""
+    packs = tuple(dataclasses.replace(pack, update_seconds=_update_seconds(pack.trainable, rate))
+                  for pack in packing.packs)
+    return (dataclasses.replace(profile, update_seconds_per_byte=rate),
+            dataclasses.replace(packing, packs=packs))
 
 
 def _shared_inside(layers: tuple[LayerProfile, ...], first: int, stop: int, grads: bool) -> int:

@@ -79,13 +79,16 @@ class ModelProfile:
 
     ``backward_ratio`` is a backward's seconds per forward's through the whole chain, as the pilot measured them
     (BACKWARD_RATIO where it did not: a model with nothing to train, or too many activations to keep); a pack's
-    backward is predicted at its forward times this."""
+    backward is predicted at its forward times this. ``update_seconds_per_byte`` is its own optimizer's step per
+    trainable parameter byte, as the planner measured it on probes of its parameters (runtime.measure.update_time;
+    None where it did not): what a homed job's update is predicted at."""
 
     name: str
     layers: tuple[LayerProfile, ...]
     pilot_samples: int = 1
     notes: tuple[str, ...] = field(default_factory=tuple)
     backward_ratio: float = BACKWARD_RATIO
+    update_seconds_per_byte: float | None = None
 
     @property
     def param_bytes(self) -> int:

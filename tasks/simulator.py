@@ -290,6 +290,14 @@ def update_seconds(packing: Packing, packs: range, hardware: Hardware) -> float:
     return 4 * sum(packing.packs[pack].float_bytes for pack in packs) / hardware.optimizer_bytes_per_second
 
 
+def homed_update_seconds(packing: Packing, pack: int, hardware: Hardware) -> float:
+    """Predicted time of a homed pack's update on its device: its optimizer's step as the planner measured it
+    (Pack.update_seconds), else the host store's passes, at the device's compute scale."""
+    measured = packing.packs[pack].update_seconds
+    seconds = update_seconds(packing, range(pack, pack + 1), hardware) if measured is None else measured
+    return seconds / hardware.compute_scale
+
+
 def boundary_bytes(task: TaskId, packing: Packing, samples: int) -> int:
     """Bytes of the activation that flows into the task's pack (0 for the first pack)."""
     return 0 if task.pack == 0 else round(packing.packs[task.pack].input_bytes_per_sample * samples)
@@ -469,7 +477,9 @@ class _Clock:
         packs = job.section(task.pack)
         compute = task_seconds(task, packing, n, self.hardware, packs)
         homed = job.home is not None
-        if task.kind == "bwd" and not homed and updates_in_backward(job.groups, job.overlap):
+        if task.kind == "bwd" and homed:
+            compute += sum(homed_update_seconds(packing, pack, self.hardware) for pack in packs)
+        elif task.kind == "bwd" and updates_in_backward(job.groups, job.overlap):
             compute += sum(update_seconds(packing, range(pack, pack + 1), self.hardware)
                            / (self.hardware.compute_scale if pack in job.device_updates else 1.0) for pack in packs)
         copy = self._copy_seconds(task, device, submit.first, n, compute)

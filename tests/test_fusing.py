@@ -431,3 +431,5 @@ def test_arrays_dealt_out_in_turn_take_the_timings_of_the_trial_array_of_their_s
                         eval_every=4)
     assert plan.arrays == [[0, 2], [1, 3]]
     assert calls == [([0, 1], False), ([0, 2], True), ([1, 3], True)]
+    updates = {sum(pack.update_seconds for pack in job.packing.packs) for job in plan.plan.jobs}
+    assert len(updates) == 1 and updates.pop() > 0, "their update timed on the trial array's stacked optimizer"

@@ -106,18 +106,30 @@ def test_updates_are_overlapped_where_the_simulator_predicts_it_faster_and_the_p
         harmony.plan(models, batches, overlap_update=1)
 
 
-def test_a_sweep_of_one_architecture_is_timed_on_its_first_model(timed_calls: list[int]) -> None:
+def test_a_sweep_of_one_architecture_is_timed_on_its_first_model(timed_calls: list[int],
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """The pilot times the first model of an architecture (and the first array of a fused size) and the others
     take its timings, each of their layers called once: a sweep of large models is planned in a fraction of the
-    forwards."""
+    forwards. Its update is timed once per optimizer class (here SGD and Adam), for the packs of each model."""
+    from harmony import planner
+
     calls = timed_calls
+    updates: list[type] = []
+    rate = planner.update_rate
+    monkeypatch.setattr(planner, "update_rate", lambda factory, layers: updates.append(
+        type(factory([nn.Parameter(torch.zeros(1))]))) or rate(factory, layers))
     batches = regression_batches(samples=16 * 3, batch=16)
     sgd = lambda p: torch.optim.SGD(p, lr=0.1)  # noqa: E731
-    forecast = harmony.plan([deep_mlp(seed=s) for s in range(4)], batches, nn.functional.mse_loss, sgd,
-                            devices=["cpu"], fuse=False)
+    adam = lambda p: torch.optim.Adam(p, lr=0.1)  # noqa: E731
+    forecast = harmony.plan([deep_mlp(seed=s) for s in range(4)], batches, nn.functional.mse_loss,
+                            [sgd, sgd, adam, sgd], devices=["cpu"], fuse=False)
     layers = calls.count(7)
     assert layers > 1 and calls == [7] * layers + [1] * 3 * layers, calls
-    assert len({job.step_seconds for job in forecast.plan.jobs}) == 1, "the followers' packs are timed alike"
+    jobs = forecast.plan.jobs
+    assert len({job.step_seconds for job in jobs}) == 1, "the followers' packs are timed alike"
+    assert updates == [torch.optim.SGD, torch.optim.Adam]
+    seconds = [sum(pack.update_seconds for pack in job.packing.packs) for job in jobs]
+    assert seconds[0] == seconds[1] == seconds[3] > 0 and seconds[2] > 0 and seconds[2] != seconds[0]
 
 
 def test_updates_go_on_the_device_where_the_simulator_predicts_it_faster_and_the_plan_says_so(

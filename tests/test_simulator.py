@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from harmony.tasks.graph import TaskId, span_tasks
@@ -309,3 +311,26 @@ def test_a_section_takes_its_later_packs_stashes_at_once_only_with_room_for_its_
             together = _taken_together(memory, task, packing, range(3), (1, 2), 2, updated, 2.0)
             assert (together is not None) == taken, (updated, budget)
             assert len(together or {}) == (4 if taken else 0)
+
+
+def test_a_homed_step_takes_its_measured_update_else_the_host_stores_passes_at_the_devices_speed() -> None:
+    """A homed single-pack model's step is one bwd task: its forward and backward, and its update, at what the
+    planner measured of its own optimizer (Pack.update_seconds), or where it measured nothing the host store's
+    passes over its weights; either on a device twice this machine's speed takes half."""
+    from harmony.tasks.packing import with_update_rate
+
+    packing = chain_packing(layers=2, seconds=1e-3)
+    profile = ModelProfile("m", ())  # with_update_rate sets its rate alone
+    measured = with_update_rate(profile, packing, 1e-6)[1]
+    trainable = sum(spec.nbytes for spec in packing.packs[0].trainable)
+    assert measured.packs[0].update_seconds == pytest.approx(1e-6 * trainable)
+    hardware = Hardware(task_overhead=0.0, optimizer_bytes_per_second=1e6)
+    compute = task_seconds(TaskId("bwd", 0, 0, 0), packing, 8, hardware)
+
+    def step(packing: Packing, hardware: Hardware) -> float:
+        return simulate([packing], [1], [8], {"d": 10**9}, hardware, homes={0: "d"}).makespan
+
+    assert step(measured, hardware) == pytest.approx(compute + 1e-6 * trainable)
+    assert step(packing, hardware) == pytest.approx(compute + update_seconds(packing, range(1), hardware))
+    faster = dataclasses.replace(hardware, compute_scale=2.0)
+    assert step(measured, faster) == pytest.approx((compute + 1e-6 * trainable) / 2)
