@@ -82,7 +82,7 @@ def build_array(members: list[int], candidates: list[Candidate], args: Arguments
     ]
     sample, target, sizes = pilot_batch(args, members[0])
     try:
-        decomposition = decompose(nn.Sequential(*layers), sample, label, timed=timed)
+        decomposition = decompose(nn.Sequential(*layers), sample, label, timed=timed, shares=parts[0].profile)
     except Exception as error:
         raise ModelError(members[0], f"{label} raised {type(error).__name__}: {error} in its fused forward during "
                          "the pilot pass; pass fuse=False to train these models unfused") from error

@@ -208,7 +208,8 @@ def _fastest_call(layer: nn.Module, x: Any, repeats: int) -> tuple[Any, float]:
 
 
 def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7, largest: int | None = None,
-              export: bool = False, autocast: str | None = None, timed: ModelProfile | None = None) -> Decomposition:
+              export: bool = False, autocast: str | None = None, timed: ModelProfile | None = None,
+              shares: ModelProfile | None = None) -> Decomposition:
     """Decompose model into a chain and profile it on sample (one micro-batch of inputs); a traced block holding more
     than largest bytes of weights is cut at its children; with export, a module torch.fx cannot trace is exported
     with torch.export and cut the same way; with autocast (a dtype's name), each layer's parameters that autocast
@@ -217,7 +218,9 @@ def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7, larges
     timed is the profile of a model piloted before that may share this one's architecture (a sweep's models): if
     its layers are these (the same descriptions, parameters and buffers, on as many samples), each layer is called
     once, for its output and sizes, and takes its time from timed instead of being timed again. Everything else
-    (bytes, which parameters are halved) is this model's own."""
+    (bytes, which parameters are halved) is this model's own. shares is the profile of a chain of as many layers
+    that do alike in their proportions (a sub-array's member, for the sub-array): each layer is called once and
+    only the whole chain is timed, its time split among the layers as shares' times split."""
     samples = max(1, _batch_size(sample))
     with preserved_state(model), torch.no_grad():
         layers: list[nn.Module] = []
@@ -228,11 +231,14 @@ def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7, larges
     borrowings = _borrowings(layers)
     lent = {lender for borrowed in borrowings for lender in borrowed.values()}
     known = _timings(timed, layers, borrowings, samples)
+    shared = ([layer.forward_seconds_per_sample for layer in shares.layers]
+              if shares is not None and len(shares.layers) == len(layers) and not known else None)
+    given = known or shared  # the layers' times, not timed one by one
     with preserved_state(model), torch.no_grad():
         x = sample
         for index, (layer, borrowed) in enumerate(zip(layers, borrowings)):
             generator = torch.get_rng_state()
-            y, seconds = _fastest_call(layer, x, 1 if known else repeats)
+            y, seconds = _fastest_call(layer, x, 1 if given else repeats)
             draws = not torch.equal(generator, torch.get_rng_state())  # only the last call leaves the RNG moved
             named = list(layer.named_parameters())
             halved: frozenset[str] = frozenset()
@@ -248,7 +254,7 @@ def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7, larges
                     frozen=frozenset(n for n, p in named if not p.requires_grad),
                     input_bytes_per_sample=tree_nbytes(x) / samples,
                     output_bytes_per_sample=_new_bytes(y, x) / samples,
-                    forward_seconds_per_sample=known[index] if known else seconds / samples,
+                    forward_seconds_per_sample=given[index] if given else seconds / samples,
                     cut_before=is_boundary(x),
                     borrowed=_specs((n, p) for n, p in named if n in borrowed),
                     lenders=tuple(borrowed[n] for n, _ in named if n in borrowed),
@@ -258,7 +264,7 @@ def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7, larges
             )
             x = y
         output = x
-        if not known and len(layers) > 1:  # a chain of one layer is the layer the calls above timed
+        if shared or (not known and len(layers) > 1):  # a chain of one layer is the layer the calls above timed
             profiles = _as_chained(profiles, layers, sample, samples)
         kept = sum(profile.output_bytes_per_sample for profile in profiles) * samples
         ratio = timed.backward_ratio if known and timed else _backward_ratio(layers, sample, kept)

@@ -413,10 +413,11 @@ def test_swapped_arrays_of_traced_models_carry_several_tensors_across_their_cuts
 
 
 def test_arrays_dealt_out_in_turn_take_the_timings_of_the_trial_array_of_their_size(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, timed_calls: list[int],
 ) -> None:
     """Pruned, the arrays [0, 2] and [1, 3] are not the trial array [0, 1] that chose their size: they are built
-    with its timings, not piloted again."""
+    with its timings, not piloted again. The trial array itself is timed through its chain alone, its layers
+    taking their member's shares: only the first model's layers are timed one by one."""
     calls: list[tuple[list[int], bool]] = []
     build = fusing.build_array
 
@@ -431,5 +432,7 @@ def test_arrays_dealt_out_in_turn_take_the_timings_of_the_trial_array_of_their_s
                         eval_every=4)
     assert plan.arrays == [[0, 2], [1, 3]]
     assert calls == [([0, 1], False), ([0, 2], True), ([1, 3], True)]
+    layers = timed_calls.count(7)
+    assert layers > 1 and timed_calls == [7] * layers + [1] * (len(timed_calls) - layers), timed_calls
     updates = {sum(pack.update_seconds for pack in job.packing.packs) for job in plan.plan.jobs}
     assert len(updates) == 1 and updates.pop() > 0, "their update timed on the trial array's stacked optimizer"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import weakref
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -351,3 +352,25 @@ def test_a_backward_is_two_forwards_where_it_is_not_timed(monkeypatch: pytest.Mo
     assert decompose(model, torch.randn(4, 8), "m").profile.backward_ratio != BACKWARD_RATIO
     monkeypatch.setattr(pilot, "BACKWARD_BYTES", 4 * (8 + 8 + 8) * 4 - 1)
     assert decompose(model, torch.randn(4, 8), "m").profile.backward_ratio == BACKWARD_RATIO
+
+
+def test_a_chain_given_shares_is_timed_whole_and_split_as_they_split(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sub-array is timed through its whole chain (layers called after each other: 0.5 + 1 s here), each layer
+    called once more for its output and sizes, and the time split as its member's layers split theirs (1 : 3)."""
+    from harmony.runtime import pilot
+
+    clock = SimpleNamespace(now=0.0, last=None)
+    monkeypatch.setattr(pilot, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    member = decompose(nn.Sequential(Clocked(clock, 0.1), Clocked(clock, 0.3)), torch.randn(4, 8), "m").profile
+    layers = nn.Sequential(Clocked(clock, 0.25), Clocked(clock, 0.5))
+    calls: list[int] = []
+    for layer in layers:
+        layer.register_forward_hook(lambda *_: calls.append(1) if not torch.is_grad_enabled() else None)
+    profile = decompose(layers, torch.randn(4, 8), "array", repeats=5, shares=member).profile
+    assert [layer.forward_seconds_per_sample * 4 for layer in profile.layers] == pytest.approx([0.375, 1.125])
+    assert len(calls) == 2 * (1 + 1), "each layer once, then through the chain (once: it takes over TIMING_BUDGET)"
+    unlike = decompose(layers, torch.randn(4, 8), "array", repeats=5, shares=replace(member, layers=member.layers[:1]))
+    assert [layer.forward_seconds_per_sample * 4 for layer in unlike.profile.layers] == [0.5, 1.0], "timed alone"
+    one = decompose(nn.Sequential(Clocked(clock, 0.25)), torch.randn(4, 8), "array",
+                    shares=replace(member, layers=member.layers[:1])).profile
+    assert one.layers[0].forward_seconds_per_sample * 4 == 0.25, "a chain of one layer given shares: timed whole too"
