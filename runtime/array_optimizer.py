@@ -3,10 +3,10 @@
 Each member's factory is called on that member's slices of the stacked parameters (views, so an update
 writes into the stack; shaped as the member's own parameters, also where the array stores them transposed or
 as rows), which gives its optimizer class and hyperparameters exactly as the user wrote them. When every member
-uses plain SGD, Adam or AdamW, the array steps once over the stacked tensors with the members' hyperparameters
-as per-member columns (the same arithmetic as torch's single-tensor implementations, a few kernels per tensor
-instead of one call per member and tensor); otherwise the members' optimizers are merged into one torch
-optimizer over the slices, one param group per member's group.
+uses plain SGD, Adam or AdamW, the array steps as a StackedOptimizer: each member by torch's own fused
+implementation over its rows of every stack, one call per member and group instead of one per member and
+tensor; otherwise the members' optimizers are merged into one torch optimizer over the slices, one param group
+per member's group.
 """
 
 from __future__ import annotations
@@ -16,8 +16,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.adam import adam
+from torch.optim.sgd import sgd
 
-from harmony.runtime.array import consecutive, member_layout, member_rows
+from harmony.runtime.array import member_layout
 from harmony.runtime.schedule import at_step, schedules
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -28,6 +30,7 @@ PER_MEMBER = {
     torch.optim.Adam: ("lr", "beta1", "beta2", "eps", "weight_decay"),
     torch.optim.AdamW: ("lr", "beta1", "beta2", "eps", "weight_decay"),
 }
+FUSED_DEVICES = ("cpu", "cuda")  # where torch's fused SGD and Adam kernels run
 SHARED_FLAGS = ("maximize", "amsgrad", "capturable", "differentiable", "fused", "decoupled_weight_decay")
 
 
@@ -47,23 +50,22 @@ Columns = dict[str, Any]
 
 
 class StackedOptimizer(torch.optim.Optimizer):
-    """SGD, Adam or AdamW over stacked parameters, each hyperparameter a list with one value per member.
+    """SGD, Adam or AdamW over stacked parameters (members first), each hyperparameter a list with one value per
+    member.
 
-    The hyperparameters become columns (one value per member, broadcasting against a stack) built once per
-    group and stack shape and rebuilt only if a group's values change; Adam's bias corrections are computed
-    once per step for all of a group's stacks, in double precision as torch does, then rounded once. With live
-    set, a step updates those members' rows of every stack and of its state alone (the others' stay as they are),
-    run by run of consecutive members, on views; their gradient is row_grads' where given (a narrowed array's rows
-    computed as leaves of their own), else those rows of the stack's.
+    Each member steps by torch's own implementation (torch.optim.sgd.sgd, torch.optim.adam.adam), fused where
+    the device has the fused kernels, over its rows of the group's stacks and of their state, with its own
+    hyperparameters: one kernel per member and group, not several per stack. Its rows are the member's tensors
+    whatever their layout (the update is elementwise). Adam's step count is per member (a [members] tensor, each
+    row the 0-dim count a member's own Adam keeps). With live set, only those members step (the others' rows stay
+    as they are); their gradient is row_grads' where given (a narrowed array's live rows computed as leaves of
+    their own: row j is live[j]'s), else their rows of the stack's.
     """
 
     def __init__(self, algorithm: type[torch.optim.Optimizer], groups: list[dict[str, Any]]) -> None:
         self.algorithm = algorithm
-        self.live: list[int] | None = None  # the members whose rows a step updates, where not every member's
+        self.live: list[int] | None = None  # the members that step, where not every member does
         self.row_grads: dict[int, torch.Tensor] = {}  # by id of a stack, its live rows' gradient (else param.grad's)
-        self.columns: dict[tuple[Any, ...], Columns] = {}
-        self.hyperparameters: dict[int, list[list[Any]]] = {}
-        self.corrections: dict[tuple[Any, ...], tuple[float, Columns]] = {}
         super().__init__(groups, {})
 
     def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
@@ -72,163 +74,59 @@ class StackedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def update(self) -> None:
-        """One step of every stack."""
-        for index, group in enumerate(self.param_groups):
-            values = [group[name] for name in PER_MEMBER[self.algorithm]]
-            if self.hyperparameters.get(index) != values:  # first step, or a group's values changed: rebuild
-                self.hyperparameters[index] = [list(v) for v in values]
-                self.columns = {key: columns for key, columns in self.columns.items() if key[0] != index}
-                self.corrections = {key: cached for key, cached in self.corrections.items() if key[0] != index}
-            for param in group["params"]:
-                rows = self.row_grads.get(id(param)) if self.live is not None else None
-                if rows is None and param.grad is None:
-                    continue
-                columns = self._columns(index, group, param)
-                if self.live is None:
-                    grad = -param.grad if group["maximize"] else param.grad
-                    self._step(index, param, grad, columns, self.state[param])
+        """One step of every member (or of the live ones) over every stack with a gradient."""
+        for group in self.param_groups:
+            stepped = [param for param in group["params"] if param.grad is not None
+                       or (self.live is not None and id(param) in self.row_grads)]
+            if not stepped:
+                continue
+            members = range(len(group["lr"])) if self.live is None else self.live
+            buffers = [self.state[param].get("momentum_buffer") for param in stepped]  # None before the first step
+            for offset, member in enumerate(members):
+                grads = [self._grad(param, member, offset) for param in stepped]
+                if self.algorithm is torch.optim.SGD:
+                    self._sgd(group, member, stepped, grads, buffers)
                 else:
-                    rows = member_rows(param.grad, self.live) if rows is None else rows
-                    self._step_rows(index, param, -rows if group["maximize"] else rows, columns, self.live)
+                    self._adam(group, member, stepped, grads)
 
-    def _step(self, index: int, param: torch.Tensor, grad: torch.Tensor, columns: Columns, state: dict[str, Any]
+    def _grad(self, param: torch.Tensor, member: int, offset: int) -> torch.Tensor:
+        rows = self.row_grads.get(id(param)) if self.live is not None else None
+        return rows[offset] if rows is not None else param.grad[member]
+
+    def _sgd(self, group: dict[str, Any], member: int, stepped: list[torch.Tensor], grads: list[torch.Tensor],
+             buffers: list[torch.Tensor | None]) -> None:
+        """buffers: each stack's momentum buffer as the step began (None: this is its first step, which makes it,
+        the rows of members that do not step zeros)."""
+        rows = [None if buffer is None else buffer[member] for buffer in buffers]
+        sgd([param[member] for param in stepped], grads, rows, fused=_fused(stepped[0]),
+            weight_decay=group["weight_decay"][member], momentum=group["momentum"][member], lr=group["lr"][member],
+            dampening=group["dampening"][member], nesterov=bool(group["nesterov"][member]),
+            maximize=group["maximize"])
+        for param, buffer, row in zip(stepped, buffers, rows):
+            if buffer is None and row is not None:
+                made = self.state[param].get("momentum_buffer")
+                if made is None:
+                    made = self.state[param]["momentum_buffer"] = torch.zeros_like(param)
+                made[member].copy_(row)
+
+    def _adam(self, group: dict[str, Any], member: int, stepped: list[torch.Tensor], grads: list[torch.Tensor]
               ) -> None:
-        if self.algorithm is torch.optim.SGD:
-            self._sgd(param, grad, columns, state)
-        else:
-            self._adam(index, param, grad, columns, state)
+        states = [self.state[param] for param in stepped]
+        for param, state in zip(stepped, states):
+            if not state:
+                state["step"] = torch.zeros(param.shape[0], dtype=torch.float32, device=param.device)
+                state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        adam([param[member] for param in stepped], grads, [state["exp_avg"][member] for state in states],
+             [state["exp_avg_sq"][member] for state in states], [], [state["step"][member] for state in states],
+             fused=_fused(stepped[0]), decoupled_weight_decay=group["decoupled_weight_decay"], amsgrad=False,
+             beta1=group["beta1"][member], beta2=group["beta2"][member], lr=group["lr"][member],
+             weight_decay=group["weight_decay"][member], eps=group["eps"][member], maximize=group["maximize"])
 
-    def _step_rows(self, index: int, param: torch.Tensor, grad: torch.Tensor, columns: Columns, live: list[int]
-                   ) -> None:
-        """One step of the live members' rows of param and of its state, grad being those rows' gradient: run by
-        run of consecutive members, on views (no copies); the step that makes the state (its first) on copies of
-        the rows, the state's other rows zeros."""
-        state = self.state[param]
-        momentum = self.algorithm is torch.optim.SGD and columns["momentum"] is not None
-        if (momentum and "momentum_buffer" not in state) or (self.algorithm is not torch.optim.SGD and not state):
-            self._first_step_rows(index, param, grad, columns, live, state)
-            return
-        count = state.get("step")
-        rows: dict[str, Any] = {}
-        for first, members, offset in consecutive_runs(live):
-            rows = {name: value.narrow(0, first, members) for name, value in state.items() if name != "step"}
-            if count is not None:
-                rows["step"] = count.clone()  # each run takes the step once, from where it was
-            self._step(index, param.narrow(0, first, members), grad.narrow(0, offset, members),
-                       {name: None if column is None else column.narrow(0, first, members)
-                        for name, column in columns.items()}, rows)
-        if count is not None:
-            count.copy_(rows["step"])
 
-    def _first_step_rows(self, index: int, param: torch.Tensor, grad: torch.Tensor, columns: Columns,
-                         live: list[int], state: dict[str, Any]) -> None:
-        picked = member_rows(param, live)
-        rows: dict[str, Any] = {name: member_rows(value, live) if name != "step" else value
-                                for name, value in state.items()}
-        self._step(index, picked, grad,
-                   {name: None if column is None else member_rows(column, live) for name, column in columns.items()},
-                   rows)
-        copied = not consecutive(live)  # else views, stepped in place
-        where = torch.tensor(live, device=param.device)
-        if copied:
-            param.index_copy_(0, where, picked)
-        for name, value in rows.items():
-            if name == "step" or name not in state:  # made by this step: the others' rows zeros
-                state[name] = value if name == "step" else torch.zeros_like(param).index_copy_(0, where, value)
-            elif copied:
-                state[name].index_copy_(0, where, value)
-
-    def _columns(self, index: int, group: dict[str, Any], like: torch.Tensor) -> Columns:
-        """The group's hyperparameter columns shaped to broadcast against like (members first)."""
-        key = (index, like.dim(), like.dtype, like.device)
-        columns = self.columns.get(key)
-        if columns is None:
-            columns = self.columns[key] = self._build_columns(group, like)
-        return columns
-
-    def _build_columns(self, group: dict[str, Any], like: torch.Tensor) -> Columns:
-        shape = (-1, *[1] * (like.dim() - 1))
-
-        def column(values: Sequence[float], dtype: torch.dtype = like.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=like.device).reshape(shape)
-
-        if self.algorithm is torch.optim.SGD:
-            momentum, nesterov = group["momentum"], group["nesterov"]
-            uses_buffer = [m != 0 for m in momentum]
-            return {
-                "weight_decay": column(group["weight_decay"]) if any(group["weight_decay"]) else None,
-                "momentum": column(momentum) if any(momentum) else None,
-                "kept": column([1 - d if m != 0 else 1.0 for m, d in zip(momentum, group["dampening"])]),
-                "nesterov": column([bool(n) for n in nesterov], torch.bool) if any(nesterov) else None,
-                "uses_buffer": None if all(uses_buffer) else column(uses_buffer, torch.bool),
-                "negative_lr": column([-lr for lr in group["lr"]]),
-            }
-        decay = group["weight_decay"]
-        decoupled = group["decoupled_weight_decay"]
-        return {
-            "decay": column([1 - lr * wd for lr, wd in zip(group["lr"], decay)]) if any(decay) and decoupled else None,
-            "weight_decay": column(decay) if any(decay) and not decoupled else None,
-            "first_kept": column([1 - b for b in group["beta1"]]),
-            "beta2": column(group["beta2"]),
-            "second_kept": column([1 - b for b in group["beta2"]]),
-            "eps": column(group["eps"]),
-            "lr64": column(group["lr"], torch.float64),
-            "beta1_64": column(group["beta1"], torch.float64),
-            "beta2_64": column(group["beta2"], torch.float64),
-        }
-
-    def _sgd(self, param: torch.Tensor, grad: torch.Tensor, columns: Columns, state: dict[str, Any]) -> None:
-        if columns["weight_decay"] is not None:
-            grad = torch.addcmul(grad, param, columns["weight_decay"])
-        momentum = columns["momentum"]
-        if momentum is not None:
-            buffer = state.get("momentum_buffer")
-            if buffer is None:
-                buffer = torch.clone(grad).detach()
-                state["momentum_buffer"] = buffer
-            else:
-                buffer.mul_(momentum).addcmul_(grad, columns["kept"])
-            uses_buffer = columns["uses_buffer"]
-            if columns["nesterov"] is not None:
-                nesterov = grad.add(buffer * momentum)
-                grad = torch.where(columns["nesterov"], nesterov,
-                                   buffer if uses_buffer is None else torch.where(uses_buffer, buffer, grad))
-            elif uses_buffer is None:
-                grad = buffer
-            else:
-                grad = torch.where(uses_buffer, buffer, grad)
-        param.addcmul_(grad, columns["negative_lr"])
-
-    def _corrections(self, index: int, like: torch.Tensor, step: float, columns: Columns) -> Columns:
-        """Adam's step-dependent columns: minus the step size, and the second moment's correction."""
-        key = (index, like.dim(), like.dtype, like.device)
-        cached = None if self.live is not None else self.corrections.get(key)  # rows: their own columns
-        if cached is None or cached[0] != step:
-            step_size = columns["lr64"] / (1 - columns["beta1_64"] ** step)
-            correction = (1 - columns["beta2_64"] ** step).sqrt()
-            cached = (step, {"negative_step_size": (-step_size).to(like.dtype),
-                             "correction": correction.to(like.dtype)})
-            if self.live is None:
-                self.corrections[key] = cached
-        return cached[1]
-
-    def _adam(self, index: int, param: torch.Tensor, grad: torch.Tensor, columns: Columns, state: dict[str, Any]
-              ) -> None:
-        if not state:
-            state["step"] = torch.tensor(0.0)
-            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-        state["step"] += 1
-        if columns["decay"] is not None:
-            param.mul_(columns["decay"])
-        elif columns["weight_decay"] is not None:
-            grad = torch.addcmul(grad, param, columns["weight_decay"])
-        corrections = self._corrections(index, param, float(state["step"]), columns)
-        state["exp_avg"].lerp_(grad, columns["first_kept"])
-        state["exp_avg_sq"].mul_(columns["beta2"]).addcmul_(columns["second_kept"] * grad, grad)
-        update = state["exp_avg_sq"].sqrt().div_(corrections["correction"]).add_(columns["eps"])
-        torch.div(state["exp_avg"], update, out=update)  # one stack-sized buffer for the denominator and the step
-        param.addcmul_(update, corrections["negative_step_size"])
+def _fused(param: torch.Tensor) -> bool | None:
+    """torch's fused kernels where param's device has them (else its default implementation)."""
+    return True if param.device.type in FUSED_DEVICES and param.dtype.is_floating_point else None
 
 
 def consecutive_runs(members: list[int]) -> list[tuple[int, int, int]]:

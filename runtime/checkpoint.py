@@ -281,7 +281,10 @@ class Checkpoints:
                 if member is not None and member != position:
                     continue  # another member's slice, in a merged array optimizer
                 stacked = member is None and len(plan_job.members) > 1 and tensor.dim() > 0
-                value = member_layout(name, tensor)[position] if stacked else tensor
+                if stacked and key == "step":  # a stacked Adam's count is per member
+                    value = tensor[position]
+                else:
+                    value = member_layout(name, tensor)[position] if stacked else tensor
                 param = user.get(id(owners[name]))
                 if param is not None:
                     optimizer.state[param][key] = value.clone()

@@ -618,6 +618,37 @@ def test_a_checkpoint_of_a_model_tied_across_packs_holds_plain_pytorchs_optimize
             torch.testing.assert_close(loaded.state[ours][key], optimizer.state[theirs][key], rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("budget", [None, 200_000], ids=["homed", "swapped"])
+def test_a_fused_arrays_checkpoint_holds_each_members_own_optimizer_state(tmp_path: Path, budget: int | None
+                                                                          ) -> None:
+    """Each member's file holds the state its own Adam would after a plain loop: its step count and moments, out of
+    the stacked optimizer's (a count per member, its moments' rows)."""
+    models = [deep_mlp(seed=seed).double() for seed in range(3)]
+    references = clones(models)
+    batches = [(x.double(), y.double()) for x, y in regression_batches(samples=64, batch=16)]
+    factories = [lambda p, lr=lr: torch.optim.Adam(p, lr=lr) for lr in (1e-3, 3e-3, 1e-2)]
+    result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss, optimizer=factories, devices=["cpu"],
+                           device_memory=budget, resident=budget is None, fuse=True, progress=False,
+                           checkpoint_dir=tmp_path, checkpoint_every=4)
+    assert result.arrays == [[0, 1, 2]]
+    assert (len(result.packings[0].packs) > 1) == (budget is not None)
+    for index, (reference, factory) in enumerate(zip(references, factories)):
+        optimizer = factory(reference.parameters())
+        for x, y in batches:
+            optimizer.zero_grad()
+            nn.functional.mse_loss(reference(x), y).backward()
+            optimizer.step()
+        saved = torch.load(tmp_path / f"model-{index}.pt")
+        restored = deep_mlp(seed=index).double()
+        restored.load_state_dict(saved["model"])
+        loaded = factory(restored.parameters())
+        loaded.load_state_dict(saved["optimizer"])
+        for ours, theirs in zip(restored.parameters(), reference.parameters()):
+            assert float(loaded.state[ours]["step"]) == float(optimizer.state[theirs]["step"]) == len(batches)
+            for key in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(loaded.state[ours][key], optimizer.state[theirs][key], rtol=0, atol=1e-12)
+
+
 INTERRUPTED_WRITE = """
 import os, signal, torch
 from torch import nn
