@@ -31,6 +31,7 @@ PER_MEMBER = {
     torch.optim.AdamW: ("lr", "beta1", "beta2", "eps", "weight_decay"),
 }
 FUSED_DEVICES = ("cpu", "cuda")  # where torch's fused SGD and Adam kernels run
+COLUMNS_ELEMENTS = 2**18  # a member's elements in a group under this: SGD steps every member at once (see update)
 SHARED_FLAGS = ("maximize", "amsgrad", "capturable", "differentiable", "fused", "decoupled_weight_decay")
 
 
@@ -55,7 +56,10 @@ class StackedOptimizer(torch.optim.Optimizer):
 
     Each member steps by torch's own implementation (torch.optim.sgd.sgd, torch.optim.adam.adam), fused where
     the device has the fused kernels, over its rows of the group's stacks and of their state, with its own
-    hyperparameters: one kernel per member and group, not several per stack. Its rows are the member's tensors
+    hyperparameters: one kernel per member and group, not several per stack. Only SGD over small members (under
+    COLUMNS_ELEMENTS each in a group), every member stepping, goes stack by stack instead, each hyperparameter a
+    column of per-member values: there a call per member costs more than the arithmetic (docs/performance.md,
+    "The stacked optimizer"). Its rows are the member's tensors
     whatever their layout (the update is elementwise). Adam's step count is per member (a [members] tensor, each
     row the 0-dim count a member's own Adam keeps). With live set, only those members step (the others' rows stay
     as they are); their gradient is row_grads' where given (a narrowed array's live rows computed as leaves of
@@ -66,6 +70,7 @@ class StackedOptimizer(torch.optim.Optimizer):
         self.algorithm = algorithm
         self.live: list[int] | None = None  # the members that step, where not every member does
         self.row_grads: dict[int, torch.Tensor] = {}  # by id of a stack, its live rows' gradient (else param.grad's)
+        self.columns: dict[tuple[Any, ...], dict[str, torch.Tensor | None]] = {}  # see _columns
         super().__init__(groups, {})
 
     def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
@@ -80,48 +85,113 @@ class StackedOptimizer(torch.optim.Optimizer):
                        or (self.live is not None and id(param) in self.row_grads)]
             if not stepped:
                 continue
-            members = range(len(group["lr"])) if self.live is None else self.live
-            buffers = [self.state[param].get("momentum_buffer") for param in stepped]  # None before the first step
-            for offset, member in enumerate(members):
-                grads = [self._grad(param, member, offset) for param in stepped]
-                if self.algorithm is torch.optim.SGD:
-                    self._sgd(group, member, stepped, grads, buffers)
-                else:
-                    self._adam(group, member, stepped, grads)
+            count = len(group["lr"])
+            if (self.algorithm is torch.optim.SGD and self.live is None
+                    and sum(param.numel() for param in stepped) < COLUMNS_ELEMENTS * count):
+                self._sgd_columns(group, stepped)
+                continue
+            members = range(count) if self.live is None else self.live
+            params = [param.unbind(0) for param in stepped]  # per stack, its members' rows (views)
+            grads = [self._grads(param) for param in stepped]
+            if self.algorithm is torch.optim.SGD:
+                self._sgd(group, members, stepped, params, grads)
+            else:
+                self._adam(group, members, stepped, params, grads)
 
-    def _grad(self, param: torch.Tensor, member: int, offset: int) -> torch.Tensor:
+    def _grads(self, param: torch.Tensor) -> Sequence[torch.Tensor] | dict[int, torch.Tensor]:
+        """A stack's gradient rows, by member."""
         rows = self.row_grads.get(id(param)) if self.live is not None else None
-        return rows[offset] if rows is not None else param.grad[member]
+        return param.grad.unbind(0) if rows is None else dict(zip(self.live or [], rows.unbind(0)))
 
-    def _sgd(self, group: dict[str, Any], member: int, stepped: list[torch.Tensor], grads: list[torch.Tensor],
-             buffers: list[torch.Tensor | None]) -> None:
-        """buffers: each stack's momentum buffer as the step began (None: this is its first step, which makes it,
-        the rows of members that do not step zeros)."""
-        rows = [None if buffer is None else buffer[member] for buffer in buffers]
-        sgd([param[member] for param in stepped], grads, rows, fused=_fused(stepped[0]),
-            weight_decay=group["weight_decay"][member], momentum=group["momentum"][member], lr=group["lr"][member],
-            dampening=group["dampening"][member], nesterov=bool(group["nesterov"][member]),
-            maximize=group["maximize"])
-        for param, buffer, row in zip(stepped, buffers, rows):
-            if buffer is None and row is not None:
-                made = self.state[param].get("momentum_buffer")
-                if made is None:
-                    made = self.state[param]["momentum_buffer"] = torch.zeros_like(param)
-                made[member].copy_(row)
+    def _sgd(self, group: dict[str, Any], members: Sequence[int], stepped: list[torch.Tensor],
+             params: list[Sequence[torch.Tensor]], grads: list[Any]) -> None:
+        """A stack without a momentum buffer takes its first step: torch makes each member's, and the stack's
+        buffer is made of them (the rows of members that do not step zeros)."""
+        buffers = [self.state[param].get("momentum_buffer") for param in stepped]
+        rows = [None if buffer is None else buffer.unbind(0) for buffer in buffers]
+        fused = _fused(stepped[0])
+        for member in members:
+            made = [None if row is None else row[member] for row in rows]
+            sgd([row[member] for row in params], [row[member] for row in grads], made, fused=fused,
+                weight_decay=group["weight_decay"][member], momentum=group["momentum"][member],
+                lr=group["lr"][member], dampening=group["dampening"][member],
+                nesterov=bool(group["nesterov"][member]), maximize=group["maximize"])
+            for param, buffer, row in zip(stepped, buffers, made):
+                if buffer is None and row is not None:
+                    stack = self.state[param].get("momentum_buffer")
+                    if stack is None:
+                        stack = self.state[param]["momentum_buffer"] = torch.zeros_like(param)
+                    stack[member].copy_(row)
 
-    def _adam(self, group: dict[str, Any], member: int, stepped: list[torch.Tensor], grads: list[torch.Tensor]
-              ) -> None:
+    def _sgd_columns(self, group: dict[str, Any], stepped: list[torch.Tensor]) -> None:
+        """SGD of every member at once, stack by stack, each hyperparameter a column of per-member values
+        broadcasting against the stack: the arithmetic of torch's single-tensor SGD."""
+        for param in stepped:
+            columns = self._columns(group, param)
+            grad = param.grad if not group["maximize"] else -param.grad
+            if columns["weight_decay"] is not None:
+                grad = torch.addcmul(grad, param, columns["weight_decay"])
+            momentum = columns["momentum"]
+            if momentum is not None:
+                buffer = self.state[param].get("momentum_buffer")
+                if buffer is None:
+                    buffer = self.state[param]["momentum_buffer"] = torch.clone(grad).detach()
+                else:
+                    buffer.mul_(momentum).addcmul_(grad, columns["kept"])
+                uses_buffer = columns["uses_buffer"]
+                if columns["nesterov"] is not None:
+                    nesterov = grad.add(buffer * momentum)
+                    grad = torch.where(columns["nesterov"], nesterov,
+                                       buffer if uses_buffer is None else torch.where(uses_buffer, buffer, grad))
+                elif uses_buffer is None:
+                    grad = buffer
+                else:
+                    grad = torch.where(uses_buffer, buffer, grad)
+            param.addcmul_(grad, columns["negative_lr"])
+
+    def _columns(self, group: dict[str, Any], like: torch.Tensor) -> dict[str, torch.Tensor | None]:
+        """The group's SGD hyperparameters as columns shaped to broadcast against like, kept while they hold."""
+        values = tuple(tuple(group[name]) for name in PER_MEMBER[torch.optim.SGD])
+        key = (values, like.dim(), like.dtype, like.device)
+        columns = self.columns.get(key)
+        if columns is not None:
+            return columns
+        shape = (-1, *[1] * (like.dim() - 1))
+
+        def column(values: Sequence[float], dtype: torch.dtype = like.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=like.device).reshape(shape)
+
+        momentum, nesterov = group["momentum"], group["nesterov"]
+        uses_buffer = [m != 0 for m in momentum]
+        columns = {
+            "weight_decay": column(group["weight_decay"]) if any(group["weight_decay"]) else None,
+            "momentum": column(momentum) if any(momentum) else None,
+            "kept": column([1 - d if m != 0 else 1.0 for m, d in zip(momentum, group["dampening"])]),
+            "nesterov": column([bool(n) for n in nesterov], torch.bool) if any(nesterov) else None,
+            "uses_buffer": None if all(uses_buffer) else column(uses_buffer, torch.bool),
+            "negative_lr": column([-lr for lr in group["lr"]]),
+        }
+        self.columns = {k: v for k, v in self.columns.items() if k[1:] != key[1:]}  # a schedule's old values go
+        self.columns[key] = columns
+        return columns
+
+    def _adam(self, group: dict[str, Any], members: Sequence[int], stepped: list[torch.Tensor],
+              params: list[Sequence[torch.Tensor]], grads: list[Any]) -> None:
         states = [self.state[param] for param in stepped]
         for param, state in zip(stepped, states):
             if not state:
                 state["step"] = torch.zeros(param.shape[0], dtype=torch.float32, device=param.device)
                 state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-        adam([param[member] for param in stepped], grads, [state["exp_avg"][member] for state in states],
-             [state["exp_avg_sq"][member] for state in states], [], [state["step"][member] for state in states],
-             fused=_fused(stepped[0]), decoupled_weight_decay=group["decoupled_weight_decay"], amsgrad=False,
-             beta1=group["beta1"][member], beta2=group["beta2"][member], lr=group["lr"][member],
-             weight_decay=group["weight_decay"][member], eps=group["eps"][member], maximize=group["maximize"])
+        steps, firsts, seconds = ([state[name].unbind(0) for state in states]
+                                  for name in ("step", "exp_avg", "exp_avg_sq"))
+        fused = _fused(stepped[0])
+        for member in members:
+            adam([row[member] for row in params], [row[member] for row in grads], [row[member] for row in firsts],
+                 [row[member] for row in seconds], [], [row[member] for row in steps], fused=fused,
+                 decoupled_weight_decay=group["decoupled_weight_decay"], amsgrad=False,
+                 beta1=group["beta1"][member], beta2=group["beta2"][member], lr=group["lr"][member],
+                 weight_decay=group["weight_decay"][member], eps=group["eps"][member], maximize=group["maximize"])
 
 
 def _fused(param: torch.Tensor) -> bool | None:

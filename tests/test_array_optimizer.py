@@ -39,8 +39,15 @@ HYPERPARAMETERS: dict[str, list[Callable[[list[nn.Parameter]], torch.optim.Optim
 }
 
 
+@pytest.mark.parametrize("columns", [True, False], ids=["small", "large"])
 @pytest.mark.parametrize("name", list(HYPERPARAMETERS))
-def test_an_array_optimizer_steps_every_member_as_its_own_optimizer_would(name: str) -> None:
+def test_an_array_optimizer_steps_every_member_as_its_own_optimizer_would(
+        name: str, columns: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small members' SGD goes stack by stack with per-member columns, large members' (and Adam's) member by
+    member through torch's fused kernels: either is each member's own optimizer."""
+    from harmony.runtime import array_optimizer
+
+    monkeypatch.setattr(array_optimizer, "COLUMNS_ELEMENTS", array_optimizer.COLUMNS_ELEMENTS if columns else 0)
     factories = HYPERPARAMETERS[name]
     torch.manual_seed(0)
     shapes = [(5, 4), (5,), (3, 5)]
