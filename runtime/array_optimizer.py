@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.optim.adam import adam
+from torch.optim.adamw import adamw
 from torch.optim.sgd import sgd
 
 from harmony.runtime.array import member_layout
@@ -54,7 +55,7 @@ class StackedOptimizer(torch.optim.Optimizer):
     """SGD, Adam or AdamW over stacked parameters (members first), each hyperparameter a list with one value per
     member.
 
-    Each member steps by torch's own implementation (torch.optim.sgd.sgd, torch.optim.adam.adam), fused where
+    Each member steps by torch's own implementation (torch.optim.sgd.sgd, adam.adam, adamw.adamw), fused where
     the device has the fused kernels, over its rows of the group's stacks and of their state, with its own
     hyperparameters: one kernel per member and group, not several per stack. Only SGD over small members (under
     COLUMNS_ELEMENTS each in a group), every member stepping, goes stack by stack instead, each hyperparameter a
@@ -186,10 +187,10 @@ class StackedOptimizer(torch.optim.Optimizer):
         steps, firsts, seconds = ([state[name].unbind(0) for state in states]
                                   for name in ("step", "exp_avg", "exp_avg_sq"))
         fused = _fused(stepped[0])
+        step = adamw if group["decoupled_weight_decay"] else adam
         for member in members:
-            adam([row[member] for row in params], [row[member] for row in grads], [row[member] for row in firsts],
-                 [row[member] for row in seconds], [], [row[member] for row in steps], fused=fused,
-                 decoupled_weight_decay=group["decoupled_weight_decay"], amsgrad=False,
+            step([row[member] for row in params], [row[member] for row in grads], [row[member] for row in firsts],
+                 [row[member] for row in seconds], [], [row[member] for row in steps], fused=fused, amsgrad=False,
                  beta1=group["beta1"][member], beta2=group["beta2"][member], lr=group["lr"][member],
                  weight_decay=group["weight_decay"][member], eps=group["eps"][member], maximize=group["maximize"])
 
