@@ -276,6 +276,10 @@ def _optimizers(
         if not isinstance(built, torch.optim.Optimizer):
             raise InputError(f"optimizer factory for {label} returned a {type(built).__name__}, "
                              "not a torch.optim.Optimizer")
+        if any(all(param is not given for given in probe) for group in built.param_groups for param in group["params"]):
+            raise InputError(f"optimizer factory for {label} built an optimizer over other parameters than the ones "
+                             "it was given (Harmony gives it the copies it trains): build it over its argument, as "
+                             "lambda params: torch.optim.SGD(params, lr=0.1)")
         classes.append(type(built))
     return factories, classes
 

@@ -101,6 +101,15 @@ def test_an_optimizer_that_is_not_callable() -> None:
         call(optimizer=[sgd, 0.1])
 
 
+def test_an_optimizer_factory_that_ignores_the_parameters_it_is_given() -> None:
+    """A factory over the user's own module would step those tensors, not the copies Harmony trains."""
+    model = deep_mlp(depth=2)
+    with pytest.raises(InputError, match=r"optimizer factory for model 0 .* over other parameters"):
+        call(models=[model], optimizer=lambda params: torch.optim.SGD(model.parameters(), lr=0.1))
+    harmony.plan(model, regression_batches(samples=32, batch=8), nn.functional.mse_loss,
+                 lambda params: torch.optim.SGD([{"params": params}], lr=0.1), devices=["cpu"])
+
+
 def test_unknown_device_strings() -> None:
     with pytest.raises(InputError, match=r"devices\[1\] = 'tpu:0' is not a device Harmony knows"):
         call(devices=["cpu", "tpu:0"])
