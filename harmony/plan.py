@@ -144,9 +144,12 @@ class Forecast:
             halved = sum(job.halved_bytes(pack) for pack in range(len(packing.packs)))
             if halved:
                 updates += f", {halved:,} of them copied in as {self.plan.options.precision} (half the bytes)"
+            stepped = [pack.update_seconds for pack in packing.packs]
+            timed = (f"; pilot: a backward {packing.packs[0].backward_ratio:.1f}x its forward"
+                     + ("" if None in stepped else f", its optimizer's step {sum(stepped) * 1e3:.2f} ms"))
             lines.append(
                 f"  {packing.model}: {len(packing.packs)} packs [{packs}], {weights:,} weight bytes, "
-                f"{self.steps[index]} steps on {', '.join(self.devices_of(index))}{updates}"
+                f"{self.steps[index]} steps on {', '.join(self.devices_of(index))}{updates}{timed}"
             )
         lines.append("  device      budget         predicted peak")
         for device, budget in self.budgets.items():

@@ -130,6 +130,9 @@ def test_a_sweep_of_one_architecture_is_timed_on_its_first_model(timed_calls: li
     assert updates == [torch.optim.SGD, torch.optim.Adam]
     seconds = [sum(pack.update_seconds for pack in job.packing.packs) for job in jobs]
     assert seconds[0] == seconds[1] == seconds[3] > 0 and seconds[2] > 0 and seconds[2] != seconds[0]
+    ratio = jobs[0].packing.packs[0].backward_ratio
+    said = f"pilot: a backward {ratio:.1f}x its forward, its optimizer's step {seconds[0] * 1e3:.2f} ms"
+    assert said in str(forecast)
 
 
 def test_updates_go_on_the_device_where_the_simulator_predicts_it_faster_and_the_plan_says_so(
