@@ -15,7 +15,7 @@ from torch import nn
 from harmony.runtime.array_optimizer import build_optimizer, step_optimizer
 from harmony.tasks.hardware import Hardware
 
-PROBE_BYTES = 256 * 2**20  # the most parameter bytes update_rate builds probes of
+PROBE_BYTES = 64 * 2**20  # the most parameter bytes update_rate builds probes of
 EVICTING_BYTES = 64 * 2**20  # written before each timed step: a run's update finds its state out of the caches
 
 
@@ -59,10 +59,15 @@ def update_rate(factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer], 
     fastest of three steps after the one that makes its state, each after EVICTING_BYTES written elsewhere (an
     update streams its state: from the caches SGD with momentum stepped a 512x6 MLP in 0.85 ms, from memory in
     1.44). What a homed job's update takes on a device that computes like this thread (the caller sets a CPU
-    device's threads). None where the parameters pass PROBE_BYTES or the optimizer fails on probes."""
-    named = [(name, param) for name, param in nn.Sequential(*layers).named_parameters() if param.requires_grad]
-    nbytes = sum(param.nbytes for _, param in named)
-    if not named or nbytes > PROBE_BYTES:
+    device's threads). Of a larger model, the parameters in order that fit PROBE_BYTES stand for the rest (an
+    update's cost goes by bytes). None where none fits, or the optimizer fails on probes."""
+    named = []
+    nbytes = 0
+    for name, param in nn.Sequential(*layers).named_parameters():
+        if param.requires_grad and nbytes + param.nbytes <= PROBE_BYTES:
+            named.append((name, param))
+            nbytes += param.nbytes
+    if not named:
         return None
     probes = []
     for _, param in named:

@@ -81,5 +81,23 @@ def test_an_arrays_update_is_timed_by_its_stacked_optimizer_and_none_where_it_ca
 
     assert update_rate(failing, list(members[0])) is None
     assert update_rate(lambda params: torch.optim.SGD(params, lr=0.1), [torch.nn.ReLU()]) is None, "nothing to step"
-    monkeypatch.setattr(measure, "PROBE_BYTES", 4 * (4 * 3 + 3 + 3 * 2 + 2) - 1)
-    assert update_rate(lambda params: torch.optim.SGD(params, lr=0.1), list(members[0])) is None
+    monkeypatch.setattr(measure, "PROBE_BYTES", 4 * 2 - 1)
+    assert update_rate(lambda params: torch.optim.SGD(params, lr=0.1), list(members[0])) is None, "none fits"
+
+
+def test_a_large_models_update_is_timed_on_the_parameters_that_fit_the_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Of weights 48, bias 12, weights 24 and bias 8 bytes, under 35 bytes of probes: the first bias, then the bias
+    that still fits (either weights would pass); the rate is per byte of those."""
+    from harmony.runtime import measure
+
+    clock = SimpleNamespace(now=0.0, durations=[0.5, 3.0, 1.0, 2.0])
+    monkeypatch.setattr(measure, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    monkeypatch.setattr(measure, "PROBE_BYTES", 35)
+    shapes: list[list[tuple[int, ...]]] = []
+
+    def recorded(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        shapes.append([tuple(param.shape) for param in params])
+        return Ticking(params, clock)
+
+    rate = update_rate(recorded, [torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)])
+    assert shapes == [[(3,), (2,)]] and rate == 1.0 / (4 * (3 + 2))
