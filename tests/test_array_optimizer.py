@@ -32,6 +32,14 @@ HYPERPARAMETERS: dict[str, list[Callable[[list[nn.Parameter]], torch.optim.Optim
         lambda p: torch.optim.AdamW(p, lr=1e-3),
         lambda p: torch.optim.AdamW(p, lr=5e-3, weight_decay=0.1, betas=(0.85, 0.995)),
     ],
+    "maximized": [
+        lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, maximize=True),
+        lambda p: torch.optim.SGD(p, lr=0.02, weight_decay=0.01, maximize=True),
+    ],
+    "adam-maximized": [
+        lambda p: torch.optim.Adam(p, lr=1e-3, maximize=True),
+        lambda p: torch.optim.Adam(p, lr=3e-3, weight_decay=0.01, maximize=True),
+    ],
     "rmsprop-merged": [
         lambda p: torch.optim.RMSprop(p, lr=1e-3),
         lambda p: torch.optim.RMSprop(p, lr=5e-3, momentum=0.5),
