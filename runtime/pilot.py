@@ -31,6 +31,7 @@ from harmony.tasks.profile import BACKWARD_RATIO, LayerProfile, ModelProfile
 
 TIMING_BUDGET = 0.05  # seconds of calls per layer the pilot may spend timing it
 BACKWARD_BYTES = 2**30  # activations the pilot may keep to time a backward through the chain
+BACKWARD_SECONDS = 0.25  # the forward the pilot times a backward behind, at most (see _backward_ratio)
 
 
 @dataclass
@@ -266,8 +267,7 @@ def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7, larges
         output = x
         if shared or (not known and len(layers) > 1):  # a chain of one layer is the layer the calls above timed
             profiles = _as_chained(profiles, layers, sample, samples)
-        kept = sum(profile.output_bytes_per_sample for profile in profiles) * samples
-        ratio = timed.backward_ratio if known and timed else _backward_ratio(layers, sample, kept)
+        ratio = timed.backward_ratio if known and timed else _backward_ratio(layers, sample, profiles)
     profile = ModelProfile(name=name, layers=tuple(profiles), pilot_samples=samples, backward_ratio=ratio)
     return Decomposition(layers=layers, profile=profile, output=output, notes=notes)
 
@@ -297,26 +297,31 @@ def _as_chained(profiles: list[LayerProfile], layers: list[nn.Module], sample: A
             for profile in profiles]
 
 
-def _backward_ratio(layers: list[nn.Module], sample: Any, kept: float) -> float:
+def _backward_ratio(layers: list[nn.Module], sample: Any, profiles: list[LayerProfile]) -> float:
     """A backward's seconds per forward's through the chain, the forward with autograd recording (as a bwd task
     runs it), the fastest of each over up to three rounds while they take under TIMING_BUDGET, after one round on
     two samples (an op's first backward in a process can take a third of a second). A backward costs two forwards
-    in the textbook count, but on one CPU thread a stacked array's takes more than a model's. BACKWARD_RATIO where
-    nothing is trained, or where the activations kept for it (kept bytes) would be more than BACKWARD_BYTES. The
-    parameters' gradients are left as they were; the caller restores the buffers and the RNG."""
+    in the textbook count, but on one CPU thread a stacked array's takes more than a model's. The rounds take as
+    many of the sample's samples as the profiles' forward puts under BACKWARD_SECONDS (a GPT-2's pilot took 12 s
+    more on all of its samples). BACKWARD_RATIO where nothing is trained, where two samples' forward passes
+    BACKWARD_SECONDS, or where the activations kept for it would be more than BACKWARD_BYTES. The parameters'
+    gradients are left as they were; the caller restores the buffers and the RNG."""
+    samples = _batch_size(sample)
+    per_sample = sum(profile.forward_seconds_per_sample for profile in profiles)
+    count = samples if per_sample * samples <= BACKWARD_SECONDS else int(BACKWARD_SECONDS // per_sample)
+    kept = sum(profile.output_bytes_per_sample for profile in profiles) * count
     parameters = [parameter for layer in layers for parameter in layer.parameters()]
-    if kept > BACKWARD_BYTES or not any(parameter.requires_grad for parameter in parameters):
+    if (count < min(samples, 2) or kept > BACKWARD_BYTES
+            or not any(parameter.requires_grad for parameter in parameters)):
         return BACKWARD_RATIO
     grads = [(parameter, parameter.grad) for parameter in parameters]
-    samples = _batch_size(sample)
-    warm = tree_map(lambda leaf: leaf[:2] if isinstance(leaf, torch.Tensor) and leaf.dim() > 0
-                    and leaf.shape[0] == samples else leaf, sample)
+    warm, timed = (_first(sample, samples, size) for size in (min(count, 2), count))
     forward = backward = float("inf")
     try:
         with torch.enable_grad():
             for turn in range(4):
                 started = time.perf_counter()
-                x = warm if turn == 0 else sample
+                x = warm if turn == 0 else timed
                 for layer in layers:
                     x = layer(x)
                 middle = time.perf_counter()
@@ -336,6 +341,14 @@ def _backward_ratio(layers: list[nn.Module], sample: Any, kept: float) -> float:
         for parameter, grad in grads:
             parameter.grad = grad
     return backward / forward if forward > 0 else BACKWARD_RATIO
+
+
+def _first(sample: Any, samples: int, count: int) -> Any:
+    """The first count of sample's samples (its tensors batched along their first dimension)."""
+    if count == samples:
+        return sample
+    return tree_map(lambda leaf: leaf[:count] if isinstance(leaf, torch.Tensor) and leaf.dim() > 0
+                    and leaf.shape[0] == samples else leaf, sample)
 
 
 def _timings(timed: ModelProfile | None, layers: list[nn.Module], borrowings: list[dict[str, tuple[int, str]]],

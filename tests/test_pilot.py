@@ -325,6 +325,7 @@ def test_the_backward_is_timed_through_the_chain_after_a_round_that_warms_it(mon
 
     clock = SimpleNamespace(now=0.0, last=None, first_backward=100.0)
     monkeypatch.setattr(pilot, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    monkeypatch.setattr(pilot, "BACKWARD_SECONDS", 100.0)
     model = nn.Sequential(TimedBoth(clock, 0.25, 1.5), TimedBoth(clock, 0.5, 4.5))
     kept = torch.full((1,), 7.0)
     model[0].weight.grad = kept
@@ -374,3 +375,23 @@ def test_a_chain_given_shares_is_timed_whole_and_split_as_they_split(monkeypatch
     one = decompose(nn.Sequential(Clocked(clock, 0.25)), torch.randn(4, 8), "array",
                     shares=replace(member, layers=member.layers[:1])).profile
     assert one.layers[0].forward_seconds_per_sample * 4 == 0.25, "a chain of one layer given shares: timed whole too"
+
+
+def test_a_long_forwards_backward_is_timed_on_fewer_samples_or_not_at_all(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chain's forward takes 1.5 s for 8 samples: under BACKWARD_SECONDS of 0.6 the rounds take 3 of them (after
+    the round on 2); under 0.3 not even 2 fit, and the backward is two forwards."""
+    from harmony.runtime import pilot
+
+    clock = SimpleNamespace(now=0.0, last=None, first_backward=0.0)
+    monkeypatch.setattr(pilot, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    model = nn.Sequential(TimedBoth(clock, 0.25, 1.5), TimedBoth(clock, 0.5, 4.5))
+    sizes: list[int] = []
+    model[0].register_forward_hook(lambda _, inputs, __: sizes.append(len(inputs[0])) if torch.is_grad_enabled()
+                                   else None)
+    monkeypatch.setattr(pilot, "BACKWARD_SECONDS", 0.6)
+    assert decompose(model, torch.randn(8, 8), "m", repeats=3).profile.backward_ratio == 4.0
+    assert sizes == [2, 3]
+    sizes.clear()
+    monkeypatch.setattr(pilot, "BACKWARD_SECONDS", 0.3)
+    assert decompose(model, torch.randn(8, 8), "m", repeats=3).profile.backward_ratio == BACKWARD_RATIO
+    assert sizes == []
