@@ -184,6 +184,10 @@ class StackedOptimizer(torch.optim.Optimizer):
                 state["step"] = torch.zeros(param.shape[0], dtype=torch.float32, device=param.device)
                 state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            elif state["step"].dim() == 0:
+                raise RuntimeError("this array's Adam state holds one step count for all its members, as Harmony "
+                                   "saved it before counts were per member: resume the run with the Harmony that "
+                                   "checkpointed it, or start it again")
         steps, firsts, seconds = ([state[name].unbind(0) for state in states]
                                   for name in ("step", "exp_avg", "exp_avg_sq"))
         fused = _fused(stepped[0])

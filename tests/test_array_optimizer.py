@@ -157,3 +157,14 @@ def test_a_stacked_optimizer_with_live_members_steps_their_rows_alone(name: str,
         for index, params in enumerate(members):
             for param, stack in zip(params, stacked):
                 torch.testing.assert_close(stack.detach()[index], param.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_an_adam_state_with_one_count_for_every_member_is_refused_by_name() -> None:
+    """A state saved before Adam's counts were per member (a checkpoint of an earlier Harmony) is not stepped as if
+    it were one."""
+    stacked = [nn.Parameter(torch.zeros(2, 3))]
+    stacked[0].grad = torch.ones(2, 3)
+    array = ArrayOptimizer([lambda p: torch.optim.Adam(p, lr=0.1)] * 2)(stacked)
+    array.state[stacked[0]].update(step=torch.tensor(4.0), exp_avg=torch.zeros(2, 3), exp_avg_sq=torch.zeros(2, 3))
+    with pytest.raises(RuntimeError, match="one step count for all its members"):
+        step_optimizer(array, 4)
