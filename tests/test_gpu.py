@@ -142,6 +142,22 @@ def test_a_fused_array_on_cuda_matches_plain_pytorch(no_leaks: None) -> None:
         assert_same_weights(model, reference, rtol=1e-4, atol=1e-6)
 
 
+def test_a_fused_array_stepped_by_cudas_fused_adamw_matches_plain_pytorch(no_leaks: None) -> None:
+    """Each member of a homed array steps by torch's fused AdamW kernel over its rows of the stacks
+    (runtime.array_optimizer), its own learning rate; in float64, where Adam does not turn rounding noise on near-zero
+    gradients into steps of the learning rate's size."""
+    models = [deep_mlp(seed=s).double() for s in range(4)]
+    references = clones(models)
+    batches = [(x.double(), y.double()) for x, y in regression_batches(samples=64, batch=16)]
+    factories = [lambda p, lr=lr: torch.optim.AdamW(p, lr=lr, weight_decay=0.01) for lr in (1e-3, 3e-3, 1e-2, 3e-2)]
+    result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss, optimizer=factories,
+                           devices=["cuda:0"], fuse=True, progress=False)
+    assert result.arrays == [[0, 1, 2, 3]]
+    for model, reference, factory in zip(models, references, factories):
+        train_plain(reference, batches, nn.functional.mse_loss, factory)
+        assert_same_weights(model, reference, rtol=1e-9, atol=1e-12)
+
+
 def test_a_slowed_copy_is_never_read_before_it_arrives(pinned_store: HostStore) -> None:
     """The copy stream is held up by a GPU sleep before the prefetch is enqueued: the compute stream must wait for the
     copy's event, so the weights it reads are the host's, not what the reused block held before."""
