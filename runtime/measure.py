@@ -16,7 +16,7 @@ from harmony.runtime.array_optimizer import build_optimizer, step_optimizer
 from harmony.tasks.hardware import Hardware
 
 PROBE_BYTES = 64 * 2**20  # the most parameter bytes update_rate builds probes of
-EVICTING_BYTES = 64 * 2**20  # written before each timed step: a run's update finds its state out of the caches
+EVICTING_BYTES = 64 * 2**20  # at most, written before each timed step: a run's update finds its state out of the caches
 
 
 @functools.cache
@@ -56,11 +56,13 @@ def update_rate(factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer], 
                 ) -> float | None:
     """Seconds per trainable parameter byte of one step of factory's optimizer (an array's ArrayOptimizer too) over
     layers' trainable parameters, on zero probes of their shapes named as a pack of these layers names them: the
-    fastest of three steps after the one that makes its state, each after EVICTING_BYTES written elsewhere (an
-    update streams its state: from the caches SGD with momentum stepped a 512x6 MLP in 0.85 ms, from memory in
-    1.44). What a homed job's update takes on a device that computes like this thread (the caller sets a CPU
-    device's threads). Of a larger model, the parameters in order that fit PROBE_BYTES stand for the rest (an
-    update's cost goes by bytes). None where none fits, or the optimizer fails on probes."""
+    fastest of three steps after the one that makes its state, each after four times the probes' bytes written
+    elsewhere, at most EVICTING_BYTES (an update streams its state, which a run's step, touching as much again,
+    finds out of the caches: SGD with momentum stepped a 512x6 MLP in 0.85 ms from the caches, in 1.44 from
+    memory; a model small enough to stay in the caches pays little for the writes). What a homed job's update
+    takes on a device that computes like this thread (the caller sets a CPU device's threads). Of a larger model,
+    the parameters in order that fit PROBE_BYTES stand for the rest (an update's cost goes by bytes). None where
+    none fits, or the optimizer fails on probes."""
     named = []
     nbytes = 0
     for name, param in nn.Sequential(*layers).named_parameters():
@@ -78,7 +80,7 @@ def update_rate(factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer], 
         optimizer = build_optimizer(factory, probes, [name for name, _ in named])
         step_optimizer(optimizer, 0)  # its state exists from here
         fastest = float("inf")
-        evicting = torch.empty(EVICTING_BYTES, dtype=torch.uint8)
+        evicting = torch.empty(min(EVICTING_BYTES, 4 * nbytes), dtype=torch.uint8)
         for step in range(1, 4):
             evicting.fill_(step)
             started = time.perf_counter()
