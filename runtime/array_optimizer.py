@@ -48,7 +48,7 @@ def member_slices(params: Sequence[nn.Parameter], member: int, names: Sequence[s
     return slices
 
 
-Columns = dict[str, Any]
+Columns = dict[str, torch.Tensor | None]  # an SGD group's hyperparameters, one value a member
 
 
 class StackedOptimizer(torch.optim.Optimizer):
@@ -60,18 +60,18 @@ class StackedOptimizer(torch.optim.Optimizer):
     hyperparameters: one kernel per member and group, not several per stack. Only SGD over small members (under
     COLUMNS_ELEMENTS each in a group), every member stepping, goes stack by stack instead, each hyperparameter a
     column of per-member values: there a call per member costs more than the arithmetic (docs/performance.md,
-    "The stacked optimizer"). Its rows are the member's tensors
-    whatever their layout (the update is elementwise). Adam's step count is per member (a [members] tensor, each
-    row the 0-dim count a member's own Adam keeps). With live set, only those members step (the others' rows stay
-    as they are); their gradient is row_grads' where given (a narrowed array's live rows computed as leaves of
-    their own: row j is live[j]'s), else their rows of the stack's.
+    "The stacked optimizer"). Its rows are the member's tensors whatever their layout (the update is elementwise).
+    Adam's step count is per member (a [members] tensor, each row the 0-dim count a member's own Adam keeps). With
+    live set, only those members step (the others' rows stay as they are); their gradient is row_grads' where
+    given (a narrowed array's live rows computed as leaves of their own: row j is live[j]'s), else their rows of
+    the stack's.
     """
 
     def __init__(self, algorithm: type[torch.optim.Optimizer], groups: list[dict[str, Any]]) -> None:
         self.algorithm = algorithm
         self.live: list[int] | None = None  # the members that step, where not every member does
         self.row_grads: dict[int, torch.Tensor] = {}  # by id of a stack, its live rows' gradient (else param.grad's)
-        self.columns: dict[tuple[Any, ...], dict[str, torch.Tensor | None]] = {}  # see _columns
+        self.columns: dict[tuple[Any, ...], Columns] = {}  # see _columns
         super().__init__(groups, {})
 
     def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
@@ -150,7 +150,7 @@ class StackedOptimizer(torch.optim.Optimizer):
                     grad = torch.where(uses_buffer, buffer, grad)
             param.addcmul_(grad, columns["negative_lr"])
 
-    def _columns(self, group: dict[str, Any], like: torch.Tensor) -> dict[str, torch.Tensor | None]:
+    def _columns(self, group: dict[str, Any], like: torch.Tensor) -> Columns:
         """The group's SGD hyperparameters as columns shaped to broadcast against like, kept while they hold."""
         values = tuple(tuple(group[name]) for name in PER_MEMBER[torch.optim.SGD])
         key = (values, like.dim(), like.dtype, like.device)
@@ -202,18 +202,6 @@ class StackedOptimizer(torch.optim.Optimizer):
 def _fused(param: torch.Tensor) -> bool | None:
     """torch's fused kernels where param's device has them (else its default implementation)."""
     return True if param.device.type in FUSED_DEVICES and param.dtype.is_floating_point else None
-
-
-def consecutive_runs(members: list[int]) -> list[tuple[int, int, int]]:
-    """members (increasing) as runs of consecutive ones: (first, how many, where the run starts in members)."""
-    runs: list[tuple[int, int, int]] = []
-    for offset, member in enumerate(members):
-        if runs and runs[-1][0] + runs[-1][1] == member:
-            first, count, start = runs[-1]
-            runs[-1] = (first, count + 1, start)
-        else:
-            runs.append((member, 1, offset))
-    return runs
 
 
 def _stacked_groups(
