@@ -57,12 +57,12 @@ def update_rate(factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer], 
     """Seconds per trainable parameter byte of one step of factory's optimizer (an array's ArrayOptimizer too) over
     layers' trainable parameters, on zero probes of their shapes named as a pack of these layers names them: the
     fastest of three steps after the one that makes its state, each after four times the probes' bytes written
-    elsewhere, at most EVICTING_BYTES (an update streams its state, which a run's step, touching as much again,
-    finds out of the caches: SGD with momentum stepped a 512x6 MLP in 0.85 ms from the caches, in 1.44 from
-    memory; a model small enough to stay in the caches pays little for the writes). What a homed job's update
-    takes on a device that computes like this thread (the caller sets a CPU device's threads). Of a larger model,
-    the parameters in order that fit PROBE_BYTES stand for the rest (an update's cost goes by bytes). None where
-    none fits, or the optimizer fails on probes."""
+    elsewhere, at most EVICTING_BYTES: an update streams its state, which a run's step, touching as much again,
+    finds out of the caches (docs/performance.md, "Predictions on CPU devices"), and a model small enough to stay
+    in the caches pays little for the writes. What a homed job's update takes on a device that computes like this
+    thread (the caller sets a CPU device's threads). Of a larger model, the parameters in order that fit
+    PROBE_BYTES stand for the rest (an update's cost goes by bytes). None where none fits, or the optimizer fails
+    on probes."""
     named = []
     nbytes = 0
     for name, param in nn.Sequential(*layers).named_parameters():

@@ -267,7 +267,7 @@ def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7, larges
         output = x
         if shared or (not known and len(layers) > 1):  # a chain of one layer is the layer the calls above timed
             profiles = _as_chained(profiles, layers, sample, samples)
-        ratio = timed.backward_ratio if known and timed else _backward_ratio(layers, sample, profiles)
+        ratio = timed.backward_ratio if known and timed else _backward_ratio(layers, sample, samples, profiles)
     profile = ModelProfile(name=name, layers=tuple(profiles), pilot_samples=samples, backward_ratio=ratio)
     return Decomposition(layers=layers, profile=profile, output=output, notes=notes)
 
@@ -297,16 +297,15 @@ def _as_chained(profiles: list[LayerProfile], layers: list[nn.Module], sample: A
             for profile in profiles]
 
 
-def _backward_ratio(layers: list[nn.Module], sample: Any, profiles: list[LayerProfile]) -> float:
-    """A backward's seconds per forward's through the chain, the forward with autograd recording (as a bwd task
-    runs it), the fastest of each over up to three rounds while they take under TIMING_BUDGET, after one round on
-    two samples (an op's first backward in a process can take a third of a second). A backward costs two forwards
-    in the textbook count, but on one CPU thread a stacked array's takes more than a model's. The rounds take as
-    many of the sample's samples as the profiles' forward puts under BACKWARD_SECONDS (a GPT-2's pilot took 12 s
-    more on all of its samples). BACKWARD_RATIO where nothing is trained, where two samples' forward passes
-    BACKWARD_SECONDS, or where the activations kept for it would be more than BACKWARD_BYTES. The parameters'
-    gradients are left as they were; the caller restores the buffers and the RNG."""
-    samples = _batch_size(sample)
+def _backward_ratio(layers: list[nn.Module], sample: Any, samples: int, profiles: list[LayerProfile]) -> float:
+    """A backward's seconds per forward's through the chain (sample: samples of them), the forward with autograd
+    recording (as a bwd task runs it), the fastest of each over up to three rounds while they take under
+    TIMING_BUDGET, after one round on two samples that takes each op's first backward in the process (slow enough
+    to skew the ratio: docs/performance.md, "Predictions on CPU devices"). The rounds take as many samples as the
+    profiles' forward puts under BACKWARD_SECONDS, which bounds what the timing adds to a large model's pilot.
+    BACKWARD_RATIO where nothing is trained, where two samples' forward passes BACKWARD_SECONDS, or where the
+    activations kept for it would be more than BACKWARD_BYTES. The parameters' gradients are left as they were;
+    the caller restores the buffers and the RNG."""
     per_sample = sum(profile.forward_seconds_per_sample for profile in profiles)
     count = samples if per_sample * samples <= BACKWARD_SECONDS else int(BACKWARD_SECONDS // per_sample)
     kept = sum(profile.output_bytes_per_sample for profile in profiles) * count
