@@ -31,6 +31,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from harmony.runtime import shipping
 from harmony.runtime.cache import Reservation, Spilled, Taken
+from harmony.runtime.clipping import on_device
 from harmony.runtime.divergence import Diverged
 from harmony.runtime.errors import ModelFailure
 from harmony.runtime.files import SPAN_TIMING_BYTES, grad_norms_name, losses_name, record_rows, span_timing_name
@@ -485,6 +486,8 @@ def _backward_pack(
                     _record_losses(ctx, model, step, group, losses.totals())
                 if spec.scaled:
                     ctx.scaler(model).flag(step, pack, group, not finite(grads))
+                if spec.clip and on_device(spec.groups, spec.scaled):  # the host reads no gradient for the norm
+                    ctx.record_norms(model, pack, step, grad_bytes)
                 if not runtime.device_update or runtime.borrowed:  # a borrowed weight's gradient goes to its lender
                     ctx.cache.write_back(grad_bytes, ctx.host_grads(model, pack, group), "grads")
             if start is not None:  # the last pack's forward ran here

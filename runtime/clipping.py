@@ -7,13 +7,19 @@ array's members are clipped each by their own gradients (their slices of the sta
 
 A homed model clips its gradients on its device before it steps. A swapped model's packs update one by one, each in
 an upd task that waits for every bwd of the step (tasks.graph): the first of them to need the step's norm computes
-it from every pack's gradients in the host store, as its optimizer would read them (the micro-batch groups summed,
-fp16's unscaled), and writes it into the job's norms file; the others read it there. It is computed before any pack
-of the step updates (every update reads it first), while every pack's gradients are still the step's: a pack's
-gradients are written again only by the next step's backward, which comes after that pack's update.
+it, and writes it into the job's norms file; the others read it there. It is computed before any pack of the step
+updates (every update reads it first), while every pack's gradients are still the step's: a pack's gradients are
+written again only by the next step's backward, which comes after that pack's update.
+
+Where the gradients a pack's optimizer steps are those its backward computed (one micro-batch group, no loss scale:
+``on_device``), each pack's bwd takes its gradients' norms on the device as it writes them out, and the total is
+made from those: the host reads no gradient for it. Otherwise (vDP's groups are summed, fp16's unscaled first) the
+first update computes every norm from the gradients in the host store, as its optimizer would read them.
 
   norms   two slots of (step, then each member's total norm), float64, under a lock (the file's): slot step % 2
           holds step's once computed. The updates of a step all read it before any update of step + 2 can be due.
+          Then, with on_device, two slots per pack of (step, then each member's norm of each gradient it steps),
+          written by the pack's bwd under the pack's lock: the first update of the step reads them all.
 """
 
 from __future__ import annotations
@@ -35,8 +41,14 @@ def norms_name(model: int) -> str:
     return f"m{model}-norms"
 
 
-def norms_bytes(members: int) -> int:
-    return 2 * (1 + members) * 8
+def norms_bytes(members: int, widths: Sequence[int] = ()) -> int:
+    """The norms file's bytes: the totals' slots, then each pack's (widths: how many gradients each pack steps)."""
+    return 8 * (2 * (1 + members) + 2 * len(widths) * (1 + members * max(widths, default=0)))
+
+
+def on_device(groups: int, scaled: bool) -> bool:
+    """Whether a swapped job's packs take their gradients' norms on the device (see the module)."""
+    return groups == 1 and not scaled
 
 
 def tensor_norms(grads: Named, members: int) -> list[list[torch.Tensor]]:
@@ -77,16 +89,36 @@ def clip_in_place(grads: Named, clip: Sequence[float]) -> list[torch.Tensor]:
 
 
 class Norms:
-    """A swapped job's total gradient norm per step and member, computed once per step (see the module)."""
+    """A swapped job's total gradient norm per step and member, computed once per step, and its packs' gradient
+    norms taken on the device (see the module). widths: how many gradients each pack steps."""
 
-    def __init__(self, store: HostStore, model: int, members: int) -> None:
+    def __init__(self, store: HostStore, model: int, members: int, widths: Sequence[int]) -> None:
         self.store = store
         self.name = norms_name(model)
-        self.slots = store.attach(self.name, norms_bytes(members)).view(torch.float64).view(2, 1 + members)
+        self.members = members
+        values = store.attach(self.name, norms_bytes(members, widths)).view(torch.float64)
+        self.slots = values[: 2 * (1 + members)].view(2, 1 + members)
+        self.packs = values[2 * (1 + members):].view(2, len(widths), 1 + members * max(widths, default=0))
 
     @staticmethod
-    def create(store: HostStore, model: int, members: int) -> None:
-        store.create(norms_name(model), norms_bytes(members)).view(torch.float64).fill_(-1.0)
+    def create(store: HostStore, model: int, members: int, widths: Sequence[int]) -> None:
+        store.create(norms_name(model), norms_bytes(members, widths)).view(torch.float64).fill_(-1.0)
+
+    def record(self, step: int, pack: int, norms: torch.Tensor) -> None:
+        """Write a pack's gradient norms of step (members x the gradients it steps, on any device). The caller
+        holds the pack's lock."""
+        row = self.packs[step % 2, pack]
+        row[1 : 1 + norms.numel()] = norms.flatten().to("cpu", torch.float64)
+        row[0] = float(step)
+
+    def recorded(self, step: int, pack: int, dtypes: Sequence[torch.dtype]) -> list[list[torch.Tensor]]:
+        """Per member, the norm of each gradient of pack (of dtypes) its bwd of step recorded."""
+        row = self.packs[step % 2, pack]
+        if int(row[0]) != step:
+            raise RuntimeError(f"pack {pack}'s gradient norms of step {step} were never recorded (its slot holds "
+                               f"step {int(row[0])}'s): its bwd must record them before the step's first update")
+        values = row[1 : 1 + self.members * len(dtypes)].view(self.members, len(dtypes))
+        return [[value.to(dtype) for value, dtype in zip(each, dtypes)] for each in values]
 
     def totals(self, step: int, dtype: torch.dtype, compute: Callable[[], list[torch.Tensor]]) -> list[torch.Tensor]:
         """Each member's total norm of step's gradients, in their dtype: read, or computed (compute) and written

@@ -259,7 +259,7 @@ class RunFiles:
             if job.scaled:
                 Scaler.create(store, m, len(runtime.packs), job.groups, self.settings)
             if job.clip and job.home is None:
-                Norms.create(store, m, runtime.members)
+                Norms.create(store, m, runtime.members, [len(pack.stepped) for pack in runtime.packs])
         for index, store in enumerate(self.device_stores):
             store.create(counters_name(index), block_bytes(len(self.plan.jobs)))
 

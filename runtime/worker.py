@@ -24,7 +24,7 @@ from torch import nn
 from harmony.runtime import serialization  # noqa: F401  (tensor serializers on every worker)
 from harmony.runtime.allocator import keep_freed_memory
 from harmony.runtime.cache import DeviceCache, Source
-from harmony.runtime.clipping import Norms, coefficients, scale, tensor_norms, total_norms
+from harmony.runtime.clipping import Norms, coefficients, on_device, scale, tensor_norms, total_norms
 from harmony.runtime.compiled import PackCall, pack_call
 from harmony.runtime.counters import IN_KINDS, OUT_KINDS, Counters, block_bytes
 from harmony.runtime.divergence import Members
@@ -45,7 +45,7 @@ from harmony.runtime.files import (
 )
 from harmony.runtime.handoff import FinishedKeys
 from harmony.runtime.homed import HomedModel
-from harmony.runtime.hoststore import HostStore, identity, tensor_at, tensors_at
+from harmony.runtime.hoststore import HostStore, identity, tensor_at, tensors_at, torch_dtype
 from harmony.runtime.optimizer import PackOptimizer, pack_lock, update, update_on_device
 from harmony.runtime.optimstate import OptimizerState
 from harmony.runtime.orphans import gone, sweep
@@ -351,13 +351,28 @@ class RunContext:
         runtime = self.spec.models[model].packs[pack]
         return [(slot.spec.name, tensor_at(grads, slot)) for slot in runtime.stepped]
 
+    def record_norms(self, model: int, pack: int, step: int, grads: torch.Tensor) -> None:
+        """Record a swapped pack's gradient norms of step, taken where grads (its gradients' bytes) are, for the
+        step's total (runtime.clipping.on_device). Called by the device's running task, holding the pack's lock."""
+        named = self.stepped_grads(model, pack, grads)
+        members = self.spec.models[model].members
+        norms = [torch.stack(each) if each else grads.new_zeros(0) for each in tensor_norms(named, members)]
+        self.norms(model).record(step, pack, torch.stack(norms))
+
     def step_norms(self, model: int, step: int) -> list[torch.Tensor]:
-        """Each member's total norm of every pack's gradients of step, as the packs' optimizers read them: the
-        micro-batch groups' summed, fp16's unscaled (computed from the files each group's backward wrote, which
-        hold step's until every pack's update of it has read this, see runtime.clipping)."""
+        """Each member's total norm of every pack's gradients of step, as the packs' optimizers read them: of the
+        norms their bwd tasks recorded where it can (runtime.clipping.on_device), else computed here with the
+        micro-batch groups' summed, fp16's unscaled (from the files each group's backward wrote, which hold step's
+        until every pack's update of it has read this, see runtime.clipping)."""
         spec = self.spec.models[model]
-        inverse = self.scaler(model).inverse(step) if spec.scaled else None
         norms: list[list[torch.Tensor]] = [[] for _ in range(spec.members)]
+        if on_device(spec.groups, spec.scaled):
+            for pack, runtime in enumerate(spec.packs):
+                dtypes = [torch_dtype(slot.spec.dtype) for slot in runtime.stepped]
+                for member, each in enumerate(self.norms(model).recorded(step, pack, dtypes)):
+                    norms[member].extend(each)
+            return total_norms(norms)
+        inverse = self.scaler(model).inverse(step) if spec.scaled else None
         for pack in range(len(spec.packs)):
             groups = [self.stepped_grads(model, pack, self.host_grads(model, pack, group))
                       for group in range(spec.groups)]
@@ -373,7 +388,8 @@ class RunContext:
     def norms(self, model: int) -> Norms:
         """The per-step gradient norms of a swapped job that is clipped (runtime.clipping)."""
         if model not in self._norms:
-            self._norms[model] = Norms(self.store, model, self.spec.models[model].members)
+            spec = self.spec.models[model]
+            self._norms[model] = Norms(self.store, model, spec.members, [len(pack.stepped) for pack in spec.packs])
         return self._norms[model]
 
     def update_on_device(self, model: int, pack: int, step: int, weights: torch.Tensor, grads: torch.Tensor) -> None:

@@ -75,8 +75,8 @@ def test_clipping_in_place_is_clip_grad_norm_and_an_arrays_members_are_each_clip
 
 
 def test_a_steps_norms_are_computed_once_and_kept_until_the_step_after_next(store: HostStore) -> None:
-    Norms.create(store, 0, 2)
-    norms = Norms(store, 0, 2)
+    Norms.create(store, 0, 2, [3, 1])
+    norms = Norms(store, 0, 2, [3, 1])
     calls: list[int] = []
 
     def compute(values: tuple[float, float]) -> list[torch.Tensor]:
@@ -90,12 +90,34 @@ def test_a_steps_norms_are_computed_once_and_kept_until_the_step_after_next(stor
     for thread in threads:
         thread.join()
     assert len(calls) == 1, "the first caller of the step computes it, under the file's lock"
-    assert Norms(store, 0, 2).totals(4, torch.float64, lambda: compute((9.0, 9.0))) == [
+    assert Norms(store, 0, 2, [3, 1]).totals(4, torch.float64, lambda: compute((9.0, 9.0))) == [
         torch.tensor(1.5, dtype=torch.float64), torch.tensor(2.5, dtype=torch.float64)]
     assert [float(t) for t in norms.totals(5, torch.float32, lambda: compute((3.0, 4.0)))] == [3.0, 4.0]
     assert [float(t) for t in norms.totals(6, torch.float32, lambda: compute((5.0, 6.0)))] == [5.0, 6.0]
     assert len(calls) == 3
     assert [float(t) for t in norms.totals(5, torch.float32, lambda: compute((0.0, 0.0)))] == [3.0, 4.0]
+
+
+def test_a_packs_norms_recorded_by_its_bwd_are_read_back_per_member_for_their_step_only(store: HostStore) -> None:
+    """Each pack's row holds the norms its bwd recorded (members x its stepped gradients, in their dtypes) for
+    that step; a step whose norms a pack never recorded is an error, not another step's norms."""
+    Norms.create(store, 1, 2, [3, 1, 0])
+    norms = Norms(store, 1, 2, [3, 1, 0])
+    norms.record(4, 0, torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]))
+    norms.record(4, 1, torch.tensor([[7.0], [8.0]], dtype=torch.float64))
+    norms.record(4, 2, torch.zeros(2, 0))
+    norms.record(5, 0, torch.tensor([[9.0, 9.0, 9.0], [9.0, 9.0, 9.0]]))
+    read = Norms(store, 1, 2, [3, 1, 0])  # another process maps the same file
+    first = read.recorded(4, 0, [torch.float32, torch.float32, torch.float64])
+    assert [[float(value) for value in each] for each in first] == [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]
+    assert [value.dtype for value in first[1]] == [torch.float32, torch.float32, torch.float64]
+    assert [[float(value) for value in each] for each in read.recorded(4, 1, [torch.float64])] == [[7.0], [8.0]]
+    assert read.recorded(4, 2, []) == [[], []]
+    assert float(read.recorded(5, 0, [torch.float32] * 3)[1][2]) == 9.0
+    with pytest.raises(RuntimeError, match="pack 1's gradient norms of step 5 were never recorded"):
+        read.recorded(5, 1, [torch.float64])
+    with pytest.raises(RuntimeError, match="step 6 were never recorded"):
+        read.recorded(6, 0, [torch.float32] * 3)  # slot 0 holds step 4's
 
 
 CASES = {  # one device, then two (the embedded cluster starts once for each)
