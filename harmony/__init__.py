@@ -1,10 +1,9 @@
 """Harmony: train many PyTorch models at once on memory-budgeted devices through a Dask task graph."""
 
-from harmony.api import train
+from harmony.api import shutdown, train
 from harmony.errors import HarmonyError, InputError, ModelError
 from harmony.plan import Forecast, plan
 from harmony.result import Stats, TrainResult
-from harmony.runtime.cluster import shutdown
 from harmony.tasks.hardware import Hardware
 from harmony.tasks.pruning import Standing
 

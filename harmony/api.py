@@ -15,6 +15,7 @@ from typing import Any
 
 from torch import nn
 
+from harmony import timings
 from harmony.conventions import training_conventions
 from harmony.errors import InputError, ModelError
 from harmony.metrics import MetricsLog, learning_rates
@@ -25,6 +26,7 @@ from harmony.runtime.batching import unbatched
 from harmony.runtime.calibrate import measured_hardware
 from harmony.runtime.checkpoint import Checkpoints, fingerprint
 from harmony.runtime.cluster import LOOPBACK, ClusterHandle, connect, embedded, external_devices, worker_threads
+from harmony.runtime.cluster import shutdown as close_warm
 from harmony.runtime.code import JobCode
 from harmony.runtime.data import LoaderFeed, SharedFeed, batch_size
 from harmony.runtime.devices import DeviceSpec, build_specs, device_threads
@@ -473,3 +475,10 @@ def open_checkpoints(
         raise InputError(f"checkpoint_dir={str(directory)!r} holds a checkpoint of this run already: pass "
                          "resume=True to take it up, or use another directory")
     return checkpoints, recorded if resume else None
+
+
+def shutdown() -> None:
+    """Close the embedded cluster a call kept warm (runtime.cluster.shutdown), and forget the pilot timings kept for
+    re-run calls (harmony.timings): the next call starts and times afresh."""
+    close_warm()
+    timings.forget()

@@ -11,13 +11,14 @@ Each array takes the place of its first member, so jobs keep the order of the mo
 from __future__ import annotations
 
 import logging
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import psutil
 import torch
 from torch import nn
 
+from harmony import timings
 from harmony.candidate import RANKING_STEPS, Candidate, model_device, pilot_batch, step_samples
 from harmony.errors import ModelError
 from harmony.runtime.array import ArrayLayer, array_loss, layer_signature
@@ -37,7 +38,7 @@ from harmony.tasks.fusion import (
 )
 from harmony.tasks.hardware import Hardware
 from harmony.tasks.homes import choose_homes
-from harmony.tasks.packing import LayerTooLarge, cut_packs, minimal_budget, with_update_rate
+from harmony.tasks.packing import LayerTooLarge, Packing, cut_packs, minimal_budget, with_update_rate
 from harmony.tasks.profile import ModelProfile
 from harmony.tasks.pruning import PRUNERS, computed_share, every_member
 from harmony.tasks.runplan import Job
@@ -94,10 +95,36 @@ def build_array(members: list[int], candidates: list[Candidate], args: Arguments
     rate = (timed.update_seconds_per_byte if timed else
             update_rate(optimizer, decomposition.layers) if optimizer else None)
     profile, packing = with_update_rate(decomposition.profile, packing, rate)
-    first = parts[0].job
-    job = Job(
+    code = JobCode(tuple(decomposition.layers), loss, optimizer, tuple(part.code.layers for part in parts))
+    return Candidate(_array_job(members, candidates, args, packing, sizes), code, profile)
+
+
+@dataclass(frozen=True)
+class Predicted:
+    """A trial array predicted from timings a previous call kept (harmony.timings), never built: its job and
+    profile, what a prediction reads of a Candidate."""
+
+    job: Job
+    profile: ModelProfile
+
+
+def predicted_array(members: list[int], candidates: list[Candidate], args: Arguments, budget: int,
+                    profile: ModelProfile) -> Predicted:
+    """An array of members as build_array would plan it, from the profile of an array of as many members of the same
+    architecture (kept timings), without stacking its layers. Raises LayerTooLarge as build_array does."""
+    sizes = pilot_batch(args, members[0])[2]
+    packing = cut_packs(profile, budget, sizes[0], args.ahead)
+    profile, packing = with_update_rate(profile, packing, profile.update_seconds_per_byte)
+    return Predicted(_array_job(members, candidates, args, packing, sizes), profile)
+
+
+def _array_job(members: list[int], candidates: list[Candidate], args: Arguments, packing: Packing,
+               sizes: list[int]) -> Job:
+    """The job of an array of members cut into packing (sizes: its micro-batches' samples)."""
+    first = candidates[members[0]].job
+    return Job(
         members=tuple(members),
-        label=label,
+        label=_label(members, args),
         feed=first.feed,
         seed=members[0],
         packing=packing,
@@ -106,8 +133,13 @@ def build_array(members: list[int], candidates: list[Candidate], args: Arguments
         batch_bytes=first.batch_bytes,
         state_ratio=first.state_ratio,
     )
-    code = JobCode(tuple(decomposition.layers), loss, optimizer, tuple(part.code.layers for part in parts))
-    return Candidate(job, code, profile)
+
+
+def _kept_key(members: list[int], candidates: list[Candidate], args: Arguments) -> Hashable:
+    """Under which key harmony.timings keeps the timings of an array of as many members of this architecture."""
+    sample = pilot_batch(args, members[0])[0]
+    return ("trial", fusion_key(candidates[members[0]], args)[2:], len(members),
+            timings.context(sample, args.options.precision))
 
 
 @dataclass(frozen=True)
@@ -119,7 +151,7 @@ class Sizing:
     hardware: Hardware
 
 
-def _homes(arrays: list[Candidate], sizing: Sizing) -> dict[int, str]:
+def _homes(arrays: Sequence[Candidate | Predicted], sizing: Sizing) -> dict[int, str]:
     """The arrays (by index) that fit a device whole, homed there, as the plan would home them."""
     packings = [array.job.packing for array in arrays]
     floors = [minimal_budget(array.profile, array.job.packing.microbatch_samples, prefetch=True) for array in arrays]
@@ -127,7 +159,7 @@ def _homes(arrays: list[Candidate], sizing: Sizing) -> dict[int, str]:
     return homes
 
 
-def _predict(arrays: list[Candidate], sizing: Sizing) -> float:
+def _predict(arrays: Sequence[Candidate | Predicted], sizing: Sizing) -> float:
     """Predicted seconds for every array to advance one step, with the arrays that fit a device homed."""
     options = sizing.args.options
     run = simulate([array.job.packing for array in arrays], [RANKING_STEPS] * len(arrays),
@@ -171,8 +203,9 @@ def _choose(
         rank = (predicted[size] * shares.get(size, 1.0), -size) if array is not None else None
         if rank is not None and (best is None or rank < best):
             if best is not None:
-                del built[tuple(group[: -best[1]])]
-            built[tuple(group[:size])] = array
+                built.pop(tuple(group[: -best[1]]), None)
+            if isinstance(array, Candidate):
+                built[tuple(group[:size])] = array
             best = rank
         del array  # before the next size's array is built
         if fuse != "auto" and predicted[size] is not None:
@@ -180,7 +213,7 @@ def _choose(
     return choose_size(group, predicted, unbuilt, shares, interleaved)
 
 
-def _share(group: list[int], size: int, array: Candidate | None, predicted: dict[int, float | None],
+def _share(group: list[int], size: int, array: Candidate | Predicted | None, predicted: dict[int, float | None],
            candidates: list[Candidate], sizing: Sizing) -> float | None:
     """The share of its steps the group in sub-arrays of size (array: one of them, None for size 1) is expected to
     compute under the run's built-in pruner (tasks.pruning.computed_share): homed arrays compute their members still
@@ -213,13 +246,20 @@ def _trial_room(group: list[int], size: int, candidates: list[Candidate], args: 
 
 
 def _trial(group: list[int], size: int, candidates: list[Candidate], sizing: Sizing
-           ) -> tuple[float | None, Candidate | None]:
+           ) -> tuple[float | None, Candidate | Predicted | None]:
     """The group's predicted seconds a step in sub-arrays of size (None where they do not fit), and the array
-    built to predict it (None for size 1, or where it does not fit)."""
+    built to predict it, or predicted from kept timings (None for size 1, or where it does not fit)."""
     if size == 1:
         return _predict([candidates[m] for m in group], sizing), None
+    key = _kept_key(group[:size], candidates, sizing.args)
+    kept = timings.KEPT.get(key)
+    array: Candidate | Predicted
     try:
-        array = build_array(group[:size], candidates, sizing.args, min(sizing.budgets.values()))
+        if kept is not None:
+            array = predicted_array(group[:size], candidates, sizing.args, min(sizing.budgets.values()), kept)
+        else:
+            array = build_array(group[:size], candidates, sizing.args, min(sizing.budgets.values()))
+            timings.KEPT[key] = array.profile
     except LayerTooLarge:
         return None, None
     if not array.job.packing.prefetch and all(candidates[m].job.packing.prefetch for m in group):
@@ -240,15 +280,16 @@ def fuse(
     first_of: dict[int, Candidate] = {}
     for choice in choices:
         logger.info("%s", choice.explain(type(args.models[choice.members[0]]).__name__))
-        trial = built.get(tuple(choice.members[: choice.size]))  # timed while choosing
-        timed = {} if trial is None else {choice.size: trial.profile}  # per array size, the timings its arrays take
+        timed: dict[int, ModelProfile] = {}  # per array size, the timings its arrays take
         for members in choice.arrays:
             if len(members) == 1:
                 first_of[members[0]] = candidates[members[0]]
                 continue
+            key = _kept_key(members, candidates, args)
             array = built.get(tuple(members)) or build_array(members, candidates, args, min(budgets.values()),
-                                                             timed.get(len(members)))
+                                                             timed.get(len(members)) or timings.KEPT.get(key))
             timed.setdefault(len(members), array.profile)
+            timings.KEPT.setdefault(key, array.profile)
             logger.info("%s", array.job.packing.explain())
             first_of[members[0]] = array
     grouped = {model for choice in choices for model in choice.members}

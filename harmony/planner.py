@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from harmony import timings
 from harmony.candidate import RANKING_STEPS, Candidate, pilot_batch, step_samples
 from harmony.errors import InputError, ModelError
 from harmony.fusing import build_array, fuse
@@ -72,18 +73,19 @@ def pilot(args: Arguments, budget: int) -> list[Candidate]:
     """Profile every model on its first micro-batch and cut it into packs that fit budget."""
     candidates = []
     timed: dict[Hashable, ModelProfile] = {}  # the first profile of each architecture, whose timings the rest take
-    rates: dict[Hashable, float | None] = {}  # per architecture and optimizer, its update's seconds per byte
     for index, model in enumerate(args.models):
         label = model_label(index, model)
         sample, target, sizes = pilot_batch(args, index)
         architecture = _architecture(args, index)
+        kept = ("model", architecture[1:], timings.context(sample, args.options.precision))  # across calls
         decomposition, packing = _decompose_and_cut(args, index, sample, target, sizes[0], budget,
-                                                    timed.get(architecture))
+                                                    timed.get(architecture) or timings.KEPT.get(kept))
         timed.setdefault(architecture, decomposition.profile)
-        optimizer = (architecture, args.optimizer_classes[index], args.optimizer_state_ratios[index])
-        if optimizer not in rates and args.optimizers[index] is not None:
-            rates[optimizer] = update_rate(args.optimizers[index], decomposition.layers)
-        profile, packing = with_update_rate(decomposition.profile, packing, rates.get(optimizer))
+        timings.KEPT.setdefault(kept, decomposition.profile)
+        optimizer = (kept, args.optimizer_classes[index], args.optimizer_state_ratios[index])
+        if optimizer not in timings.RATES and args.optimizers[index] is not None:
+            timings.RATES[optimizer] = update_rate(args.optimizers[index], decomposition.layers)
+        profile, packing = with_update_rate(decomposition.profile, packing, timings.RATES.get(optimizer))
         logger.info("%s%s", packing.explain(), "".join(f"; {note}" for note in decomposition.notes[:3]))
         job = Job(
             members=(index,),
@@ -105,7 +107,7 @@ def _architecture(args: Arguments, index: int) -> Hashable:
     """What models must share for one's pilot timings to stand for the other's: class, loader, parameters and
     buffers (decompose still checks that their layers come out alike)."""
     model = args.models[index]
-    return (type(model), args.loader_of[index],
+    return (args.loader_of[index], type(model),
             tuple((name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in model.named_parameters()),
             tuple((name, tuple(b.shape), b.dtype) for name, b in model.named_buffers()))
 

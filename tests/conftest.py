@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import harmony
+from harmony import timings
 from harmony.runtime import cluster
 from harmony.runtime.cluster import shutdown
 from harmony.runtime.hoststore import OWNER, PREFIX, HostStore, shm_directory
@@ -322,6 +323,13 @@ def warm_cluster(request: pytest.FixtureRequest) -> Iterator[None]:
     yield
     if request.session.testsfailed > failures:
         shutdown()
+
+
+@pytest.fixture(autouse=True)
+def fresh_timings() -> None:
+    """Every test plans from timings of its own: none kept from an earlier test's calls (harmony.timings), whose
+    pinned or measured timings it would otherwise take."""
+    timings.forget()
 
 
 @pytest.fixture

@@ -1,0 +1,41 @@
+"""The pilot's timings kept for this process's later calls, so that a re-run cell plans without timing again.
+
+A call's pilot times the first model of each architecture (its layers' forwards and the chain's backward) and its
+optimizer's update, and fuse="auto" times a trial array of each size it weighs. A later call in the same process,
+with models of the same architecture on batches of the same shapes, the same precision and as many threads, takes
+those timings: its models' layers are still called once each (runtime.pilot.decompose checks that they are the
+ones timed, and sizes their outputs), and a trial array whose timings are kept is predicted without being built.
+Timings are the machine's at the moment they were taken; harmony.shutdown() forgets them with the warm cluster.
+
+Only what a key names is shared: anything else a layer's time depends on (values, a data-dependent branch) is
+taken as its first call found it, as within one call the models of one architecture already take the first's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from harmony.tasks.profile import ModelProfile
+
+KEPT: dict[Hashable, ModelProfile] = {}  # by kind and key: "model", "trial"
+RATES: dict[Hashable, float | None] = {}  # an optimizer's update seconds per byte, by architecture and optimizer
+
+
+def context(sample: Any, precision: str) -> Hashable:
+    """What besides the layers a pilot's timings depend on: the micro-batch's structure, shapes, dtypes and device,
+    the precision and this process's threads (the pilot runs with a device worker's)."""
+    leaves, spec = tree_flatten(sample)
+    shapes = tuple((tuple(leaf.shape), str(leaf.dtype), leaf.device.type) if isinstance(leaf, torch.Tensor)
+                   else (type(leaf).__qualname__, leaf if isinstance(leaf, (int, float, str, bool)) else None)
+                   for leaf in leaves)
+    return (str(spec), shapes, precision, torch.get_num_threads())
+
+
+def forget() -> None:
+    """Drop every kept timing: the next call times its models again."""
+    KEPT.clear()
+    RATES.clear()
