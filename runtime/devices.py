@@ -42,6 +42,21 @@ def threads_per_device(cpus: int, devices: int) -> int:
     return max(1, cpus // max(devices, 1))
 
 
+def shared_threads(specs: Sequence[DeviceSpec], idle: frozenset[str]) -> dict[str, int]:
+    """Each CPU device's threads once the idle devices (those with nothing left to compute in the run) give theirs
+    to the CPU devices of their machine that still compute, in even shares (the first ones one more where they do not
+    divide): the last model of a pruned sweep, homed alone, computes with the cores its neighbours freed, as a
+    plain loop's one process would."""
+    threads = {spec.name: spec.threads for spec in specs if spec.kind == "cpu"}
+    for machine in {spec.machine for spec in specs}:
+        cpus = [spec for spec in specs if spec.machine == machine and spec.kind == "cpu"]
+        busy = [spec.name for spec in cpus if spec.name not in idle]
+        spare = sum(spec.threads for spec in cpus if spec.name in idle)
+        for index, name in enumerate(busy):
+            threads[name] += spare // len(busy) + (index < spare % len(busy))
+    return threads
+
+
 @contextmanager
 def device_threads(specs: Sequence[DeviceSpec]) -> Iterator[None]:
     """Within the block this process computes with the threads of a CPU device worker of specs (the fewest), so

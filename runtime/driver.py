@@ -53,6 +53,7 @@ from harmony.tasks.events import (
     Event,
     Fail,
     Fetch,
+    Idle,
     Instruction,
     Leave,
     MachineLost,
@@ -93,6 +94,7 @@ class Driver:
         on_step: Callable[[int, int], None] | None = None,
         on_progress: Callable[[BindingState], None] | None = None,
         on_checkpoint: Callable[[int, int], None] | None = None,
+        on_idle: Callable[[frozenset[str]], None] | None = None,
         validation: list[list[tuple[Any, Any]] | None] | None = None,
         metrics: Metrics = None,
         executing: Callable[[str], frozenset[int] | None] | None = None,
@@ -110,6 +112,7 @@ class Driver:
         self.executing = executing
         self.on_progress = on_progress
         self.on_checkpoint = on_checkpoint
+        self.on_idle = on_idle
         self.ranking = ranking
         self.values: dict[Value, Any] = {}
         self.loss_weights: dict[BatchTargets, list[Any]] = {}
@@ -263,6 +266,9 @@ class Driver:
             Members(store, instruction.model, len(self.state.jobs[instruction.model].members)).prune(
                 instruction.positions, instruction.step)
             store.overwrite((pruned_name(instruction.model),))  # its workers map the file already
+        elif isinstance(instruction, Idle):
+            if self.on_idle is not None:
+                self.on_idle(instruction.devices)
         elif isinstance(instruction, Fail):
             raise instruction.error
         else:

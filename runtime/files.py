@@ -22,13 +22,16 @@ Per job:
   scaler, found  with a scaled loss (fp16), the scale of each step and which packs' gradients were not finite
             (runtime.scaler).
 Per device:
-  counters  bytes moved by kind, peak, busy time (runtime.counters), published by its worker after every task.
+  counters  bytes moved by kind, peak, busy time (runtime.counters), published by its worker after every task;
+  threads   the CPU threads it computes with from its next task on, 0 for its own (the driver writes it once devices
+            of its machine have nothing left to compute, runtime.devices.shared_threads).
 Batch files (``batch-<n>``) belong to shipping.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import suppress
 
 import torch
 
@@ -36,7 +39,7 @@ from harmony.runtime.clipping import Norms
 from harmony.runtime.code import JobCode, named_state
 from harmony.runtime.counters import Counters, block_bytes
 from harmony.runtime.hoststore import HostStore, tensors_at
-from harmony.runtime.machines import RemoteStore
+from harmony.runtime.machines import MachineUnreachable, RemoteStore
 from harmony.runtime.scaler import Scaler, Settings
 from harmony.runtime.spec import ModelRuntime
 from harmony.tasks.runplan import Job, RunPlan
@@ -156,6 +159,12 @@ def counters_name(device: int) -> str:
     return f"device{device}-counters"
 
 
+def threads_name(device: int) -> str:
+    """The CPU threads a device computes with from its next task on (int64; 0: its own, see
+    runtime.devices.shared_threads)."""
+    return f"device{device}-threads"
+
+
 def losses_name(model: int, block: int, group: int = 0) -> str:
     """A block of LOSS_BLOCK steps of one micro-batch group's share of the loss of each member."""
     return f"m{model}-losses{block}" if group == 0 else f"m{model}-g{group}-losses{block}"
@@ -262,6 +271,7 @@ class RunFiles:
                 Norms.create(store, m, runtime.members, [len(pack.stepped) for pack in runtime.packs])
         for index, store in enumerate(self.device_stores):
             store.create(counters_name(index), block_bytes(len(self.plan.jobs)))
+            store.create(threads_name(index), 8)
 
     def open_step(self, model: int, step: int) -> None:
         """A job's step is about to be fetched: its loss block exists once its first step is."""
@@ -328,6 +338,16 @@ class RunFiles:
     def counters(self) -> dict[str, dict[str, int]]:
         """Per device, what its worker last published."""
         return {name: self._counter_block(index).read() for index, (name, _) in enumerate(self.plan.budgets)}
+
+    def share_threads(self, threads: dict[str, int]) -> None:
+        """Tell each device worker the CPU threads it computes with from its next task on (runtime.devices
+        .shared_threads); a machine out of reach keeps what it had."""
+        for index, (name, _) in enumerate(self.plan.budgets):
+            if name in threads:
+                store = self.device_stores[index]
+                store.attach(threads_name(index), 8).view(torch.int64)[0] = threads[name]
+                with suppress(MachineUnreachable):
+                    store.overwrite((threads_name(index),))
 
     def _counter_block(self, device: int) -> Counters:
         return Counters(self.device_stores[device].attach(counters_name(device), block_bytes(len(self.plan.jobs))))

@@ -26,7 +26,7 @@ from harmony.runtime.cluster import ClusterHandle
 from harmony.runtime.code import JobCode
 from harmony.runtime.dashboard import PLUGIN, DashboardPage, Publisher
 from harmony.runtime.data import SharedFeed
-from harmony.runtime.devices import DeviceSpec
+from harmony.runtime.devices import DeviceSpec, shared_threads
 from harmony.runtime.driver import Driver, Ranking
 from harmony.runtime.evaluation import Metrics
 from harmony.runtime.files import RunFiles
@@ -168,13 +168,22 @@ def execute(
                 logger.info("harmony: checkpointed %s at step %d in %s", plan.jobs[job].label, step,
                             checkpoints.directory)
 
+        def share(idle: frozenset[str]) -> None:
+            threads = shared_threads(devices, idle)
+            own = {device.name: device.threads for device in devices}
+            lent = {name: count for name, count in threads.items() if count != own[name]}
+            if lent:
+                logger.info("harmony: nothing left to compute on %s: %s", ", ".join(sorted(idle)),
+                            ", ".join(f"{name} now computes with {count} threads" for name, count in lent.items()))
+            files.share_threads(threads)
+
         batches = {identity: RemoteBatches(store) if isinstance(store, RemoteStore) else BatchFiles(store)
                    for identity, store in stores.items()}
         driver = Driver(handle.client, run, job_stores, [batches[job.machine or ""] for job in plan.jobs], state,
                         [feeds[job.feed] for job in plan.jobs], handle.workers,
                         plan.options.microbatches, on_step=files.open_step,
                         on_progress=lambda _: watch(view),
-                        on_checkpoint=checkpoint if checkpoints is not None else None,
+                        on_checkpoint=checkpoint if checkpoints is not None else None, on_idle=share,
                         validation=validation, metrics=metrics, executing=files.executing, ranking=ranking)
         publisher = Publisher(handle.client, run, names)
 

@@ -39,6 +39,7 @@ from harmony.runtime.files import (
     record_rows,
     reduced_grads_name,
     slot_bytes,
+    threads_name,
     versions_name,
     weights_name,
     weights_slot,
@@ -73,6 +74,7 @@ class RunContext:
             torch.cuda.set_device(self.device)
         self.store = HostStore(spec.run, spec.store_directory, pin=self.device.type == "cuda")
         counters = Counters(self.store.attach(counters_name(self.device_index), block_bytes(len(spec.models))))
+        self.threads = self.store.attach(threads_name(self.device_index), 8).view(torch.int64)
         self.cache = DeviceCache(
             self.device_spec.name, self.device, self.device_spec.budget, counters, self.device_spec.link_bandwidth,
             ahead=spec.ahead,
@@ -105,9 +107,11 @@ class RunContext:
         return self.cache.counters
 
     def use_threads(self) -> None:
-        """Give torch this device's share of the CPU cores, in the thread that runs the tasks."""
-        if torch.get_num_threads() != self.device_spec.threads:
-            torch.set_num_threads(self.device_spec.threads)
+        """Give torch this device's share of the CPU cores, in the thread that runs the tasks: its own, or more once
+        devices of its machine with nothing left to compute give theirs (runtime.devices.shared_threads)."""
+        threads = int(self.threads[0]) or self.device_spec.threads
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
 
     def autocast(self) -> AbstractContextManager[object]:
         """Where forward and backward compute (and a loss is taken): under torch.autocast in the run's precision

@@ -27,6 +27,7 @@ from harmony.tasks.events import (
     Event,
     Fail,
     Fetch,
+    Idle,
     Instruction,
     Leave,
     MachineLost,
@@ -149,6 +150,7 @@ class BindingState:
         self.pruned_members: dict[int, dict[int, int]] = {}  # per job, its members this run pruned: their step
         self.standing: set[int] = set()  # the jobs evaluated at the next pruning step
         self.ranking: Rank | None = None
+        self.idle: frozenset[str] = frozenset()  # the devices with nothing left to compute (Idle)
         every = self.eval_every or 1
         self.decided = max([*self.pruned.values(), *((steps - 1) // every * every for model, steps in
                                                       enumerate(start or []) if steps and model not in self.pruned)],
@@ -210,6 +212,10 @@ class BindingState:
         return self._record(event, instructions + self._evaluations() + self._rank())
 
     def _record(self, event: Event | None, instructions: list[Instruction]) -> list[Instruction]:
+        idle = self.idle_devices()
+        if idle != self.idle:
+            self.idle = idle
+            instructions = [*instructions, Idle(idle)]
         self.story.append((event, tuple(instructions)))
         if self.validate:
             self.validate_state()
@@ -836,6 +842,18 @@ class BindingState:
                   for job, (spans, count) in enumerate(zip(self.spans, members)) if spans.steps is not None]
         return done, sum(totals) if len(totals) == len(self.spans) else None
 
+    def idle_devices(self) -> frozenset[str]:
+        """The live devices with nothing left to compute in this run: while every job still training is homed (a
+        job that is not can run on any device), those that are no such job's home. None once nothing trains."""
+        homes = set()
+        for model in range(len(self.jobs)):
+            if self.stopped(model) or self._job_finished(model):
+                continue
+            if model not in self.homes:
+                return frozenset()
+            homes.add(self.homes[model])
+        return frozenset(self.memory) - homes if homes else frozenset()
+
     @property
     def finished(self) -> bool:
         return all(self.stopped(m) or self._job_finished(m) for m in range(len(self.jobs)))
@@ -878,6 +896,7 @@ class BindingState:
             assert count > 0 or not isinstance(value, TaskId) or not self._is_done(value), f"{value} is kept unread"
         for task, device in self.bound.items():
             assert device in self.memory, f"{task} is bound to {device}, which is lost"
+        assert self.idle == self.idle_devices(), "the driver was not told which devices are idle"
         for model, home in self.homes.items():
             assert home in self.budgets, f"job {model} is homed on {home}, not a device of the run"
             assert self.machines[home] == self.jobs[model].machine, f"job {model} is homed off its machine"

@@ -229,4 +229,13 @@ class Prune:
     positions: tuple[int, ...]
 
 
-Instruction = Fetch | Submit | Release | Cancel | Leave | Checkpoint | ReadTiming | Fail | Evaluate | Rank | Prune
+@dataclass(frozen=True)
+class Idle:
+    """These devices (all of them, each time it changes) have nothing left to compute in this run: every job still
+    training is homed on another. Their cores may go to the devices of their machine that still compute."""
+
+    devices: frozenset[str]
+
+
+Instruction = (Fetch | Submit | Release | Cancel | Leave | Checkpoint | ReadTiming | Fail | Evaluate | Rank | Prune
+               | Idle)

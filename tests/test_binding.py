@@ -15,6 +15,7 @@ from harmony.tasks.events import (
     Evaluated,
     Fail,
     Fetch,
+    Idle,
     Instruction,
     Leave,
     MachineLost,
@@ -446,6 +447,30 @@ def test_a_job_homed_on_a_lost_device_moves_and_every_device_lost_waits_for_one_
         player.finish(player.in_flight[0])
     assert state.steps_trained == [4, 4]
     assert [event["event"] for event in state.events] == ["worker lost", "worker lost", "worker joined"]
+
+
+def test_a_device_no_job_still_training_is_homed_on_is_idle_until_a_lost_home_moves_a_job_there() -> None:
+    """While a job that is not homed trains, every device may get its tasks: none is idle. Once only homed jobs
+    train, the devices none of them is homed on are idle (Idle says so each time the set changes), until a lost
+    device's job moves there."""
+    state = BindingState([job(10, home="a"), job(10, home="b"), job(10)], {"a": 1000, "b": 1000, "c": 1000},
+                         homes={0: "a", 1: "b"}, validate=True)
+    player = Player(state, {0: 4, 1: 8, 2: 1})
+    said: list[frozenset[str]] = []
+    player.carry_out(state.start())
+    while not state.finished:
+        said += [each.devices for each in player.handle(TaskFinished(player.in_flight[0].task, 1.0))
+                 if isinstance(each, Idle)]
+        player.in_flight.pop(0)
+        if state.steps_trained[1] == 6:
+            break
+    assert state.stopped(2) or state._job_finished(2)
+    assert said == [frozenset({"c"}), frozenset({"a", "c"})], "the swapped job ended, then the job homed on a"
+    said += [each.devices for each in player.handle(WorkerLost("b", 2.0)) if isinstance(each, Idle)]
+    assert state.homes[1] in ("a", "c") and said[-1] == frozenset({"a", "c"} - {state.homes[1]})
+    while not state.finished:
+        player.finish(player.in_flight[0])
+    assert state.steps_trained == [4, 8, 1]
 
 
 def test_a_job_whose_code_fails_stops_alone_unless_the_run_is_fail_fast() -> None:

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import copy
+
+import torch
+from torch import nn
+
+import harmony
 from harmony.runtime import handoff, serialization  # noqa: F401
-from harmony.runtime.devices import build_specs, cpu_count, threads_per_device
+from harmony.runtime.devices import DeviceSpec, build_specs, cpu_count, shared_threads, threads_per_device
+from tests.conftest import assert_same_weights
 
 
 def test_every_device_worker_gets_an_even_share_of_the_cpu_threads() -> None:
@@ -11,3 +18,49 @@ def test_every_device_worker_gets_an_even_share_of_the_cpu_threads() -> None:
     specs = build_specs(["cpu", "cuda:0"], budget=1_000_000)
     assert [spec.threads for spec in specs] == [threads_per_device(cpu_count(), 2)] * 2
     assert threads_per_device(16, 1) == 16 and threads_per_device(16, 3) == 5 and threads_per_device(2, 4) == 1
+
+
+def test_idle_cpu_devices_give_their_threads_to_the_cpu_devices_of_their_machine_that_still_compute() -> None:
+    specs = [DeviceSpec("cpu-0", "cpu", 1000, 3), DeviceSpec("cpu-1", "cpu", 1000, 3),
+             DeviceSpec("cpu-2", "cpu", 1000, 3), DeviceSpec("cuda-0", "cuda:0", 1000, 3),
+             DeviceSpec("cpu-3", "cpu", 1000, 2, machine="other"), DeviceSpec("cpu-4", "cpu", 1000, 2, machine="other")]
+    own = {spec.name: spec.threads for spec in specs if spec.kind == "cpu"}
+    assert shared_threads(specs, frozenset()) == own
+    assert shared_threads(specs, frozenset({"cpu-0"})) == {**own, "cpu-1": 5, "cpu-2": 4}, "3 threads, shared"
+    assert shared_threads(specs, frozenset({"cpu-0", "cuda-0", "cpu-3"})) == {**own, "cpu-1": 5, "cpu-2": 4,
+                                                                           "cpu-4": 4}, "within each machine"
+    assert shared_threads(specs, frozenset({"cpu-0", "cpu-1", "cpu-2"})) == own, "no CPU device left to take them"
+
+
+class Threads(nn.Module):
+    """A layer that records in a buffer the threads torch computed with at its last forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.fill_(torch.get_num_threads())
+        return x
+
+
+def test_a_homed_model_left_alone_computes_with_the_threads_of_the_device_that_finished(no_leaks: None) -> None:
+    """Two models homed on two CPU devices, one with far fewer steps: once it ends its device has nothing left to
+    compute, and the other's later tasks run with both devices' threads; the weights are still plain PyTorch's."""
+    torch.manual_seed(0)
+    models = [nn.Sequential(Threads(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1)) for _ in range(2)]
+    references = [copy.deepcopy(model) for model in models]
+    loaders = [[(torch.randn(16, 8), torch.randn(16, 1)) for _ in range(steps)] for steps in (2, 24)]
+    factory = lambda params: torch.optim.SGD(params, lr=0.05)  # noqa: E731
+    result = harmony.train(models, loaders, nn.functional.mse_loss, factory, devices=2, steps_per_task=1,
+                           fuse=False, progress=False)
+    assert {job.home for job in result.plan.jobs} == {"cpu-0", "cpu-1"}
+    own = threads_per_device(cpu_count(), 2)
+    assert [float(model[0].seen) for model in models] == [own, 2 * own]
+    for model, reference, batches in zip(models, references, loaders):
+        optimizer = factory(reference.parameters())
+        for x, y in batches:
+            optimizer.zero_grad()
+            nn.functional.mse_loss(reference(x), y).backward()
+            optimizer.step()
+        assert_same_weights(model[1:], reference[1:])
