@@ -13,13 +13,18 @@ written again only by the next step's backward, which comes after that pack's up
 
 Where the gradients a pack's optimizer steps are those its backward computed (one micro-batch group, no loss scale:
 ``on_device``), each pack's bwd takes its gradients' norms on the device as it writes them out, and the total is
-made from those: the host reads no gradient for it. Otherwise (vDP's groups are summed, fp16's unscaled first) the
-first update computes every norm from the gradients in the host store, as its optimizer would read them.
+made from those: the host reads no gradient for it. Otherwise the first update computes every norm from the
+gradients in the host store, as its optimizer would read them (fp16's unscaled). With vDP's micro-batch groups it
+sums each pack's groups into the pack's reduced file as it goes, and the pack's update steps that sum rather than
+summing them again: so that no update holds a pack's lock while it waits for the norm, a clipped vDP update takes
+the norm before it takes its pack's lock.
 
   norms   two slots of (step, then each member's total norm), float64, under a lock (the file's): slot step % 2
           holds step's once computed. The updates of a step all read it before any update of step + 2 can be due.
-          Then, with on_device, two slots per pack of (step, then each member's norm of each gradient it steps),
-          written by the pack's bwd under the pack's lock: the first update of the step reads them all.
+          Then two slots per pack of (step, then each member's norm of each gradient it steps): with on_device
+          written by the pack's bwd under the pack's lock, the first update of the step reading them all; with
+          groups written by the norm computation once it summed the pack's groups, the step taken back (-1) by
+          the pack's update as it uses that sum.
 """
 
 from __future__ import annotations
@@ -110,6 +115,17 @@ class Norms:
         row = self.packs[step % 2, pack]
         row[1 : 1 + norms.numel()] = norms.flatten().to("cpu", torch.float64)
         row[0] = float(step)
+
+    def reduced(self, step: int, pack: int) -> bool:
+        """Whether the step's norm computation summed the pack's micro-batch groups into its reduced file (it
+        recorded the pack's row, see totals' caller), taking the answer: once the pack's update has begun to use
+        that sum (and may scale it in place), an update run again sums the groups again. The caller holds the
+        pack's lock."""
+        row = self.packs[step % 2, pack]
+        if int(row[0]) != step:
+            return False
+        row[0] = -1.0
+        return True
 
     def recorded(self, step: int, pack: int, dtypes: Sequence[torch.dtype]) -> list[list[torch.Tensor]]:
         """Per member, the norm of each gradient of pack (of dtypes) its bwd of step recorded."""

@@ -308,10 +308,16 @@ class RunContext:
         spec = self.spec.models[model]
         runtime = spec.packs[pack]
         stopped = self.members(model).stopped() if spec.members > 1 else []
+        if spec.clip and spec.groups > 1 and runtime.stepped:  # the step's norm first: it sums every pack's groups
+            with pack_lock(self.store, weights_name(model, pack)):
+                _check(files, self.store)
+                current = self.versions(model).current(pack)[0] == step
+            if current:
+                self.norms(model).totals(step, torch.float64, lambda: self.step_norms(model, step))
         with pack_lock(self.store, weights_name(model, pack)):
             _check(files, self.store)
             current = self.versions(model).current(pack)[0] == step
-            if current and spec.groups > 1:
+            if current and spec.groups > 1 and not (spec.clip and self.norms(model).reduced(step, pack)):
                 self.reduce_grads(model, pack)
             skip = False
             if spec.scaled and current:
@@ -365,9 +371,11 @@ class RunContext:
 
     def step_norms(self, model: int, step: int) -> list[torch.Tensor]:
         """Each member's total norm of every pack's gradients of step, as the packs' optimizers read them: of the
-        norms their bwd tasks recorded where it can (runtime.clipping.on_device), else computed here with the
-        micro-batch groups' summed, fp16's unscaled (from the files each group's backward wrote, which hold step's
-        until every pack's update of it has read this, see runtime.clipping)."""
+        norms their bwd tasks recorded where it can (runtime.clipping.on_device), else computed here with fp16's
+        unscaled, from the files each group's backward wrote (which hold step's until every pack's update of it has
+        read this, see runtime.clipping); with micro-batch groups, from their sum, written into each pack's reduced
+        file for its update (Norms.reduced says it is there). Called by the step's first update, holding no pack's
+        lock: no update of step has begun, and none can until this is done."""
         spec = self.spec.models[model]
         norms: list[list[torch.Tensor]] = [[] for _ in range(spec.members)]
         if on_device(spec.groups, spec.scaled):
@@ -377,16 +385,19 @@ class RunContext:
                     norms[member].extend(each)
             return total_norms(norms)
         inverse = self.scaler(model).inverse(step) if spec.scaled else None
-        for pack in range(len(spec.packs)):
-            groups = [self.stepped_grads(model, pack, self.host_grads(model, pack, group))
-                      for group in range(spec.groups)]
-            grads = []
-            for position, (name, grad) in enumerate(groups[0]):
-                if spec.groups > 1:
-                    grad = torch.sum(torch.stack([each[position][1] for each in groups]), 0)
-                grads.append((name, grad if inverse is None else grad * inverse))
-            for member, each in enumerate(tensor_norms(grads, spec.members)):
-                norms[member].extend(each)
+        for pack, runtime in enumerate(spec.packs):
+            if spec.groups > 1 and runtime.stepped:  # summed once, for the norm and for the pack's update
+                self.reduce_grads(model, pack)
+                source = self.store.attach(reduced_grads_name(model, pack), runtime.grads.nbytes)
+            else:
+                source = self.host_grads(model, pack)
+            grads = [(name, grad if inverse is None else grad * inverse)
+                     for name, grad in self.stepped_grads(model, pack, source)]
+            each = tensor_norms(grads, spec.members)
+            if spec.groups > 1 and runtime.stepped:
+                self.norms(model).record(step, pack, torch.stack([torch.stack(row) for row in each]))
+            for member, row in enumerate(each):
+                norms[member].extend(row)
         return total_norms(norms)
 
     def norms(self, model: int) -> Norms:

@@ -178,7 +178,7 @@ def test_a_weight_tied_across_packs_counts_once_in_the_norm(no_leaks: None) -> N
     assert model.last.weight is model.first.weight
 
 
-@pytest.mark.parametrize("case", ["swapped", "homed"])
+@pytest.mark.parametrize("case", ["swapped", "vdp", "homed"])
 def test_fp16_clips_the_unscaled_gradients_as_a_plain_loop_between_unscale_and_step(case: str,
                                                                                      no_leaks: None) -> None:
     """Under fp16's loss scaler the norm is of the unscaled gradients and a skipped step clips nothing, as a plain
@@ -195,11 +195,13 @@ def test_fp16_clips_the_unscaled_gradients_as_a_plain_loop_between_unscale_and_s
         _, skipped, norms = train_plain_scaled(model, batches, sgd, microbatches, scaler_arguments, clip=clip)
         return model, skipped, norms
 
-    options = {"resident": False, "device_memory": 24_000} if case == "swapped" else {}
-    result = harmony.train(model, batches, nn.functional.mse_loss, sgd, microbatches=MICROBATCHES, devices=1,
+    options = {"homed": {}, "swapped": {"resident": False, "device_memory": 24_000},
+               "vdp": {"resident": False, "device_memory": 24_000, "devices": 2, "mode": "vdp"}}[case]
+    result = harmony.train(model, batches, nn.functional.mse_loss, sgd, microbatches=MICROBATCHES,
                            precision="fp16", grad_scaler=scaler_arguments, clip_grad_norm=0.05, progress=False,
-                           **options)
-    assert (result.plan.jobs[0].home is None) == (case == "swapped")
+                           **{"devices": 1, **options})
+    assert (result.plan.jobs[0].home is None) == (case != "homed")
+    assert result.plan.jobs[0].groups == (2 if case == "vdp" else 1)
     micro, skipped, norms = scaled_plain(MICROBATCHES, 0.05)
     whole, _, _ = scaled_plain(1, 0.05)
     unclipped, _, _ = scaled_plain(MICROBATCHES, None)

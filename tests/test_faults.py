@@ -139,15 +139,17 @@ def test_an_embedded_worker_killed_mid_step_costs_only_that_step(
     assert shown[0][2].startswith(f"{shown[0][1]} on "), shown
 
 
-@pytest.mark.parametrize("where", ["in-backward", "beside-the-device", "on-the-device", "clipped"])
+@pytest.mark.parametrize("where", ["in-backward", "beside-the-device", "on-the-device", "clipped", "clipped-vdp"])
 def test_a_worker_killed_during_an_update_leaves_the_weights_it_was_writing_intact(
     where: str, tmp_path: Path, no_leaks: None, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The dying update writes garbage into the weights it steps: the host slot it would publish, or, on the device,
     the cached weights, which die with the worker; the update runs again from the version before it. Clipped, the
-    update run again scales the step's gradients by the norm its first attempt's step computed, as before."""
-    clipped = where == "clipped"
-    overlap, update_on = where in ("beside-the-device", "clipped"), "device" if where == "on-the-device" else "host"
+    update run again scales the step's gradients by the norm its first attempt's step computed, as before; with
+    vDP's micro-batch groups, it sums them again rather than step the sum its first attempt scaled in place."""
+    clipped = where.startswith("clipped")
+    overlap = where in ("beside-the-device", "clipped", "clipped-vdp")
+    update_on = "device" if where == "on-the-device" else "host"
     marker = str(tmp_path / "killed")
     killing = lambda p: KillingSGD(p, marker, calls=7, lr=0.05, momentum=0.9)  # noqa: E731
     models = [deep_mlp(seed=1), deep_mlp(seed=2)]
@@ -156,9 +158,10 @@ def test_a_worker_killed_during_an_update_leaves_the_weights_it_was_writing_inta
     result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss, optimizer=[killing, sgd],
                            microbatches=2, devices=["cpu", "cpu"], device_memory=24_000, progress=False, fuse=False,
                            overlap_update=None if clipped else overlap, update_on=update_on,
-                           clip_grad_norm=0.05 if clipped else None)
+                           clip_grad_norm=0.05 if clipped else None, mode="vdp" if where == "clipped-vdp" else "auto")
     assert Path(marker).read_text() == "update"
     assert all(job.overlap == overlap and job.device_update == (update_on == "device") for job in result.plan.jobs)
+    assert all(job.groups == (2 if where == "clipped-vdp" else 1) for job in result.plan.jobs)
     if clipped:
         for model, reference in zip(models, references):
             _, norms = train_plain_scheduled(reference, batches, sgd, clip=0.05)
