@@ -1,12 +1,13 @@
 """The Harmony page on the scheduler's dashboard (``/harmony``): what it samples, serves and is fed by the driver.
 
 Each device worker reports its figures as Dask worker metrics (``harmony_budget``, ``harmony_cached``,
-``harmony_in``, ``harmony_out``, ``harmony_busy``: runtime.worker.device_metrics), which travel with the workers'
-heartbeats and show in Dask's own worker table; the driver publishes each model's step, loss and validation loss as
-scheduler events (topic ``harmony``). A scheduler plugin samples both every second into bounded series and serves
-them: ``/harmony`` is a page that draws them (plain SVG, redrawn every second from ``/harmony/data.json``). The
-routes are added to the scheduler's own HTTP server, so the embedded cluster and a user's cluster serve them alike
-while a run is going (the scheduler needs harmony importable); between runs the page says that none is going.
+``harmony_in``, ``harmony_out``, ``harmony_busy``, ``harmony_threads``: runtime.worker.device_metrics), which travel
+with the workers' heartbeats and show in Dask's own worker table; the driver publishes each model's step, loss and
+validation loss as scheduler events (topic ``harmony``). A scheduler plugin samples both every second into bounded
+series and serves them: ``/harmony`` is a page that draws them (plain SVG, redrawn every second from
+``/harmony/data.json``). The routes are added to the scheduler's own HTTP server, so the embedded cluster and a
+user's cluster serve them alike while a run is going (the scheduler needs harmony importable); between runs the page
+says that none is going.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ class DashboardPage(SchedulerPlugin):
                 continue
             series = self.devices.setdefault(str(worker.name), deque(maxlen=SAMPLES))
             series.append([at, *(metrics.get(f"harmony_{name}", 0) for name in ("budget", "cached", "in", "out",
-                                                                                  "busy"))])
+                                                                                  "busy", "threads"))])
         events = self.scheduler.get_events(TOPIC)
         for _, message in reversed(events):  # type: ignore[arg-type]
             if isinstance(message, dict) and message.get("run") == self.run:

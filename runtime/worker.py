@@ -106,12 +106,16 @@ class RunContext:
     def counters(self) -> Counters:
         return self.cache.counters
 
+    @property
+    def computing_threads(self) -> int:
+        """The CPU threads this device's next task computes with: its own share of the cores, or more once devices
+        of its machine with nothing left to compute give theirs (runtime.devices.shared_threads)."""
+        return int(self.threads[0]) or self.device_spec.threads
+
     def use_threads(self) -> None:
-        """Give torch this device's share of the CPU cores, in the thread that runs the tasks: its own, or more once
-        devices of its machine with nothing left to compute give theirs (runtime.devices.shared_threads)."""
-        threads = int(self.threads[0]) or self.device_spec.threads
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
+        """Give torch computing_threads, in the thread that runs the tasks."""
+        if torch.get_num_threads() != self.computing_threads:
+            torch.set_num_threads(self.computing_threads)
 
     def autocast(self) -> AbstractContextManager[object]:
         """Where forward and backward compute (and a loss is taken): under torch.autocast in the run's precision
@@ -548,6 +552,7 @@ def device_metrics(run: str) -> dict[str, Any]:
         "harmony_in": counter(*(f"in_{kind}" for kind in IN_KINDS)),
         "harmony_out": counter(*(f"out_{kind}" for kind in OUT_KINDS)),
         "harmony_busy": busy,
+        "harmony_threads": lambda worker: 0 if figures(worker) is None else figures(worker).computing_threads,
     }
 
 

@@ -106,8 +106,8 @@ def test_the_harmony_page_serves_each_devices_figures_during_a_run_and_chromium_
     data = seen["data"]
     assert set(data["devices"]) == set(result.stats.peak_device_bytes)
     for series in data["devices"].values():
-        _, budget, cached, bytes_in, bytes_out, busy = series[-1]
-        assert budget == BUDGET and 0 <= cached <= BUDGET and 0 <= busy <= 1
+        _, budget, cached, bytes_in, bytes_out, busy, threads = series[-1]
+        assert budget == BUDGET and 0 <= cached <= BUDGET and 0 <= busy <= 1 and threads >= 1
         assert bytes_in > 0 and bytes_out > 0, "swapped models move bytes in and out"
     assert set(data["models"]) == {"a", "b", "c"}
     assert all(isinstance(series[-1][2], float) for series in data["models"].values()), "each model's loss"
