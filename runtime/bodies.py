@@ -486,7 +486,7 @@ def _backward_pack(
                     _record_losses(ctx, model, step, group, losses.totals())
                 if spec.scaled:
                     ctx.scaler(model).flag(step, pack, group, not finite(grads))
-                if spec.clip and on_device(spec.groups, spec.scaled):  # the host reads no gradient for the norm
+                if spec.clip and on_device(spec.groups):  # the host reads no gradient for the norm
                     ctx.record_norms(model, pack, step, grad_bytes)
                 if not runtime.device_update or runtime.borrowed:  # a borrowed weight's gradient goes to its lender
                     ctx.cache.write_back(grad_bytes, ctx.host_grads(model, pack, group), "grads")

@@ -11,13 +11,15 @@ it, and writes it into the job's norms file; the others read it there. It is com
 updates (every update reads it first), while every pack's gradients are still the step's: a pack's gradients are
 written again only by the next step's backward, which comes after that pack's update.
 
-Where the gradients a pack's optimizer steps are those its backward computed (one micro-batch group, no loss scale:
-``on_device``), each pack's bwd takes its gradients' norms on the device as it writes them out, and the total is
-made from those: the host reads no gradient for it. Otherwise the first update computes every norm from the
-gradients in the host store, as its optimizer would read them (fp16's unscaled). With vDP's micro-batch groups it
-sums each pack's groups into the pack's reduced file as it goes, and the pack's update steps that sum rather than
-summing them again: so that no update holds a pack's lock while it waits for the norm, a clipped vDP update takes
-the norm before it takes its pack's lock.
+Where the gradients a pack's optimizer steps are those its backward computed (one micro-batch group: ``on_device``),
+each pack's bwd takes its gradients' norms on the device as it writes them out, and the total is made from those: the
+host reads no gradient for it. fp16's gradients are still scaled then: their norms are multiplied by the step's inverse
+scale, which is the norm of the unscaled gradients exactly where the scale is a power of two (GradScaler's, unless its
+growth or backoff factor says otherwise) and no square falls below the smallest normal float. With vDP's micro-batch
+groups the first update computes every norm from the gradients in the host store, as its optimizer would read them
+(fp16's unscaled): it sums each pack's groups into the pack's reduced file as it goes, and the pack's update steps that
+sum rather than summing them again: so that no update holds a pack's lock while it waits for the norm, a clipped vDP
+update takes the norm before it takes its pack's lock.
 
   norms   two slots of (step, then each member's total norm), float64, under a lock (the file's): slot step % 2
           holds step's once computed. The updates of a step all read it before any update of step + 2 can be due.
@@ -51,9 +53,9 @@ def norms_bytes(members: int, widths: Sequence[int] = ()) -> int:
     return 8 * (2 * (1 + members) + 2 * len(widths) * (1 + members * max(widths, default=0)))
 
 
-def on_device(groups: int, scaled: bool) -> bool:
+def on_device(groups: int) -> bool:
     """Whether a swapped job's packs take their gradients' norms on the device (see the module)."""
-    return groups == 1 and not scaled
+    return groups == 1
 
 
 def tensor_norms(grads: Named, members: int) -> list[list[torch.Tensor]]:

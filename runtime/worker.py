@@ -374,21 +374,21 @@ class RunContext:
         self.norms(model).record(step, pack, torch.stack(norms))
 
     def step_norms(self, model: int, step: int) -> list[torch.Tensor]:
-        """Each member's total norm of every pack's gradients of step, as the packs' optimizers read them: of the
-        norms their bwd tasks recorded where it can (runtime.clipping.on_device), else computed here with fp16's
-        unscaled, from the files each group's backward wrote (which hold step's until every pack's update of it has
-        read this, see runtime.clipping); with micro-batch groups, from their sum, written into each pack's reduced
-        file for its update (Norms.reduced says it is there). Called by the step's first update, holding no pack's
-        lock: no update of step has begun, and none can until this is done."""
+        """Each member's total norm of every pack's gradients of step, as the packs' optimizers read them: of the norms
+        their bwd tasks recorded where it can (runtime.clipping.on_device; fp16's times the inverse scale), else
+        computed here with fp16's unscaled, from the files each group's backward wrote (which hold step's until every
+        pack's update of it has read this, see runtime.clipping); with micro-batch groups, from their sum, written into
+        each pack's reduced file for its update (Norms.reduced says it is there). Called by the step's first update,
+        holding no pack's lock: no update of step has begun, and none can until this is done."""
         spec = self.spec.models[model]
         norms: list[list[torch.Tensor]] = [[] for _ in range(spec.members)]
-        if on_device(spec.groups, spec.scaled):
+        inverse = self.scaler(model).inverse(step) if spec.scaled else None
+        if on_device(spec.groups):
             for pack, runtime in enumerate(spec.packs):
                 dtypes = [torch_dtype(slot.spec.dtype) for slot in runtime.stepped]
                 for member, each in enumerate(self.norms(model).recorded(step, pack, dtypes)):
-                    norms[member].extend(each)
+                    norms[member].extend(each if inverse is None else [norm * inverse for norm in each])
             return total_norms(norms)
-        inverse = self.scaler(model).inverse(step) if spec.scaled else None
         for pack, runtime in enumerate(spec.packs):
             if spec.groups > 1 and runtime.stepped:  # summed once, for the norm and for the pack's update
                 self.reduce_grads(model, pack)
