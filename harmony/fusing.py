@@ -280,15 +280,13 @@ def fuse(
     first_of: dict[int, Candidate] = {}
     for choice in choices:
         logger.info("%s", choice.explain(type(args.models[choice.members[0]]).__name__))
-        timed: dict[int, ModelProfile] = {}  # per array size, the timings its arrays take
         for members in choice.arrays:
             if len(members) == 1:
                 first_of[members[0]] = candidates[members[0]]
                 continue
-            key = _kept_key(members, candidates, args)
+            key = _kept_key(members, candidates, args)  # arrays of a size take the timings of the first one timed
             array = built.get(tuple(members)) or build_array(members, candidates, args, min(budgets.values()),
-                                                             timed.get(len(members)) or timings.KEPT.get(key))
-            timed.setdefault(len(members), array.profile)
+                                                             timings.KEPT.get(key))
             timings.KEPT.setdefault(key, array.profile)
             logger.info("%s", array.job.packing.explain())
             first_of[members[0]] = array

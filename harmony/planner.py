@@ -72,15 +72,13 @@ def cut_error(error: LayerTooLarge, label: str) -> InputError:
 def pilot(args: Arguments, budget: int) -> list[Candidate]:
     """Profile every model on its first micro-batch and cut it into packs that fit budget."""
     candidates = []
-    timed: dict[Hashable, ModelProfile] = {}  # the first profile of each architecture, whose timings the rest take
     for index, model in enumerate(args.models):
         label = model_label(index, model)
         sample, target, sizes = pilot_batch(args, index)
-        architecture = _architecture(args, index)
-        kept = ("model", architecture[1:], timings.context(sample, args.options.precision))  # across calls
+        # the first profile of each architecture, whose timings the rest take, in this call and later ones
+        kept = ("model", _architecture(args, index), timings.context(sample, args.options.precision))
         decomposition, packing = _decompose_and_cut(args, index, sample, target, sizes[0], budget,
-                                                    timed.get(architecture) or timings.KEPT.get(kept))
-        timed.setdefault(architecture, decomposition.profile)
+                                                    timings.KEPT.get(kept))
         timings.KEPT.setdefault(kept, decomposition.profile)
         optimizer = (kept, args.optimizer_classes[index], args.optimizer_state_ratios[index])
         if optimizer not in timings.RATES and args.optimizers[index] is not None:
@@ -104,10 +102,11 @@ def pilot(args: Arguments, budget: int) -> list[Candidate]:
 
 
 def _architecture(args: Arguments, index: int) -> Hashable:
-    """What models must share for one's pilot timings to stand for the other's: class, loader, parameters and
-    buffers (decompose still checks that their layers come out alike)."""
+    """What models must share for one's pilot timings to stand for the other's, besides their batches' shapes
+    (harmony.timings.context): class, parameters and buffers (decompose still checks that their layers come out
+    alike)."""
     model = args.models[index]
-    return (args.loader_of[index], type(model),
+    return (type(model),
             tuple((name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in model.named_parameters()),
             tuple((name, tuple(b.shape), b.dtype) for name, b in model.named_buffers()))
 

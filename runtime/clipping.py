@@ -111,11 +111,13 @@ class Norms:
     def create(store: HostStore, model: int, members: int, widths: Sequence[int]) -> None:
         store.create(norms_name(model), norms_bytes(members, widths)).view(torch.float64).fill_(-1.0)
 
-    def record(self, step: int, pack: int, norms: torch.Tensor) -> None:
-        """Write a pack's gradient norms of step (members x the gradients it steps, on any device). The caller
+    def record(self, step: int, pack: int, norms: list[list[torch.Tensor]]) -> None:
+        """Write a pack's gradient norms of step (tensor_norms of the gradients it steps, on any device). The caller
         holds the pack's lock."""
         row = self.packs[step % 2, pack]
-        row[1 : 1 + norms.numel()] = norms.flatten().to("cpu", torch.float64)
+        if norms and norms[0]:
+            values = torch.stack([torch.stack(each) for each in norms])
+            row[1 : 1 + values.numel()] = values.flatten().to("cpu", torch.float64)
         row[0] = float(step)
 
     def reduced(self, step: int, pack: int) -> bool:

@@ -369,9 +369,7 @@ class RunContext:
         """Record a swapped pack's gradient norms of step, taken where grads (its gradients' bytes) are, for the
         step's total (runtime.clipping.on_device). Called by the device's running task, holding the pack's lock."""
         named = self.stepped_grads(model, pack, grads)
-        members = self.spec.models[model].members
-        norms = [torch.stack(each) if each else grads.new_zeros(0) for each in tensor_norms(named, members)]
-        self.norms(model).record(step, pack, torch.stack(norms))
+        self.norms(model).record(step, pack, tensor_norms(named, self.spec.models[model].members))
 
     def step_norms(self, model: int, step: int) -> list[torch.Tensor]:
         """Each member's total norm of every pack's gradients of step, as the packs' optimizers read them: of the norms
@@ -399,7 +397,7 @@ class RunContext:
                      for name, grad in self.stepped_grads(model, pack, source)]
             each = tensor_norms(grads, spec.members)
             if spec.groups > 1 and runtime.stepped:
-                self.norms(model).record(step, pack, torch.stack([torch.stack(row) for row in each]))
+                self.norms(model).record(step, pack, each)
             for member, row in enumerate(each):
                 norms[member].extend(row)
         return total_norms(norms)

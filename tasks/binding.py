@@ -844,7 +844,7 @@ class BindingState:
 
     def idle_devices(self) -> frozenset[str]:
         """The live devices with nothing left to compute in this run: while every job still training is homed (a
-        job that is not can run on any device), those that are no such job's home. None once nothing trains."""
+        job that is not can run on any device), those that are no such job's home; none once nothing trains."""
         homes = set()
         for model in range(len(self.jobs)):
             if self.stopped(model) or self._job_finished(model):

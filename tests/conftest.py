@@ -325,6 +325,15 @@ def warm_cluster(request: pytest.FixtureRequest) -> Iterator[None]:
         shutdown()
 
 
+@pytest.fixture
+def no_cluster_may_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """For a test of harmony.plan alone: starting the embedded cluster fails it."""
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("harmony.plan started a cluster")
+
+    monkeypatch.setattr("harmony.api.embedded", refuse)
+
+
 @pytest.fixture(autouse=True)
 def fresh_timings() -> None:
     """Every test plans from timings of its own: none kept from an earlier test's calls (harmony.timings), whose

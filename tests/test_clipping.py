@@ -103,10 +103,13 @@ def test_a_packs_norms_recorded_by_its_bwd_are_read_back_per_member_for_their_st
     that step; a step whose norms a pack never recorded is an error, not another step's norms."""
     Norms.create(store, 1, 2, [3, 1, 0])
     norms = Norms(store, 1, 2, [3, 1, 0])
-    norms.record(4, 0, torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]))
-    norms.record(4, 1, torch.tensor([[7.0], [8.0]], dtype=torch.float64))
-    norms.record(4, 2, torch.zeros(2, 0))
-    norms.record(5, 0, torch.tensor([[9.0, 9.0, 9.0], [9.0, 9.0, 9.0]]))
+    def taken(rows: list[list[float]], dtype: torch.dtype = torch.float32) -> list[list[torch.Tensor]]:
+        return [[torch.tensor(value, dtype=dtype) for value in row] for row in rows]
+
+    norms.record(4, 0, taken([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]))
+    norms.record(4, 1, taken([[7.0], [8.0]], torch.float64))
+    norms.record(4, 2, [[], []])
+    norms.record(5, 0, taken([[9.0, 9.0, 9.0], [9.0, 9.0, 9.0]]))
     read = Norms(store, 1, 2, [3, 1, 0])  # another process maps the same file
     first = read.recorded(4, 0, [torch.float32, torch.float32, torch.float64])
     assert [[float(value) for value in each] for each in first] == [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]

@@ -12,14 +12,7 @@ import harmony
 from harmony.tasks.graph import TaskId
 from tests.conftest import deep_mlp, param_bytes, regression_batches
 
-
-@pytest.fixture(autouse=True)
-def no_cluster_may_start(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    def refuse(*args: object, **kwargs: object) -> None:
-        raise AssertionError("harmony.plan started a cluster")
-
-    monkeypatch.setattr("harmony.api.embedded", refuse)
-    yield
+pytestmark = pytest.mark.usefixtures("no_cluster_may_start")
 
 
 def test_plan_on_this_machine_predicts_packs_peaks_and_swaps() -> None:

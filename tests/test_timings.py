@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -14,14 +13,7 @@ from harmony import fusing, planner, timings
 from harmony.runtime import pilot
 from tests.conftest import deep_mlp, regression_batches
 
-
-@pytest.fixture(autouse=True)
-def no_cluster_may_start(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    def refuse(*args: object, **kwargs: object) -> None:
-        raise AssertionError("harmony.plan started a cluster")
-
-    monkeypatch.setattr("harmony.api.embedded", refuse)
-    yield
+pytestmark = pytest.mark.usefixtures("no_cluster_may_start")
 
 
 @pytest.fixture
