@@ -9,9 +9,10 @@
 #   bash benchmarks/gpu_lease.sh wheels                 # here, once
 #   bash benchmarks/gpu_lease.sh tests                  # there: tests/test_gpu.py and tests/test_ipc.py
 #   bash benchmarks/gpu_lease.sh swap|copies|update|sweep|peers|all
+#   bash benchmarks/gpu_lease.sh lease                  # there: what one 10-minute call of a 15-minute lease holds
 set -euo pipefail
 cd "$(dirname "$0")/.."
-stage="${1:?a stage: wheels, tests, swap, copies, update, sweep, peers or all}"
+stage="${1:?a stage: wheels, tests, swap, copies, update, sweep, peers, all or lease}"
 python=python3
 wheels=(dask==2026.8.0 distributed==2026.8.0 bokeh==3.9.2 tornado==6.6.1 partd==1.4.2 locket==1.0.0 tblib==3.2.2
         zict==3.0.0 xyzservices==2026.9.1 dask-cuda)
@@ -53,6 +54,17 @@ case "$stage" in
         run gpu_copies 60 "$python" -m benchmarks.gpu_copies --out "$out/gpu_copies.json"
         run gpu_swap 220 "$python" -m benchmarks.gpu_swap --batches 16384 --microbatch 1024 --ways "as planned" \
             --out "$out/gpu_swap.json"
+        ;;
+    lease)
+        nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+        limit=()  # pytest-timeout, where installed, ends a hung test rather than the lease
+        "$python" -c "import pytest_timeout" 2>/dev/null && limit=(--timeout 120)
+        run tests 230 "$python" -m pytest -q -p no:cacheprovider --durations 8 "${limit[@]}" tests/test_gpu.py \
+            tests/test_ipc.py
+        run gpu_swap 220 "$python" -m benchmarks.gpu_swap --batches 16384 --microbatch 1024 --ways "as planned" \
+            --budgets 0.25,0.25+activations --out "$out/gpu_swap.json"
+        run device_update 110 "$python" -m benchmarks.device_update --device cuda:0 --quick --rounds 1 \
+            --out "$out/device_update.json"
         ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

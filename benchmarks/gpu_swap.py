@@ -127,6 +127,15 @@ def harmony_run(model: nn.Module, data: list, budget: int, microbatch: int, pref
                          log_dir=profile, profile_steps=2 if profile is not None else 0)
 
 
+def budget_bytes(text: str, weights: int, depth: int, batch: int, width: int) -> int:
+    """The device budget that text names: a share of the weights, plus, where it ends in '+activations', a
+    Linear's input and a ReLU's output (float32) of the whole batch for every layer."""
+    share, plus, extra = text.partition("+")
+    if plus and extra != "activations":
+        raise SystemExit(f"--budgets: {text!r} is not a share of the weights or a share '+activations'")
+    return int(float(share) * weights) + (2 * depth * batch * width * 4 if plus else 0)
+
+
 def progress(rows: list[dict]) -> None:
     """Print rows as they are measured, so that a run cut short still tells what it measured."""
     for row in rows:
@@ -139,6 +148,10 @@ def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--microbatch", type=int, default=512,
                         help="samples per micro-batch of Harmony's runs (their activations must fit beside a pack)")
     parser.add_argument("--ways", default="", help="only Harmony's ways whose name contains this")
+    parser.add_argument("--budgets", type=lambda text: text.split(","), default=["0.25"],
+                        help="Harmony's device budgets, comma-separated: a share of the weights, optionally "
+                             "'+activations' (room besides for every layer's saved activations of the whole batch, "
+                             "where stashes can last until their backward), e.g. 0.25,0.25+activations")
     parser.add_argument("--profile", type=Path, default=None,
                         help="trace the workers' tasks of two steps of every Harmony run into this directory "
                              "(torch.profiler; one subdirectory per run)")
@@ -153,7 +166,6 @@ def main() -> None:
     width, depth, steps = (1024, 32, 6) if args.quick else (2048, 32, 10)
     host_to_device, device_to_host = pinned_bandwidth(device)
     weights = parameter_bytes(mlp(width, depth))
-    budget = weights // 4
     rows, raw = [], {}
     for batch in args.batches or ((512, 2048) if args.quick else (1024, 4096, 16384, 65536)):
         data = regression(steps, batch, width)
@@ -167,25 +179,30 @@ def main() -> None:
         rows.append({"way": "plain bf16 autocast, resident on the GPU", **common, "compute s": resident_bf16,
                      "step s": resident_bf16, "weights in/step": 0})
         progress(rows[-3:])
-        for way, (prefetch, packs_per_task, overlap_update, precision, update_on) in WAYS.items():
+        for share, (way, (prefetch, packs_per_task, overlap_update, precision, update_on)) in (
+                (share, item) for share in args.budgets for item in WAYS.items()):
             if args.ways not in way:
                 continue
+            budget = budget_bytes(share, weights, depth, batch, width)
             traced = None if args.profile is None else args.profile / f"{batch}-{len(raw)}"
             try:
                 result = harmony_run(mlp(width, depth), data, budget, args.microbatch, prefetch, packs_per_task,
                                      overlap_update, precision, update_on, traced)
             except harmony.InputError as error:  # micro-batches whose activations do not fit beside a pack
-                print(f"batch {batch}: {way}: {error}", flush=True)
+                print(f"batch {batch}, budget {share}: {way}: {error}", flush=True)
                 continue
             job = result.plan.jobs[0]
             where = "on the device" if job.device_update else "beside" if job.overlap else "in bwd"
             rows.append({
-                "way": f"{way} ({job.section_count} tasks a pass, updates {where})",
+                "way": f"{way} ({job.section_count} tasks a pass, updates {where}, "
+                       f"{len(job.stashes)} packs stashed)",
+                "budget share": share,
                 **common, **({"compute s": resident_bf16} if precision == "bf16" else {}),
                 "step s": result.stats.steady_seconds_per_step(0),
                 "weights in/step": result.stats.bytes_in["weights"] // steps,
                 "prefetched %": 100 * result.stats.bytes_prefetched / max(result.stats.bytes_in["weights"], 1),
                 "values ahead+behind/step": (result.stats.bytes_ahead + result.stats.bytes_behind) // steps,
+                "stashed passes/step": result.stats.stashed / steps,
                 "peak": max(result.stats.peak_device_bytes.values()), "budget": budget,
                 "packs": len(result.packings[0].packs), "tasks/step": result.stats.tasks / steps,
                 "busy s/step": sum(result.stats.busy_seconds.values()) / steps,
@@ -193,17 +210,20 @@ def main() -> None:
                                             + result.stats.bytes_out["activations"]) // steps,
             })
             progress(rows[-1:])
-            raw[f"{batch} {way}"] = {key: getattr(result.stats, key) for key in (
+            raw[f"{batch} {share} {way}"] = {key: getattr(result.stats, key) for key in (
                 "timeline", "step_seconds", "task_seconds", "busy_seconds", "idle_seconds")}
     for row in rows:
         row["throughput / resident"] = row["compute s"] / row["step s"]
         row.setdefault("prefetched %", 0.0)
         row.setdefault("peak", 0)
-        row.setdefault("budget", budget)
-        for column in ("packs", "tasks/step", "busy s/step", "activations in+out/step", "values ahead+behind/step"):
+        row.setdefault("budget", 0)
+        row.setdefault("budget share", "")
+        for column in ("packs", "tasks/step", "stashed passes/step", "busy s/step", "activations in+out/step",
+                       "values ahead+behind/step"):
             row.setdefault(column, 0)
-    report("gpu_swap", f"Swapping on {torch.cuda.get_device_name(device)}: one MLP of {weights:,} B, budget "
-           f"{budget:,} B; pinned copies {host_to_device / 1e9:.1f} GB/s in, {device_to_host / 1e9:.1f} GB/s out",
+    report("gpu_swap", f"Swapping on {torch.cuda.get_device_name(device)}: one MLP of {weights:,} B, budgets "
+           f"{', '.join(args.budgets)} of it; pinned copies {host_to_device / 1e9:.1f} GB/s in, "
+           f"{device_to_host / 1e9:.1f} GB/s out",
            rows, args.out, notes="batch: samples per weight load (issue 28's goal: 90% of the resident throughput from "
            "16k); compute s: the resident plain loop (for bf16 rows the resident bf16 autocast loop); "
            "copy s: 2W in + 1W out at the measured speed; "
