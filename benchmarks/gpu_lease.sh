@@ -10,9 +10,10 @@
 #   bash benchmarks/gpu_lease.sh tests                  # there: tests/test_gpu.py and tests/test_ipc.py
 #   bash benchmarks/gpu_lease.sh swap|copies|update|sweep|peers|all
 #   bash benchmarks/gpu_lease.sh lease                  # there: what one 10-minute call of a 15-minute lease holds
+#   bash benchmarks/gpu_lease.sh profile                # there: gpu_swap's 16k row traced, and where its time went
 set -euo pipefail
 cd "$(dirname "$0")/.."
-stage="${1:?a stage: wheels, tests, swap, copies, update, sweep, peers, all or lease}"
+stage="${1:?a stage: wheels, tests, swap, copies, update, sweep, peers, all, lease or profile}"
 python=python3
 wheels=(dask==2026.8.0 distributed==2026.8.0 bokeh==3.9.2 tornado==6.6.1 partd==1.4.2 locket==1.0.0 tblib==3.2.2
         zict==3.0.0 xyzservices==2026.9.1 dask-cuda)
@@ -30,7 +31,7 @@ out="${OUT:-benchmarks/results}"
 mkdir -p "$out"
 "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 "$python" -m pip install -q --no-index --no-deps --no-build-isolation -e .  # harmony.runtime maps to runtime/
-export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PATH="/tmp/site/bin:$PATH"  # dask's CLI
 "$python" -c "import torch; assert torch.cuda.is_available(), 'no GPU here'; print(torch.cuda.get_device_name(0))"
 
 run() {  # run NAME SECONDS COMMAND...: its output to $out/NAME.log, its JSON to $out/NAME.json
@@ -65,6 +66,15 @@ case "$stage" in
             --budgets 0.25,0.25+activations --out "$out/gpu_swap.json"
         run device_update 110 "$python" -m benchmarks.device_update --device cuda:0 --quick --rounds 1 \
             --out "$out/device_update.json"
+        ;;
+    profile)
+        run tests 90 "$python" -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "swapping_with_prefetch or ahead"
+        run gpu_swap 130 "$python" -m benchmarks.gpu_swap --batches 16384 --microbatch 1024 \
+            --ways "harmony, as planned" --profile /tmp/traces --out "$out/gpu_swap_traced.json"
+        for trace in /tmp/traces/*/profile-*.json; do
+            "$python" -m benchmarks.trace_summary "$trace" --top 25 | tee -a "$out/trace_summary.log"
+            gzip -c "$trace" > "$out/$(basename "$(dirname "$trace")")-$(basename "$trace").gz"
+        done
         ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

@@ -79,12 +79,14 @@ def test_cuda_device_matches_plain_pytorch_while_swapping_with_prefetch(no_leaks
         assert_same_weights(model, reference, rtol=1e-4, atol=1e-6)
     assert max(result.stats.peak_device_bytes.values()) <= 24_000
     assert result.stats.bytes_prefetched > 0, "weights were swapped in without the copy stream"
-    assert result.stats.bytes_ahead > 0 and result.stats.bytes_behind > 0, "values crossed on the compute stream"
+    assert result.stats.bytes_ahead > 0, "values crossed on the compute stream"
 
 
 def test_values_copied_ahead_and_sent_behind_on_cuda_give_the_same_weights(no_leaks: None) -> None:
     """On a GPU prefetch=True copies micro-batch values on the inward and outward streams: float64 weights the same bit
-    for bit as prefetch="weights", which copies them on the compute stream, and plain PyTorch's within 1e-9."""
+    for bit as prefetch="weights", which copies them on the compute stream, and plain PyTorch's within 1e-9. With one
+    pack a task every output and input gradient leaves behind the compute (a task of several packs hands its values
+    on inside it, and sends none: tests/test_exactness.py)."""
     batches = [(x.double(), y.double()) for x, y in regression_batches(samples=64, batch=16)]
     factory = lambda p: torch.optim.Adam(p, lr=1e-2)  # noqa: E731
     trained = []
@@ -94,7 +96,10 @@ def test_values_copied_ahead_and_sent_behind_on_cuda_give_the_same_weights(no_le
                                devices=["cuda:0"], device_memory=64_000, resident=False, fuse=False,
                                packs_per_task=1, stash=False, prefetch=prefetch, progress=False)
         assert max(result.stats.peak_device_bytes.values()) <= 64_000
-        assert (result.stats.bytes_ahead > 0) == (prefetch is True)
+        stats = result.stats
+        assert (stats.bytes_ahead > 0) == (prefetch is True)
+        sent = stats.bytes_out["activations"] if prefetch is True else 0
+        assert stats.bytes_out["activations"] > 0 and stats.bytes_behind == sent, (stats.bytes_behind, stats.bytes_out)
         trained.append(model)
     for a, b in zip(trained[0].parameters(), trained[1].parameters()):
         assert torch.equal(a, b)
