@@ -462,12 +462,31 @@ class DeviceCache:
     def hand_on(self, consumer: Any, microbatch: int, value: Any, keep_free: int = 0) -> Spilled:
         """value for consumer, a later pack of the running task: kept on the device where it fits (as keep), its
         host copy made only if it is evicted before consumer claims it, or at once where it is not kept. A kept
-        value that reached its consumer never crossed the link."""
+        value that reached its consumer never crossed the link.
+
+        Where copies run ahead of compute, a value is kept only where one more of its size would still fit beside
+        keep_free: that room is a slot for sending the values not kept behind the compute (send), each charged until
+        it is there. A value finding the slot taken waits for the oldest send to land; one finding no slot at all
+        (a pass whose first values already fill the room) is copied out at once."""
         spilled = Spilled()
+        nbytes = tree_nbytes(value)
+        slot = nbytes if self.copies_ahead else 0
+        self._release_sent()
         with self._lock:  # no eviction between the keep and its spill's record
-            if self.keep(consumer, microbatch, value, keep_free):
+            if self.keep(consumer, microbatch, value, keep_free + slot):
                 self.spills[boundary_key(consumer, microbatch)] = spilled
                 return spilled
+        while slot:
+            with self._lock:
+                if self.memory.used + nbytes + keep_free <= self.budget:
+                    self._forget(self.memory.reserve(nbytes, "a send"))  # it fits: nothing is evicted
+                    spilled.value = self._behind(value, "activations", nbytes)
+                    return spilled
+                sending = self._sending[0] if self._sending else None
+            if sending is None:
+                break
+            _land(sending)
+            self._release_sent()
         spilled.value = self.copy_out(value, "activations")
         return spilled
 
@@ -482,8 +501,11 @@ class DeviceCache:
 
         On CUDA the copy is enqueued on the copy stream; on a CPU device it is made at once and is there when the
         simulated link has carried it."""
+        sent = None
         if isinstance(tree, Spilled):  # handed on inside the task: on the device still, or spilled to the host
             tree = tree.value
+        if isinstance(tree, Transit):  # sent behind the compute: copied in after it lands
+            sent, tree = tree, tree.value
         nbytes = tree_nbytes(tree)
         if not self.copies_ahead or not nbytes:
             return 0
@@ -498,8 +520,10 @@ class DeviceCache:
             if not admitted:
                 return 0
             self.counters.raise_to("peak", self.memory.used)
-            started = time.perf_counter()
+            started = max(time.perf_counter(), sent.at if sent is not None else 0.0)
             events: list[torch.cuda.Event | None] = []
+            if sent is not None:
+                self.engine.after(sent.events)
 
             def copy(leaf: torch.Tensor) -> torch.Tensor:
                 if self.device.type == "cpu":  # made now: the simulated link's transfer is what take waits for
@@ -551,6 +575,12 @@ class DeviceCache:
         nbytes = tree_nbytes(tree)
         if not self.copies_ahead or nbytes > reservation.nbytes:
             return self.copy_out(tree, kind)
+        with self._lock:
+            reservation.nbytes -= nbytes
+        return self._behind(tree, kind, nbytes)
+
+    def _behind(self, tree: Any, kind: str, nbytes: int) -> Transit:
+        """Start tree's host copy behind the compute: a Transit charging nbytes (already reserved) until it lands."""
         started = time.perf_counter()
         events: list[torch.cuda.Event | None] = []
 
@@ -565,7 +595,6 @@ class DeviceCache:
         at = self.link.schedule(nbytes, OUT, started) if self.link is not None else 0.0
         transit = Transit(value, events, at, nbytes)
         with self._lock:
-            reservation.nbytes -= nbytes
             self._sending.append(transit)
         self.counters.add(f"out_{kind}", nbytes)
         self.counters.add("behind", nbytes)
@@ -638,6 +667,11 @@ class DeviceCache:
             tree = tree.value
         started = time.perf_counter()
         asynchronous = self.device.type == "cuda"
+        if isinstance(tree, Transit):  # sent behind the compute: the compute stream copies it in once it is there
+            started = max(started, tree.at)
+            for done in tree.events:
+                torch.cuda.current_stream(self.device).wait_event(done)
+            tree = tree.value
 
         def copy(leaf: torch.Tensor) -> torch.Tensor:
             return leaf.to(self.device, copy=True, non_blocking=True) if asynchronous else leaf.clone()

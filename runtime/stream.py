@@ -41,6 +41,13 @@ class CopyEngine:
             done.record(self.stream)
         return done
 
+    def after(self, events: list[torch.cuda.Event | None]) -> None:
+        """Make the copy stream's next copies wait, on the GPU, for events (an outward copy whose bytes they read)."""
+        if self.stream is not None:
+            for done in events:
+                if done is not None:
+                    self.stream.wait_event(done)
+
     def empty(self, shape: tuple[int, ...] | int, dtype: torch.dtype) -> torch.Tensor:
         """Device memory for an inward copy to write. On CUDA it is taken on the copy stream, so that the copy never
         writes memory that kernels still queued on the compute stream read (freed there, and reused at once on

@@ -134,6 +134,31 @@ def test_a_value_copied_ahead_or_sent_behind_is_never_read_before_its_copy_ends(
     cache.clear()
 
 
+def test_a_value_handed_on_and_sent_behind_is_copied_in_only_after_its_copy_out_ends(pinned_store: HostStore) -> None:
+    """A value handed on inside a task and not kept goes out on the outward stream, held up by a GPU sleep: its
+    consumer's copy in, on the compute stream (copy_in) or the copy stream (ahead), must wait for it on the GPU."""
+    from harmony.runtime.cache import Transit
+
+    device = torch.device("cuda:0")
+    nbytes = 64 << 20
+    cache = DeviceCache("cuda-0", device, 3 * nbytes, Counters(pinned_store.create("counters", BLOCK_BYTES)),
+                        ahead=True)
+    for read in ("copy_in", "ahead"):
+        value = torch.arange(nbytes // 8, dtype=torch.int64, device=device)
+        with torch.cuda.stream(cache.engine.outward):
+            torch.cuda._sleep(2_000_000_000)  # about a second of GPU cycles ahead of the copy out
+        spilled = cache.hand_on("next pack", 0, value, keep_free=2 * nbytes)  # no room to keep it beside a slot
+        assert isinstance(spilled.value, Transit)
+        if read == "copy_in":
+            copied = cache.copy_in(spilled, "activations")
+        else:
+            assert cache.ahead("x", spilled, "activations") == nbytes
+            copied = cache.take("x")
+        assert torch.equal(copied, value), read
+        del copied, spilled
+        cache.clear()
+
+
 def test_a_fused_array_on_cuda_matches_plain_pytorch(no_leaks: None) -> None:
     models = [deep_mlp(seed=s) for s in range(4)]
     references = clones(models)
