@@ -68,7 +68,8 @@ case "$stage" in
             --out "$out/device_update.json"
         ;;
     profile)
-        run tests 90 "$python" -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "swapping_with_prefetch or ahead"
+        run tests 90 "$python" -m pytest -q -p no:cacheprovider tests/test_gpu.py \
+            -k "swapping_with_prefetch or ahead or handed_on"
         run gpu_swap 130 "$python" -m benchmarks.gpu_swap --batches 16384 --microbatch 1024 \
             --ways "harmony, as planned" --profile /tmp/traces --out "$out/gpu_swap_traced.json"
         for trace in /tmp/traces/*/profile-*.json; do
