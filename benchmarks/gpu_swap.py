@@ -1,14 +1,14 @@
 """Benchmark 6: swapping on a real GPU: one model four times the device budget, prefetch on the copy stream.
 
-On one CUDA device, an MLP whose weights are four times the budget Harmony is given trains with SGD,
-beside two plain-PyTorch ways of doing the same work in the same run: the model resident on the GPU
-(it fits the real card: the compute floor) and a hand-written loop that swaps each layer in before its
-forward and again before its backward, takes its gradients out and steps SGD on the host (synchronous
-copies from pinned memory: the same 2W in and 1W out per step as Harmony). Harmony runs without prefetch, with
-the weights prefetched only (next pack copied on the copy stream while this one computes), with prefetch (and each
-micro-batch's values in on the copy stream while the one before computes, out on the outward stream while the
-one after computes) one pack per task with its update in the backward task on the host or on the GPU, and as
-planned (packs per task from the measured task cost, updates where the simulator predicts them fastest).
+On one CUDA device, an MLP whose weights are four times the budget Harmony is given trains with SGD, beside plain-
+PyTorch ways of doing the same work in the same run: the model resident on the GPU (it fits the real card: the
+compute floor; also in Harmony's micro-batches, and under bf16 autocast) and a hand-written loop that swaps each
+layer in before its forward and again before its backward, takes its gradients out and steps SGD on the host
+(synchronous copies from pinned memory: the same 2W in and 1W out per step as Harmony). Harmony runs without
+prefetch, with the weights prefetched only (next pack copied on the copy stream while this one computes), with
+prefetch (and each micro-batch's values in on the copy stream while the one before computes, out on the outward
+stream while the one after computes) one pack per task with its update in the backward task on the host or on the
+GPU, and as planned (packs per task from the measured task cost, updates where the simulator predicts them fastest).
 --profile writes each run's torch.profiler trace of two steps per device.
 Each row: steady seconds per step, its throughput over the resident loop's, weight bytes in per step, and the ideal
 max(compute, copy) at the measured pinned copy speed, at several batch sizes (samples served per weight load).
@@ -53,17 +53,21 @@ def steady(timings: list[float], skip: int = 2) -> float:
     return sum(timings[skip:]) / len(timings[skip:])
 
 
-def plain_resident(model: nn.Module, data: list, device: torch.device, bf16: bool = False) -> float:
-    """Seconds per step of a plain loop with the whole model on the GPU (under bf16 autocast if asked)."""
+def plain_resident(model: nn.Module, data: list, device: torch.device, bf16: bool = False,
+                   microbatch: int | None = None) -> float:
+    """Seconds per step of a plain loop with the whole model on the GPU (under bf16 autocast if asked), the batch
+    at once or, given microbatch, in micro-batches of that many samples whose gradients add up (as Harmony's)."""
     model = model.to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     timings = []
     for x, y in data:
         started = time.perf_counter()
         optimizer.zero_grad()
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
-            loss = nn.functional.mse_loss(model(x.to(device)), y.to(device))
-        loss.backward()
+        size = microbatch or len(x)
+        for part, target in zip(x.split(size), y.split(size)):
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+                loss = nn.functional.mse_loss(model(part.to(device)), target.to(device)) * (len(part) / len(x))
+            loss.backward()
         optimizer.step()
         torch.cuda.synchronize(device)
         timings.append(time.perf_counter() - started)
@@ -178,7 +182,12 @@ def main() -> None:
         rows.append({"way": "plain, swapping layers", **common, "step s": swapping, "weights in/step": moved})
         rows.append({"way": "plain bf16 autocast, resident on the GPU", **common, "compute s": resident_bf16,
                      "step s": resident_bf16, "weights in/step": 0})
-        progress(rows[-3:])
+        for bf16 in (False, True):  # Harmony's micro-batches without Harmony: what micro-batching alone costs
+            name = "plain bf16 autocast" if bf16 else "plain"
+            seconds = plain_resident(mlp(width, depth), data, device, bf16=bf16, microbatch=args.microbatch)
+            rows.append({"way": f"{name}, resident on the GPU, micro-batches of {args.microbatch}", **common,
+                         **({"compute s": resident_bf16} if bf16 else {}), "step s": seconds, "weights in/step": 0})
+        progress(rows[-5:])
         for share, (way, (prefetch, packs_per_task, overlap_update, precision, update_on)) in (
                 (share, item) for share in args.budgets for item in WAYS.items()):
             if args.ways not in way:
