@@ -464,16 +464,17 @@ class DeviceCache:
         host copy made only if it is evicted before consumer claims it, or at once where it is not kept. A kept
         value that reached its consumer never crossed the link.
 
-        Where copies run ahead of compute, a value is kept only where one more of its size would still fit beside
-        keep_free: that room is a slot for sending the values not kept behind the compute (send), each charged until
-        it is there. A value finding the slot taken waits for the oldest send to land; one finding no slot at all
-        (a pass whose first values already fill the room) is copied out at once."""
+        Where copies run ahead of compute, a value is kept only where two more of its size would still fit beside
+        keep_free: room for one value going out and one coming in at once (the link carries both ways), in which
+        the values not kept are sent behind the compute (send), each charged until it is there, and their consumer
+        copies them in ahead. A value finding that room taken by sends waits for the oldest to land; one finding
+        no room at all (a pass whose first values already fill it) is copied out at once."""
         spilled = Spilled()
         nbytes = tree_nbytes(value)
         slot = nbytes if self.copies_ahead else 0
         self._release_sent()
         with self._lock:  # no eviction between the keep and its spill's record
-            if self.keep(consumer, microbatch, value, keep_free + slot):
+            if self.keep(consumer, microbatch, value, keep_free + 2 * slot):
                 self.spills[boundary_key(consumer, microbatch)] = spilled
                 return spilled
         while slot:

@@ -369,34 +369,36 @@ def test_a_sent_output_stays_charged_until_it_reaches_the_host_and_a_reservation
     cache.clear()
 
 
-def test_values_handed_on_over_a_link_leave_a_slot_to_be_sent_behind_and_are_read_only_once_they_landed(
+def test_values_handed_on_over_a_link_leave_room_to_be_sent_behind_and_are_read_only_once_they_landed(
     store: HostStore,
 ) -> None:
     from harmony.runtime.cache import Transit
 
-    cache = make_linked_cache(store, budget=1000, bandwidth=10_000)  # 200 bytes take 20 ms each way
+    cache = make_linked_cache(store, budget=1200, bandwidth=10_000)  # 200 bytes take 20 ms each way
     value = torch.arange(50, dtype=torch.float32)
     first = cache.hand_on("next pack", 0, value, keep_free=500)
-    assert first.value is None and cache.used == 200, "kept: it, a slot and keep_free fit"
+    assert first.value is None and cache.used == 200, "kept: it, room for one out and one in, and keep_free fit"
     started = time.perf_counter()
     second = cache.hand_on("next pack", 1, value.clone(), keep_free=500)
-    assert isinstance(second.value, Transit) and cache.used == 400, "no room for a slot beside it: sent behind"
+    assert isinstance(second.value, Transit) and cache.used == 400, "no room for two beside it: sent behind"
+    third = cache.hand_on("next pack", 2, value.clone(), keep_free=500)
+    assert isinstance(third.value, Transit) and cache.used == 600, "sent in the room for one coming in"
     assert time.perf_counter() - started < 0.02, "the compute thread did not wait for the link"
-    third = cache.hand_on("next pack", 2, value.clone() + 1, keep_free=500)
-    assert time.perf_counter() - started >= 0.02, "the slot was taken: it waited for the second send to land"
-    assert isinstance(third.value, Transit) and cache.used == 400
+    fourth = cache.hand_on("next pack", 3, value.clone() + 1, keep_free=500)
+    assert time.perf_counter() - started >= 0.02, "the room was taken: it waited for the second send to land"
+    assert isinstance(fourth.value, Transit) and cache.used == 600
     counts = cache.counters.read()
-    assert counts["behind"] == counts["out_activations"] == 400
-    assert torch.equal(cache.copy_in(third, "activations"), value + 1)
-    assert time.perf_counter() - started >= 0.06, "copied in before its send landed (20 ms out, then 20 ms in)"
+    assert counts["behind"] == counts["out_activations"] == 600
+    assert torch.equal(cache.copy_in(fourth, "activations"), value + 1)
+    assert time.perf_counter() - started >= 0.08, "copied in before its send landed (three sends out, then in)"
     with cache.scratch(10, "the next micro-batch"):
         assert cache.used == 210, "landed sends give their bytes back"
     assert cache.ahead("ahead", second, "activations") == 200
     assert torch.equal(cache.take("ahead"), value)
     with cache.scratch(600, "activations"):
-        refused = cache.hand_on("next pack", 3, value, keep_free=200)  # no slot at all: copied out at once
-    assert isinstance(refused.value, torch.Tensor) and cache.counters.read()["behind"] == 400
+        refused = cache.hand_on("next pack", 4, value, keep_free=300)  # no room at all: copied out at once
+    assert isinstance(refused.value, torch.Tensor) and cache.counters.read()["behind"] == 600
     unlinked = make_cache(store, budget=1000)
-    assert unlinked.hand_on("next pack", 0, value, keep_free=600).value is None, "without copies ahead, no slot"
+    assert unlinked.hand_on("next pack", 0, value, keep_free=800).value is None, "without copies ahead, no room left"
     cache.clear()
     unlinked.clear()
