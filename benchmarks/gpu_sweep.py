@@ -9,7 +9,10 @@ the plain loops' median after the first few, min-max beside; Harmony's mean afte
 of one task finish together), tokens per second and the ratio to the plain loop. ``--quick`` runs
 a tiny shape, also on a CPU (``--device cpu``), to check the script itself.
 
-    python -m benchmarks.gpu_sweep [--quick] [--device cuda|cpu]
+``--models`` and ``--layers`` make the sweep smaller, for a lease whose minutes do not hold sixteen full models
+(Harmony's call includes starting its cluster, the pilot and shipping the models).
+
+    python -m benchmarks.gpu_sweep [--quick] [--device cuda|cpu] [--models 4] [--layers 2]
 """
 
 from __future__ import annotations
@@ -75,6 +78,8 @@ def harmony_steps(models: list[torch.nn.Module], data: list, device: str, rates:
 def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--ways", default="", help="only the ways whose name contains this")
+    parser.add_argument("--models", type=int, default=None, help="how many models (default 16, quick 4)")
+    parser.add_argument("--layers", type=int, default=None, help="layers of each model (default 12, quick 2)")
 
 
 def main() -> None:
@@ -85,6 +90,7 @@ def main() -> None:
     device = "cuda:0" if args.device == "cuda" else "cpu"
     count, layers, width, heads, context, batch, steps = (
         (4, 2, 64, 4, 32, 4, 8) if args.quick else (16, 12, 768, 12, 128, 8, 15))
+    count, layers = args.models or count, args.layers or layers
     rates = [1e-4 * (1 + index) for index in range(count)]
     data = batches(steps, batch, context)
     tokens = count * batch * context
