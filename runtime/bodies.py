@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from harmony.runtime import shipping
 from harmony.runtime.cache import Reservation, Spilled, Taken
 from harmony.runtime.clipping import on_device
-from harmony.runtime.divergence import Diverged
+from harmony.runtime.divergence import Diverged, first_not_finite
 from harmony.runtime.errors import ModelFailure
 from harmony.runtime.files import SPAN_TIMING_BYTES, grad_norms_name, losses_name, record_rows, span_timing_name
 from harmony.runtime.handoff import receive, wait_for
@@ -535,6 +535,7 @@ def _homed_steps(
                 if step == 1 and index == 1:
                     started = time.perf_counter()
                 state.clear_grads()
+                seen = []
                 with state.narrowing():
                     with ctx.cache.scratch(runtime.workspace, "activations of pack 0"):
                         for microbatch, (x, target, weight) in enumerate(zip(inputs, targets, loss_weights)):
@@ -543,9 +544,10 @@ def _homed_steps(
                             _begin(ctx, model, 0, step, group, microbatch)
                             with ctx.autocast():
                                 computed, step_losses = state.losses(loss_fn, x, target)
-                            state.stop(members.check(step_losses, step))  # a sync per step (see divergence)
                             _backpropagate_loss(computed, weight, state.scaled)
-                            losses.add(index, step_losses.detach().reshape(-1), weight)
+                            seen.append(step_losses.detach().reshape(-1))
+                            losses.add(index, seen[-1], weight)
+                    state.stop(members.check(first_not_finite(seen), step))  # one sync a step (see divergence)
                     if group == 0:
                         ctx.counters.add("computed", state.computing)
                     state.step(step)  # after the activations are gone, as in a plain loop (its state charged then)

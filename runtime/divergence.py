@@ -1,13 +1,14 @@
 """Models whose loss stops being finite: stopped at that step, with the weights they had before it.
 
 A model alone (or an array all of whose members diverged) raises Diverged from the task that computed the loss,
-before anything is backpropagated or updated: its job then stops alone (the binding state) with the weights of
-its last complete step. The members of a fused array stop one by one while the others train on: the host store
-keeps, per member, the step at which its loss stopped being finite (``Members``); every later update of the array
-puts a stopped member's weights back as they were before that step, so its slices of the stacks never change
-again. Members are independent in an array (each its own slice of every stack), so a stopped member's non-finite
-gradients reach nobody else. A member pruned at a step (tasks.pruning) stops the same way, from its own file: the
-driver writes it while the job waits at that step, before any of the step's updates.
+before anything is updated (a swapped pack before anything is backpropagated; a homed model checks a step's losses
+once, after its micro-batches, which spares a GPU a sync per micro-batch): its job then stops alone (the binding
+state) with the weights of its last complete step. The members of a fused array stop one by one while the others
+train on: the host store keeps, per member, the step at which its loss stopped being finite (``Members``); every
+later update of the array puts a stopped member's weights back as they were before that step, so its slices of the
+stacks never change again. Members are independent in an array (each its own slice of every stack), so a stopped
+member's non-finite gradients reach nobody else. A member pruned at a step (tasks.pruning) stops the same way, from
+its own file: the driver writes it while the job waits at that step, before any of the step's updates.
 """
 
 from __future__ import annotations
@@ -64,6 +65,16 @@ class Members:
             value = losses.detach().reshape(-1)[stopping[0] if stopping else 0].item()
             raise Diverged(self.model, step, value)
         return stopping
+
+
+def first_not_finite(losses: list[torch.Tensor]) -> torch.Tensor:
+    """Per member, its first loss among a step's micro-batches (each a tensor of one loss per member) that is not
+    finite, else its last: what Members.check takes for the whole step, so that a homed step syncs once."""
+    stacked = torch.stack(losses)
+    bad = ~torch.isfinite(stacked)
+    last = torch.full_like(bad[0], len(losses) - 1, dtype=torch.int64)
+    pick = torch.where(bad.any(0), bad.to(torch.int8).argmax(0), last)
+    return stacked.gather(0, pick[None]).squeeze(0)
 
 
 def keep_stopped(stacks: list[torch.Tensor], rows: list[torch.Tensor], stopped: list[int]) -> None:

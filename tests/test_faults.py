@@ -433,10 +433,21 @@ def test_a_diverging_model_stops_with_its_last_finite_weights_and_the_others_go_
     assert "Compute Failed" not in capfd.readouterr().err, "the workers' logs report an expected event as an error"
 
 
-@pytest.mark.parametrize("budget,update_on", [(None, "auto"), (150_000, "host"), (150_000, "device")],
-                         ids=["homed", "swapped", "swapped-updated-on-the-device"])
+def test_a_homed_step_checks_each_members_first_loss_that_is_not_finite_among_its_microbatches() -> None:
+    from harmony.runtime.divergence import first_not_finite
+
+    inf, nan = float("inf"), float("nan")
+    seen = [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([inf, 5.0, nan]), torch.tensor([nan, 6.0, 7.0])]
+    picked = first_not_finite(seen)
+    assert picked[0].item() == inf and picked[1].item() == 6.0 and torch.isnan(picked[2])
+    assert torch.equal(first_not_finite(seen[:1]), seen[0])
+
+
+@pytest.mark.parametrize("budget,update_on,microbatches", [
+    (None, "auto", 1), (None, "auto", 4), (150_000, "host", 1), (150_000, "device", 1)],
+    ids=["homed", "homed-in-micro-batches", "swapped", "swapped-updated-on-the-device"])
 def test_a_diverging_member_of_a_fused_array_stops_while_the_others_train_on(
-    budget: int | None, update_on: str, no_leaks: None
+    budget: int | None, update_on: str, microbatches: int, no_leaks: None
 ) -> None:
     rates = [0.05, 1e20, 0.02]  # in float64 the second one's loss grows steadily (no chaos) until it overflows
     factories = [lambda p, lr=lr: torch.optim.SGD(p, lr=lr) for lr in rates]
@@ -444,7 +455,8 @@ def test_a_diverging_member_of_a_fused_array_stops_while_the_others_train_on(
     references = clones(models)
     batches = [(x.double(), y.double()) for x, y in regression_batches(samples=16 * 12, batch=16)]
     result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss, optimizer=factories, devices=["cpu"],
-                           device_memory=budget, fuse=True, progress=False, update_on=update_on)
+                           device_memory=budget, fuse=True, progress=False, update_on=update_on,
+                           microbatches=microbatches)
     assert result.arrays == [[0, 1, 2]] and bool(result.homes) == (budget is None)
     assert result.plan.jobs[0].device_update == (update_on == "device")
     step, before = diverging_losses(references[1], batches, factories[1])
