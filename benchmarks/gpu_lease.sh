@@ -8,12 +8,12 @@
 #
 #   bash benchmarks/gpu_lease.sh wheels                 # here, once
 #   bash benchmarks/gpu_lease.sh tests                  # there: tests/test_gpu.py and tests/test_ipc.py
-#   bash benchmarks/gpu_lease.sh swap|copies|update|sweep|sweep4|peers|all
+#   bash benchmarks/gpu_lease.sh swap|copies|update|sweep|sweep4|peers
 #   bash benchmarks/gpu_lease.sh lease                  # there: what one 10-minute call of a 15-minute lease holds
 #   bash benchmarks/gpu_lease.sh profile                # there: gpu_swap's 16k row traced, and where its time went
 set -euo pipefail
 cd "$(dirname "$0")/.."
-stage="${1:?a stage: wheels, tests, swap, copies, update, sweep, sweep4, peers, all, lease or profile}"
+stage="${1:?a stage: wheels, tests, swap, copies, update, sweep, sweep4, peers, lease or profile}"
 python=python3
 wheels=(dask==2026.8.0 distributed==2026.8.0 bokeh==3.9.2 tornado==6.6.1 partd==1.4.2 locket==1.0.0 tblib==3.2.2
         zict==3.0.0 xyzservices==2026.9.1 dask-cuda)
@@ -51,12 +51,6 @@ case "$stage" in
     sweep) run gpu_sweep 540 "$python" -m benchmarks.gpu_sweep --out "$out/gpu_sweep.json" ;;
     sweep4) run gpu_sweep 300 "$python" -m benchmarks.gpu_sweep --models 4 --layers 12 --out "$out/gpu_sweep.json" ;;
     peers) run gpu_peers 540 "$python" -m benchmarks.gpu_peers --out "$out/gpu_peers.json" ;;
-    all)
-        run tests 300 "$python" -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_ipc.py
-        run gpu_copies 60 "$python" -m benchmarks.gpu_copies --out "$out/gpu_copies.json"
-        run gpu_swap 220 "$python" -m benchmarks.gpu_swap --batches 16384 --microbatch 1024 --ways "as planned" \
-            --out "$out/gpu_swap.json"
-        ;;
     lease)
         nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
         limit=()  # pytest-timeout, where installed, ends a hung test rather than the lease

@@ -671,7 +671,7 @@ class DeviceCache:
         if isinstance(tree, Transit):  # sent behind the compute: the compute stream copies it in once it is there
             started = max(started, tree.at)
             for done in tree.events:
-                torch.cuda.current_stream(self.device).wait_event(done)
+                self.engine.wait(done)
             tree = tree.value
 
         def copy(leaf: torch.Tensor) -> torch.Tensor:

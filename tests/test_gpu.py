@@ -86,7 +86,7 @@ def test_values_copied_ahead_and_sent_behind_on_cuda_give_the_same_weights(no_le
     """On a GPU prefetch=True copies micro-batch values on the inward and outward streams: float64 weights the same bit
     for bit as prefetch="weights", which copies them on the compute stream, and plain PyTorch's within 1e-9. With one
     pack a task every output and input gradient leaves behind the compute (a task of several packs hands its values
-    on inside it, and sends none: tests/test_exactness.py)."""
+    on inside it and sends only those it does not keep: tests/test_exactness.py)."""
     batches = [(x.double(), y.double()) for x, y in regression_batches(samples=64, batch=16)]
     factory = lambda p: torch.optim.Adam(p, lr=1e-2)  # noqa: E731
     trained = []
@@ -147,7 +147,7 @@ def test_a_value_handed_on_and_sent_behind_is_copied_in_only_after_its_copy_out_
         value = torch.arange(nbytes // 8, dtype=torch.int64, device=device)
         with torch.cuda.stream(cache.engine.outward):
             torch.cuda._sleep(2_000_000_000)  # about a second of GPU cycles ahead of the copy out
-        spilled = cache.hand_on("next pack", 0, value, keep_free=2 * nbytes)  # no room to keep it beside a slot
+        spilled = cache.hand_on("next pack", 0, value, keep_free=2 * nbytes)  # no room to keep it and one each way
         assert isinstance(spilled.value, Transit)
         if read == "copy_in":
             copied = cache.copy_in(spilled, "activations")
