@@ -1,0 +1,91 @@
+"""runtime.compiled: an eager pack call binds the given tensors as torch.func.functional_call does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from harmony.runtime.compiled import pack_call
+
+
+class Tied(nn.Module):
+    """An embedding whose weight the output projection shares, and a BatchNorm with running statistics."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 6)
+        self.norm = nn.BatchNorm1d(6)
+        self.head = nn.Linear(6, 11, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.embed(x)))
+
+
+def given(module: nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    """Fresh tensors for module's parameters and buffers (one name a tied weight), unlike its own."""
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {name: torch.randn(p.shape, generator=generator) for name, p in module.named_parameters()}
+    tensors.update({name: b.clone() for name, b in module.named_buffers()})
+    return tensors
+
+
+def test_an_eager_pack_call_computes_what_functional_call_computes_and_leaves_the_module_as_it_was() -> None:
+    module = nn.Sequential(Tied())
+    call = pack_call(module, "pack", compile=False)
+    own = {name: p for name, p in module.named_parameters(remove_duplicate=False)}
+    x = torch.tensor([[1, 2, 3], [4, 5, 6]]).reshape(-1)
+    for seed in range(3):  # the same module bound to one set of tensors after another
+        mine, theirs = given(module, seed), given(module, seed)
+        leaves = {name: t.requires_grad_() for name, t in mine.items()
+                  if t.is_floating_point() and "running" not in name}
+        expected_leaves = {name: theirs[name].requires_grad_() for name in leaves}
+        y = call(mine, x)
+        expected = functional_call(module, theirs, (x,))
+        assert torch.equal(y, expected)
+        y.square().sum().backward()
+        expected.square().sum().backward()
+        for name, leaf in leaves.items():  # the tied weight's gradient sums both of its uses
+            assert torch.equal(leaf.grad, expected_leaves[name].grad), name
+        for name in ("0.norm.running_mean", "0.norm.num_batches_tracked"):  # buffers updated in the given tensors
+            assert torch.equal(mine[name], theirs[name]), name
+        assert not torch.equal(mine["0.norm.running_mean"], torch.zeros(6))
+    assert {name: p for name, p in module.named_parameters(remove_duplicate=False)} == own
+    assert module[0].head.weight is module[0].embed.weight
+    assert torch.equal(module[0].norm.running_mean, torch.zeros(6))
+
+
+def test_an_eager_pack_call_restores_the_module_when_its_forward_raises_and_rejects_unlike_tied_tensors() -> None:
+    module = nn.Sequential(Tied())
+    call = pack_call(module, "pack", compile=False)
+    weight = module[0].embed.weight
+    with pytest.raises(IndexError):
+        call(given(module, 0), torch.tensor([99]))  # out of the embedding's range
+    assert module[0].embed.weight is weight and module[0].head.weight is weight
+    tensors = given(module, 0)
+    tensors["0.head.weight"] = torch.randn(11, 6)
+    with pytest.raises(ValueError, match="tied"):
+        call(tensors, torch.tensor([1]))
+    assert module[0].head.weight is weight
+
+
+def test_an_eager_pack_call_given_a_name_the_module_does_not_hold_as_a_weight_calls_functional_call() -> None:
+    """A plain tensor attribute is not a parameter or buffer: functional_call sets it for the call."""
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(3, 3)
+            self.scale = torch.ones(3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.linear(x) * self.scale
+
+    module = nn.Sequential(Scaled())
+    call = pack_call(module, "pack", compile=False)
+    tensors = {"0.linear.weight": torch.eye(3), "0.linear.bias": torch.zeros(3), "0.scale": torch.full((3,), 2.0)}
+    x = torch.randn(4, 3)
+    assert torch.equal(call(tensors, x), 2 * x)
+    assert torch.equal(module[0].scale, torch.ones(3))
