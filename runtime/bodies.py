@@ -478,6 +478,8 @@ def _backward_pack(
         input_grads = _backward_step(ctx, model, pack, span, step, weights, tensors, grads, inputs,
                                      gradients_or_targets, loss_weights, group, claim_input, claim_upstream, keep,
                                      functools.partial(_prefetch, ctx, model, following, step, 0), losses, taken)
+        if last:  # once its micro-batches are through, before anything is written or updated: one sync a step
+            ctx.members(model).check(first_not_finite([part for part, _ in losses.parts[0]]), step)
         if last and group == 0:
             ctx.counters.add("computed", spec.members)  # a swapped array computes every member
         with ctx.writing(model, pack, step) as current:  # what the step's attempt computed, written once
@@ -756,7 +758,6 @@ def _recomputed_backward(
             if loss_weight is not None:  # the last pack: loss and backward
                 with ctx.autocast():
                     step_losses = ctx.loss_fn(model)(y, target_or_gradient)
-                ctx.members(model).check(step_losses, step)  # before anything is backpropagated or updated
                 scale = ctx.scaler(model).state(step)[0] if spec.scaled else None
                 scaled = None if scale is None else lambda gradient: gradient * scale
                 losses.add(0, _backpropagate_loss(step_losses, loss_weight, scaled), loss_weight)
