@@ -132,6 +132,8 @@ def source_bytes(source: Source) -> int:
 
 
 def tree_nbytes(tree: Any) -> int:
+    if isinstance(tree, torch.Tensor):  # the common case, without pytree's walk (several a micro-batch)
+        return tree.nbytes
     return sum(leaf.nbytes for leaf in tree_leaves(tree) if isinstance(leaf, torch.Tensor))
 
 
@@ -156,6 +158,7 @@ class DeviceCache:
         self.link = Link(link_bandwidth) if link_bandwidth else None
         self._lock = threading.RLock()
         self._sending: list[Transit] = []  # sends on their way to the host, their device bytes still charged
+        self._prefetching = 0  # prefetched weight copies not yet issued: none, and no entry is arriving
         self.engine = CopyEngine(name, device)
         self.copies_ahead = ahead and (device.type == "cuda" or self.link is not None)  # on a CPU device without a
         # link a copy is a memmove the compute thread makes as fast itself: nothing to hide
@@ -201,7 +204,8 @@ class DeviceCache:
             self._release_sent()
             with self._lock:
                 arriving = [self.tensors[key] for key, entry in self.memory.entries.items()
-                            if entry.arriving and isinstance(self.tensors.get(key), CachedWeights)]
+                            if entry.arriving and isinstance(self.tensors.get(key), CachedWeights)
+                            ] if self._prefetching else []  # a scan of every entry, at every charge otherwise
                 try:
                     self._forget(self.memory.reserve(nbytes, what, stashes=not arriving))
                     self.counters.raise_to("peak", self.memory.used)
@@ -269,6 +273,7 @@ class DeviceCache:
             with self._lock:
                 if self.tensors.get(key) is entry:
                     self.memory.arrived(key)
+                self._prefetching -= prefetched
             entry.arrived.set()
 
     def _wait_arrived(self, key: Any, entry: CachedWeights) -> None:
@@ -433,6 +438,7 @@ class DeviceCache:
                 return False
             self.counters.raise_to("peak", self.memory.used)
             entry = self.tensors[key] = CachedWeights(self.engine.empty(source_bytes(host), torch.uint8))
+            self._prefetching += 1
         self.engine.submit(self._copy_weights, key, entry, host, True)
         return True
 
