@@ -702,7 +702,10 @@ class DeviceCache:
         """
         started = time.perf_counter()
         nbytes = tree_nbytes(tree)
-        copied = tree_map(lambda leaf: self._host_copy(leaf) if isinstance(leaf, torch.Tensor) else leaf, tree)
+        if isinstance(tree, torch.Tensor):  # the common case, without pytree's walk
+            copied = self._host_copy(tree)
+        else:
+            copied = tree_map(lambda leaf: self._host_copy(leaf) if isinstance(leaf, torch.Tensor) else leaf, tree)
         self._over_link(nbytes, started, OUT)
         self.counters.add(f"out_{kind}", nbytes)
         self.counters.add("wait_ns", round((time.perf_counter() - started) * 1e9))

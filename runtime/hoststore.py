@@ -267,7 +267,7 @@ class HostStore:
 def tensor_at(buffer: torch.Tensor, slot: Slot) -> torch.Tensor:
     """A leaf tensor of slot's dtype and shape sharing buffer's bytes (a uint8 tensor) at slot's offset."""
     dtype = torch_dtype(slot.spec.dtype)
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     byte_offset = buffer.storage_offset() + slot.offset
     assert byte_offset % itemsize == 0, "layouts align every tensor"
     return torch.empty(0, dtype=dtype, device=buffer.device).set_(
