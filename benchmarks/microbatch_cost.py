@@ -1,0 +1,69 @@
+"""Benchmark: what the runtime adds per pack and micro-batch, beside the plain loop over the same micro-batches.
+
+One swapped MLP (a budget of a quarter of its weights, or the room for a pass's values where that is more), each
+pass one task of all its packs, trained on one CPU device with as many micro-batches as each row says; beside it,
+in the same round, the plain loop over the same micro-batches with the model in memory, and harmony.plan's
+prediction. Rounds alternate the two (median and range). The runtime's cost per pack and micro-batch is Harmony's
+step less the plain loop's, over the pack micro-batches a step runs (packs x micro-batches x 2: a forward, and a
+backward that recomputes it): the bookkeeping around each pack's call (binding its weights, claiming, copying and
+handing on its values, counting), which grows with micro-batches and packs and not with the arithmetic, and which
+the simulator does not model (its prediction takes the pilot's layer times, the copies and a cost per task). The
+packs are cut for the budget, so fewer micro-batches (larger values) give more, smaller packs.
+
+    python -m benchmarks.microbatch_cost [--quick]
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+
+import torch
+from torch import nn
+
+import harmony
+from benchmarks.models import mlp, parameter_bytes, plain_step_seconds, regression
+from benchmarks.report import arguments, report
+
+DEPTH = 16
+BATCH = 1024
+
+
+def main() -> None:
+    args = arguments(__doc__.splitlines()[0])
+    logging.getLogger("distributed").setLevel(logging.ERROR)
+    widths, counts, rounds, steps = ((64,), (4, 16), 2, 6) if args.quick else ((64, 256), (4, 16, 64), 3, 10)
+    rows, raw = [], {}
+    for width in widths:
+        data = regression(steps, BATCH, width)
+        weights = parameter_bytes(mlp(width, DEPTH))
+        budget = max(weights // 4, 16 * BATCH * width)  # at least room for a layer's values at 4 micro-batches
+        for microbatches in counts:
+            settings = {"microbatches": microbatches, "device_memory": budget, "packs_per_task": 2 * DEPTH}
+            plain, measured = [], []
+            packs = 0
+            for _ in range(rounds):
+                model = mlp(width, DEPTH)
+                plain.append(statistics.median(plain_step_seconds(
+                    model, torch.optim.SGD(model.parameters(), lr=1e-3), data, microbatches=microbatches)[1:]))
+                result = harmony.train(mlp(width, DEPTH), data, loss_fn=nn.functional.mse_loss,
+                                       optimizer=lambda p: torch.optim.SGD(p, lr=1e-3), devices=["cpu"],
+                                       progress=False, **settings)
+                measured.append(result.stats.steady_seconds_per_step())
+                packs = len(result.plan.jobs[0].packing.packs)
+            predicted = harmony.plan(mlp(width, DEPTH), data, devices=1, **settings).step_seconds
+            calls = packs * microbatches * 2
+            step, base = statistics.median(measured), statistics.median(plain)
+            rows.append({"width": width, "micro-batches": microbatches, "packs": packs,
+                         "plain s": base, "Harmony s": step, "min": min(measured), "max": max(measured),
+                         "Harmony / plain": step / base, "predicted s": predicted,
+                         "per pack micro-batch us": 1e6 * (step - base) / calls})
+            raw[f"{width}x{microbatches}"] = {"plain": plain, "harmony": measured}
+    report("microbatch_cost", f"The runtime's cost per pack and micro-batch: MLP <width> x {DEPTH}, batch {BATCH}, "
+           "a pass a task, one CPU device", rows, args.out,
+           notes="plain s / Harmony s: median steady seconds a step over the rounds (min-max: Harmony's); per pack "
+                 "micro-batch: (Harmony - plain) over packs x micro-batches x 2; predicted s: harmony.plan", raw=raw)
+
+
+if __name__ == "__main__":
+    main()
