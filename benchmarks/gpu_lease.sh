@@ -2,8 +2,9 @@
 # A lent GPU machine's checks, in stages that each fit one call of the device tool (10 minutes).
 #
 # The lent machine has torch, pytest, psutil, msgpack and cloudpickle, no network, and none of dask's packages:
-# `wheels` (here, with network) downloads them for its Python into .whl/ (ignored by git: carry it), and every
-# other stage (there) installs them and the repository without network first. Results go to $OUT (the files the
+# `wheels` (here, with network) downloads them for its Python into .whl/ (ignored by git: carry it), with DeepSpeed
+# (gpu_peers' peer) built as a pure-Python wheel and its requirements in .whl/peers/, and every other stage (there)
+# installs them and the repository without network first (`peers` the peer's too). Results go to $OUT (the files the
 # device tool brings back), else to benchmarks/results/.
 #
 #   bash benchmarks/gpu_lease.sh wheels                 # here, once
@@ -17,13 +18,18 @@ stage="${1:?a stage: wheels, tests, swap, copies, update, sweep, sweep4, peers, 
 python=python3
 wheels=(dask==2026.8.0 distributed==2026.8.0 bokeh==3.9.2 tornado==6.6.1 partd==1.4.2 locket==1.0.0 tblib==3.2.2
         zict==3.0.0 xyzservices==2026.9.1 dask-cuda)
+peer=deepspeed==0.19.8  # gpu_peers' peer: an sdist, built here as a pure-Python wheel (DS_BUILD_OPS=0: no ops)
+peer_wheels=(einops hjson ninja py-cpuinfo pydantic==2.14.4 pydantic-core==2.50.5 annotated-types typing-inspection
+             typing-extensions numpy tqdm packaging)  # its requirements beyond what the lent machine has
+binary=(--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
+        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
 
 if [[ "$stage" == wheels ]]; then
-    mkdir -p .whl
-    "$python" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-        -d .whl "${wheels[@]}"
-    ls .whl
+    mkdir -p .whl/peers
+    "$python" -m pip download -q --no-deps "${binary[@]}" -d .whl "${wheels[@]}"
+    "$python" -m pip download -q --no-deps "${binary[@]}" -d .whl/peers "${peer_wheels[@]}"
+    DS_BUILD_OPS=0 "$python" -m pip wheel -q --no-deps --no-build-isolation -w .whl/peers "$peer"
+    ls .whl .whl/peers
     exit
 fi
 
@@ -50,7 +56,20 @@ case "$stage" in
                 --out "$out/device_update.json" ;;
     sweep) run gpu_sweep 540 "$python" -m benchmarks.gpu_sweep --out "$out/gpu_sweep.json" ;;
     sweep4) run gpu_sweep 300 "$python" -m benchmarks.gpu_sweep --models 4 --layers 12 --out "$out/gpu_sweep.json" ;;
-    peers) run gpu_peers 540 "$python" -m benchmarks.gpu_peers --out "$out/gpu_peers.json" ;;
+    peers)
+        installed=()  # the peer's requirements, less those the lent machine has already
+        for wheel in .whl/peers/*.whl; do
+            module="$(basename "$wheel" | cut -d- -f1)"
+            case "$module" in numpy|tqdm|packaging|typing_extensions)
+                "$python" -c "import $module" 2>/dev/null && continue ;;
+            esac
+            installed+=("$wheel")
+        done
+        "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/peer \
+            "${installed[@]}"
+        PYTHONPATH="$PYTHONPATH:/tmp/peer" run gpu_peers 540 "$python" -m benchmarks.gpu_peers \
+            --out "$out/gpu_peers.json"
+        ;;
     lease)
         nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
         limit=()  # pytest-timeout, where installed, ends a hung test rather than the lease
