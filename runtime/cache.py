@@ -485,8 +485,8 @@ class DeviceCache:
                 return spilled
         while slot:
             with self._lock:
-                if self.memory.used + nbytes + keep_free <= self.budget:
-                    self._forget(self.memory.reserve(nbytes, "a send"))  # it fits: nothing is evicted
+                if self.memory.room_for(nbytes, keep_free):
+                    self._forget(self.memory.reserve(nbytes, "a send"))  # nothing is evicted
                     spilled.value = self._behind(value, "activations", nbytes)
                     return spilled
                 sending = self._sending[0] if self._sending else None

@@ -198,9 +198,13 @@ class DeviceMemory:
         """The cached weights now hold version (they were updated on the device)."""
         self.entries[key].version = version
 
+    def room_for(self, nbytes: int, keep_free: int = 0) -> bool:
+        """Whether nbytes fit beside keep_free bytes without evicting anything."""
+        return self.used + nbytes + keep_free <= self.budget
+
     def keep(self, key: Hashable, consumer: Hashable, nbytes: int, keep_free: int) -> bool:
         """Keep a boundary value for consumer if it fits beside keep_free bytes without evicting anything."""
-        if self.used + nbytes + keep_free > self.budget:
+        if not self.room_for(nbytes, keep_free):
             return False
         self.used += nbytes
         self.peak = max(self.peak, self.used)

@@ -77,6 +77,7 @@ def test_a_prefetch_never_takes_the_room_the_running_task_still_needs() -> None:
 def test_a_boundary_is_kept_only_where_it_fits_and_only_for_its_consumer() -> None:
     memory = DeviceMemory("d", 1000)
     memory.load("w", 0, 500)
+    assert memory.room_for(500) and memory.room_for(300, keep_free=200) and not memory.room_for(300, keep_free=201)
     assert not memory.keep(("boundary", "t", 0), "t", 600, keep_free=0), "it would evict weights"
     assert not memory.keep(("boundary", "t", 0), "t", 300, keep_free=300), "it would take the task's room"
     assert memory.keep(("boundary", "t", 0), "t", 300, keep_free=0)
