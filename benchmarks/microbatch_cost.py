@@ -10,48 +10,74 @@ handing on its values, counting), which grows with micro-batches and packs and n
 the simulator does not model (its prediction takes the pilot's layer times, the copies and a cost per task). The
 packs are cut for the budget, so fewer micro-batches (larger values) give more, smaller packs.
 
-    python -m benchmarks.microbatch_cost [--quick]
+On a GPU (--device cuda:0) the same rows measure the host's cost per call where the kernels are short (it hides
+behind them only where they take longer), with a wider model beside.
+
+    python -m benchmarks.microbatch_cost [--quick] [--device cuda:0]
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
 import statistics
+import time
 
 import torch
 from torch import nn
 
 import harmony
-from benchmarks.models import mlp, parameter_bytes, plain_step_seconds, regression
+from benchmarks.models import mlp, parameter_bytes, regression
 from benchmarks.report import arguments, report
 
 DEPTH = 16
-BATCH = 1024
+
+
+def plain_seconds(width: int, data: list, microbatches: int, device: torch.device) -> float:
+    """The median step (after the first) of a plain loop over the same micro-batches, the model on device."""
+    model = mlp(width, DEPTH).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    seconds = []
+    for x, y in data:
+        started = time.perf_counter()
+        optimizer.zero_grad()
+        for xs, ys in zip(x.to(device).chunk(microbatches), y.to(device).chunk(microbatches)):
+            (nn.functional.mse_loss(model(xs), ys) / microbatches).backward()
+        optimizer.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds.append(time.perf_counter() - started)
+    return statistics.median(seconds[1:])
+
+
+def options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="cpu", help="the device to train on (cpu, or cuda:0)")
 
 
 def main() -> None:
-    args = arguments(__doc__.splitlines()[0])
+    args = arguments(__doc__.splitlines()[0], options)
     logging.getLogger("distributed").setLevel(logging.ERROR)
-    widths, counts, rounds, steps = ((64,), (4, 16), 2, 6) if args.quick else ((64, 256), (4, 16, 64), 3, 10)
+    device = torch.device(args.device)
+    batch = 4096 if device.type == "cuda" else 1024
+    widths = (256, 2048) if device.type == "cuda" else (64, 256)
+    widths, counts, rounds, steps = (widths[:1], (4, 16), 2, 6) if args.quick else (widths, (4, 16, 64), 3, 10)
     rows, raw = [], {}
     for width in widths:
-        data = regression(steps, BATCH, width)
+        data = regression(steps, batch, width)
         weights = parameter_bytes(mlp(width, DEPTH))
-        budget = max(weights // 4, 16 * BATCH * width)  # at least room for a layer's values at 4 micro-batches
+        budget = max(weights // 4, 16 * batch * width)  # at least room for a layer's values at 4 micro-batches
         for microbatches in counts:
             settings = {"microbatches": microbatches, "device_memory": budget, "packs_per_task": 2 * DEPTH}
             plain, measured = [], []
             packs = 0
             for _ in range(rounds):
-                model = mlp(width, DEPTH)
-                plain.append(statistics.median(plain_step_seconds(
-                    model, torch.optim.SGD(model.parameters(), lr=1e-3), data, microbatches=microbatches)[1:]))
+                plain.append(plain_seconds(width, data, microbatches, device))
                 result = harmony.train(mlp(width, DEPTH), data, loss_fn=nn.functional.mse_loss,
-                                       optimizer=lambda p: torch.optim.SGD(p, lr=1e-3), devices=["cpu"],
+                                       optimizer=lambda p: torch.optim.SGD(p, lr=1e-3), devices=[args.device],
                                        progress=False, **settings)
                 measured.append(result.stats.steady_seconds_per_step())
                 packs = len(result.plan.jobs[0].packing.packs)
-            predicted = harmony.plan(mlp(width, DEPTH), data, devices=1, **settings).step_seconds
+            predicted = harmony.plan(mlp(width, DEPTH), data, devices=[args.device], **settings).step_seconds
             calls = packs * microbatches * 2
             step, base = statistics.median(measured), statistics.median(plain)
             rows.append({"width": width, "micro-batches": microbatches, "packs": packs,
@@ -59,8 +85,8 @@ def main() -> None:
                          "Harmony / plain": step / base, "predicted s": predicted,
                          "per pack micro-batch us": 1e6 * (step - base) / calls})
             raw[f"{width}x{microbatches}"] = {"plain": plain, "harmony": measured}
-    report("microbatch_cost", f"The runtime's cost per pack and micro-batch: MLP <width> x {DEPTH}, batch {BATCH}, "
-           "a pass a task, one CPU device", rows, args.out,
+    report("microbatch_cost", f"The runtime's cost per pack and micro-batch: MLP <width> x {DEPTH}, batch {batch}, "
+           f"a pass a task, on {args.device}", rows, args.out,
            notes="plain s / Harmony s: median steady seconds a step over the rounds (min-max: Harmony's); per pack "
                  "micro-batch: (Harmony - plain) over packs x micro-batches x 2; predicted s: harmony.plan", raw=raw)
 
