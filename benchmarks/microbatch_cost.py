@@ -1,14 +1,14 @@
-"""Benchmark: what the runtime adds per pack and micro-batch, beside the plain loop over the same micro-batches.
+"""Benchmark: what Harmony adds per pack and micro-batch, beside the plain loop over the same micro-batches.
 
 One swapped MLP (a budget of a quarter of its weights, or the room for a pass's values where that is more), each
 pass one task of all its packs, trained on one CPU device with as many micro-batches as each row says; beside it,
 in the same round, the plain loop over the same micro-batches with the model in memory, and harmony.plan's
-prediction. Rounds alternate the two (median and range). The runtime's cost per pack and micro-batch is Harmony's
-step less the plain loop's, over the pack micro-batches a step runs (packs x micro-batches x 2: a forward, and a
-backward that recomputes it): the bookkeeping around each pack's call (binding its weights, claiming, copying and
-handing on its values, counting), which grows with micro-batches and packs and not with the arithmetic, and which
-the simulator does not model (its prediction takes the pilot's layer times, the copies and a cost per task). The
-packs are cut for the budget, so fewer micro-batches (larger values) give more, smaller packs.
+prediction. Rounds alternate the two (median and range). The cost per pack and micro-batch is Harmony's step less
+the plain loop's, over the pack micro-batches a step runs (packs x micro-batches x 2: a forward, and a backward
+that recomputes it): the recomputed forward, the runtime's own work around each pack's call (binding its weights,
+claiming, copying and handing on its values, counting), the packs' host updates and the tasks' cost, of which the
+simulator models the recompute, the copies and the task's cost. The packs are cut for the budget, so fewer
+micro-batches (larger values) give more, smaller packs.
 
 On a GPU (--device cuda:0) the same rows measure the host's cost per call where the kernels are short (it hides
 behind them only where they take longer), with a wider model beside.
