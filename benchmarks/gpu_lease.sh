@@ -11,7 +11,8 @@
 #   bash benchmarks/gpu_lease.sh tests                  # there: tests/test_gpu.py and tests/test_ipc.py
 #   bash benchmarks/gpu_lease.sh swap|copies|update|sweep|sweep4|calls|peers
 #   bash benchmarks/gpu_lease.sh lease                  # there: what one 10-minute call of a 15-minute lease holds
-#   bash benchmarks/gpu_lease.sh profile                # there: gpu_swap's 16k row traced, and where its time went
+#   bash benchmarks/gpu_lease.sh profile                # there: gpu_swap's 16k row traced, where its time went, and
+#                                                       # microbatch_cost's quick rows (the host's cost per pack call)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 stage="${1:?a stage: wheels, tests, swap, copies, update, sweep, sweep4, calls, peers, lease or profile}"
@@ -92,6 +93,8 @@ case "$stage" in
             "$python" -m benchmarks.trace_summary "$trace" --top 25 | tee -a "$out/trace_summary.log"
             gzip -c "$trace" > "$out/$(basename "$(dirname "$trace")")-$(basename "$trace").gz"
         done
+        run microbatch_cost 120 "$python" -m benchmarks.microbatch_cost --device cuda:0 --quick \
+            --out "$out/microbatch_cost.json"
         ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
