@@ -158,7 +158,7 @@ class DeviceCache:
         self.link = Link(link_bandwidth) if link_bandwidth else None
         self._lock = threading.RLock()
         self._sending: list[Transit] = []  # sends on their way to the host, their device bytes still charged
-        self._prefetching = 0  # prefetched weight copies not yet issued: none, and no entry is arriving
+        self._prefetching = 0  # prefetched weight copies until marked arrived: while none, no entry is arriving
         self.engine = CopyEngine(name, device)
         self.copies_ahead = ahead and (device.type == "cuda" or self.link is not None)  # on a CPU device without a
         # link a copy is a memmove the compute thread makes as fast itself: nothing to hide

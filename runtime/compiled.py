@@ -86,7 +86,7 @@ def _bound(module: nn.Module) -> PackCall:
                     table[attribute] = value
             return module(x)
         finally:
-            for table, attribute, original in swapped:
+            for table, attribute, original in reversed(swapped):  # a module used twice: its slot swapped twice
                 table[attribute] = original
 
     return call

@@ -4,12 +4,12 @@ A model alone (or an array all of whose members diverged) raises Diverged from t
 before anything is updated: a step's losses are checked once, after its micro-batches (a swapped model's in its
 last pack's backward, before that pack's gradients are written; a homed model's before its update), which spares a
 GPU a sync per micro-batch. Its job then stops alone (the binding state) with the weights of its last complete
-step. The members of a fused array stop one by one while the others
-train on: the host store keeps, per member, the step at which its loss stopped being finite (``Members``); every
-later update of the array puts a stopped member's weights back as they were before that step, so its slices of the
-stacks never change again. Members are independent in an array (each its own slice of every stack), so a stopped
-member's non-finite gradients reach nobody else. A member pruned at a step (tasks.pruning) stops the same way, from
-its own file: the driver writes it while the job waits at that step, before any of the step's updates.
+step. The members of a fused array stop one by one while the others train on: the host store keeps, per member,
+the step at which its loss stopped being finite (``Members``); every later update of the array puts a stopped
+member's weights back as they were before that step, so its slices of the stacks never change again. Members are
+independent in an array (each its own slice of every stack), so a stopped member's non-finite gradients reach
+nobody else. A member pruned at a step (tasks.pruning) stops the same way, from its own file: the driver writes it
+while the job waits at that step, before any of the step's updates.
 """
 
 from __future__ import annotations

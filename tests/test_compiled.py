@@ -89,3 +89,19 @@ def test_an_eager_pack_call_given_a_name_the_module_does_not_hold_as_a_weight_ca
     x = torch.randn(4, 3)
     assert torch.equal(call(tensors, x), 2 * x)
     assert torch.equal(module[0].scale, torch.ones(3))
+
+
+def test_an_eager_pack_call_through_a_layer_used_twice_leaves_its_own_parameters_in_place() -> None:
+    """A layer applied twice (the same module under two names) has its slot swapped twice in one call: undone in
+    reverse, the module ends holding its own parameters, not the call's (torch.func.functional_call, undoing them
+    in order, leaves the call's there)."""
+    shared = nn.Linear(3, 3)
+    module = nn.Sequential(shared, nn.Tanh(), shared)
+    call = pack_call(module, "pack", compile=False)
+    own = shared.weight
+    weight, bias = torch.randn(3, 3), torch.randn(3)
+    x = torch.randn(2, 3)
+    once = torch.nn.functional.linear(x, weight, bias)
+    expected = torch.nn.functional.linear(torch.tanh(once), weight, bias)
+    assert torch.equal(call({"0.weight": weight, "0.bias": bias}, x), expected)
+    assert shared.weight is own and module[2].weight is own
