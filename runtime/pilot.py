@@ -89,7 +89,7 @@ def chain_order(module: nn.Module) -> list[nn.Module] | None:
     if not children:
         return None
     if type(module).forward is nn.Sequential.forward:
-        return list(children.values())
+        return list(module)  # every entry, as its forward calls them: named_children lists a module used twice once
     if any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False)):
         return None
     try:

@@ -220,6 +220,25 @@ def test_tied_weights_train_as_in_plain_pytorch(resident: bool, no_leaks: None) 
     assert bool(result.homes) == resident
 
 
+@pytest.mark.parametrize("budget", [None, 5000], ids=["resident", "swapped"])
+def test_a_layer_applied_twice_trains_as_in_plain_pytorch(budget: int | None, no_leaks: None) -> None:
+    """A Sequential that holds one Linear twice applies it twice, homed or cut into packs, in float64."""
+    torch.manual_seed(0)
+    shared = nn.Linear(8, 8)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), shared, nn.Tanh(), shared, nn.Linear(8, 2)).double()
+    reference = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(16, 8, generator=generator, dtype=torch.float64),
+                torch.randn(16, 2, generator=generator, dtype=torch.float64)) for _ in range(4)]
+    factory = lambda p: torch.optim.SGD(p, lr=0.1)  # noqa: E731
+    result = harmony.train(model, batches, loss_fn=nn.functional.mse_loss, optimizer=factory, microbatches=2,
+                           devices=["cpu"], device_memory=budget, progress=False)
+    train_plain(reference, batches, nn.functional.mse_loss, factory)
+    assert (len(result.plan.jobs[0].packing.packs) > 1) == (budget is not None)
+    assert model[2] is model[4]
+    assert_same_weights(model, reference, rtol=1e-12, atol=1e-12)
+
+
 class CountingBatchFiles:
     """A loader that, each time the driver takes a batch, counts the host-store files holding shipped batches."""
 

@@ -133,7 +133,22 @@ def test_a_weight_two_layers_share_is_held_by_the_first_and_borrowed_by_the_late
     assert last.weight_bytes == last.grad_bytes == 8 * 8 * 4 and result.profile.weight_bytes == 8 * 8 * 4
     shared = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))
     model = nn.Sequential(shared, nn.Tanh(), shared)
-    assert len(decompose(model, torch.randn(3, 8), "m").layers) == 3, "the same module twice is one layer"
+    assert len(decompose(model, torch.randn(3, 8), "m").layers) == 1, "one layer from its first use to its last"
+
+
+def test_a_module_a_sequential_holds_twice_runs_twice_in_the_chain() -> None:
+    """A Sequential's entries as its forward runs them: named_children lists a module held twice once, and a chain
+    built from it would skip the second use."""
+    shared = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))
+    model = nn.Sequential(nn.Linear(8, 8), shared, nn.Tanh(), shared, nn.Linear(8, 2))
+    x = torch.randn(3, 8)
+    result = decompose(model, x, "m")
+    assert len(result.layers) == 3, "the first Linear, one layer from shared's first use to its last, the last Linear"
+    with torch.no_grad():
+        y = x
+        for layer in result.layers:
+            y = layer(y)
+        assert torch.equal(y, model(x))
 
 
 def test_profile_measures_bytes_per_sample() -> None:
