@@ -5,7 +5,7 @@ i's weight is ``stacked[i]``) and runs them at once: an nn.Linear as one batched
 (``baddbmm``), a BatchNorm as one over members x channels, an elementwise activation or dropout
 directly on the stacked activations, and any other
 layer (Conv2d, BatchNorm with its running statistics per member, LayerNorm, Embedding, attention) through
-``torch.func.vmap`` over ``functional_call``, with random draws different per member. Activations
+``torch.func.vmap`` over a functional call (runtime.reparametrize), with random draws different per member. Activations
 between array layers carry the member dimension first; the first layer's input is the members' shared
 mini-batch.
 """
@@ -19,8 +19,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.func import functional_call, vmap
+from torch.func import vmap
 from torch.utils._pytree import tree_map
+
+from harmony.runtime.reparametrize import bind
 
 ELEMENTWISE = (
     nn.ReLU,
@@ -124,8 +126,10 @@ class ArrayLayer(nn.Module):
             x = tree_map(lambda t: t.unsqueeze(0).expand(self.size, *t.shape), x)
             shared = False
 
+        call = bind(template)
+
         def member(member_params: dict[str, torch.Tensor], member_buffers: dict[str, torch.Tensor], value: Any) -> Any:
-            return functional_call(template, (member_params, member_buffers), (value,))
+            return call({**member_params, **member_buffers}, value)
 
         fused = vmap(member, in_dims=(0, 0, None if shared else 0), randomness="different")
         return fused(params, buffers, x)
@@ -258,7 +262,7 @@ def narrowed(module: nn.Module, live: list[int], rows: dict[int, torch.Tensor] |
 def retie(template: nn.Module, original: nn.Module) -> nn.Module:
     """template with the parameters original shares between modules (tied embeddings: GPT-2's ``wte`` and
     ``lm_head``) shared again: moving a module to the meta device gives each use a parameter of its own, and
-    functional_call then fills the first use alone, leaving the others on meta."""
+    a functional call then fills the first use alone, leaving the others on meta."""
     names: dict[int, list[str]] = {}
     for name, parameter in original.named_parameters(remove_duplicate=False):
         names.setdefault(id(parameter), []).append(name)

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from harmony.runtime.reparametrize import bind
 from harmony.runtime.seeding import draw, reseed
 
 OPTIONS = {"fallback_random": True, "compile_threads": 1}
@@ -37,7 +38,7 @@ def pack_call(module: nn.Module, name: str, compile: bool, first: int = 0, drawi
     layers from first on; drawing, those of them that draw from their own streams (runtime.seeding)."""
     if not compile:
         reseed(module, first, drawing)
-        return _bound(module)
+        return bind(module)
 
     def part(segment: nn.Module, start: int) -> PackCall:
         names = [n for n, _ in (*segment.named_parameters(remove_duplicate=False), *segment.named_buffers())]
@@ -49,47 +50,6 @@ def pack_call(module: nn.Module, name: str, compile: bool, first: int = 0, drawi
         return lambda tensors, x: compiled({n: tensors[n] for n in names}, x)
 
     return _segmented(module, first, drawing, part)
-
-
-def _bound(module: nn.Module) -> PackCall:
-    """(tensors, x) -> module(x) with tensors in place of the parameters and buffers they name for the call, as
-    torch.func.functional_call does (strict=False, tied weights all set from any one of their names), with where
-    each name lives looked up once: functional_call walks the module's names and ties on every call, which costs as
-    much as a small layer's forward, once per micro-batch and pack. Names it does not know (a plain tensor
-    attribute) go through functional_call."""
-    aliases: dict[int, list[str]] = {}
-    slots: list[tuple[dict[str, Any], str, list[str]]] = []
-    for name, tensor in (*module.named_parameters(remove_duplicate=False),
-                         *module.named_buffers(remove_duplicate=False)):
-        owner, _, attribute = name.rpartition(".")
-        held = module.get_submodule(owner)
-        table = held._parameters if attribute in held._parameters else held._buffers
-        names = aliases.setdefault(id(tensor), [])  # a tied weight's slots share one list of its names
-        names.append(name)
-        slots.append((table, attribute, names))
-    known = {name for names in aliases.values() for name in names}
-
-    def call(tensors: dict[str, torch.Tensor], x: Any) -> Any:
-        if not tensors.keys() <= known:
-            return functional_call(module, tensors, (x,))
-        swapped = []
-        try:
-            for table, attribute, names in slots:
-                value = tensors.get(names[0])
-                if len(names) > 1:
-                    given = [tensors[name] for name in names if name in tensors]
-                    if any(other is not given[0] for other in given[1:]):
-                        raise ValueError(f"tied weights {', '.join(names)} were given different tensors")
-                    value = given[0] if given else None
-                if value is not None:
-                    swapped.append((table, attribute, table[attribute]))
-                    table[attribute] = value
-            return module(x)
-        finally:
-            for table, attribute, original in reversed(swapped):  # a module used twice: its slot swapped twice
-                table[attribute] = original
-
-    return call
 
 
 def module_call(module: nn.Module, name: str, compile: bool, first: int = 0, drawing: tuple[int, ...] = ()

@@ -239,6 +239,29 @@ def test_a_layer_applied_twice_trains_as_in_plain_pytorch(budget: int | None, no
     assert_same_weights(model, reference, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("budget", [None, 12000], ids=["resident", "swapped"])
+def test_fused_models_that_apply_a_layer_twice_train_as_in_plain_pytorch(budget: int | None, no_leaks: None) -> None:
+    """An array of such models runs the layer twice per member, homed or cut into packs, in float64."""
+    models = []
+    for seed in range(3):
+        torch.manual_seed(seed)
+        shared = nn.Linear(8, 8)
+        models.append(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), shared, nn.Tanh(), shared, nn.Linear(8, 2)).double())
+    references = [copy.deepcopy(model) for model in models]
+    generator = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(16, 8, generator=generator, dtype=torch.float64),
+                torch.randn(16, 2, generator=generator, dtype=torch.float64)) for _ in range(4)]
+    factory = lambda p: torch.optim.SGD(p, lr=0.1)  # noqa: E731
+    result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss, optimizer=factory, microbatches=2,
+                           devices=["cpu"], device_memory=budget, fuse=True, progress=False)
+    assert max(len(job.members) for job in result.plan.jobs) > 1
+    assert any(len(job.packing.packs) > 1 for job in result.plan.jobs) == (budget is not None)
+    for model, reference in zip(models, references):
+        train_plain(reference, batches, nn.functional.mse_loss, factory)
+        assert model[2] is model[4]
+        assert_same_weights(model, reference, rtol=1e-12, atol=1e-12)
+
+
 class CountingBatchFiles:
     """A loader that, each time the driver takes a batch, counts the host-store files holding shipped batches."""
 

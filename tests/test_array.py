@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import pickle
 from collections.abc import Callable
 
 import pytest
@@ -24,6 +25,11 @@ class Block(nn.Module):
         return self.norm(x + self.attention(x, x, x, need_weights=False)[0])
 
 
+def twice(layer: nn.Module) -> nn.Sequential:
+    """layer applied twice, a Tanh between: one module held at two places."""
+    return nn.Sequential(layer, nn.Tanh(), layer)
+
+
 LAYERS: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor]]] = {
     "linear": (lambda: nn.Linear(6, 5), lambda: torch.randn(4, 6)),
     "linear-3d": (lambda: nn.Linear(6, 5, bias=False), lambda: torch.randn(4, 3, 6)),
@@ -37,6 +43,7 @@ LAYERS: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor]]] = 
     "attention-block": (Block, lambda: torch.randn(4, 5, 8)),
     "transformer": (lambda: nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True),
                     lambda: torch.randn(4, 5, 8)),
+    "used-twice": (lambda: twice(nn.Linear(6, 6)), lambda: torch.randn(4, 6)),
     "gelu": (nn.GELU, lambda: torch.randn(4, 6)),
     "flatten": (nn.Flatten, lambda: torch.randn(4, 2, 3)),
 }
@@ -102,6 +109,19 @@ def test_a_narrowed_array_computes_its_live_members_as_the_whole_array_does(name
     assert dict(array.named_parameters()) == parameters and array.size == 4
     rows = sum(value[0].nbytes for value in before.values()) * len(live)
     assert narrowed_bytes(array, live) == (rows if live == [0, 2] else 0)
+
+
+def test_an_array_of_a_layer_used_twice_leaves_its_template_as_it_was() -> None:
+    """The template's slots are swapped for the members' batched rows during a call, twice for a module held at two
+    places: afterwards it holds its own tensors again (the skeleton that ships it to workers pickles them)."""
+    array = ArrayLayer([twice(nn.Linear(6, 6)) for _ in range(2)], shared_input=True)
+    own = [tensor for _, tensor in array.template.named_parameters(remove_duplicate=False)]
+    first = array(torch.randn(4, 6))
+    after = [tensor for _, tensor in array.template.named_parameters(remove_duplicate=False)]
+    assert len(after) == len(own) and all(a is b for a, b in zip(after, own))
+    assert array.template[0] is array.template[2]
+    pickle.dumps(array.template)
+    assert array(torch.randn(4, 6)).shape == first.shape
 
 
 def test_linear_layers_run_as_one_batched_matmul_and_dropout_draws_per_member() -> None:

@@ -1,4 +1,4 @@
-"""runtime.compiled: an eager pack call binds the given tensors as torch.func.functional_call does."""
+"""runtime.reparametrize: a module called with given tensors as torch.func.functional_call calls it."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from harmony.runtime.compiled import pack_call
+from harmony.runtime.reparametrize import bind
 
 
 class Tied(nn.Module):
@@ -32,9 +32,9 @@ def given(module: nn.Module, seed: int) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def test_an_eager_pack_call_computes_what_functional_call_computes_and_leaves_the_module_as_it_was() -> None:
+def test_a_bound_call_computes_what_functional_call_computes_and_leaves_the_module_as_it_was() -> None:
     module = nn.Sequential(Tied())
-    call = pack_call(module, "pack", compile=False)
+    call = bind(module)
     own = {name: p for name, p in module.named_parameters(remove_duplicate=False)}
     x = torch.tensor([[1, 2, 3], [4, 5, 6]]).reshape(-1)
     for seed in range(3):  # the same module bound to one set of tensors after another
@@ -57,9 +57,9 @@ def test_an_eager_pack_call_computes_what_functional_call_computes_and_leaves_th
     assert torch.equal(module[0].norm.running_mean, torch.zeros(6))
 
 
-def test_an_eager_pack_call_restores_the_module_when_its_forward_raises_and_rejects_unlike_tied_tensors() -> None:
+def test_a_bound_call_restores_the_module_when_its_forward_raises_and_rejects_unlike_tied_tensors() -> None:
     module = nn.Sequential(Tied())
-    call = pack_call(module, "pack", compile=False)
+    call = bind(module)
     weight = module[0].embed.weight
     with pytest.raises(IndexError):
         call(given(module, 0), torch.tensor([99]))  # out of the embedding's range
@@ -71,7 +71,7 @@ def test_an_eager_pack_call_restores_the_module_when_its_forward_raises_and_reje
     assert module[0].head.weight is weight
 
 
-def test_an_eager_pack_call_given_a_name_the_module_does_not_hold_as_a_weight_calls_functional_call() -> None:
+def test_a_bound_call_given_a_name_the_module_does_not_hold_as_a_weight_calls_functional_call() -> None:
     """A plain tensor attribute is not a parameter or buffer: functional_call sets it for the call."""
 
     class Scaled(nn.Module):
@@ -84,20 +84,20 @@ def test_an_eager_pack_call_given_a_name_the_module_does_not_hold_as_a_weight_ca
             return self.linear(x) * self.scale
 
     module = nn.Sequential(Scaled())
-    call = pack_call(module, "pack", compile=False)
+    call = bind(module)
     tensors = {"0.linear.weight": torch.eye(3), "0.linear.bias": torch.zeros(3), "0.scale": torch.full((3,), 2.0)}
     x = torch.randn(4, 3)
     assert torch.equal(call(tensors, x), 2 * x)
     assert torch.equal(module[0].scale, torch.ones(3))
 
 
-def test_an_eager_pack_call_through_a_layer_used_twice_leaves_its_own_parameters_in_place() -> None:
+def test_a_bound_call_through_a_layer_used_twice_leaves_its_own_parameters_in_place() -> None:
     """A layer applied twice (the same module under two names) has its slot swapped twice in one call: undone in
     reverse, the module ends holding its own parameters, not the call's (torch.func.functional_call, undoing them
     in order, leaves the call's there)."""
     shared = nn.Linear(3, 3)
     module = nn.Sequential(shared, nn.Tanh(), shared)
-    call = pack_call(module, "pack", compile=False)
+    call = bind(module)
     own = shared.weight
     weight, bias = torch.randn(3, 3), torch.randn(3)
     x = torch.randn(2, 3)

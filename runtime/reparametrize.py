@@ -1,0 +1,64 @@
+"""A module called with given tensors in place of its parameters and buffers, as torch.func.functional_call does.
+
+functional_call walks the module's names and tied weights on every call: once per micro-batch and pack, that costs
+as much as a small layer's forward. bind looks each name's place up once. It also undoes its swaps in reverse: a
+module held twice (a layer a Sequential applies twice) has its slot swapped twice in one call, and undone in order
+(as functional_call does in torch 2.14) the module would keep the call's tensor afterwards, a device's weights or,
+under vmap, a batched tensor that no longer pickles.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+Call = Callable[[dict[str, torch.Tensor], Any], Any]
+_BOUND: weakref.WeakKeyDictionary[nn.Module, Call] = weakref.WeakKeyDictionary()
+
+
+def bind(module: nn.Module) -> Call:
+    """(tensors by name, x) -> module(x) with tensors in place of the parameters and buffers they name for the call
+    (strict=False: the others stay; a tied weight's every name set from any one of them, and tied names given
+    different tensors refused). A name that is not one of the module's parameters or buffers (a plain tensor
+    attribute) goes through functional_call. One per module, kept while the module lives."""
+    if module in _BOUND:
+        return _BOUND[module]
+    aliases: dict[int, list[str]] = {}
+    slots: list[tuple[dict[str, Any], str, list[str]]] = []
+    for name, tensor in (*module.named_parameters(remove_duplicate=False),
+                         *module.named_buffers(remove_duplicate=False)):
+        owner, _, attribute = name.rpartition(".")
+        held = module.get_submodule(owner)
+        table = held._parameters if attribute in held._parameters else held._buffers
+        names = aliases.setdefault(id(tensor), [])  # a tied weight's slots share one list of its names
+        names.append(name)
+        slots.append((table, attribute, names))
+    known = {name for names in aliases.values() for name in names}
+
+    def call(tensors: dict[str, torch.Tensor], x: Any) -> Any:
+        if not tensors.keys() <= known:
+            return functional_call(module, tensors, (x,))
+        swapped = []
+        try:
+            for table, attribute, names in slots:
+                value = tensors.get(names[0])
+                if len(names) > 1:
+                    given = [tensors[name] for name in names if name in tensors]
+                    if any(other is not given[0] for other in given[1:]):
+                        raise ValueError(f"tied weights {', '.join(names)} were given different tensors")
+                    value = given[0] if given else None
+                if value is not None:
+                    swapped.append((table, attribute, table[attribute]))
+                    table[attribute] = value
+            return module(x)
+        finally:
+            for table, attribute, original in reversed(swapped):
+                table[attribute] = original
+
+    _BOUND[module] = call
+    return call
