@@ -42,14 +42,35 @@ def pack_call(module: nn.Module, name: str, compile: bool, first: int = 0, drawi
 
     def part(segment: nn.Module, start: int) -> PackCall:
         names = [n for n, _ in (*segment.named_parameters(remove_duplicate=False), *segment.named_buffers())]
+        twice = _held_twice(segment)
 
         def call(tensors: dict[str, torch.Tensor], x: Any) -> Any:
             return functional_call(segment, tensors, (x,))
 
         compiled = _compiled(call, f"{name}_layer_{start}")
-        return lambda tensors, x: compiled({n: tensors[n] for n in names}, x)
+
+        def run(tensors: dict[str, torch.Tensor], x: Any) -> Any:
+            try:  # a module held twice gets its tensors under one name (the others are its aliases)
+                return compiled({n: tensors[n] for n in names if n in tensors}, x)
+            finally:  # functional_call leaves the call's tensor in such a module's slot (runtime.reparametrize)
+                for table, attribute, original in twice:
+                    table[attribute] = original
+
+        return run
 
     return _segmented(module, first, drawing, part)
+
+
+def _held_twice(module: nn.Module) -> list[tuple[dict[str, Any], str, torch.Tensor]]:
+    """The parameter and buffer slots of the submodules module holds at more than one place, with what they hold."""
+    seen: set[int] = set()
+    twice = set()
+    for _, held in module.named_modules(remove_duplicate=False):
+        if id(held) in seen:
+            twice.add(id(held))
+        seen.add(id(held))
+    return [(table, attribute, tensor) for _, held in module.named_modules() if id(held) in twice
+            for table in (held._parameters, held._buffers) for attribute, tensor in table.items() if tensor is not None]
 
 
 def module_call(module: nn.Module, name: str, compile: bool, first: int = 0, drawing: tuple[int, ...] = ()
