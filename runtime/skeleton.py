@@ -1,7 +1,10 @@
 """Ship a pack's modules to workers without their weights: parameters and buffers travel as meta tensors.
 
-Workers run the skeleton with torch.func.functional_call, supplying every parameter and buffer from
-the device copy of the pack's weights, so the bytes that travel are only the module structure.
+Workers run the skeleton with every parameter and buffer supplied from the device copy of the pack's weights
+(runtime.reparametrize), so the bytes that travel are only the module structure. A parametrized module
+(torch.nn.utils.parametrize: weight_norm, spectral_norm, orthogonal) refuses to be pickled, its class being made
+when its parametrization was registered: it travels as its own class and state, and the class is made again where
+it lands.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import io
 import cloudpickle
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 
 def _meta_tensor(shape: tuple[int, ...], dtype: torch.dtype, requires_grad: bool, parameter: bool) -> torch.Tensor:
@@ -26,7 +30,20 @@ class _SkeletonPickler(cloudpickle.Pickler):
     def reducer_override(self, obj: object) -> object:
         if isinstance(obj, torch.Tensor) and id(obj) in self.stripped:
             return _meta_tensor, (tuple(obj.shape), obj.dtype, obj.requires_grad, isinstance(obj, nn.Parameter))
+        if isinstance(obj, nn.Module) and parametrize.is_parametrized(obj):
+            return _parametrized, (type(obj).__bases__[0], obj.__dict__)
         return super().reducer_override(obj)
+
+
+def _parametrized(cls: type[nn.Module], state: dict[str, object]) -> nn.Module:
+    """A parametrized module made again from the class it had before its parametrizations and its state (which
+    holds them, as parametrizations)."""
+    module = cls.__new__(cls)
+    module.__dict__.update(state)
+    parametrize._inject_new_class(module)
+    for name in module.parametrizations:
+        parametrize._inject_property(module, name)
+    return module
 
 
 def dump_skeleton(module: nn.Module) -> bytes:

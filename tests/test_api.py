@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 from torch import nn
+from torch.nn.utils import parametrizations
 
 import harmony
 from tests.conftest import (
@@ -260,6 +261,25 @@ def test_fused_models_that_apply_a_layer_twice_train_as_in_plain_pytorch(budget:
         train_plain(reference, batches, nn.functional.mse_loss, factory)
         assert model[2] is model[4]
         assert_same_weights(model, reference, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("budget", [None, 6000], ids=["resident", "swapped"])
+def test_parametrized_layers_train_as_in_plain_pytorch(budget: int | None, no_leaks: None) -> None:
+    """weight_norm and spectral_norm (torch.nn.utils.parametrizations: modules torch will not pickle, and a power
+    iteration's buffers updated by every training forward), homed or in packs, in float64."""
+    torch.manual_seed(0)
+    model = nn.Sequential(parametrizations.weight_norm(nn.Linear(8, 8)), nn.Tanh(),
+                          parametrizations.spectral_norm(nn.Linear(8, 8)), nn.Tanh(), nn.Linear(8, 2)).double()
+    reference = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(16, 8, generator=generator, dtype=torch.float64),
+                torch.randn(16, 2, generator=generator, dtype=torch.float64)) for _ in range(4)]
+    factory = lambda p: torch.optim.SGD(p, lr=0.05)  # noqa: E731
+    result = harmony.train(model, batches, loss_fn=nn.functional.mse_loss, optimizer=factory, devices=["cpu"],
+                           device_memory=budget, progress=False)
+    train_plain(reference, batches, nn.functional.mse_loss, factory)
+    assert (len(result.plan.jobs[0].packing.packs) > 1) == (budget is not None)
+    assert_same_weights(model, reference, rtol=1e-12, atol=1e-12)
 
 
 class CountingBatchFiles:
