@@ -291,7 +291,8 @@ def train(
     device whole (weights, gradients, optimizer state) on that device for the run, so its weights
     cross to the device once and its gradients never leave; False swaps every model every step.
     fuse="auto" trains models of the same architecture that share a loader (and optimizer class) as fused
-    arrays, sized by the simulator's predicted throughput; True uses the largest sub-arrays whose layers
+    arrays, sized by the simulator's predicted throughput (unfused, with a warning, where their layers cannot run
+    batched); True uses the largest sub-arrays whose layers
     fit the budget (the whole group when it fits), an int k the largest that fit up to k, and False trains
     every model on its own. steps_per_task is how many consecutive steps one task of a homed
     single-pack model or array runs (all their batches in one file): "auto" picks enough to keep

@@ -68,12 +68,17 @@ def _label(members: list[int], args: Arguments) -> str:
     return f"array of models {','.join(map(str, members))} ({'/'.join(names)})"
 
 
+class Unfusable(ModelError):
+    """The members' layers fail as an array (a layer whose forward cannot run batched under vmap: a .item(), an out=
+    operator): fuse="auto" trains such models unfused, fuse=True or k reports it."""
+
+
 def build_array(members: list[int], candidates: list[Candidate], args: Arguments, budget: int,
                 timed: ModelProfile | None = None) -> Candidate:
     """Stack the members' layers into ArrayLayers, pilot the array (its layers' times and its update's from timed,
     an array of as many members of the same group, where given) and cut it into packs for budget.
 
-    Raises LayerTooLarge when the array's largest layer does not fit budget.
+    Raises LayerTooLarge when the array's largest layer does not fit budget, Unfusable when it fails in its pilot.
     """
     parts = [candidates[m] for m in members]
     label = _label(members, args)
@@ -85,8 +90,8 @@ def build_array(members: list[int], candidates: list[Candidate], args: Arguments
     try:
         decomposition = decompose(nn.Sequential(*layers), sample, label, timed=timed, shares=parts[0].profile)
     except Exception as error:
-        raise ModelError(members[0], f"{label} raised {type(error).__name__}: {error} in its fused forward during "
-                         "the pilot pass; pass fuse=False to train these models unfused") from error
+        raise Unfusable(members[0], f"{label} raised {type(error).__name__}: {error} in its fused forward during "
+                        "the pilot pass; pass fuse=False to train these models unfused") from error
     loss_fns = [args.loss_fns[m] for m in members]
     loss = array_loss(loss_fns, decomposition.output, target) if all(fn is not None for fn in loss_fns) else None
     factories = [args.optimizers[m] for m in members]
@@ -261,6 +266,12 @@ def _trial(group: list[int], size: int, candidates: list[Candidate], sizing: Siz
             array = build_array(group[:size], candidates, sizing.args, min(sizing.budgets.values()))
             timings.KEPT[key] = array.profile
     except LayerTooLarge:
+        return None, None
+    except Unfusable as error:
+        if sizing.args.options.fuse != "auto":
+            raise
+        logger.warning("%s: fuse='auto' trains them unfused, as their array raised %s: %s",
+                       _label(group[:size], sizing.args), type(error.__cause__).__name__, error.__cause__)
         return None, None
     if not array.job.packing.prefetch and all(candidates[m].job.packing.prefetch for m in group):
         return None, None  # it fits only without prefetching, where its members prefetch alone

@@ -104,6 +104,43 @@ def test_a_fused_sweep_matches_plain_pytorch_and_the_unfused_run(no_leaks: None)
     assert fused.stats.tasks < unfused.stats.tasks
 
 
+class ItemGate(nn.Module):
+    """Scales by a Python number read off its weight (.item()): fine alone, impossible batched under vmap."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale * (1.0 if self.scale.item() > 0 else -1.0)
+
+
+def test_models_whose_layers_cannot_run_as_an_array_train_unfused_under_auto_and_fuse_true_says_why(
+    caplog: pytest.LogCaptureFixture, no_leaks: None
+) -> None:
+    batches = regression_batches(samples=16 * 4, batch=16)
+
+    def gated(seed: int) -> nn.Sequential:
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(32, 16), nn.Tanh(), ItemGate(), nn.Linear(16, 4)).double()
+
+    double = [(x.double(), y.double()) for x, y in batches]
+    models = [gated(seed) for seed in range(3)]
+    references = clones(models)
+    factory = lambda p: torch.optim.SGD(p, lr=0.05)  # noqa: E731
+    with caplog.at_level("WARNING", logger="harmony"):
+        result = harmony.train(models, double, loss_fn=nn.functional.mse_loss, optimizer=factory, devices=["cpu"],
+                               progress=False)
+    assert all(len(array) == 1 for array in result.arrays)
+    assert "fuse='auto' trains them unfused" in caplog.text
+    for model, reference in zip(models, references):
+        train_plain(reference, double, nn.functional.mse_loss, factory)
+        assert_same_weights(model, reference, rtol=1e-12, atol=1e-12)
+    with pytest.raises(harmony.ModelError, match="pass fuse=False to train these models unfused"):
+        harmony.train([gated(seed) for seed in range(3)], double, loss_fn=nn.functional.mse_loss, optimizer=factory,
+                      devices=["cpu"], fuse=True, progress=False)
+
+
 def test_an_array_that_does_not_fit_is_cut_into_sub_arrays_and_packs_within_budget(no_leaks: None) -> None:
     factories = [(lambda lr: (lambda p: torch.optim.SGD(p, lr=lr, momentum=0.9)))(0.01 * (i + 1)) for i in range(4)]
     models = [deep_mlp(seed=seed) for seed in range(4)]
