@@ -32,15 +32,18 @@ def bind(module: nn.Module) -> Call:
     slots: list[tuple[dict[str, Any], str, list[str]]] = []
     for name, tensor in (*module.named_parameters(remove_duplicate=False),
                          *module.named_buffers(remove_duplicate=False)):
-        owner, _, attribute = name.rpartition(".")
-        held = module.get_submodule(owner)
-        table = held._parameters if attribute in held._parameters else held._buffers
+        path, _, attribute = name.rpartition(".")
+        owner = module.get_submodule(path)
+        table = owner._parameters if attribute in owner._parameters else owner._buffers
         names = aliases.setdefault(id(tensor), [])  # a tied weight's slots share one list of its names
         names.append(name)
         slots.append((table, attribute, names))
     known = {name for names in aliases.values() for name in names}
+    alive = weakref.ref(module)  # the cache keeps a call while its module lives: the call must not keep the module
 
     def call(tensors: dict[str, torch.Tensor], x: Any) -> Any:
+        module = alive()
+        assert module is not None, "a bound call outlived its module"
         if not tensors.keys() <= known:
             return functional_call(module, tensors, (x,))
         swapped = []

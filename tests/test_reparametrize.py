@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from torch import nn
@@ -105,3 +108,16 @@ def test_a_bound_call_through_a_layer_used_twice_leaves_its_own_parameters_in_pl
     expected = torch.nn.functional.linear(torch.tanh(once), weight, bias)
     assert torch.equal(call({"0.weight": weight, "0.bias": bias}, x), expected)
     assert shared.weight is own and module[2].weight is own
+
+
+def test_a_bound_module_is_freed_with_its_last_reference() -> None:
+    """bind keeps one call per module while the module lives: a worker's packs of an ended run, a trial array's
+    template, go when nothing else holds them."""
+    module = nn.Sequential(nn.Linear(3, 3))
+    call = bind(module)
+    assert bind(module) is call
+    assert torch.equal(call({"0.weight": torch.eye(3), "0.bias": torch.zeros(3)}, torch.ones(1, 3)), torch.ones(1, 3))
+    gone = weakref.ref(module)
+    del module, call
+    gc.collect()
+    assert gone() is None
