@@ -1,6 +1,8 @@
-"""runtime.compiled: a compiled pack call computes the eager one and leaves its module as it was."""
+"""runtime.compiled: a pack call computes what its module computes with the given tensors, and leaves it as it was."""
 
 from __future__ import annotations
+
+import gc
 
 import torch
 from torch import nn
@@ -22,3 +24,10 @@ def test_a_compiled_pack_of_a_layer_used_twice_computes_it_twice_and_leaves_its_
         torch.testing.assert_close(call({"0.weight": weight, "0.bias": bias}, x), expected)
         after = [tensor for _, tensor in module.named_parameters(remove_duplicate=False)]
         assert len(after) == len(own) and all(a is b for a, b in zip(after, own))
+
+
+def test_an_eager_pack_call_keeps_the_module_it_was_made_for() -> None:
+    """The caller may hold the module only through its call."""
+    call = pack_call(nn.Sequential(nn.Linear(3, 3)), "pack", compile=False)
+    gc.collect()
+    assert torch.equal(call({"0.weight": torch.eye(3), "0.bias": torch.zeros(3)}, torch.ones(1, 3)), torch.ones(1, 3))
