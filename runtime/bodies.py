@@ -39,6 +39,7 @@ from harmony.runtime.handoff import receive, wait_for
 from harmony.runtime.homed import HomedModel
 from harmony.runtime.hoststore import tensors_at
 from harmony.runtime.peer import files_read, received_bytes
+from harmony.runtime.reparametrize import bound
 from harmony.runtime.scaler import finite
 from harmony.runtime.seeding import begin, microbatch_number
 from harmony.runtime.stash import Stash, detached, stash_key, worth_stashing
@@ -702,7 +703,8 @@ def _backward_step(
                     upstream = kept_grad if kept_grad is not None else ctx.cache.copy_in(
                         gradients_or_targets[index], "activations")
                     start_ahead()
-                    x = stash.backward(tensors, grads, halved, upstream, _backward_from)
+                    with _held(ctx, model, pack, {**tensors, **stash.leaves}):
+                        x = stash.backward(tensors, grads, halved, upstream, _backward_from)
                     del stash, found
                     if pack > 0:
                         grad = _input_grad(x)
@@ -753,16 +755,18 @@ def _recomputed_backward(
         _begin(ctx, model, pack, step, group, index)
         with torch.enable_grad():
             leaves = _leaves(tensors, grads, halved)
-            with ctx.autocast():
-                y = ctx.call(model, pack)({**tensors, **leaves}, x)
-            if loss_weight is not None:  # the last pack: loss and backward
+            weights = {**tensors, **leaves}
+            with _held(ctx, model, pack, weights):
                 with ctx.autocast():
-                    step_losses = ctx.loss_fn(model)(y, target_or_gradient)
-                scale = ctx.scaler(model).state(step)[0] if spec.scaled else None
-                scaled = None if scale is None else lambda gradient: gradient * scale
-                losses.add(0, _backpropagate_loss(step_losses, loss_weight, scaled), loss_weight)
-            else:
-                _backward_from(y, target_or_gradient)
+                    y = ctx.call(model, pack)(weights, x)
+                if loss_weight is not None:  # the last pack: loss and backward
+                    with ctx.autocast():
+                        step_losses = ctx.loss_fn(model)(y, target_or_gradient)
+                    scale = ctx.scaler(model).state(step)[0] if spec.scaled else None
+                    scaled = None if scale is None else lambda gradient: gradient * scale
+                    losses.add(0, _backpropagate_loss(step_losses, loss_weight, scaled), loss_weight)
+                else:
+                    _backward_from(y, target_or_gradient)
         for name in halved:  # as autocast casts a weight's gradient back after its op, added in float32
             if leaves[name].grad is not None:
                 grads[name].add_(leaves[name].grad)
@@ -771,6 +775,14 @@ def _recomputed_backward(
             if input_grads is not None:
                 input_grads.append(ctx.cache.send(grad, "activations", reserved))
     return grad
+
+
+def _held(ctx: RunContext, model: int, pack: int, weights: dict[str, torch.Tensor]) -> AbstractContextManager[None]:
+    """The pack's module holding weights (its tensors and its trainable leaves) through a forward and its backward:
+    a backward that runs part of the forward again (torch.utils.checkpoint inside the model) reads them there, where
+    the forward's call alone would have put the skeleton's meta tensors back. Compiled packs pass their tensors to
+    the compiled code alone."""
+    return nullcontext() if ctx.spec.compile else bound(ctx.module(model, pack), weights)
 
 
 def _track(x: Any) -> None:

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 from torch.nn.utils import parametrizations
+from torch.utils.checkpoint import checkpoint
 
 import harmony
 from tests.conftest import (
@@ -279,6 +280,39 @@ def test_parametrized_layers_train_as_in_plain_pytorch(budget: int | None, no_le
                            device_memory=budget, progress=False)
     train_plain(reference, batches, nn.functional.mse_loss, factory)
     assert (len(result.plan.jobs[0].packing.packs) > 1) == (budget is not None)
+    assert_same_weights(model, reference, rtol=1e-12, atol=1e-12)
+
+
+class Checkpointed(nn.Module):
+    """A residual block whose inner layers torch.utils.checkpoint runs again in the backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + checkpoint(self.inner, x, use_reentrant=False)
+
+
+@pytest.mark.parametrize("budget", [None, 12_000], ids=["one-pack", "packs"])
+def test_a_model_that_checkpoints_inside_its_forward_trains_swapped_as_in_plain_pytorch(
+    budget: int | None, no_leaks: None
+) -> None:
+    """The checkpoint's second forward runs in the pack's backward, recomputed or from a stash: the pack's module
+    still holds its weights there, in float64."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), Checkpointed(), nn.Tanh(), Checkpointed(), nn.Tanh(), Checkpointed(),
+                          nn.Linear(8, 2)).double()
+    reference = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(16, 8, generator=generator, dtype=torch.float64),
+                torch.randn(16, 2, generator=generator, dtype=torch.float64)) for _ in range(4)]
+    factory = lambda p: torch.optim.SGD(p, lr=0.05)  # noqa: E731
+    result = harmony.train(model, batches, loss_fn=nn.functional.mse_loss, optimizer=factory, microbatches=2,
+                           devices=["cpu"], device_memory=budget, resident=False, progress=False)
+    train_plain(reference, batches, nn.functional.mse_loss, factory)
+    if budget is not None:  # backward passes both from stashes and recomputing
+        assert len(result.plan.jobs[0].packing.packs) > 1 and result.stats.stashed and result.stats.recomputed
     assert_same_weights(model, reference, rtol=1e-12, atol=1e-12)
 
 

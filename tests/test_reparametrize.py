@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from harmony.runtime.reparametrize import bind
+from harmony.runtime.reparametrize import bind, bound
 
 
 class Tied(nn.Module):
@@ -111,13 +111,25 @@ def test_a_bound_call_through_a_layer_used_twice_leaves_its_own_parameters_in_pl
 
 
 def test_a_bound_module_is_freed_with_its_last_reference() -> None:
-    """bind keeps one call per module while the module lives: a worker's packs of an ended run, a trial array's
-    template, go when nothing else holds them."""
+    """bind looks a module's names up once and keeps them while the module lives: a worker's packs of an ended run, a
+    trial array's template, go when nothing else holds them."""
     module = nn.Sequential(nn.Linear(3, 3))
     call = bind(module)
-    assert bind(module) is call
     assert torch.equal(call({"0.weight": torch.eye(3), "0.bias": torch.zeros(3)}, torch.ones(1, 3)), torch.ones(1, 3))
     gone = weakref.ref(module)
     del module, call
     gc.collect()
     assert gone() is None
+
+
+def test_bound_holds_the_tensors_in_place_for_a_block_and_calls_inside_it_swap_their_own() -> None:
+    module = nn.Sequential(nn.Linear(3, 3))
+    own = module[0].weight
+    held = {"0.weight": torch.eye(3), "0.bias": torch.zeros(3)}
+    with bound(module, held):
+        assert module[0].weight is held["0.weight"]
+        x = torch.ones(1, 3)
+        assert torch.equal(module(x), x)
+        assert torch.equal(bind(module)({"0.weight": 2 * torch.eye(3)}, x), 2 * x)
+        assert module[0].weight is held["0.weight"]
+    assert module[0].weight is own
