@@ -14,7 +14,6 @@ Two things a reader must know before changing the compiled way:
 
 from __future__ import annotations
 
-import functools
 import itertools
 import types
 from collections import OrderedDict
@@ -39,7 +38,7 @@ def pack_call(module: nn.Module, name: str, compile: bool, first: int = 0, drawi
     layers from first on; drawing, those of them that draw from their own streams (runtime.seeding)."""
     if not compile:
         reseed(module, first, drawing)
-        return functools.partial(_held, bind(module), module)
+        return bind(module)
 
     def part(segment: nn.Module, start: int) -> PackCall:
         names = [n for n, _ in (*segment.named_parameters(remove_duplicate=False), *segment.named_buffers())]
@@ -60,11 +59,6 @@ def pack_call(module: nn.Module, name: str, compile: bool, first: int = 0, drawi
         return run
 
     return _segmented(module, first, drawing, part)
-
-
-def _held(call: PackCall, module: nn.Module, tensors: dict[str, torch.Tensor], x: Any) -> Any:
-    """call(tensors, x) for a caller that holds module only through it (bind's call holds its module weakly)."""
-    return call(tensors, x)
 
 
 def _held_twice(module: nn.Module) -> list[tuple[dict[str, Any], str, torch.Tensor]]:

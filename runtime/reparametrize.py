@@ -66,13 +66,10 @@ def bind(module: nn.Module) -> Call:
     """(tensors by name, x) -> module(x) with tensors in place of the parameters and buffers they name for the call
     (strict=False: the others stay; a tied weight's every name set from any one of them, and tied names given
     different tensors refused). A name that is not one of the module's parameters or buffers (a plain tensor
-    attribute) goes through functional_call. The call holds module weakly: its caller keeps it."""
+    attribute) goes through functional_call."""
     slots, known = _slots(module)
-    alive = weakref.ref(module)
 
     def call(tensors: dict[str, torch.Tensor], x: Any) -> Any:
-        module = alive()
-        assert module is not None, "a bound call outlived its module"
         if not tensors.keys() <= known:
             return functional_call(module, tensors, (x,))
         with _swapped(slots, tensors):
