@@ -222,16 +222,27 @@ def test_tied_weights_train_as_in_plain_pytorch(resident: bool, no_leaks: None) 
     assert bool(result.homes) == resident
 
 
+def float64_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Four batches of 16 samples, 8 features to 2 targets, in float64 (where Harmony equals plain PyTorch to
+    reassociation)."""
+    generator = torch.Generator().manual_seed(3)
+    return [(torch.randn(16, 8, generator=generator, dtype=torch.float64),
+             torch.randn(16, 2, generator=generator, dtype=torch.float64)) for _ in range(4)]
+
+
+def applied_twice(seed: int) -> nn.Sequential:
+    """A float64 MLP whose Sequential holds one Linear twice (model[2] is model[4])."""
+    torch.manual_seed(seed)
+    shared = nn.Linear(8, 8)
+    return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), shared, nn.Tanh(), shared, nn.Linear(8, 2)).double()
+
+
 @pytest.mark.parametrize("budget", [None, 5000], ids=["resident", "swapped"])
 def test_a_layer_applied_twice_trains_as_in_plain_pytorch(budget: int | None, no_leaks: None) -> None:
     """A Sequential that holds one Linear twice applies it twice, homed or cut into packs, in float64."""
-    torch.manual_seed(0)
-    shared = nn.Linear(8, 8)
-    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), shared, nn.Tanh(), shared, nn.Linear(8, 2)).double()
+    model = applied_twice(seed=0)
     reference = copy.deepcopy(model)
-    generator = torch.Generator().manual_seed(3)
-    batches = [(torch.randn(16, 8, generator=generator, dtype=torch.float64),
-                torch.randn(16, 2, generator=generator, dtype=torch.float64)) for _ in range(4)]
+    batches = float64_batches()
     factory = lambda p: torch.optim.SGD(p, lr=0.1)  # noqa: E731
     result = harmony.train(model, batches, loss_fn=nn.functional.mse_loss, optimizer=factory, microbatches=2,
                            devices=["cpu"], device_memory=budget, progress=False)
@@ -244,15 +255,9 @@ def test_a_layer_applied_twice_trains_as_in_plain_pytorch(budget: int | None, no
 @pytest.mark.parametrize("budget", [None, 12000], ids=["resident", "swapped"])
 def test_fused_models_that_apply_a_layer_twice_train_as_in_plain_pytorch(budget: int | None, no_leaks: None) -> None:
     """An array of such models runs the layer twice per member, homed or cut into packs, in float64."""
-    models = []
-    for seed in range(3):
-        torch.manual_seed(seed)
-        shared = nn.Linear(8, 8)
-        models.append(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), shared, nn.Tanh(), shared, nn.Linear(8, 2)).double())
+    models = [applied_twice(seed) for seed in range(3)]
     references = [copy.deepcopy(model) for model in models]
-    generator = torch.Generator().manual_seed(3)
-    batches = [(torch.randn(16, 8, generator=generator, dtype=torch.float64),
-                torch.randn(16, 2, generator=generator, dtype=torch.float64)) for _ in range(4)]
+    batches = float64_batches()
     factory = lambda p: torch.optim.SGD(p, lr=0.1)  # noqa: E731
     result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss, optimizer=factory, microbatches=2,
                            devices=["cpu"], device_memory=budget, fuse=True, progress=False)
@@ -272,9 +277,7 @@ def test_parametrized_layers_train_as_in_plain_pytorch(budget: int | None, no_le
     model = nn.Sequential(parametrizations.weight_norm(nn.Linear(8, 8)), nn.Tanh(),
                           parametrizations.spectral_norm(nn.Linear(8, 8)), nn.Tanh(), nn.Linear(8, 2)).double()
     reference = copy.deepcopy(model)
-    generator = torch.Generator().manual_seed(3)
-    batches = [(torch.randn(16, 8, generator=generator, dtype=torch.float64),
-                torch.randn(16, 2, generator=generator, dtype=torch.float64)) for _ in range(4)]
+    batches = float64_batches()
     factory = lambda p: torch.optim.SGD(p, lr=0.05)  # noqa: E731
     result = harmony.train(model, batches, loss_fn=nn.functional.mse_loss, optimizer=factory, devices=["cpu"],
                            device_memory=budget, progress=False)
@@ -304,9 +307,7 @@ def test_a_model_that_checkpoints_inside_its_forward_trains_swapped_as_in_plain_
     model = nn.Sequential(nn.Linear(8, 8), Checkpointed(), nn.Tanh(), Checkpointed(), nn.Tanh(), Checkpointed(),
                           nn.Linear(8, 2)).double()
     reference = copy.deepcopy(model)
-    generator = torch.Generator().manual_seed(3)
-    batches = [(torch.randn(16, 8, generator=generator, dtype=torch.float64),
-                torch.randn(16, 2, generator=generator, dtype=torch.float64)) for _ in range(4)]
+    batches = float64_batches()
     factory = lambda p: torch.optim.SGD(p, lr=0.05)  # noqa: E731
     result = harmony.train(model, batches, loss_fn=nn.functional.mse_loss, optimizer=factory, microbatches=2,
                            devices=["cpu"], device_memory=budget, resident=False, progress=False)
