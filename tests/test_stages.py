@@ -152,3 +152,34 @@ def test_a_model_torch_fx_cannot_trace_is_exported_cut_at_its_layers_and_runs_ot
     assert type(x) is type(expected)
     torch.testing.assert_close(x.logits, expected.logits, rtol=0, atol=0)
     torch.testing.assert_close(x.loss, expected.loss, rtol=0, atol=0)
+
+
+class FlattenedTokens(nn.Module):
+    """OPT's shape: a forward torch.fx cannot trace (it iterates its input's shape), a stem and a block on
+    (batch, length, width), blocks on the tokens flattened to (batch * length, width), a head on them viewed back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, width = tuple(x.shape)
+        h = self.blocks[0](self.stem(x)).reshape(batch * length, width)
+        for block in self.blocks[1:]:
+            h = block(h).relu()
+        return self.head(h.view(batch, length, width))
+
+
+def test_a_size_left_behind_at_one_cut_crosses_a_later_one_where_no_tensor_has_it() -> None:
+    """The first cut carries a tensor shaped (batch, length, 8): the sizes stay behind, read off it. Later cuts carry
+    only (batch * length, 8), a product, and the head needs batch and length: they cross as values of their own
+    (once they were lost, and cutting raised a KeyError). The stages compute the model's output for other sizes."""
+    torch.manual_seed(0)
+    model = FlattenedTokens().double()
+    stages, how = trace_stages(model, sample=torch.randn(4, 5, 8, dtype=torch.float64))
+    assert how.startswith("exported by torch.export") and len(stages) >= 4, how
+    x = torch.randn(3, 7, 8, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(run_chain(stages, x), model(x), rtol=0, atol=0)
