@@ -48,16 +48,23 @@ from harmony.validate import Arguments
 logger = logging.getLogger("harmony")
 
 
+UNFUSED = {  # why a model is never fused, by the first item of its fusion key
+    "tied across layers": "its layers share a weight, and an array stacks each layer's weights apart",
+    "exported": "torch.export cut it, and torch.func.vmap has no batching rule for the sizes an export reads",
+    "loss-scaled": "precision='fp16' skips each model's steps by its own loss scale, not an array's",
+}
+
+
 def fusion_key(candidate: Candidate, args: Arguments) -> Hashable:
     """What must agree for two models to be fused: loader, validation loader, optimizer class and every layer's
-    signature."""
+    signature; for a model never fused, why (a key of UNFUSED) and its index."""
     index = candidate.job.members[0]
     if any(layer.borrowed for layer in candidate.profile.layers):
-        return ("tied across layers", index)  # an array stacks each layer's weights: a tie between layers would break
+        return ("tied across layers", index)
     if any(isinstance(module, Entry) for layer in candidate.code.layers for module in layer.modules()):
-        return ("exported", index)  # torch.func.vmap has no batching rule for the symbolic sizes an export reads
+        return ("exported", index)
     if args.options.precision == "fp16":
-        return ("loss-scaled", index)  # each member skips the steps its own scale overflows: not one array step
+        return ("loss-scaled", index)
     layers = tuple(layer_signature(layer) for layer in candidate.code.layers)
     validation = args.validation_of[index] if args.validation_of else None
     return (candidate.job.feed, validation, args.optimizer_classes[index], layers)
@@ -284,7 +291,13 @@ def fuse(
     """The jobs with every group of fusable models replaced by arrays of the chosen size, and the choices."""
     if args.options.fuse is False:
         return candidates, []
-    groups = fusion_groups([fusion_key(candidate, args) for candidate in candidates])
+    keys = [fusion_key(candidate, args) for candidate in candidates]
+    if args.options.fuse is True and len(candidates) > 1:
+        for index, key in enumerate(keys):
+            if isinstance(key, tuple) and len(key) == 2 and key[0] in UNFUSED:
+                logger.warning("model %d (%s): fuse=True trains it unfused: %s", index,
+                               type(args.models[index]).__name__, UNFUSED[key[0]])
+    groups = fusion_groups(keys)
     sizing = Sizing(args, budgets, hardware)
     built: dict[tuple[int, ...], Candidate] = {}
     choices = [_choose(group, candidates, sizing, built) for group in groups]

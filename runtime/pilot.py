@@ -372,9 +372,11 @@ def _new_bytes(y: Any, x: Any) -> int:
 
 
 def is_boundary(x: Any) -> bool:
-    """Whether packs may be cut where x flows: a tensor, or a tuple of them (a traced stage boundary)."""
+    """Whether packs may be cut where x flows: a tensor, or a tuple of tensors and integers (a traced stage boundary,
+    where an exported model's sizes that no crossing tensor has cross as integers)."""
     return isinstance(x, torch.Tensor) or (
-        isinstance(x, tuple) and bool(x) and all(isinstance(value, torch.Tensor) for value in x))
+        isinstance(x, tuple) and any(isinstance(value, torch.Tensor) for value in x)
+        and all(isinstance(value, (torch.Tensor, int)) for value in x))
 
 
 def _batch_size(tree: Any) -> int:

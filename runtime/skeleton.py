@@ -4,16 +4,21 @@ Workers run the skeleton with every parameter and buffer supplied from the devic
 (runtime.reparametrize), so the bytes that travel are only the module structure. A parametrized module
 (torch.nn.utils.parametrize: weight_norm, spectral_norm, orthogonal) refuses to be pickled, its class being made
 when its parametrization was registered: it travels as its own class and state, and the class is made again where
-it lands.
+it lands. A traced stage that calls a custom operator (torch.library.custom_op: transformers' grouped matrix product
+in a mixture of experts) names the module that registers it, which is imported where the stage lands, before the
+stage's code is rebuilt: a worker that never imported it would not know the operator.
 """
 
 from __future__ import annotations
 
+import importlib
 import io
+from collections.abc import Callable
 
 import cloudpickle
 import torch
-from torch import nn
+from torch import fx, nn
+from torch._library.custom_ops import OPDEFS
 from torch.nn.utils import parametrize
 
 
@@ -32,7 +37,31 @@ class _SkeletonPickler(cloudpickle.Pickler):
             return _meta_tensor, (tuple(obj.shape), obj.dtype, obj.requires_grad, isinstance(obj, nn.Parameter))
         if isinstance(obj, nn.Module) and parametrize.is_parametrized(obj):
             return _parametrized, (type(obj).__bases__[0], obj.__dict__)
+        if isinstance(obj, fx.GraphModule) and (modules := operator_modules(obj.graph)):
+            return _importing, (modules, *obj.__reduce__())
         return super().reducer_override(obj)
+
+
+def operator_modules(graph: fx.Graph) -> tuple[str, ...]:
+    """The modules that register the custom operators graph calls (torch.library.custom_op's)."""
+    names = {_operator_name(node.target) for node in graph.nodes if node.op == "call_function"}
+    return tuple(sorted({OPDEFS[name]._init_fn.__module__ for name in names if name in OPDEFS}))
+
+
+def _operator_name(target: object) -> str | None:
+    """An operator's qualified name (namespace::name), as an exported graph (an overload) or a traced one (the
+    operator) calls it; None for a Python function."""
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name
+    return getattr(target, "_qualified_op_name", None) if isinstance(target, torch._ops.OpOverloadPacket) else None
+
+
+def _importing(modules: tuple[str, ...], rebuild: Callable[..., nn.Module], arguments: tuple[object, ...]
+               ) -> nn.Module:
+    """A traced stage rebuilt once the modules that register its custom operators are imported."""
+    for module in modules:
+        importlib.import_module(module)
+    return rebuild(*arguments)
 
 
 def _parametrized(cls: type[nn.Module], state: dict[str, object]) -> nn.Module:

@@ -65,6 +65,25 @@ class ResidualNet(nn.Module):
         return self.head(torch.flatten(x, 1))
 
 
+class FlattenedTokens(nn.Module):
+    """OPT's shape: a forward torch.fx cannot trace (it iterates its input's shape), a stem and a block on (batch,
+    length, width), blocks on the tokens flattened to (batch * length, width), a head on them viewed back. Past the
+    first block no crossing tensor has the batch or the length alone: they cross the cuts as integers."""
+
+    def __init__(self, width: int = 8, blocks: int = 3, outputs: int = 2) -> None:
+        super().__init__()
+        self.stem = nn.Linear(width, width)
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(blocks))
+        self.head = nn.Linear(width, outputs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, width = tuple(x.shape)
+        h = self.blocks[0](self.stem(x)).reshape(batch * length, width)
+        for block in self.blocks[1:]:
+            h = block(h).relu()
+        return self.head(h.view(batch, length, width))
+
+
 class GatedNet(nn.Module):
     """Blocks that all read a gate computed once from the input: several values flow between blocks."""
 

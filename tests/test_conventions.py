@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import harmony
+from tests.conftest import torch_threads
 
 transformers = pytest.importorskip("transformers")
 
@@ -179,6 +180,36 @@ def test_causal_lms_larger_than_the_device_are_exported_cut_at_their_layers_and_
         # the model's own loss is float32 (transformers upcasts the logits with .float()): two micro-batches'
         # losses averaged differ from the whole batch's at float32 rounding
         assert result.history[index] == pytest.approx(losses, rel=2 * torch.finfo(torch.float32).eps)
+
+
+def test_a_mixture_of_experts_trains_in_packs_with_its_custom_operator_on_the_workers(no_leaks: None) -> None:
+    """A Mixtral-style LM (top-2 of 4 experts) under half its bytes on two devices: exported, its experts call
+    transformers' grouped matrix product (a torch.library custom operator, registered by transformers'
+    integrations.moe, which the workers import to rebuild the stages), and its token count crosses cuts as an
+    integer. In float32 (the grouped product has no float64 kernel here) with SGD: its weights equal plain
+    PyTorch's within 3x what plain PyTorch itself moves between one and two threads, measured here."""
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(num_hidden_layers=6, hidden_size=16, intermediate_size=32,
+                                        num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_local_experts=4,
+                                        num_experts_per_tok=2, vocab_size=VOCAB, max_position_embeddings=32,
+                                        bos_token_id=0, eos_token_id=0)
+    model = transformers.MixtralForCausalLM(config)
+    batches = token_batches(steps=3, batch=2, length=8)
+    sgd = functools.partial(torch.optim.SGD, lr=0.1)
+    plain = {}
+    for threads in (1, 2):
+        with torch_threads(threads):
+            plain[threads] = copy.deepcopy(model)
+            train_plain(plain[threads], batches, sgd, keywords=True)
+    noise = max((a - b).abs().max().item() for a, b in zip(plain[1].state_dict().values(),
+                                                             plain[2].state_dict().values()))
+    budget = sum(p.numel() * p.element_size() for p in model.parameters()) // 2
+    result = harmony.train(model, batches, None, sgd, devices=["cpu", "cpu"], device_memory=budget,
+                           resident=False, progress=False)
+    assert len(result.packings[0].packs) >= 4
+    moved = max((a - b).abs().max().item() for a, b in zip(model.state_dict().values(),
+                                                             plain[1].state_dict().values()))
+    assert moved <= 3 * max(noise, torch.finfo(torch.float32).eps), (moved, noise)
 
 
 def bert(seed: int, layers: int = 12) -> torch.nn.Module:

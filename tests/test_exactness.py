@@ -9,6 +9,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import harmony
 from tests.conftest import (
+    FlattenedTokens,
     ResidualNet,
     assert_same_weights,
     clones,
@@ -373,6 +374,31 @@ def test_a_model_that_is_not_a_chain_trains_in_packs_under_a_third_of_its_size(n
     losses = train_plain(reference, batches, nn.functional.mse_loss, adam)
     assert_same_weights(model, reference, rtol=0, atol=1e-9)
     assert result.history[0] == pytest.approx(losses, abs=1e-9)
+
+
+def test_a_model_whose_cuts_carry_its_sizes_as_integers_trains_in_packs(no_leaks: None) -> None:
+    """A model torch.export cuts (FlattenedTokens: past its first block the batch and length cross every cut as
+    integers beside the flattened tokens) is cut there too: more than the two packs its tensor-only cuts allow, on
+    two devices. In float64 with Adam its weights and validation losses equal plain PyTorch's within 1e-9."""
+    torch.manual_seed(0)
+    model = FlattenedTokens(width=64, blocks=6, outputs=4).double()
+    reference = clones([model])[0]
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(32, 5, 64, generator=generator, dtype=torch.float64)
+    y = torch.randn(32, 5, 4, generator=generator, dtype=torch.float64)
+    batches = [(x[i : i + 8], y[i : i + 8]) for i in range(0, 32, 8)]
+    adam = lambda p: torch.optim.Adam(p, lr=1e-3)  # noqa: E731
+    budget = 200_000
+    assert budget < param_bytes(model)
+    result = harmony.train(model, batches, nn.functional.mse_loss, adam, devices=["cpu", "cpu"],
+                           device_memory=budget, microbatches=2, resident=False, val_loaders=batches[:2],
+                           progress=False)
+    assert len(result.packings[0].packs) >= 3
+    train_plain(reference, batches, nn.functional.mse_loss, adam)
+    assert_same_weights(model, reference, rtol=0, atol=1e-9)
+    with torch.no_grad():
+        plain = sum(nn.functional.mse_loss(reference(x), y).item() * len(x) for x, y in batches[:2]) / 16
+    torch.testing.assert_close(result.val_history[0][-1][1], plain, rtol=1e-9, atol=0)
 
 
 def test_torchvisions_vit_trains_in_packs_under_a_third_of_its_size(no_leaks: None) -> None:

@@ -2,13 +2,37 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import torch
-from torch import nn
+from torch import fx, nn
 from torch.nn.utils import parametrizations, parametrize
 
 from harmony.runtime import handoff, serialization  # noqa: F401
 from harmony.runtime.reparametrize import bind
-from harmony.runtime.skeleton import dump_skeleton, load_skeleton
+from harmony.runtime.skeleton import dump_skeleton, load_skeleton, operator_modules
+
+
+@torch.library.custom_op("harmony_tests::scaled", mutates_args=())
+def scaled(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """A custom operator, as transformers registers one for a mixture of experts' grouped matrix product."""
+    return x * factor
+
+
+@scaled.register_fake
+def _(x: torch.Tensor, factor: float) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+class Scaling(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.harmony_tests.scaled(self.linear(x), 2.0)
 
 
 def test_skeleton_carries_structure_without_weights() -> None:
@@ -39,3 +63,25 @@ def test_a_parametrized_module_travels_as_its_class_and_state_and_computes_as_it
     x = torch.randn(4, 6)
     torch.testing.assert_close(bind(skeleton.eval())(tensors, x), module(x), rtol=0, atol=0)
     load_skeleton(dump_skeleton(skeleton))  # and again, from where it landed
+
+
+LOAD_AND_CALL = """
+import sys, torch
+from harmony.runtime.skeleton import load_skeleton
+stage = load_skeleton(sys.stdin.buffer.read())
+ones = {name: torch.ones(tensor.shape) for name, tensor in stage.state_dict().items()}
+print(torch.func.functional_call(stage, ones, (torch.ones(1, 4),)).tolist())
+"""
+
+
+def test_a_traced_stage_that_calls_a_custom_operator_imports_its_module_where_it_lands() -> None:
+    """A fresh interpreter (a worker) that never imported the module registering the operator rebuilds the stage
+    and computes with it: the module is imported first (without, the rebuild's trace fails: no such operator)."""
+    traced = fx.symbolic_trace(Scaling())
+    assert operator_modules(traced.graph) == (scaled._init_fn.__module__,)
+    assert operator_modules(fx.symbolic_trace(nn.Sequential(nn.Linear(4, 4), nn.ReLU())).graph) == ()
+    paths = os.pathsep.join(path for path in sys.path if path)
+    done = subprocess.run([sys.executable, "-c", LOAD_AND_CALL], input=dump_skeleton(traced), capture_output=True,
+                          env={**os.environ, "PYTHONPATH": paths}, timeout=120)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    assert done.stdout.decode().strip() == "[[10.0, 10.0, 10.0, 10.0]]"

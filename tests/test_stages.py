@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from harmony.runtime.stages import trace_stages
-from tests.conftest import GatedNet, ResidualBlock, ResidualNet
+from tests.conftest import FlattenedTokens, GatedNet, ResidualBlock, ResidualNet
 
 
 class DataDependent(nn.Module):
@@ -152,24 +152,6 @@ def test_a_model_torch_fx_cannot_trace_is_exported_cut_at_its_layers_and_runs_ot
     assert type(x) is type(expected)
     torch.testing.assert_close(x.logits, expected.logits, rtol=0, atol=0)
     torch.testing.assert_close(x.loss, expected.loss, rtol=0, atol=0)
-
-
-class FlattenedTokens(nn.Module):
-    """OPT's shape: a forward torch.fx cannot trace (it iterates its input's shape), a stem and a block on
-    (batch, length, width), blocks on the tokens flattened to (batch * length, width), a head on them viewed back."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.stem = nn.Linear(8, 8)
-        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
-        self.head = nn.Linear(8, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, length, width = tuple(x.shape)
-        h = self.blocks[0](self.stem(x)).reshape(batch * length, width)
-        for block in self.blocks[1:]:
-            h = block(h).relu()
-        return self.head(h.view(batch, length, width))
 
 
 def test_a_size_left_behind_at_one_cut_crosses_a_later_one_where_no_tensor_has_it() -> None:
