@@ -11,6 +11,17 @@ class InputError(HarmonyError, ValueError):
     """An argument of harmony.train is wrong; raised before any worker starts, naming model and argument."""
 
 
+class BudgetTooSmall(InputError):
+    """device_memory cannot hold a model's largest layer: minimum is the smallest budget it trains in, prefetching
+    the smallest where the next pack's weights come in beside it (what a caller that sizes the budget itself
+    reads, rather than the message)."""
+
+    def __init__(self, message: str, minimum: int, prefetching: int) -> None:
+        super().__init__(message)
+        self.minimum = minimum
+        self.prefetching = prefetching
+
+
 class ModelError(HarmonyError, RuntimeError):
     """A model's own code (forward, loss or optimizer) raised while training; carries the original traceback."""
 

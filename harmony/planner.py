@@ -21,7 +21,7 @@ import torch
 
 from harmony import timings
 from harmony.candidate import RANKING_STEPS, Candidate, pilot_batch, step_samples
-from harmony.errors import InputError, ModelError
+from harmony.errors import BudgetTooSmall, InputError, ModelError
 from harmony.fusing import build_array, fuse
 from harmony.runtime.cache import tree_nbytes
 from harmony.runtime.code import JobCode
@@ -61,12 +61,11 @@ def cut(profile: ModelProfile, budget: int, samples: int, label: str, ahead: boo
         raise cut_error(error, label) from None
 
 
-def cut_error(error: LayerTooLarge, label: str) -> InputError:
-    return InputError(
+def cut_error(error: LayerTooLarge, label: str) -> BudgetTooSmall:
+    return BudgetTooSmall(
         f"device_memory is too small for {label}: {error}. Raise device_memory to at least "
         f"{error.alone:,} bytes ({error.need.total:,} to prefetch), or use more micro-batches to shrink the "
-        "activations"
-    )
+        "activations", error.alone, error.need.total)
 
 
 def pilot(args: Arguments, budget: int) -> list[Candidate]:

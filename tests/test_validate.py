@@ -88,6 +88,9 @@ def test_budget_smaller_than_the_largest_layer_needs() -> None:
     assert "Raise device_memory to at least" in message
     needed = int(message.split("at least ")[1].split(" bytes")[0].replace(",", ""))
     assert needed > 10_000
+    assert isinstance(raised.value, harmony.BudgetTooSmall)
+    assert raised.value.minimum == needed and raised.value.prefetching > needed
+    assert f"({raised.value.prefetching:,} to prefetch)" in message
 
 
 def test_an_optimizer_instance_instead_of_a_factory() -> None:
