@@ -55,6 +55,8 @@ def report(name: str, title: str, rows: list[dict[str, Any]], out: Path | None, 
 
 def _format(value: Any) -> str:
     if isinstance(value, float):
+        if 0 < abs(value) < 1e-3:
+            return f"{value:.1e}"
         return f"{value:,.3f}" if abs(value) < 1000 else f"{value:,.0f}"
     if isinstance(value, int):
         return f"{value:,}"
