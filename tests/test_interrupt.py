@@ -4,11 +4,21 @@ from __future__ import annotations
 
 import gc
 import signal
+from collections.abc import Iterator
 
 import pytest
 
 from harmony.runtime import handoff, serialization  # noqa: F401
 from harmony.runtime.interrupt import raise_if_interrupted, watching_interrupts
+
+
+@pytest.fixture(autouse=True)
+def pythons_ctrl_c() -> Iterator[None]:
+    """Python's own SIGINT handler, as at a terminal: a suite run in the background of a shell without job control
+    (``pytest &``) inherits SIGINT ignored, where the driver has nothing to watch."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
 
 def ctrl_c_while_collecting() -> None:

@@ -64,6 +64,13 @@ def test_code_from_an_interactive_session(tmp_path: Path, no_leaks: None) -> Non
     assert "TRAINED [4, 4]" in done.stdout
 
 
+def ctrl_c_as_at_a_terminal() -> None:
+    """In the script's process before it starts: SIGINT's default action, which Python replaces with its
+    KeyboardInterrupt. A suite run in the background of a shell without job control (``pytest &``) inherits SIGINT
+    ignored, and Python leaves an ignored SIGINT ignored: the script would never see the Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_leaves_no_workers_and_no_shared_memory(tmp_path: Path) -> None:
     script = tmp_path / "long_sweep.py"
     script.write_text(SCRIPT.format(epochs=100_000))
@@ -71,6 +78,7 @@ def test_ctrl_c_leaves_no_workers_and_no_shared_memory(tmp_path: Path) -> None:
     process = subprocess.Popen(
         [sys.executable, str(script)], cwd=tmp_path, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))},
+        preexec_fn=ctrl_c_as_at_a_terminal,
     )
     try:
         deadline = time.monotonic() + 120
