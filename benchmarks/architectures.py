@@ -24,7 +24,8 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -35,6 +36,7 @@ from benchmarks.report import arguments, report
 
 VOCAB = 64
 STEPS = 3
+RATE = 1e-3  # SGD's learning rate, in the loop, in Harmony and in the stacked step by hand
 QUICK = ("llama", "opt", "mixtral", "t5", "resnet", "convnext")
 
 Batches = list[Any]
@@ -161,22 +163,29 @@ def cases() -> dict[str, tuple[Callable[[], nn.Module], Batches, Callable[..., t
 
 
 def sgd(params: Any) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=1e-3)
+    return torch.optim.SGD(params, lr=RATE)
 
 
-def plain(model: nn.Module, batches: Batches, loss_fn: Callable[..., torch.Tensor] | None, threads: int) -> None:
-    """Plain PyTorch's loop, on threads threads."""
+@contextmanager
+def threads(count: int) -> Iterator[None]:
+    """torch computing on count threads within the block."""
     before = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    torch.set_num_threads(count)
     try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def plain(model: nn.Module, batches: Batches, loss_fn: Callable[..., torch.Tensor] | None, count: int) -> None:
+    """Plain PyTorch's loop, on count threads."""
+    with threads(count):
         optimizer = sgd(model.parameters())
         for batch in batches:
             optimizer.zero_grad()
             loss = model(**batch).loss if isinstance(batch, dict) else loss_fn(model(batch[0]), batch[1])
             loss.backward()
             optimizer.step()
-    finally:
-        torch.set_num_threads(before)
 
 
 def largest_difference(model: nn.Module, reference: nn.Module | dict[str, torch.Tensor]) -> float:
@@ -233,16 +242,12 @@ def stacked(build: Callable[[], nn.Module], batches: Batches, loss_fn: Any) -> l
             return torch.func.functional_call(skeleton, (weights, state), (), batch).loss
         return loss_fn(torch.func.functional_call(skeleton, (weights, state), (batch[0],)), batch[1])
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with threads(1):
         for batch in batches:
             leaves = {name: tensor.detach().requires_grad_() for name, tensor in params.items()}
             torch.func.vmap(loss, in_dims=(0, 0, None), randomness="different")(leaves, buffers, batch).sum().backward()
             with torch.no_grad():
-                params = {name: leaf - 1e-3 * leaf.grad for name, leaf in leaves.items()}
-    finally:
-        torch.set_num_threads(before)
+                params = {name: leaf - RATE * leaf.grad for name, leaf in leaves.items()}
     return [{**{name: tensor[index] for name, tensor in params.items()},
              **{name: tensor[index] for name, tensor in buffers.items()}} for index in range(2)]
 
@@ -269,9 +274,9 @@ def main() -> None:
         reference = build()
         dtype = next(reference.parameters()).dtype
         initial = copy.deepcopy(reference)
-        plain(reference, batches, loss_fn, threads=1)
+        plain(reference, batches, loss_fn, count=1)
         other = copy.deepcopy(initial)
-        plain(other, batches, loss_fn, threads=2)
+        plain(other, batches, loss_fn, count=2)
         noise, scale = largest_difference(reference, other), largest_weight(reference)
         row.update({"dtype": str(dtype).removeprefix("torch."), "moved": largest_difference(reference, initial),
                     "noise": noise})
@@ -283,9 +288,8 @@ def main() -> None:
             row.update({"packs": 0, "swapped": float("nan"), "swapped ok": f"failed: {type(error).__name__}"})
         if args.fused:
             try:
-                references = pair(build)
-                for reference_member in references:
-                    plain(reference_member, batches, loss_fn, threads=1)
+                references = [reference, pair(build)[1]]  # the first member's loop is the row's reference
+                plain(references[1], batches, loss_fn, count=1)
                 members = fused(build, batches, loss_fn)
                 vmapped = stacked(build, batches, loss_fn)
                 loop = max(largest_difference(m, r) for m, r in zip(members, references))
