@@ -81,7 +81,8 @@ def bind(module: nn.Module) -> Call:
 @contextmanager
 def bound(module: nn.Module, tensors: dict[str, torch.Tensor]) -> Iterator[None]:
     """Within the block, module holds tensors in place of the parameters and buffers they name (as a bound call holds
-    them for one call; calls inside the block swap their own in and back)."""
+    them for one call; calls inside the block swap their own in and back). Unlike bind's call, a name that is not
+    one of the module's parameters or buffers is left out, not passed to functional_call: the block has no call."""
     slots, _ = _slots(module)
     with _swapped(slots, tensors):
         yield
