@@ -107,14 +107,14 @@ def _cut(root: nn.Module, nodes: list[fx.Node], units: Units, traced: str) -> tu
     output = nodes[-1].args[0]
     stages: list[nn.Module] = []
     flowing = placeholders
-    defined = list(placeholders)  # a size left behind at one cut (a crossing tensor has it) may cross a later one
+    pending = list(placeholders)  # values read after the last cut: a size left behind there may cross a later one
     for segment in segments:
         end = position[segment[-1]]
-        defined.extend(segment)
+        pending = [value for value in [*pending, *segment] if last_use.get(value, -1) > end]
         if segment is segments[-1]:
             result, live = output, []
         else:
-            live = _needed_later(defined, last_use, end)
+            live = _needed_later(pending, last_use, end)
             result = live[0] if len(live) == 1 else tuple(live)
         stages.append(_stage(root, segment, flowing, result, units.model_name()))
         flowing = live
