@@ -11,8 +11,9 @@
 #   bash benchmarks/gpu_lease.sh tests                  # there: tests/test_gpu.py and tests/test_ipc.py
 #   bash benchmarks/gpu_lease.sh swap|copies|update|sweep|sweep4|calls|peers
 #   bash benchmarks/gpu_lease.sh lease                  # there: what one 10-minute call of a 15-minute lease holds
-#   bash benchmarks/gpu_lease.sh profile                # there: gpu_swap's 16k row traced, where its time went, and
-#                                                       # microbatch_cost's quick rows (the host's cost per pack call)
+#   bash benchmarks/gpu_lease.sh profile                # there: the GPU tests, gpu_swap's 16k row traced, where its
+#                                                       # time went, and microbatch_cost's quick rows (the host's cost
+#                                                       # per pack call)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 stage="${1:?a stage: wheels, tests, swap, copies, update, sweep, sweep4, calls, peers, lease or profile}"
@@ -85,8 +86,10 @@ case "$stage" in
             --out "$out/device_update.json"
         ;;
     profile)
-        run tests 90 "$python" -m pytest -q -p no:cacheprovider tests/test_gpu.py \
-            -k "swapping_with_prefetch or ahead or handed_on"
+        limit=()
+        "$python" -c "import pytest_timeout" 2>/dev/null && limit=(--timeout 100)
+        run tests 160 "$python" -m pytest -q -p no:cacheprovider --durations 5 "${limit[@]}" tests/test_gpu.py \
+            tests/test_ipc.py
         run gpu_swap 130 "$python" -m benchmarks.gpu_swap --batches 16384 --microbatch 1024 \
             --ways "harmony, as planned" --profile /tmp/traces --out "$out/gpu_swap_traced.json"
         for trace in /tmp/traces/*/profile-*.json; do
