@@ -723,7 +723,8 @@ def _backward_step(
                 weights[buffers:].copy_(saved_buffers)
         keep_free = max(runtime.workspace - ahead, 0) if index + 1 < len(inputs) else 0
         if pack > 0 and isinstance(keep, Within):
-            input_grads.append(ctx.cache.hand_on(keep, index, grad, keep_free=keep_free))
+            incoming = 1 if from_stash else 2  # the next micro-batch's upstream gradient, and its input to recompute
+            input_grads.append(ctx.cache.hand_on(keep, index, grad, keep_free=keep_free, incoming=incoming))
         elif pack > 0 and keep is not None:
             ctx.cache.keep(keep, index, grad, keep_free=keep_free, sent=input_grads[-1])
     return ctx.cache.arrived(input_grads)

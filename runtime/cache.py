@@ -465,22 +465,24 @@ class DeviceCache:
             self.counters.raise_to("peak", self.memory.used)
         return True
 
-    def hand_on(self, consumer: Any, microbatch: int, value: Any, keep_free: int = 0) -> Spilled:
+    def hand_on(self, consumer: Any, microbatch: int, value: Any, keep_free: int = 0, incoming: int = 1) -> Spilled:
         """value for consumer, a later pack of the running task: kept on the device where it fits (as keep), its
         host copy made only if it is evicted before consumer claims it, or at once where it is not kept. A kept
         value that reached its consumer never crossed the link.
 
-        Where copies run ahead of compute, a value is kept only where two more of its size would still fit beside
-        keep_free: room for one value going out and one coming in at once (the link carries both ways), in which
-        the values not kept are sent behind the compute (send), each charged until it is there, and their consumer
-        copies them in ahead. A value finding that room taken by sends waits for the oldest to land; one finding
-        no room at all (a pass whose first values already fill it) is copied out at once."""
+        Where copies run ahead of compute, a value is kept only where 1 + incoming more of its size would still fit
+        beside keep_free: room for one value going out and the running pack's next micro-batch's values coming in
+        at once (the link carries both ways; a forward reads one, its input, a recomputed backward two, its input
+        and its upstream gradient; kept in that room, the value would leave them to come in on the compute stream),
+        in which the values not kept are sent behind the compute (send), each charged until it is there, and their
+        consumer copies them in ahead. A value finding that room taken by sends waits for the oldest to land; one
+        finding no room at all (a pass whose first values already fill it) is copied out at once."""
         spilled = Spilled()
         nbytes = tree_nbytes(value)
         slot = nbytes if self.copies_ahead else 0
         self._release_sent()
         with self._lock:  # no eviction between the keep and its spill's record
-            if self.keep(consumer, microbatch, value, keep_free + 2 * slot):
+            if self.keep(consumer, microbatch, value, keep_free + (1 + incoming) * slot):
                 self.spills[boundary_key(consumer, microbatch)] = spilled
                 return spilled
         while slot:

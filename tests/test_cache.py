@@ -369,6 +369,30 @@ def test_a_sent_output_stays_charged_until_it_reaches_the_host_and_a_reservation
     cache.clear()
 
 
+def test_a_gradient_handed_on_in_a_recomputed_backward_leaves_room_for_both_values_of_the_next_micro_batch(
+    store: HostStore,
+) -> None:
+    """A recomputed backward reads two values a micro-batch (its input and its upstream gradient): the gradient it
+    hands on is kept only where both can come in ahead beside it and its send, else it is sent behind, and then
+    both do come in ahead. Kept in room for one, it would have left the upstream gradient to come in on the compute
+    thread (the H100 profile of 2026-11-28: a copy on the compute stream for nearly every backward micro-batch)."""
+    from harmony.runtime.cache import Transit
+
+    value = torch.arange(50, dtype=torch.float32)  # 200 bytes
+    forward = make_linked_cache(store, budget=1200, bandwidth=10_000)
+    assert forward.hand_on("next pack", 0, value, keep_free=500).value is None, "200 + 200 out + 200 in + 500 fit"
+    backward = make_linked_cache(store, budget=1200, bandwidth=10_000)
+    sent = backward.hand_on("next pack", 0, value, keep_free=500, incoming=2)
+    assert isinstance(sent.value, Transit) and backward.used == 200, "200 + 200 out + 400 in + 500 do not fit"
+    assert backward.ahead("input", value.clone(), "activations") == 200
+    assert backward.ahead("upstream", value.clone(), "activations") == 200
+    with backward.scratch(500, "the next micro-batch"):
+        assert backward.used == 1100
+    assert torch.equal(backward.take("upstream"), value) and torch.equal(backward.take("input"), value)
+    forward.clear()
+    backward.clear()
+
+
 def test_values_handed_on_over_a_link_leave_room_to_be_sent_behind_and_are_read_only_once_they_landed(
     store: HostStore,
 ) -> None:
