@@ -14,9 +14,11 @@
 #   bash benchmarks/gpu_lease.sh profile                # there: the GPU tests, gpu_swap's 16k row traced, where its
 #                                                       # time went, and microbatch_cost's quick rows (the host's cost
 #                                                       # per pack call)
+#   bash benchmarks/gpu_lease.sh spy                    # there: the 16k row's worker sampled by py-spy (Python
+#                                                       # frames), summarized by benchmarks/stacks.py
 set -euo pipefail
 cd "$(dirname "$0")/.."
-stage="${1:?a stage: wheels, tests, swap, copies, update, sweep, sweep4, calls, peers, lease or profile}"
+stage="${1:?a stage: wheels, tests, swap, copies, update, sweep, sweep4, calls, peers, lease, profile or spy}"
 python=python3
 wheels=(dask==2026.8.0 distributed==2026.8.0 bokeh==3.9.2 tornado==6.6.1 partd==1.4.2 locket==1.0.0 tblib==3.2.2
         zict==3.0.0 xyzservices==2026.9.1 dask-cuda)
@@ -27,9 +29,10 @@ binary=(--only-binary=:all: --python-version 3.12 --implementation cp --platform
         --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
 
 if [[ "$stage" == wheels ]]; then
-    mkdir -p .whl/peers
+    mkdir -p .whl/peers .whl/spy
     "$python" -m pip download -q --no-deps "${binary[@]}" -d .whl "${wheels[@]}"
     "$python" -m pip download -q --no-deps "${binary[@]}" -d .whl/peers "${peer_wheels[@]}"
+    "$python" -m pip download -q --no-deps "${binary[@]}" -d .whl/spy py-spy  # the spy stage's sampler
     DS_BUILD_OPS=0 "$python" -m pip wheel -q --no-deps --no-build-isolation -w .whl/peers "$peer"
     ls .whl .whl/peers
     exit
@@ -98,6 +101,13 @@ case "$stage" in
         done
         run microbatch_cost 120 "$python" -m benchmarks.microbatch_cost --device cuda:0 --quick \
             --out "$out/microbatch_cost.json"
+        ;;
+    spy)  # the 16k row's worker sampled (Python frames): where its host time between kernels goes
+        "$python" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/spy/*.whl
+        run gpu_swap 200 py-spy record --subprocesses --threads --idle --nonblocking --format raw \
+            --rate 200 -o "$out/stacks.txt" -- "$python" -m benchmarks.gpu_swap --batches 16384 --microbatch 1024 \
+            --ways "harmony, as planned" --out "$out/gpu_swap_sampled.json"
+        "$python" -m benchmarks.stacks "$out/stacks.txt" --top 60 | tee "$out/stacks_summary.log" | head -90
         ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
