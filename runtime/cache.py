@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -129,6 +129,14 @@ Source = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # a pack's host weigh
 
 def source_bytes(source: Source) -> int:
     return source.numel() if isinstance(source, torch.Tensor) else sum(part.numel() for part in source)
+
+
+def map_tensors(function: Callable[[torch.Tensor], torch.Tensor], tree: Any) -> Any:
+    """tree with function applied to each of its tensors (a tensor alone, the common case, without pytree's walk,
+    which costs more than the copy's own call: several a micro-batch)."""
+    if isinstance(tree, torch.Tensor):
+        return function(tree)
+    return tree_map(lambda leaf: function(leaf) if isinstance(leaf, torch.Tensor) else leaf, tree)
 
 
 def tree_nbytes(tree: Any) -> int:
@@ -541,7 +549,7 @@ class DeviceCache:
                 events.append(self.engine.copy(target, leaf))
                 return target
 
-            value = tree_map(lambda leaf: copy(leaf) if isinstance(leaf, torch.Tensor) else leaf, tree)
+            value = map_tensors(copy, tree)
             at = self.link.schedule(nbytes, IN, started) if self.link is not None else 0.0
             self.tensors[key] = Transit(value, events, at)
         self.counters.add(f"in_{kind}", nbytes)
@@ -600,7 +608,7 @@ class DeviceCache:
             events.append(self.engine.copy_out(host, leaf.detach()))
             return host
 
-        value = tree_map(lambda leaf: copy(leaf) if isinstance(leaf, torch.Tensor) else leaf, tree)
+        value = map_tensors(copy, tree)
         at = self.link.schedule(nbytes, OUT, started) if self.link is not None else 0.0
         transit = Transit(value, events, at, nbytes)
         with self._lock:
@@ -685,11 +693,7 @@ class DeviceCache:
         def copy(leaf: torch.Tensor) -> torch.Tensor:
             return leaf.to(self.device, copy=True, non_blocking=True) if asynchronous else leaf.clone()
 
-        if isinstance(tree, torch.Tensor):  # the common case, without pytree's walk (a step copies two)
-            nbytes, copied = tree.nbytes, copy(tree)
-        else:
-            nbytes = tree_nbytes(tree)
-            copied = tree_map(lambda leaf: copy(leaf) if isinstance(leaf, torch.Tensor) else leaf, tree)
+        nbytes, copied = tree_nbytes(tree), map_tensors(copy, tree)
         self._over_link(nbytes, started, IN)
         self.counters.add(f"in_{kind}", nbytes)
         self.counters.add("wait_ns", round((time.perf_counter() - started) * 1e9))
@@ -703,11 +707,7 @@ class DeviceCache:
         enqueued: the host bytes are valid once settle() has run, which the task does before it returns them.
         """
         started = time.perf_counter()
-        nbytes = tree_nbytes(tree)
-        if isinstance(tree, torch.Tensor):  # the common case, without pytree's walk
-            copied = self._host_copy(tree)
-        else:
-            copied = tree_map(lambda leaf: self._host_copy(leaf) if isinstance(leaf, torch.Tensor) else leaf, tree)
+        nbytes, copied = tree_nbytes(tree), map_tensors(self._host_copy, tree)
         self._over_link(nbytes, started, OUT)
         self.counters.add(f"out_{kind}", nbytes)
         self.counters.add("wait_ns", round((time.perf_counter() - started) * 1e9))

@@ -228,14 +228,16 @@ class DeviceMemory:
         and the evicted keys; nothing is evicted if it is not."""
         if key in self.entries:
             return False, []
-        victims = [k for k, entry in self.entries.items() if entry.evictable and entry.needs is None
-                   and ((entry.consumer is None and not entry.unread) or (entry.consumer is not None and kept(k)))]
-        evicted = []
-        for victim in victims:
-            if self.used + nbytes <= self.budget:
-                break
-            evicted.append(victim)
-        if self.used + nbytes - sum(self.entries[k].nbytes for k in evicted) > self.budget:
+        evicted, freed = [], 0
+        if self.used + nbytes > self.budget:  # else nothing is scanned: this runs for every micro-batch's values
+            for victim, entry in self.entries.items():
+                if self.used + nbytes - freed <= self.budget:
+                    break
+                if entry.evictable and entry.needs is None and (
+                        (entry.consumer is None and not entry.unread) or (entry.consumer is not None and kept(victim))):
+                    evicted.append(victim)
+                    freed += entry.nbytes
+        if self.used + nbytes - freed > self.budget:
             return False, []
         for victim in evicted:
             self.drop(victim)

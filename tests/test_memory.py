@@ -158,6 +158,16 @@ def test_a_section_takes_its_stashes_all_at_once_only_if_all_are_here_and_its_ro
     memory.validate()
 
 
+def test_a_value_copied_ahead_evicts_only_as_many_weights_as_it_needs_least_recently_used_first() -> None:
+    memory = DeviceMemory("d", 1000)
+    for key in ("oldest", "older", "newest"):
+        memory.load(key, 0, 300)
+    assert memory.ahead("x", 100) == (True, []), "100 bytes were free"
+    assert memory.ahead("y", 200) == (True, ["oldest"]), "one set of weights makes the room"
+    assert list(memory.entries) == ["older", "newest", "x", "y"] and memory.used == 900
+    memory.validate()
+
+
 def test_a_value_copied_ahead_evicts_only_weights_already_read_and_is_pinned_until_dropped() -> None:
     memory = DeviceMemory("d", 1000)
     memory.load("read", 0, 200)
