@@ -6,19 +6,25 @@ Workers run the skeleton with every parameter and buffer supplied from the devic
 when its parametrization was registered: it travels as its own class and state, and the class is made again where
 it lands. A traced stage that calls a custom operator (torch.library.custom_op: transformers' grouped matrix product
 in a mixture of experts) names the module that registers it, which is imported where the stage lands, before the
-stage's code is rebuilt: a worker that never imported it would not know the operator.
+stage's code is rebuilt: a worker that never imported it would not know the operator. A custom operator that no
+worker can import (defined in the user's script, whose module is __main__, or in a module cloudpickle ships by
+value) travels with every skeleton instead, its functions by value, and is registered where it lands before
+anything that calls it is rebuilt (its kernels, fake, autograd, vmap, dispatch and autocast rules as they were
+registered; an operator of the same name already there is kept).
 """
 
 from __future__ import annotations
 
 import importlib
 import io
+import sys
+import types
 from collections.abc import Callable
 
 import cloudpickle
 import torch
 from torch import fx, nn
-from torch._library.custom_ops import OPDEFS
+from torch._library.custom_ops import OPDEFS, CustomOpDef
 from torch.nn.utils import parametrize
 
 
@@ -39,7 +45,54 @@ class _SkeletonPickler(cloudpickle.Pickler):
             return _parametrized, (type(obj).__bases__[0], obj.__dict__)
         if isinstance(obj, fx.GraphModule) and (modules := operator_modules(obj.graph)):
             return _importing, (modules, *obj.__reduce__())
+        if isinstance(obj, types.ModuleType) and type(obj) is not types.ModuleType and sys.modules.get(
+                obj.__name__) is obj:  # torch.ops (a module subclass cloudpickle does not know) that code reads
+            return importlib.import_module, (obj.__name__,)
+        if isinstance(obj, CustomOpDef) and shipped(obj):  # its registrations after it: they may call it
+            rules = (dict(obj._backend_fns), obj._abstract_fn, obj._setup_context_fn, obj._backward_fn, obj._vmap_fn,
+                     dict(obj._torch_dispatch_fns), dict(obj._autocast_dtype))
+            return (_operator, (obj._namespace, obj._name, obj._schema, obj._init_fn, tuple(obj._tags)), rules, None,
+                    None, _registered)
         return super().reducer_override(obj)
+
+
+def shipped(operator: CustomOpDef) -> bool:
+    """Whether a custom operator travels with the skeletons: its module is one a worker cannot import (the user's
+    script, __main__) or one cloudpickle ships by value."""
+    module = getattr(operator._init_fn, "__module__", None)
+    return module == "__main__" or module in cloudpickle.list_registry_pickle_by_value()
+
+
+def _operator(namespace: str, name: str, schema: str, function: Callable[..., object], tags: tuple[object, ...]
+              ) -> CustomOpDef:
+    """A shipped custom operator, registered in this process unless one of its name already is."""
+    existing = OPDEFS.get(f"{namespace}::{name}")
+    if existing is not None:
+        return existing
+    operator = CustomOpDef(namespace, name, schema, function, list(tags))
+    if hasattr(operator._opoverload, "_enable_pyobj_dispatch"):  # as torch.library.custom_op does (torch 2.14)
+        operator._opoverload._enable_pyobj_dispatch(True)
+    return operator
+
+
+def _registered(operator: CustomOpDef, rules: tuple[object, ...]) -> None:
+    """A shipped operator's rules, each registered where it lands has none of its own."""
+    kernels, fake, setup, backward, vmap, dispatch, autocast = rules
+    for device_type, kernel in kernels.items():
+        if device_type not in operator._backend_fns:
+            operator.register_kernel(device_type, kernel)
+    if fake is not None and operator._abstract_fn is None:
+        operator.register_fake(fake)
+    if backward is not None and operator._backward_fn is None:
+        operator.register_autograd(backward, setup_context=setup)
+    if vmap is not None and operator._vmap_fn is None:
+        operator.register_vmap(vmap)
+    for mode, rule in dispatch.items():
+        if mode not in operator._torch_dispatch_fns:
+            operator.register_torch_dispatch(mode, rule)
+    for device_type, dtype in autocast.items():
+        if dtype is not None and operator._autocast_dtype.get(device_type) is None:
+            operator.register_autocast(device_type, dtype)
 
 
 def operator_modules(graph: fx.Graph) -> tuple[str, ...]:
@@ -79,9 +132,11 @@ def dump_skeleton(module: nn.Module) -> bytes:
     """cloudpickle module with its parameters and buffers replaced by meta tensors of the same shape."""
     stripped = {id(t) for t in module.parameters()} | {id(t) for t in module.buffers()}
     file = io.BytesIO()
-    _SkeletonPickler(file, stripped).dump(module)
+    operators = tuple(operator for operator in OPDEFS.values() if shipped(operator))
+    _SkeletonPickler(file, stripped).dump((operators, module))  # the operators registered first where it lands
     return file.getvalue()
 
 
 def load_skeleton(data: bytes) -> nn.Module:
-    return cloudpickle.loads(data)
+    _, module = cloudpickle.loads(data)
+    return module

@@ -58,6 +58,66 @@ def test_a_script_without_a_main_guard(tmp_path: Path, no_leaks: None) -> None:
     assert "TRAINED [8, 8]" in done.stdout
 
 
+CUSTOM_OPERATOR = """
+import copy
+import torch
+from torch import nn
+import harmony
+
+@torch.library.custom_op("user_script::leaky", mutates_args=())
+def leaky(x: torch.Tensor, slope: float) -> torch.Tensor:
+    return torch.where(x > 0, x, x * slope)
+
+@leaky.register_fake
+def _(x, slope):
+    return torch.empty_like(x)
+
+def setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+    ctx.slope = inputs[1]
+
+def backward(ctx, grad):
+    (x,) = ctx.saved_tensors
+    return torch.where(x > 0, grad, grad * ctx.slope), None
+
+leaky.register_autograd(backward, setup_context=setup)
+
+class Leaky(nn.Module):
+    def forward(self, x):
+        return torch.ops.user_script.leaky(x, 0.1)
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 32), Leaky(), nn.Linear(32, 32), Leaky(), nn.Linear(32, 32), Leaky(),
+                      nn.Linear(32, 1)).double()
+plain = copy.deepcopy(model)
+x = torch.randn(64, 8, dtype=torch.float64)
+batches = [(x[i:i + 16], x[i:i + 16].sum(dim=1, keepdim=True)) for i in range(0, 64, 16)]
+result = harmony.train(model, batches, loss_fn=nn.functional.mse_loss, optimizer=lambda p: torch.optim.SGD(p, lr=0.05),
+                       microbatches=2, devices=["cpu", "cpu"], device_memory=45_000, resident=False, progress=False)
+optimizer = torch.optim.SGD(plain.parameters(), lr=0.05)
+for inputs, targets in batches:
+    optimizer.zero_grad()
+    nn.functional.mse_loss(plain(inputs), targets).backward()
+    optimizer.step()
+packs = len(result.packings[0].packs)
+difference = max((a - b).abs().max().item() for a, b in zip(model.parameters(), plain.parameters()))
+print("TRAINED", packs, difference)
+"""
+
+
+def test_a_custom_operator_defined_in_the_script_trains_in_packs_on_the_workers(tmp_path: Path,
+                                                                                no_leaks: None) -> None:
+    """A torch.library custom operator the user's script defines (its __main__, which workers cannot import), with
+    its fake and autograd rules, runs on the workers: the model trains in packs on two devices to plain PyTorch's
+    weights (float64). Before, its skeleton did not pickle."""
+    script = tmp_path / "custom_operator.py"
+    script.write_text(CUSTOM_OPERATOR)
+    done = run_python([str(script)], "", tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    packs, difference = done.stdout.split("TRAINED")[1].split()
+    assert int(packs) >= 3 and float(difference) < 1e-12, done.stdout
+
+
 def test_code_from_an_interactive_session(tmp_path: Path, no_leaks: None) -> None:
     done = run_python(["-"], SCRIPT.format(epochs=1), tmp_path)
     assert done.returncode == 0, done.stderr

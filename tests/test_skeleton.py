@@ -85,3 +85,58 @@ def test_a_traced_stage_that_calls_a_custom_operator_imports_its_module_where_it
                           env={**os.environ, "PYTHONPATH": paths}, timeout=120)
     assert done.returncode == 0, done.stderr.decode()[-2000:]
     assert done.stdout.decode().strip() == "[[10.0, 10.0, 10.0, 10.0]]"
+
+
+DEFINE_AND_DUMP = """
+import pickle, sys, torch
+from torch import fx, nn
+from harmony.runtime.skeleton import dump_skeleton
+
+@torch.library.custom_op("harmony_script::halved", mutates_args=())
+def halved(x: torch.Tensor) -> torch.Tensor:
+    return x * 0.5
+
+@halved.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+def backward(ctx, grad):
+    return halved(grad) * 3  # not halved's true gradient: it shows the rule travelled
+
+halved.register_autograd(backward)
+
+class ByObject(nn.Module):
+    def forward(self, x):
+        return halved(x)
+
+class ByName(nn.Module):
+    def forward(self, x):
+        return torch.ops.harmony_script.halved(x)
+
+modules = [ByObject(), ByName(), fx.symbolic_trace(ByName())]
+sys.stdout.buffer.write(pickle.dumps([dump_skeleton(module) for module in modules]))
+"""
+
+LOAD_AND_BACKPROPAGATE = """
+import pickle, sys, torch
+from harmony.runtime.skeleton import load_skeleton
+for data in pickle.loads(sys.stdin.buffer.read()):
+    x = torch.ones(2, requires_grad=True)
+    load_skeleton(data)(x).sum().backward()
+    print(x.grad.tolist())
+"""
+
+
+def test_a_custom_operator_defined_in_the_users_script_travels_with_the_skeleton_and_its_rules() -> None:
+    """An operator registered in a script's __main__, which no worker can import, is registered where the skeleton
+    lands, with its fake and autograd rules, whether the module calls it as the object, by name (torch.ops) or from a
+    traced graph; without, the skeleton did not even pickle (torch's dispatch module inside the operator)."""
+    paths = os.pathsep.join(path for path in sys.path if path)
+    environment = {**os.environ, "PYTHONPATH": paths}
+    dumped = subprocess.run([sys.executable, "-c", DEFINE_AND_DUMP], capture_output=True, env=environment,
+                            timeout=120)
+    assert dumped.returncode == 0, dumped.stderr.decode()[-2000:]
+    done = subprocess.run([sys.executable, "-c", LOAD_AND_BACKPROPAGATE], input=dumped.stdout, capture_output=True,
+                          env=environment, timeout=120)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    assert done.stdout.decode().split("\n")[:3] == ["[1.5, 1.5]"] * 3
