@@ -10,13 +10,16 @@ stage's code is rebuilt: a worker that never imported it would not know the oper
 worker can import (defined in the user's script, whose module is __main__, or in a module cloudpickle ships by
 value) travels with every skeleton instead, its functions by value, and is registered where it lands before
 anything that calls it is rebuilt (its kernels, fake, autograd, vmap, dispatch and autocast rules as they were
-registered; an operator of the same name already there is kept).
+registered; an operator of the same name that a module there registered is kept, and one shipped before is
+registered again where its definition changed).
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import io
+import marshal
 import sys
 import types
 from collections.abc import Callable
@@ -51,8 +54,8 @@ class _SkeletonPickler(cloudpickle.Pickler):
         if isinstance(obj, CustomOpDef) and shipped(obj):  # its registrations after it: they may call it
             rules = (dict(obj._backend_fns), obj._abstract_fn, obj._setup_context_fn, obj._backward_fn, obj._vmap_fn,
                      dict(obj._torch_dispatch_fns), dict(obj._autocast_dtype))
-            return (_operator, (obj._namespace, obj._name, obj._schema, obj._init_fn, tuple(obj._tags)), rules, None,
-                    None, _registered)
+            return (_operator, (obj._namespace, obj._name, obj._schema, obj._init_fn, tuple(obj._tags),
+                                fingerprint(obj._init_fn, rules)), rules, None, None, _registered)
         return super().reducer_override(obj)
 
 
@@ -63,15 +66,32 @@ def shipped(operator: CustomOpDef) -> bool:
     return module == "__main__" or module in cloudpickle.list_registry_pickle_by_value()
 
 
-def _operator(namespace: str, name: str, schema: str, function: Callable[..., object], tags: tuple[object, ...]
-              ) -> CustomOpDef:
-    """A shipped custom operator, registered in this process unless one of its name already is."""
-    existing = OPDEFS.get(f"{namespace}::{name}")
-    if existing is not None:
+SHIPPED: dict[str, str] = {}  # the operators this process registered from skeletons: their definitions' fingerprints
+
+
+def fingerprint(function: Callable[..., object], rules: tuple[object, ...]) -> str:
+    """What tells two definitions of an operator apart: the code of its function and of its rules' functions."""
+    digest = hashlib.sha256()
+    for part in (function, *rules):
+        for item in part.items() if isinstance(part, dict) else [part]:
+            code = getattr(item[-1] if isinstance(item, tuple) else item, "__code__", None)
+            digest.update(marshal.dumps(code) if code is not None else repr(item).encode())
+    return digest.hexdigest()
+
+
+def _operator(namespace: str, name: str, schema: str, function: Callable[..., object], tags: tuple[object, ...],
+              definition: str) -> CustomOpDef:
+    """A shipped custom operator, registered in this process unless one of its name already is: one a module of
+    this process registered is kept, one shipped before is registered again where its definition changed (a user
+    who edits the operator and trains again on a long-lived cluster)."""
+    qualified = f"{namespace}::{name}"
+    existing = OPDEFS.get(qualified)
+    if existing is not None and SHIPPED.get(qualified, definition) == definition:
         return existing
     operator = CustomOpDef(namespace, name, schema, function, list(tags))
     if hasattr(operator._opoverload, "_enable_pyobj_dispatch"):  # as torch.library.custom_op does (torch 2.14)
         operator._opoverload._enable_pyobj_dispatch(True)
+    SHIPPED[qualified] = definition
     return operator
 
 

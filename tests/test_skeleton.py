@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import subprocess
 import sys
 
@@ -140,3 +141,44 @@ def test_a_custom_operator_defined_in_the_users_script_travels_with_the_skeleton
                           env=environment, timeout=120)
     assert done.returncode == 0, done.stderr.decode()[-2000:]
     assert done.stdout.decode().split("\n")[:3] == ["[1.5, 1.5]"] * 3
+
+
+REDEFINED = """
+import sys, torch
+from torch import nn
+from harmony.runtime.skeleton import dump_skeleton
+
+@torch.library.custom_op("harmony_script::times", mutates_args=())
+def times(x: torch.Tensor) -> torch.Tensor:
+    return x * FACTOR
+
+class Times(nn.Module):
+    def forward(self, x):
+        return torch.ops.harmony_script.times(x)
+
+sys.stdout.buffer.write(dump_skeleton(Times()))
+"""
+
+LOAD_IN_TURN = """
+import pickle, sys, torch
+from harmony.runtime.skeleton import load_skeleton
+for data in pickle.loads(sys.stdin.buffer.read()):
+    print(load_skeleton(data)(torch.ones(1)).item())
+"""
+
+
+def test_an_operator_shipped_again_with_another_definition_replaces_the_one_shipped_before() -> None:
+    """A long-lived worker that registered a script's operator registers it again when the script, edited, ships
+    another definition under the same name; the same definition shipped again is kept."""
+    paths = os.pathsep.join(path for path in sys.path if path)
+    environment = {**os.environ, "PYTHONPATH": paths}
+    dumps = []
+    for factor in ("2", "3"):
+        dumped = subprocess.run([sys.executable, "-c", REDEFINED.replace("FACTOR", factor)], capture_output=True,
+                                env=environment, timeout=120)
+        assert dumped.returncode == 0, dumped.stderr.decode()[-2000:]
+        dumps.append(dumped.stdout)
+    done = subprocess.run([sys.executable, "-c", LOAD_IN_TURN], input=pickle.dumps([dumps[0], dumps[0], dumps[1]]),
+                          capture_output=True, env=environment, timeout=120)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    assert done.stdout.decode().split() == ["2.0", "2.0", "3.0"]
