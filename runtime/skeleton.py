@@ -23,6 +23,7 @@ import marshal
 import sys
 import types
 from collections.abc import Callable
+from typing import Any
 
 import cloudpickle
 import torch
@@ -150,13 +151,23 @@ def _parametrized(cls: type[nn.Module], state: dict[str, object]) -> nn.Module:
 
 def dump_skeleton(module: nn.Module) -> bytes:
     """cloudpickle module with its parameters and buffers replaced by meta tensors of the same shape."""
-    stripped = {id(t) for t in module.parameters()} | {id(t) for t in module.buffers()}
+    return dump_code(module, {id(t) for t in module.parameters()} | {id(t) for t in module.buffers()})
+
+
+def dump_code(code: object, stripped: set[int] | None = None) -> bytes:
+    """cloudpickle code (a skeleton, a loss function, an optimizer factory) with the custom operators a worker
+    cannot import, which it may call; the tensors whose ids are in stripped as meta tensors."""
     file = io.BytesIO()
     operators = tuple(operator for operator in OPDEFS.values() if shipped(operator))
-    _SkeletonPickler(file, stripped).dump((operators, module))  # the operators registered first where it lands
+    _SkeletonPickler(file, stripped or set()).dump((operators, code))  # the operators registered first where it lands
     return file.getvalue()
 
 
+def load_code(data: bytes) -> Any:
+    """What dump_code pickled, its custom operators registered first."""
+    _, code = cloudpickle.loads(data)
+    return code
+
+
 def load_skeleton(data: bytes) -> nn.Module:
-    _, module = cloudpickle.loads(data)
-    return module
+    return load_code(data)

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import cloudpickle
-
 from harmony.runtime.code import JobCode
 from harmony.runtime.devices import DeviceSpec
 from harmony.runtime.scaler import Settings
-from harmony.runtime.skeleton import dump_skeleton
+from harmony.runtime.skeleton import dump_code, dump_skeleton
 from harmony.tasks.layout import BufferLayout, Halved, Slot, halve, lay_out
 from harmony.tasks.runplan import PRECISIONS, RunPlan, section_packs
 
@@ -152,8 +150,8 @@ def describe(plan: RunPlan, codes: list[JobCode]) -> tuple[ModelRuntime, ...]:
             ModelRuntime(
                 name=job.packing.model,
                 packs=tuple(packs),
-                loss_fn=cloudpickle.dumps(code.loss_fn),
-                optimizer=cloudpickle.dumps(code.optimizer),
+                loss_fn=dump_code(code.loss_fn),
+                optimizer=dump_code(code.optimizer),
                 seed=job.seed,
                 groups=job.groups,
                 home=job.home,

@@ -16,7 +16,6 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
-import cloudpickle
 import torch
 from distributed import WorkerPlugin, get_worker
 from torch import nn
@@ -55,7 +54,7 @@ from harmony.runtime.profiling import TaskProfiler
 from harmony.runtime.scaler import Scaler
 from harmony.runtime.serial_copy import copy_serially
 from harmony.runtime.shipping import ShippedTensors, unship
-from harmony.runtime.skeleton import load_skeleton
+from harmony.runtime.skeleton import load_code, load_skeleton
 from harmony.runtime.spec import RunSpec
 from harmony.tasks.graph import TaskId, parse_key
 
@@ -142,12 +141,12 @@ class RunContext:
 
     def loss_fn(self, model: int) -> Any:
         if model not in self._loss_fns:
-            self._loss_fns[model] = cloudpickle.loads(self.spec.models[model].loss_fn)
+            self._loss_fns[model] = load_code(self.spec.models[model].loss_fn)
         return self._loss_fns[model]
 
     def optimizer_factory(self, model: int) -> Any:
         if model not in self._factories:
-            self._factories[model] = cloudpickle.loads(self.spec.models[model].optimizer)
+            self._factories[model] = load_code(self.spec.models[model].optimizer)
         return self._factories[model]
 
     def weights_slot(self, model: int, pack: int, slot: int) -> torch.Tensor:

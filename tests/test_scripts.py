@@ -82,6 +82,9 @@ def backward(ctx, grad):
 
 leaky.register_autograd(backward, setup_context=setup)
 
+def loss(output, target):  # the operator in the loss too: it travels with the loss function
+    return nn.functional.mse_loss(leaky(output, 1.0), target)
+
 class Leaky(nn.Module):
     def forward(self, x):
         return torch.ops.user_script.leaky(x, 0.1)
@@ -92,12 +95,12 @@ model = nn.Sequential(nn.Linear(8, 32), Leaky(), nn.Linear(32, 32), Leaky(), nn.
 plain = copy.deepcopy(model)
 x = torch.randn(64, 8, dtype=torch.float64)
 batches = [(x[i:i + 16], x[i:i + 16].sum(dim=1, keepdim=True)) for i in range(0, 64, 16)]
-result = harmony.train(model, batches, loss_fn=nn.functional.mse_loss, optimizer=lambda p: torch.optim.SGD(p, lr=0.05),
+result = harmony.train(model, batches, loss_fn=loss, optimizer=lambda p: torch.optim.SGD(p, lr=0.05),
                        microbatches=2, devices=["cpu", "cpu"], device_memory=45_000, resident=False, progress=False)
 optimizer = torch.optim.SGD(plain.parameters(), lr=0.05)
 for inputs, targets in batches:
     optimizer.zero_grad()
-    nn.functional.mse_loss(plain(inputs), targets).backward()
+    loss(plain(inputs), targets).backward()
     optimizer.step()
 packs = len(result.packings[0].packs)
 difference = max((a - b).abs().max().item() for a, b in zip(model.parameters(), plain.parameters()))
@@ -108,8 +111,8 @@ print("TRAINED", packs, difference)
 def test_a_custom_operator_defined_in_the_script_trains_in_packs_on_the_workers(tmp_path: Path,
                                                                                 no_leaks: None) -> None:
     """A torch.library custom operator the user's script defines (its __main__, which workers cannot import), with
-    its fake and autograd rules, runs on the workers: the model trains in packs on two devices to plain PyTorch's
-    weights (float64). Before, its skeleton did not pickle."""
+    its fake and autograd rules, runs on the workers, in the model and in the loss function: the model trains in packs
+    on two devices to plain PyTorch's weights (float64). Before, neither pickled."""
     script = tmp_path / "custom_operator.py"
     script.write_text(CUSTOM_OPERATOR)
     done = run_python([str(script)], "", tmp_path)
