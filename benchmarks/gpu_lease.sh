@@ -107,7 +107,11 @@ case "$stage" in
         run gpu_swap 200 py-spy record --subprocesses --threads --idle --nonblocking --format raw \
             --rate 200 -o "$out/stacks.txt" -- "$python" -m benchmarks.gpu_swap --batches 16384 --microbatch 1024 \
             --ways "harmony, as planned" --out "$out/gpu_swap_sampled.json"
-        "$python" -m benchmarks.stacks "$out/stacks.txt" --top 60 | tee "$out/stacks_summary.log" | head -90
+        if [[ -s "$out/stacks.txt" ]]; then
+            "$python" -m benchmarks.stacks "$out/stacks.txt" --top 60 | tee "$out/stacks_summary.log" | head -90
+        else
+            echo "== spy: py-spy wrote no stacks (it may not be allowed to trace processes here)"
+        fi
         ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
