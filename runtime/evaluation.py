@@ -29,6 +29,7 @@ from harmony.runtime.bodies import task_body
 from harmony.runtime.data import batch_size, split_tree
 from harmony.runtime.errors import ModelFailure
 from harmony.runtime.hoststore import tensors_at
+from harmony.runtime.skeleton import dump_code, load_code
 from harmony.runtime.worker import RunContext
 from harmony.tasks.events import Evaluate, Evaluated
 from harmony.tasks.microbatch import split_sizes
@@ -67,15 +68,16 @@ def _evaluated(ctx: RunContext, model: int) -> list[int] | None:
 @task_body("evl")
 def evaluation(
     ctx: RunContext, model: int, pack: int, span: int, batches: list[list[Any]], targets: list[list[Any]] | None,
-    metrics: Metrics, finish: bool, group: int, first: int, steps: None,
+    metrics: bytes | None, finish: bool, group: int, first: int, steps: None,
 ) -> Any:
     """Validation batches' micro-batches through a pack with its weights after step first: per batch its outputs
-    (host copies), or for the last pack each member's loss and metrics summed over the batches' samples (with
-    finish, their means: the evaluation's figures)."""
+    (host copies), or for the last pack each member's loss and metrics (runtime.skeleton.dump_code's) summed over
+    the batches' samples (with finish, their means: the evaluation's figures)."""
     spec = ctx.spec.models[model]
     runtime = spec.packs[pack]
     module = ctx.module(model, pack)
     last = pack == len(spec.packs) - 1
+    measures: Metrics = None if metrics is None or not last else load_code(metrics)
     outputs: list[Any] = []
     sums: dict[str, torch.Tensor] = {"loss": torch.zeros(spec.members, dtype=torch.float64)}
     samples = 0
@@ -108,7 +110,7 @@ def evaluation(
                         sums["loss"][members] += losses * count
                         for row, member in enumerate(members):
                             output = member_slice(y, row) if spec.members > 1 else y
-                            for name, value in metric_values(metrics, output, target).items():
+                            for name, value in metric_values(measures, output, target).items():
                                 sums.setdefault(name, torch.zeros(spec.members, dtype=torch.float64))[member] += (
                                     value * count)
                         samples += count
@@ -142,7 +144,7 @@ class Evaluations:
         self.sets = [None if job is None else id(job) for job in batches]
         self.batches = [None if job is None else split.setdefault(id(job), [_split(b, microbatches) for b in job])
                         for job in batches]
-        self.metrics = metrics
+        self.metrics = None if metrics is None else dump_code(metrics)  # as the loss travels (runtime.skeleton)
         self.on_done = on_done
         self.scattered: dict[tuple[int | None, str], list[Any]] = {}  # per validation set and worker
         self.flight: dict[int, tuple[Evaluate, list[Future]]] = {}

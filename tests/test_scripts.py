@@ -95,8 +95,12 @@ model = nn.Sequential(nn.Linear(8, 32), Leaky(), nn.Linear(32, 32), Leaky(), nn.
 plain = copy.deepcopy(model)
 x = torch.randn(64, 8, dtype=torch.float64)
 batches = [(x[i:i + 16], x[i:i + 16].sum(dim=1, keepdim=True)) for i in range(0, 64, 16)]
+def positive(output, target):  # and in a metric
+    return (leaky(output, 0.0) > 0).double().mean()
+
 result = harmony.train(model, batches, loss_fn=loss, optimizer=lambda p: torch.optim.SGD(p, lr=0.05),
-                       microbatches=2, devices=["cpu", "cpu"], device_memory=45_000, resident=False, progress=False)
+                       microbatches=2, devices=["cpu", "cpu"], device_memory=45_000, resident=False, progress=False,
+                       val_loaders=batches[:1], eval_every=2, metrics=positive)
 optimizer = torch.optim.SGD(plain.parameters(), lr=0.05)
 for inputs, targets in batches:
     optimizer.zero_grad()
@@ -104,21 +108,24 @@ for inputs, targets in batches:
     optimizer.step()
 packs = len(result.packings[0].packs)
 difference = max((a - b).abs().max().item() for a, b in zip(model.parameters(), plain.parameters()))
-print("TRAINED", packs, difference)
+measured = result.val_metrics[0][-1][1]["positive"]
+expected = (plain(batches[0][0]) > 0).double().mean().item()
+print("TRAINED", packs, difference, measured, expected)
 """
 
 
 def test_a_custom_operator_defined_in_the_script_trains_in_packs_on_the_workers(tmp_path: Path,
                                                                                 no_leaks: None) -> None:
     """A torch.library custom operator the user's script defines (its __main__, which workers cannot import), with
-    its fake and autograd rules, runs on the workers, in the model and in the loss function: the model trains in packs
-    on two devices to plain PyTorch's weights (float64). Before, neither pickled."""
+    its fake and autograd rules, runs on the workers, in the model, the loss function and a metric: the model trains in
+    packs on two devices to plain PyTorch's weights (float64). Before, none of them pickled."""
     script = tmp_path / "custom_operator.py"
     script.write_text(CUSTOM_OPERATOR)
     done = run_python([str(script)], "", tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
-    packs, difference = done.stdout.split("TRAINED")[1].split()
+    packs, difference, measured, expected = done.stdout.split("TRAINED")[1].split()
     assert int(packs) >= 3 and float(difference) < 1e-12, done.stdout
+    assert measured == expected, "the metric, on the workers, as plain PyTorch's weights give it"
 
 
 def test_code_from_an_interactive_session(tmp_path: Path, no_leaks: None) -> None:
