@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import io
+import logging
 import marshal
 import sys
 import types
@@ -30,6 +31,8 @@ import torch
 from torch import fx, nn
 from torch._library.custom_ops import OPDEFS, CustomOpDef
 from torch.nn.utils import parametrize
+
+logger = logging.getLogger("harmony")
 
 
 def _meta_tensor(shape: tuple[int, ...], dtype: torch.dtype, requires_grad: bool, parameter: bool) -> torch.Tensor:
@@ -158,9 +161,27 @@ def dump_code(code: object, stripped: set[int] | None = None) -> bytes:
     """cloudpickle code (a skeleton, a loss function, an optimizer factory) with the custom operators a worker
     cannot import, which it may call; the tensors whose ids are in stripped as meta tensors."""
     file = io.BytesIO()
-    operators = tuple(operator for operator in OPDEFS.values() if shipped(operator))
+    operators = tuple(operator for operator in OPDEFS.values() if shipped(operator) and _picklable(operator))
     _SkeletonPickler(file, stripped or set()).dump((operators, code))  # the operators registered first where it lands
     return file.getvalue()
+
+
+UNPICKLABLE: set[str] = set()  # the script's operators that cannot travel, each warned of once
+
+
+def _picklable(operator: CustomOpDef) -> bool:
+    """Whether a shipped operator pickles (its functions may hold what does not: a lock, an open file); one that does
+    not stays behind with a warning, so that a run whose code never calls it is not refused for it."""
+    if operator._qualname in UNPICKLABLE:
+        return False
+    try:
+        _SkeletonPickler(io.BytesIO(), set()).dump(operator)
+    except Exception as error:
+        UNPICKLABLE.add(operator._qualname)
+        logger.warning("harmony: custom operator %s, defined in your script, cannot be sent to the workers (%s): a "
+                       "pack or loss that calls it will fail there", operator._qualname, error)
+        return False
+    return True
 
 
 def load_code(data: bytes) -> Any:

@@ -182,3 +182,39 @@ def test_an_operator_shipped_again_with_another_definition_replaces_the_one_ship
                           capture_output=True, env=environment, timeout=120)
     assert done.returncode == 0, done.stderr.decode()[-2000:]
     assert done.stdout.decode().split() == ["2.0", "2.0", "3.0"]
+
+
+UNPICKLABLE = """
+import logging, sys, threading, torch
+from torch import nn
+from harmony.runtime.skeleton import dump_skeleton, load_skeleton
+
+logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(message)s")
+LOCK = threading.Lock()
+
+@torch.library.custom_op("harmony_script::locked", mutates_args=())
+def locked(x: torch.Tensor) -> torch.Tensor:
+    with LOCK:
+        return x.clone()
+
+@torch.library.custom_op("harmony_script::doubled", mutates_args=())
+def doubled(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+data = dump_skeleton(nn.Sequential(nn.Linear(2, 2)))
+dump_skeleton(nn.Sequential(nn.Linear(2, 2)))
+print("DUMPED", len(data) > 0, b"doubled" in data, b"locked" in data)
+"""
+
+
+def test_an_operator_of_the_script_that_cannot_be_pickled_stays_behind_with_a_warning() -> None:
+    """An operator whose function holds what cannot be pickled (a lock) does not stop a run whose code never calls
+    it: it is left out, with one warning that names it, and the other operators still travel."""
+    paths = os.pathsep.join(path for path in sys.path if path)
+    done = subprocess.run([sys.executable, "-c", UNPICKLABLE], capture_output=True,
+                          env={**os.environ, "PYTHONPATH": paths}, timeout=120)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    lines = done.stdout.decode().splitlines()
+    warnings = [line for line in lines if "harmony_script::locked" in line]
+    assert len(warnings) == 1 and "cannot be sent to the workers" in warnings[0], lines
+    assert "DUMPED True True False" in lines, lines
