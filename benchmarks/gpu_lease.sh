@@ -16,9 +16,11 @@
 #                                                       # per pack call)
 #   bash benchmarks/gpu_lease.sh spy                    # there: the 16k row's worker sampled by py-spy (Python
 #                                                       # frames), summarized by benchmarks/stacks.py
+#   bash benchmarks/gpu_lease.sh planned                # there: the 16k row as planned, with values copied ahead
+#                                                       # and sent behind or not (weights alone prefetched), and bf16
 set -euo pipefail
 cd "$(dirname "$0")/.."
-stage="${1:?a stage: wheels, tests, swap, copies, update, sweep, sweep4, calls, peers, lease, profile or spy}"
+stage="${1:?a stage: wheels, tests, swap, copies, update, sweep, sweep4, calls, peers, lease, profile, spy or planned}"
 python=python3
 wheels=(dask==2026.8.0 distributed==2026.8.0 bokeh==3.9.2 tornado==6.6.1 partd==1.4.2 locket==1.0.0 tblib==3.2.2
         zict==3.0.0 xyzservices==2026.9.1 dask-cuda)
@@ -102,6 +104,9 @@ case "$stage" in
         run microbatch_cost 120 "$python" -m benchmarks.microbatch_cost --device cuda:0 --quick \
             --out "$out/microbatch_cost.json"
         ;;
+    planned)  # the 16k row as planned with values ahead and behind, with weights alone prefetched, and in bf16
+        run gpu_swap 300 "$python" -m benchmarks.gpu_swap --batches 16384 --microbatch 1024 --ways "as planned" \
+            --out "$out/gpu_swap_planned.json" ;;
     spy)  # the 16k row's worker sampled (Python frames): where its host time between kernels goes
         "$python" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/spy/*.whl
         run gpu_swap 200 py-spy record --subprocesses --threads --idle --nonblocking --format raw \
