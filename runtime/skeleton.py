@@ -23,6 +23,7 @@ import logging
 import marshal
 import sys
 import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -166,22 +167,22 @@ def dump_code(code: object, stripped: set[int] | None = None) -> bytes:
     return file.getvalue()
 
 
-UNPICKLABLE: set[str] = set()  # the script's operators that cannot travel, each warned of once
+PICKLABLE: weakref.WeakKeyDictionary[CustomOpDef, bool] = weakref.WeakKeyDictionary()  # checked once per definition
 
 
 def _picklable(operator: CustomOpDef) -> bool:
     """Whether a shipped operator pickles (its functions may hold what does not: a lock, an open file); one that does
-    not stays behind with a warning, so that a run whose code never calls it is not refused for it."""
-    if operator._qualname in UNPICKLABLE:
-        return False
-    try:
-        _SkeletonPickler(io.BytesIO(), set()).dump(operator)
-    except Exception as error:
-        UNPICKLABLE.add(operator._qualname)
-        logger.warning("harmony: custom operator %s, defined in your script, cannot be sent to the workers (%s): a "
-                       "pack or loss that calls it will fail there", operator._qualname, error)
-        return False
-    return True
+    not stays behind with a warning, so that a run whose code never calls it is not refused for it. Checked once per
+    definition (every pack's skeleton carries the operators), again for one defined anew under the same name."""
+    if operator not in PICKLABLE:
+        try:
+            _SkeletonPickler(io.BytesIO(), set()).dump(operator)
+            PICKLABLE[operator] = True
+        except Exception as error:
+            PICKLABLE[operator] = False
+            logger.warning("harmony: custom operator %s, defined in your script, cannot be sent to the workers (%s): "
+                           "a pack or loss that calls it will fail there", operator._qualname, error)
+    return PICKLABLE[operator]
 
 
 def load_code(data: bytes) -> Any:
