@@ -68,27 +68,36 @@ def main() -> None:
         budget = max(weights // 4, 16 * batch * width)  # at least room for a layer's values at 4 micro-batches
         for microbatches in counts:
             settings = {"microbatches": microbatches, "device_memory": budget, "packs_per_task": 2 * DEPTH}
+            predicted = {"fitted before": harmony.plan(mlp(width, DEPTH), data, devices=[args.device], **settings)
+                         .step_seconds if harmony.calls.LEARNED else None}  # the row before's last run's call cost
+            harmony.calls.forget()
+            predicted["cold"] = harmony.plan(mlp(width, DEPTH), data, devices=[args.device], **settings).step_seconds
             plain, measured = [], []
             packs = 0
             for _ in range(rounds):
+                harmony.calls.forget()  # every round planned alike; the last one's fit is kept
                 plain.append(plain_seconds(width, data, microbatches, device))
                 result = harmony.train(mlp(width, DEPTH), data, loss_fn=nn.functional.mse_loss,
                                        optimizer=lambda p: torch.optim.SGD(p, lr=1e-3), devices=[args.device],
                                        progress=False, **settings)
                 measured.append(result.stats.steady_seconds_per_step())
                 packs = len(result.plan.jobs[0].packing.packs)
-            predicted = harmony.plan(mlp(width, DEPTH), data, devices=[args.device], **settings).step_seconds
             calls = packs * microbatches * 2
             step, base = statistics.median(measured), statistics.median(plain)
             rows.append({"width": width, "micro-batches": microbatches, "packs": packs,
                          "plain s": base, "Harmony s": step, "min": min(measured), "max": max(measured),
-                         "Harmony / plain": step / base, "predicted s": predicted,
+                         "Harmony / plain": step / base, "predicted s": predicted["cold"],
+                         "predicted, fitted s": predicted["fitted before"],
+                         "fitted us per call": 1e6 * harmony.calls.LEARNED.get(device.type, 0.0),
                          "per pack micro-batch us": 1e6 * (step - base) / calls})
             raw[f"{width}x{microbatches}"] = {"plain": plain, "harmony": measured}
     report("microbatch_cost", f"The runtime's cost per pack and micro-batch: MLP <width> x {DEPTH}, batch {batch}, "
            f"a pass a task, on {args.device}", rows, args.out,
            notes="plain s / Harmony s: median steady seconds a step over the rounds (min-max: Harmony's); per pack "
-                 "micro-batch: (Harmony - plain) over packs x micro-batches x 2; predicted s: harmony.plan", raw=raw)
+                 "micro-batch: (Harmony - plain) over packs x micro-batches x 2; predicted s: harmony.plan "
+                 "before any run; predicted, fitted s: harmony.plan with the host cost per pack call fitted to the "
+                 "row before's last run (another micro-batch count or width: out of sample); fitted us per call: what "
+                 "this row's last run fitted (harmony.calls)", raw=raw)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ from typing import Any
 
 from torch import nn
 
-from harmony import timings
+from harmony import calls, timings
+from harmony.candidate import step_samples
 from harmony.conventions import training_conventions
 from harmony.errors import InputError, ModelError
 from harmony.metrics import MetricsLog, learning_rates
@@ -426,6 +427,9 @@ def train(
         ):
             hardware = measured_hardware(handle.client, handle.workers,
                                          cpu_compute=any(spec.kind == "cpu" for spec in specs))
+            kinds = {spec.kind for spec in specs}
+            kind = next(iter(kinds)) if len(kinds) == 1 else None
+            hardware = calls.with_calls(hardware, kind)
             machines = {spec.name: spec.machine for spec in specs}
             if recorded is None:
                 with device_threads(specs):  # fusion pilots its trial arrays
@@ -451,6 +455,7 @@ def train(
                 wall_seconds = time.perf_counter() - started
                 result = TrainResult.assemble(args.models, plan, outcome, wall_seconds, handle.dashboard_link, names,
                                               samples)
+                calls.learn(result, [step_samples(args, job) for job in plan.jobs], kind)
                 if log is not None:
                     log.finish(result.history, result.stats.step_seconds, outcome.validation, result.grad_norms)
                     logger.info("harmony: metrics in %s", log.path)
@@ -483,3 +488,4 @@ def shutdown() -> None:
     re-run calls (harmony.timings): the next call starts and times afresh."""
     close_warm()
     timings.forget()
+    calls.forget()

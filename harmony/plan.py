@@ -11,6 +11,7 @@ from typing import Any
 from torch import nn
 
 from harmony.api import train
+from harmony.calls import with_calls
 from harmony.candidate import step_samples
 from harmony.conventions import training_conventions
 from harmony.errors import InputError
@@ -18,13 +19,12 @@ from harmony.planner import build, pilot
 from harmony.runtime.devices import DeviceSpec, build_specs, device_threads
 from harmony.runtime.measure import accelerator_speed, this_machine, with_accelerator
 from harmony.tasks.fusion import FusionChoice
-from harmony.tasks.graph import TaskId
 from harmony.tasks.hardware import Hardware
 from harmony.tasks.microbatch import split_sizes
 from harmony.tasks.packing import Packing
 from harmony.tasks.pruning import PRUNERS, computed_share, every_member, live_members
 from harmony.tasks.runplan import Options, RunPlan
-from harmony.tasks.simulator import MemoryReport, ScheduleExceedsBudget, Simulation, replay_memory, simulate_jobs
+from harmony.tasks.simulator import MemoryReport, ScheduleExceedsBudget, Simulation, replay_memory, simulate_machines
 from harmony.validate import check_prune, read_options, validate
 
 
@@ -162,6 +162,8 @@ class Forecast:
             f"{self.grads_out_per_step:,.0f} gradient bytes out"
             + (f", {self.memory.weights_out / max(self.model_steps, 1):,.0f} weight bytes out"
                if self.memory.weights_out else "")
+            + (f"; {self.hardware.call_seconds * 1e6:,.0f} µs of the runtime's host work per pack call, fitted to this "
+               "process's last run (harmony.calls)" if self.hardware.call_seconds else "")
         )
         return "\n".join(lines)
 
@@ -225,6 +227,8 @@ def plan(
         hardware = dataclasses.replace(this_machine(), shared_cores=cpu)
         if not cpu:  # the devices are this machine's GPUs
             hardware = with_accelerator(hardware, accelerator_speed())
+        kinds = {spec.kind for spec in specs}
+        hardware = with_calls(hardware, next(iter(kinds)) if len(kinds) == 1 else None)
     else:
         budgets = {f"dev-{k}-{i}" if machines > 1 else f"dev-{i}": args.device_memory  # type: ignore[misc]
                    for k in range(machines) for i in range(len(args.devices))}
@@ -258,26 +262,3 @@ def plan(
         pruned_seconds = simulate_machines(run_plan, expected, samples, machine_of).makespan
     return Forecast(run_plan, simulation, memory, counts, names=[type(model).__name__ for model in args.models],
                     computed=computed, prune=prune, pruned_seconds=pruned_seconds)
-
-
-def simulate_machines(plan: RunPlan, counts: list[int], samples: list[int], machines: dict[str, str]) -> Simulation:
-    """The plan's run simulated machine by machine (a job runs on its machine's devices alone), as one Simulation
-    whose makespan is the longest machine's."""
-    options, jobs = plan.options, list(plan.jobs)
-    order: dict[str, list[TaskId]] = {}
-    times: dict[TaskId, tuple[float, float]] = {}
-    busy: dict[str, float] = {}
-    for machine in dict.fromkeys(machines.values()):
-        own = [index for index, job in enumerate(jobs) if job.machine == machine]
-        budgets = {device: budget for device, budget in plan.devices.items() if machines[device] == machine}
-        if not own:
-            order.update({device: [] for device in budgets})
-            continue
-        run = simulate_jobs([jobs[index] for index in own], [counts[index] for index in own],
-                            [samples[index] for index in own], budgets, plan.hardware, options.prefetch,
-                            options.policy, plan.mode, options.stash)
-        renamed = {task: dataclasses.replace(task, model=own[task.model]) for task in run.times}
-        order.update({device: [renamed[task] for task in tasks] for device, tasks in run.order.items()})
-        times.update({renamed[task]: span for task, span in run.times.items()})
-        busy.update(run.busy)
-    return Simulation(order, times, max((end for _, end in times.values()), default=0.0), counts, busy)

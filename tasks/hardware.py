@@ -15,7 +15,12 @@ class Hardware:
     CPU time a task takes from the cores the devices compute with (the driver's, the scheduler's and the
     worker's work for it; 0 where the devices compute elsewhere); shared_cores says the devices compute on the
     host's cores (CPU devices), so that work on a host thread beside a device (an overlapped update) takes its
-    time from the device's compute instead of hiding behind it.
+    time from the device's compute instead of hiding behind it. call_seconds is the runtime's host work per pack
+    call of a swapped job (one micro-batch through a pack's forward, or through its backward's recompute or its
+    backward: a bwd makes two): binding the weights, claiming and copying values, bookkeeping, and on a GPU the
+    kernels' launches. On CPU devices it adds to the compute; on a GPU it runs while the kernels queued before
+    it run, so that a task takes the longer of the two. The pilot's times never contain it; a run measures it
+    (harmony.timings.learn_calls) and later plans in the process take it.
     """
 
     name: str = "this machine"
@@ -26,3 +31,4 @@ class Hardware:
     task_cpu: float = 0.0
     optimizer_bytes_per_second: float = 5e9
     shared_cores: bool = False
+    call_seconds: float = 0.0

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,7 +27,7 @@ from harmony.tasks.hardware import Hardware
 from harmony.tasks.memory import BudgetExceeded, DeviceMemory
 from harmony.tasks.microbatch import deal, split_sizes
 from harmony.tasks.packing import Packing
-from harmony.tasks.runplan import Job, section_packs
+from harmony.tasks.runplan import Job, RunPlan, section_packs
 
 
 class ScheduleExceedsBudget(ValueError):
@@ -298,6 +298,23 @@ def homed_update_seconds(packing: Packing, pack: int, hardware: Hardware) -> flo
     return seconds / hardware.compute_scale
 
 
+def fit_calls(step: Callable[[float], float], measured: float, largest: float = 1.0) -> float:
+    """The least Hardware.call_seconds at which step (a plan's predicted seconds per step, given a call's cost)
+    reaches the measured step, to a hundredth (over by less): 0 where the plan without it predicts as long already,
+    largest at most. step never falls as the cost grows, so bisection finds it."""
+    if step(0.0) >= measured:
+        return 0.0
+    low, high = 0.0, 1e-6
+    while step(high) < measured:
+        if high >= largest:
+            return largest
+        low, high = high, min(4 * high, largest)
+    while high - low > high / 100:
+        middle = (low + high) / 2
+        low, high = (middle, high) if step(middle) < measured else (low, middle)
+    return high
+
+
 def boundary_bytes(task: TaskId, packing: Packing, samples: int) -> int:
     """Bytes of the activation that flows into the task's pack (0 for the first pack)."""
     return 0 if task.pack == 0 else round(packing.packs[task.pack].input_bytes_per_sample * samples)
@@ -415,6 +432,29 @@ def simulate_jobs(
                       clock.stashed)
 
 
+def simulate_machines(plan: RunPlan, counts: list[int], samples: list[int], machines: dict[str, str]) -> Simulation:
+    """The plan's run simulated machine by machine (a job runs on its machine's devices alone), as one Simulation
+    whose makespan is the longest machine's."""
+    options, jobs = plan.options, list(plan.jobs)
+    order: dict[str, list[TaskId]] = {}
+    times: dict[TaskId, tuple[float, float]] = {}
+    busy: dict[str, float] = {}
+    for machine in dict.fromkeys(machines.values()):
+        own = [index for index, job in enumerate(jobs) if job.machine == machine]
+        budgets = {device: budget for device, budget in plan.devices.items() if machines[device] == machine}
+        if not own:
+            order.update({device: [] for device in budgets})
+            continue
+        run = simulate_jobs([jobs[index] for index in own], [counts[index] for index in own],
+                            [samples[index] for index in own], budgets, plan.hardware, options.prefetch,
+                            options.policy, plan.mode, options.stash)
+        renamed = {task: dataclasses.replace(task, model=own[task.model]) for task in run.times}
+        order.update({device: [renamed[task] for task in tasks] for device, tasks in run.order.items()})
+        times.update({renamed[task]: span for task, span in run.times.items()})
+        busy.update(run.busy)
+    return Simulation(order, times, max((end for _, end in times.values()), default=0.0), counts, busy)
+
+
 def _span(job: Job, step_seconds: float, hardware: Hardware) -> int:
     """The steps one task of a job that runs spans runs (harmony.planner.with_depth: as given, or from its step
     time, the task's cost and the run's length where known), over which the simulator spreads the task's cost while
@@ -489,6 +529,8 @@ class _Clock:
             compute -= saved
         if recomputes:
             copy += self._again_seconds(task, n)
+        if not homed:
+            compute = self._with_calls(task, n, compute)
         end = start + self.hardware.task_overhead / self.spans[task.model] + compute + copy
         self.times[task] = (start, end)
         self.order[device].append(task)
@@ -497,6 +539,15 @@ class _Clock:
         self.free_at[device] = end
         self.last_compute[device] = compute
         heapq.heappush(self.events, (end, len(self.times), task))
+
+    def _with_calls(self, task: TaskId, samples: int, compute: float) -> float:
+        """A swapped fwd or bwd task's compute with the runtime's host work for its pack calls (Hardware.call_seconds:
+        a forward's micro-batch is one call, a backward's two): added on CPU devices, beside it on a GPU."""
+        job = self.jobs[task.model]
+        microbatches = -(-samples // job.packing.microbatch_samples)
+        calls = len(job.section(task.pack)) * microbatches * (2 if task.kind == "bwd" else 1)
+        host = calls * self.hardware.call_seconds
+        return compute + host if self.hardware.shared_cores else max(compute, host)
 
     def run_beside(self, task: TaskId, device: str, ready: list[float]) -> None:
         """An upd task on the device's host thread: its own Dask task (the task overhead) and the optimizer's

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import harmony
-from harmony import timings
+from harmony import calls, timings
 from harmony.runtime import cluster
 from harmony.runtime.cluster import shutdown
 from harmony.runtime.hoststore import OWNER, PREFIX, HostStore, shm_directory
@@ -355,9 +355,10 @@ def no_cluster_may_start(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(autouse=True)
 def fresh_timings() -> None:
-    """Every test plans from timings of its own: none kept from an earlier test's calls (harmony.timings), whose
-    pinned or measured timings it would otherwise take."""
+    """Every test plans from timings of its own: none kept from an earlier test's calls (harmony.timings, and the
+    call cost a run fitted, harmony.calls), whose pinned or measured timings it would otherwise take."""
     timings.forget()
+    calls.forget()
 
 
 @pytest.fixture

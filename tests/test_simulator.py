@@ -15,6 +15,7 @@ from harmony.tasks.simulator import (
     MemoryReport,
     ScheduleExceedsBudget,
     boundary_bytes,
+    fit_calls,
     pack_tasks,
     replay_memory,
     simulate,
@@ -334,3 +335,36 @@ def test_a_homed_step_takes_its_measured_update_else_the_host_stores_passes_at_t
     assert step(packing, hardware) == pytest.approx(compute + update_seconds(packing, range(1), hardware))
     faster = dataclasses.replace(hardware, compute_scale=2.0)
     assert step(measured, faster) == pytest.approx((compute + 1e-6 * trainable) / 2)
+
+
+def test_the_runtimes_host_work_per_pack_call_adds_to_a_cpu_devices_compute_and_runs_beside_a_gpus() -> None:
+    """Hardware.call_seconds: a swapped step's pack calls (each pack's forward but the last's, and every pack's
+    backward, a recompute and a backward, per micro-batch) each cost it on the host: on CPU devices after the
+    compute, on a GPU beside it, so that only host work longer than the kernels shows."""
+    packing = chain_packing(layers=6, budget=7000)
+    packs, microbatches, steps = len(packing.packs), 8 // packing.microbatch_samples, 3
+    assert packs == 6 and microbatches == 2
+    calls = (packs - 1) * microbatches + 2 * packs * microbatches
+
+    def makespan(shared: bool, cost: float) -> float:
+        hardware = Hardware(task_overhead=0.0, shared_cores=shared, call_seconds=cost)
+        return simulate([packing], [steps], [8], {"d": 7000}, hardware).makespan
+
+    assert makespan(True, 0.0) == makespan(False, 0.0)
+    assert makespan(True, 1e-3) - makespan(True, 0.0) == pytest.approx(steps * calls * 1e-3)
+    assert makespan(False, 1e-7) == pytest.approx(makespan(False, 0.0)), "hidden behind longer kernels"
+    assert makespan(False, 1e-2) == pytest.approx(steps * calls * 1e-2), "the host's work is the step"
+
+
+def test_the_call_cost_fitted_to_a_measured_step_is_the_one_that_predicts_it() -> None:
+    packing = chain_packing(layers=6, budget=7000)
+
+    def step(cost: float) -> float:
+        hardware = Hardware(task_overhead=1e-3, shared_cores=False, call_seconds=cost)
+        return simulate([packing], [3], [8], {"d": 7000}, hardware).makespan / 3
+
+    assert step(2e-3) > step(0.0)
+    assert fit_calls(step, step(2e-3)) == pytest.approx(2e-3, rel=0.02)
+    assert fit_calls(step, step(0.0)) == 0.0, "a step the plan already predicts costs nothing more per call"
+    assert fit_calls(step, 0.5 * step(0.0)) == 0.0
+    assert fit_calls(step, 1e3, largest=0.1) == 0.1, "a step no call cost explains takes the largest"

@@ -1,0 +1,67 @@
+"""The runtime's host cost per pack call, measured by a run for the plans this process makes after it.
+
+The pilot times a model's layers, never the work the runtime does around each pack's call on a micro-batch
+(binding, claiming and copying values, bookkeeping; on a GPU, launching the kernels), which a swapped model
+with many small packs or micro-batches can spend most of its step on. A run's steady step, against the
+simulator's step for its own plan with a cost per call (Hardware.call_seconds), gives the cost that makes
+the two agree (tasks.simulator.fit_calls); the process keeps it per device kind, and a later harmony.train
+or harmony.plan on such devices predicts, and chooses sections and modes, with it. It is a fit, not a timer:
+what the simulator mispredicts otherwise (a layer's time, a copy) lands in it too. harmony.shutdown() forgets it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+from harmony.result import TrainResult
+from harmony.tasks.hardware import Hardware
+from harmony.tasks.runplan import RunPlan
+from harmony.tasks.simulator import fit_calls, simulate_machines
+
+logger = logging.getLogger("harmony")
+
+LEARNED: dict[str, float] = {}  # Hardware.call_seconds by device kind ("cpu", "cuda"), from this process's last run
+STEPS = (4, 8)  # the simulated runs whose difference is the plan's steady step (the first steps' ramp left out)
+
+
+def with_calls(hardware: Hardware, kind: str | None) -> Hardware:
+    """hardware with the call cost a run on devices of kind measured (as it is where none did)."""
+    if kind not in LEARNED:
+        return hardware
+    return dataclasses.replace(hardware, call_seconds=LEARNED[kind])
+
+
+def steady_step(plan: RunPlan, samples: list[int], call_seconds: float) -> float:
+    """The plan's predicted seconds per step once running, at a cost per pack call: the makespan of STEPS[1] steps
+    less that of STEPS[0], over the steps between (every job runs as many)."""
+    hardware = dataclasses.replace(plan.hardware, call_seconds=call_seconds)
+    timed = dataclasses.replace(plan, hardware=hardware)
+    machines = {device: dict(plan.machines).get(device, "") for device in plan.devices}
+    short, long = (simulate_machines(timed, [steps] * len(plan.jobs), samples, machines).makespan for steps in STEPS)
+    return (long - short) / (STEPS[1] - STEPS[0])
+
+
+def learn(result: TrainResult, samples: list[int], kind: str | None) -> float | None:
+    """Fit the call cost to a run's steady step (samples: each job's per step) and keep it for devices of kind;
+    None (nothing kept) where the run says nothing of it: devices of several kinds, no swapped job, or too few
+    steps for a steady rate."""
+    plan = result.plan
+    if kind is None or all(job.home is not None for job in plan.jobs):
+        return None
+    try:
+        measured = max(result.stats.steady_seconds_per_step(model) for model in range(len(result.stats.step_seconds)))
+    except ValueError:
+        return None
+    started = time.perf_counter()
+    seconds = fit_calls(lambda cost: steady_step(plan, samples, cost), measured)
+    LEARNED[kind] = seconds
+    logger.info("harmony: the runtime's host cost per pack call on %s devices, fitted to this run's %.1f ms steps: "
+                "%.0f µs (fitted in %.2f s)", kind, measured * 1e3, seconds * 1e6, time.perf_counter() - started)
+    return seconds
+
+
+def forget() -> None:
+    """Drop the learned call cost: the next plans predict without it until a run measures it again."""
+    LEARNED.clear()

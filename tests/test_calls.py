@@ -1,0 +1,70 @@
+"""The runtime's host cost per pack call, fitted to a run's steps and taken by the process's later plans."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+import harmony
+from harmony import calls
+from tests.conftest import deep_mlp, regression_batches
+
+
+def sgd(parameters: object) -> torch.optim.Optimizer:
+    return torch.optim.SGD(parameters, lr=0.01)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    return sum(parameter.nbytes for parameter in model.parameters())
+
+
+def train(budget: int, steps: int = 10) -> harmony.TrainResult:
+    return harmony.train(deep_mlp(), regression_batches(16 * steps, 16), loss_fn=nn.functional.mse_loss,
+                         optimizer=sgd, devices=["cpu"], device_memory=budget, microbatches=4, progress=False)
+
+
+def assert_predicts(result: harmony.TrainResult, fitted: float) -> None:
+    """fitted is the least call cost (to the fit's hundredth) at which the run's plan predicts its steady step."""
+    measured = result.stats.steady_seconds_per_step()
+    plan = dataclasses.replace(result.plan, hardware=dataclasses.replace(result.plan.hardware, call_seconds=0.0))
+    if fitted > 0:
+        assert calls.steady_step(plan, [16], fitted) >= measured
+        assert calls.steady_step(plan, [16], 0.98 * fitted) < measured
+    else:
+        assert calls.steady_step(plan, [16], 0.0) >= measured
+
+
+def test_a_swapped_run_fits_the_call_cost_that_predicts_its_steady_step_and_later_plans_take_it() -> None:
+    budget = weight_bytes(deep_mlp()) // 3
+    result = train(budget)
+    assert result.plan.jobs[0].home is None and len(result.plan.jobs[0].packing.packs) > 2, "a swapped model"
+    assert result.plan.hardware.call_seconds == 0.0, "the first run planned without a call cost"
+    fitted = calls.LEARNED["cpu"]
+    assert_predicts(result, fitted)
+
+    forecast = harmony.plan(deep_mlp(), regression_batches(160, 16), devices=["cpu"], device_memory=budget,
+                            microbatches=4)
+    assert forecast.hardware.call_seconds == fitted
+    assert ("per pack call, fitted to this process's last run" in str(forecast)) == (fitted > 0)
+    again = train(budget)
+    assert again.plan.hardware.call_seconds == fitted, "the next run on such devices plans with it"
+    assert_predicts(again, calls.LEARNED["cpu"])
+
+    harmony.shutdown()
+    assert calls.LEARNED == {}
+
+
+def test_a_homed_run_says_nothing_of_the_call_cost() -> None:
+    result = train(10 * weight_bytes(deep_mlp()))
+    assert all(job.home is not None for job in result.plan.jobs)
+    assert calls.LEARNED == {}
+    assert calls.learn(result, [16], "cpu") is None
+    assert calls.learn(result, [16], None) is None
+
+
+def test_a_run_too_short_for_a_steady_step_keeps_nothing() -> None:
+    result = train(weight_bytes(deep_mlp()) // 3, steps=1)
+    assert result.plan.jobs[0].home is None
+    assert calls.LEARNED == {}
