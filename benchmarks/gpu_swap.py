@@ -209,6 +209,8 @@ def main() -> None:
                 "budget share": share,
                 **common, **({"compute s": resident_bf16} if precision == "bf16" else {}),
                 "step s": result.stats.steady_seconds_per_step(0),
+                "predicted s": harmony.calls.steady_step(result.plan, [batch], result.plan.hardware.call_seconds),
+                "host us/call fitted": 1e6 * harmony.calls.LEARNED.get("cuda", 0.0),
                 "weights in/step": result.stats.bytes_in["weights"] // steps,
                 "prefetched %": 100 * result.stats.bytes_prefetched / max(result.stats.bytes_in["weights"], 1),
                 "values ahead+behind/step": (result.stats.bytes_ahead + result.stats.bytes_behind) // steps,
@@ -229,7 +231,7 @@ def main() -> None:
         row.setdefault("budget", 0)
         row.setdefault("budget share", "")
         for column in ("packs", "tasks/step", "stashed passes/step", "busy s/step", "activations in+out/step",
-                       "values ahead+behind/step"):
+                       "values ahead+behind/step", "predicted s", "host us/call fitted"):
             row.setdefault(column, 0)
     report("gpu_swap", f"Swapping on {torch.cuda.get_device_name(device)}: one MLP of {weights:,} B, budgets "
            f"{', '.join(args.budgets)} of it; pinned copies {host_to_device / 1e9:.1f} GB/s in, "
@@ -237,7 +239,9 @@ def main() -> None:
            rows, args.out, notes="batch: samples per weight load (issue 28's goal: 90% of the resident throughput from "
            "16k); compute s: the resident plain loop (for bf16 rows the resident bf16 autocast loop); "
            "copy s: 2W in + 1W out at the measured speed; "
-           "busy: time inside Harmony's task bodies; activations: boundary bytes between host and GPU", raw=raw)
+           "busy: time inside Harmony's task bodies; activations: boundary bytes between host and GPU; predicted s: "
+           "the run's plan's steady step, with the host cost per pack call fitted to the Harmony row before it (none "
+           "for the first); host us/call fitted: what this run fitted (harmony.calls)", raw=raw)
 
 
 if __name__ == "__main__":

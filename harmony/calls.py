@@ -23,6 +23,7 @@ from harmony.tasks.simulator import fit_calls, simulate_machines
 logger = logging.getLogger("harmony")
 
 LEARNED: dict[str, float] = {}  # Hardware.call_seconds by device kind ("cpu", "cuda"), from this process's last run
+LARGEST = 0.05  # seconds a call may be fitted at: a hundred times a GPU's, whose backward calls took 2 ms
 STEPS = (4, 8)  # the simulated runs whose difference is the plan's steady step (the first steps' ramp left out)
 
 
@@ -45,8 +46,8 @@ def steady_step(plan: RunPlan, samples: list[int], call_seconds: float) -> float
 
 def learn(result: TrainResult, samples: list[int], kind: str | None) -> float | None:
     """Fit the call cost to a run's steady step (samples: each job's per step) and keep it for devices of kind;
-    None (nothing kept) where the run says nothing of it: devices of several kinds, no swapped job, or too few
-    steps for a steady rate."""
+    None (nothing kept) where the run says nothing of it: devices of several kinds, no swapped job, too few steps
+    for a steady rate, or a step no call cost up to LARGEST explains."""
     plan = result.plan
     if kind is None or all(job.home is not None for job in plan.jobs):
         return None
@@ -55,7 +56,12 @@ def learn(result: TrainResult, samples: list[int], kind: str | None) -> float | 
     except ValueError:
         return None
     started = time.perf_counter()
-    seconds = fit_calls(lambda cost: steady_step(plan, samples, cost), measured)
+    seconds = fit_calls(lambda cost: steady_step(plan, samples, cost), measured, LARGEST)
+    if seconds >= LARGEST:
+        logger.info("harmony: this run's %.1f ms steps are more than any host cost per pack call explains (%.0f ms a "
+                    "call): its plan mispredicts something else, and later plans are left as they were",
+                    measured * 1e3, LARGEST * 1e3)
+        return None
     LEARNED[kind] = seconds
     logger.info("harmony: the runtime's host cost per pack call on %s devices, fitted to this run's %.1f ms steps: "
                 "%.0f µs (fitted in %.2f s)", kind, measured * 1e3, seconds * 1e6, time.perf_counter() - started)

@@ -152,7 +152,9 @@ class TrainResult:
     val_loaders); names the models' names (names=), or None; samples each model's samples per step (its first batch).
     grad_norms is per model (clip_grad_norm) each step's total gradient norm before clipping, as clip_grad_norm_
     returns it; empty for a model that is not clipped. pruned maps each model that prune= stopped to the step it
-    stopped at (its weights, history and validation figures end there; it is not in failed).
+    stopped at (its weights, history and validation figures end there; it is not in failed). call_seconds is the
+    runtime's host cost per pack call fitted to this run's steady step (harmony.calls), which the process's later
+    plans on such devices take; None where the run said nothing of it (no swapped model, too few steps).
     """
 
     models: list[nn.Module]
@@ -173,6 +175,7 @@ class TrainResult:
     samples: list[int] = field(default_factory=list)
     grad_norms: list[list[float]] = field(default_factory=list)
     pruned: dict[int, int] = field(default_factory=dict)
+    call_seconds: float | None = None
 
     def report(self, path: str | os.PathLike[str]) -> Path:
         """Write the run on one page (path ending in .png: an image; .html: the image and the tables): every model's

@@ -42,7 +42,13 @@ def test_a_swapped_run_fits_the_call_cost_that_predicts_its_steady_step_and_late
     assert result.plan.jobs[0].home is None and len(result.plan.jobs[0].packing.packs) > 2, "a swapped model"
     assert result.plan.hardware.call_seconds == 0.0, "the first run planned without a call cost"
     fitted = calls.LEARNED["cpu"]
+    assert result.call_seconds == fitted
     assert_predicts(result, fitted)
+
+    slow = dataclasses.replace(result, stats=dataclasses.replace(
+        result.stats, step_seconds=[[100.0 * step for step in range(10)]]))
+    assert calls.learn(slow, [16], "cpu") is None, "100 s steps: no call cost explains them"
+    assert calls.LEARNED["cpu"] == fitted, "and the fit kept is the last that did"
 
     forecast = harmony.plan(deep_mlp(), regression_batches(160, 16), devices=["cpu"], device_memory=budget,
                             microbatches=4)
@@ -59,7 +65,7 @@ def test_a_swapped_run_fits_the_call_cost_that_predicts_its_steady_step_and_late
 def test_a_homed_run_says_nothing_of_the_call_cost() -> None:
     result = train(10 * weight_bytes(deep_mlp()))
     assert all(job.home is not None for job in result.plan.jobs)
-    assert calls.LEARNED == {}
+    assert calls.LEARNED == {} and result.call_seconds is None
     assert calls.learn(result, [16], "cpu") is None
     assert calls.learn(result, [16], None) is None
 
