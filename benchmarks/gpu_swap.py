@@ -210,7 +210,7 @@ def main() -> None:
                 **common, **({"compute s": resident_bf16} if precision == "bf16" else {}),
                 "step s": result.stats.steady_seconds_per_step(0),
                 "predicted s": harmony.calls.steady_step(result.plan, [batch], result.plan.hardware.call_seconds),
-                "host us/call fitted": 1e6 * harmony.calls.LEARNED.get("cuda", 0.0),
+                "host us/call fitted": 1e6 * (result.call_seconds or 0.0),
                 "weights in/step": result.stats.bytes_in["weights"] // steps,
                 "prefetched %": 100 * result.stats.bytes_prefetched / max(result.stats.bytes_in["weights"], 1),
                 "values ahead+behind/step": (result.stats.bytes_ahead + result.stats.bytes_behind) // steps,
@@ -240,8 +240,9 @@ def main() -> None:
            "16k); compute s: the resident plain loop (for bf16 rows the resident bf16 autocast loop); "
            "copy s: 2W in + 1W out at the measured speed; "
            "busy: time inside Harmony's task bodies; activations: boundary bytes between host and GPU; predicted s: "
-           "the run's plan's steady step, with the host cost per pack call fitted to the Harmony row before it (none "
-           "for the first); host us/call fitted: what this run fitted (harmony.calls)", raw=raw)
+           "the run's plan's steady step, with the host cost per pack call fitted to the Harmony rows before it (the "
+           "median of the last five; none for the first); host us/call fitted: what this run fitted (harmony.calls)",
+           raw=raw)
 
 
 if __name__ == "__main__":

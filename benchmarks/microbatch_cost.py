@@ -50,6 +50,10 @@ def plain_seconds(width: int, data: list, microbatches: int, device: torch.devic
     return statistics.median(seconds[1:])
 
 
+def sgd(parameters: object) -> torch.optim.Optimizer:
+    return torch.optim.SGD(parameters, lr=1e-3)
+
+
 def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="the device to train on (cpu, or cuda:0)")
 
@@ -67,19 +71,19 @@ def main() -> None:
         weights = parameter_bytes(mlp(width, DEPTH))
         budget = max(weights // 4, 16 * batch * width)  # at least room for a layer's values at 4 micro-batches
         for microbatches in counts:
-            settings = {"microbatches": microbatches, "device_memory": budget, "packs_per_task": 2 * DEPTH}
+            settings = {"microbatches": microbatches, "device_memory": budget, "packs_per_task": 2 * DEPTH,
+                        "optimizer": sgd}  # harmony.plan homes a model by its optimizer's state as train does
             predicted = {"fitted before": harmony.plan(mlp(width, DEPTH), data, devices=[args.device], **settings)
-                         .step_seconds if harmony.calls.LEARNED else None}  # the row before's last run's call cost
+                         .step_seconds if harmony.calls.learned(device.type) else None}  # the row before's fits
             harmony.calls.forget()
             predicted["cold"] = harmony.plan(mlp(width, DEPTH), data, devices=[args.device], **settings).step_seconds
             plain, measured = [], []
             packs = 0
             for _ in range(rounds):
-                harmony.calls.forget()  # every round planned alike; the last one's fit is kept
+                harmony.calls.forget()  # every round planned alike; the last one's fit is kept for the next row
                 plain.append(plain_seconds(width, data, microbatches, device))
                 result = harmony.train(mlp(width, DEPTH), data, loss_fn=nn.functional.mse_loss,
-                                       optimizer=lambda p: torch.optim.SGD(p, lr=1e-3), devices=[args.device],
-                                       progress=False, **settings)
+                                       devices=[args.device], progress=False, **settings)
                 measured.append(result.stats.steady_seconds_per_step())
                 packs = len(result.plan.jobs[0].packing.packs)
             calls = packs * microbatches * 2
@@ -88,7 +92,7 @@ def main() -> None:
                          "plain s": base, "Harmony s": step, "min": min(measured), "max": max(measured),
                          "Harmony / plain": step / base, "predicted s": predicted["cold"],
                          "predicted, fitted s": predicted["fitted before"],
-                         "fitted us per call": 1e6 * harmony.calls.LEARNED.get(device.type, 0.0),
+                         "fitted us per call": 1e6 * (result.call_seconds or 0.0),
                          "per pack micro-batch us": 1e6 * (step - base) / calls})
             raw[f"{width}x{microbatches}"] = {"plain": plain, "harmony": measured}
     report("microbatch_cost", f"The runtime's cost per pack and micro-batch: MLP <width> x {DEPTH}, batch {batch}, "

@@ -4,15 +4,18 @@ The pilot times a model's layers, never the work the runtime does around each pa
 (binding, claiming and copying values, bookkeeping; on a GPU, launching the kernels), which a swapped model
 with many small packs or micro-batches can spend most of its step on. A run's steady step, against the
 simulator's step for its own plan with a cost per call (Hardware.call_seconds), gives the cost that makes
-the two agree (tasks.simulator.fit_calls); the process keeps it per device kind, and a later harmony.train
-or harmony.plan on such devices predicts, and chooses sections and modes, with it. It is a fit, not a timer:
-what the simulator mispredicts otherwise (a layer's time, a copy) lands in it too. harmony.shutdown() forgets it.
+the two agree (tasks.simulator.fit_calls); the process keeps the last few fits per device kind, and a later
+harmony.train or harmony.plan on such devices predicts, and chooses sections and modes, with their median. It is
+a fit, not a timer: what the simulator mispredicts otherwise (a layer's time, which the pilot can find tens of
+percent off on a busy machine; a copy) lands in it too, and the median keeps one such run from moving every later
+plan. harmony.shutdown() forgets them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import statistics
 import time
 
 from harmony.result import TrainResult
@@ -22,16 +25,23 @@ from harmony.tasks.simulator import fit_calls, simulate_machines
 
 logger = logging.getLogger("harmony")
 
-LEARNED: dict[str, float] = {}  # Hardware.call_seconds by device kind ("cpu", "cuda"), from this process's last run
+FITS: dict[str, list[float]] = {}  # Hardware.call_seconds by device kind ("cpu", "cuda"): this process's last fits
+KEPT = 5  # fits kept per kind
 LARGEST = 0.05  # seconds a call may be fitted at: a hundred times a GPU's, whose backward calls took 2 ms
 STEPS = (4, 8)  # the simulated runs whose difference is the plan's steady step (the first steps' ramp left out)
 
 
+def learned(kind: str | None) -> float | None:
+    """The call cost later plans on devices of kind take: the median of the process's last fits (None: no run fitted
+    one)."""
+    fits = FITS.get(kind or "")
+    return statistics.median(fits) if fits else None
+
+
 def with_calls(hardware: Hardware, kind: str | None) -> Hardware:
-    """hardware with the call cost a run on devices of kind measured (as it is where none did)."""
-    if kind not in LEARNED:
-        return hardware
-    return dataclasses.replace(hardware, call_seconds=LEARNED[kind])
+    """hardware with the call cost runs on devices of kind fitted (learned), as it is where none did."""
+    seconds = learned(kind)
+    return hardware if seconds is None else dataclasses.replace(hardware, call_seconds=seconds)
 
 
 def steady_step(plan: RunPlan, samples: list[int], call_seconds: float) -> float:
@@ -62,12 +72,13 @@ def learn(result: TrainResult, samples: list[int], kind: str | None) -> float | 
                     "call): its plan mispredicts something else, and later plans are left as they were",
                     measured * 1e3, LARGEST * 1e3)
         return None
-    LEARNED[kind] = seconds
+    FITS[kind] = [*FITS.get(kind, [])[1 - KEPT:], seconds]
     logger.info("harmony: the runtime's host cost per pack call on %s devices, fitted to this run's %.1f ms steps: "
-                "%.0f µs (fitted in %.2f s)", kind, measured * 1e3, seconds * 1e6, time.perf_counter() - started)
+                "%.0f µs (fitted in %.2f s); later plans take %.0f µs", kind, measured * 1e3, seconds * 1e6,
+                time.perf_counter() - started, (learned(kind) or 0.0) * 1e6)
     return seconds
 
 
 def forget() -> None:
-    """Drop the learned call cost: the next plans predict without it until a run measures it again."""
-    LEARNED.clear()
+    """Drop the fitted call costs: the next plans predict without one until a run fits it again."""
+    FITS.clear()

@@ -153,8 +153,9 @@ class TrainResult:
     grad_norms is per model (clip_grad_norm) each step's total gradient norm before clipping, as clip_grad_norm_
     returns it; empty for a model that is not clipped. pruned maps each model that prune= stopped to the step it
     stopped at (its weights, history and validation figures end there; it is not in failed). call_seconds is the
-    runtime's host cost per pack call fitted to this run's steady step (harmony.calls), which the process's later
-    plans on such devices take; None where the run said nothing of it (no swapped model, too few steps).
+    runtime's host cost per pack call fitted to this run's steady step (harmony.calls), of which the process's
+    later plans on such devices take the median of the last few; None where the run said nothing of it (no
+    swapped model, too few steps).
     """
 
     models: list[nn.Module]

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 from torch import nn
 
 import harmony
 from harmony import calls
+from harmony.tasks.hardware import Hardware
 from tests.conftest import deep_mlp, regression_batches
 
 
@@ -41,14 +43,14 @@ def test_a_swapped_run_fits_the_call_cost_that_predicts_its_steady_step_and_late
     result = train(budget)
     assert result.plan.jobs[0].home is None and len(result.plan.jobs[0].packing.packs) > 2, "a swapped model"
     assert result.plan.hardware.call_seconds == 0.0, "the first run planned without a call cost"
-    fitted = calls.LEARNED["cpu"]
-    assert result.call_seconds == fitted
+    fitted = result.call_seconds
+    assert fitted is not None and {"cpu": [fitted]} == calls.FITS and calls.learned("cpu") == fitted
     assert_predicts(result, fitted)
 
     slow = dataclasses.replace(result, stats=dataclasses.replace(
         result.stats, step_seconds=[[100.0 * step for step in range(10)]]))
     assert calls.learn(slow, [16], "cpu") is None, "100 s steps: no call cost explains them"
-    assert calls.LEARNED["cpu"] == fitted, "and the fit kept is the last that did"
+    assert {"cpu": [fitted]} == calls.FITS, "nothing kept of it"
 
     forecast = harmony.plan(deep_mlp(), regression_batches(160, 16), devices=["cpu"], device_memory=budget,
                             microbatches=4)
@@ -56,16 +58,21 @@ def test_a_swapped_run_fits_the_call_cost_that_predicts_its_steady_step_and_late
     assert ("per pack call, fitted to this process's last run" in str(forecast)) == (fitted > 0)
     again = train(budget)
     assert again.plan.hardware.call_seconds == fitted, "the next run on such devices plans with it"
-    assert_predicts(again, calls.LEARNED["cpu"])
+    assert again.call_seconds is not None
+    assert_predicts(again, again.call_seconds)
+    assert calls.learned("cpu") == pytest.approx((fitted + again.call_seconds) / 2), "the median of the fits"
+    for _ in range(calls.KEPT):
+        calls.learn(again, [16], "cpu")
+    assert {"cpu": [again.call_seconds] * calls.KEPT} == calls.FITS, "the last few fits"
 
     harmony.shutdown()
-    assert calls.LEARNED == {}
+    assert calls.FITS == {} and calls.learned("cpu") is None
 
 
 def test_a_homed_run_says_nothing_of_the_call_cost() -> None:
     result = train(10 * weight_bytes(deep_mlp()))
     assert all(job.home is not None for job in result.plan.jobs)
-    assert calls.LEARNED == {} and result.call_seconds is None
+    assert calls.FITS == {} and result.call_seconds is None
     assert calls.learn(result, [16], "cpu") is None
     assert calls.learn(result, [16], None) is None
 
@@ -73,4 +80,11 @@ def test_a_homed_run_says_nothing_of_the_call_cost() -> None:
 def test_a_run_too_short_for_a_steady_step_keeps_nothing() -> None:
     result = train(weight_bytes(deep_mlp()) // 3, steps=1)
     assert result.plan.jobs[0].home is None
-    assert calls.LEARNED == {}
+    assert calls.FITS == {} and result.call_seconds is None
+
+
+def test_later_plans_take_the_median_of_the_fits_for_their_kind_of_device() -> None:
+    calls.FITS["cuda"] = [1e-3, 2e-3, 0.04]
+    assert calls.with_calls(Hardware(), "cuda").call_seconds == 2e-3, "one run's outlier moves nothing"
+    assert calls.with_calls(Hardware(), "cpu") == Hardware(), "none fitted for CPU devices"
+    assert calls.with_calls(Hardware(), None) == Hardware(), "devices of several kinds"
