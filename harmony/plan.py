@@ -162,8 +162,8 @@ class Forecast:
             f"{self.grads_out_per_step:,.0f} gradient bytes out"
             + (f", {self.memory.weights_out / max(self.model_steps, 1):,.0f} weight bytes out"
                if self.memory.weights_out else "")
-            + (f"; {self.hardware.call_seconds * 1e6:,.0f} µs of the runtime's host work per pack call, fitted to this "
-               "process's last runs (harmony.calls)" if self.hardware.call_seconds else "")
+            + (f"; with {self.hardware.call_seconds * 1e6:,.0f} µs of the runtime's host work per pack call"
+               if self.hardware.call_seconds else "")
         )
         return "\n".join(lines)
 

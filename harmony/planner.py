@@ -246,10 +246,10 @@ def with_depth(job: Job, depth: int | str, hardware: Hardware) -> Job:
 def with_sections(jobs: list[Job], args: Arguments, budgets: dict[str, int], hardware: Hardware, mode: str
                   ) -> list[Job]:
     """The swapped jobs with the packs each of their tasks runs: packs_per_task as given, or with "auto" as many as
-    keep Dask's cost per task (measured on the cluster) a small share of a section's forward (tasks.amortize), in at
-    least one section per device in vpp (whose devices each run their own), where the simulator predicts the
-    sweep faster so (a section other than a pass's last recomputes its packs' inputs: one more forward, and its
-    weights read once more)."""
+    keep Dask's cost per task (measured on the cluster) a small share of a section's forward (tasks.amortize; a
+    pack's forward counted with the host's work for its call, Hardware.call_seconds), in at least one section per
+    device in vpp (whose devices each run their own), where the simulator predicts the sweep faster so (a section
+    other than a pass's last recomputes its packs' inputs: one more forward, and its weights read once more)."""
     per_task = args.options.packs_per_task
     cut = [job.home is None and len(job.packing.packs) > 1 for job in jobs]
     if isinstance(per_task, int):
@@ -259,8 +259,9 @@ def with_sections(jobs: list[Job], args: Arguments, budgets: dict[str, int], har
     fewest = len(budgets) if mode == "vpp" else 1
     proposed = [
         dataclasses.replace(job, sections=pack_sections(
-            [pack.forward_seconds_per_sample * job.packing.microbatch_samples / hardware.compute_scale
-             for pack in job.packing.packs], overhead, fewest)) if here else job
+            [hardware.with_calls(pack.forward_seconds_per_sample * job.packing.microbatch_samples
+                                 / hardware.compute_scale, 1) for pack in job.packing.packs], overhead, fewest))
+            if here else job
         for job, here in zip(jobs, cut)]
     if all(job.sections == () for job in proposed):
         return jobs

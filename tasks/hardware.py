@@ -32,3 +32,9 @@ class Hardware:
     optimizer_bytes_per_second: float = 5e9
     shared_cores: bool = False
     call_seconds: float = 0.0
+
+    def with_calls(self, compute: float, calls: int) -> float:
+        """Seconds of work of which compute is the kernels' and calls the pack calls the runtime makes for them
+        (call_seconds each): after the compute on CPU devices (shared_cores), beside it on a GPU."""
+        host = calls * self.call_seconds
+        return compute + host if self.shared_cores else max(compute, host)

@@ -546,8 +546,7 @@ class _Clock:
         job = self.jobs[task.model]
         microbatches = -(-samples // job.packing.microbatch_samples)
         calls = len(job.section(task.pack)) * microbatches * (2 if task.kind == "bwd" else 1)
-        host = calls * self.hardware.call_seconds
-        return compute + host if self.hardware.shared_cores else max(compute, host)
+        return self.hardware.with_calls(compute, calls)
 
     def run_beside(self, task: TaskId, device: str, ready: list[float]) -> None:
         """An upd task on the device's host thread: its own Dask task (the task overhead) and the optimizer's

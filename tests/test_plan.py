@@ -177,3 +177,23 @@ def test_a_clipped_model_updates_in_upd_tasks_once_its_whole_backward_is_done() 
     packs = len(clipped.packing.packs)
     order = forecast.simulation.order["cpu-0"]
     assert max(order.index(TaskId("bwd", 0, pack, 0)) for pack in range(packs)) < order.index(TaskId("upd", 0, 0, 0))
+
+
+def test_the_hosts_work_per_pack_call_is_predicted_and_weighs_in_how_many_packs_a_task_runs() -> None:
+    """A GPU whose kernels are short against the runtime's work per pack call: the plan predicts the step from that
+    work, and with each pack's forward that long its tasks need fewer packs to keep Dask's cost per task small."""
+    batches = regression_batches(64, 16)
+    budget = param_bytes(deep_mlp()) // 3
+    steps = {}
+    for cost in (0.0, 0.2):
+        gpu = harmony.Hardware("a GPU", compute_scale=100.0, host_link=1e12, task_overhead=0.01, call_seconds=cost)
+        forecast = harmony.plan([deep_mlp()], batches, devices=1, device_memory=budget, microbatches=2, hardware=gpu)
+        job = forecast.plan.jobs[0]
+        packs = len(job.packing.packs)
+        assert job.home is None and packs > 2
+        steps[cost] = forecast.step_seconds, job.section_count
+        assert ("per pack call" in str(forecast)) == (cost > 0)
+    calls = (packs - 1) * 2 + 2 * packs * 2  # a step: every pack's forward but the last's, every backward twice
+    assert steps[0.0][1] == 1, "kernels this short: the whole pass one task"
+    assert steps[0.2][1] == packs, "a pack's call alone outlasts ten times a task's cost"
+    assert steps[0.2][0] >= calls * 0.2 > 10 * steps[0.0][0]

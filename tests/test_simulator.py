@@ -368,3 +368,10 @@ def test_the_call_cost_fitted_to_a_measured_step_is_the_one_that_predicts_it() -
     assert fit_calls(step, step(0.0)) == 0.0, "a step the plan already predicts costs nothing more per call"
     assert fit_calls(step, 0.5 * step(0.0)) == 0.0
     assert fit_calls(step, 1e3, largest=0.1) == 0.1, "a step no call cost explains takes the largest"
+
+
+def test_the_hosts_work_for_calls_follows_the_compute_on_cpu_devices_and_runs_beside_a_gpus() -> None:
+    cpu, gpu = Hardware(shared_cores=True, call_seconds=1e-3), Hardware(shared_cores=False, call_seconds=1e-3)
+    assert cpu.with_calls(2e-3, 3) == pytest.approx(5e-3)
+    assert gpu.with_calls(2e-3, 3) == pytest.approx(3e-3) and gpu.with_calls(1e-2, 3) == 1e-2
+    assert Hardware().with_calls(2e-3, 3) == 2e-3, "no call cost: the compute"
