@@ -524,13 +524,14 @@ class _Clock:
                            / (self.hardware.compute_scale if pack in job.device_updates else 1.0) for pack in packs)
         copy = self._copy_seconds(task, device, submit.first, n, compute)
         recomputes = task.kind == "bwd" and not homed
+        skipped = 0
         if self.stash and not homed:
-            saved, recomputes = self._stashed_seconds(task, device, n)
+            saved, recomputes, skipped = self._stashed_seconds(task, device, n)
             compute -= saved
         if recomputes:
             copy += self._again_seconds(task, n)
         if not homed:
-            compute = self._with_calls(task, n, compute)
+            compute = self._with_calls(task, n, compute, skipped)
         end = start + self.hardware.task_overhead / self.spans[task.model] + compute + copy
         self.times[task] = (start, end)
         self.order[device].append(task)
@@ -540,12 +541,15 @@ class _Clock:
         self.last_compute[device] = compute
         heapq.heappush(self.events, (end, len(self.times), task))
 
-    def _with_calls(self, task: TaskId, samples: int, compute: float) -> float:
-        """A swapped fwd or bwd task's compute with the runtime's host work for its pack calls (Hardware.call_seconds:
-        a forward's micro-batch is one call, a backward's two): added on CPU devices, beside it on a GPU."""
+    def _with_calls(self, task: TaskId, samples: int, compute: float, skipped: int = 0) -> float:
+        """A swapped fwd or bwd task's compute with the runtime's host work for its pack calls (Hardware.with_calls):
+        a call per pack and micro-batch in a forward; in a backward two (the recompute and the backward), and one
+        for each pack but the last to recompute the inputs of a section's later packs (task_seconds), less the
+        skipped forwards a stash saved."""
         job = self.jobs[task.model]
         microbatches = -(-samples // job.packing.microbatch_samples)
-        calls = len(job.section(task.pack)) * microbatches * (2 if task.kind == "bwd" else 1)
+        packs = len(job.section(task.pack))
+        calls = packs * microbatches if task.kind == "fwd" else (3 * packs - 1) * microbatches - skipped
         return self.hardware.with_calls(compute, calls)
 
     def run_beside(self, task: TaskId, device: str, ready: list[float]) -> None:
@@ -562,9 +566,10 @@ class _Clock:
         self.host_free_at[device] = end
         heapq.heappush(self.events, (end, len(self.times), task))
 
-    def _stashed_seconds(self, task: TaskId, device: str, samples: int) -> tuple[float, bool]:
-        """The forwards a task's backward does not recompute, and whether it recomputes its packs' inputs (a bwd not
-        taking its later packs' stashes at once): those of its packs' micro-batches whose stash
+    def _stashed_seconds(self, task: TaskId, device: str, samples: int) -> tuple[float, bool, int]:
+        """The forwards a task's backward does not recompute, whether it recomputes its packs' inputs (a bwd not
+        taking its later packs' stashes at once), and how many pack calls those forwards were: those of its packs'
+        micro-batches whose stash
         (runtime.stash) is still on the device. A fwd task (and the forward a pass's last section runs in its bwd)
         stashes each pack's micro-batches' activations (Pack.stash_bytes each), as many as reserving them beside
         what the task holds (its weights unless this clock holds them, and the workspace) evicts only weights and
@@ -607,12 +612,12 @@ class _Clock:
             for index in range(kept):
                 memory.stash(_stash_key(task, pack, index), (task.model, pack), nbytes, nbytes, 0)
 
-        saved = 0.0
+        saved, skipped = 0.0, 0
         with _pinned(memory, [(task.model, pack) for pack in section]):
             if task.kind == "fwd":
                 for pack in section:
                     stash(pack)
-                return saved, False
+                return saved, False, skipped
             if section[-1] == last:  # this bwd runs the step's forward: its packs but the last stash there
                 for pack in section[:-1]:
                     stash(pack)
@@ -620,6 +625,7 @@ class _Clock:
                                        job.state_ratio) or {}
             if together:  # its later packs' stashes all here: no input recomputed
                 saved += sum(forward(pack, index) for pack in section[:-1] for index in range(len(sizes)))
+                skipped += (len(section) - 1) * len(sizes)
             for pack in reversed(section):
                 needed = working(pack, True)
                 if hold(needed, pack):
@@ -632,7 +638,8 @@ class _Clock:
                         if pack != last:
                             self.stashed.setdefault(task.model, set()).add(pack)
                             saved += forward(pack, index)
-        return saved, not together
+                            skipped += 1
+        return saved, not together, skipped
 
     def _again_seconds(self, task: TaskId, samples: int) -> float:
         """Seconds of the copies a bwd over a section makes of its inner packs' inputs when it recomputes them: each

@@ -346,14 +346,22 @@ def test_the_runtimes_host_work_per_pack_call_adds_to_a_cpu_devices_compute_and_
     assert packs == 6 and microbatches == 2
     calls = (packs - 1) * microbatches + 2 * packs * microbatches
 
-    def makespan(shared: bool, cost: float) -> float:
+    def makespan(shared: bool, cost: float, stash: bool = False) -> float:
         hardware = Hardware(task_overhead=0.0, shared_cores=shared, call_seconds=cost)
-        return simulate([packing], [steps], [8], {"d": 7000}, hardware).makespan
+        return simulate([packing], [steps], [8], {"d": 7000}, hardware, stash=stash).makespan
 
     assert makespan(True, 0.0) == makespan(False, 0.0)
     assert makespan(True, 1e-3) - makespan(True, 0.0) == pytest.approx(steps * calls * 1e-3)
     assert makespan(False, 1e-7) == pytest.approx(makespan(False, 0.0)), "hidden behind longer kernels"
     assert makespan(False, 1e-2) == pytest.approx(steps * calls * 1e-2), "the host's work is the step"
+    one_task = [simulate([packing], [steps], [8], {"d": 7000}, Hardware(task_overhead=0.0, shared_cores=True,
+                                                                         call_seconds=cost),
+                         stash=False, sections=[(0,)]).makespan for cost in (0.0, 1e-3)]
+    assert one_task[1] - one_task[0] == pytest.approx(steps * (3 * packs - 1) * microbatches * 1e-3), (
+        "a pass in one task: each pack's input recomputed first, but the last's")
+    stashed = steps * calls - (makespan(True, 1e-3, stash=True) - makespan(True, 0.0, stash=True)) / 1e-3
+    assert stashed == pytest.approx(round(stashed)) and 0 < round(stashed) <= steps * (packs - 1) * microbatches, (
+        "a backward that finds its stash makes no recompute's call")
 
 
 def test_the_call_cost_fitted_to_a_measured_step_is_the_one_that_predicts_it() -> None:
