@@ -13,6 +13,7 @@ plan. harmony.shutdown() forgets them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import statistics
@@ -56,15 +57,21 @@ def steady_step(plan: RunPlan, samples: list[int], call_seconds: float) -> float
 
 def learn(result: TrainResult, samples: list[int], kind: str | None) -> float | None:
     """Fit the call cost to a run's steady step (samples: each job's per step) and keep it for devices of kind;
-    None (nothing kept) where the run says nothing of it: devices of several kinds, no swapped job, too few steps
-    for a steady rate, or a step no call cost up to LARGEST explains."""
+    None (nothing kept) where the run says nothing of it: devices of several kinds, no swapped job, evaluations or
+    checkpoints in its steps (the simulator predicts neither), too few steps for a steady rate, or a step no call
+    cost up to LARGEST explains."""
     plan = result.plan
     if kind is None or all(job.home is not None for job in plan.jobs):
         return None
-    try:
-        measured = max(result.stats.steady_seconds_per_step(model) for model in range(len(result.stats.step_seconds)))
-    except ValueError:
+    if any(result.val_history) or plan.options.checkpoint_every:  # time the simulator does not predict
         return None
+    steady = []
+    for model in range(len(result.stats.step_seconds)):
+        with contextlib.suppress(ValueError):  # a model that stopped early
+            steady.append(result.stats.steady_seconds_per_step(model))
+    if not steady:
+        return None
+    measured = max(steady)
     started = time.perf_counter()
     seconds = fit_calls(lambda cost: steady_step(plan, samples, cost), measured, LARGEST)
     if seconds >= LARGEST:

@@ -51,6 +51,16 @@ def test_a_swapped_run_fits_the_call_cost_that_predicts_its_steady_step_and_late
         result.stats, step_seconds=[[100.0 * step for step in range(10)]]))
     assert calls.learn(slow, [16], "cpu") is None, "100 s steps: no call cost explains them"
     assert {"cpu": [fitted]} == calls.FITS, "nothing kept of it"
+    evaluated = dataclasses.replace(result, val_history=[[(5, 0.5)]])
+    assert calls.learn(evaluated, [16], "cpu") is None, "the simulator predicts no evaluation"
+    checkpointed = dataclasses.replace(result, plan=dataclasses.replace(
+        result.plan, options=dataclasses.replace(result.plan.options, checkpoint_every=4)))
+    assert calls.learn(checkpointed, [16], "cpu") is None, "nor checkpoints"
+    assert {"cpu": [fitted]} == calls.FITS
+    stopped = dataclasses.replace(result, stats=dataclasses.replace(
+        result.stats, step_seconds=[result.stats.step_seconds[0], [0.5]]))
+    assert calls.learn(stopped, [16], "cpu") == fitted, "a model stopped after one step leaves the others' steps"
+    calls.FITS["cpu"].pop()
 
     forecast = harmony.plan(deep_mlp(), regression_batches(160, 16), devices=["cpu"], device_memory=budget,
                             microbatches=4)
