@@ -1,4 +1,4 @@
-"""The runtime's host cost per pack call, measured by a run for the plans this process makes after it.
+"""The runtime's host cost per pack call, fitted to a run's steps for the plans this process makes after it.
 
 The pilot times a model's layers, never the work the runtime does around each pack's call on a micro-batch
 (binding, claiming and copying values, bookkeeping; on a GPU, launching the kernels), which a swapped model
