@@ -303,6 +303,10 @@ def _backward_ratio(layers: list[nn.Module], sample: Any, samples: int, profiles
     TIMING_BUDGET, after one round on two samples that takes each op's first backward in the process (slow enough
     to skew the ratio: docs/performance.md, "Predictions on CPU devices"). The rounds take as many samples as the
     profiles' forward puts under BACKWARD_SECONDS, which bounds what the timing adds to a large model's pilot.
+    Where they take the pilot's own micro-batch, the ratio also counts what recording the graph adds to the forward
+    (the profiles time it under no_grad, a backward's recompute records: a quarter more for small layers on a CPU,
+    docs/performance.md, "The runtime's host work per pack call"), so that a forward times one plus the ratio is
+    the recompute and the backward; on fewer samples the forward's own time is the unit.
     BACKWARD_RATIO where nothing is trained, where two samples' forward passes BACKWARD_SECONDS, or where the
     activations kept for it would be more than BACKWARD_BYTES. The parameters' gradients are left as they were;
     the caller restores the buffers and the RNG."""
@@ -339,7 +343,12 @@ def _backward_ratio(layers: list[nn.Module], sample: Any, samples: int, profiles
     finally:
         for parameter, grad in grads:
             parameter.grad = grad
-    return backward / forward if forward > 0 else BACKWARD_RATIO
+    if forward <= 0:
+        return BACKWARD_RATIO
+    unrecorded = per_sample * count  # the profiles' chained forward, timed under no_grad
+    if count != samples or unrecorded <= 0:
+        return backward / forward
+    return (max(forward - unrecorded, 0.0) + backward) / unrecorded  # the recompute records the graph: it is dearer
 
 
 def _first(sample: Any, samples: int, count: int) -> Any:

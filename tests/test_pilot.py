@@ -358,6 +358,42 @@ def test_the_backward_is_timed_through_the_chain_after_a_round_that_warms_it(mon
     assert again.backward_ratio == 4.0 and clock.first_backward == 100.0, "a profile timed before is not timed again"
 
 
+class Recorded(TimedBoth):
+    """A TimedBoth layer whose forward takes recording seconds more where autograd records it."""
+
+    def __init__(self, clock: SimpleNamespace, cost: float, backward_cost: float, recording: float) -> None:
+        super().__init__(clock, cost, backward_cost)
+        self.recording = recording
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            self.clock.now += self.recording
+        return super().forward(x)
+
+
+def test_the_backward_ratio_counts_what_recording_the_graph_adds_to_the_recompute(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chain's forward takes 0.5 + 1 s under no_grad, as the profiles time it, and 0.5 s more recording the
+    graph, as a backward's recompute runs it; its backward 1.5 + 4.5 s. A bwd task is the recompute and the
+    backward, 8 s: the profiles' 1.5 s forward times one and the ratio. Timed on fewer samples than the pilot's
+    micro-batch (whose no_grad forward the profiles do not give), the recording forward is the unit instead."""
+    from harmony.runtime import pilot
+    from harmony.tasks.simulator import task_seconds
+
+    clock = SimpleNamespace(now=0.0, last=None, first_backward=0.0)
+    monkeypatch.setattr(pilot, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    monkeypatch.setattr(pilot, "BACKWARD_SECONDS", 100.0)
+    model = nn.Sequential(Recorded(clock, 0.25, 1.5, 0.1), Recorded(clock, 0.5, 4.5, 0.4))
+    profile = decompose(model, torch.randn(4, 8), "m", repeats=3).profile
+    assert sum(layer.forward_seconds_per_sample for layer in profile.layers) * 4 == pytest.approx(1.5)
+    assert profile.backward_ratio == pytest.approx((0.5 + 6.0) / 1.5)
+    bwd = task_seconds(TaskId("bwd", 0, 0, 0), cut_packs(profile, 10**6, 4), 4, Hardware())
+    assert bwd == pytest.approx(1.5 + 0.5 + 6.0)
+    monkeypatch.setattr(pilot, "BACKWARD_SECONDS", 0.6)  # the rounds on 2 samples of the 8
+    fewer = decompose(model, torch.randn(8, 8), "m", repeats=3).profile
+    assert fewer.backward_ratio == pytest.approx(6.0 / 2.0)
+
+
 def test_a_backward_is_two_forwards_where_it_is_not_timed(monkeypatch: pytest.MonkeyPatch) -> None:
     """Nothing to train, or more activations to keep than BACKWARD_BYTES: the textbook count."""
     from harmony.runtime import pilot
