@@ -427,9 +427,8 @@ def train(
         ):
             hardware = measured_hardware(handle.client, handle.workers,
                                          cpu_compute=any(spec.kind == "cpu" for spec in specs))
-            kinds = {spec.kind for spec in specs}
-            kind = next(iter(kinds)) if len(kinds) == 1 else None
-            hardware = calls.with_calls(hardware, kind)
+            kind = calls.kind_of(specs)
+            hardware = calls.fitted(hardware, kind)
             machines = {spec.name: spec.machine for spec in specs}
             if recorded is None:
                 with device_threads(specs):  # fusion pilots its trial arrays

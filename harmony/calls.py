@@ -18,8 +18,10 @@ import dataclasses
 import logging
 import statistics
 import time
+from collections.abc import Iterable
 
 from harmony.result import TrainResult
+from harmony.runtime.devices import DeviceSpec
 from harmony.tasks.hardware import Hardware
 from harmony.tasks.runplan import RunPlan
 from harmony.tasks.simulator import fit_calls, simulate_machines
@@ -28,7 +30,7 @@ logger = logging.getLogger("harmony")
 
 FITS: dict[str, list[float]] = {}  # Hardware.call_seconds by device kind ("cpu", "cuda"): this process's last fits
 KEPT = 5  # fits kept per kind
-LARGEST = 0.05  # seconds a call may be fitted at: a hundred times a GPU's, whose backward calls took 2 ms
+LARGEST = 0.05  # seconds a call may be fitted at: well above any runtime's per-call work (docs/performance.md)
 STEPS = (4, 8)  # the simulated runs whose difference is the plan's steady step (the first steps' ramp left out)
 
 
@@ -39,7 +41,13 @@ def learned(kind: str | None) -> float | None:
     return statistics.median(fits) if fits else None
 
 
-def with_calls(hardware: Hardware, kind: str | None) -> Hardware:
+def kind_of(specs: Iterable[DeviceSpec]) -> str | None:
+    """The one kind of device a run's specs are ("cpu", "cuda"), whose fits it takes and adds to; None for several."""
+    kinds = {spec.kind for spec in specs}
+    return next(iter(kinds)) if len(kinds) == 1 else None
+
+
+def fitted(hardware: Hardware, kind: str | None) -> Hardware:
     """hardware with the call cost runs on devices of kind fitted (learned), as it is where none did."""
     seconds = learned(kind)
     return hardware if seconds is None else dataclasses.replace(hardware, call_seconds=seconds)

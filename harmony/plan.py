@@ -11,7 +11,7 @@ from typing import Any
 from torch import nn
 
 from harmony.api import train
-from harmony.calls import with_calls
+from harmony.calls import fitted, kind_of
 from harmony.candidate import step_samples
 from harmony.conventions import training_conventions
 from harmony.errors import InputError
@@ -227,8 +227,7 @@ def plan(
         hardware = dataclasses.replace(this_machine(), shared_cores=cpu)
         if not cpu:  # the devices are this machine's GPUs
             hardware = with_accelerator(hardware, accelerator_speed())
-        kinds = {spec.kind for spec in specs}
-        hardware = with_calls(hardware, next(iter(kinds)) if len(kinds) == 1 else None)
+        hardware = fitted(hardware, kind_of(specs))
     else:
         budgets = {f"dev-{k}-{i}" if machines > 1 else f"dev-{i}": args.device_memory  # type: ignore[misc]
                    for k in range(machines) for i in range(len(args.devices))}

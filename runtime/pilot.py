@@ -304,9 +304,9 @@ def _backward_ratio(layers: list[nn.Module], sample: Any, samples: int, profiles
     to skew the ratio: docs/performance.md, "Predictions on CPU devices"). The rounds take as many samples as the
     profiles' forward puts under BACKWARD_SECONDS, which bounds what the timing adds to a large model's pilot.
     Where they take the pilot's own micro-batch, the ratio also counts what recording the graph adds to the forward
-    (the profiles time it under no_grad, a backward's recompute records: a quarter more for small layers on a CPU,
-    docs/performance.md, "The runtime's host work per pack call"), so that a forward times one plus the ratio is
-    the recompute and the backward; on fewer samples the forward's own time is the unit.
+    (the profiles time it under no_grad, a backward's recompute records: dearer for small layers, docs/performance.md,
+    "The pilot's forwards are timed without autograd recording"), so that a forward times one plus the ratio is the
+    recompute and the backward; on fewer samples the forward's own time is the unit.
     BACKWARD_RATIO where nothing is trained, where two samples' forward passes BACKWARD_SECONDS, or where the
     activations kept for it would be more than BACKWARD_BYTES. The parameters' gradients are left as they were;
     the caller restores the buffers and the RNG."""

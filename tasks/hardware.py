@@ -16,11 +16,11 @@ class Hardware:
     worker's work for it; 0 where the devices compute elsewhere); shared_cores says the devices compute on the
     host's cores (CPU devices), so that work on a host thread beside a device (an overlapped update) takes its
     time from the device's compute instead of hiding behind it. call_seconds is the runtime's host work per pack
-    call of a swapped job (one micro-batch through a pack's forward, or through its backward's recompute or its
-    backward: a bwd makes two): binding the weights, claiming and copying values, bookkeeping, and on a GPU the
+    call of a swapped job (one micro-batch through a pack's forward, its recompute or its backward; the simulator
+    counts a task's calls): binding the weights, claiming and copying values, bookkeeping, and on a GPU the
     kernels' launches. On CPU devices it adds to the compute; on a GPU it runs while the kernels queued before
-    it run, so that a task takes the longer of the two. The pilot's times never contain it; a run measures it
-    (harmony.timings.learn_calls) and later plans in the process take it.
+    it run, so that a task takes the longer of the two (with_calls). The pilot's times never contain it; a run
+    fits it (harmony.calls) and later plans in the process take it.
     """
 
     name: str = "this machine"

@@ -541,7 +541,7 @@ class _Clock:
         self.last_compute[device] = compute
         heapq.heappush(self.events, (end, len(self.times), task))
 
-    def _with_calls(self, task: TaskId, samples: int, compute: float, skipped: int = 0) -> float:
+    def _with_calls(self, task: TaskId, samples: int, compute: float, skipped: int) -> float:
         """A swapped fwd or bwd task's compute with the runtime's host work for its pack calls (Hardware.with_calls):
         a call per pack and micro-batch in a forward; in a backward two (the recompute and the backward), and one
         for each pack but the last to recompute the inputs of a section's later packs (task_seconds), less the
@@ -567,16 +567,15 @@ class _Clock:
         heapq.heappush(self.events, (end, len(self.times), task))
 
     def _stashed_seconds(self, task: TaskId, device: str, samples: int) -> tuple[float, bool, int]:
-        """The forwards a task's backward does not recompute, whether it recomputes its packs' inputs (a bwd not
-        taking its later packs' stashes at once), and how many pack calls those forwards were: those of its packs'
-        micro-batches whose stash
-        (runtime.stash) is still on the device. A fwd task (and the forward a pass's last section runs in its bwd)
-        stashes each pack's micro-batches' activations (Pack.stash_bytes each), as many as reserving them beside
-        what the task holds (its weights unless this clock holds them, and the workspace) evicts only weights and
-        older stashes; a bwd first reserves each pack's weights, gradients and workspace (which may evict stashes,
-        its own last), then takes its stashes. A section's bwd (not a pass's last) whose later packs' stashes are all
-        here, with the room its backward needs beside them, takes them at once and recomputes none of their inputs
-        (_taken_together, as the memory replay does). The task's weights stay while it runs."""
+        """The forwards a task's backward does not recompute, whether it recomputes its packs' inputs (a bwd not taking
+        its later packs' stashes at once), and how many pack calls those forwards were: those of its packs'
+        micro-batches whose stash (runtime.stash) is still on the device. A fwd task (and the forward a pass's last
+        section runs in its bwd) stashes each pack's micro-batches' activations (Pack.stash_bytes each), as many as
+        reserving them beside what the task holds (its weights unless this clock holds them, and the workspace) evicts
+        only weights and older stashes; a bwd first reserves each pack's weights, gradients and workspace (which may
+        evict stashes, its own last), then takes its stashes. A section's bwd (not a pass's last) whose later packs'
+        stashes are all here, with the room its backward needs beside them, takes them at once and recomputes none of
+        their inputs (_taken_together, as the memory replay does). The task's weights stay while it runs."""
         job = self.jobs[task.model]
         packing = job.packing
         memory = self.memory[device]

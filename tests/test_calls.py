@@ -95,6 +95,6 @@ def test_a_run_too_short_for_a_steady_step_keeps_nothing() -> None:
 
 def test_later_plans_take_the_median_of_the_fits_for_their_kind_of_device() -> None:
     calls.FITS["cuda"] = [1e-3, 2e-3, 0.04]
-    assert calls.with_calls(Hardware(), "cuda").call_seconds == 2e-3, "one run's outlier moves nothing"
-    assert calls.with_calls(Hardware(), "cpu") == Hardware(), "none fitted for CPU devices"
-    assert calls.with_calls(Hardware(), None) == Hardware(), "devices of several kinds"
+    assert calls.fitted(Hardware(), "cuda").call_seconds == 2e-3, "one run's outlier moves nothing"
+    assert calls.fitted(Hardware(), "cpu") == Hardware(), "none fitted for CPU devices"
+    assert calls.fitted(Hardware(), None) == Hardware(), "devices of several kinds"
