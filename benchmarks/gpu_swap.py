@@ -218,12 +218,15 @@ def main() -> None:
                 "peak": max(result.stats.peak_device_bytes.values()), "budget": budget,
                 "packs": len(result.packings[0].packs), "tasks/step": result.stats.tasks / steps,
                 "busy s/step": sum(result.stats.busy_seconds.values()) / steps,
+                "room wait s/step": sum(result.stats.room_seconds.values()) / steps,
+                "gc s/step": sum(result.stats.gc_seconds.values()) / steps,
                 "activations in+out/step": (result.stats.bytes_in["activations"]
                                             + result.stats.bytes_out["activations"]) // steps,
             })
             progress(rows[-1:])
             raw[f"{batch} {share} {way}"] = {key: getattr(result.stats, key) for key in (
-                "timeline", "step_seconds", "task_seconds", "busy_seconds", "idle_seconds")}
+                "timeline", "step_seconds", "task_seconds", "busy_seconds", "idle_seconds", "room_seconds",
+                "gc_seconds")}
     for row in rows:
         row["throughput / resident"] = row["compute s"] / row["step s"]
         row.setdefault("prefetched %", 0.0)
@@ -231,7 +234,8 @@ def main() -> None:
         row.setdefault("budget", 0)
         row.setdefault("budget share", "")
         for column in ("packs", "tasks/step", "stashed passes/step", "busy s/step", "activations in+out/step",
-                       "values ahead+behind/step", "predicted s", "host us/call fitted"):
+                       "values ahead+behind/step", "predicted s", "host us/call fitted", "room wait s/step",
+                       "gc s/step"):
             row.setdefault(column, 0)
     report("gpu_swap", f"Swapping on {torch.cuda.get_device_name(device)}: one MLP of {weights:,} B, budgets "
            f"{', '.join(args.budgets)} of it; pinned copies {host_to_device / 1e9:.1f} GB/s in, "
@@ -239,7 +243,9 @@ def main() -> None:
            rows, args.out, notes="batch: samples per weight load (issue 28's goal: 90% of the resident throughput from "
            "16k); compute s: the resident plain loop (for bf16 rows the resident bf16 autocast loop); "
            "copy s: 2W in + 1W out at the measured speed; "
-           "busy: time inside Harmony's task bodies; activations: boundary bytes between host and GPU; predicted s: "
+           "busy: time inside Harmony's task bodies; room wait: the part of it the host waited for room on the GPU "
+           "(a value sent out to land, weights to arrive); gc: the worker's garbage collections; activations: "
+           "boundary bytes between host and GPU; predicted s: "
            "the run's plan's steady step, with the host cost per pack call fitted to the Harmony rows before it (the "
            "median of the last five; none for the first); host us/call fitted: what this run fitted (harmony.calls)",
            raw=raw)

@@ -93,6 +93,8 @@ def main() -> None:
                          "Harmony / plain": step / base, "predicted s": predicted["cold"],
                          "predicted, fitted s": predicted["fitted before"],
                          "fitted us per call": 1e6 * (result.call_seconds or 0.0),
+                         "room wait ms/step": 1e3 * sum(result.stats.room_seconds.values()) / len(data),
+                         "gc ms/step": 1e3 * sum(result.stats.gc_seconds.values()) / len(data),
                          "per pack micro-batch us": 1e6 * (step - base) / calls})
             raw[f"{width}x{microbatches}"] = {"plain": plain, "harmony": measured}
     report("microbatch_cost", f"The runtime's cost per pack and micro-batch: MLP <width> x {DEPTH}, batch {batch}, "
@@ -101,7 +103,8 @@ def main() -> None:
                  "micro-batch: (Harmony - plain) over packs x micro-batches x 2; predicted s: harmony.plan "
                  "before any run; predicted, fitted s: harmony.plan with the host cost per pack call fitted to the "
                  "row before's last run (another micro-batch count or width: out of sample); fitted us per call: what "
-                 "this row's last run fitted (harmony.calls)", raw=raw)
+                 "this row's last run fitted (harmony.calls); room wait / gc: the last run's waits for room on the "
+                 "device and its worker's garbage collections, over its steps", raw=raw)
 
 
 if __name__ == "__main__":

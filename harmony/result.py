@@ -65,7 +65,10 @@ class Stats:
     homed on its device computes its members still training, a swapped one every member until all have stopped (a
     step run again after a lost worker counts again).
     busy_seconds / idle_seconds: per device, time running tasks and time without one, from the moment
-    the workers were ready; schedule: per device, the keys of the tasks in the order it ran them;
+    the workers were ready; room_seconds: per device, the part of its tasks' time their compute thread waited for
+    room on the device (a value sent out to land, weights on their way in to arrive; part of the timeline's waits);
+    gc_seconds: per device, the part its worker process spent in Python's garbage collector (which stops every
+    thread of it); schedule: per device, the keys of the tasks in the order it ran them;
     finish_seconds: per model, when its last step finished, counted from the same moment;
     step_seconds: per model, when each of its steps finished (its update applied), from the same moment
     (the steps of a multi-step task finish together); steps_per_task: per model, how many consecutive
@@ -90,6 +93,8 @@ class Stats:
     wall_seconds: float
     busy_seconds: dict[str, float] = field(default_factory=dict)
     idle_seconds: dict[str, float] = field(default_factory=dict)
+    room_seconds: dict[str, float] = field(default_factory=dict)
+    gc_seconds: dict[str, float] = field(default_factory=dict)
     bytes_remote: int = 0
     bytes_p2p: int = 0
     bytes_prefetched: int = 0
@@ -280,6 +285,8 @@ class TrainResult:
             idle_seconds={
                 name: max(0.0, outcome.run_seconds - values["busy_ns"] / 1e9) for name, values in counters.items()
             },
+            room_seconds={name: values["room_ns"] / 1e9 for name, values in counters.items()},
+            gc_seconds={name: values["gc_ns"] / 1e9 for name, values in counters.items()},
             bytes_remote=sum(values["remote"] for values in counters.values()),
             bytes_p2p=sum(values["p2p"] for values in counters.values()),
             bytes_prefetched=sum(values["prefetched"] for values in counters.values()),

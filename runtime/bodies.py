@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from harmony.runtime import shipping
 from harmony.runtime.cache import Reservation, Spilled, Taken
 from harmony.runtime.clipping import on_device
+from harmony.runtime.collector import collected_ns
 from harmony.runtime.divergence import Diverged, first_not_finite
 from harmony.runtime.errors import ModelFailure
 from harmony.runtime.files import SPAN_TIMING_BYTES, grad_norms_name, losses_name, record_rows, span_timing_name
@@ -111,6 +112,7 @@ def task_body(kind: str, host: bool = False) -> Callable[[Callable[..., Result]]
             ctx.files = files_read(values)
             ctx.use_threads()
             waited = ctx.counters.values["wait_ns"]
+            collecting = collected_ns()
             began = time.time()
             started = time.perf_counter_ns()
             p2p, remote = received_bytes(values, received, peers, ctx.device.type == "cpu")
@@ -129,6 +131,7 @@ def task_body(kind: str, host: bool = False) -> Callable[[Callable[..., Result]]
             finally:
                 ctx.counters.set("executing", 0)
                 ctx.counters.add("busy_ns", time.perf_counter_ns() - started)
+                ctx.counters.add("gc_ns", collected_ns() - collecting)
                 ctx.timeline.append((key, began, time.time(), (ctx.counters.values["wait_ns"] - waited) / 1e9))
                 ctx.counters.add("tasks", 1)
                 ctx.counters.set("used", ctx.cache.memory.used)

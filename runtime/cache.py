@@ -223,12 +223,21 @@ class DeviceCache:
                     if not arriving and sending is None:
                         error.add_note(self.memory.describe())
                         raise
+            started = time.perf_counter_ns()
             if not arriving:  # a send gives its bytes back once it is there
                 _land(sending)
                 self._release_sent()
-                continue
-            for entry in arriving:
-                entry.arrived.wait()
+            else:
+                for entry in arriving:
+                    entry.arrived.wait()
+            self._waited_for_room(started)
+
+    def _waited_for_room(self, started: int) -> None:
+        """Count the compute thread's wait, since started, for the room a reservation needed (a send landing,
+        weights arriving): as room_ns, and as wait_ns, the task's time waiting for copies."""
+        waited = time.perf_counter_ns() - started
+        self.counters.add("room_ns", waited)
+        self.counters.add("wait_ns", waited)
 
     def _release(self, nbytes: int) -> None:
         with self._lock:
@@ -502,8 +511,10 @@ class DeviceCache:
                 sending = self._sending[0] if self._sending else None
             if sending is None:
                 break
+            started = time.perf_counter_ns()
             _land(sending)
             self._release_sent()
+            self._waited_for_room(started)
         spilled.value = self.copy_out(value, "activations")
         return spilled
 

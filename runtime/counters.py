@@ -26,6 +26,8 @@ NAMES = (
     "used",
     "busy_ns",
     "wait_ns",
+    "room_ns",
+    "gc_ns",
     "tasks",
     "executing",
 )

@@ -20,7 +20,10 @@ import torch
 from distributed import WorkerPlugin, get_worker
 from torch import nn
 
-from harmony.runtime import serialization  # noqa: F401  (tensor serializers on every worker)
+from harmony.runtime import (
+    collector,
+    serialization,  # noqa: F401  (tensor serializers on every worker)
+)
 from harmony.runtime.allocator import keep_freed_memory
 from harmony.runtime.cache import DeviceCache, Source
 from harmony.runtime.clipping import Norms, coefficients, on_device, scale, tensor_norms, total_norms
@@ -562,6 +565,7 @@ class DevicePlugin(WorkerPlugin):
     def setup(self, worker: Any) -> None:
         wait_for_warmup()
         keep_freed_memory()
+        collector.install()
         quiet_failures()
         directory = Path(self.spec.store_directory)
         sweep(directory)  # runs whose drivers are gone, on a cluster that outlived them

@@ -356,9 +356,13 @@ def test_a_sent_output_stays_charged_until_it_reaches_the_host_and_a_reservation
     counts = cache.counters.read()
     assert torch.equal(host, value) and cache.used == 0 and counts["out_activations"] == counts["behind"] == 200
     with cache.scratch(400, "activations") as reserved:
-        cache.send(value, "activations", reserved)
+        landing = cache.send(value, "activations", reserved).at
+    before, asked = cache.counters.read(), time.perf_counter()
     with cache.scratch(1000, "the next micro-batch"):  # needs the send's room: waits for it to land
         assert cache.used == 1000
+    waited = {name: cache.counters.read()[name] - before[name] for name in ("room_ns", "wait_ns")}
+    assert waited["room_ns"] >= (landing - asked) * 1e9 > 0, "the wait for room is counted"
+    assert waited["wait_ns"] == waited["room_ns"], "and is part of the task's waits"
     with cache.scratch(400, "activations") as reserved:
         sent = cache.send(value, "activations", reserved)
     assert cache.keep("next", 0, value, sent=sent) and cache.used == 200, "the kept value takes the send's charge"
@@ -413,6 +417,7 @@ def test_values_handed_on_over_a_link_leave_room_to_be_sent_behind_and_are_read_
     assert isinstance(fourth.value, Transit) and cache.used == 600
     counts = cache.counters.read()
     assert counts["behind"] == counts["out_activations"] == 600
+    assert counts["room_ns"] == counts["wait_ns"] > 0, "that wait is counted as one for room"
     assert torch.equal(cache.copy_in(fourth, "activations"), value + 1)
     assert time.perf_counter() - started >= 0.08, "copied in before its send landed (three sends out, then in)"
     with cache.scratch(10, "the next micro-batch"):

@@ -1,0 +1,43 @@
+"""The garbage collector's time: summed per process, and counted per device around its tasks."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+from torch import nn
+
+import harmony
+from harmony.runtime import collector
+from tests.conftest import regression_batches
+
+
+def test_install_sums_collections_once() -> None:
+    collector.install()
+    collector.install()
+    assert gc.callbacks.count(collector._timed) == 1, "installed once"
+    before = collector.collected_ns()
+    gc.collect()
+    assert collector.collected_ns() > before
+
+
+class Collecting(nn.Module):
+    """A layer whose forward runs a young-generation collection (as an allocation can at any time)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gc.collect(0)
+        return self.linear(x)
+
+
+def test_a_device_counts_the_collections_during_its_tasks() -> None:
+    model = nn.Sequential(Collecting(), nn.ReLU(), nn.Linear(8, 8))
+    result = harmony.train(model, regression_batches(32, 16, width=8, out=8), loss_fn=nn.functional.mse_loss,
+                           optimizer=lambda parameters: torch.optim.SGD(parameters, lr=0.01), devices=["cpu"],
+                           progress=False)
+    (device,) = result.stats.busy_seconds
+    assert 0 < result.stats.gc_seconds[device] < result.stats.busy_seconds[device]
+    assert result.stats.room_seconds == {device: 0.0}, "a homed model waits for no room"
