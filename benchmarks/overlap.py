@@ -93,6 +93,7 @@ def main() -> None:
                 "values ahead %": 100 * stats.bytes_ahead / max(values, 1),
                 "outputs behind %": 100 * stats.bytes_behind / max(stats.bytes_out["activations"], 1),
                 "values in+out MB": (values + stats.bytes_out["activations"]) / steps / 1e6,
+                "room wait s": sum(stats.room_seconds.values()) / steps,
                 "peak": max(stats.peak_device_bytes.values()),
                 "budget": budget,
             })
@@ -101,7 +102,8 @@ def main() -> None:
            rows, args.out,
            notes="step s: measured, from the end of the first step to the last; compute s: the same with no link; "
                  "plain PyTorch s: the median step of a plain loop, the model resident; in s / out s: the bytes each "
-                 "way over the link's speed")
+                 "way over the link's speed; room wait s: a step's waits of the compute thread for room on the device "
+                 "(a value sent out to land, weights to arrive)")
 
 
 if __name__ == "__main__":
