@@ -20,7 +20,7 @@ from harmony.candidate import step_samples
 from harmony.conventions import training_conventions
 from harmony.errors import InputError, ModelError
 from harmony.metrics import MetricsLog, learning_rates
-from harmony.planner import build, codes_for, pilot, replan_machines
+from harmony.planner import build, codes_for, fewest_microbatches, pilot, replan_machines
 from harmony.progress import EventLog, display, wants_progress
 from harmony.result import TrainResult
 from harmony.runtime.batching import unbatched
@@ -234,7 +234,7 @@ def train(
     optimizer: Any = None,
     epochs: int = 1,
     steps: int | None = None,
-    microbatches: int = 1,
+    microbatches: int | str = 1,
     devices: int | str | list[str] | None = None,
     device_memory: int | str | dict[str, int | str] | None = None,
     cluster: Any = None,
@@ -275,7 +275,9 @@ def train(
 
     Gives the weights plain PyTorch training would give: one step is one mini-batch per model, split
     into `microbatches` micro-batches whose gradients are accumulated, with the loss the mean over the
-    mini-batch. The user's modules are updated in place and also returned in result.models.
+    mini-batch. The user's modules are updated in place and also returned in result.models. microbatches="auto"
+    takes the fewest micro-batches at which every model's layers fit the device budget, chosen from sizes alone
+    (result.plan.options.microbatches says how many).
 
     link_bandwidth ("12GB/s", bytes per second, or one per device) holds every host<->device copy to
     that speed, a simulated link that makes swap costs visible on CPU devices. prefetch=True copies the next
@@ -416,6 +418,7 @@ def train(
         if starting is not None:
             starting.ready()  # before the pilot times layers: workers starting on the same cores would skew them
         with device_threads(specs):
+            args = fewest_microbatches(args, min(budgets.values()))
             candidates = pilot(args, min(budgets.values()))
         check_host_memory([candidate.job for candidate in candidates], args.host_memory)
         checkpoints, recorded = open_checkpoints(directory, args, budgets, resume)

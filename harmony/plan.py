@@ -15,7 +15,7 @@ from harmony.calls import fitted, kind_of
 from harmony.candidate import step_samples
 from harmony.conventions import training_conventions
 from harmony.errors import InputError
-from harmony.planner import build, pilot
+from harmony.planner import build, fewest_microbatches, pilot
 from harmony.runtime.devices import DeviceSpec, build_specs, device_threads
 from harmony.runtime.measure import accelerator_speed, this_machine, with_accelerator
 from harmony.tasks.fusion import FusionChoice
@@ -115,6 +115,8 @@ class Forecast:
             + (f" (about {self.computed:.0%} of them computed under prune={self.prune!r}, the survivors unknown "
                "until the run)" if self.computed is not None else "")
             + f", mode {self.mode}"
+            + (f", {self.plan.options.microbatches} micro-batches a step" if self.plan.options.microbatches != 1
+               else "")
             + (", every pack through torch.compile" if self.plan.options.compile else ""),
         ]
         if self.predicted_modes and len(self.predicted_modes) > 1:
@@ -236,12 +238,13 @@ def plan(
         if args.expected_steps(index) is None:
             raise InputError(f"loaders for model {index} have no length; pass steps= to plan a fixed number of steps")
     with training_conventions(args.models), device_threads(specs):
+        args = fewest_microbatches(args, min(budgets.values()))
         run_plan, _ = build(args, pilot(args, min(budgets.values())), budgets, hardware, machine_of)
     jobs = list(run_plan.jobs)
     counts = [job.steps or 0 for job in jobs]
     samples = [step_samples(args, job) for job in jobs]
     simulation = simulate_machines(run_plan, counts, samples, machine_of)
-    microbatches = [split_sizes(n, options.microbatches) for n in samples]
+    microbatches = [split_sizes(n, run_plan.options.microbatches) for n in samples]
     try:
         memory = replay_memory(simulation.order, [job.device_packing for job in jobs], budgets, run_plan.homes,
                                [job.state_ratio for job in jobs], microbatches, [job.sections for job in jobs],

@@ -25,6 +25,7 @@ from harmony.errors import BudgetTooSmall, InputError, ModelError
 from harmony.fusing import build_array, fuse
 from harmony.runtime.cache import tree_nbytes
 from harmony.runtime.code import JobCode
+from harmony.runtime.data import batch_size
 from harmony.runtime.measure import update_rate
 from harmony.runtime.pilot import Decomposition, KeywordCall, decompose
 from harmony.tasks.amortize import even_sections, homed_task_seconds, pack_sections, runs_spans, steps_per_task
@@ -65,7 +66,74 @@ def cut_error(error: LayerTooLarge, label: str) -> BudgetTooSmall:
     return BudgetTooSmall(
         f"device_memory is too small for {label}: {error}. Raise device_memory to at least "
         f"{error.alone:,} bytes ({error.need.total:,} to prefetch), or use more micro-batches to shrink the "
-        "activations", error.alone, error.need.total)
+        "activations", error.alone, error.need.total, error.need, error.per_sample)
+
+
+def fewest_microbatches(args: Arguments, budget: int) -> Arguments:
+    """args with microbatches="auto" made the fewest micro-batches of each step at which every model's layers fit
+    budget (the smallest device's): piloted first on the whole batch, then, where a layer does not fit, on the
+    count at which its activations, which shrink with the micro-batch while its weights and gradients do not,
+    would (checked by piloting on it). A count chosen from sizes alone, never from timings: the same models,
+    batches and budget give the same count, and so the same dropout masks (runtime.seeding). Other values are
+    returned as they are."""
+    if args.options.microbatches != "auto":
+        return args
+    count = 1
+    for index in range(len(args.models)):
+        count = _fewest_for(args, index, budget, count)
+    for index, model in enumerate(args.models):
+        samples = batch_size(args.first_batch(index)[0])
+        if count > samples:
+            raise InputError(f"microbatches='auto' needs {count} micro-batches for every model to fit the device "
+                             f"budget, more than the {samples} samples of {model_label(index, model)}'s first batch; "
+                             "train it in a call of its own, or give it larger batches")
+        if count > 1 and any(isinstance(module, torch.nn.modules.batchnorm._BatchNorm) for module in model.modules()):
+            logger.warning("harmony: microbatches='auto' chose %d micro-batches: the batch statistics of %s's "
+                           "BatchNorm layers are each micro-batch's, not the whole batch's", count,
+                           model_label(index, model))
+    logger.info("harmony: microbatches='auto' chose %d micro-batch%s a step", count, "es" if count > 1 else "")
+    return dataclasses.replace(args, options=dataclasses.replace(args.options, microbatches=count))
+
+
+def _fewest_for(args: Arguments, index: int, budget: int, count: int) -> int:
+    """The fewest micro-batches, from count on, at which model index's layers fit budget (its profile at that
+    count kept for the pilot, as pilot keeps its own)."""
+    batch = batch_size(args.first_batch(index)[0])
+    while count <= batch:  # else more than its samples: fewest_microbatches refuses it
+        trial = dataclasses.replace(args, options=dataclasses.replace(args.options, microbatches=count))
+        sample, target, sizes = pilot_batch(trial, index)
+        kept = _kept(trial, index, sample)
+        try:
+            decomposition, _ = _decompose_and_cut(trial, index, sample, target, sizes[0], budget,
+                                                  timings.KEPT.get(kept))
+        except BudgetTooSmall as error:
+            largest = _largest_microbatch(error, sizes[0], budget)
+            if largest is None or count == batch:
+                label = model_label(index, args.models[index])
+                fixed = error.need.total - error.need.prefetch - round(error.per_sample * sizes[0])
+                one = fixed + math.ceil(error.per_sample)
+                raise BudgetTooSmall(f"device_memory is too small for {label} in any number of micro-batches "
+                                     f"(microbatches='auto'): in micro-batches of one sample its largest layer "
+                                     f"still needs {one:,} bytes, but the device budget is {budget:,} bytes. Raise "
+                                     f"device_memory to at least {one:,} bytes", one, one + error.need.prefetch,
+                                     error.need, error.per_sample) from error
+            count = min(batch, max(count + 1, math.ceil(batch / largest)))
+            continue
+        timings.KEPT.setdefault(kept, decomposition.profile)
+        return count
+    return count
+
+
+def _largest_microbatch(error: BudgetTooSmall, samples: int, budget: int) -> int | None:
+    """The most samples a micro-batch may have for the layer error names to fit budget alone: its weights,
+    gradients and the fixed part of its activations (the largest parameter's fresh gradient) stay, the rest scales
+    from the micro-batch of samples it was piloted on; None where not even one sample fits."""
+    need = error.need
+    if need is None or error.per_sample <= 0:
+        return None
+    fixed = need.weights + need.grads + need.workspace - round(error.per_sample * samples)
+    largest = math.floor((budget - fixed) / error.per_sample)
+    return largest if largest >= 1 else None
 
 
 def pilot(args: Arguments, budget: int) -> list[Candidate]:
@@ -74,8 +142,7 @@ def pilot(args: Arguments, budget: int) -> list[Candidate]:
     for index, model in enumerate(args.models):
         label = model_label(index, model)
         sample, target, sizes = pilot_batch(args, index)
-        # the first profile of each architecture, whose timings the rest take, in this call and later ones
-        kept = ("model", _architecture(args, index), timings.context(sample, args.options.precision))
+        kept = _kept(args, index, sample)
         decomposition, packing = _decompose_and_cut(args, index, sample, target, sizes[0], budget,
                                                     timings.KEPT.get(kept))
         timings.KEPT.setdefault(kept, decomposition.profile)
@@ -98,6 +165,12 @@ def pilot(args: Arguments, budget: int) -> list[Candidate]:
         code = JobCode(tuple(decomposition.layers), args.loss_fns[index], args.optimizers[index])
         candidates.append(Candidate(job, code, profile))
     return candidates
+
+
+def _kept(args: Arguments, index: int, sample: Any) -> Hashable:
+    """Where model index's profile on sample is kept (timings.KEPT): the first profile of each architecture, whose
+    timings the rest take, in this call and later ones."""
+    return ("model", _architecture(args, index), timings.context(sample, args.options.precision))
 
 
 def _architecture(args: Arguments, index: int) -> Hashable:

@@ -414,7 +414,7 @@ def validate(
     loader_list, loader_of = _loaders(loaders, len(model_list), passes)
     for index, loader_index in enumerate(loader_of):
         samples = batch_size(loader_list[loader_index].first[0])
-        if options.microbatches > samples:
+        if options.microbatches != "auto" and options.microbatches > samples:
             raise InputError(
                 f"microbatches={options.microbatches} is larger than the first batch of "
                 f"{model_label(index, model_list[index])}'s loader ({samples} samples); use at most {samples} "
@@ -547,7 +547,12 @@ def check_options(options: Options) -> None:
     """Every option's value, before anything starts."""
     _positive_int(options.epochs, "epochs")
     _positive_int(options.steps, "steps", allow_none=True)
-    _positive_int(options.microbatches, "microbatches")
+    if options.microbatches != "auto":
+        try:
+            _positive_int(options.microbatches, "microbatches")
+        except InputError:
+            raise InputError(f"microbatches={options.microbatches!r} must be a positive integer or 'auto' (the fewest "
+                             "micro-batches at which every model's layers fit the device budget)") from None
     if isinstance(options.prefetch, str) and options.prefetch != "weights":
         raise InputError(f"prefetch={options.prefetch!r} is not a prefetch setting; use True (weights, and each "
                          "micro-batch's values copied while the one before computes), 'weights' (weights only) "

@@ -12,10 +12,12 @@ from harmony.tasks.profile import BACKWARD_RATIO, LayerProfile, ModelProfile
 class LayerTooLarge(ValueError):
     """A single layer (or a run of layers that cannot be cut) needs more bytes than the device budget."""
 
-    def __init__(self, first: int, stop: int, need: PackCost, budget: int, description: str) -> None:
+    def __init__(self, first: int, stop: int, need: PackCost, budget: int, description: str,
+                 per_sample: float = 0.0) -> None:
         self.first = first
         self.stop = stop
         self.need = need
+        self.per_sample = per_sample  # the bytes of need.workspace per sample of the micro-batch (the rest is fixed)
         self.budget = budget
         self.description = description
         super().__init__(
@@ -137,10 +139,12 @@ def workspace_bytes(layers: tuple[LayerProfile, ...] | list[LayerProfile], sampl
     """
     if not layers:
         return 0
-    inputs = 2 * layers[0].input_bytes_per_sample
-    outputs = 2 * sum(layer.output_bytes_per_sample for layer in layers)
-    largest_param = max(layer.largest_param_bytes for layer in layers)
-    return round((inputs + outputs) * samples) + largest_param
+    return round(activation_bytes_per_sample(layers) * samples) + max(layer.largest_param_bytes for layer in layers)
+
+
+def activation_bytes_per_sample(layers: tuple[LayerProfile, ...] | list[LayerProfile]) -> float:
+    """The part of workspace_bytes that grows with the micro-batch, per sample."""
+    return 2 * layers[0].input_bytes_per_sample + 2 * sum(layer.output_bytes_per_sample for layer in layers)
 
 
 def _prefixed(layers: list[LayerProfile], pick: str) -> tuple[TensorSpec, ...]:
@@ -303,7 +307,8 @@ def cut_packs(profile: ModelProfile, budget: int, samples: int, ahead: bool = Fa
             workspace=workspace_bytes(chunk, samples),
             prefetch=floor + ahead_bytes(layers, unit_first, unit_stop, samples, ahead),
         )
-        raise LayerTooLarge(unit_first, unit_stop, cost, budget, chunk[0].description)
+        raise LayerTooLarge(unit_first, unit_stop, cost, budget, chunk[0].description,
+                            activation_bytes_per_sample(chunk))
     total = chunk_weight_bytes(layers, 0, len(layers))
     steps = 48
     candidates = {floor, total}

@@ -27,7 +27,7 @@ class Options:
 
     epochs: int = 1
     steps: int | None = None
-    microbatches: int = 1
+    microbatches: int | str = 1  # "auto" until harmony.planner.fewest_microbatches makes it a count
     prefetch: bool | str = True  # "weights": weights only, no micro-batch values copied ahead
     policy: str = "lrtf"
     group: bool = True

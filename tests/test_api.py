@@ -190,6 +190,21 @@ def test_per_microbatch_swapping_of_a_model_that_fits_swaps_it_and_trains_as_pla
     assert result.history[0] == pytest.approx(losses, rel=1e-5)
 
 
+def test_auto_microbatches_train_as_plain_pytorch_on_the_whole_batch(no_leaks: None) -> None:
+    """microbatches="auto" splits each batch into the fewest micro-batches whose activations fit beside a layer;
+    the loss stays the mean over the batch, so the weights are plain PyTorch's whole-batch ones (float64)."""
+    model = deep_mlp(depth=3).double()
+    reference = copy.deepcopy(model)
+    batches = [(x.double(), y.double()) for x, y in regression_batches(samples=512, batch=256)]
+    factory = lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)  # noqa: E731
+    result = harmony.train(model, batches, loss_fn=nn.functional.mse_loss, optimizer=factory, devices=["cpu"],
+                           device_memory=40_000, microbatches="auto", progress=False)
+    losses = train_plain(reference, batches, nn.functional.mse_loss, factory)
+    assert result.plan.options.microbatches > 1 and result.homes == {}, "a swapped model in micro-batches"
+    assert_same_weights(model, reference, rtol=0, atol=1e-12)
+    assert result.history[0] == pytest.approx(losses, rel=1e-12)
+
+
 class TiedClassifier(nn.Module):
     """Token embeddings shared with the output projection (tied weights), and a BatchNorm with running stats."""
 

@@ -52,6 +52,30 @@ def test_plan_refuses_a_budget_too_small() -> None:
         harmony.plan([deep_mlp()], regression_batches(64, 16), device_memory="8kB")
 
 
+def test_auto_microbatches_are_the_fewest_at_which_every_layer_fits() -> None:
+    batches = regression_batches(512, 256)
+    fewest = harmony.plan([deep_mlp()], batches, device_memory=30_000, microbatches="auto")
+    count = fewest.plan.options.microbatches
+    assert count > 1 and f", {count} micro-batches a step" in str(fewest)
+    assert harmony.plan([deep_mlp()], batches, device_memory=30_000, microbatches=count).packings == fewest.packings
+    with pytest.raises(harmony.BudgetTooSmall):
+        harmony.plan([deep_mlp()], batches, device_memory=30_000, microbatches=count - 1)
+    assert harmony.plan([deep_mlp()], batches, device_memory=10_000_000, microbatches="auto"
+                        ).plan.options.microbatches == 1, "the whole batch fits"
+    with pytest.raises(harmony.BudgetTooSmall, match="in any number of micro-batches") as refused:
+        harmony.plan([deep_mlp()], batches, device_memory=9_000, microbatches="auto")
+    least = refused.value.minimum  # its message's figure: micro-batches of one sample fit there, not a byte below
+    alone = harmony.plan([deep_mlp()], batches, device_memory=least, microbatches="auto")
+    assert alone.plan.options.microbatches == 256
+    with pytest.raises(harmony.BudgetTooSmall):
+        harmony.plan([deep_mlp()], batches, device_memory=least - 1, microbatches=256)
+    with pytest.raises(harmony.InputError, match="more than the 16 samples of model 1"):
+        harmony.plan([deep_mlp(), deep_mlp(seed=1)], [batches, regression_batches(32, 16)], device_memory=16_000,
+                     microbatches="auto")
+    with pytest.raises(harmony.InputError, match="a positive integer or 'auto'"):
+        harmony.plan([deep_mlp()], batches, microbatches="fewest")
+
+
 def test_plan_takes_a_loader_without_length_when_steps_are_given() -> None:
     def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         yield from regression_batches(64, 16)
