@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 
 class HarmonyError(Exception):
     """Base of every error Harmony raises on purpose."""
@@ -16,17 +14,17 @@ class InputError(HarmonyError, ValueError):
 class BudgetTooSmall(InputError):
     """device_memory cannot hold a model's largest layer: minimum is the smallest budget it trains in, prefetching
     the smallest where the next pack's weights come in beside it (what a caller that sizes the budget itself
-    reads, rather than the message); need, where given, is that layer's bytes by kind (tasks.packing.PackCost) at
-    the micro-batch it was piloted on, per_sample the part of its activations' bytes that each sample of the
-    micro-batch adds (microbatches="auto" scales them from there)."""
+    reads, rather than the message); largest_microbatch is the most samples a micro-batch may have for it to fit
+    (None where micro-batches of one sample do not either), one_sample the least budget it trains in with such
+    micro-batches (what microbatches="auto" reports as minimum when no count fits)."""
 
-    def __init__(self, message: str, minimum: int, prefetching: int, need: Any = None, per_sample: float = 0.0
-                 ) -> None:
+    def __init__(self, message: str, minimum: int, prefetching: int, largest_microbatch: int | None = None,
+                 one_sample: int = 0) -> None:
         super().__init__(message)
         self.minimum = minimum
         self.prefetching = prefetching
-        self.need = need
-        self.per_sample = per_sample
+        self.largest_microbatch = largest_microbatch
+        self.one_sample = one_sample
 
 
 class ModelError(HarmonyError, RuntimeError):

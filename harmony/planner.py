@@ -63,10 +63,14 @@ def cut(profile: ModelProfile, budget: int, samples: int, label: str, ahead: boo
 
 
 def cut_error(error: LayerTooLarge, label: str) -> BudgetTooSmall:
+    largest = error.largest_microbatch()
+    smaller = (f"or split each batch into micro-batches of at most {largest} samples (microbatches='auto' finds the "
+               "fewest)" if largest is not None else
+               f"more micro-batches would not do: in micro-batches of one sample it still needs {error.one_sample:,}")
     return BudgetTooSmall(
         f"device_memory is too small for {label}: {error}. Raise device_memory to at least "
-        f"{error.alone:,} bytes ({error.need.total:,} to prefetch), or use more micro-batches to shrink the "
-        "activations", error.alone, error.need.total, error.need, error.per_sample)
+        f"{error.alone:,} bytes ({error.need.total:,} to prefetch), {smaller}", error.alone, error.need.total, largest,
+        error.one_sample)
 
 
 def fewest_microbatches(args: Arguments, budget: int) -> Arguments:
@@ -107,33 +111,16 @@ def _fewest_for(args: Arguments, index: int, budget: int, count: int) -> int:
             decomposition, _ = _decompose_and_cut(trial, index, sample, target, sizes[0], budget,
                                                   timings.KEPT.get(kept))
         except BudgetTooSmall as error:
-            largest = _largest_microbatch(error, sizes[0], budget)
-            if largest is None or count == batch:
-                label = model_label(index, args.models[index])
-                fixed = error.need.total - error.need.prefetch - round(error.per_sample * sizes[0])
-                one = fixed + math.ceil(error.per_sample)
-                raise BudgetTooSmall(f"device_memory is too small for {label} in any number of micro-batches "
-                                     f"(microbatches='auto'): in micro-batches of one sample its largest layer "
-                                     f"still needs {one:,} bytes, but the device budget is {budget:,} bytes. Raise "
-                                     f"device_memory to at least {one:,} bytes", one, one + error.need.prefetch,
-                                     error.need, error.per_sample) from error
-            count = min(batch, max(count + 1, math.ceil(batch / largest)))
+            if error.largest_microbatch is None or count == batch:
+                raise BudgetTooSmall(f"device_memory is too small for {model_label(index, args.models[index])} in "
+                                     f"any number of micro-batches (microbatches='auto'): {error}", error.one_sample,
+                                     error.one_sample + error.prefetching - error.minimum, None,
+                                     error.one_sample) from error
+            count = max(count + 1, math.ceil(batch / error.largest_microbatch))
             continue
         timings.KEPT.setdefault(kept, decomposition.profile)
         return count
     return count
-
-
-def _largest_microbatch(error: BudgetTooSmall, samples: int, budget: int) -> int | None:
-    """The most samples a micro-batch may have for the layer error names to fit budget alone: its weights,
-    gradients and the fixed part of its activations (the largest parameter's fresh gradient) stay, the rest scales
-    from the micro-batch of samples it was piloted on; None where not even one sample fits."""
-    need = error.need
-    if need is None or error.per_sample <= 0:
-        return None
-    fixed = need.weights + need.grads + need.workspace - round(error.per_sample * samples)
-    largest = math.floor((budget - fixed) / error.per_sample)
-    return largest if largest >= 1 else None
 
 
 def pilot(args: Arguments, budget: int) -> list[Candidate]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from harmony.tasks.layout import TensorSpec
@@ -13,11 +14,12 @@ class LayerTooLarge(ValueError):
     """A single layer (or a run of layers that cannot be cut) needs more bytes than the device budget."""
 
     def __init__(self, first: int, stop: int, need: PackCost, budget: int, description: str,
-                 per_sample: float = 0.0) -> None:
+                 per_sample: float = 0.0, samples: int = 1) -> None:
         self.first = first
         self.stop = stop
         self.need = need
         self.per_sample = per_sample  # the bytes of need.workspace per sample of the micro-batch (the rest is fixed)
+        self.samples = samples  # the micro-batch's, which need was counted for
         self.budget = budget
         self.description = description
         super().__init__(
@@ -31,6 +33,19 @@ class LayerTooLarge(ValueError):
     def alone(self) -> int:
         """The smallest budget the layer runs in, without prefetching beside it."""
         return self.need.total - self.need.prefetch
+
+    @property
+    def one_sample(self) -> int:
+        """alone, for micro-batches of one sample: the least budget any number of micro-batches gets it into."""
+        return self.alone - round(self.per_sample * self.samples) + math.ceil(self.per_sample)
+
+    def largest_microbatch(self) -> int | None:
+        """The most samples a micro-batch may have for the layer to fit the budget alone (its weights, gradients
+        and the fixed part of its activations stay; the rest scales with the samples); None where not one does."""
+        if self.per_sample <= 0:
+            return None
+        largest = math.floor((self.budget - self.alone + self.per_sample * self.samples) / self.per_sample)
+        return largest if largest >= 1 else None
 
 
 @dataclass(frozen=True)
@@ -308,7 +323,7 @@ def cut_packs(profile: ModelProfile, budget: int, samples: int, ahead: bool = Fa
             prefetch=floor + ahead_bytes(layers, unit_first, unit_stop, samples, ahead),
         )
         raise LayerTooLarge(unit_first, unit_stop, cost, budget, chunk[0].description,
-                            activation_bytes_per_sample(chunk))
+                            activation_bytes_per_sample(chunk), samples)
     total = chunk_weight_bytes(layers, 0, len(layers))
     steps = 48
     candidates = {floor, total}

@@ -96,6 +96,24 @@ def test_layer_too_large_says_how_many_bytes_it_needs() -> None:
     assert error.need.total > 20000
     assert f"needs {error.alone:,} bytes" in str(error) and f"{error.need.total:,} to prefetch" in str(error)
     assert error.alone == error.need.total - error.need.prefetch
+    assert error.largest_microbatch() is None, "its weights and gradients alone outgrow 20,000 bytes"
+
+
+def test_layer_too_large_says_at_how_many_samples_a_micro_batch_fits() -> None:
+    model = profile([linear(16), linear(64)])
+    with pytest.raises(LayerTooLarge) as raised:
+        cut_packs(model, budget=54000, samples=8)
+    largest = raised.value.largest_microbatch()  # the most samples at which it fits alone, as cutting again finds
+    assert largest is not None and 1 <= largest < 8
+    cut_packs(model, budget=54000, samples=largest)
+    with pytest.raises(LayerTooLarge) as again:
+        cut_packs(model, budget=54000, samples=largest + 1)
+    assert again.value.largest_microbatch() == largest
+    one = raised.value.one_sample  # the least budget at micro-batches of one sample, to the byte
+    cut_packs(model, budget=one, samples=1)
+    with pytest.raises(LayerTooLarge) as none:
+        cut_packs(model, budget=one - 1, samples=8)
+    assert none.value.largest_microbatch() is None and none.value.one_sample == one
 
 
 def test_pack_tensor_names_match_a_sequential_of_its_layers() -> None:
