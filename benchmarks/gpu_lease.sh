@@ -105,7 +105,7 @@ case "$stage" in
             --out "$out/microbatch_cost.json"
         ;;
     planned)  # the 16k row as planned with values ahead and behind, with weights alone prefetched, and in bf16
-        run gpu_swap 300 "$python" -m benchmarks.gpu_swap --batches 16384 --microbatch 1024 --ways "as planned" \
+        run gpu_swap 420 "$python" -m benchmarks.gpu_swap --batches 16384 --microbatch 1024 --ways "as planned" \
             --out "$out/gpu_swap_planned.json" ;;
     spy)  # the 16k row's worker sampled (Python frames): where its host time between kernels goes
         "$python" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/spy/*.whl

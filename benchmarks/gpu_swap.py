@@ -109,24 +109,27 @@ def plain_swapping(model: nn.Module, data: list, device: torch.device) -> tuple[
     return steady(timings), moved
 
 
-WAYS = {  # Harmony's ways: (prefetch, packs_per_task, overlap_update, precision, update_on)
-    "harmony, no prefetch, a pack a task": (False, 1, False, "fp32", "host"),
-    "harmony, weights prefetched only, a pack a task, update in bwd": ("weights", 1, False, "fp32", "host"),
-    "harmony, a pack a task, update in bwd": (True, 1, False, "fp32", "host"),
-    "harmony, a pack a task, update on the device": (True, 1, False, "fp32", "device"),
-    "harmony, as planned": (True, "auto", None, "fp32", "auto"),
-    "harmony, weights prefetched only, as planned": ("weights", "auto", None, "fp32", "auto"),
-    "harmony bf16 (weights copied in as bf16), as planned": (True, "auto", None, "bf16", "auto"),
+WAYS = {  # Harmony's ways: (prefetch, packs_per_task, overlap_update, precision, update_on, microbatches)
+    "harmony, no prefetch, a pack a task": (False, 1, False, "fp32", "host", None),
+    "harmony, weights prefetched only, a pack a task, update in bwd": ("weights", 1, False, "fp32", "host", None),
+    "harmony, a pack a task, update in bwd": (True, 1, False, "fp32", "host", None),
+    "harmony, a pack a task, update on the device": (True, 1, False, "fp32", "device", None),
+    "harmony, as planned": (True, "auto", None, "fp32", "auto", None),
+    "harmony, as planned, the fewest micro-batches that fit (microbatches='auto')": (
+        True, "auto", None, "fp32", "auto", "auto"),
+    "harmony, weights prefetched only, as planned": ("weights", "auto", None, "fp32", "auto", None),
+    "harmony bf16 (weights copied in as bf16), as planned": (True, "auto", None, "bf16", "auto", None),
 }
 
 
 def harmony_run(model: nn.Module, data: list, budget: int, microbatch: int, prefetch: bool | str,
                 packs_per_task: int | str, overlap_update: bool | None, precision: str, update_on: str,
-                profile: Path | None = None) -> harmony.TrainResult:
-    """Harmony on the GPU under budget, in micro-batches of microbatch samples (its workers' tasks of two steps
-    traced into profile where given)."""
+                microbatches: str | None = None, profile: Path | None = None) -> harmony.TrainResult:
+    """Harmony on the GPU under budget, in micro-batches of microbatch samples (or as microbatches="auto" chooses;
+    its workers' tasks of two steps traced into profile where given)."""
     return harmony.train(model, data, loss_fn=nn.functional.mse_loss, optimizer=lambda p: torch.optim.SGD(p, lr=LR),
-                         microbatches=max(1, len(data[0][0]) // microbatch), devices=["cuda:0"], device_memory=budget,
+                         microbatches=microbatches or max(1, len(data[0][0]) // microbatch), devices=["cuda:0"],
+                         device_memory=budget,
                          prefetch=prefetch, fuse=False, progress=False, packs_per_task=packs_per_task,
                          overlap_update=overlap_update, precision=precision, update_on=update_on,
                          log_dir=profile, profile_steps=2 if profile is not None else 0)
@@ -189,7 +192,7 @@ def main() -> None:
             rows.append({"way": f"{name}, resident on the GPU, micro-batches of {args.microbatch}", **common,
                          **({"compute s": resident_bf16} if bf16 else {}), "step s": seconds, "weights in/step": 0})
         progress(rows[-5:])
-        for share, (way, (prefetch, packs_per_task, overlap_update, precision, update_on)) in (
+        for share, (way, (prefetch, packs_per_task, overlap_update, precision, update_on, microbatches)) in (
                 (share, item) for share in args.budgets for item in WAYS.items()):
             if args.ways not in way:
                 continue
@@ -197,7 +200,7 @@ def main() -> None:
             traced = None if args.profile is None else args.profile / f"{batch}-{len(raw)}"
             try:
                 result = harmony_run(mlp(width, depth), data, budget, args.microbatch, prefetch, packs_per_task,
-                                     overlap_update, precision, update_on, traced)
+                                     overlap_update, precision, update_on, microbatches, traced)
             except harmony.InputError as error:  # micro-batches whose activations do not fit beside a pack
                 print(f"batch {batch}, budget {share}: {way}: {error}", flush=True)
                 continue
@@ -217,6 +220,7 @@ def main() -> None:
                 "stashed passes/step": result.stats.stashed / steps,
                 "peak": max(result.stats.peak_device_bytes.values()), "budget": budget,
                 "packs": len(result.packings[0].packs), "tasks/step": result.stats.tasks / steps,
+                "micro-batches": result.plan.options.microbatches,
                 "busy s/step": sum(result.stats.busy_seconds.values()) / steps,
                 "room wait s/step": sum(result.stats.room_seconds.values()) / steps,
                 "gc s/step": sum(result.stats.gc_seconds.values()) / steps,
@@ -233,7 +237,8 @@ def main() -> None:
         row.setdefault("peak", 0)
         row.setdefault("budget", 0)
         row.setdefault("budget share", "")
-        for column in ("packs", "tasks/step", "stashed passes/step", "busy s/step", "activations in+out/step",
+        for column in ("packs", "micro-batches", "tasks/step", "stashed passes/step", "busy s/step",
+                       "activations in+out/step",
                        "values ahead+behind/step", "predicted s", "host us/call fitted", "room wait s/step",
                        "gc s/step"):
             row.setdefault(column, 0)
