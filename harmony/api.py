@@ -418,8 +418,8 @@ def train(
         if starting is not None:
             starting.ready()  # before the pilot times layers: workers starting on the same cores would skew them
         with device_threads(specs):
-            args = fewest_microbatches(args, min(budgets.values()))
-            candidates = pilot(args, min(budgets.values()))
+            args, made = fewest_microbatches(args, min(budgets.values()))
+            candidates = pilot(args, min(budgets.values()), made)
         check_host_memory([candidate.job for candidate in candidates], args.host_memory)
         checkpoints, recorded = open_checkpoints(directory, args, budgets, resume)
         started = time.perf_counter()

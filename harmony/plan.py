@@ -238,8 +238,8 @@ def plan(
         if args.expected_steps(index) is None:
             raise InputError(f"loaders for model {index} have no length; pass steps= to plan a fixed number of steps")
     with training_conventions(args.models), device_threads(specs):
-        args = fewest_microbatches(args, min(budgets.values()))
-        run_plan, _ = build(args, pilot(args, min(budgets.values())), budgets, hardware, machine_of)
+        args, made = fewest_microbatches(args, min(budgets.values()))
+        run_plan, _ = build(args, pilot(args, min(budgets.values()), made), budgets, hardware, machine_of)
     jobs = list(run_plan.jobs)
     counts = [job.steps or 0 for job in jobs]
     samples = [step_samples(args, job) for job in jobs]

@@ -73,18 +73,19 @@ def cut_error(error: LayerTooLarge, label: str) -> BudgetTooSmall:
         error.one_sample)
 
 
-def fewest_microbatches(args: Arguments, budget: int) -> Arguments:
+def fewest_microbatches(args: Arguments, budget: int) -> tuple[Arguments, dict[int, tuple[Decomposition, Any]]]:
     """args with microbatches="auto" made the fewest micro-batches of each step at which every model's layers fit
     budget (the smallest device's): piloted first on the whole batch, then, where a layer does not fit, on the
     count at which its activations, which shrink with the micro-batch while its weights and gradients do not,
     would (checked by piloting on it). A count chosen from sizes alone, never from timings: the same models,
-    batches and budget give the same count, and so the same dropout masks (runtime.seeding). Other values are
-    returned as they are."""
+    batches and budget give the same count, and so the same dropout masks (runtime.seeding). Beside it, by model,
+    the decompositions and packings made at that count, for pilot to take rather than make again (an export is
+    slow). Other values are returned as they are."""
     if args.options.microbatches != "auto":
-        return args
-    count = 1
+        return args, {}
+    count, made = 1, {}
     for index in range(len(args.models)):
-        count = _fewest_for(args, index, budget, count)
+        count, made[index] = _fewest_for(args, index, budget, count)
     for index, model in enumerate(args.models):
         samples = batch_size(args.first_batch(index)[0])
         if count > samples:
@@ -96,20 +97,22 @@ def fewest_microbatches(args: Arguments, budget: int) -> Arguments:
                            "BatchNorm layers are each micro-batch's, not the whole batch's", count,
                            model_label(index, model))
     logger.info("harmony: microbatches='auto' chose %d micro-batch%s a step", count, "es" if count > 1 else "")
-    return dataclasses.replace(args, options=dataclasses.replace(args.options, microbatches=count))
+    return (dataclasses.replace(args, options=dataclasses.replace(args.options, microbatches=count)),
+            {index: (decomposition, packing) for index, (at, decomposition, packing) in made.items() if at == count})
 
 
-def _fewest_for(args: Arguments, index: int, budget: int, count: int) -> int:
-    """The fewest micro-batches, from count on, at which model index's layers fit budget (its profile at that
-    count kept for the pilot, as pilot keeps its own)."""
+def _fewest_for(args: Arguments, index: int, budget: int, count: int
+                ) -> tuple[int, tuple[int | None, Decomposition | None, Any]]:
+    """The fewest micro-batches, from count on, at which model index's layers fit budget, and (that count, the
+    decomposition and packing made there); a count beyond its samples is returned as it is, with nothing made."""
     batch = batch_size(args.first_batch(index)[0])
     while count <= batch:  # else more than its samples: fewest_microbatches refuses it
         trial = dataclasses.replace(args, options=dataclasses.replace(args.options, microbatches=count))
         sample, target, sizes = pilot_batch(trial, index)
         kept = _kept(trial, index, sample)
         try:
-            decomposition, _ = _decompose_and_cut(trial, index, sample, target, sizes[0], budget,
-                                                  timings.KEPT.get(kept))
+            decomposition, packing = _decompose_and_cut(trial, index, sample, target, sizes[0], budget,
+                                                        timings.KEPT.get(kept))
         except BudgetTooSmall as error:
             if error.largest_microbatch is None or count == batch:
                 raise BudgetTooSmall(f"device_memory is too small for {model_label(index, args.models[index])} in "
@@ -118,20 +121,21 @@ def _fewest_for(args: Arguments, index: int, budget: int, count: int) -> int:
                                      error.one_sample) from error
             count = max(count + 1, math.ceil(batch / error.largest_microbatch))
             continue
-        timings.KEPT.setdefault(kept, decomposition.profile)
-        return count
-    return count
+        return count, (count, decomposition, packing)
+    return count, (None, None, None)
 
 
-def pilot(args: Arguments, budget: int) -> list[Candidate]:
-    """Profile every model on its first micro-batch and cut it into packs that fit budget."""
+def pilot(args: Arguments, budget: int, made: Mapping[int, tuple[Decomposition, Any]] | None = None
+          ) -> list[Candidate]:
+    """Profile every model on its first micro-batch and cut it into packs that fit budget (or take its
+    decomposition and packing from made, fewest_microbatches's at this count)."""
     candidates = []
     for index, model in enumerate(args.models):
         label = model_label(index, model)
         sample, target, sizes = pilot_batch(args, index)
         kept = _kept(args, index, sample)
-        decomposition, packing = _decompose_and_cut(args, index, sample, target, sizes[0], budget,
-                                                    timings.KEPT.get(kept))
+        decomposition, packing = (made or {}).get(index) or _decompose_and_cut(
+            args, index, sample, target, sizes[0], budget, timings.KEPT.get(kept))
         timings.KEPT.setdefault(kept, decomposition.profile)
         optimizer = (kept, args.optimizer_classes[index], args.optimizer_state_ratios[index])
         if optimizer not in timings.RATES and args.optimizers[index] is not None:
