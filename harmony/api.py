@@ -23,6 +23,7 @@ from harmony.metrics import MetricsLog, learning_rates
 from harmony.planner import build, codes_for, fewest_microbatches, pilot, replan_machines
 from harmony.progress import EventLog, display, wants_progress
 from harmony.result import TrainResult
+from harmony.runtime import collector
 from harmony.runtime.batching import unbatched
 from harmony.runtime.calibrate import measured_hardware
 from harmony.runtime.checkpoint import Checkpoints, fingerprint
@@ -453,7 +454,8 @@ def train(
                 log_dir, plan, names, [learning_rates(factory) for factory in args.optimizers], samples)
             try:
                 profile = (str(log_dir), profile_steps) if profile_steps else None
-                outcome = _execute(plan, codes, args, specs, handle, progress, checkpoints, starts, log, profile)
+                with collector.frozen():  # a full collection then scans only what the run made
+                    outcome = _execute(plan, codes, args, specs, handle, progress, checkpoints, starts, log, profile)
                 wall_seconds = time.perf_counter() - started
                 result = TrainResult.assemble(args.models, plan, outcome, wall_seconds, handle.dashboard_link, names,
                                               samples)

@@ -103,6 +103,7 @@ class RunContext:
         self._scalers: dict[int, Scaler] = {}
         self._norms: dict[int, Norms] = {}
         self._calls: dict[tuple[int, int], PackCall] = {}
+        self.froze = False  # whether setting the run up froze the worker's objects (runtime.collector)
 
     @property
     def counters(self) -> Counters:
@@ -573,7 +574,8 @@ class DevicePlugin(WorkerPlugin):
             return  # the scheduler keeps a dead driver's plugin and gives it to workers that join later
         if str(worker.name) not in {device.name for device in self.spec.devices}:
             return  # a worker that joined the cluster after the run chose its devices: it gets none of its tasks
-        RUNS[(self.spec.run, worker.address)] = RunContext(self.spec, str(worker.name))
+        context = RUNS[(self.spec.run, worker.address)] = RunContext(self.spec, str(worker.name))
+        context.froze = collector.freeze()  # a full collection then scans only what the run made
         worker.metrics.update(device_metrics(self.spec.run))
 
     def teardown(self, worker: Any) -> None:
@@ -582,6 +584,7 @@ class DevicePlugin(WorkerPlugin):
         context = RUNS.pop((self.spec.run, worker.address), None)
         if context is not None:
             context.close()
+            collector.unfreeze(context.froze)
         sweep(Path(self.spec.store_directory))
 
     def transition(self, key: Any, start: str, finish: str, **kwargs: Any) -> None:

@@ -5,11 +5,27 @@ from __future__ import annotations
 import gc
 
 import torch
+from distributed import get_worker
 from torch import nn
 
 import harmony
-from harmony.runtime import collector
+from harmony.runtime import cluster, collector
 from tests.conftest import regression_batches
+
+
+def test_frozen_keeps_the_objects_alive_at_its_start_out_of_collections_and_leaves_another_freeze_alone() -> None:
+    assert gc.get_freeze_count() == 0
+    with collector.frozen():
+        assert gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() == 0, "unfrozen after"
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        with collector.frozen():
+            pass
+        assert gc.get_freeze_count() == frozen, "a freeze made before it is not undone"
+    finally:
+        gc.unfreeze()
 
 
 def test_install_sums_collections_once() -> None:
@@ -32,6 +48,12 @@ class Collecting(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gc.collect(0)
+        try:
+            get_worker()
+        except ValueError:  # the pilot, in the driver
+            pass
+        else:
+            assert gc.get_freeze_count() > 0, "a worker's objects are frozen while it trains"
         return x @ self.weight
 
 
@@ -42,4 +64,7 @@ def test_a_device_counts_the_collections_during_its_tasks() -> None:
                            progress=False)
     (device,) = result.stats.busy_seconds
     assert 0 < result.stats.gc_seconds[device] < result.stats.busy_seconds[device]
+    assert gc.get_freeze_count() == 0, "the driver's objects are not frozen after the run"
+    warm = cluster.WARM
+    assert warm is not None and set(warm[1].client.run(gc.get_freeze_count).values()) == {0}, "nor the workers'"
     assert result.stats.room_seconds == {device: 0.0}, "a homed model waits for no room"
