@@ -9,7 +9,7 @@
 #
 #   bash benchmarks/gpu_lease.sh wheels                 # here, once
 #   bash benchmarks/gpu_lease.sh tests                  # there: tests/test_gpu.py and tests/test_ipc.py
-#   bash benchmarks/gpu_lease.sh swap|copies|update|sweep|sweep4|calls|peers
+#   bash benchmarks/gpu_lease.sh swap|copies|update|sweep|sweep4|calls|count|peers
 #   bash benchmarks/gpu_lease.sh lease                  # there: what one 10-minute call of a 15-minute lease holds
 #   bash benchmarks/gpu_lease.sh profile                # there: the GPU tests, gpu_swap's 16k row traced, where its
 #                                                       # time went, and microbatch_cost's quick rows (the host's cost
@@ -20,7 +20,7 @@
 #                                                       # and sent behind or not (weights alone prefetched), and bf16
 set -euo pipefail
 cd "$(dirname "$0")/.."
-stage="${1:?a stage: wheels, tests, swap, copies, update, sweep, sweep4, calls, peers, lease, profile, spy or planned}"
+stage="${1:?a stage: wheels, tests, swap, copies, update, sweep, sweep4, calls, count, peers, lease, profile, spy or planned}"
 python=python3
 wheels=(dask==2026.8.0 distributed==2026.8.0 bokeh==3.9.2 tornado==6.6.1 partd==1.4.2 locket==1.0.0 tblib==3.2.2
         zict==3.0.0 xyzservices==2026.9.1 dask-cuda)
@@ -65,6 +65,8 @@ case "$stage" in
     sweep4) run gpu_sweep 300 "$python" -m benchmarks.gpu_sweep --models 4 --layers 12 --out "$out/gpu_sweep.json" ;;
     calls) run microbatch_cost 300 "$python" -m benchmarks.microbatch_cost --device cuda:0 \
                --out "$out/microbatch_cost.json" ;;
+    count) run microbatch_count 400 "$python" -m benchmarks.microbatch_count --device cuda:0 --quick \
+               --out "$out/microbatch_count.json" ;;
     peers)
         installed=()  # the peer's requirements, less those the lent machine has already
         for wheel in .whl/peers/*.whl; do
