@@ -1,5 +1,6 @@
 """Build the run's plan, for harmony.train and harmony.plan alike: pilot, fuse, then arrange.
 
+0. ``fewest_microbatches``: with microbatches="auto", the fewest micro-batches at which every model's layers fit.
 1. ``pilot``: run one micro-batch through every model on the CPU, profile its layers and cut it into packs for
    the smallest device budget (bad models and budgets are InputErrors here, before any worker starts).
 2. ``build``: fuse same-architecture models on one loader into arrays of the best predicted size
