@@ -115,7 +115,7 @@ WAYS = {  # Harmony's ways: (prefetch, packs_per_task, overlap_update, precision
     "harmony, a pack a task, update in bwd": (True, 1, False, "fp32", "host", None),
     "harmony, a pack a task, update on the device": (True, 1, False, "fp32", "device", None),
     "harmony, as planned": (True, "auto", None, "fp32", "auto", None),
-    "harmony, as planned, the fewest micro-batches that fit (microbatches='auto')": (
+    "harmony, the fewest micro-batches that fit (microbatches='auto'), as planned": (
         True, "auto", None, "fp32", "auto", "auto"),
     "harmony, weights prefetched only, as planned": ("weights", "auto", None, "fp32", "auto", None),
     "harmony bf16 (weights copied in as bf16), as planned": (True, "auto", None, "bf16", "auto", None),
