@@ -1,4 +1,5 @@
-"""The garbage collector's time: summed per process, and counted per device around its tasks."""
+"""Python's garbage collector during a run: its time, summed per process and counted per device around its tasks,
+and the objects a run starts with frozen out of its collections until it ends."""
 
 from __future__ import annotations
 
