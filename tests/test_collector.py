@@ -19,12 +19,11 @@ def test_frozen_keeps_the_objects_alive_at_its_start_out_of_collections_and_leav
     with collector.frozen():
         assert gc.get_freeze_count() > 0
     assert gc.get_freeze_count() == 0, "unfrozen after"
-    gc.freeze()
+    gc.freeze()  # frozen objects still go when their last reference does: the count may only fall
     try:
-        frozen = gc.get_freeze_count()
         with collector.frozen():
             pass
-        assert gc.get_freeze_count() == frozen, "a freeze made before it is not undone"
+        assert gc.get_freeze_count() > 0, "a freeze made before it is not undone"
     finally:
         gc.unfreeze()
 
