@@ -76,6 +76,16 @@ def test_auto_microbatches_are_the_fewest_at_which_every_layer_fits() -> None:
         harmony.plan([deep_mlp()], batches, microbatches="fewest")
 
 
+def test_auto_microbatches_warn_that_batchnorm_then_sees_micro_batches(caplog: pytest.LogCaptureFixture) -> None:
+    normed = nn.Sequential(nn.Linear(32, 32), nn.BatchNorm1d(32), *list(deep_mlp())[1:])
+    batches = regression_batches(512, 256)
+    with caplog.at_level("WARNING", logger="harmony"):
+        harmony.plan([normed], batches, device_memory=10_000_000, microbatches="auto")
+        assert not caplog.records, "the whole batch fits: nothing to warn of"
+        assert harmony.plan([normed], batches, device_memory=40_000, microbatches="auto").plan.options.microbatches > 1
+    assert any("BatchNorm" in record.getMessage() for record in caplog.records)
+
+
 def test_plan_takes_a_loader_without_length_when_steps_are_given() -> None:
     def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         yield from regression_batches(64, 16)
