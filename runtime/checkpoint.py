@@ -306,7 +306,9 @@ class Checkpoints:
 
 
 def _bytes(path: Path) -> torch.Tensor:
-    return torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
+    """A file's bytes as a uint8 tensor; an empty file's (a pack without weights, an ReLU alone) is empty."""
+    data = bytearray(path.read_bytes())
+    return torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
 
 
 def fingerprint(parts: dict[str, Any]) -> str:

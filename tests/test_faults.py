@@ -591,6 +591,21 @@ def test_a_killed_driver_leaves_nothing_and_its_run_resumes_to_the_uninterrupted
     assert int(optimizer.state[next(iter(model.parameters()))]["step"]) == 80, "plain optimizer state dict"
 
 
+def test_a_checkpoint_with_a_pack_without_weights_resumes(tmp_path: Path, no_leaks: None) -> None:
+    """A budget that leaves an activation alone in its pack writes that pack's weights as an empty file, which a
+    resume reads back as no bytes (it failed to, before)."""
+    batches = regression_batches(samples=512, batch=256)
+    settings = {"loss_fn": nn.functional.mse_loss, "optimizer": sgd, "devices": ["cpu"], "device_memory": 40_000,
+                "microbatches": 5, "checkpoint_dir": tmp_path, "checkpoint_every": 1, "progress": False}
+    trained = deep_mlp()
+    harmony.train(trained, batches, **settings)
+    assert [path.stat().st_size for path in tmp_path.glob("job-0/v2/p*-weights.bin")].count(0) > 0, "an empty pack"
+    resumed = deep_mlp()
+    result = harmony.train(resumed, batches, resume=True, **settings)
+    assert result.stats.steps == [2]
+    assert_same_weights(resumed, trained, rtol=0, atol=0)
+
+
 def test_resuming_with_other_arguments_is_refused(tmp_path: Path, no_leaks: None) -> None:
     batches = regression_batches(samples=64, batch=16)
     harmony.train(deep_mlp(depth=2), batches, loss_fn=nn.functional.mse_loss, optimizer=sgd, progress=False,
