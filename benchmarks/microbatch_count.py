@@ -12,7 +12,6 @@ measures.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import statistics
 
@@ -20,15 +19,11 @@ import torch
 from torch import nn
 
 import harmony
-from benchmarks.microbatch_cost import plain_seconds, sgd
+from benchmarks.microbatch_cost import options, plain_seconds, sgd
 from benchmarks.models import mlp, parameter_bytes, regression
 from benchmarks.report import arguments, report
 
 DEPTH = 16
-
-
-def options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default="cpu", help="the device to train on (cpu, or cuda:0)")
 
 
 def main() -> None:

@@ -84,9 +84,9 @@ def fewest_microbatches(args: Arguments, budget: int) -> tuple[Arguments, dict[i
     slow). Other values are returned as they are."""
     if args.options.microbatches != "auto":
         return args, {}
-    count, made = 1, {}
+    count, found = 1, {}
     for index in range(len(args.models)):
-        count, made[index] = _fewest_for(args, index, budget, count)
+        count, found[index] = _fewest_for(args, index, budget, count)
     for index, model in enumerate(args.models):
         samples = batch_size(args.first_batch(index)[0])
         if count > samples:
@@ -99,13 +99,14 @@ def fewest_microbatches(args: Arguments, budget: int) -> tuple[Arguments, dict[i
                            model_label(index, model))
     logger.info("harmony: microbatches='auto' chose %d micro-batch%s a step", count, "es" if count > 1 else "")
     return (dataclasses.replace(args, options=dataclasses.replace(args.options, microbatches=count)),
-            {index: (decomposition, packing) for index, (at, decomposition, packing) in made.items() if at == count})
+            {index: made for index, (at, made) in found.items() if at == count})
 
 
 def _fewest_for(args: Arguments, index: int, budget: int, count: int
-                ) -> tuple[int, tuple[int | None, Decomposition | None, Any]]:
-    """The fewest micro-batches, from count on, at which model index's layers fit budget, and (that count, the
-    decomposition and packing made there); a count beyond its samples is returned as it is, with nothing made."""
+                ) -> tuple[int, tuple[int, tuple[Decomposition, Any]] | tuple[None, None]]:
+    """The fewest micro-batches, from count on, at which model index's layers fit budget, and what was made there:
+    (that count, (the decomposition, the packing)); a count beyond its samples is returned as it is, with (None,
+    None)."""
     batch = batch_size(args.first_batch(index)[0])
     while count <= batch:  # else more than its samples: fewest_microbatches refuses it
         trial = dataclasses.replace(args, options=dataclasses.replace(args.options, microbatches=count))
@@ -122,8 +123,8 @@ def _fewest_for(args: Arguments, index: int, budget: int, count: int
                                      error.one_sample) from error
             count = max(count + 1, math.ceil(batch / error.largest_microbatch))
             continue
-        return count, (count, decomposition, packing)
-    return count, (None, None, None)
+        return count, (count, (decomposition, packing))
+    return count, (None, None)
 
 
 def pilot(args: Arguments, budget: int, made: Mapping[int, tuple[Decomposition, Any]] | None = None

@@ -35,16 +35,21 @@ class LayerTooLarge(ValueError):
         return self.need.total - self.need.prefetch
 
     @property
+    def fixed(self) -> int:
+        """The part of alone that no micro-batch size changes: weights, gradients and the fixed part of the
+        activations (workspace_bytes's largest fresh gradient)."""
+        return self.alone - round(self.per_sample * self.samples)
+
+    @property
     def one_sample(self) -> int:
         """alone, for micro-batches of one sample: the least budget any number of micro-batches gets it into."""
-        return self.alone - round(self.per_sample * self.samples) + math.ceil(self.per_sample)
+        return self.fixed + round(self.per_sample)
 
     def largest_microbatch(self) -> int | None:
-        """The most samples a micro-batch may have for the layer to fit the budget alone (its weights, gradients
-        and the fixed part of its activations stay; the rest scales with the samples); None where not one does."""
+        """The most samples a micro-batch may have for the layer to fit the budget alone; None where not one does."""
         if self.per_sample <= 0:
             return None
-        largest = math.floor((self.budget - self.alone + self.per_sample * self.samples) / self.per_sample)
+        largest = math.floor((self.budget - self.fixed) / self.per_sample)
         return largest if largest >= 1 else None
 
 
