@@ -3,9 +3,9 @@ and the objects a run starts with kept out of its full collections.
 
 A collection stops every thread of the process (it holds the interpreter lock), the task thread's kernel launches
 among them, and a full one scans every object of the process (torch's, Dask's, the user's; its cost is in
-docs/performance.md, "Where a swapped step waits"). Frozen (gc.freeze) from a run's start to its end, those objects are not scanned, and a
-full collection scans only what the run made since. The callback only adds to module globals: a collection can
-start inside any allocation, a lock's holder included.
+docs/performance.md, "Where a swapped step waits"). Frozen (gc.freeze) from a run's start to its end, those objects
+are not scanned, and a full collection scans only what the run made since. The callback only adds to module
+globals: a collection can start inside any allocation, a lock's holder included.
 """
 
 from __future__ import annotations
