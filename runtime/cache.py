@@ -98,12 +98,15 @@ class Spilled:
 class Transit:
     """A copy between host and device that the compute thread did not wait for (DeviceCache.ahead, send): value is
     the copy, there once its events have completed (CUDA) or, on a CPU device, once the simulated link has carried
-    it (at, on perf_counter's clock); a send's device bytes (nbytes) stay charged until then."""
+    it (at, on perf_counter's clock); a send's device bytes (nbytes) stay charged until then, or on CUDA until the
+    compute stream is made to wait for its copy (DeviceCache._give_back). sources: a CUDA send's device tensors,
+    held until one of the two (runtime.stream.CopyEngine.copy_out)."""
 
     value: Any
     events: list[torch.cuda.Event | None] = field(default_factory=list)
     at: float = 0.0
     nbytes: int = 0
+    sources: list[torch.Tensor] | None = None
 
 
 def _landed(transit: Transit) -> bool:
@@ -224,9 +227,8 @@ class DeviceCache:
                         error.add_note(self.memory.describe())
                         raise
             started = time.perf_counter_ns()
-            if not arriving:  # a send gives its bytes back once it is there
-                _land(sending)
-                self._release_sent()
+            if not arriving:  # a send gives its bytes back once it is there, or once the compute stream waits for it
+                self._give_back(sending)
             else:
                 for entry in arriving:
                     entry.arrived.wait()
@@ -512,8 +514,7 @@ class DeviceCache:
             if sending is None:
                 break
             started = time.perf_counter_ns()
-            _land(sending)
-            self._release_sent()
+            self._give_back(sending)
             self._waited_for_room(started)
         spilled.value = self.copy_out(value, "activations")
         return spilled
@@ -611,17 +612,18 @@ class DeviceCache:
         """Start tree's host copy behind the compute: a Transit charging nbytes (already reserved) until it lands."""
         started = time.perf_counter()
         events: list[torch.cuda.Event | None] = []
+        sources: list[torch.Tensor] = []
 
-        def copy(leaf: torch.Tensor) -> torch.Tensor:
-            if self.device.type == "cpu":  # made now: the simulated link's transfer is what arrived waits for
-                return leaf.detach().clone()
-            host = torch.empty(leaf.shape, dtype=leaf.dtype, pin_memory=True)
-            events.append(self.engine.copy_out(host, leaf.detach()))
+        def copy(leaf: torch.Tensor) -> torch.Tensor:  # on a CPU device made now: arrived waits for the simulated link
+            host, done = self.engine.send(leaf.detach())
+            if done is not None:
+                sources.append(leaf.detach())
+                events.append(done)
             return host
 
         value = map_tensors(copy, tree)
         at = self.link.schedule(nbytes, OUT, started) if self.link is not None else 0.0
-        transit = Transit(value, events, at, nbytes)
+        transit = Transit(value, events, at, nbytes, sources or None)
         with self._lock:
             self._sending.append(transit)
         self.counters.add(f"out_{kind}", nbytes)
@@ -649,6 +651,25 @@ class DeviceCache:
             for transit in [transit for transit in self._sending if _landed(transit)]:
                 self._sending.remove(transit)
                 self.memory.release(transit.nbytes)
+                transit.sources = None
+
+    def _give_back(self, transit: Transit) -> None:
+        """Give back a send's device bytes for a reservation that needs them. On CUDA the host does not wait: the
+        compute stream waits for the copy out on the GPU, and then the send lets its device tensors go, so that the
+        caching allocator hands their memory only to kernels queued after the copy (the bytes are reused, never
+        added to). Elsewhere (a CPU device, or a simulated link's transfer still under way) the host waits for it
+        to land."""
+        if transit.sources is None or time.perf_counter() < transit.at:
+            _land(transit)
+            self._release_sent()
+            return
+        for done in transit.events:
+            self.engine.wait(done)
+        with self._lock:
+            if transit in self._sending:
+                self._sending.remove(transit)
+                self.memory.release(transit.nbytes)
+            transit.sources = None
 
     def holds(self, key: Any) -> bool:
         """Whether the device holds an entry under key (a stash, say)."""

@@ -4,8 +4,12 @@ On a CPU device the engine is a thread and a copy is done when the call returns,
 the thread never starts an OpenMP team beside the compute thread's (serial_copy). On a CUDA device a copy
 is enqueued on a dedicated non-blocking stream, one for each direction, so that it overlaps kernels on the
 compute stream; the copy's event marks when its bytes are there, and the stream that reads them waits for that
-event on the GPU (the host never blocks on it). The device tensor is recorded on the copy's stream, so that the
-caching allocator does not hand its memory to another tensor while the copy may still use it.
+event on the GPU (the host never blocks on it). A copy in records its device tensor on the copy's stream, so that
+the caching allocator does not hand its memory to another tensor while the copy may still write it. A copy out does
+not: its caller holds the source until the copy has ended or the compute stream waits for it (wait), so that the
+source's memory goes back to the compute stream's pool in stream order, reused only by kernels queued after the copy
+(recorded on the outward stream instead, the allocator would keep it from any reuse until the host saw the copy
+end, and take new memory meanwhile).
 """
 
 from __future__ import annotations
@@ -57,20 +61,22 @@ class CopyEngine:
         with torch.cuda.stream(self.stream):
             return torch.empty(shape, dtype=dtype, device=self.device)
 
-    def copy_out(self, target: torch.Tensor, source: torch.Tensor) -> torch.cuda.Event:
-        """On CUDA: enqueue a copy of device bytes (source) into page-locked host memory (target) on the outward
-        stream, after what the calling thread's stream has enqueued so far (which makes source); the event that
-        ends it."""
-        assert self.outward is not None, "copy_out is the CUDA engine's: a CPU device's memory is the host's"
+    def send(self, source: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """A host copy of device bytes (source) and the event that ends it. On a CPU device it is made now (None).
+        On CUDA it goes into page-locked memory on the outward stream, after what the calling thread's stream has
+        enqueued so far (which makes source); the caller must hold source until the event has completed or its
+        stream waits for it (wait)."""
+        if self.outward is None:
+            return source.clone(), None
+        target = torch.empty(source.shape, dtype=source.dtype, pin_memory=True)
         made = torch.cuda.Event()
         made.record(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.outward):
             self.outward.wait_event(made)
             target.copy_(source, non_blocking=True)
-            source.record_stream(self.outward)
             done = torch.cuda.Event()
             done.record(self.outward)
-        return done
+        return target, done
 
     def wait(self, done: torch.cuda.Event | None, tensor: torch.Tensor | None = None) -> None:
         """Make the calling thread's current stream wait, on the GPU, until a copy's bytes are there; tensor (from

@@ -373,6 +373,73 @@ def test_a_sent_output_stays_charged_until_it_reaches_the_host_and_a_reservation
     cache.clear()
 
 
+class Pending:
+    """A copy's event that has not completed (as a CUDA event held up on its stream); the host must not wait on it."""
+
+    def __init__(self) -> None:
+        self.completed = False
+
+    def query(self) -> bool:
+        return self.completed
+
+    def synchronize(self) -> None:
+        assert self.completed, "the host waited for a copy out"
+
+
+class OrderedEngine(CopyEngine):
+    """A CPU device's engine that orders its copies out by events, as CUDA's streams do: the events it sends with and
+    those the compute stream was made to wait for are recorded."""
+
+    def __init__(self) -> None:
+        super().__init__("cpu-0", torch.device("cpu"))
+        self.sent: list[Pending] = []
+        self.waited: list[Pending] = []
+
+    def send(self, source: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        self.sent.append(Pending())
+        return source.clone(), self.sent[-1]
+
+    def wait(self, done: Any, tensor: torch.Tensor | None = None) -> None:
+        self.waited.append(done)
+
+
+def test_where_streams_order_the_copies_a_reservation_takes_a_sends_room_without_the_host_waiting(
+    store: HostStore,
+) -> None:
+    """On CUDA a reservation that needs a send's room makes the compute stream wait for its copy out instead of the
+    host (which kept the host from running ahead of the GPU: a sync for every micro-batch a swapped pass sends), and
+    the send lets its device tensors go only then, so that their memory is reused after the copy, on the GPU."""
+    cache = make_cache(store, budget=1000)
+    cache.engine, cache.copies_ahead = OrderedEngine(), True
+    value = torch.arange(50, dtype=torch.float32)
+    with cache.scratch(400, "activations") as reserved:
+        sent = cache.send(value, "activations", reserved)
+    assert sent.sources is not None and sent.sources[0].data_ptr() == value.data_ptr(), "held while the copy runs"
+    assert cache.used == 200
+    with cache.scratch(1000, "the next micro-batch"):
+        assert cache.used == 1000
+        assert cache.engine.waited == cache.engine.sent, "the compute stream waits for the copy out, not the host"
+        assert sent.sources is None, "and the send lets its device tensors go after that wait"
+    assert cache.counters.read()["out_activations"] == 200
+    cache.engine.sent[0].completed = True
+    (host,) = cache.arrived([sent])
+    assert torch.equal(host, value) and cache.used == 0
+    cache.clear()
+    cache = make_cache(store, budget=2000)
+    cache.engine, cache.copies_ahead = OrderedEngine(), True
+    values = [torch.arange(100, dtype=torch.float32) + index for index in range(3)]  # 400 bytes each
+    with cache.scratch(200, "activations"):
+        handed = [cache.hand_on("next pack", index, value, keep_free=700) for index, value in enumerate(values)]
+        assert [spilled.value.sources is None for spilled in handed] == [True, False, False], "each sent behind"
+        assert cache.engine.waited == cache.engine.sent[:1], "the third found the room taken: the first's given back"
+        assert cache.used == 1000
+    for pending in cache.engine.sent:
+        pending.completed = True
+    for spilled, value in zip(handed, values):
+        assert torch.equal(cache.copy_in(spilled, "activations"), value)
+    cache.clear()
+
+
 def test_a_gradient_handed_on_in_a_recomputed_backward_leaves_room_for_both_values_of_the_next_micro_batch(
     store: HostStore,
 ) -> None:

@@ -159,6 +159,37 @@ def test_a_value_handed_on_and_sent_behind_is_copied_in_only_after_its_copy_out_
         cache.clear()
 
 
+def test_a_reservation_takes_a_sends_room_without_the_host_waiting_and_reuses_its_memory_after_the_copy(
+    pinned_store: HostStore,
+) -> None:
+    """The outward stream is held up by a GPU sleep: a reservation that needs the send's room returns while its copy
+    is still waiting (the compute stream, not the host, waits for it), the next allocation reuses the send's memory
+    (the budget's bytes are reused, not added to), and what is written there does not reach the host copy."""
+    device = torch.device("cuda:0")
+    nbytes = 64 << 20
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()  # no other free block of the size: the send's is the one to be reused
+    before = torch.cuda.memory_allocated(device)
+    cache = DeviceCache("cuda-0", device, 2 * nbytes, Counters(pinned_store.create("counters", BLOCK_BYTES)),
+                        ahead=True)
+    value = torch.arange(nbytes // 8, dtype=torch.int64, device=device)
+    address, expected = value.data_ptr(), value.cpu()
+    with torch.cuda.stream(cache.engine.outward):
+        torch.cuda._sleep(2_000_000_000)  # about a second of GPU cycles ahead of the copy out
+    with cache.scratch(2 * nbytes, "activations") as reserved:
+        sent = cache.send(value, "activations", reserved)
+    del value
+    with cache.scratch(2 * nbytes, "the next micro-batch"):
+        assert not sent.events[0].query(), "the host did not wait for the copy out"
+        reused = torch.full((nbytes // 8,), -1, dtype=torch.int64, device=device)
+        assert reused.data_ptr() == address, "the send's memory is reused"
+        assert torch.cuda.memory_allocated(device) - before <= cache.memory.used
+    (copied,) = cache.arrived([sent])
+    assert torch.equal(copied, expected), "written over only after its copy out"
+    del reused
+    cache.clear()
+
+
 def test_a_fused_array_on_cuda_matches_plain_pytorch(no_leaks: None) -> None:
     models = [deep_mlp(seed=s) for s in range(4)]
     references = clones(models)
