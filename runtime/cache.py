@@ -165,6 +165,7 @@ class DeviceCache:
         self.memory = DeviceMemory(name, budget)
         self.tensors: dict[Any, Any] = {}
         self.spills: dict[Any, Spilled] = {}  # kept boundary values whose host copy is made only if evicted
+        self.sends: dict[Any, Transit] = {}  # kept boundary values whose send to the host may still read them
         self.counters = counters
         self.link = Link(link_bandwidth) if link_bandwidth else None
         self._lock = threading.RLock()
@@ -191,11 +192,17 @@ class DeviceCache:
         return list(self.memory.entries)
 
     def _forget(self, keys: list[Any]) -> None:
-        """Drop the tensors of entries the accounting evicted; an evicted stash is a loss for its pack, and an
-        evicted value handed on inside a task is copied out first (its consumer reads that copy)."""
+        """Drop the tensors of entries the accounting evicted; an evicted stash is a loss for its pack, an evicted
+        value handed on inside a task is copied out first (its consumer reads that copy), and an evicted kept value
+        whose send may still read it is let go only once the compute stream waits for that copy (as _give_back)."""
         for key in keys:
             value = self.tensors.pop(key, None)
             spilled = self.spills.pop(key, None)
+            sent = self.sends.pop(key, None)
+            if sent is not None and sent.sources is not None:
+                for done in sent.events:
+                    self.engine.wait(done)
+                sent.sources = None
             if spilled is not None and value is not None:
                 spilled.value = self.copy_out(value, "activations")
             if isinstance(value, Stashed):
@@ -250,6 +257,7 @@ class DeviceCache:
             self.memory.drop(key)
             self.tensors.pop(key, None)
             self.spills.pop(key, None)
+            self.sends.pop(key, None)
 
     def clear(self) -> None:
         self.engine.shutdown()
@@ -469,7 +477,8 @@ class DeviceCache:
         prefetched for the next task first, and they would be copied in again. It stays evictable (its
         host copy exists), least recently used first like weights, and any task other than consumer drops
         it when it starts (drop_boundaries). Returns whether it was kept. Where sent is value's send to the host
-        (a Transit still charging value's bytes), the kept value takes that charge over instead of adding its own.
+        (a Transit still charging value's bytes), the kept value takes that charge over instead of adding its own,
+        and its consumer's kernels are ordered after that copy (claim): they may change it in place.
         """
         key = boundary_key(consumer, microbatch)
         with self._lock:
@@ -480,6 +489,8 @@ class DeviceCache:
                 return False
             if taken_over:
                 sent.nbytes = 0
+            if isinstance(sent, Transit) and sent.events:
+                self.sends[key] = sent
             self.tensors[key] = value
             self.counters.raise_to("peak", self.memory.used)
         return True
@@ -681,7 +692,8 @@ class DeviceCache:
         return self.holds(boundary_key(consumer, microbatch))
 
     def claim(self, consumer: Any, microbatch: int) -> Any | None:
-        """The boundary value kept for consumer's micro-batch (now the task's own), or None if it is not here."""
+        """The boundary value kept for consumer's micro-batch (now the task's own), or None if it is not here. Where
+        its send to the host may still be reading it (CUDA), the compute stream waits for that copy first."""
         key = boundary_key(consumer, microbatch)
         with self._lock:
             nbytes = self.memory.claim(key)
@@ -689,7 +701,11 @@ class DeviceCache:
                 return None
             self.counters.add("kept", nbytes)
             self.spills.pop(key, None)
-            return self.tensors.pop(key)
+            sent = self.sends.pop(key, None)
+            value = self.tensors.pop(key)
+        for done in sent.events if sent is not None else ():
+            self.engine.wait(done)
+        return value
 
     def drop_boundaries(self, running: Any) -> None:
         """Drop every kept boundary value that is not for the task now starting."""

@@ -440,6 +440,34 @@ def test_where_streams_order_the_copies_a_reservation_takes_a_sends_room_without
     cache.clear()
 
 
+def test_a_value_kept_while_its_send_is_on_its_way_is_claimed_after_the_compute_stream_waits_for_that_copy(
+    store: HostStore,
+) -> None:
+    """A value sent behind and kept for its consumer is the same device memory the copy out reads: the consumer's
+    kernels (a pack whose first layer works in place, such as ReLU(inplace=True)) must be ordered after that copy,
+    or the host copy its backward recomputes from would hold what they wrote."""
+    cache = make_cache(store, budget=1000)
+    cache.engine, cache.copies_ahead = OrderedEngine(), True
+    value = torch.arange(50, dtype=torch.float32)
+    with cache.scratch(400, "activations") as reserved:
+        sent = cache.send(value, "activations", reserved)
+    assert cache.keep("next pack", 0, value, sent=sent)
+    assert cache.engine.waited == []
+    assert cache.claim("next pack", 0) is value
+    assert cache.engine.waited == cache.engine.sent, "claimed after the compute stream waits for its copy out"
+    cache.engine.sent[0].completed = True
+    cache.arrived([sent])
+    with cache.scratch(400, "activations") as reserved:
+        sent = cache.send(value, "activations", reserved)
+    assert cache.keep("next pack", 1, value, sent=sent)
+    cache.drop_boundaries("another pack")
+    assert cache.engine.waited == cache.engine.sent and sent.sources is None, "dropped: reused after its copy out"
+    assert cache.keep("next pack", 1, value)
+    assert cache.claim("next pack", 1) is value and len(cache.engine.waited) == 2, "a value kept again has no send"
+    cache.engine.sent[1].completed = True
+    cache.clear()
+
+
 def test_a_gradient_handed_on_in_a_recomputed_backward_leaves_room_for_both_values_of_the_next_micro_batch(
     store: HostStore,
 ) -> None:

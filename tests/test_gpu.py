@@ -190,6 +190,29 @@ def test_a_reservation_takes_a_sends_room_without_the_host_waiting_and_reuses_it
     cache.clear()
 
 
+def test_a_value_kept_while_its_send_is_held_up_is_changed_in_place_only_after_its_copy_out(
+    pinned_store: HostStore,
+) -> None:
+    """The outward stream is held up by a GPU sleep: a value kept for its consumer and sent behind at once is claimed
+    and changed in place (a first layer such as ReLU(inplace=True)), and its host copy must still be the value."""
+    device = torch.device("cuda:0")
+    nbytes = 64 << 20
+    cache = DeviceCache("cuda-0", device, 4 * nbytes, Counters(pinned_store.create("counters", BLOCK_BYTES)),
+                        ahead=True)
+    value = torch.arange(nbytes // 8, dtype=torch.int64, device=device)
+    expected = value.cpu()
+    with torch.cuda.stream(cache.engine.outward):
+        torch.cuda._sleep(2_000_000_000)  # about a second of GPU cycles ahead of the copy out
+    with cache.scratch(2 * nbytes, "activations") as reserved:
+        sent = cache.send(value, "activations", reserved)
+    assert cache.keep("next pack", 0, value, sent=sent)
+    cache.claim("next pack", 0).mul_(2)
+    (copied,) = cache.arrived([sent])
+    assert torch.equal(copied, expected), "the kept value was changed before its copy out read it"
+    assert torch.equal(value.cpu(), expected * 2)
+    cache.clear()
+
+
 def test_a_fused_array_on_cuda_matches_plain_pytorch(no_leaks: None) -> None:
     models = [deep_mlp(seed=s) for s in range(4)]
     references = clones(models)
