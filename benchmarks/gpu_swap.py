@@ -219,6 +219,7 @@ def main() -> None:
                 "values ahead+behind/step": (result.stats.bytes_ahead + result.stats.bytes_behind) // steps,
                 "stashed passes/step": result.stats.stashed / steps,
                 "peak": max(result.stats.peak_device_bytes.values()), "budget": budget,
+                "reserved": max(result.stats.reserved_device_bytes.values(), default=0),
                 "packs": len(result.packings[0].packs), "tasks/step": result.stats.tasks / steps,
                 "micro-batches": result.plan.options.microbatches,
                 "busy s/step": sum(result.stats.busy_seconds.values()) / steps,
@@ -235,6 +236,7 @@ def main() -> None:
         row["throughput / resident"] = row["compute s"] / row["step s"]
         row.setdefault("prefetched %", 0.0)
         row.setdefault("peak", 0)
+        row.setdefault("reserved", 0)
         row.setdefault("budget", 0)
         row.setdefault("budget share", "")
         for column in ("packs", "micro-batches", "tasks/step", "stashed passes/step", "busy s/step",
@@ -248,9 +250,10 @@ def main() -> None:
            rows, args.out, notes="batch: samples per weight load (issue 28's goal: 90% of the resident throughput from "
            "16k); compute s: the resident plain loop (for bf16 rows the resident bf16 autocast loop); "
            "copy s: 2W in + 1W out at the measured speed; "
+           "peak: the bytes the budget accounted at most; reserved: the most the worker's CUDA caching allocator held; "
            "busy: time inside Harmony's task bodies; room wait: the part of it the host waited for room on the GPU "
-           "(a value sent out to land, weights to arrive); gc: the worker's garbage collections; activations: "
-           "boundary bytes between host and GPU; predicted s: "
+           "(weights to arrive; values sent out no longer wait on a GPU); gc: the worker's garbage collections; "
+           "activations: boundary bytes between host and GPU; predicted s: "
            "the run's plan's steady step, with the host cost per pack call fitted to the Harmony rows before it (the "
            "median of the last five; none for the first); host us/call fitted: what this run fitted (harmony.calls)",
            raw=raw)

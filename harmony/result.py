@@ -68,7 +68,9 @@ class Stats:
     the workers were ready; room_seconds: per device, the part of its tasks' time their compute thread waited for
     room on the device (a value sent out to land, weights on their way in to arrive; part of the timeline's waits);
     gc_seconds: per device, the part its worker process spent in Python's garbage collector (which stops every
-    thread of it); schedule: per device, the keys of the tasks in the order it ran them;
+    thread of it); reserved_device_bytes: per GPU, the most memory its worker's CUDA caching allocator held at once
+    in the run (peak_device_bytes is what the budget accounted); schedule: per device, the keys of the tasks in the
+    order it ran them;
     finish_seconds: per model, when its last step finished, counted from the same moment;
     step_seconds: per model, when each of its steps finished (its update applied), from the same moment
     (the steps of a multi-step task finish together); steps_per_task: per model, how many consecutive
@@ -95,6 +97,7 @@ class Stats:
     idle_seconds: dict[str, float] = field(default_factory=dict)
     room_seconds: dict[str, float] = field(default_factory=dict)
     gc_seconds: dict[str, float] = field(default_factory=dict)
+    reserved_device_bytes: dict[str, int] = field(default_factory=dict)
     bytes_remote: int = 0
     bytes_p2p: int = 0
     bytes_prefetched: int = 0
@@ -287,6 +290,7 @@ class TrainResult:
             },
             room_seconds={name: values["room_ns"] / 1e9 for name, values in counters.items()},
             gc_seconds={name: values["gc_ns"] / 1e9 for name, values in counters.items()},
+            reserved_device_bytes={name: values["reserved"] for name, values in counters.items() if values["reserved"]},
             bytes_remote=sum(values["remote"] for values in counters.values()),
             bytes_p2p=sum(values["p2p"] for values in counters.values()),
             bytes_prefetched=sum(values["prefetched"] for values in counters.values()),

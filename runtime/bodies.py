@@ -135,6 +135,7 @@ def task_body(kind: str, host: bool = False) -> Callable[[Callable[..., Result]]
                 ctx.timeline.append((key, began, time.time(), (ctx.counters.values["wait_ns"] - waited) / 1e9))
                 ctx.counters.add("tasks", 1)
                 ctx.counters.set("used", ctx.cache.memory.used)
+                ctx.counters.raise_to("reserved", ctx.cache.reserved())
                 ctx.counters.publish()
 
         return run

@@ -769,6 +769,12 @@ class DeviceCache:
         self._unsettled = True
         return host
 
+    def reserved(self) -> int:
+        """The most device memory the process has held at once since its run began (CUDA's caching allocator's
+        peak reserved bytes: what the budget's accounting stands for, fragments and blocks waiting for reuse
+        included); 0 on a CPU device, whose memory is the accounting's alone."""
+        return torch.cuda.max_memory_reserved(self.device) if self.device.type == "cuda" else 0
+
     def settle(self) -> None:
         """Wait until the copies enqueued on the compute stream (copy_out's to the host, copy_in's from it) have
         completed (CUDA only)."""

@@ -23,6 +23,7 @@ NAMES = (
     "inputs_recomputed",
     "computed",
     "peak",
+    "reserved",
     "used",
     "busy_ns",
     "wait_ns",

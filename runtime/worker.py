@@ -74,6 +74,7 @@ class RunContext:
         self.device = torch.device(self.device_spec.torch_device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)  # the run's own peak: see DeviceCache.reserved
         self.store = HostStore(spec.run, spec.store_directory, pin=self.device.type == "cuda")
         counters = Counters(self.store.attach(counters_name(self.device_index), block_bytes(len(spec.models))))
         self.threads = self.store.attach(threads_name(self.device_index), 8).view(torch.int64)

@@ -64,6 +64,7 @@ def test_shared_loader_matches_plain_pytorch(devices: list[str], no_leaks: None)
     assert set(result.stats.peak_device_bytes) == {f"cpu-{i}" for i in range(len(devices))}
     for device, peak in result.stats.peak_device_bytes.items():
         assert 0 < peak <= BUDGET, f"{device} peaked at {peak} bytes over its {BUDGET}-byte budget"
+    assert result.stats.reserved_device_bytes == {}, "a CPU device's memory is its accounting's alone"
     assert result.dashboard_link and result.dashboard_link.startswith("http")
 
 

@@ -78,6 +78,7 @@ def test_cuda_device_matches_plain_pytorch_while_swapping_with_prefetch(no_leaks
         train_plain(reference, batches, nn.functional.mse_loss, factory)
         assert_same_weights(model, reference, rtol=1e-4, atol=1e-6)
     assert max(result.stats.peak_device_bytes.values()) <= 24_000
+    assert set(result.stats.reserved_device_bytes) == {"cuda-0"} and result.stats.reserved_device_bytes["cuda-0"] > 0
     assert result.stats.bytes_prefetched > 0, "weights were swapped in without the copy stream"
     assert result.stats.bytes_ahead > 0, "values crossed on the compute stream"
 
