@@ -238,6 +238,7 @@ def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7, larges
     with preserved_state(model), torch.no_grad():
         x = sample
         for index, (layer, borrowed) in enumerate(zip(layers, borrowings)):
+            saved = _saved_bytes(layer, x)  # before the timed calls: one output of the layer held at a time
             generator = torch.get_rng_state()
             y, seconds = _fastest_call(layer, x, 1 if given else repeats)
             draws = not torch.equal(generator, torch.get_rng_state())  # only the last call leaves the RNG moved
@@ -255,6 +256,7 @@ def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7, larges
                     frozen=frozenset(n for n, p in named if not p.requires_grad),
                     input_bytes_per_sample=tree_nbytes(x) / samples,
                     output_bytes_per_sample=_new_bytes(y, x) / samples,
+                    saved_bytes_per_sample=saved / samples,
                     forward_seconds_per_sample=given[index] if given else seconds / samples,
                     cut_before=is_boundary(x),
                     borrowed=_specs((n, p) for n, p in named if n in borrowed),
@@ -371,6 +373,33 @@ def _timings(timed: ModelProfile | None, layers: list[nn.Module], borrowings: li
                 _describe(layer), _specs(own), _specs(layer.named_buffers())):
             return None
     return [known.forward_seconds_per_sample for known in timed.layers]
+
+
+def _saved_bytes(layer: nn.Module, x: Any) -> int:
+    """The bytes layer's forward on x saves for its backward beyond its input, its output and its weights (a block's
+    internals), as a bwd task's recompute records them: from an input that requires gradients, and under its weights'
+    own requires_grad. The input is a copy (a leaf would refuse a layer that changes its input in place); the random
+    generator is left as it was."""
+    own = {tensor.untyped_storage().data_ptr() for tensor in (*layer.parameters(), *layer.buffers())}
+    with torch.enable_grad():
+        inputs = tree_map(lambda leaf: leaf.detach().requires_grad_().clone()
+                          if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() else leaf, x)
+    saved: dict[int, int] = {}
+
+    def keep(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        saved.setdefault(storage.data_ptr(), storage.nbytes())
+        return tensor
+
+    generator = torch.get_rng_state()
+    try:
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+            y = layer(inputs)
+    finally:
+        torch.set_rng_state(generator)
+    passed = {leaf.untyped_storage().data_ptr() for leaf in tree_leaves((x, inputs, y))
+              if isinstance(leaf, torch.Tensor)}
+    return sum(nbytes for pointer, nbytes in saved.items() if pointer not in own | passed)
 
 
 def _new_bytes(y: Any, x: Any) -> int:

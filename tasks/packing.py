@@ -154,8 +154,9 @@ class Packing:
 def workspace_bytes(layers: tuple[LayerProfile, ...] | list[LayerProfile], samples: int) -> int:
     """Activation bytes of one micro-batch through layers while their backward runs.
 
-    The boundary input and its gradient, every layer's output and its gradient, and the largest
-    parameter's freshly computed gradient before it is accumulated.
+    The boundary input and its gradient, every layer's output and what it keeps inside for its backward
+    (LayerProfile.saved_bytes_per_sample) and their gradients, and the largest parameter's freshly computed
+    gradient before it is accumulated.
     """
     if not layers:
         return 0
@@ -164,7 +165,8 @@ def workspace_bytes(layers: tuple[LayerProfile, ...] | list[LayerProfile], sampl
 
 def activation_bytes_per_sample(layers: tuple[LayerProfile, ...] | list[LayerProfile]) -> float:
     """The part of workspace_bytes that grows with the micro-batch, per sample."""
-    return 2 * layers[0].input_bytes_per_sample + 2 * sum(layer.output_bytes_per_sample for layer in layers)
+    return 2 * layers[0].input_bytes_per_sample + 2 * sum(
+        layer.output_bytes_per_sample + layer.saved_bytes_per_sample for layer in layers)
 
 
 def _prefixed(layers: list[LayerProfile], pick: str) -> tuple[TensorSpec, ...]:

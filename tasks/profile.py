@@ -21,7 +21,9 @@ class LayerProfile:
     copies them in and computes their gradients), but they are not its own parameters. ``halved`` are the own
     parameters that autocast only casts (measured under a lower precision, see runtime.halving): a swapped pack may
     hold their device copy in autocast's dtype. ``draws``: its forward drew from the random generator in the pilot
-    (dropout in training mode), so that it draws from a stream of its own (runtime.seeding).
+    (dropout in training mode), so that it draws from a stream of its own (runtime.seeding). ``saved_bytes_per_sample``:
+    what its forward keeps for its backward beyond its input, its output and its weights (a block's internals: an
+    MLP's hidden activations, attention's probabilities), counted like outputs in a pack's workspace.
     """
 
     description: str
@@ -30,6 +32,7 @@ class LayerProfile:
     frozen: frozenset[str] = frozenset()
     input_bytes_per_sample: float = 0.0
     output_bytes_per_sample: float = 0.0
+    saved_bytes_per_sample: float = 0.0
     forward_seconds_per_sample: float = 0.0
     cut_before: bool = True
     borrowed: tuple[TensorSpec, ...] = ()
