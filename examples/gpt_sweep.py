@@ -6,7 +6,7 @@ character-level (byte) language model learns to continue Python. The first 90% i
 validation. Each model trains with AdamW on a linear warm-up and a cosine decay of its learning rate, its gradients
 clipped at a norm of 1, as GPTs are trained. Each model is a chain (embeddings, blocks, head), so Harmony cuts the
 larger ones into packs of blocks that fit the device budget and swaps them through the host store; the models of one
-size share their data and architecture, so they train as a fused array.
+size share their data and architecture, so they train as a fused array where one fits the budget and pays.
 
     python examples/gpt_sweep.py            # a few minutes on 2 cores
     python examples/gpt_sweep.py --smoke    # seconds: what CI runs
@@ -116,7 +116,8 @@ def main() -> None:
     grid = [(width, depth, rate) for width, depth in sizes for rate in rates]
     models = [gpt(width, depth, context, seed=index) for index, (width, depth, _) in enumerate(grid)]
     largest = max(parameter_bytes(model) for model in models)
-    budget = largest  # below the largest model's weights, gradients and Adam state: it trains in packs
+    budget = 2 * largest  # half the largest model's weights, gradients and AdamW state (and less than its
+    # activations besides): it trains in packs
     batches = windows(train, context, batch, steps, seed=0)
 
     started = time.perf_counter()

@@ -284,7 +284,7 @@ def test_fused_models_that_apply_a_layer_twice_train_as_in_plain_pytorch(budget:
         assert_same_weights(model, reference, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("budget", [None, 6000], ids=["resident", "swapped"])
+@pytest.mark.parametrize("budget", [None, 8000], ids=["resident", "swapped"])
 def test_parametrized_layers_train_as_in_plain_pytorch(budget: int | None, no_leaks: None) -> None:
     """weight_norm and spectral_norm (torch.nn.utils.parametrizations: modules torch will not pickle, and a power
     iteration's buffers updated by every training forward), homed or in packs, in float64."""

@@ -310,7 +310,7 @@ def test_compiled_packs_give_plain_pytorchs_weights_and_their_recompute_draws_th
         result = harmony.train(models, batches, nn.functional.mse_loss, adam, microbatches=2, devices=["cpu"],
                                device_memory=50_000, packs_per_task=1, resident=False, fuse=False, compile=compiled,
                                progress=False)
-        assert [len(packing.packs) for packing in result.packings] == [4, 2]
+        assert [len(packing.packs) for packing in result.packings] == [4, 3]  # dropout's masks count: 3 packs
         trained[compiled] = models
     train_plain(references[0], batches, nn.functional.mse_loss, adam)
     assert_same_weights(trained[True][0], references[0], rtol=1e-9, atol=1e-12)
@@ -404,7 +404,9 @@ def test_a_model_whose_cuts_carry_its_sizes_as_integers_trains_in_packs(no_leaks
 
 def test_torchvisions_vit_trains_in_packs_under_a_third_of_its_size(no_leaks: None) -> None:
     """torchvision's VisionTransformer (12 encoder layers) is cut between its encoder layers by tracing; it trains
-    on two devices under a third of its parameter bytes and equals plain PyTorch in float64 within 1e-9."""
+    on two devices under a third of its parameter bytes, in micro-batches of two images (an attention stage keeps
+    its probabilities for its backward: one of more would not fit), and equals plain PyTorch in float64 within
+    1e-9."""
     vision = pytest.importorskip("torchvision.models.vision_transformer")
     torch.manual_seed(0)
     model = vision.VisionTransformer(image_size=16, patch_size=4, num_layers=12, num_heads=2, hidden_dim=32,
@@ -417,7 +419,7 @@ def test_torchvisions_vit_trains_in_packs_under_a_third_of_its_size(no_leaks: No
     adam = lambda p: torch.optim.Adam(p, lr=1e-3)  # noqa: E731
     budget = param_bytes(model) // 3
     result = harmony.train(model, batches, nn.functional.cross_entropy, adam, devices=["cpu", "cpu"],
-                           device_memory=budget, progress=False)
+                           device_memory=budget, microbatches=4, progress=False)
     assert len(result.packings[0].packs) >= 3
     assert max(result.stats.peak_device_bytes.values()) <= budget
     train_plain(reference, batches, nn.functional.cross_entropy, adam)
