@@ -238,7 +238,7 @@ def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7, larges
     with preserved_state(model), torch.no_grad():
         x = sample
         for index, (layer, borrowed) in enumerate(zip(layers, borrowings)):
-            saved = _saved_bytes(layer, x)  # before the timed calls: one output of the layer held at a time
+            saved = _saved_bytes(layer, x, index > 0)  # before the timed calls: one of its outputs held at a time
             generator = torch.get_rng_state()
             y, seconds = _fastest_call(layer, x, 1 if given else repeats)
             draws = not torch.equal(generator, torch.get_rng_state())  # only the last call leaves the RNG moved
@@ -375,15 +375,15 @@ def _timings(timed: ModelProfile | None, layers: list[nn.Module], borrowings: li
     return [known.forward_seconds_per_sample for known in timed.layers]
 
 
-def _saved_bytes(layer: nn.Module, x: Any) -> int:
+def _saved_bytes(layer: nn.Module, x: Any, tracked: bool) -> int:
     """The bytes layer's forward on x saves for its backward beyond its input, its output and its weights (a block's
-    internals), as a bwd task's recompute records them: from an input that requires gradients, and under its weights'
-    own requires_grad. The input is a copy (a leaf would refuse a layer that changes its input in place); the random
-    generator is left as it was."""
+    internals), as a bwd task's recompute records them: under its weights' own requires_grad, and where tracked (every
+    layer but the model's first) from an input that requires gradients. That input is a copy (a leaf would refuse a
+    layer that changes its input in place); the random generator is left as it was."""
     own = {tensor.untyped_storage().data_ptr() for tensor in (*layer.parameters(), *layer.buffers())}
     with torch.enable_grad():
         inputs = tree_map(lambda leaf: leaf.detach().requires_grad_().clone()
-                          if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() else leaf, x)
+                          if tracked and isinstance(leaf, torch.Tensor) and leaf.is_floating_point() else leaf, x)
     saved: dict[int, int] = {}
 
     def keep(tensor: torch.Tensor) -> torch.Tensor:

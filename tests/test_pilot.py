@@ -440,15 +440,15 @@ def test_a_long_forwards_backward_is_timed_on_fewer_samples_or_not_at_all(monkey
     monkeypatch.setattr(pilot, "time", SimpleNamespace(perf_counter=lambda: clock.now))
     model = nn.Sequential(TimedBoth(clock, 0.25, 1.5), TimedBoth(clock, 0.5, 4.5))
     sizes: list[int] = []
-    model[0].register_forward_hook(lambda _, inputs, __: sizes.append(len(inputs[0]))  # the timed rounds', not the
-                                   if torch.is_grad_enabled() and not inputs[0].requires_grad else None)  # saved bytes'
+    model[0].register_forward_hook(lambda _, inputs, __: sizes.append(len(inputs[0])) if torch.is_grad_enabled()
+                                   else None)
     monkeypatch.setattr(pilot, "BACKWARD_SECONDS", 0.6)
     assert decompose(model, torch.randn(8, 8), "m", repeats=3).profile.backward_ratio == 4.0
-    assert sizes == [2, 3]
+    assert sizes == [8, 2, 3], "what the layer keeps, measured on the micro-batch, then the rounds on 2 and 3"
     sizes.clear()
     monkeypatch.setattr(pilot, "BACKWARD_SECONDS", 0.3)
     assert decompose(model, torch.randn(8, 8), "m", repeats=3).profile.backward_ratio == BACKWARD_RATIO
-    assert sizes == []
+    assert sizes == [8]
 
 
 class LiveBytes(TorchDispatchMode):
@@ -556,3 +556,24 @@ def test_a_packs_workspace_holds_what_its_recompute_and_backward_keep(name: str)
             with torch.no_grad():
                 for layer in layers:
                     x = layer(x)
+
+
+class Numpied(nn.Module):
+    """A first layer that reads its input through NumPy: it works on a batch, which never requires gradients."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(x.numpy() * 2)
+
+
+def test_what_a_layer_keeps_is_measured_from_an_input_that_requires_gradients_but_for_the_models_first() -> None:
+    """As a bwd task's recompute runs them: the model's first layer reads the batch, later ones values that require
+    gradients (x times tanh(x) keeps the tanh, made inside; the Linear keeps only its input and its weight)."""
+    decomposition = decompose(nn.Sequential(Numpied(), Scaled(), nn.Linear(8, 2)), torch.randn(4, 8), "m")
+    assert [layer.saved_bytes_per_sample for layer in decomposition.profile.layers] == [0, 8 * 4, 0]
+
+
+class Scaled(nn.Module):
+    """x times tanh(x): the tanh's output is kept for the product's backward, inside the layer."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.tanh(x)
