@@ -200,9 +200,7 @@ class DeviceCache:
             spilled = self.spills.pop(key, None)
             sent = self.sends.pop(key, None)
             if sent is not None and sent.sources is not None:
-                for done in sent.events:
-                    self.engine.wait(done)
-                sent.sources = None
+                self._ordered_after(sent)
             if spilled is not None and value is not None:
                 spilled.value = self.copy_out(value, "activations")
             if isinstance(value, Stashed):
@@ -674,13 +672,18 @@ class DeviceCache:
             _land(transit)
             self._release_sent()
             return
-        for done in transit.events:
-            self.engine.wait(done)
+        self._ordered_after(transit)
         with self._lock:
             if transit in self._sending:
                 self._sending.remove(transit)
                 self.memory.release(transit.nbytes)
-            transit.sources = None
+
+    def _ordered_after(self, transit: Transit) -> None:
+        """Make the compute stream wait for a CUDA send's copy out, then let its device tensors go: their memory is
+        reused only by kernels queued after that copy."""
+        for done in transit.events:
+            self.engine.wait(done)
+        transit.sources = None
 
     def holds(self, key: Any) -> bool:
         """Whether the device holds an entry under key (a stash, say)."""
