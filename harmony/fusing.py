@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import psutil
 import torch
@@ -41,7 +41,7 @@ from harmony.tasks.homes import choose_homes
 from harmony.tasks.packing import LayerTooLarge, Packing, cut_packs, minimal_budget, with_update_rate
 from harmony.tasks.profile import ModelProfile
 from harmony.tasks.pruning import PRUNERS, computed_share, every_member
-from harmony.tasks.runplan import Job
+from harmony.tasks.runplan import PRECISIONS, Job
 from harmony.tasks.simulator import model_step_seconds, simulate
 from harmony.validate import Arguments
 
@@ -95,10 +95,13 @@ def build_array(members: list[int], candidates: list[Candidate], args: Arguments
     ]
     sample, target, sizes = pilot_batch(args, members[0])
     try:
-        decomposition = decompose(nn.Sequential(*layers), sample, label, timed=timed, shares=parts[0].profile)
+        decomposition = decompose(nn.Sequential(*layers), sample, label, autocast=PRECISIONS[args.options.precision],
+                                  timed=timed, shares=parts[0].profile)
     except Exception as error:
         raise Unfusable(members[0], f"{label} raised {type(error).__name__}: {error} in its fused forward during "
                         "the pilot pass; pass fuse=False to train these models unfused") from error
+    stacked = tuple(replace(layer, halved=frozenset()) for layer in decomposition.profile.layers)
+    decomposition = replace(decomposition, profile=replace(decomposition.profile, layers=stacked))  # float32 stacks
     loss_fns = [args.loss_fns[m] for m in members]
     loss = array_loss(loss_fns, decomposition.output, target) if all(fn is not None for fn in loss_fns) else None
     factories = [args.optimizers[m] for m in members]

@@ -14,7 +14,7 @@ function the mode cannot see into (multi-head attention's fused path) counts as 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -34,26 +34,34 @@ METADATA = frozenset({"size", "dim", "numel", "stride", "is_floating_point", "is
 
 
 class _Uses(TorchFunctionMode):
-    """Records, per watched weight, whether it was an argument of anything but an op autocast casts it for."""
+    """Records, per watched weight, whether it was an argument of an op autocast casts it for (cast), of anything else
+    (other), and whether it or a view of it was cast by such an op (some: autocast made a copy)."""
 
-    def __init__(self, weights: dict[int, str], device_type: str, dtype: torch.dtype) -> None:
+    def __init__(self, weights: dict[int, str], storages: dict[int, str], device_type: str, dtype: torch.dtype
+                 ) -> None:
         super().__init__()
-        self.weights = weights
+        self.weights = weights  # by id: the parameter itself
+        self.storages = storages  # by storage: the parameter or a view of it
         self.device_type = device_type
         self.dtype = dtype
         self.cast: set[str] = set()
         self.other: set[str] = set()
+        self.some: set[str] = set()
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        used = {self.weights[id(leaf)] for leaf in tree_leaves((args, kwargs))
-                if isinstance(leaf, torch.Tensor) and id(leaf) in self.weights}
+        tensors = [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
+        used = {self.weights[id(leaf)] for leaf in tensors if id(leaf) in self.weights}
+        read = {self.storages[pointer] for leaf in tensors if leaf.dtype == torch.float32
+                and (pointer := leaf.untyped_storage().data_ptr()) in self.storages}
         result = func(*args, **kwargs)
-        if used and not _metadata(func):
+        if read and not _metadata(func):
             cast = (func in CAST_BY_AUTOCAST and torch.is_autocast_enabled(self.device_type)
                     and torch.get_autocast_dtype(self.device_type) == self.dtype
                     and isinstance(result, torch.Tensor) and result.dtype == self.dtype)  # it did compute in dtype
             (self.cast if cast else self.other).update(used)
+            if cast:
+                self.some.update(read)
         return result
 
 
@@ -65,19 +73,27 @@ def _metadata(func: Any) -> bool:
     return name in METADATA
 
 
-def cast_only(layer: nn.Module, x: Any, dtype: torch.dtype, names: set[str]) -> frozenset[str]:
-    """The float32 parameters among names (layer's own) that one forward of layer on x under autocast(dtype) reads
-    only through ops autocast casts them for: those whose device copy may be in dtype (none where the forward
-    raises under autocast)."""
+class Casts(NamedTuple):
+    """Which float32 parameters one forward under autocast reads through ops autocast casts them for."""
+
+    only: frozenset[str]  # read through those ops alone: their device copy may be in autocast's dtype
+    some: frozenset[str]  # read by at least one of them: a float32 copy of one is cast in each forward, held to the
+    # end of its backward (saved for it, or in autocast's cache)
+
+
+def casts(layer: nn.Module, x: Any, dtype: torch.dtype, names: set[str]) -> Casts:
+    """The float32 parameters among names that one forward of layer on x under autocast(dtype) reads only, and at
+    least once, through ops autocast casts them for (neither where the forward raises under autocast)."""
     device = next((leaf.device for leaf in tree_leaves(x) if isinstance(leaf, torch.Tensor)), torch.device("cpu"))
-    weights = {id(parameter): name for name, parameter in layer.named_parameters()
-               if name in names and parameter.dtype == torch.float32}
-    if not weights:
-        return frozenset()
-    uses = _Uses(weights, device.type, dtype)
+    watched = [(name, parameter) for name, parameter in layer.named_parameters()
+               if name in names and parameter.dtype == torch.float32]
+    if not watched:
+        return Casts(frozenset(), frozenset())
+    storages = {parameter.untyped_storage().data_ptr(): name for name, parameter in watched if parameter.numel()}
+    uses = _Uses({id(parameter): name for name, parameter in watched}, storages, device.type, dtype)
     try:
         with torch.no_grad(), torch.autocast(device.type, dtype=dtype), uses:
             layer(x)
     except Exception:
-        return frozenset()
-    return frozenset(uses.cast - uses.other)
+        return Casts(frozenset(), frozenset())
+    return Casts(frozenset(uses.cast - uses.other), frozenset(uses.some))

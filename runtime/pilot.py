@@ -23,7 +23,7 @@ from torch import fx, nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from harmony.runtime.cache import tree_nbytes
-from harmony.runtime.halving import cast_only
+from harmony.runtime.halving import casts
 from harmony.runtime.hoststore import dtype_name
 from harmony.runtime.stages import CONTAINERS, trace_stages, weight_bytes
 from harmony.tasks.layout import TensorSpec
@@ -214,7 +214,8 @@ def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7, larges
     """Decompose model into a chain and profile it on sample (one micro-batch of inputs); a traced block holding more
     than largest bytes of weights is cut at its children; with export, a module torch.fx cannot trace is exported
     with torch.export and cut the same way; with autocast (a dtype's name), each layer's parameters that autocast
-    only casts to it are found (LayerProfile.halved; never a tied one, which another layer may read otherwise).
+    only casts to it are found (LayerProfile.halved; never a tied one, which another layer may read otherwise), and
+    those it casts at all (LayerProfile.copied).
 
     timed is the profile of a model piloted before that may share this one's architecture (a sweep's models): if
     its layers are these (the same descriptions, parameters and buffers, on as many samples), each layer is called
@@ -244,10 +245,12 @@ def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7, larges
             draws = not torch.equal(generator, torch.get_rng_state())  # only the last call leaves the RNG moved
             named = list(layer.named_parameters())
             halved: frozenset[str] = frozenset()
+            copied: frozenset[str] = frozenset()
             if autocast:
                 with preserved_state(layer):
-                    own = {n for n, _ in named if n not in borrowed and (index, n) not in lent}
-                    halved = cast_only(layer, x, getattr(torch, autocast), own)
+                    cast = casts(layer, x, getattr(torch, autocast), {n for n, _ in named})
+                own = {n for n, _ in named if n not in borrowed and (index, n) not in lent}
+                halved, copied = cast.only & own, cast.some
             profiles.append(
                 LayerProfile(
                     description=_describe(layer),
@@ -262,6 +265,7 @@ def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7, larges
                     borrowed=_specs((n, p) for n, p in named if n in borrowed),
                     lenders=tuple(borrowed[n] for n, _ in named if n in borrowed),
                     halved=halved,
+                    copied=copied,
                     draws=draws,
                 )
             )

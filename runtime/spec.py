@@ -121,6 +121,7 @@ def describe(plan: RunPlan, codes: list[JobCode]) -> tuple[ModelRuntime, ...]:
     models = []
     for job, code in zip(plan.jobs, codes):
         packs = []
+        held = job.device_packing
         for index, pack in enumerate(job.packing.packs):
             halved_names = job.halved(index)
             halved = halve(pack.weights, halved_names, autocast) if halved_names and autocast else None
@@ -135,7 +136,7 @@ def describe(plan: RunPlan, codes: list[JobCode]) -> tuple[ModelRuntime, ...]:
                         (slot.offset for slot in weights.slots if slot.spec.name in buffer_names),
                         default=weights.nbytes,
                     ),
-                    workspace=pack.cost.workspace,
+                    workspace=held.packs[index].cost.workspace,
                     borrowed=pack.borrowed,
                     lent=tuple((later.index, there, here) for later in reversed(job.packing.packs)
                                for there, owner, here in later.borrowed if owner == index),

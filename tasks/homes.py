@@ -22,9 +22,10 @@ from harmony.tasks.packing import Packing
 
 def homed_bytes(packing: Packing, optimizer_state_ratio: float) -> int:
     """What a homed single-pack model holds on its device: weights, a gradient buffer, optimizer state
-    (optimizer_state_ratio bytes per trainable parameter byte) and one micro-batch's workspace."""
+    (optimizer_state_ratio bytes per trainable parameter byte) and one micro-batch's workspace (its weights held in
+    float32: Pack.float_workspace)."""
     pack = packing.packs[0]
-    return pack.float_bytes + pack.grad_bytes + pack.state_bytes(optimizer_state_ratio) + pack.cost.workspace
+    return pack.float_bytes + pack.grad_bytes + pack.state_bytes(optimizer_state_ratio) + pack.float_workspace
 
 
 def choose_homes(
@@ -49,7 +50,7 @@ def choose_homes(
         device = max(room, key=lambda name: room[name])
         if need + max(others, default=0) <= room[device]:
             homes[model] = device
-            room[device] -= need - packings[model].packs[0].cost.workspace
+            room[device] -= need - packings[model].packs[0].float_workspace
     return homes, room
 
 

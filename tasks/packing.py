@@ -37,7 +37,7 @@ class LayerTooLarge(ValueError):
     @property
     def fixed(self) -> int:
         """The part of alone that no micro-batch size changes: weights, gradients and the fixed part of the
-        activations (workspace_bytes's largest fresh gradient)."""
+        activations (workspace_bytes's largest fresh gradient, autocast's copies)."""
         return self.alone - round(self.per_sample * self.samples)
 
     @property
@@ -112,6 +112,12 @@ class Pack:
         return sum(spec.nbytes for spec in self.weights if spec.name in self.halved)
 
     @property
+    def float_workspace(self) -> int:
+        """The workspace where the device holds every weight in float32 (a homed model, a fused array): autocast
+        copies the halved ones too, in each forward."""
+        return self.cost.workspace + self.halved_bytes // 2
+
+    @property
     def float_bytes(self) -> int:
         """What the pack's weights hold in their own dtypes, as the host store, its optimizer and a device that
         keeps them whole (a homed model) hold them."""
@@ -155,12 +161,13 @@ def workspace_bytes(layers: tuple[LayerProfile, ...] | list[LayerProfile], sampl
     """Activation bytes of one micro-batch through layers while their backward runs.
 
     The boundary input and its gradient, every layer's output and what it keeps inside for its backward
-    (LayerProfile.saved_bytes_per_sample) and their gradients, and the largest parameter's freshly computed
-    gradient before it is accumulated.
+    (LayerProfile.saved_bytes_per_sample) and their gradients, the largest parameter's freshly computed gradient
+    before it is accumulated, and autocast's copies of the weights (LayerProfile.copy_bytes).
     """
     if not layers:
         return 0
-    return round(activation_bytes_per_sample(layers) * samples) + max(layer.largest_param_bytes for layer in layers)
+    return (round(activation_bytes_per_sample(layers) * samples) + max(layer.largest_param_bytes for layer in layers)
+            + sum(layer.copy_bytes for layer in layers))
 
 
 def activation_bytes_per_sample(layers: tuple[LayerProfile, ...] | list[LayerProfile]) -> float:

@@ -23,7 +23,10 @@ class LayerProfile:
     hold their device copy in autocast's dtype. ``draws``: its forward drew from the random generator in the pilot
     (dropout in training mode), so that it draws from a stream of its own (runtime.seeding). ``saved_bytes_per_sample``:
     what its forward keeps for its backward beyond its input, its output and its weights (a block's internals: an
-    MLP's hidden activations, attention's probabilities), counted like outputs in a pack's workspace.
+    MLP's hidden activations, attention's probabilities), counted like outputs in a pack's workspace. ``copied``: the
+    float32 parameters (own and borrowed) that autocast casts for some op: each forward makes a 2-byte copy of one,
+    held until its backward ends (saved for it, or in autocast's cache), but of a halved one the device holds in
+    that dtype already (copy_bytes).
     """
 
     description: str
@@ -38,6 +41,7 @@ class LayerProfile:
     borrowed: tuple[TensorSpec, ...] = ()
     lenders: tuple[tuple[int, str], ...] = ()
     halved: frozenset[str] = frozenset()
+    copied: frozenset[str] = frozenset()
     draws: bool = False
 
     @property
@@ -66,6 +70,13 @@ class LayerProfile:
     def device_bytes(self) -> int:
         """weight_bytes as a swapped pack holds them on its device: the halved parameters at half their bytes."""
         return self.weight_bytes - self.halved_bytes // 2
+
+    @property
+    def copy_bytes(self) -> int:
+        """What autocast's copies of its weights hold while it runs, where the device holds the halved ones halved
+        (a job that holds them in float32 adds their copies: Pack.float_workspace)."""
+        return sum(spec.nbytes // 2 for spec in (*self.params, *self.borrowed)
+                   if spec.name in self.copied and spec.name not in self.halved)
 
     @property
     def grad_bytes(self) -> int:

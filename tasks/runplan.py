@@ -129,12 +129,13 @@ class Job:
     @property
     def device_packing(self) -> Packing:
         """The packing as the devices hold it, what the simulator replays and times. Packs are cut for halved copies
-        (tasks.packing); a job that does not halve holds its weights at their float32 bytes."""
+        (tasks.packing); a job that does not halve holds its weights at their float32 bytes, and autocast copies
+        them in each forward (Pack.float_workspace)."""
         if self.halves:
             return self.packing
         packs = []
         for pack in self.packing.packs:
-            held = dataclasses.replace(pack.cost, weights=pack.float_bytes)
+            held = dataclasses.replace(pack.cost, weights=pack.float_bytes, workspace=pack.float_workspace)
             packs.append(dataclasses.replace(pack, cost=held) if pack.halved else pack)
         return dataclasses.replace(self.packing, packs=tuple(packs))
 

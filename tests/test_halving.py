@@ -6,11 +6,11 @@ import pytest
 import torch
 from torch import nn
 
-from harmony.runtime.halving import cast_only
+from harmony.runtime.halving import casts
 
 
 def halved(layer: nn.Module, x: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> set[str]:
-    return set(cast_only(layer, x, dtype, {name for name, _ in layer.named_parameters()}))
+    return set(casts(layer, x, dtype, {name for name, _ in layer.named_parameters()}).only)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -45,6 +45,13 @@ class Reads(nn.Module):
 
 def test_a_weight_with_any_other_use_stays_float32() -> None:
     assert halved(Reads(), torch.randn(2, 4)) == {"matmul"}
+
+
+def test_every_weight_an_op_casts_is_copied_by_autocast_through_a_view_too() -> None:
+    """What a float32 device copy costs in each forward (LayerProfile.copied): all but the one autocast is off for."""
+    layer = Reads()
+    copied = casts(layer, torch.randn(2, 4), torch.bfloat16, {name for name, _ in layer.named_parameters()}).some
+    assert copied == {"matmul", "also_scaled", "viewed", "tied.weight"}
 
 
 def test_a_conv1d_of_gpt2_is_halved() -> None:

@@ -510,19 +510,24 @@ def _blocks() -> dict[str, tuple[nn.Module, Any]]:
                                     for _ in range(2)]), torch.randn(4, 24, 32)),
         "gelu blocks": (nn.Sequential(*[GeluBlock(32) for _ in range(3)]), torch.randn(16, 32)),
         "conv blocks": (nn.Sequential(*[ConvBlock(8) for _ in range(2)]), torch.randn(4, 8, 16, 16)),
+        "wide gelu blocks": (nn.Sequential(*[GeluBlock(128) for _ in range(3)]), torch.randn(2, 128)),
     }
 
 
-@pytest.mark.parametrize("name", ["gpt2", "encoder", "gelu blocks", "conv blocks"])
-def test_a_packs_workspace_holds_what_its_recompute_and_backward_keep(name: str) -> None:
+@pytest.mark.parametrize("held", ["fp32", "bf16, halved", "bf16, float32"])
+@pytest.mark.parametrize("name", ["gpt2", "encoder", "gelu blocks", "conv blocks", "wide gelu blocks"])
+def test_a_packs_workspace_holds_what_its_recompute_and_backward_keep(name: str, held: str) -> None:
     """A block piloted as one layer keeps its internals for its backward (attention's probabilities, an MLP's hidden
     activations, dropout's masks): each pack's workspace, whole or cut, holds the most bytes its forward with autograd
     and its backward hold at once, beside its weights and their gradient buffer (measured op by op; on 2026-11-28 a
-    GPT-2 piloted whole counted a seventh of them)."""
+    GPT-2 piloted whole counted a seventh of them). Under bf16 autocast, with the halved weights on the device in
+    bfloat16 (a swapped pack) or all of them in float32 (a homed model, a fused array: Pack.float_workspace), it also
+    holds autocast's copies of the weights (wide blocks on two samples: the copies are most of it)."""
     model, sample = _blocks()[name]
     model.train()
+    autocast = None if held == "fp32" else "bfloat16"
     finer = {"largest": 100_000, "export": True} if name == "gpt2" else {}  # its stages, as a swapped LM is cut
-    decomposition = decompose(model, sample, name, **finer)
+    decomposition = decompose(model, sample, name, autocast=autocast, **finer)
     profile = decomposition.profile
     samples = profile.pilot_samples
     assert any(layer.saved_bytes_per_sample > 0 for layer in profile.layers), "no layer keeps anything inside"
@@ -539,20 +544,31 @@ def test_a_packs_workspace_holds_what_its_recompute_and_backward_keep(name: str)
         x = sample
         for pack in packing.packs:
             layers = decomposition.layers[pack.first : pack.stop]
+            halved = [parameter for offset, layer in enumerate(layers) for name, parameter in layer.named_parameters()
+                      if f"{offset}.{name}" in pack.halved and held == "bf16, halved"]
+            floats = [parameter.data for parameter in halved]
+            for parameter in halved:
+                parameter.data = parameter.data.to(torch.bfloat16)
             for parameter in (parameter for layer in layers for parameter in layer.parameters()):
                 parameter.grad = torch.zeros_like(parameter)  # the gradient buffer: charged apart from the workspace
             with torch.enable_grad():
                 inputs = tree_map(lambda leaf: leaf.detach().requires_grad_().clone()
                                   if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() else leaf, x)
-            held = sum(leaf.nbytes for leaf in tree_leaves(inputs) if isinstance(leaf, torch.Tensor))
+            before = sum(leaf.nbytes for leaf in tree_leaves(inputs) if isinstance(leaf, torch.Tensor))
             live = LiveBytes()
             with live, torch.enable_grad():
-                y = inputs
-                for layer in layers:
-                    y = layer(y)
+                with torch.autocast("cpu", torch.bfloat16, enabled=autocast is not None):
+                    y = inputs
+                    for layer in layers:
+                        y = layer(y)
                 outputs = [leaf for leaf in tree_leaves(y) if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
                 torch.autograd.backward(outputs, [torch.ones_like(leaf) for leaf in outputs])
-            assert held + live.peak <= pack.cost.workspace, (name, pack.first, pack.stop, held + live.peak)
+            workspace = pack.float_workspace if held == "bf16, float32" else pack.cost.workspace
+            assert before + live.peak <= workspace, (name, pack.first, pack.stop, before + live.peak, workspace)
+            for parameter, data in zip(halved, floats):
+                parameter.data = data
+            for parameter in (parameter for layer in layers for parameter in layer.parameters()):
+                parameter.grad = None
             with torch.no_grad():
                 for layer in layers:
                     x = layer(x)
