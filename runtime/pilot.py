@@ -237,9 +237,9 @@ def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7, larges
               if shares is not None and len(shares.layers) == len(layers) and not known else None)
     given = known or shared  # the layers' times, not timed one by one
     with preserved_state(model), torch.no_grad():
-        x = sample
+        x = low = sample  # low: the values as the run computes them, under autocast where it has one
         for index, (layer, borrowed) in enumerate(zip(layers, borrowings)):
-            saved = _saved_bytes(layer, x, index > 0)  # before the timed calls: one of its outputs held at a time
+            saved, made = _saved_bytes(layer, low, index > 0, autocast)  # before the timed calls: one output at a time
             generator = torch.get_rng_state()
             y, seconds = _fastest_call(layer, x, 1 if given else repeats)
             draws = not torch.equal(generator, torch.get_rng_state())  # only the last call leaves the RNG moved
@@ -248,7 +248,7 @@ def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7, larges
             copied: frozenset[str] = frozenset()
             if autocast:
                 with preserved_state(layer):
-                    cast = casts(layer, x, getattr(torch, autocast), {n for n, _ in named})
+                    cast = casts(layer, low, getattr(torch, autocast), {n for n, _ in named})
                 own = {n for n, _ in named if n not in borrowed and (index, n) not in lent}
                 halved, copied = cast.only & own, cast.some
             profiles.append(
@@ -257,8 +257,8 @@ def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7, larges
                     params=_specs((n, p) for n, p in named if n not in borrowed),
                     buffers=_specs(layer.named_buffers()),
                     frozen=frozenset(n for n, p in named if not p.requires_grad),
-                    input_bytes_per_sample=tree_nbytes(x) / samples,
-                    output_bytes_per_sample=_new_bytes(y, x) / samples,
+                    input_bytes_per_sample=tree_nbytes(low) / samples,
+                    output_bytes_per_sample=_new_bytes(made if autocast else y, low) / samples,
                     saved_bytes_per_sample=saved / samples,
                     forward_seconds_per_sample=given[index] if given else seconds / samples,
                     cut_before=is_boundary(x),
@@ -269,7 +269,7 @@ def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7, larges
                     draws=draws,
                 )
             )
-            x = y
+            x, low = y, made if autocast else y
         output = x
         if shared or (not known and len(layers) > 1):  # a chain of one layer is the layer the calls above timed
             profiles = _as_chained(profiles, layers, sample, samples)
@@ -379,31 +379,53 @@ def _timings(timed: ModelProfile | None, layers: list[nn.Module], borrowings: li
     return [known.forward_seconds_per_sample for known in timed.layers]
 
 
-def _saved_bytes(layer: nn.Module, x: Any, tracked: bool) -> int:
+def _saved_bytes(layer: nn.Module, x: Any, tracked: bool, autocast: str | None) -> tuple[int, Any]:
     """The bytes layer's forward on x saves for its backward beyond its input, its output and its weights (a block's
     internals), as a bwd task's recompute records them: under its weights' own requires_grad, and where tracked (every
-    layer but the model's first) from an input that requires gradients. That input is a copy (a leaf would refuse a
-    layer that changes its input in place); the random generator is left as it was."""
+    layer but the model's first) from an input that requires gradients; and its output (detached, what it passes on
+    of x as x's own). That input is a copy (a leaf would refuse a layer that changes its input in place); the random
+    generator is left as it was. With autocast (a dtype's name) the forward runs under it, and what it saves of its
+    weights' copies in that dtype is not counted (LayerProfile.copied counts those apart)."""
     own = {tensor.untyped_storage().data_ptr() for tensor in (*layer.parameters(), *layer.buffers())}
     with torch.enable_grad():
         inputs = tree_map(lambda leaf: leaf.detach().requires_grad_().clone()
                           if tracked and isinstance(leaf, torch.Tensor) and leaf.is_floating_point() else leaf, x)
+    dtype = getattr(torch, autocast) if autocast else None
+    weights = [parameter.detach() for parameter in layer.parameters() if parameter.dtype == torch.float32]
     saved: dict[int, int] = {}
 
     def keep(tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
-        saved.setdefault(storage.data_ptr(), storage.nbytes())
+        if storage.data_ptr() not in saved:
+            saved[storage.data_ptr()] = 0 if _cast_weight(storage, dtype, weights) else storage.nbytes()
         return tensor
 
+    device = next((leaf.device for leaf in tree_leaves(x) if isinstance(leaf, torch.Tensor)), torch.device("cpu"))
     generator = torch.get_rng_state()
     try:
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        with (torch.enable_grad(), torch.autocast(device.type, dtype=dtype, enabled=dtype is not None),
+              torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor)):
             y = layer(inputs)
     finally:
         torch.set_rng_state(generator)
     passed = {leaf.untyped_storage().data_ptr() for leaf in tree_leaves((x, inputs, y))
               if isinstance(leaf, torch.Tensor)}
-    return sum(nbytes for pointer, nbytes in saved.items() if pointer not in own | passed)
+    originals = {id(copy): leaf for copy, leaf in zip(tree_leaves(inputs), tree_leaves(x))}
+    made = tree_map(lambda leaf: originals.get(id(leaf), leaf.detach() if isinstance(leaf, torch.Tensor) else leaf), y)
+    return sum(nbytes for pointer, nbytes in saved.items() if pointer not in own | passed), made
+
+
+def _cast_weight(storage: torch.UntypedStorage, dtype: torch.dtype | None, weights: list[torch.Tensor]) -> bool:
+    """Whether storage holds one of weights cast to dtype, as autocast casts a weight for an op."""
+    if dtype is None:
+        return False
+    size = torch.empty((), dtype=dtype).element_size()
+    for weight in weights:
+        if storage.nbytes() == weight.numel() * size and weight.numel():
+            values = torch.empty(0, dtype=dtype, device=weight.device).set_(storage, 0, (weight.numel(),), (1,))
+            if torch.equal(values, weight.reshape(-1).to(dtype)):
+                return True
+    return False
 
 
 def _new_bytes(y: Any, x: Any) -> int:

@@ -593,3 +593,21 @@ class Scaled(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * torch.tanh(x)
+
+
+def test_under_autocast_a_layer_is_sized_as_it_computes_and_its_weights_copies_apart() -> None:
+    """Under bf16 autocast a Linear's output is bfloat16, and what a layer keeps is in the dtype it computes in
+    (the tanh of a bfloat16 x is bfloat16; the first Linear keeps the batch cast to bfloat16 for its weight's
+    gradient). The weight copies autocast saves are LayerProfile.copied, not what a sample keeps."""
+    model = nn.Sequential(nn.Linear(8, 16), Scaled(), nn.Linear(16, 4))
+    sample = torch.randn(4, 8)
+    full = decompose(model, sample, "m").profile.layers
+    low = decompose(model, sample, "m", autocast="bfloat16").profile.layers
+    assert [layer.input_bytes_per_sample for layer in full] == [32, 64, 64]
+    assert [layer.output_bytes_per_sample for layer in full] == [64, 64, 16]
+    assert [layer.saved_bytes_per_sample for layer in full] == [0, 64, 0]
+    assert [layer.input_bytes_per_sample for layer in low] == [32, 32, 32]
+    assert [layer.output_bytes_per_sample for layer in low] == [32, 32, 8]
+    assert [layer.saved_bytes_per_sample for layer in low] == [16, 32, 0]
+    assert [layer.copied for layer in low] == [{"weight", "bias"}, set(), {"weight", "bias"}]
+    assert [layer.copy_bytes for layer in low] == [0, 0, 0], "both Linears' weights halved on the device"
