@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from harmony.runtime.cache import tree_nbytes
@@ -239,7 +241,8 @@ def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7, larges
     with preserved_state(model), torch.no_grad():
         x = low = sample  # low: the values as the run computes them, under autocast where it has one
         for index, (layer, borrowed) in enumerate(zip(layers, borrowings)):
-            saved, made = _saved_bytes(layer, low, index > 0, autocast)  # before the timed calls: one output at a time
+            kept = _kept(layer, low, index > 0, autocast)  # before the timed calls: one output at a time
+            made = kept.output
             generator = torch.get_rng_state()
             y, seconds = _fastest_call(layer, x, 1 if given else repeats)
             draws = not torch.equal(generator, torch.get_rng_state())  # only the last call leaves the RNG moved
@@ -259,7 +262,8 @@ def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7, larges
                     frozen=frozenset(n for n, p in named if not p.requires_grad),
                     input_bytes_per_sample=tree_nbytes(low) / samples,
                     output_bytes_per_sample=_new_bytes(made if autocast else y, low) / samples,
-                    saved_bytes_per_sample=saved / samples,
+                    saved_bytes_per_sample=kept.saved / samples,
+                    transient_bytes_per_sample=_beyond(kept, named, low) / samples,
                     forward_seconds_per_sample=given[index] if given else seconds / samples,
                     cut_before=is_boundary(x),
                     borrowed=_specs((n, p) for n, p in named if n in borrowed),
@@ -379,13 +383,24 @@ def _timings(timed: ModelProfile | None, layers: list[nn.Module], borrowings: li
     return [known.forward_seconds_per_sample for known in timed.layers]
 
 
-def _saved_bytes(layer: nn.Module, x: Any, tracked: bool, autocast: str | None) -> tuple[int, Any]:
-    """The bytes layer's forward on x saves for its backward beyond its input, its output and its weights (a block's
-    internals), as a bwd task's recompute records them: under its weights' own requires_grad, and where tracked (every
-    layer but the model's first) from an input that requires gradients; and its output (detached, what it passes on
-    of x as x's own). That input is a copy (a leaf would refuse a layer that changes its input in place); the random
-    generator is left as it was. With autocast (a dtype's name) the forward runs under it, and what it saves of its
-    weights' copies in that dtype is not counted (LayerProfile.copied counts those apart)."""
+@dataclass
+class _Kept:
+    """What one forward and backward of a layer hold (_kept)."""
+
+    saved: int  # what the forward saves for the backward beyond the layer's input, output and weights
+    backward: int  # the most the backward allocates at once
+    output: Any  # the forward's output, detached; what it passes on of its input is the input's own
+
+
+def _kept(layer: nn.Module, x: Any, tracked: bool, autocast: str | None) -> _Kept:
+    """What layer's forward on x saves for its backward beyond its input, its output and its weights (a block's
+    internals), and the most its backward then allocates at once (a block that recomputes its internals there,
+    under gradient checkpointing, holds them then), as a bwd task's recompute and backward run it: under its
+    weights' own requires_grad, and where tracked (every layer but the model's first) from an input that requires
+    gradients, the backward from gradients of ones into gradient buffers of zeros (as a run's accumulate). That input
+    is a copy (a leaf would refuse a layer that changes its input in place); the random generator and the weights'
+    gradients are left as they were. With autocast (a dtype's name) the forward runs under it, and what it saves of
+    its weights' copies in that dtype is not counted (LayerProfile.copied counts those apart)."""
     own = {tensor.untyped_storage().data_ptr() for tensor in (*layer.parameters(), *layer.buffers())}
     with torch.enable_grad():
         inputs = tree_map(lambda leaf: leaf.detach().requires_grad_().clone()
@@ -402,17 +417,66 @@ def _saved_bytes(layer: nn.Module, x: Any, tracked: bool, autocast: str | None) 
 
     device = next((leaf.device for leaf in tree_leaves(x) if isinstance(leaf, torch.Tensor)), torch.device("cpu"))
     generator = torch.get_rng_state()
+    trained = [parameter for parameter in layer.parameters() if parameter.requires_grad]
+    grads = [parameter.grad for parameter in trained]
+    allocated = Allocated()
     try:
         with (torch.enable_grad(), torch.autocast(device.type, dtype=dtype, enabled=dtype is not None),
               torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor)):
             y = layer(inputs)
+        outputs = [leaf for leaf in tree_leaves(y) if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
+        if outputs:
+            ones = [torch.ones_like(output) for output in outputs]
+            for parameter in trained:
+                parameter.grad = torch.zeros_like(parameter)
+            with allocated:
+                torch.autograd.backward(outputs, ones)
+            del ones
     finally:
         torch.set_rng_state(generator)
+        for parameter, grad in zip(trained, grads):
+            parameter.grad = grad
     passed = {leaf.untyped_storage().data_ptr() for leaf in tree_leaves((x, inputs, y))
               if isinstance(leaf, torch.Tensor)}
     originals = {id(copy): leaf for copy, leaf in zip(tree_leaves(inputs), tree_leaves(x))}
     made = tree_map(lambda leaf: originals.get(id(leaf), leaf.detach() if isinstance(leaf, torch.Tensor) else leaf), y)
-    return sum(nbytes for pointer, nbytes in saved.items() if pointer not in own | passed), made
+    return _Kept(sum(nbytes for pointer, nbytes in saved.items() if pointer not in own | passed), allocated.peak, made)
+
+
+class Allocated(TorchDispatchMode):
+    """The most bytes the tensors that ops make inside it hold at once: each op's outputs counted by their storage
+    until it is freed (a weak reference, looked at before every op), but for an output in an argument's storage (a
+    view, an op in place)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.storages: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.live = self.peak = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        for pointer, (reference, nbytes) in list(self.storages.items()):
+            if reference.expired():
+                del self.storages[pointer]
+                self.live -= nbytes
+        out = func(*args, **(kwargs or {}))
+        given = {leaf.untyped_storage().data_ptr() for leaf in tree_leaves((args, kwargs))
+                 if isinstance(leaf, torch.Tensor)}
+        for leaf in tree_leaves(out):
+            if isinstance(leaf, torch.Tensor) and leaf.untyped_storage().data_ptr() not in self.storages.keys() | given:
+                storage = leaf.untyped_storage()
+                if storage.data_ptr():
+                    self.storages[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
+                    self.live += storage.nbytes()
+                    self.peak = max(self.peak, self.live)
+        return out
+
+
+def _beyond(kept: _Kept, named: list[tuple[str, nn.Parameter]], x: Any) -> int:
+    """What the layer's backward allocates at once beyond what a pack's workspace reserves for it: its input's, its
+    output's and its kept internals' gradients, and its largest weight's fresh gradient (tasks.packing)."""
+    reserved = tree_nbytes(x) + _new_bytes(kept.output, x) + kept.saved + max(
+        (parameter.nbytes for _, parameter in named), default=0)
+    return max(kept.backward - reserved, 0)
 
 
 def _cast_weight(storage: torch.UntypedStorage, dtype: torch.dtype | None, weights: list[torch.Tensor]) -> bool:

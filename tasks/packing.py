@@ -162,7 +162,8 @@ def workspace_bytes(layers: tuple[LayerProfile, ...] | list[LayerProfile], sampl
 
     The boundary input and its gradient, every layer's output and what it keeps inside for its backward
     (LayerProfile.saved_bytes_per_sample) and their gradients, the largest parameter's freshly computed gradient
-    before it is accumulated, and autocast's copies of the weights (LayerProfile.copy_bytes).
+    before it is accumulated, the most one layer's backward allocates beyond those
+    (LayerProfile.transient_bytes_per_sample), and autocast's copies of the weights (LayerProfile.copy_bytes).
     """
     if not layers:
         return 0
@@ -171,9 +172,11 @@ def workspace_bytes(layers: tuple[LayerProfile, ...] | list[LayerProfile], sampl
 
 
 def activation_bytes_per_sample(layers: tuple[LayerProfile, ...] | list[LayerProfile]) -> float:
-    """The part of workspace_bytes that grows with the micro-batch, per sample."""
+    """The part of workspace_bytes that grows with the micro-batch, per sample: one layer's backward runs at a time,
+    so the most any allocates beyond its reserve (LayerProfile.transient_bytes_per_sample) is counted once."""
     return 2 * layers[0].input_bytes_per_sample + 2 * sum(
-        layer.output_bytes_per_sample + layer.saved_bytes_per_sample for layer in layers)
+        layer.output_bytes_per_sample + layer.saved_bytes_per_sample for layer in layers) + max(
+        layer.transient_bytes_per_sample for layer in layers)
 
 
 def _prefixed(layers: list[LayerProfile], pick: str) -> tuple[TensorSpec, ...]:

@@ -10,11 +10,10 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils.checkpoint import checkpoint
 
-from harmony.runtime.pilot import KeywordCall, decompose
+from harmony.runtime.pilot import Allocated, KeywordCall, decompose
 from harmony.tasks.graph import TaskId
 from harmony.tasks.hardware import Hardware
 from harmony.tasks.packing import LayerTooLarge, cut_packs
@@ -320,6 +319,7 @@ class Backward(torch.autograd.Function):
         layer = ctx.layer
         layer.clock.now += layer.backward_cost + layer.clock.first_backward
         layer.clock.first_backward = 0.0
+        layer.clock.backwards = getattr(layer.clock, "backwards", 0) + 1
         return grad, None
 
 
@@ -337,7 +337,9 @@ class TimedBoth(Clocked):
 def test_the_backward_is_timed_through_the_chain_after_a_round_that_warms_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """The chain's forward takes 0.5 + 1 s (each layer called after the other: twice its cost) and its backward
     1.5 + 4.5 s: a backward of three forwards, which the simulator then predicts; the first backward's 100 s more
-    fall in the round on two samples, which is not counted. The parameters' gradients are as they were."""
+    fall in a backward that is not timed (measuring what a layer keeps, or the round on two samples). The
+    parameters' gradients are as they were. A model piloted again runs only the backward of each layer that
+    measures what it keeps."""
     from harmony.runtime import pilot
     from harmony.tasks.simulator import task_seconds
 
@@ -355,10 +357,11 @@ def test_the_backward_is_timed_through_the_chain_after_a_round_that_warms_it(mon
     bwd = task_seconds(TaskId("bwd", 0, 0, 0), packing, 4, Hardware())
     assert bwd == pytest.approx(forward * (1 + 4.0))
 
-    clock.first_backward = 100.0
+    assert clock.backwards > 2
+    clock.backwards = 0
     again = decompose(nn.Sequential(TimedBoth(clock, 0.25, 9.0), TimedBoth(clock, 0.5, 9.0)), torch.randn(4, 8), "m",
                       timed=profile).profile
-    assert again.backward_ratio == 4.0 and clock.first_backward == 100.0, "a profile timed before is not timed again"
+    assert again.backward_ratio == 4.0 and clock.backwards == 2, "a profile timed before is not timed again"
 
 
 class Recorded(TimedBoth):
@@ -451,32 +454,19 @@ def test_a_long_forwards_backward_is_timed_on_fewer_samples_or_not_at_all(monkey
     assert sizes == [8]
 
 
-class LiveBytes(TorchDispatchMode):
-    """The most bytes the tensors made inside it held at once: each op's outputs counted by their storage until it is
-    freed (a weak reference, looked at before every op), but for an output in an input's storage (a view, an op in
-    place)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.storages: dict[int, tuple[StorageWeakRef, int]] = {}
-        self.live = self.peak = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        for pointer, (reference, nbytes) in list(self.storages.items()):
-            if reference.expired():
-                del self.storages[pointer]
-                self.live -= nbytes
-        out = func(*args, **(kwargs or {}))
-        given = {leaf.untyped_storage().data_ptr() for leaf in tree_leaves((args, kwargs))
-                 if isinstance(leaf, torch.Tensor)}
-        for leaf in tree_leaves(out):
-            if isinstance(leaf, torch.Tensor) and leaf.untyped_storage().data_ptr() not in self.storages.keys() | given:
-                storage = leaf.untyped_storage()
-                if storage.data_ptr():
-                    self.storages[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
-                    self.live += storage.nbytes()
-                    self.peak = max(self.peak, self.live)
-        return out
+def test_allocated_holds_the_most_bytes_ops_made_inside_it_held_at_once() -> None:
+    """Freed tensors give their bytes back; a view and an op in place add none."""
+    x = torch.zeros(256)
+    with Allocated() as allocated:
+        a = x + 1  # 1 KiB
+        b = a * 2  # 2 KiB live
+        del a
+        c = b.view(16, 16).add_(1)  # a view, in place: nothing new
+        d = torch.ones(512)  # 1 + 2 KiB live: the peak
+        del b, c, d
+        e = torch.ones(128)
+    assert (allocated.peak, allocated.live) == (3072, 512)
+    del e
 
 
 class GeluBlock(nn.Module):
@@ -488,6 +478,17 @@ class GeluBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.down(nn.functional.gelu(self.up(x), approximate="tanh"))
+
+
+class Checkpointed(nn.Module):
+    """A block whose internals its backward recomputes (torch.utils.checkpoint): its forward keeps only its input."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.block, x, use_reentrant=False)
 
 
 class ConvBlock(nn.Module):
@@ -504,6 +505,8 @@ def _blocks() -> dict[str, tuple[nn.Module, Any]]:
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=64, vocab_size=500, use_cache=False)
     ids = torch.randint(0, 500, (4, 64))
+    checkpointed = transformers.GPT2LMHeadModel(config)
+    checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return {
         "gpt2": (KeywordCall(transformers.GPT2LMHeadModel(config)), {"input_ids": ids, "labels": ids}),
         "encoder": (nn.Sequential(*[nn.TransformerEncoderLayer(32, 4, 128, dropout=0.1, batch_first=True)
@@ -511,11 +514,15 @@ def _blocks() -> dict[str, tuple[nn.Module, Any]]:
         "gelu blocks": (nn.Sequential(*[GeluBlock(32) for _ in range(3)]), torch.randn(16, 32)),
         "conv blocks": (nn.Sequential(*[ConvBlock(8) for _ in range(2)]), torch.randn(4, 8, 16, 16)),
         "wide gelu blocks": (nn.Sequential(*[GeluBlock(128) for _ in range(3)]), torch.randn(2, 128)),
+        "checkpointed gelu blocks": (nn.Sequential(*[Checkpointed(GeluBlock(32)) for _ in range(3)]),
+                                     torch.randn(16, 32)),
+        "checkpointed gpt2": (KeywordCall(checkpointed), {"input_ids": ids, "labels": ids}),
     }
 
 
 @pytest.mark.parametrize("held", ["fp32", "bf16, halved", "bf16, float32"])
-@pytest.mark.parametrize("name", ["gpt2", "encoder", "gelu blocks", "conv blocks", "wide gelu blocks"])
+@pytest.mark.parametrize("name", ["gpt2", "encoder", "gelu blocks", "conv blocks", "wide gelu blocks",
+                                  "checkpointed gelu blocks", "checkpointed gpt2"])
 def test_a_packs_workspace_holds_what_its_recompute_and_backward_keep(name: str, held: str) -> None:
     """A block piloted as one layer keeps its internals for its backward (attention's probabilities, an MLP's hidden
     activations, dropout's masks): each pack's workspace, whole or cut, holds the most bytes its forward with autograd
@@ -530,7 +537,8 @@ def test_a_packs_workspace_holds_what_its_recompute_and_backward_keep(name: str,
     decomposition = decompose(model, sample, name, autocast=autocast, **finer)
     profile = decomposition.profile
     samples = profile.pilot_samples
-    assert any(layer.saved_bytes_per_sample > 0 for layer in profile.layers), "no layer keeps anything inside"
+    assert any(layer.saved_bytes_per_sample > 0 or layer.transient_bytes_per_sample > 0 for layer in profile.layers), \
+        "no layer keeps anything inside, or recomputes it"
     whole = cut_packs(profile, 1 << 40, samples)
     cuts = []
     for eighths in range(7, 0, -1):  # the tightest budget that still cuts it: packs of one layer where they must be
@@ -538,9 +546,8 @@ def test_a_packs_workspace_holds_what_its_recompute_and_backward_keep(name: str,
             cuts.append(cut_packs(profile, whole.packs[0].cost.total * eighths // 8, samples))
         except LayerTooLarge:
             break
-    cut = cuts[-1]
-    assert len(cut.packs) > 1
-    for packing in (whole, cut):
+    assert cuts or len(profile.layers) == 1, "a chain cut no finer than the whole"
+    for packing in (whole, *cuts[-1:]):
         x = sample
         for pack in packing.packs:
             layers = decomposition.layers[pack.first : pack.stop]
@@ -555,7 +562,7 @@ def test_a_packs_workspace_holds_what_its_recompute_and_backward_keep(name: str,
                 inputs = tree_map(lambda leaf: leaf.detach().requires_grad_().clone()
                                   if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() else leaf, x)
             before = sum(leaf.nbytes for leaf in tree_leaves(inputs) if isinstance(leaf, torch.Tensor))
-            live = LiveBytes()
+            live = Allocated()
             with live, torch.enable_grad():
                 with torch.autocast("cpu", torch.bfloat16, enabled=autocast is not None):
                     y = inputs
@@ -569,7 +576,7 @@ def test_a_packs_workspace_holds_what_its_recompute_and_backward_keep(name: str,
                 parameter.data = data
             for parameter in (parameter for layer in layers for parameter in layer.parameters()):
                 parameter.grad = None
-            with torch.no_grad():
+            with torch.no_grad(), torch.autocast("cpu", torch.bfloat16, enabled=autocast is not None):
                 for layer in layers:
                     x = layer(x)
 
