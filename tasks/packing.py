@@ -92,6 +92,7 @@ class Pack:
     halved: tuple[str, ...] = ()  # own parameters autocast only casts (LayerProfile.halved)
     drawing: tuple[int, ...] = ()  # its layers (by index in the chain) that draw random numbers (LayerProfile.draws)
     backward_ratio: float = BACKWARD_RATIO  # its backward's seconds per its forward's (ModelProfile.backward_ratio)
+    transient: int = 0  # of its workspace, what one layer's backward allocates beyond its reserve (no stash holds it)
     update_seconds: float | None = None  # its optimizer step where measured (ModelProfile.update_seconds_per_byte)
 
     @property
@@ -102,9 +103,10 @@ class Pack:
     @property
     def stash_bytes(self) -> int:
         """Predicted bytes of one micro-batch's stash (runtime.stash): its workspace's activations without their
-        gradients and without the largest parameter's gradient (workspace_bytes)."""
+        gradients, without the largest parameter's gradient and without what a backward allocates beyond them
+        (workspace_bytes)."""
         largest = max((spec.nbytes for spec in self.weights), default=0)
-        return max(self.cost.workspace - largest, 0) // 2
+        return max(self.cost.workspace - largest - self.transient, 0) // 2
 
     @property
     def halved_bytes(self) -> int:
@@ -231,6 +233,7 @@ def make_pack(profile: ModelProfile, index: int, first: int, stop: int, samples:
         drawing=tuple(first + offset for offset, layer in enumerate(layers) if layer.draws),
         backward_ratio=profile.backward_ratio,
         update_seconds=_update_seconds(trainable, profile.update_seconds_per_byte),
+        transient=round(max(layer.transient_bytes_per_sample for layer in layers) * samples),
     )
 
 

@@ -312,7 +312,7 @@ class Checkpointed(nn.Module):
         return x + checkpoint(self.inner, x, use_reentrant=False)
 
 
-@pytest.mark.parametrize("budget", [None, 12_000], ids=["one-pack", "packs"])
+@pytest.mark.parametrize("budget", [None, 12_500], ids=["one-pack", "packs"])
 def test_a_model_that_checkpoints_inside_its_forward_trains_swapped_as_in_plain_pytorch(
     budget: int | None, no_leaks: None
 ) -> None:

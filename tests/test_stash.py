@@ -152,7 +152,7 @@ def test_stashes_of_dropout_bf16_and_fused_arrays_equal_recomputing(
 
     batches = regression_batches(samples=64, batch=16)
     factory = lambda p: torch.optim.SGD(p, lr=0.05)  # noqa: E731
-    for precision, models, budget in (("fp32", [dropout_mlp(0)], 60_000), ("bf16", [deep_mlp(seed=1)], 78_000),
+    for precision, models, budget in (("fp32", [dropout_mlp(0)], 60_000), ("bf16", [deep_mlp(seed=1)], 60_000),
                                       ("fp32", [deep_mlp(seed=s) for s in range(2)],
                                        150_000 if packs_per_task == 1 else 200_000)):
         trained = {}
