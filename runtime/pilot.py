@@ -13,8 +13,8 @@ driver before any worker starts; it leaves the model's buffers and the global RN
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -238,13 +238,19 @@ def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7, larges
     shared = ([layer.forward_seconds_per_sample for layer in shares.layers]
               if shares is not None and len(shares.layers) == len(layers) and not known else None)
     given = known or shared  # the layers' times, not timed one by one
+    device = next((leaf.device for leaf in tree_leaves(sample) if isinstance(leaf, torch.Tensor)), torch.device("cpu"))
+
+    def computing() -> AbstractContextManager[object]:
+        """Where layers run as the run's forward does: under autocast in its dtype, where it has one."""
+        return torch.autocast(device.type, dtype=getattr(torch, autocast or "float32"), enabled=autocast is not None)
+
     with preserved_state(model), torch.no_grad():
-        x = low = sample  # low: the values as the run computes them, under autocast where it has one
+        x = low = sample  # low: the values as the run computes them (under autocast); x: in float32, for output
         for index, (layer, borrowed) in enumerate(zip(layers, borrowings)):
             kept = _kept(layer, low, index > 0, autocast)  # before the timed calls: one output at a time
-            made = kept.output
             generator = torch.get_rng_state()
-            y, seconds = _fastest_call(layer, x, 1 if given else repeats)
+            with computing():
+                y, seconds = _fastest_call(layer, low, 1 if given else repeats)
             draws = not torch.equal(generator, torch.get_rng_state())  # only the last call leaves the RNG moved
             named = list(layer.named_parameters())
             halved: frozenset[str] = frozenset()
@@ -261,11 +267,11 @@ def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7, larges
                     buffers=_specs(layer.named_buffers()),
                     frozen=frozenset(n for n, p in named if not p.requires_grad),
                     input_bytes_per_sample=tree_nbytes(low) / samples,
-                    output_bytes_per_sample=_new_bytes(made if autocast else y, low) / samples,
+                    output_bytes_per_sample=_new_bytes(y, low) / samples,
                     saved_bytes_per_sample=kept.saved / samples,
                     transient_bytes_per_sample=_beyond(kept, named, low) / samples,
                     forward_seconds_per_sample=given[index] if given else seconds / samples,
-                    cut_before=is_boundary(x),
+                    cut_before=is_boundary(low),
                     borrowed=_specs((n, p) for n, p in named if n in borrowed),
                     lenders=tuple(borrowed[n] for n, _ in named if n in borrowed),
                     halved=halved,
@@ -273,17 +279,22 @@ def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7, larges
                     draws=draws,
                 )
             )
-            x, low = y, made if autocast else y
+            if autocast:  # the output a loss is checked on, as the model computes it without autocast
+                with preserved_state(layer):
+                    x = layer(x)
+            x = x if autocast else y
+            low = y
         output = x
         if shared or (not known and len(layers) > 1):  # a chain of one layer is the layer the calls above timed
-            profiles = _as_chained(profiles, layers, sample, samples)
-        ratio = timed.backward_ratio if known and timed else _backward_ratio(layers, sample, samples, profiles)
+            profiles = _as_chained(profiles, layers, sample, samples, computing)
+        ratio = (timed.backward_ratio if known and timed else
+                 _backward_ratio(layers, sample, samples, profiles, computing))
     profile = ModelProfile(name=name, layers=tuple(profiles), pilot_samples=samples, backward_ratio=ratio)
     return Decomposition(layers=layers, profile=profile, output=output, notes=notes)
 
 
-def _as_chained(profiles: list[LayerProfile], layers: list[nn.Module], sample: Any, samples: int
-                ) -> list[LayerProfile]:
+def _as_chained(profiles: list[LayerProfile], layers: list[nn.Module], sample: Any, samples: int,
+                computing: Callable[[], AbstractContextManager[object]] = nullcontext) -> list[LayerProfile]:
     """profiles with their layers' times scaled to the fastest of two forwards through the whole chain. A layer
     called again and again alone finds its weights and input in the caches, where the chain finds them evicted by
     the layers before: the sum of the layers' fastest times can be well under a forward of the model, and under
@@ -296,8 +307,9 @@ def _as_chained(profiles: list[LayerProfile], layers: list[nn.Module], sample: A
     for _ in range(2):
         x = sample
         started = time.perf_counter()
-        for layer in layers:
-            x = layer(x)
+        with computing():
+            for layer in layers:
+                x = layer(x)
         chained = min(chained, time.perf_counter() - started)
         del x
         if chained > TIMING_BUDGET:
@@ -307,7 +319,8 @@ def _as_chained(profiles: list[LayerProfile], layers: list[nn.Module], sample: A
             for profile in profiles]
 
 
-def _backward_ratio(layers: list[nn.Module], sample: Any, samples: int, profiles: list[LayerProfile]) -> float:
+def _backward_ratio(layers: list[nn.Module], sample: Any, samples: int, profiles: list[LayerProfile],
+                    computing: Callable[[], AbstractContextManager[object]] = nullcontext) -> float:
     """A backward's seconds per forward's through the chain (sample: samples of them), the forward with autograd
     recording (as a bwd task runs it), the fastest of each over up to three rounds while they take under
     TIMING_BUDGET, after one round on two samples that takes each op's first backward in the process (slow enough
@@ -335,8 +348,9 @@ def _backward_ratio(layers: list[nn.Module], sample: Any, samples: int, profiles
             for turn in range(4):
                 started = time.perf_counter()
                 x = warm if turn == 0 else timed
-                for layer in layers:
-                    x = layer(x)
+                with computing():
+                    for layer in layers:
+                        x = layer(x)
                 middle = time.perf_counter()
                 outputs = [leaf for leaf in tree_leaves(x) if isinstance(leaf, torch.Tensor) and leaf.grad_fn]
                 if not outputs:
