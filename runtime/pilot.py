@@ -248,11 +248,12 @@ def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7, larges
         x = low = sample  # low: the values as the run computes them (under autocast); x: in float32, for output
         for index, (layer, borrowed) in enumerate(zip(layers, borrowings)):
             kept = _kept(layer, low, index > 0, autocast)  # before the timed calls: one output at a time
+            named = list(layer.named_parameters())
+            saved, transient = _split(layer, low, index > 0, autocast, samples, kept, named)
             generator = torch.get_rng_state()
             with computing():
                 y, seconds = _fastest_call(layer, low, 1 if given else repeats)
             draws = not torch.equal(generator, torch.get_rng_state())  # only the last call leaves the RNG moved
-            named = list(layer.named_parameters())
             halved: frozenset[str] = frozenset()
             copied: frozenset[str] = frozenset()
             if autocast:
@@ -268,8 +269,10 @@ def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7, larges
                     frozen=frozenset(n for n, p in named if not p.requires_grad),
                     input_bytes_per_sample=tree_nbytes(low) / samples,
                     output_bytes_per_sample=_new_bytes(y, low) / samples,
-                    saved_bytes_per_sample=kept.saved / samples,
-                    transient_bytes_per_sample=_beyond(kept, named, low) / samples,
+                    saved_bytes_per_sample=saved[1],
+                    saved_bytes=saved[0],
+                    transient_bytes_per_sample=transient[1],
+                    transient_bytes=transient[0],
                     forward_seconds_per_sample=given[index] if given else seconds / samples,
                     cut_before=is_boundary(low),
                     borrowed=_specs((n, p) for n, p in named if n in borrowed),
@@ -483,6 +486,29 @@ class Allocated(TorchDispatchMode):
                     self.live += storage.nbytes()
                     self.peak = max(self.peak, self.live)
         return out
+
+
+def _split(layer: nn.Module, x: Any, tracked: bool, autocast: str | None, samples: int, kept: _Kept,
+           named: list[tuple[str, nn.Parameter]]) -> tuple[tuple[int, float], tuple[int, float]]:
+    """What the layer keeps (kept, on x's samples) and what its backward allocates beyond its reserve, each split
+    into a part that does not grow with the micro-batch (a parametrized weight, a mask or a table made for the
+    sequence, fresh weight gradients) and a part per sample, from a second measure on half the samples. All of it
+    per sample where x has fewer than four samples, where it keeps nothing, or where the layer fails on the half."""
+    whole = (kept.saved, _beyond(kept, named, x))
+    every = ((0, whole[0] / samples), (0, whole[1] / samples))
+    if samples < 4 or not any(whole):
+        return every
+    fewer = samples // 2
+    half = _first(x, samples, fewer)
+    try:
+        less = _kept(layer, half, tracked, autocast)
+    except Exception:
+        return every
+    parts = []
+    for many, few in zip(whole, (less.saved, _beyond(less, named, half))):
+        per = max(many - few, 0) / (samples - fewer)
+        parts.append((max(round(many - per * samples), 0), per))
+    return parts[0], parts[1]
 
 
 def _beyond(kept: _Kept, named: list[tuple[str, nn.Parameter]], x: Any) -> int:

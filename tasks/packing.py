@@ -37,7 +37,8 @@ class LayerTooLarge(ValueError):
     @property
     def fixed(self) -> int:
         """The part of alone that no micro-batch size changes: weights, gradients and the fixed part of the
-        activations (workspace_bytes's largest fresh gradient, autocast's copies)."""
+        activations (workspace_bytes's largest fresh gradient, autocast's copies, what layers keep whatever the
+        micro-batch)."""
         return self.alone - round(self.per_sample * self.samples)
 
     @property
@@ -165,12 +166,16 @@ def workspace_bytes(layers: tuple[LayerProfile, ...] | list[LayerProfile], sampl
     The boundary input and its gradient, every layer's output and what it keeps inside for its backward
     (LayerProfile.saved_bytes_per_sample) and their gradients, the largest parameter's freshly computed gradient
     before it is accumulated, the most one layer's backward allocates beyond those
-    (LayerProfile.transient_bytes_per_sample), and autocast's copies of the weights (LayerProfile.copy_bytes).
+    (LayerProfile.transient_bytes_per_sample), and autocast's copies of the weights (LayerProfile.copy_bytes). The
+    parts of what a layer keeps and allocates that do not grow with the micro-batch (LayerProfile.saved_bytes,
+    transient_bytes) count as they are; the most of each part of a backward's allocation counts, which holds the
+    most of their sum.
     """
     if not layers:
         return 0
     return (round(activation_bytes_per_sample(layers) * samples) + max(layer.largest_param_bytes for layer in layers)
-            + sum(layer.copy_bytes for layer in layers))
+            + sum(layer.copy_bytes + 2 * layer.saved_bytes for layer in layers)
+            + max(layer.transient_bytes for layer in layers))
 
 
 def activation_bytes_per_sample(layers: tuple[LayerProfile, ...] | list[LayerProfile]) -> float:
@@ -233,7 +238,8 @@ def make_pack(profile: ModelProfile, index: int, first: int, stop: int, samples:
         drawing=tuple(first + offset for offset, layer in enumerate(layers) if layer.draws),
         backward_ratio=profile.backward_ratio,
         update_seconds=_update_seconds(trainable, profile.update_seconds_per_byte),
-        transient=round(max(layer.transient_bytes_per_sample for layer in layers) * samples),
+        transient=round(max(layer.transient_bytes_per_sample for layer in layers) * samples)
+        + max(layer.transient_bytes for layer in layers),
     )
 
 

@@ -23,10 +23,12 @@ class LayerProfile:
     hold their device copy in autocast's dtype. ``draws``: its forward drew from the random generator in the pilot
     (dropout in training mode), so that it draws from a stream of its own (runtime.seeding). ``saved_bytes_per_sample``:
     what its forward keeps for its backward beyond its input, its output and its weights (a block's internals: an
-    MLP's hidden activations, attention's probabilities), counted like outputs in a pack's workspace.
+    MLP's hidden activations, attention's probabilities), counted like outputs in a pack's workspace; ``saved_bytes``
+    the part of it that does not grow with the micro-batch (a parametrized weight, a causal mask).
     ``transient_bytes_per_sample``: what its backward allocates at once beyond what the workspace reserves for it
     (the gradients of its input, output and kept internals, its largest weight's fresh gradient): a block that
-    recomputes its internals in its backward (gradient checkpointing inside the model) holds them then. ``copied``: the
+    recomputes its internals in its backward (gradient checkpointing inside the model) holds them then;
+    ``transient_bytes`` the part of it that does not grow with the micro-batch. ``copied``: the
     float32 parameters (own and borrowed) that autocast casts for some op: each forward makes a 2-byte copy of one,
     held until its backward ends (saved for it, or in autocast's cache), but of a halved one the device holds in
     that dtype already (copy_bytes).
@@ -39,7 +41,9 @@ class LayerProfile:
     input_bytes_per_sample: float = 0.0
     output_bytes_per_sample: float = 0.0
     saved_bytes_per_sample: float = 0.0
+    saved_bytes: int = 0
     transient_bytes_per_sample: float = 0.0
+    transient_bytes: int = 0
     forward_seconds_per_sample: float = 0.0
     cut_before: bool = True
     borrowed: tuple[TensorSpec, ...] = ()
