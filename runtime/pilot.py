@@ -7,7 +7,8 @@ repeated blocks, and inside a block too large for one pack at the block's childr
 may carry several tensors. One that cannot be traced is kept whole, and the model's notes say why. A parameter
 two layers share (tied weights) is held by the first and borrowed by the later ones (LayerProfile.borrowed);
 layers that share a buffer, or are the same module, are merged into one layer. The pass runs on the CPU in the
-driver before any worker starts; it leaves the model's buffers and the global RNG as it found them.
+driver before any worker starts; it leaves the model's buffers and the global RNG as it found them. Under a run's
+autocast it measures and times each layer under autocast too, as the run computes it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import fx, nn
@@ -269,10 +270,10 @@ def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7, larges
                     frozen=frozenset(n for n, p in named if not p.requires_grad),
                     input_bytes_per_sample=tree_nbytes(low) / samples,
                     output_bytes_per_sample=_new_bytes(y, low) / samples,
-                    saved_bytes_per_sample=saved[1],
-                    saved_bytes=saved[0],
-                    transient_bytes_per_sample=transient[1],
-                    transient_bytes=transient[0],
+                    saved_bytes_per_sample=saved.per_sample,
+                    saved_bytes=saved.fixed,
+                    transient_bytes_per_sample=transient.per_sample,
+                    transient_bytes=transient.fixed,
                     forward_seconds_per_sample=given[index] if given else seconds / samples,
                     cut_before=is_boundary(low),
                     borrowed=_specs((n, p) for n, p in named if n in borrowed),
@@ -285,7 +286,8 @@ def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7, larges
             if autocast:  # the output a loss is checked on, as the model computes it without autocast
                 with preserved_state(layer):
                     x = layer(x)
-            x = x if autocast else y
+            else:
+                x = y
             low = y
         output = x
         if shared or (not known and len(layers) > 1):  # a chain of one layer is the layer the calls above timed
@@ -488,14 +490,21 @@ class Allocated(TorchDispatchMode):
         return out
 
 
+class _Part(NamedTuple):
+    """A count of bytes as a part that does not grow with the micro-batch and a part per sample."""
+
+    fixed: int
+    per_sample: float
+
+
 def _split(layer: nn.Module, x: Any, tracked: bool, autocast: str | None, samples: int, kept: _Kept,
-           named: list[tuple[str, nn.Parameter]]) -> tuple[tuple[int, float], tuple[int, float]]:
+           named: list[tuple[str, nn.Parameter]]) -> tuple[_Part, _Part]:
     """What the layer keeps (kept, on x's samples) and what its backward allocates beyond its reserve, each split
     into a part that does not grow with the micro-batch (a parametrized weight, a mask or a table made for the
     sequence, fresh weight gradients) and a part per sample, from a second measure on half the samples. All of it
     per sample where x has fewer than four samples, where it keeps nothing, or where the layer fails on the half."""
     whole = (kept.saved, _beyond(kept, named, x))
-    every = ((0, whole[0] / samples), (0, whole[1] / samples))
+    every = (_Part(0, whole[0] / samples), _Part(0, whole[1] / samples))
     if samples < 4 or not any(whole):
         return every
     fewer = samples // 2
@@ -507,7 +516,7 @@ def _split(layer: nn.Module, x: Any, tracked: bool, autocast: str | None, sample
     parts = []
     for many, few in zip(whole, (less.saved, _beyond(less, named, half))):
         per = max(many - few, 0) / (samples - fewer)
-        parts.append((max(round(many - per * samples), 0), per))
+        parts.append(_Part(max(round(many - per * samples), 0), per))
     return parts[0], parts[1]
 
 
