@@ -590,46 +590,35 @@ def test_a_packs_workspace_holds_what_its_recompute_and_backward_keep(name: str,
             floats = [parameter.data for parameter in halved]
             for parameter in halved:
                 parameter.data = parameter.data.to(torch.bfloat16)
-            for parameter in (parameter for layer in layers for parameter in layer.parameters()):
-                parameter.grad = torch.zeros_like(parameter)  # the gradient buffer: charged apart from the workspace
-            with torch.enable_grad():
-                inputs = tree_map(lambda leaf: leaf.detach().requires_grad_().clone()
-                                  if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() else leaf, x)
-            before = sum(leaf.nbytes for leaf in tree_leaves(inputs) if isinstance(leaf, torch.Tensor))
-            live = Allocated()
-            with live, torch.enable_grad():
-                with torch.autocast("cpu", torch.bfloat16, enabled=autocast is not None):
-                    y = inputs
-                    for layer in layers:
-                        y = layer(y)
-                outputs = [leaf for leaf in tree_leaves(y) if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
-                torch.autograd.backward(outputs, [torch.ones_like(leaf) for leaf in outputs])
+            peak = _held(layers, x, autocast is not None)
             workspace = pack.float_workspace if held == "bf16, float32" else pack.cost.workspace
-            assert before + live.peak <= workspace, (name, pack.first, pack.stop, before + live.peak, workspace)
+            assert peak <= workspace, (name, pack.first, pack.stop, peak, workspace)
             for parameter, data in zip(halved, floats):
                 parameter.data = data
-            for parameter in (parameter for layer in layers for parameter in layer.parameters()):
-                parameter.grad = None
             with torch.no_grad(), torch.autocast("cpu", torch.bfloat16, enabled=autocast is not None):
                 for layer in layers:
                     x = layer(x)
 
 
-def _held(layers: list[nn.Module], x: torch.Tensor) -> int:
-    """The most bytes a forward with autograd and a backward through layers hold at once, their input's among them,
-    beside the weights' gradient buffers."""
+def _held(layers: list[nn.Module], x: Any, autocast: bool = False) -> int:
+    """The most bytes a forward with autograd (under bf16 autocast, with autocast) and a backward through layers hold
+    at once, their input's among them, beside the weights' gradient buffers (charged apart from the workspace)."""
     for parameter in (parameter for layer in layers for parameter in layer.parameters()):
         parameter.grad = torch.zeros_like(parameter)
-    inputs = x.detach().requires_grad_().clone()
+    with torch.enable_grad():
+        inputs = tree_map(lambda leaf: leaf.detach().requires_grad_().clone()
+                          if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() else leaf, x)
     allocated = Allocated()
     with allocated, torch.enable_grad():
-        y = inputs
-        for layer in layers:
-            y = layer(y)
-        y.backward(torch.ones_like(y))
+        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+            y = inputs
+            for layer in layers:
+                y = layer(y)
+        outputs = [leaf for leaf in tree_leaves(y) if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
+        torch.autograd.backward(outputs, [torch.ones_like(leaf) for leaf in outputs])
     for parameter in (parameter for layer in layers for parameter in layer.parameters()):
         parameter.grad = None
-    return inputs.nbytes + allocated.peak
+    return sum(leaf.nbytes for leaf in tree_leaves(inputs) if isinstance(leaf, torch.Tensor)) + allocated.peak
 
 
 def test_what_a_layer_keeps_whatever_the_micro_batch_counts_once_at_every_size() -> None:
