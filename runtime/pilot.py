@@ -240,26 +240,27 @@ def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7, larges
               if shares is not None and len(shares.layers) == len(layers) and not known else None)
     given = known or shared  # the layers' times, not timed one by one
     device = next((leaf.device for leaf in tree_leaves(sample) if isinstance(leaf, torch.Tensor)), torch.device("cpu"))
+    dtype = getattr(torch, autocast) if autocast else None
 
     def computing() -> AbstractContextManager[object]:
         """Where layers run as the run's forward does: under autocast in its dtype, where it has one."""
-        return torch.autocast(device.type, dtype=getattr(torch, autocast or "float32"), enabled=autocast is not None)
+        return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
 
     with preserved_state(model), torch.no_grad():
         x = low = sample  # low: the values as the run computes them (under autocast); x: in float32, for output
         for index, (layer, borrowed) in enumerate(zip(layers, borrowings)):
-            kept = _kept(layer, low, index > 0, autocast)  # before the timed calls: one output at a time
+            kept = _kept(layer, low, index > 0, computing, dtype)  # before the timed calls: one output at a time
             named = list(layer.named_parameters())
-            saved, transient = _split(layer, low, index > 0, autocast, samples, kept, named)
+            saved, transient = _split(layer, low, index > 0, computing, dtype, samples, kept, named)
             generator = torch.get_rng_state()
             with computing():
                 y, seconds = _fastest_call(layer, low, 1 if given else repeats)
             draws = not torch.equal(generator, torch.get_rng_state())  # only the last call leaves the RNG moved
             halved: frozenset[str] = frozenset()
             copied: frozenset[str] = frozenset()
-            if autocast:
+            if dtype is not None:
                 with preserved_state(layer):
-                    cast = casts(layer, low, getattr(torch, autocast), {n for n, _ in named})
+                    cast = casts(layer, low, dtype, {n for n, _ in named})
                 own = {n for n, _ in named if n not in borrowed and (index, n) not in lent}
                 halved, copied = cast.only & own, cast.some
             profiles.append(
@@ -283,7 +284,7 @@ def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7, larges
                     draws=draws,
                 )
             )
-            if autocast:  # the output a loss is checked on, as the model computes it without autocast
+            if dtype is not None:  # the output a loss is checked on, as the model computes it without autocast
                 with preserved_state(layer):
                     x = layer(x)
             else:
@@ -411,20 +412,20 @@ class _Kept:
     output: Any  # the forward's output, detached; what it passes on of its input is the input's own
 
 
-def _kept(layer: nn.Module, x: Any, tracked: bool, autocast: str | None) -> _Kept:
+def _kept(layer: nn.Module, x: Any, tracked: bool, computing: Callable[[], AbstractContextManager[object]],
+          dtype: torch.dtype | None) -> _Kept:
     """What layer's forward on x saves for its backward beyond its input, its output and its weights (a block's
     internals), and the most its backward then allocates at once (a block that recomputes its internals there,
     under gradient checkpointing, holds them then), as a bwd task's recompute and backward run it: under its
     weights' own requires_grad, and where tracked (every layer but the model's first) from an input that requires
     gradients, the backward from gradients of ones into gradient buffers of zeros (as a run's accumulate). That input
     is a copy (a leaf would refuse a layer that changes its input in place); the random generator and the weights'
-    gradients are left as they were. With autocast (a dtype's name) the forward runs under it, and what it saves of
-    its weights' copies in that dtype is not counted (LayerProfile.copied counts those apart)."""
+    gradients are left as they were. The forward runs in computing (the run's autocast, in dtype where it has one),
+    and what it saves of its weights' copies in dtype is not counted (LayerProfile.copied counts those apart)."""
     own = {tensor.untyped_storage().data_ptr() for tensor in (*layer.parameters(), *layer.buffers())}
     with torch.enable_grad():
         inputs = tree_map(lambda leaf: leaf.detach().requires_grad_().clone()
                           if tracked and isinstance(leaf, torch.Tensor) and leaf.is_floating_point() else leaf, x)
-    dtype = getattr(torch, autocast) if autocast else None
     weights = [parameter.detach() for parameter in layer.parameters() if parameter.dtype == torch.float32]
     saved: dict[int, int] = {}
 
@@ -434,14 +435,12 @@ def _kept(layer: nn.Module, x: Any, tracked: bool, autocast: str | None) -> _Kep
             saved[storage.data_ptr()] = 0 if _cast_weight(storage, dtype, weights) else storage.nbytes()
         return tensor
 
-    device = next((leaf.device for leaf in tree_leaves(x) if isinstance(leaf, torch.Tensor)), torch.device("cpu"))
     generator = torch.get_rng_state()
     trained = [parameter for parameter in layer.parameters() if parameter.requires_grad]
     grads = [parameter.grad for parameter in trained]
     allocated = Allocated()
     try:
-        with (torch.enable_grad(), torch.autocast(device.type, dtype=dtype, enabled=dtype is not None),
-              torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor)):
+        with torch.enable_grad(), computing(), torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
             y = layer(inputs)
         outputs = [leaf for leaf in tree_leaves(y) if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
         if outputs:
@@ -497,8 +496,9 @@ class _Part(NamedTuple):
     per_sample: float
 
 
-def _split(layer: nn.Module, x: Any, tracked: bool, autocast: str | None, samples: int, kept: _Kept,
-           named: list[tuple[str, nn.Parameter]]) -> tuple[_Part, _Part]:
+def _split(layer: nn.Module, x: Any, tracked: bool, computing: Callable[[], AbstractContextManager[object]],
+           dtype: torch.dtype | None, samples: int, kept: _Kept, named: list[tuple[str, nn.Parameter]]
+           ) -> tuple[_Part, _Part]:
     """What the layer keeps (kept, on x's samples) and what its backward allocates beyond its reserve, each split
     into a part that does not grow with the micro-batch (a parametrized weight, a mask or a table made for the
     sequence, fresh weight gradients) and a part per sample, from a second measure on half the samples. All of it
@@ -510,7 +510,7 @@ def _split(layer: nn.Module, x: Any, tracked: bool, autocast: str | None, sample
     fewer = samples // 2
     half = _first(x, samples, fewer)
     try:
-        less = _kept(layer, half, tracked, autocast)
+        less = _kept(layer, half, tracked, computing, dtype)
     except Exception:
         return every
     parts = []
