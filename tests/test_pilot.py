@@ -310,8 +310,8 @@ class Autocasting(nn.Module):
 
 
 def test_under_autocast_layers_are_timed_as_the_run_computes_them(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A bf16 run's layers are timed under autocast (on this box's CPU a bf16 MLP computes about 3x faster), alone and
-    chained (the first layer here gains from it, the second not); the output a loss is checked on is still the
+    """A bf16 run's layers are timed under autocast, where they may compute faster or not, alone and chained (the
+    first layer here gains from it, the second not); the output a loss is checked on is still the
     model's own, in float32."""
     from harmony.runtime import pilot
 
@@ -560,8 +560,8 @@ def _blocks() -> dict[str, tuple[nn.Module, Any]]:
 def test_a_packs_workspace_holds_what_its_recompute_and_backward_keep(name: str, held: str) -> None:
     """A block piloted as one layer keeps its internals for its backward (attention's probabilities, an MLP's hidden
     activations, dropout's masks): each pack's workspace, whole or cut, holds the most bytes its forward with autograd
-    and its backward hold at once, beside its weights and their gradient buffer (measured op by op; on 2026-11-28 a
-    GPT-2 piloted whole counted a seventh of them). Under bf16 autocast, with the halved weights on the device in
+    and its backward hold at once, beside its weights and their gradient buffer (measured op by op; docs/performance.md,
+    "What a layer keeps for its backward"). Under bf16 autocast, with the halved weights on the device in
     bfloat16 (a swapped pack) or all of them in float32 (a homed model, a fused array: Pack.float_workspace), it also
     holds autocast's copies of the weights (wide blocks on two samples: the copies are most of it)."""
     model, sample = _blocks()[name]
@@ -624,7 +624,7 @@ def _held(layers: list[nn.Module], x: Any, autocast: bool = False) -> int:
 def test_what_a_layer_keeps_whatever_the_micro_batch_counts_once_at_every_size() -> None:
     """A spectral-normed Linear keeps its computed weight for its backward, and the backward through the power
     iteration's sigma allocates more than the activations: neither grows with the micro-batch. Piloted on 8 samples,
-    the workspace holds what the model holds on 1 to 32 (counted per sample, they were under a third of it on 1)."""
+    the workspace holds what the model holds on 1 to 32 samples, where counted per sample it fell short below 8."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), parametrizations.spectral_norm(nn.Linear(64, 64)), nn.Tanh(),
                           nn.Linear(64, 4))
