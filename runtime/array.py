@@ -93,7 +93,14 @@ class ArrayLayer(nn.Module):
                 self.register_buffer(stacked_name(name), stack)
         template = retie(copy.deepcopy(first).to("meta"), first)
         object.__setattr__(self, "template", template)
-        self.train(first.training)  # the template keeps each submodule's own mode, as the members have it
+        nn.Module.train(self, first.training)  # the template keeps each submodule's own mode, as the members have it
+
+    def train(self, mode: bool = True) -> ArrayLayer:
+        """Set the mode of the layer and of its template, which is not a submodule (its weights are the stacks):
+        model.eval() puts a BatchNorm or a Dropout of every member in evaluation mode, as it would the members'."""
+        super().train(mode)
+        self.template.train(mode)
+        return self
 
     def attribute(self, name: str) -> str:
         """The attribute holding the stack of the members' tensor called name."""

@@ -78,6 +78,37 @@ def test_an_array_layer_computes_each_members_forward_and_backward(name: str, sh
             torch.testing.assert_close(got, want)
 
 
+EVALUATED = {**LAYERS, "dropout": (lambda: nn.Dropout(0.5), lambda: torch.randn(4, 6)),
+             "linear-dropout": (lambda: nn.Sequential(nn.Linear(6, 6), nn.Dropout(0.5)), lambda: torch.randn(4, 6))}
+
+
+@pytest.mark.parametrize("name", list(EVALUATED))
+def test_an_array_in_evaluation_mode_computes_each_members_evaluation_and_back_in_training_mode_its_training(
+    name: str
+) -> None:
+    """model.eval() reaches the array's template (not a submodule): its BatchNorms normalize by their running
+    statistics, which stay as they are, and its Dropouts let everything through; model.train() undoes it."""
+    make, data = EVALUATED[name]
+    torch.manual_seed(0)
+    members = [make().train() for _ in range(3)]
+    with torch.no_grad():
+        for member in members:  # running statistics of their own
+            member(data())
+    references = [copy.deepcopy(member) for member in members]
+    array = nn.Sequential(ArrayLayer(members, shared_input=True))
+    x = data()
+    with torch.no_grad():
+        out = array.eval()(x)
+        for index, reference in enumerate(references):
+            torch.testing.assert_close(out[index], reference.eval()(x), rtol=1e-5, atol=1e-6)
+        torch.manual_seed(1)
+        out = array.train()(x)
+    torch.manual_seed(1)
+    changed = [not torch.allclose(out[index], reference.eval()(x)) for index, reference in enumerate(references)]
+    assert all(changed) == any(isinstance(layer, (nn.BatchNorm1d, nn.BatchNorm2d))
+                               or (isinstance(layer, nn.Dropout) and layer.p > 0) for layer in members[0].modules())
+
+
 @pytest.mark.parametrize("name", list(LAYERS))
 @pytest.mark.parametrize("shared", [True, False], ids=["shared-input", "stacked-input"])
 @pytest.mark.parametrize("live", [[0, 2], [1, 2]], ids=["copied", "viewed"])
