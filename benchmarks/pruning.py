@@ -6,8 +6,9 @@ evaluated every --every steps. Each way trains the grid and reports its seconds,
 validation loss of the model it ends with as best. The plain loops step every model still training once per
 batch in turn (as a hand-written sweep in one process does) and halve at each evaluation like Harmony's pruner;
 Harmony runs on two CPU devices, unfused (a pruned model frees its device), fused (an array homed on its device
-computes its members still training) and as fuse="auto" chooses. Seconds are medians over rounds (the ways
-alternate, so that the machine's drift falls on all of them).
+computes its members still training), fused and swapped (one array under a device budget of a quarter of its
+weights: its steps compute the members still training too, runtime.rows) and as fuse="auto" chooses. Seconds are
+medians over rounds (the ways alternate, so that the machine's drift falls on all of them).
 
     python -m benchmarks.pruning [--quick] [--rounds N] [--models 8] [--every 8] [--width 512]
 """
@@ -81,11 +82,15 @@ def plain(models: list[nn.Module], data: list, val: list, every: int, prune: boo
             "best val loss": min(losses.values())}
 
 
-def with_harmony(models: list[nn.Module], data: list, val: list, every: int, prune: bool, fuse: bool | str
-                 ) -> dict[str, Any]:
+def with_harmony(models: list[nn.Module], data: list, val: list, every: int, prune: bool, fuse: bool | str,
+                 swapped: bool = False) -> dict[str, Any]:
+    """swapped: one array of every model under a budget of a quarter of its weights."""
+    weights = sum(param.numel() * param.element_size() for model in models for param in model.parameters())
     result = harmony.train(models, data, nn.functional.mse_loss, [factory(rate) for rate in rates(len(models))],
                            devices=2, fuse=fuse, val_loaders=val, eval_every=every,
-                           prune="halving" if prune else None, progress=False)
+                           prune="halving" if prune else None, progress=False,
+                           device_memory=weights // 4 if swapped else None)
+    assert not swapped or (len(result.arrays) == 1 and not result.homes), "one array, swapped"
     return {"seconds": result.stats.wall_seconds, "run": result.stats.run_seconds,
             "model-steps": sum(result.stats.steps),
             "computed": result.stats.computed, "best val loss": result.best().val_loss,
@@ -114,6 +119,10 @@ def main() -> None:
         "Harmony, prune='halving'": lambda models: with_harmony(models, data, val, every, True, False),
         "Harmony fused, every model to the end": lambda models: with_harmony(models, data, val, every, False, True),
         "Harmony fused, prune='halving'": lambda models: with_harmony(models, data, val, every, True, True),
+        "Harmony fused and swapped, every model to the end": lambda models: with_harmony(
+            models, data, val, every, False, True, swapped=True),
+        "Harmony fused and swapped, prune='halving'": lambda models: with_harmony(
+            models, data, val, every, True, True, swapped=True),
         "Harmony fuse='auto', prune='halving'": lambda models: with_harmony(models, data, val, every, True, "auto"),
     }
     with_harmony([mlp(width, depth, seed=seed) for seed in range(2)], data[:2], val, 1, False, False)  # warm
@@ -137,7 +146,8 @@ def main() -> None:
            f"every {every}, SGD+momentum at {args.models} learning rates, 2 CPU devices, {args.rounds} rounds", rows,
            args.out, raw=runs, notes="seconds: the whole call; run s: the training alone (Harmony: stats.run_seconds, "
            "without starting, planning and taking down); model-steps: the steps the models trained; computed: those "
-           "computed (stats.computed: a swapped array's pruned members too); busy: the devices' mean busy share; "
+           "computed (stats.computed: an array's stopped members too where a step computes them); busy: the devices' "
+           "mean busy share; "
            "arrays: the jobs' sizes (Harmony)")
 
 

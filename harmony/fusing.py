@@ -3,8 +3,8 @@
 For every group of fusable models (tasks.fusion), each candidate sub-array size is built as an array (runtime.array),
 piloted, cut for the budget and simulated; the size with the best predicted throughput wins ("auto"), or the
 largest that fits up to a cap (True, or an int). Under a built-in pruner the throughput counts only what each size
-is expected to compute (tasks.pruning.computed_share): a swapped array computes its pruned members until all have
-stopped, a homed one its members still training (at what an array of that many is predicted to cost).
+is expected to compute (tasks.pruning.computed_share): an array computes its members still training (at what an
+array of that many is predicted to cost), a compiled one every member until all have stopped.
 Each array takes the place of its first member, so jobs keep the order of the models.
 """
 
@@ -231,18 +231,18 @@ def _choose(
 def _share(group: list[int], size: int, array: Candidate | Predicted | None, predicted: dict[int, float | None],
            candidates: list[Candidate], sizing: Sizing) -> float | None:
     """The share of its steps the group in sub-arrays of size (array: one of them, None for size 1) is expected to
-    compute under the run's built-in pruner (tasks.pruning.computed_share): homed arrays compute their members still
-    training alone (uncompiled; runtime.array.narrowed), at what the sizes predicted so far say an array of that
-    many costs (tasks.fusion.narrowed_cost); swapped ones every member until all have stopped. None where nothing
-    is pruned, the pruner is the user's own (how many it stops is not known) or the run's length is not known."""
+    compute under the run's built-in pruner (tasks.pruning.computed_share): uncompiled arrays, homed or swapped,
+    compute their members still training alone (runtime.array.narrowed, runtime.rows), at what the sizes predicted
+    so far say an array of that many costs (tasks.fusion.narrowed_cost); compiled ones every member until all have
+    stopped. None where nothing is pruned, the pruner is the user's own (how many it stops is not known) or the
+    run's length is not known."""
     args = sizing.args
     steps = candidates[group[0]].job.steps
     every = args.options.eval_every
     if args.pruner not in PRUNERS.values() or steps is None or every is None:
         return None
     arrays = split(group, size)
-    narrowed = (array is not None and not args.options.compile
-                and len(_homes([array] * len(arrays), sizing)) == len(arrays))
+    narrowed = array is not None and not args.options.compile
     cost = narrowed_cost(len(group), predicted, len(sizing.budgets)) if narrowed else every_member
     return computed_share([len(members) for members in arrays], len(args.models), steps, every, cost)
 

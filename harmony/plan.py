@@ -255,8 +255,7 @@ def plan(
     computed = pruned_seconds = None
     if pruner in PRUNERS.values() and options.eval_every is not None:
         shares = [computed_share([len(job.members)], len(args.models), count, options.eval_every,
-                                 live_members if job.home is not None and not options.compile
-                                 else every_member)  # model-steps: a homed array's live members
+                                 every_member if options.compile else live_members)  # an array's live members
                   for job, count in zip(jobs, counts)]
         model_steps = [count * len(job.members) for job, count in zip(jobs, counts)]
         computed = sum(steps * share for steps, share in zip(model_steps, shares)) / max(sum(model_steps), 1)

@@ -21,7 +21,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -30,6 +30,7 @@ from distributed import Reschedule, get_worker, secede
 from torch.utils._pytree import tree_leaves, tree_map
 
 from harmony.runtime import shipping
+from harmony.runtime.array import sized
 from harmony.runtime.cache import Reservation, Spilled, Taken
 from harmony.runtime.clipping import on_device
 from harmony.runtime.collector import collected_ns
@@ -38,11 +39,13 @@ from harmony.runtime.errors import ModelFailure
 from harmony.runtime.files import SPAN_TIMING_BYTES, grad_norms_name, losses_name, record_rows, span_timing_name
 from harmony.runtime.handoff import receive, wait_for
 from harmony.runtime.homed import HomedModel
-from harmony.runtime.hoststore import tensors_at
+from harmony.runtime.hoststore import tensor_at, tensors_at
 from harmony.runtime.peer import files_read, received_bytes
 from harmony.runtime.reparametrize import bound
+from harmony.runtime.rows import Rows
 from harmony.runtime.scaler import finite
 from harmony.runtime.seeding import begin, microbatch_number
+from harmony.runtime.spec import PackRuntime
 from harmony.runtime.stash import Stash, detached, stash_key, worth_stashing
 from harmony.runtime.worker import RunContext, context
 from harmony.tasks import graph
@@ -245,12 +248,15 @@ def _forward_pack(
     runtime = ctx.spec.models[model].packs[pack]
     host = ctx.device_source(model, pack, step)
     buffers = runtime.device_buffers_offset
-    stashing = stash and runtime.stash and worth_stashing(ctx.cache.missed.get((model, pack)), step)
+    rows = ctx.rows(model, step)
+    stashing = (stash and runtime.stash and worth_stashing(ctx.cache.missed.get((model, pack)), step)
+                and (rows is None or rows.viewed))  # copies of rows are made per call, not kept in a stash
     outputs = []
-    with ctx.cache.weights((model, pack), step, host) as weights, ctx.borrowed(model, pack, step) as borrowed:
+    with (ctx.cache.weights((model, pack), step, host) as weights, ctx.borrowed(model, pack, step) as borrowed,
+          _computing(ctx, model, pack, rows)):
         if _weights_after(ctx, len(inputs)) is None:
             _prefetch(ctx, model, following, step, runtime.workspace)
-        tensors = {**tensors_at(weights, runtime.device_weights), **borrowed}
+        tensors = _views(rows, {**tensors_at(weights, runtime.device_weights), **borrowed})
         start = weights[buffers:].clone() if runtime.has_buffers else None
         kind = "activations" if pack else "inputs"
         for index, microbatch in enumerate(inputs):
@@ -280,8 +286,8 @@ def _forward_pack(
                     del made  # a stash the cache did not keep is freed here, inside the reservation
                     y = detached(y)
                 else:
-                    with ctx.autocast():
-                        y = ctx.call(model, pack)(tensors, x)
+                    with _selected(rows, tensors, runtime) as chosen, ctx.autocast():
+                        y = ctx.call(model, pack)(chosen, x)
                 if not isinstance(keep, Within):  # a later pack of this task reads it from the device (hand_on)
                     outputs.append(ctx.cache.send(y, "activations", reserved))
             if recompute and start is not None:
@@ -327,9 +333,20 @@ def _buffers_out(
     """After a step's forward through a pack: its buffers (running statistics) into the next version's slot (with
     micro-batch groups, vDP, group 0's, as DDP keeps rank 0's) where the pack is still at step's version (current,
     under RunContext.writing), and the cached copy back to its own version's (start), which an evaluation of that
-    step may read next."""
-    runtime = ctx.spec.models[model].packs[pack]
+    step may read next. A fused array's members not training at step keep their rows as they were (start): the
+    forward computed them, or not (runtime.rows), but a stopped member's statistics stay as they were when it
+    stopped, as a plain loop's stay once it stops calling that model."""
+    spec = ctx.spec.models[model]
+    runtime = spec.packs[pack]
     device = weights[runtime.device_buffers_offset :]
+    training = ctx.members(model).training(step) if spec.members > 1 else []
+    idle = [member for member in range(spec.members) if member not in training] if training else []
+    if idle:
+        index = torch.tensor(idle, device=weights.device)
+        buffers = [slot for slot in runtime.device_weights.slots if slot.offset >= runtime.device_buffers_offset]
+        for slot in buffers:
+            before = tensor_at(start, replace(slot, offset=slot.offset - runtime.device_buffers_offset))
+            tensor_at(weights, slot).index_copy_(0, index, before.index_select(0, index))
     if group == 0 and current:
         following_slot = ctx.next_weights(model, pack, step)
         ctx.cache.write_back(device, following_slot[runtime.buffers_offset :], "buffers")
@@ -465,28 +482,33 @@ def _backward_pack(
     spec = ctx.spec.models[model]
     runtime = spec.packs[pack]
     host = ctx.device_source(model, pack, step)
+    rows = ctx.rows(model, step)
     with (
         ctx.cache.sparing((model, pack)),
         ctx.cache.weights((model, pack), step, host) as weights,
         ctx.cache.scratch(runtime.grads.nbytes, f"gradients of pack {pack}"),
         ctx.borrowed(model, pack, step) as borrowed,
+        _computing(ctx, model, pack, rows),
     ):
         if _weights_after(ctx, len(inputs)) is None:
             _prefetch(ctx, model, following, step, runtime.workspace)
         grad_bytes = ctx.cache.zeros(runtime.grads.nbytes)
-        tensors = {**tensors_at(weights, runtime.device_weights), **borrowed}
+        tensors = _views(rows, {**tensors_at(weights, runtime.device_weights), **borrowed})
         last = pack == len(spec.packs) - 1
         start = weights[runtime.device_buffers_offset :].clone() if last and runtime.has_buffers else None
         grads = tensors_at(grad_bytes, runtime.grads)
         ctx.add_lent_grads(model, pack, group, grads)
         losses = StepLosses(1)
-        input_grads = _backward_step(ctx, model, pack, span, step, weights, tensors, grads, inputs,
+        input_grads = _backward_step(ctx, model, pack, span, step, weights, tensors, _views(rows, grads), inputs,
                                      gradients_or_targets, loss_weights, group, claim_input, claim_upstream, keep,
-                                     functools.partial(_prefetch, ctx, model, following, step, 0), losses, taken)
+                                     functools.partial(_prefetch, ctx, model, following, step, 0), losses, rows,
+                                     taken)
+        if rows is not None:
+            rows.clear(grads)
         if last:  # once its micro-batches are through, before anything is written or updated: one sync a step
             ctx.members(model).check(first_not_finite([part for part, _ in losses.parts[0]]), step)
         if last and group == 0:
-            ctx.counters.add("computed", spec.members)  # a swapped array computes every member
+            ctx.counters.add("computed", spec.members if rows is None else len(rows.computing))
         with ctx.writing(model, pack, step) as current:  # what the step's attempt computed, written once
             if current:
                 if last:
@@ -657,10 +679,12 @@ def _backward_step(
     keep: Any,
     prefetch: Callable[[], None],
     losses: StepLosses,
+    rows: Rows | None,
     taken: Taken | None = None,
 ) -> list[Any]:
     """One step's micro-batches through a swapped pack's backward, accumulating into grads (views of the
-    gradient buffer; tensors are views of weights); the last pack adds its micro-batches' losses to losses (the
+    gradient buffer; tensors are views of weights; both of the computed members' rows alone where rows says so and
+    they are views, see runtime.rows); the last pack adds its micro-batches' losses to losses (the
     caller writes them with the pack's gradients). An input or upstream
     gradient kept on the device for claim_input or claim_upstream is taken there; each input's gradient is kept
     on the device for keep where it fits. A stash among taken (its section's, taken at once) is used from there."""
@@ -720,7 +744,7 @@ def _backward_step(
                 grad = _recomputed_backward(
                     ctx, model, pack, step, tensors, grads, halved, microbatch, gradients_or_targets[index],
                     loss_weights[index] if last else None, group, index, kept_input, kept_grad, losses,
-                    None if isinstance(keep, Within) else input_grads, start_ahead)
+                    None if isinstance(keep, Within) else input_grads, start_ahead, rows)
                 if not last:
                     ctx.counters.add("recomputed", 1)
             if saved_buffers is not None and not from_stash:
@@ -738,14 +762,15 @@ def _recomputed_backward(
     ctx: RunContext, model: int, pack: int, step: int, tensors: dict[str, torch.Tensor], grads: dict[str, torch.Tensor],
     halved: set[str], microbatch: Any, gradient_or_target: Any, loss_weight: float | None, group: int, index: int,
     kept_input: Any, kept_grad: Any, losses: StepLosses, input_grads: list[Any] | None,
-    start_ahead: Callable[[], None],
+    start_ahead: Callable[[], None], rows: Rows | None,
 ) -> Any:
     """One micro-batch's backward through a pack whose forward runs here (recomputed from its input, kept on the
     device or copied in; or the last pack's, whose loss, weighted by loss_weight, is added to losses): the input's
     gradient (on the device) returned and its host copy appended to input_grads (none for the first pack; none
     either without input_grads, where the caller hands the gradient on inside the task). kept_input and kept_grad
     (the upstream gradient, or the last pack's target) are already on the device where not None: kept there, or
-    copied in ahead. start_ahead runs once the micro-batch's workspace is reserved."""
+    copied in ahead. start_ahead runs once the micro-batch's workspace is reserved. With rows, the members it says
+    are computed alone (their losses recorded one per member, see runtime.rows)."""
     spec = ctx.spec.models[model]
     runtime = spec.packs[pack]
     grad = None
@@ -760,16 +785,17 @@ def _recomputed_backward(
         _begin(ctx, model, pack, step, group, index)
         with torch.enable_grad():
             leaves = _leaves(tensors, grads, halved)
-            weights = {**tensors, **leaves}
-            with _held(ctx, model, pack, weights):
+            with _selected(rows, {**tensors, **leaves}, runtime) as weights, _held(ctx, model, pack, weights):
                 with ctx.autocast():
                     y = ctx.call(model, pack)(weights, x)
                 if loss_weight is not None:  # the last pack: loss and backward
+                    loss_fn = ctx.loss_fn(model) if rows is None else ctx.loss_fn(model).narrowed(list(rows.computing))
                     with ctx.autocast():
-                        step_losses = ctx.loss_fn(model)(y, target_or_gradient)
+                        step_losses = loss_fn(y, target_or_gradient)
                     scale = ctx.scaler(model).state(step)[0] if spec.scaled else None
                     scaled = None if scale is None else lambda gradient: gradient * scale
-                    losses.add(0, _backpropagate_loss(step_losses, loss_weight, scaled), loss_weight)
+                    computed = _backpropagate_loss(step_losses, loss_weight, scaled)
+                    losses.add(0, computed if rows is None else rows.spread(computed), loss_weight)
                 else:
                     _backward_from(y, target_or_gradient)
         for name in halved:  # as autocast casts a weight's gradient back after its op, added in float32
@@ -780,6 +806,22 @@ def _recomputed_backward(
             if input_grads is not None:
                 input_grads.append(ctx.cache.send(grad, "activations", reserved))
     return grad
+
+
+def _computing(ctx: RunContext, model: int, pack: int, rows: Rows | None) -> AbstractContextManager[None]:
+    """The pack's module computing as many members as rows says (runtime.array.sized), else all of them."""
+    return nullcontext() if rows is None else sized(ctx.module(model, pack), len(rows.computing))
+
+
+def _views(rows: Rows | None, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A pack's stacks, or their computed members' rows where rows says so and they are views (runtime.rows)."""
+    return tensors if rows is None else rows.views(tensors)
+
+
+def _selected(rows: Rows | None, tensors: dict[str, torch.Tensor], runtime: PackRuntime
+              ) -> AbstractContextManager[dict[str, torch.Tensor]]:
+    """What one call of a pack computes with: tensors, or copies of the computed members' rows (runtime.rows)."""
+    return nullcontext(tensors) if rows is None else rows.selected(tensors, runtime.buffer_names)
 
 
 def _held(ctx: RunContext, model: int, pack: int, weights: dict[str, torch.Tensor]) -> AbstractContextManager[None]:

@@ -45,6 +45,13 @@ class Members:
         return [index for index, (step, pruned) in enumerate(zip(self.steps.tolist(), self.pruned.tolist()))
                 if step != TRAINING or pruned != TRAINING]
 
+    def training(self, step: int) -> list[int]:
+        """The members that compute step, in order: those whose loss stopped being finite at a later step or not at
+        all (one computes the step at which it stops), and that were not pruned at or before it. A function of the
+        step alone, so that every task of a step agrees, whenever it reads the files."""
+        return [index for index, (stopped, pruned) in enumerate(zip(self.steps.tolist(), self.pruned.tolist()))
+                if (stopped == TRAINING or stopped >= step) and (pruned == TRAINING or pruned > step)]
+
     def pruned_members(self) -> list[int]:
         """The members that were pruned, in order."""
         return [index for index, step in enumerate(self.pruned.tolist()) if step != TRAINING]

@@ -104,6 +104,7 @@ class HomedModel:
         names = [slot.spec.name for slot in runtime.grads.slots]
         self.names = names
         self.params = [bound[name] for name in names]
+        self.buffers = [bound[name] for name in runtime.buffer_names]
         self.optimizer = build_optimizer(factory, self.params, names)  # type: ignore[arg-type]
         self.fresh_grads = {id(p) for p in optimizer_params(self.optimizer)} == {id(p) for p in self.params}
         if self.fresh_grads:
@@ -114,6 +115,7 @@ class HomedModel:
         self.next_step = version
         self.stopped: list[int] = []
         self.kept: list[torch.Tensor] = []
+        self.kept_buffers: list[torch.Tensor] = []
         if version:
             saved.load(self.optimizer, self.optimizer_params, slot, bind=False)
             self._charge_state()
@@ -131,9 +133,14 @@ class HomedModel:
         weights as they are now (before the update of the step they stopped at) for the rest of the run (see
         divergence); members already stopped are kept as they were."""
         if set(members) - set(self.stopped):
+            before = dict(zip(self.stopped, zip(*self.kept_buffers))) if self.kept_buffers else {}
             self.stopped = sorted({*self.stopped, *members})
             index = torch.tensor(self.stopped, device=self.params[0].device)
             self.kept = [param.detach().index_select(0, index) for param in self.params]
+            self.kept_buffers = [buffer.index_select(0, index) for buffer in self.buffers]
+            for row, member in enumerate(self.stopped):  # a member stopped before keeps its statistics of then
+                for kept, value in zip(self.kept_buffers, before.get(member, ())):
+                    kept[row] = value
 
     @property
     def training(self) -> list[int]:
@@ -218,6 +225,8 @@ class HomedModel:
                 self.optimizer.row_grads = {}
         if self.stopped and not rows:
             keep_stopped([param.detach() for param in self.params], self.kept, self.stopped)
+        if self.stopped:  # running statistics a step's forward through every member changed
+            keep_stopped(self.buffers, self.kept_buffers, self.stopped)
         self._charge_state()
         self.cache.set_version((self.model, 0), step + 1)
         self.next_step = step + 1

@@ -57,6 +57,11 @@ class PackRuntime:
     def has_buffers(self) -> bool:
         return self.buffers_offset < self.weights.nbytes
 
+    @property
+    def buffer_names(self) -> list[str]:
+        """The names of its buffers (after its weights in either layout)."""
+        return [slot.spec.name for slot in self.weights.slots if slot.offset >= self.buffers_offset]
+
 
 @dataclass(frozen=True)
 class ModelRuntime:

@@ -25,6 +25,7 @@ from harmony.runtime import (
     serialization,  # noqa: F401  (tensor serializers on every worker)
 )
 from harmony.runtime.allocator import keep_freed_memory
+from harmony.runtime.array import ArrayLoss
 from harmony.runtime.cache import DeviceCache, Source
 from harmony.runtime.clipping import Norms, coefficients, on_device, scale, tensor_norms, total_norms
 from harmony.runtime.compiled import PackCall, pack_call
@@ -54,6 +55,7 @@ from harmony.runtime.optimstate import OptimizerState
 from harmony.runtime.orphans import gone, sweep
 from harmony.runtime.peer import Exported, Outbox, take
 from harmony.runtime.profiling import TaskProfiler
+from harmony.runtime.rows import Rows, computed_rows
 from harmony.runtime.scaler import Scaler
 from harmony.runtime.serial_copy import copy_serially
 from harmony.runtime.shipping import ShippedTensors, unship
@@ -282,6 +284,19 @@ class RunContext:
         if model not in self._members:
             self._members[model] = Members(self.store, model, self.spec.models[model].members)
         return self._members[model]
+
+    def rows(self, model: int, step: int) -> Rows | None:
+        """The members a swapped fused array's step computes, where some of them stopped (runtime.rows); None for a
+        model alone, a homed array (it narrows itself), a compiled run (a narrower call would be compiled again as
+        members stop) and an array whose members' losses are not one ArrayLoss."""
+        spec = self.spec.models[model]
+        if (spec.members == 1 or spec.home is not None or self.spec.compile
+                or not isinstance(self.loss_fn(model), ArrayLoss)):
+            return None
+        sizes = [(runtime.device_weights.nbytes + sum(spec.packs[lender].device_weights.nbytes
+                                                      for lender in {lender for _, lender, _ in runtime.borrowed}),
+                  runtime.workspace) for runtime in spec.packs]
+        return computed_rows(self.members(model).training(step), spec.members, sizes)
 
     def optimizer_state(self, model: int, pack: int) -> OptimizerState:
         key = (model, pack)

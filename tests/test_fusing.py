@@ -279,12 +279,12 @@ def test_a_pruned_sweep_is_fused_by_what_each_size_is_expected_to_compute(
     prune: Any, budget: str, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Arrays of 4 predicted 2.5x as fast as models alone win unpruned. Halving every step of 12 leaves models alone
-    computing a third of their steps (16 of 48 model-steps). A homed array of 4 computes its members still training
-    alone, each step costing what an array of that many is predicted to (on one device: 1 of 4 a model's 0.25 s of
-    the array's 0.4, 2 of 4 an array of two's 0.35): (1 + 0.875 + 10 x 0.625) / 12 of its steps' cost, so arrays
-    of 4 still win. Swapped arrays of 4 compute all of their steps, so the built-in pruners train them unfused. A
-    user's pruner stops an unknown number: the sizes are ranked as unpruned. Under a built-in pruner the plan also
-    simulates each job computing its expected share of its steps: here a third of the time."""
+    computing a third of their steps (16 of 48 model-steps). An array of 4, homed or swapped, computes its members
+    still training alone, each step costing what an array of that many is predicted to (on one device: 1 of 4 a
+    model's 0.25 s of the array's 0.4, 2 of 4 an array of two's 0.35): (1 + 0.875 + 10 x 0.625) / 12 of its steps'
+    cost, so arrays of 4 still win. A user's pruner stops an unknown number: the sizes are ranked as unpruned. Under
+    a built-in pruner the plan also simulates each job computing its expected share of its steps: here a third of
+    the time."""
     seconds = {4: 1.0, 2: 0.7, 1: 0.4}  # the group's step by the number of arrays it runs as
     monkeypatch.setattr(fusing, "_predict", lambda arrays, sizing: seconds[len(arrays)])
     models = [batchnorm_mlp(seed) for seed in range(4)]
@@ -300,16 +300,10 @@ def test_a_pruned_sweep_is_fused_by_what_each_size_is_expected_to_compute(
     # every model computes a third of its steps, each of them as long as any other
     assert plan.pruned_seconds == pytest.approx(plan.total_seconds / 3, rel=0.01)
     assert f"s with prune={prune!r} stopping models" in str(plan)
-    if budget == "4MB":
-        assert choice.size == 4 and plan.arrays == [[0, 1, 2, 3]] and plan.plan.homes
-        assert choice.shares[1] == 16 / 48 and choice.shares[4] == pytest.approx((1 + 0.875 + 10 * 0.625) / 12)
-        assert "computing 68% of its steps" in str(plan)
-        assert plan.computed == 16 / 48 and f"about 33% of them computed under prune={prune!r}" in str(plan)
-    else:
-        assert choice.size == 1 and plan.arrays == [[0], [1], [2], [3]] and choice.predicted[4] is not None
-        assert choice.shares[1] == 16 / 48 and choice.shares[4] == 1.0
-        assert "computing 33% of its steps" in str(plan)
-        assert plan.computed == 16 / 48 and f"about 33% of them computed under prune={prune!r}" in str(plan)
+    assert choice.size == 4 and plan.arrays == [[0, 1, 2, 3]] and bool(plan.plan.homes) == (budget == "4MB")
+    assert choice.shares[1] == 16 / 48 and choice.shares[4] == pytest.approx((1 + 0.875 + 10 * 0.625) / 12)
+    assert "computing 68% of its steps" in str(plan)
+    assert plan.computed == 16 / 48 and f"about 33% of them computed under prune={prune!r}" in str(plan)
 
 
 def test_resident_arrays_run_several_steps_per_task_and_still_match_plain_pytorch(no_leaks: None) -> None:
