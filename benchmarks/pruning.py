@@ -6,11 +6,11 @@ evaluated every --every steps. Each way trains the grid and reports its seconds,
 validation loss of the model it ends with as best. The plain loops step every model still training once per
 batch in turn (as a hand-written sweep in one process does) and halve at each evaluation like Harmony's pruner;
 Harmony runs on two CPU devices, unfused (a pruned model frees its device), fused (an array homed on its device
-computes its members still training), fused and swapped (one array under a device budget of a quarter of its
-weights: its steps compute the members still training too, runtime.rows) and as fuse="auto" chooses. Seconds are
-medians over rounds (the ways alternate, so that the machine's drift falls on all of them).
+computes its members still training), fused and swapped (under a device budget of four times the largest layer's
+weights of an array of all: its steps compute the members still training too, runtime.rows) and as fuse="auto"
+chooses. Seconds are medians over rounds (the ways alternate, so that the machine's drift falls on all of them).
 
-    python -m benchmarks.pruning [--quick] [--rounds N] [--models 8] [--every 8] [--width 512]
+    python -m benchmarks.pruning [--quick] [--rounds N] [--models 8] [--every 8] [--width 512] [--ways swapped]
 """
 
 from __future__ import annotations
@@ -84,13 +84,14 @@ def plain(models: list[nn.Module], data: list, val: list, every: int, prune: boo
 
 def with_harmony(models: list[nn.Module], data: list, val: list, every: int, prune: bool, fuse: bool | str,
                  swapped: bool = False) -> dict[str, Any]:
-    """swapped: one array of every model under a budget of a quarter of its weights."""
-    weights = sum(param.numel() * param.element_size() for model in models for param in model.parameters())
+    """swapped: arrays (fuse=True) under a budget of four times the largest layer's weights of an array of all."""
+    layer = len(models) * max(sum(param.numel() * param.element_size() for param in module.parameters())
+                              for module in models[0].modules() if isinstance(module, nn.Linear))
     result = harmony.train(models, data, nn.functional.mse_loss, [factory(rate) for rate in rates(len(models))],
                            devices=2, fuse=fuse, val_loaders=val, eval_every=every,
                            prune="halving" if prune else None, progress=False,
-                           device_memory=weights // 4 if swapped else None)
-    assert not swapped or (len(result.arrays) == 1 and not result.homes), "one array, swapped"
+                           device_memory=4 * layer if swapped else None)
+    assert not swapped or not result.homes, f"arrays {result.arrays} homed at {result.homes}"
     return {"seconds": result.stats.wall_seconds, "run": result.stats.run_seconds,
             "model-steps": sum(result.stats.steps),
             "computed": result.stats.computed, "best val loss": result.best().val_loss,
@@ -104,6 +105,8 @@ def main() -> None:
         parser.add_argument("--models", type=int, default=8, help="the grid's size")
         parser.add_argument("--every", type=int, default=8, help="steps between evaluations (pruning steps)")
         parser.add_argument("--width", type=int, default=None, help="the MLPs' width (default 512; 128 quick)")
+        parser.add_argument("--ways", default="", help="only the ways whose names contain this (the two plain loops "
+                            "always run: the table's ratios are to the plain halving)")
 
     args = arguments(__doc__.splitlines()[0], extend)
     logging.getLogger("distributed").setLevel(logging.ERROR)
@@ -125,6 +128,7 @@ def main() -> None:
             models, data, val, every, True, True, swapped=True),
         "Harmony fuse='auto', prune='halving'": lambda models: with_harmony(models, data, val, every, True, "auto"),
     }
+    ways = {name: way for index, (name, way) in enumerate(ways.items()) if index < 2 or args.ways in name}
     with_harmony([mlp(width, depth, seed=seed) for seed in range(2)], data[:2], val, 1, False, False)  # warm
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in ways}
     for _ in range(args.rounds):
