@@ -290,15 +290,22 @@ def build_optimizer(
     return factory(params)
 
 
-def step_optimizer(optimizer: torch.optim.Optimizer, step: int) -> None:
+def step_optimizer(optimizer: torch.optim.Optimizer, step: int, stopped: Sequence[int] = ()) -> None:
     """optimizer.step() for the update of step (its learning rate on schedule); an array's StackedOptimizer is
     updated directly, without the profiler range and hook lookups torch wraps every step in (docs/performance.md,
-    "Fused arrays")."""
+    "Fused arrays"), and steps its members not in stopped alone (another optimizer steps every member: the caller
+    puts the stopped members' weights back, runtime.divergence)."""
     at_step(optimizer, step)
-    if isinstance(optimizer, StackedOptimizer):
-        optimizer.update()
-    else:
+    if not isinstance(optimizer, StackedOptimizer):
         optimizer.step()
+    elif stopped and optimizer.live is None:
+        optimizer.live = [member for member in range(len(optimizer.param_groups[0]["lr"])) if member not in stopped]
+        try:
+            optimizer.update()
+        finally:
+            optimizer.live = None
+    else:
+        optimizer.update()
 
 
 def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

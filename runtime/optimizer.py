@@ -12,7 +12,7 @@ the same slot at once.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 
 import torch
@@ -44,11 +44,11 @@ class PackOptimizer:
         self.params = optimizer_params(self.optimizer)
         self.state = state
 
-    def step(self, slot: int, step: int) -> None:
+    def step(self, slot: int, step: int, stopped: Sequence[int] = ()) -> None:
         """Apply the update of step to the parameters of this optimizer's slot, with the state that slot holds, and
-        keep the new state."""
+        keep the new state; an array's stacked optimizer leaves its stopped members out (step_optimizer)."""
         self.state.load(self.optimizer, self.params, slot, bind=True)
-        step_optimizer(self.optimizer, step)
+        step_optimizer(self.optimizer, step, stopped)
         self.state.save(self.optimizer, self.params, slot)
 
 
@@ -121,7 +121,7 @@ def update(
         stepping = optimizer(following)
         stepping.state.copy_slot(slot, following)
         if not skip:
-            stepping.step(following, step)
+            stepping.step(following, step, stopped)
         if stopped:
             names = [entry.spec.name for entry in runtime.stepped]
             after, before = tensors_at(target, runtime.weights), tensors_at(source, runtime.weights)
@@ -169,7 +169,7 @@ def update_on_device(
             state.load(optimizer, listed, slot, bind=False)
             cache.counters.add("in_state", held)
             kept = [tensors_at(host(slot), runtime.weights)[name][stopped] for name in names] if stopped else []
-            step_optimizer(optimizer, step)
+            step_optimizer(optimizer, step, stopped)
             keep_stopped([param.detach() for param in params], kept, stopped)
             made = sum(value.nbytes for values in optimizer.state.values() for value in values.values()
                        if isinstance(value, torch.Tensor) and value.dim())

@@ -124,12 +124,14 @@ def test_an_array_optimizer_gives_each_factory_its_members_own_shapes_for_transp
         torch.testing.assert_close(stacked_bias.detach()[index, 0], biases[index].detach())
 
 
+@pytest.mark.parametrize("told", ["live", "stopped"])
 @pytest.mark.parametrize("first", [0, 1], ids=["from-the-first-step", "later"])
 @pytest.mark.parametrize("name", ["sgd", "adam", "adamw"])
-def test_a_stacked_optimizer_with_live_members_steps_their_rows_alone(name: str, first: int) -> None:
+def test_a_stacked_optimizer_with_live_members_steps_their_rows_alone(name: str, first: int, told: str) -> None:
     """Members drop out (live: every member but the second from step `first`, then the first alone, a view of its
     rows): each live member's rows move as its own optimizer steps it, the others' stay where they stopped, also
-    where the step makes the state (the rows of members that do not step zeros)."""
+    where the step makes the state (the rows of members that do not step zeros). Told as a homed array tells it
+    (live) or as a host store's update does (the stopped members, for that step alone)."""
     factories = HYPERPARAMETERS[name]
     torch.manual_seed(1)
     shapes = [(5, 4), (5,)]
@@ -144,8 +146,12 @@ def test_a_stacked_optimizer_with_live_members_steps_their_rows_alone(name: str,
         grads = [torch.randn(len(factories), *shape) for shape in shapes]
         for param, grad in zip(stacked, grads):
             param.grad = grad.clone()
-        array.live = live
-        step_optimizer(array, step)
+        if told == "live":
+            array.live = live
+            step_optimizer(array, step)
+        else:
+            step_optimizer(array, step, [] if live is None else [m for m in everyone if m not in live])
+            assert array.live is None
         for index, (optimizer, params) in enumerate(zip(optimizers, members)):
             if live is None or index in live:
                 for param, grad in zip(params, grads):
