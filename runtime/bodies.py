@@ -248,7 +248,7 @@ def _forward_pack(
     runtime = ctx.spec.models[model].packs[pack]
     host = ctx.device_source(model, pack, step)
     buffers = runtime.device_buffers_offset
-    rows = ctx.rows(model, step)
+    rows = ctx.rows(model, ctx.members(model).training(step))
     stashing = (stash and runtime.stash and worth_stashing(ctx.cache.missed.get((model, pack)), step)
                 and (rows is None or rows.viewed))  # copies of rows are made per call, not kept in a stash
     outputs = []
@@ -482,7 +482,7 @@ def _backward_pack(
     spec = ctx.spec.models[model]
     runtime = spec.packs[pack]
     host = ctx.device_source(model, pack, step)
-    rows = ctx.rows(model, step)
+    rows = ctx.rows(model, ctx.members(model).training(step))
     with (
         ctx.cache.sparing((model, pack)),
         ctx.cache.weights((model, pack), step, host) as weights,

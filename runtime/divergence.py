@@ -52,6 +52,12 @@ class Members:
         return [index for index, (stopped, pruned) in enumerate(zip(self.steps.tolist(), self.pruned.tolist()))
                 if (stopped == TRAINING or stopped >= step) and (pruned == TRAINING or pruned > step)]
 
+    def evaluated(self, step: int) -> list[int]:
+        """The members an evaluation with the weights after step steps computes, in order: those not pruned before
+        it (one pruned at step is ranked by that evaluation; one whose loss diverged is evaluated on the weights it
+        kept). A function of the step alone, as training is."""
+        return [index for index, pruned in enumerate(self.pruned.tolist()) if pruned == TRAINING or pruned >= step]
+
     def pruned_members(self) -> list[int]:
         """The members that were pruned, in order."""
         return [index for index, step in enumerate(self.pruned.tolist()) if step != TRAINING]

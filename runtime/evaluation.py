@@ -11,8 +11,9 @@ batches are scattered to a device's worker once per validation set (jobs on one 
 for the run.
 
 Figures are means over the validation samples: each batch's loss (a mean over its samples, as a training loss
-is) weighted by its share of the samples; a fused array's members each get their own. A one-pack array evaluates
-its members not pruned alone (the others' figures, past their pruning step, are NaN and kept by nobody).
+is) weighted by its share of the samples; a fused array's members each get their own. An array evaluates its
+members not pruned alone, as a step computes its members still training (runtime.rows; the others' figures, past
+their pruning step, are NaN and kept by nobody).
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ from typing import Any
 import torch
 from distributed import Client, Future
 
-from harmony.runtime.array import ArrayLoss, member_rows, member_slice, sized
+from harmony.runtime.array import member_slice, sized
 from harmony.runtime.bodies import task_body
 from harmony.runtime.data import batch_size, split_tree
 from harmony.runtime.errors import ModelFailure
 from harmony.runtime.hoststore import tensors_at
+from harmony.runtime.rows import Rows
 from harmony.runtime.skeleton import dump_code, load_code
 from harmony.runtime.worker import RunContext
 from harmony.tasks.events import Evaluate, Evaluated
@@ -52,17 +54,12 @@ def metric_values(metrics: Metrics, output: Any, target: Any) -> dict[str, float
     return {getattr(metrics, "__name__", "metric"): float(value)}
 
 
-def _evaluated(ctx: RunContext, model: int) -> list[int] | None:
-    """The members an evaluation computes where not every one: a one-pack array's members not pruned (their figures
-    past their pruning step are not kept; a member whose loss diverged is still evaluated, on the weights it kept).
-    An array of several packs computes every member: a member that stopped between two of its packs' tasks would
-    change the rows they pass on."""
-    spec = ctx.spec.models[model]
-    if spec.members == 1 or len(spec.packs) != 1 or ctx.spec.compile or not isinstance(ctx.loss_fn(model), ArrayLoss):
-        return None
-    pruned = set(ctx.members(model).pruned_members())
-    live = [member for member in range(spec.members) if member not in pruned]
-    return live if 0 < len(live) < spec.members else None
+def _evaluated(ctx: RunContext, model: int, step: int) -> Rows | None:
+    """The members of an array an evaluation with the weights after step computes where not every one: those not
+    pruned before it, or more (runtime.rows). Their figures past their pruning step are not kept; a member whose
+    loss diverged is still evaluated, on the weights it kept. A function of the step, so that every pack's task
+    of the evaluation computes the same members."""
+    return ctx.rows(model, ctx.members(model).evaluated(step))
 
 
 @task_body("evl")
@@ -81,15 +78,16 @@ def evaluation(
     outputs: list[Any] = []
     sums: dict[str, torch.Tensor] = {"loss": torch.zeros(spec.members, dtype=torch.float64)}
     samples = 0
-    live = _evaluated(ctx, model)
-    members = list(range(spec.members)) if live is None else live
-    loss_fn = ctx.loss_fn(model) if live is None else ctx.loss_fn(model).narrowed(live)
+    rows = _evaluated(ctx, model, first)
+    members = list(range(spec.members)) if rows is None else list(rows.computing)
+    evaluated = members if rows is None else list(rows.training)
+    loss_fn = ctx.loss_fn(model) if rows is None else ctx.loss_fn(model).narrowed(members)
     with (ctx.cache.weights((model, pack), first, ctx.device_source(model, pack, first)) as weights,
           ctx.borrowed(model, pack, first) as borrowed,
-          nullcontext() if live is None else sized(module, len(live))):
+          nullcontext() if rows is None else sized(module, len(members))):
         tensors = {**tensors_at(weights, runtime.device_weights), **borrowed}
-        if live is not None:
-            tensors = {name: member_rows(tensor, live) for name, tensor in tensors.items()}
+        if rows is not None:
+            tensors = rows.views(tensors)
         module.eval()
         try:
             for batch, inputs in enumerate(batches):
@@ -97,8 +95,9 @@ def evaluation(
                 for index, microbatch in enumerate(inputs):
                     with ctx.cache.scratch(runtime.workspace, f"activations of pack {pack}"), torch.no_grad():
                         x = ctx.cache.copy_in(microbatch, "activations" if pack else "inputs")
-                        with ctx.autocast():
-                            y = ctx.call(model, pack)(tensors, x)
+                        with (nullcontext(tensors) if rows is None else rows.selected(tensors, ()) as chosen,
+                              ctx.autocast()):
+                            y = ctx.call(model, pack)(chosen, x)
                         if not last:
                             outputs[-1].append(ctx.cache.copy_out(y, "activations"))
                             continue
@@ -109,6 +108,8 @@ def evaluation(
                             losses = loss_fn(y, target).reshape(-1).to("cpu", torch.float64)
                         sums["loss"][members] += losses * count
                         for row, member in enumerate(members):
+                            if member not in evaluated:  # computed beside them (runtime.rows), not kept
+                                continue
                             output = member_slice(y, row) if spec.members > 1 else y
                             for name, value in metric_values(measures, output, target).items():
                                 sums.setdefault(name, torch.zeros(spec.members, dtype=torch.float64))[member] += (
@@ -116,9 +117,9 @@ def evaluation(
                         samples += count
         finally:
             module.train()
-    if last and live is not None:
+    if last and rows is not None:
         for values in sums.values():  # figures past their pruning step, which nobody keeps
-            values[[member for member in range(spec.members) if member not in live]] = float("nan")
+            values[[member for member in range(spec.members) if member not in evaluated]] = float("nan")
     if not last:
         return outputs
     return total([{"sums": sums, "samples": samples}]) if finish else {"sums": sums, "samples": samples}

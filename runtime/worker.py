@@ -285,18 +285,17 @@ class RunContext:
             self._members[model] = Members(self.store, model, self.spec.models[model].members)
         return self._members[model]
 
-    def rows(self, model: int, step: int) -> Rows | None:
-        """The members a swapped fused array's step computes, where some of them stopped (runtime.rows); None for a
-        model alone, a homed array (it narrows itself), a compiled run (a narrower call would be compiled again as
+    def rows(self, model: int, members: list[int]) -> Rows | None:
+        """The members of a fused array a step or an evaluation computes where only members (increasing) of them
+        should (runtime.rows); None for a model alone, a compiled run (a narrower call would be compiled again as
         members stop) and an array whose members' losses are not one ArrayLoss."""
         spec = self.spec.models[model]
-        if (spec.members == 1 or spec.home is not None or self.spec.compile
-                or not isinstance(self.loss_fn(model), ArrayLoss)):
+        if spec.members == 1 or self.spec.compile or not isinstance(self.loss_fn(model), ArrayLoss):
             return None
         sizes = [(runtime.device_weights.nbytes + sum(spec.packs[lender].device_weights.nbytes
                                                       for lender in {lender for _, lender, _ in runtime.borrowed}),
                   runtime.workspace) for runtime in spec.packs]
-        return computed_rows(self.members(model).training(step), spec.members, sizes)
+        return computed_rows(members, spec.members, sizes)
 
     def optimizer_state(self, model: int, pack: int) -> OptimizerState:
         key = (model, pack)

@@ -221,15 +221,25 @@ def normed_mlp(seed: int) -> nn.Sequential:
 
 @pytest.mark.parametrize(("homed", "norm"), [(False, False), (False, True), (True, True)],
                          ids=["swapped-mlp", "swapped-batchnorm", "homed-batchnorm"])
-def test_a_swapped_array_computes_its_members_still_training_alone(homed: bool, norm: bool, no_leaks: None) -> None:
+def test_a_swapped_array_computes_its_members_still_training_alone(
+    homed: bool, norm: bool, tmp_path: Path, no_leaks: None
+) -> None:
     """A user's pruner stops member 2 at step 2 and member 1 at step 4 of a swapped array of four. Members 0, 1 and 3
     do not follow one another, and copying three quarters of some pack's rows takes more than the quarter of its
     workspace member 2 frees: steps 2 and 3 compute members 0 to 3, member 2's gradients zeroed. Members 0 and 3
     are copied (their rows take no more than the half of the workspace the others free): steps 4 to 6 compute
     two. Weights (running statistics too: a stopped member's stay as they were, computed or not), loss histories
     and validation losses are a plain sweep's. Homed at the budget of its planned peak, the array computes the
-    same members (its copy of three members' rows does not fit, two members' does)."""
+    same members (its copy of three members' rows does not fit, two members' does). Evaluations measure the members
+    not pruned before their step: a metric called once per member and validation batch is called 2 x (4 + 3 + 2 + 2)
+    times over the evaluations at steps 2, 4, 6 and 7."""
     stops = {2: [2], 4: [1]}
+    calls = tmp_path / "calls"
+
+    def counted(output: torch.Tensor, target: torch.Tensor) -> float:
+        with open(calls, "a") as file:
+            file.write("called\n")
+        return 0.0
 
     def stopping(step: int, standings: list[Standing]) -> list[int]:
         return stops.get(step, [])
@@ -248,7 +258,7 @@ def test_a_swapped_array_computes_its_members_still_training_alone(homed: bool, 
     else:
         budget = param_bytes(models[0]) * 4  # an array of the four fits a layer, not a quarter of its weights
     result = harmony.train(models, batches, nn.functional.mse_loss, [sgd(lr) for lr in RATES], device_memory=budget,
-                           val_loaders=val, progress=False, **options)
+                           val_loaders=val, metrics={"counted": counted}, progress=False, **options)
     assert result.arrays == [[0, 1, 2, 3]] and bool(result.homes) == homed
     packs = result.packings[0].packs
     if not homed:
@@ -257,6 +267,7 @@ def test_a_swapped_array_computes_its_members_still_training_alone(homed: bool, 
         assert all(pack.cost.weights <= pack.cost.workspace for pack in packs), "half of them fit half of it"
     assert result.pruned == expected and not result.failed
     assert result.stats.computed == 4 * 4 + 2 * (STEPS - 4)
+    assert len(calls.read_text().splitlines()) == 2 * (4 + 3 + 2 + 2)
     for index, (model, reference) in enumerate(zip(result.models, references)):
         assert_same_weights(model, reference, rtol=1e-9, atol=1e-12)
         assert result.history[index] == pytest.approx(history[index], rel=1e-9)

@@ -83,7 +83,9 @@ def test_members_computed_but_not_training_lose_their_gradients_and_losses() -> 
     assert spread[[1, 3]].tolist() == [10.0, 30.0] and spread[[0, 2, 4]].isnan().all()
 
 
-def test_a_member_computes_the_step_it_diverged_at_and_none_from_the_one_it_was_pruned_at(store: HostStore) -> None:
+def test_a_member_computes_the_step_it_diverged_at_and_none_from_its_pruning_step_after_that_steps_evaluation(
+    store: HostStore
+) -> None:
     for name in (diverged_name(0), pruned_name(0)):  # as the driver creates them (runtime.files)
         store.create(name, 8 * 4).view(torch.float64).fill_(TRAINING)
     members = Members(store, model=0, members=4)
@@ -91,3 +93,5 @@ def test_a_member_computes_the_step_it_diverged_at_and_none_from_the_one_it_was_
     members.check(torch.tensor([0.1, math.nan, 0.2, 0.3]), step=3)
     members.prune((2,), step=4)
     assert [members.training(step) for step in (3, 4, 5)] == [[0, 1, 2, 3], [0, 3], [0, 3]]
+    assert [members.evaluated(step) for step in (3, 4, 5)] == [[0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 3]], (
+        "ranked by the evaluation of its pruning step, not after; one that diverged is evaluated on")
