@@ -248,7 +248,7 @@ def _forward_pack(
     runtime = ctx.spec.models[model].packs[pack]
     host = ctx.device_source(model, pack, step)
     buffers = runtime.device_buffers_offset
-    rows = ctx.rows(model, ctx.members(model).training(step))
+    rows = _rows(ctx, model, step)
     stashing = (stash and runtime.stash and worth_stashing(ctx.cache.missed.get((model, pack)), step)
                 and (rows is None or rows.viewed))  # copies of rows are made per call, not kept in a stash
     outputs = []
@@ -482,7 +482,7 @@ def _backward_pack(
     spec = ctx.spec.models[model]
     runtime = spec.packs[pack]
     host = ctx.device_source(model, pack, step)
-    rows = ctx.rows(model, ctx.members(model).training(step))
+    rows = _rows(ctx, model, step)
     with (
         ctx.cache.sparing((model, pack)),
         ctx.cache.weights((model, pack), step, host) as weights,
@@ -806,6 +806,12 @@ def _recomputed_backward(
             if input_grads is not None:
                 input_grads.append(ctx.cache.send(grad, "activations", reserved))
     return grad
+
+
+def _rows(ctx: RunContext, model: int, step: int) -> Rows | None:
+    """The members a swapped fused array's step computes where some of them stopped (runtime.rows); None for a
+    model alone, whose pack calls read no member files."""
+    return None if ctx.spec.models[model].members == 1 else ctx.rows(model, ctx.members(model).training(step))
 
 
 def _computing(ctx: RunContext, model: int, pack: int, rows: Rows | None) -> AbstractContextManager[None]:
