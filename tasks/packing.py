@@ -94,6 +94,7 @@ class Pack:
     drawing: tuple[int, ...] = ()  # its layers (by index in the chain) that draw random numbers (LayerProfile.draws)
     backward_ratio: float = BACKWARD_RATIO  # its backward's seconds per its forward's (ModelProfile.backward_ratio)
     transient: int = 0  # of its workspace, what one layer's backward allocates beyond its reserve (no stash holds it)
+    copies: int = 0  # of its workspace, autocast's copies of its weights (LayerProfile.copy_bytes; a stash holds them)
     update_seconds: float | None = None  # its optimizer step where measured (ModelProfile.update_seconds_per_byte)
 
     @property
@@ -105,9 +106,10 @@ class Pack:
     def stash_bytes(self) -> int:
         """Predicted bytes of one micro-batch's stash (runtime.stash): its workspace's activations without their
         gradients, without the largest parameter's gradient and without what a backward allocates beyond them
-        (workspace_bytes)."""
+        (workspace_bytes), and autocast's copies of its weights whole (saved for the backward, they have no
+        gradient to leave out)."""
         largest = max((spec.nbytes for spec in self.weights), default=0)
-        return max(self.cost.workspace - largest - self.transient, 0) // 2
+        return max(self.cost.workspace - largest - self.transient - self.copies, 0) // 2 + self.copies
 
     @property
     def halved_bytes(self) -> int:
@@ -240,6 +242,7 @@ def make_pack(profile: ModelProfile, index: int, first: int, stop: int, samples:
         update_seconds=_update_seconds(trainable, profile.update_seconds_per_byte),
         transient=round(max(layer.transient_bytes_per_sample for layer in layers) * samples)
         + max(layer.transient_bytes for layer in layers),
+        copies=sum(layer.copy_bytes for layer in layers),
     )
 
 

@@ -182,7 +182,8 @@ def test_halved_weights_count_at_two_bytes_so_packs_hold_more_layers_and_a_small
 def test_a_workspace_counts_autocasts_weight_copies_and_the_largest_backward_beyond_its_reserve_once() -> None:
     """Three Linears 16 wide on 4 samples: inputs and outputs of 64 bytes a sample, the first weight copied by
     autocast where the device does not hold it halved, the second's backward allocating 100 bytes a sample more than
-    its reserve, the third's 40. A stash holds neither a backward's allocation nor a gradient."""
+    its reserve, the third's 40. A stash holds neither a backward's allocation nor a gradient, and the weight's copy
+    whole."""
     copied = dataclasses.replace(linear(16), copied=frozenset({"weight", "bias"}))
     halved = dataclasses.replace(copied, halved=frozenset({"weight", "bias"}))
     layers = [copied, dataclasses.replace(linear(16), transient_bytes_per_sample=100.0),
@@ -190,7 +191,7 @@ def test_a_workspace_counts_autocasts_weight_copies_and_the_largest_backward_bey
     pack = cut_packs(profile(layers), budget=1 << 20, samples=4).packs[0]
     activations = (2 * 64 + 2 * 3 * 64) * 4
     assert pack.cost.workspace == activations + 100 * 4 + 1024 + 1088 // 2  # + the largest fresh weight gradient
-    assert pack.transient == 400 and pack.stash_bytes == (activations + 1088 // 2) // 2
+    assert pack.transient == 400 and pack.copies == 1088 // 2 and pack.stash_bytes == activations // 2 + 1088 // 2
     assert pack.float_workspace == pack.cost.workspace
     swapped = cut_packs(profile([halved, *layers[1:]]), budget=1 << 20, samples=4).packs[0]
     assert swapped.cost.workspace == activations + 100 * 4 + 1024, "the device holds the first weight halved"
