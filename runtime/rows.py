@@ -83,10 +83,10 @@ class Rows:
 
 
 def computed_rows(training: Sequence[int], members: int, packs: Sequence[tuple[int, int]]) -> Rows | None:
-    """What a swapped array's step computes with training (increasing) of its members still training, given per pack
-    its weights' device bytes (those it borrows too) and its workspace: the members training alone where they follow
-    one another or where copying their rows fits every pack's room (see the module), else those from the first
-    training to the last; None where every member trains (or none does)."""
+    """What a swapped array's step (or an array's evaluation) computes with training (increasing) of its members to
+    compute, given per pack its weights' device bytes (those it borrows too) and its workspace: those members alone
+    where they follow one another or where copying their rows fits every pack's room (see the module), else every
+    member from the first of them to the last; None where that is every member (or there are none)."""
     if not 0 < len(training) < members:
         return None
     share = len(training) / members
