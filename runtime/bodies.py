@@ -343,8 +343,7 @@ def _buffers_out(
     idle = [member for member in range(spec.members) if member not in training] if training else []
     if idle:
         index = torch.tensor(idle, device=weights.device)
-        buffers = [slot for slot in runtime.device_weights.slots if slot.offset >= runtime.device_buffers_offset]
-        for slot in buffers:
+        for slot in runtime.device_buffers:
             before = tensor_at(start, replace(slot, offset=slot.offset - runtime.device_buffers_offset))
             tensor_at(weights, slot).index_copy_(0, index, before.index_select(0, index))
     if group == 0 and current:
@@ -436,10 +435,8 @@ def _backward_bytes(ctx: RunContext, model: int, pack: int) -> int:
     (tasks.simulator._backward_bytes)."""
     spec = ctx.spec.models[model]
     runtime = spec.packs[pack]
-    lenders = {lender for _, lender, _ in runtime.borrowed}
     state = round(spec.state_ratio * runtime.grads.nbytes) if runtime.device_update else 0
-    return (runtime.device_weights.nbytes + sum(spec.packs[lender].device_weights.nbytes for lender in lenders)
-            + runtime.grads.nbytes + runtime.workspace + state)
+    return spec.held_bytes(pack) + runtime.grads.nbytes + runtime.workspace + state
 
 
 def _homed_backward(

@@ -58,9 +58,13 @@ class PackRuntime:
         return self.buffers_offset < self.weights.nbytes
 
     @property
+    def device_buffers(self) -> list[Slot]:
+        """Where its buffers lie in its device copy (after its weights, as in the host slot)."""
+        return [slot for slot in self.device_weights.slots if slot.offset >= self.device_buffers_offset]
+
+    @property
     def buffer_names(self) -> list[str]:
-        """The names of its buffers (after its weights in either layout)."""
-        return [slot.spec.name for slot in self.weights.slots if slot.offset >= self.buffers_offset]
+        return [slot.spec.name for slot in self.device_buffers]
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,12 @@ class ModelRuntime:
     def section(self, index: int) -> range:
         """The packs that the tasks of section index run, in order."""
         return section_packs(self.sections, len(self.packs), index)
+
+    def held_bytes(self, pack: int) -> int:
+        """The device bytes of a pack's weights and of the weights it borrows (each lender's whole copy)."""
+        runtime = self.packs[pack]
+        lenders = {lender for _, lender, _ in runtime.borrowed}
+        return runtime.device_weights.nbytes + sum(self.packs[lender].device_weights.nbytes for lender in lenders)
 
 
 @dataclass(frozen=True)

@@ -106,6 +106,7 @@ class RunContext:
         self._scalers: dict[int, Scaler] = {}
         self._norms: dict[int, Norms] = {}
         self._calls: dict[tuple[int, int], PackCall] = {}
+        self._row_sizes: dict[int, list[tuple[int, int]]] = {}  # per array, its packs' held bytes and workspaces
         self.froze = False  # whether setting the run up froze the worker's objects (runtime.collector)
 
     @property
@@ -292,10 +293,10 @@ class RunContext:
         spec = self.spec.models[model]
         if spec.members == 1 or self.spec.compile or not isinstance(self.loss_fn(model), ArrayLoss):
             return None
-        sizes = [(runtime.device_weights.nbytes + sum(spec.packs[lender].device_weights.nbytes
-                                                      for lender in {lender for _, lender, _ in runtime.borrowed}),
-                  runtime.workspace) for runtime in spec.packs]
-        return computed_rows(members, spec.members, sizes)
+        if model not in self._row_sizes:
+            self._row_sizes[model] = [(spec.held_bytes(pack), runtime.workspace)
+                                      for pack, runtime in enumerate(spec.packs)]
+        return computed_rows(members, spec.members, self._row_sizes[model])
 
     def optimizer_state(self, model: int, pack: int) -> OptimizerState:
         key = (model, pack)
