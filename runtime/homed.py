@@ -133,14 +133,12 @@ class HomedModel:
         weights as they are now (before the update of the step they stopped at) for the rest of the run (see
         divergence); members already stopped are kept as they were."""
         if set(members) - set(self.stopped):
-            before = dict(zip(self.stopped, zip(*self.kept_buffers))) if self.kept_buffers else {}
+            if self.stopped:  # those stopped before keep their statistics of then, whatever this step's forward did
+                keep_stopped(self.buffers, self.kept_buffers, self.stopped)
             self.stopped = sorted({*self.stopped, *members})
             index = torch.tensor(self.stopped, device=self.params[0].device)
             self.kept = [param.detach().index_select(0, index) for param in self.params]
             self.kept_buffers = [buffer.index_select(0, index) for buffer in self.buffers]
-            for row, member in enumerate(self.stopped):  # a member stopped before keeps its statistics of then
-                for kept, value in zip(self.kept_buffers, before.get(member, ())):
-                    kept[row] = value
 
     @property
     def training(self) -> list[int]:
