@@ -6,6 +6,7 @@ without a GPU."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +21,6 @@ from tests.conftest import (
     clones,
     cross_device_reads,
     deep_mlp,
-    param_bytes,
     regression_batches,
     stashing_and_recomputing,
     stop,
@@ -28,7 +28,7 @@ from tests.conftest import (
     train_plain_scheduled,
     train_plain_seeded,
 )
-from tests.test_pruning import EVERY, RATES, STEPS, normed_mlp, plain_sweep, sgd
+from tests.test_pruning import check_pruned_array
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -246,33 +246,10 @@ def test_a_fused_array_stepped_by_cudas_fused_adamw_matches_plain_pytorch(no_lea
         assert_same_weights(model, reference, rtol=1e-9, atol=1e-12)
 
 
-def pruned_swapped_array(device: str) -> None:
-    """test_pruning's swapped BatchNorm array of four, pruned to members 0, 1, 3 (the window) then 0 and 3 (copies
-    of their rows), on device, against a plain sweep in float64."""
-    stops = {2: [2], 4: [1]}
-
-    def stopping(step: int, standings: list) -> list[int]:
-        return stops.get(step, [])
-
-    models = [normed_mlp(seed=seed).double() for seed in range(len(RATES))]
-    references = clones(models)
-    batches = [(x.double(), y.double()) for x, y in regression_batches(samples=8 * STEPS, batch=8)]
-    val = [(x.double(), y.double()) for x, y in regression_batches(samples=16, batch=8, seed=7)]
-    expected, history, val_history = plain_sweep(references, batches, val, stopping)
-    result = harmony.train(models, batches, nn.functional.mse_loss, [sgd(lr) for lr in RATES], devices=[device],
-                           fuse=True, device_memory=param_bytes(models[0]) * 4, val_loaders=val, eval_every=EVERY,
-                           prune=stopping, progress=False)
-    assert result.arrays == [[0, 1, 2, 3]] and not result.homes
-    assert result.pruned == expected and result.stats.computed == 4 * 4 + 2 * (STEPS - 4)
-    for index, (model, reference) in enumerate(zip(result.models, references)):
-        assert_same_weights(model, reference, rtol=1e-9, atol=1e-12)
-        assert result.history[index] == pytest.approx(history[index], rel=1e-9)
-        assert [loss for _, loss in result.val_history[index]] == pytest.approx(
-            [loss for _, loss in val_history[index]], rel=1e-9)
-
-
-def test_a_pruned_swapped_array_on_cuda_computes_its_members_still_training_as_plain_pytorch(no_leaks: None) -> None:
-    pruned_swapped_array("cuda:0")
+def test_a_pruned_swapped_array_on_cuda_computes_its_members_still_training_as_plain_pytorch(
+    tmp_path: Path, no_leaks: None
+) -> None:
+    check_pruned_array(homed=False, norm=True, devices=["cuda:0"], tmp_path=tmp_path)
 
 
 def test_a_slowed_copy_is_never_read_before_it_arrives(pinned_store: HostStore) -> None:

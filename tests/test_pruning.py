@@ -219,11 +219,7 @@ def normed_mlp(seed: int) -> nn.Sequential:
     return nn.Sequential(*layers, nn.Linear(32, 4))
 
 
-@pytest.mark.parametrize(("homed", "norm"), [(False, False), (False, True), (True, True)],
-                         ids=["swapped-mlp", "swapped-batchnorm", "homed-batchnorm"])
-def test_a_swapped_array_computes_its_members_still_training_alone(
-    homed: bool, norm: bool, tmp_path: Path, no_leaks: None
-) -> None:
+def check_pruned_array(homed: bool, norm: bool, devices: Any, tmp_path: Path) -> None:
     """A user's pruner stops member 2 at step 2 and member 1 at step 4 of a swapped array of four. Members 0, 1 and 3
     do not follow one another, and copying three quarters of some pack's rows takes more than the quarter of its
     workspace member 2 frees: steps 2 and 3 compute members 0 to 3, member 2's gradients zeroed. Members 0 and 3
@@ -251,7 +247,7 @@ def test_a_swapped_array_computes_its_members_still_training_alone(
     val = [(x.double(), y.double()) for x, y in regression_batches(samples=16, batch=8, seed=7)]
     expected, history, val_history = plain_sweep(references, batches, val, stopping)
     assert expected == {2: 2, 1: 4}
-    options: dict[str, Any] = dict(devices=2, fuse=True, eval_every=EVERY, prune=stopping)
+    options: dict[str, Any] = dict(devices=devices, fuse=True, eval_every=EVERY, prune=stopping)
     if homed:
         planned = harmony.plan(models, batches, nn.functional.mse_loss, [sgd(lr) for lr in RATES], **options)
         budget = max(planned.peak_device_bytes.values())
@@ -273,6 +269,14 @@ def test_a_swapped_array_computes_its_members_still_training_alone(
         assert result.history[index] == pytest.approx(history[index], rel=1e-9)
         assert [loss for _, loss in result.val_history[index]] == pytest.approx(
             [loss for _, loss in val_history[index]], rel=1e-9)
+
+
+@pytest.mark.parametrize(("homed", "norm"), [(False, False), (False, True), (True, True)],
+                         ids=["swapped-mlp", "swapped-batchnorm", "homed-batchnorm"])
+def test_a_swapped_array_computes_its_members_still_training_alone(
+    homed: bool, norm: bool, tmp_path: Path, no_leaks: None
+) -> None:
+    check_pruned_array(homed, norm, 2, tmp_path)
 
 
 def test_a_users_pruner_sees_the_models_still_training_and_a_bad_answer_ends_the_run(no_leaks: None) -> None:
