@@ -23,6 +23,8 @@ from harmony.runtime.hoststore import OWNER, PREFIX, HostStore, freeze, shm_dire
 
 WATCH_INTERVAL = 0.5
 DRIVER = "HARMONY_DRIVER_PID"
+PF_EXITING = 0x4  # linux/sched.h: the process has begun to end
+PROC = Path("/proc")
 
 
 def claim(store: HostStore) -> None:
@@ -40,15 +42,28 @@ def claim_remote(store: HostStore, run: str) -> None:
 
 def owner_alive(record: bytes) -> bool:
     """Whether the process an owner record names still runs (the same process: same id, same start; a process
-    that has ended but is not yet reaped by its parent, a zombie, has ended). A remote owner counts as alive."""
+    that has ended but is not yet reaped by its parent, a zombie, or is ending, has ended). A remote owner counts as
+    alive."""
     try:
         owner = json.loads(record)
         if "remote" in owner:
             return True
         process = psutil.Process(int(owner["pid"]))
         same = abs(process.create_time() - float(owner["started"])) < 1e-3
-        return same and process.status() != psutil.STATUS_ZOMBIE
+        return same and process.status() != psutil.STATUS_ZOMBIE and not ending(process.pid)
     except (ValueError, KeyError, TypeError, psutil.Error):
+        return False
+
+
+def ending(pid: int) -> bool:
+    """Whether a process has begun to end (Linux: the PF_EXITING flag of /proc/<pid>/stat; elsewhere never said).
+    A killed driver's sockets close while it is still ending, not yet a zombie: one thread lets go of the files
+    while another frees the memory. Its workers, which close as those sockets close and then end, sweep in that
+    window, and must see the driver gone."""
+    try:
+        fields = (PROC / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+        return bool(int(fields[6]) & PF_EXITING)
+    except (OSError, IndexError, ValueError):
         return False
 
 

@@ -7,15 +7,18 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from distributed import Client, LocalCluster
 from torch import nn
 
 import harmony
+from harmony.runtime import orphans
 from harmony.runtime.hoststore import HostStore
-from harmony.runtime.orphans import claim, owner_alive, sweep
+from harmony.runtime.orphans import claim, ending, owner_alive, sweep
 from tests.conftest import deep_mlp, regression_batches
 
 
@@ -47,6 +50,29 @@ def test_a_run_whose_owner_is_gone_is_swept_and_a_live_one_is_not() -> None:
     finally:
         live.unlink_all()
         stale.unlink_all()
+
+
+def fake_stat(proc: Path, pid: int, flags: int) -> None:
+    """A /proc/<pid>/stat line of a process whose name has a parenthesis and spaces in it, with these flags."""
+    (proc / str(pid)).mkdir(parents=True, exist_ok=True)
+    (proc / str(pid) / "stat").write_text(f"{pid} (a) b (c) R 1 {pid} {pid} 0 -1 {flags} 0 0 0 0 1 2 0 0 20 0 9\n")
+
+
+def test_a_driver_that_is_ending_counts_as_gone_before_it_is_a_zombie(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A killed driver closes its sockets while still ending (PF_EXITING set, not yet a zombie); a worker closing
+    on that and sweeping then must not take it for alive: it ends next, and no one else would sweep (the suite once
+    left a killed run's 71 files so)."""
+    me = psutil.Process()
+    record = json.dumps({"pid": me.pid, "started": me.create_time()}).encode()
+    assert owner_alive(record) and not ending(me.pid), "this process, read from the real /proc"
+    monkeypatch.setattr(orphans, "PROC", tmp_path)
+    fake_stat(tmp_path, me.pid, 0x400000)
+    assert owner_alive(record) and not ending(me.pid)
+    fake_stat(tmp_path, me.pid, 0x400000 | 0x400 | 0x4)  # as read from the killed driver: signalled, exiting
+    assert ending(me.pid) and not owner_alive(record)
+    assert not ending(me.pid + 1), "a process /proc does not show: not said to be ending"
 
 
 def test_a_sweep_cut_short_leaves_the_owner_record_by_which_the_next_sweep_removes_the_rest(
@@ -99,6 +125,7 @@ import subprocess, sys, os
 from harmony.runtime.orphans import driver_environment
 worker = '''
 import time
+from pathlib import Path
 time.sleep(1.0)  # its driver has ended by now: this process belongs to another parent
 from harmony.runtime.orphans import watch_parent
 watch_parent(0.05)
