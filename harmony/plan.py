@@ -36,7 +36,8 @@ class Forecast:
     job (in the order of packings), fusion the sub-array size chosen for each group of fusable models and the
     throughput predicted per size; steps the steps each job was simulated for (every model to its end); computed,
     under a built-in pruner, the share of those steps it is expected to leave computed, and pruned_seconds the run's
-    seconds simulated with each job computing its expected share of its steps (None without one).
+    seconds simulated with each job computing its expected share of its steps, a swapped array moving its whole
+    stacks every step any of its members trains (None without one).
     """
 
     plan: RunPlan
@@ -195,7 +196,8 @@ def plan(
     time. prune (with eval_every, as train takes them; no val_loaders needed) weighs each fusion size by the share of
     its steps it is expected to compute under a built-in pruner; the forecast's times are for every model to its end,
     and pruned_seconds the run simulated with each job computing its expected share of its steps (the survivors of
-    each pruning step taken as any of the models, equally likely).
+    each pruning step taken as any of the models, equally likely; a swapped array still moves its whole stacks
+    every step any member trains, see _pruned).
     """
     unknown = sorted(set(arguments) - set(PLANNED))
     if unknown:
@@ -257,9 +259,34 @@ def plan(
         shares = [computed_share([len(job.members)], len(args.models), count, options.eval_every,
                                  every_member if options.compile else live_members)  # an array's live members
                   for job, count in zip(jobs, counts)]
+        running = [computed_share([len(job.members)], len(args.models), count, options.eval_every, every_member)
+                   for job, count in zip(jobs, counts)]
         model_steps = [count * len(job.members) for job, count in zip(jobs, counts)]
         computed = sum(steps * share for steps, share in zip(model_steps, shares)) / max(sum(model_steps), 1)
-        expected = [max(1, round(count * share)) for count, share in zip(counts, shares)]  # a job's first rung runs
-        pruned_seconds = simulate_machines(run_plan, expected, samples, machine_of).makespan
+        pruned_plan, expected = _pruned(run_plan, counts, shares, running)
+        pruned_seconds = simulate_machines(pruned_plan, expected, samples, machine_of).makespan
     return Forecast(run_plan, simulation, memory, counts, names=[type(model).__name__ for model in args.models],
                     computed=computed, prune=prune, pruned_seconds=pruned_seconds)
+
+
+def _pruned(plan: RunPlan, counts: list[int], shares: list[float], running: list[float]
+            ) -> tuple[RunPlan, list[int]]:
+    """The plan and steps per job to simulate a pruned run by: a job that computes shares of its model-steps (its
+    live members') and runs running of its steps at all (while any member trains). A homed job's pruned step
+    shrinks whole (its weights stay on its device): it runs its computed share of its steps. A swapped array moves
+    its whole stacks in and out every step it runs (runtime.rows computes the live members' rows of them): it runs
+    its running steps, its compute and the values it hands between packs shrunk to the members it computes then."""
+    jobs, steps = [], []
+    for job, count, share, runs in zip(plan.jobs, counts, shares, running):
+        if job.home is not None or not job.fused or runs <= 0:
+            jobs.append(job)
+            steps.append(max(1, round(count * share)))  # a job's first rung runs
+            continue
+        fraction = min(1.0, share / runs)
+        packs = tuple(dataclasses.replace(pack, forward_seconds_per_sample=pack.forward_seconds_per_sample * fraction,
+                                          input_bytes_per_sample=pack.input_bytes_per_sample * fraction)
+                      for pack in job.packing.packs)
+        jobs.append(dataclasses.replace(job, packing=dataclasses.replace(job.packing, packs=packs),
+                                        step_seconds=job.step_seconds * fraction))
+        steps.append(max(1, round(count * runs)))
+    return dataclasses.replace(plan, jobs=tuple(jobs)), steps
