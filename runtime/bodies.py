@@ -42,7 +42,7 @@ from harmony.runtime.homed import HomedModel
 from harmony.runtime.hoststore import tensor_at, tensors_at
 from harmony.runtime.peer import files_read, received_bytes
 from harmony.runtime.reparametrize import bound
-from harmony.runtime.rows import Rows
+from harmony.runtime.rows import Rows, gaps
 from harmony.runtime.scaler import finite
 from harmony.runtime.seeding import begin, microbatch_number
 from harmony.runtime.spec import PackRuntime
@@ -248,12 +248,12 @@ def _forward_pack(
     runtime = ctx.spec.models[model].packs[pack]
     host = ctx.device_source(model, pack, step)
     buffers = runtime.device_buffers_offset
-    rows = _rows(ctx, model, step)
+    rows = ctx.training_rows(model, step)
     stashing = (stash and runtime.stash and worth_stashing(ctx.cache.missed.get((model, pack)), step)
                 and (rows is None or rows.viewed))  # copies of rows are made per call, not kept in a stash
     outputs = []
-    with (ctx.cache.weights((model, pack), step, host) as weights, ctx.borrowed(model, pack, step) as borrowed,
-          _computing(ctx, model, pack, rows)):
+    with (ctx.cache.weights((model, pack), step, host, ctx.part(model, pack, rows)) as weights,
+          ctx.borrowed(model, pack, step) as borrowed, _computing(ctx, model, pack, rows)):
         if _weights_after(ctx, len(inputs)) is None:
             _prefetch(ctx, model, following, step, runtime.workspace)
         tensors = _views(rows, {**tensors_at(weights, runtime.device_weights), **borrowed})
@@ -479,10 +479,10 @@ def _backward_pack(
     spec = ctx.spec.models[model]
     runtime = spec.packs[pack]
     host = ctx.device_source(model, pack, step)
-    rows = _rows(ctx, model, step)
+    rows = ctx.training_rows(model, step)
     with (
         ctx.cache.sparing((model, pack)),
-        ctx.cache.weights((model, pack), step, host) as weights,
+        ctx.cache.weights((model, pack), step, host, ctx.part(model, pack, rows)) as weights,
         ctx.cache.scratch(runtime.grads.nbytes, f"gradients of pack {pack}"),
         ctx.borrowed(model, pack, step) as borrowed,
         _computing(ctx, model, pack, rows),
@@ -515,7 +515,7 @@ def _backward_pack(
                 if spec.clip and on_device(spec.groups):  # the host reads no gradient for the norm
                     ctx.record_norms(model, pack, step, grad_bytes)
                 if not runtime.device_update or runtime.borrowed:  # a borrowed weight's gradient goes to its lender
-                    ctx.cache.write_back(grad_bytes, ctx.host_grads(model, pack, group), "grads")
+                    _grads_out(ctx, model, pack, group, grad_bytes, rows)
             if start is not None:  # the last pack's forward ran here
                 _buffers_out(ctx, model, pack, step, group, weights, start, current)
         if runtime.device_update:
@@ -525,6 +525,21 @@ def _backward_pack(
     elif updates_in_backward(spec.groups, spec.overlap):
         ctx.update(model, pack, step, ctx.files)
     return input_grads
+
+
+def _grads_out(ctx: RunContext, model: int, pack: int, group: int, grad_bytes: torch.Tensor, rows: Rows | None
+               ) -> None:
+    """A pack's step's gradients into the host store: where its weights were copied in part, the computed members'
+    rows alone, the host's other rows zeroed (what the whole write of their zero rows left; runtime.rows)."""
+    host = ctx.host_grads(model, pack, group)
+    if ctx.part(model, pack, rows) is None:
+        ctx.cache.write_back(grad_bytes, host, "grads")
+        return
+    assert rows is not None
+    spans = rows.spans(ctx.spec.models[model].packs[pack].grads)
+    ctx.cache.write_back(grad_bytes, host, "grads", spans)
+    for start, stop in gaps(spans, host.numel()):
+        host[start:stop].zero_()
 
 
 def _homed_steps(
@@ -803,12 +818,6 @@ def _recomputed_backward(
             if input_grads is not None:
                 input_grads.append(ctx.cache.send(grad, "activations", reserved))
     return grad
-
-
-def _rows(ctx: RunContext, model: int, step: int) -> Rows | None:
-    """The members a swapped fused array's step computes where some of them stopped (runtime.rows); None for a
-    model alone, whose pack calls read no member files."""
-    return None if ctx.spec.models[model].members == 1 else ctx.rows(model, ctx.members(model).training(step))
 
 
 def _computing(ctx: RunContext, model: int, pack: int, rows: Rows | None) -> AbstractContextManager[None]:

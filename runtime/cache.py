@@ -32,14 +32,29 @@ from harmony.runtime.stream import CopyEngine
 from harmony.tasks.memory import BudgetExceeded, DeviceMemory
 
 
+@dataclass(frozen=True)
+class Part:
+    """The part of a fused array's pack weights a task reads (runtime.rows): the members whose rows it computes, and
+    the byte ranges that hold them (and what every member reads); a copy in moves those alone."""
+
+    members: frozenset[int]
+    spans: tuple[tuple[int, int], ...]
+
+
 @dataclass
 class CachedWeights:
-    """A pack's weights on the device: their bytes, and when their copy has arrived (or failed)."""
+    """A pack's weights on the device: their bytes, when their copy has arrived (or failed), and the members whose
+    rows it holds where it was copied in part (None: every byte; see Part)."""
 
     buffer: torch.Tensor
     arrived: threading.Event = field(default_factory=threading.Event)
     done: torch.cuda.Event | None = None
     failed: BaseException | None = None
+    members: frozenset[int] | None = None
+
+    def holds(self, part: Part | None) -> bool:
+        """Whether it holds what a task reading part (None: all of it) reads."""
+        return self.members is None or (part is not None and part.members <= self.members)
 
 
 @dataclass
@@ -271,18 +286,23 @@ class DeviceCache:
         if self.link is not None:
             self.link.carry(nbytes, direction, started)
 
-    def _copy_weights(self, key: Any, entry: CachedWeights, host: Source, prefetched: bool = False) -> None:
-        """Copy host weight bytes (a buffer, or parts laid one after another) into entry over the link, count them,
-        and mark them arrived.
+    def _copy_weights(self, key: Any, entry: CachedWeights, host: Source, prefetched: bool = False,
+                      spans: tuple[tuple[int, int], ...] | None = None) -> None:
+        """Copy host weight bytes (a buffer, or parts laid one after another; of a buffer, the byte ranges spans
+        alone where given) into entry over the link, count them, and mark them arrived.
 
         On CUDA the copy is only enqueued: entry.done marks its end for the stream that reads the weights.
         A copy that fails marks the entry arrived with its error, so that a task waiting for it raises.
         """
         started = time.perf_counter()
-        nbytes = source_bytes(host)
+        nbytes = source_bytes(host) if spans is None else sum(stop - start for start, stop in spans)
         try:
+            if spans is not None:
+                assert isinstance(host, torch.Tensor), "a part is copied from one buffer"
+                for start, stop in spans:
+                    entry.done = self.engine.copy(entry.buffer[start:stop], host[start:stop])
             offset = 0
-            for part in (host,) if isinstance(host, torch.Tensor) else host:
+            for part in () if spans is not None else (host,) if isinstance(host, torch.Tensor) else host:
                 entry.done = self.engine.copy(entry.buffer[offset : offset + part.numel()], part)
                 offset += part.numel()
             self._over_link(nbytes, started, IN)
@@ -336,7 +356,17 @@ class DeviceCache:
         with self._lock:
             entry = self.tensors[key]
         self._copy_weights(key, entry, host)
+        entry.members = None
         self._wait_arrived(key, entry)
+
+    def _complete(self, key: Any, entry: CachedWeights, host: Source, part: Part | None) -> None:
+        """Copy in what a task reading part (None: all of it) reads that entry, copied in part for another task of
+        the same version (or a prefetch), left out; the ranges part gives again whole (the same bytes)."""
+        started = time.perf_counter_ns()
+        self._copy_weights(key, entry, host, spans=None if part is None else part.spans)
+        entry.members = None if part is None or entry.members is None else entry.members | part.members
+        self._wait_arrived(key, entry)
+        self.counters.add("wait_ns", time.perf_counter_ns() - started)
 
     def fits(self, nbytes: int) -> bool:
         """Whether a reservation of nbytes would fit now (evicting what it may)."""
@@ -425,8 +455,9 @@ class DeviceCache:
                 self.memory.spared = None
 
     @contextmanager
-    def weights(self, key: Any, version: int, host: Source) -> Iterator[torch.Tensor]:
-        """The pack's weight bytes on the device at version, copied in from host unless already there.
+    def weights(self, key: Any, version: int, host: Source, part: Part | None = None) -> Iterator[torch.Tensor]:
+        """The pack's weight bytes on the device at version, copied in from host unless already there; with part,
+        only those the task reads are copied and may be read (the device holds and charges the whole pack).
 
         A prefetch of the same weights still in flight is waited for rather than repeated.
         """
@@ -435,23 +466,27 @@ class DeviceCache:
             self._forget(evicted)
             self.counters.raise_to("peak", self.memory.used)
             if copy:
-                self.tensors[key] = CachedWeights(self.engine.empty(source_bytes(host), torch.uint8))
+                self.tensors[key] = CachedWeights(self.engine.empty(source_bytes(host), torch.uint8),
+                                                  members=None if part is None else part.members)
             entry = self.tensors[key]
             self.memory.pin(key)
         try:
             started = time.perf_counter_ns()
             if copy:
-                self._copy_weights(key, entry, host)
+                self._copy_weights(key, entry, host, spans=None if part is None else part.spans)
             self._wait_arrived(key, entry)
             self.counters.add("wait_ns", time.perf_counter_ns() - started)
+            if not entry.holds(part):
+                self._complete(key, entry, host, part)
             yield entry.buffer
         finally:
             with self._lock:
                 if self.tensors.get(key) is entry:
                     self.memory.unpin(key)
 
-    def prefetch(self, key: Any, version: int, host: Source, keep_free: int) -> bool:
-        """Start copying a pack's weights in on the copy engine, if they fit beside keep_free bytes.
+    def prefetch(self, key: Any, version: int, host: Source, keep_free: int, part: Part | None = None) -> bool:
+        """Start copying a pack's weights (of them, part where given) in on the copy engine, if they fit beside
+        keep_free bytes.
 
         keep_free is what the running task will still reserve; a prefetch never takes that room and
         never evicts weights a task holds. Returns whether a copy was started.
@@ -462,9 +497,10 @@ class DeviceCache:
             if not admitted:
                 return False
             self.counters.raise_to("peak", self.memory.used)
-            entry = self.tensors[key] = CachedWeights(self.engine.empty(source_bytes(host), torch.uint8))
+            entry = self.tensors[key] = CachedWeights(self.engine.empty(source_bytes(host), torch.uint8),
+                                                      members=None if part is None else part.members)
             self._prefetching += 1
-        self.engine.submit(self._copy_weights, key, entry, host, True)
+        self.engine.submit(self._copy_weights, key, entry, host, True, None if part is None else part.spans)
         return True
 
     def keep(self, consumer: Any, microbatch: int, value: Any, keep_free: int = 0, sent: Any = None) -> bool:
@@ -785,12 +821,17 @@ class DeviceCache:
             self._unsettled = False
             torch.cuda.current_stream(self.device).synchronize()
 
-    def write_back(self, device_bytes: torch.Tensor, host: torch.Tensor, kind: str) -> None:
-        """Copy device bytes into a host store buffer, counted as bytes_out[kind]."""
+    def write_back(self, device_bytes: torch.Tensor, host: torch.Tensor, kind: str,
+                   spans: tuple[tuple[int, int], ...] | None = None) -> None:
+        """Copy device bytes (of them, the byte ranges spans where given) into a host store buffer, counted as
+        bytes_out[kind]."""
         started = time.perf_counter()
-        if self.device.type == "cpu":
-            copy_small(host, device_bytes)
-        else:
-            host.copy_(device_bytes)
-        self._over_link(device_bytes.numel(), started, OUT)
-        self.counters.add(f"out_{kind}", device_bytes.numel())
+        nbytes = 0
+        for start, stop in spans if spans is not None else ((0, device_bytes.numel()),):
+            if self.device.type == "cpu":
+                copy_small(host[start:stop], device_bytes[start:stop])
+            else:
+                host[start:stop].copy_(device_bytes[start:stop])
+            nbytes += stop - start
+        self._over_link(nbytes, started, OUT)
+        self.counters.add(f"out_{kind}", nbytes)

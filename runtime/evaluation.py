@@ -82,7 +82,8 @@ def evaluation(
     members = list(range(spec.members)) if rows is None else list(rows.computing)
     evaluated = members if rows is None else list(rows.training)
     loss_fn = ctx.loss_fn(model) if rows is None else ctx.loss_fn(model).narrowed(members)
-    with (ctx.cache.weights((model, pack), first, ctx.device_source(model, pack, first)) as weights,
+    with (ctx.cache.weights((model, pack), first, ctx.device_source(model, pack, first),
+                            ctx.part(model, pack, rows)) as weights,
           ctx.borrowed(model, pack, first) as borrowed,
           nullcontext() if rows is None else sized(module, len(members))):
         tensors = {**tensors_at(weights, runtime.device_weights), **borrowed}

@@ -12,6 +12,10 @@ copies take no more than the room the stopped members' activations leave in its 
 reserved as for every member, so the budget holds); else the step computes every member from the first training to
 the last (views again). The members computed but not training, and those not computed, lose nothing: every update
 puts a stopped member's weights back (runtime.divergence), and their losses are recorded as NaN.
+
+Only the computed members' rows cross the link (``Rows.spans``): a task copies those rows of its pack's weights in
+(runtime.cache.Part; the buffers whole, which the step writes back whole) and writes those rows of its gradients
+back, the host's other rows zeroed as a whole write of the step's gradients would leave them.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from harmony.runtime.array import consecutive
+from harmony.tasks.layout import BufferLayout
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,36 @@ class Rows:
                     if name in tensors:
                         tensors[name].index_copy_(0, index, copies[name])
 
+    def spans(self, layout: BufferLayout, end: int | None = None) -> tuple[tuple[int, int], ...]:
+        """The byte ranges of layout (stacks, members first) that hold the computed members' rows, with everything
+        from end on whole (a pack's buffers): what a copy of those rows moves. A tensor that is not a stack of the
+        members is moved whole."""
+        end = layout.nbytes if end is None else end
+        runs: list[tuple[int, int]] = []  # (first, stop) of each run of consecutive computed members
+        for member in self.computing:
+            if runs and runs[-1][1] == member:
+                runs[-1] = (runs[-1][0], member + 1)
+            else:
+                runs.append((member, member + 1))
+        ranges = []
+        for slot in layout.slots:
+            if slot.offset >= end:
+                continue
+            if not slot.spec.shape or slot.spec.shape[0] != self.members:
+                ranges.append((slot.offset, slot.offset + slot.spec.nbytes))
+                continue
+            row = slot.spec.nbytes // self.members
+            ranges.extend((slot.offset + first * row, slot.offset + stop * row) for first, stop in runs)
+        if end < layout.nbytes:
+            ranges.append((end, layout.nbytes))
+        merged: list[tuple[int, int]] = []
+        for start, stop in sorted(ranges):
+            if merged and start <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], stop))
+            elif stop > start:
+                merged.append((start, stop))
+        return tuple(merged)
+
     def clear(self, grads: dict[str, torch.Tensor]) -> None:
         """Zero the gradients' rows (members first) of the members computed but not training: a stopped member's
         gradient, however it came out (not finite, for one that diverged), reaches no norm, scale check or update."""
@@ -93,3 +128,15 @@ def computed_rows(training: Sequence[int], members: int, packs: Sequence[tuple[i
     if consecutive(list(training)) or all(weights * share <= workspace * (1 - share) for weights, workspace in packs):
         return Rows(tuple(training), tuple(training), members)
     return Rows(tuple(range(training[0], training[-1] + 1)), tuple(training), members)
+
+
+def gaps(spans: Sequence[tuple[int, int]], nbytes: int) -> list[tuple[int, int]]:
+    """The byte ranges of nbytes that spans (sorted, apart) leave out."""
+    left, start = [], 0
+    for first, stop in spans:
+        if first > start:
+            left.append((start, first))
+        start = stop
+    if start < nbytes:
+        left.append((start, nbytes))
+    return left

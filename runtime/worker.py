@@ -26,7 +26,7 @@ from harmony.runtime import (
 )
 from harmony.runtime.allocator import keep_freed_memory
 from harmony.runtime.array import ArrayLoss
-from harmony.runtime.cache import DeviceCache, Source
+from harmony.runtime.cache import DeviceCache, Part, Source
 from harmony.runtime.clipping import Norms, coefficients, on_device, scale, tensor_norms, total_norms
 from harmony.runtime.compiled import PackCall, pack_call
 from harmony.runtime.counters import IN_KINDS, OUT_KINDS, Counters, block_bytes
@@ -298,6 +298,21 @@ class RunContext:
                                       for pack, runtime in enumerate(spec.packs)]
         return computed_rows(members, spec.members, self._row_sizes[model])
 
+    def part(self, model: int, pack: int, rows: Rows | None) -> Part | None:
+        """What of a pack's weights a task computing rows reads (runtime.cache.Part); None for all of them: every
+        member computed, a homed model (its copy stays whole on its device), a pack updated on its device (its
+        whole copy is stepped and goes back), halved weights."""
+        spec = self.spec.models[model]
+        runtime = spec.packs[pack]
+        if rows is None or spec.home is not None or runtime.device_update or runtime.halved is not None:
+            return None
+        return Part(frozenset(rows.computing), rows.spans(runtime.device_weights, runtime.device_buffers_offset))
+
+    def training_rows(self, model: int, step: int) -> Rows | None:
+        """The members a swapped fused array's step computes where some of them stopped (runtime.rows); None for a
+        model alone, or where it computes every member."""
+        return None if self.spec.models[model].members == 1 else self.rows(model, self.members(model).training(step))
+
     def optimizer_state(self, model: int, pack: int) -> OptimizerState:
         key = (model, pack)
         if key not in self._states:
@@ -473,7 +488,8 @@ class RunContext:
             return
         if self.versions(model).current(pack)[0] != version:
             return
-        self.cache.prefetch((model, pack), version, self.device_source(model, pack, version), keep_free)
+        self.cache.prefetch((model, pack), version, self.device_source(model, pack, version), keep_free,
+                            self.part(model, pack, self.training_rows(model, version)))
 
     def pack_optimizer(self, model: int, pack: int, slot: int) -> PackOptimizer:
         """The optimizer of a swapped pack over one slot of its host weights (built once per slot)."""

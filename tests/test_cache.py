@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from harmony.runtime import handoff, serialization  # noqa: F401
-from harmony.runtime.cache import DeviceCache
+from harmony.runtime.cache import DeviceCache, Part
 from harmony.runtime.counters import BLOCK_BYTES, Counters
 from harmony.runtime.hoststore import HostStore
 from harmony.runtime.stream import CopyEngine
@@ -103,6 +103,36 @@ def test_prefetched_weights_are_used_without_a_second_copy(store: HostStore) -> 
     counts = cache.counters.read()
     assert counts["in_weights"] == counts["prefetched"] == 300
     assert not cache.prefetch("p1", 0, store.create("big", 900), keep_free=200)
+    cache.clear()
+
+
+def test_weights_copied_in_part_move_their_ranges_alone_and_a_task_that_reads_more_gets_the_rest(
+    store: HostStore,
+) -> None:
+    """A fused array's task computing some members copies their rows in alone (runtime.rows); a later task of the
+    same version reading more members (an evaluation) or all of them copies what it reads again, and one reading
+    fewer copies nothing. A prefetch copies the part its task reads."""
+    cache = make_cache(store, budget=1000)
+    host = store.create("w", 400)
+    host.copy_(torch.arange(400) % 251)
+    first = Part(frozenset({0}), ((0, 100), (300, 400)))
+    wider = Part(frozenset({0, 1}), ((0, 200), (300, 400)))
+    moved = [200, 200, 500, 500, 900, 900]
+    for part, total in zip([first, first, wider, first, None, wider], moved):
+        with cache.weights("p0", 0, host, part) as device_bytes:
+            for start, stop in ((0, 400),) if part is None else part.spans:
+                assert torch.equal(device_bytes[start:stop], host[start:stop])
+        assert cache.counters.read()["in_weights"] == total
+    assert cache.used == 400, "the device holds and charges the whole pack"
+    assert cache.prefetch("p1", 0, host, keep_free=0, part=first)
+    with cache.weights("p1", 0, host, first) as device_bytes:
+        assert torch.equal(device_bytes[:100], host[:100]) and torch.equal(device_bytes[300:], host[300:])
+    assert cache.counters.read()["in_weights"] == 900 + 200 and cache.counters.read()["prefetched"] == 200
+    grads = store.create("g", 400)
+    cache.write_back(host, grads, "grads", ((100, 150), (390, 400)))
+    assert torch.equal(grads[100:150], host[100:150]) and torch.equal(grads[390:], host[390:])
+    assert int(grads[:100].count_nonzero()) == int(grads[150:390].count_nonzero()) == 0
+    assert cache.counters.read()["out_grads"] == 60
     cache.clear()
 
 

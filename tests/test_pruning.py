@@ -224,7 +224,8 @@ def check_pruned_array(homed: bool, norm: bool, devices: Any, tmp_path: Path) ->
     do not follow one another, and copying three quarters of some pack's rows takes more than the quarter of its
     workspace member 2 frees: steps 2 and 3 compute members 0 to 3, member 2's gradients zeroed. Members 0 and 3
     are copied (their rows take no more than the half of the workspace the others free): steps 4 to 6 compute
-    two. Weights (running statistics too: a stopped member's stay as they were, computed or not), loss histories
+    two, their rows alone crossing the link. Weights (running statistics too: a stopped member's stay as they were,
+    computed or not), loss histories
     and validation losses are a plain sweep's. Homed at the budget of its planned peak, the array computes the
     same members (its copy of three members' rows does not fit, two members' does). Evaluations measure the members
     not pruned before their step: a metric called once per member and validation batch is called 2 x (4 + 3 + 2 + 2)
@@ -263,6 +264,8 @@ def check_pruned_array(homed: bool, norm: bool, devices: Any, tmp_path: Path) ->
         assert all(pack.cost.weights <= pack.cost.workspace for pack in packs), "half of them fit half of it"
     assert result.pruned == expected and not result.failed
     assert result.stats.computed == 4 * 4 + 2 * (STEPS - 4)
+    if not homed:  # steps 4 to 6 write the gradients' rows of members 0 and 3 back alone (runtime.rows)
+        assert result.stats.bytes_out["grads"] == param_bytes(models[0]) * (4 * 4 + 2 * (STEPS - 4))
     assert len(calls.read_text().splitlines()) == 2 * (4 + 3 + 2 + 2)
     for index, (model, reference) in enumerate(zip(result.models, references)):
         assert_same_weights(model, reference, rtol=1e-9, atol=1e-12)

@@ -12,7 +12,8 @@ import torch
 from harmony.runtime.divergence import TRAINING, Members
 from harmony.runtime.files import diverged_name, pruned_name
 from harmony.runtime.hoststore import HostStore
-from harmony.runtime.rows import Rows, computed_rows
+from harmony.runtime.rows import Rows, computed_rows, gaps
+from harmony.tasks.layout import TensorSpec, lay_out
 
 ROOMY = [(100, 200), (40, 200)]  # per pack: weights' bytes, workspace
 
@@ -95,3 +96,28 @@ def test_a_member_computes_the_step_it_diverged_at_and_none_from_its_pruning_ste
     assert [members.training(step) for step in (3, 4, 5)] == [[0, 1, 2, 3], [0, 3], [0, 3]]
     assert [members.evaluated(step) for step in (3, 4, 5)] == [[0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 3]], (
         "ranked by the evaluation of its pruning step, not after; one that diverged is evaluated on")
+
+
+def test_a_copy_of_the_computed_members_rows_moves_their_rows_of_every_stack_and_the_buffers_whole() -> None:
+    """Four members: weight stacks of 4 x 3 float32 (12 bytes a row) and 4 float64 (8 bytes a row), then a buffer.
+    Members 0 and 3 are two runs of one row in each stack; members 1 and 2 one run; the buffer from its offset on
+    is moved whole; a tensor that is not a stack of the members (here of 2 rows) is moved whole."""
+    stacks = lay_out([TensorSpec("w", "float32", (4, 3)), TensorSpec("b", "float64", (4,)),
+                     TensorSpec("running", "float32", (4, 2))])
+    w, b, running = stacks.slots
+    buffers = running.offset
+    assert Rows((0, 3), (0, 3), 4).spans(stacks, buffers) == (
+        (w.offset, w.offset + 12), (w.offset + 36, b.offset + 8), (b.offset + 24, stacks.nbytes))
+    assert Rows((1, 2), (1, 2), 4).spans(stacks, buffers) == (
+        (w.offset + 12, w.offset + 36), (b.offset + 8, b.offset + 24), (buffers, stacks.nbytes))
+    assert Rows((1, 2), (1, 2), 4).spans(stacks) == (
+        (w.offset + 12, w.offset + 36), (b.offset + 8, b.offset + 24), (running.offset + 8, running.offset + 24))
+    assert Rows((0, 1, 2, 3), (0, 3), 4).spans(stacks) == ((0, stacks.nbytes),), "every row: one copy"
+    shared = lay_out([TensorSpec("table", "float32", (2, 5)), TensorSpec("w", "float32", (4, 1))])
+    table, stacked = shared.slots
+    assert Rows((2,), (2,), 4).spans(shared) == ((0, table.spec.nbytes), (stacked.offset + 8, stacked.offset + 12))
+
+
+def test_the_bytes_a_part_leaves_out_are_what_its_spans_do_not_cover() -> None:
+    assert gaps([(4, 8), (12, 16)], 20) == [(0, 4), (8, 12), (16, 20)]
+    assert gaps([(0, 20)], 20) == [] and gaps([], 6) == [(0, 6)]
