@@ -83,19 +83,22 @@ def plain(models: list[nn.Module], data: list, val: list, every: int, prune: boo
 
 
 def with_harmony(models: list[nn.Module], data: list, val: list, every: int, prune: bool, fuse: bool | str,
-                 swapped: bool = False) -> dict[str, Any]:
-    """swapped: arrays (fuse=True) under a budget of four times the largest layer's weights of an array of all."""
+                 swapped: bool = False, link: str | None = None) -> dict[str, Any]:
+    """swapped: arrays (fuse=True) under a budget of four times the largest layer's weights of an array of all;
+    link: a simulated host link's bandwidth (harmony.train's link_bandwidth)."""
     layer = len(models) * max(sum(param.numel() * param.element_size() for param in module.parameters())
                               for module in models[0].modules() if isinstance(module, nn.Linear))
     result = harmony.train(models, data, nn.functional.mse_loss, [factory(rate) for rate in rates(len(models))],
                            devices=2, fuse=fuse, val_loaders=val, eval_every=every,
                            prune="halving" if prune else None, progress=False,
-                           device_memory=4 * layer if swapped else None)
+                           device_memory=4 * layer if swapped else None, link_bandwidth=link)
     assert not swapped or not result.homes, f"arrays {result.arrays} homed at {result.homes}"
     return {"seconds": result.stats.wall_seconds, "run": result.stats.run_seconds,
             "model-steps": sum(result.stats.steps),
             "computed": result.stats.computed, "best val loss": result.best().val_loss,
             "busy": statistics.mean(result.stats.utilization().values()),
+            "weights in GB": result.stats.bytes_in["weights"] / 1e9,
+            "grads out GB": result.stats.bytes_out["grads"] / 1e9,
             "arrays": " + ".join(str(len(members)) for members in result.arrays)}
 
 
@@ -105,6 +108,7 @@ def main() -> None:
         parser.add_argument("--models", type=int, default=8, help="the grid's size")
         parser.add_argument("--every", type=int, default=8, help="steps between evaluations (pruning steps)")
         parser.add_argument("--width", type=int, default=None, help="the MLPs' width (default 512; 128 quick)")
+        parser.add_argument("--link", default=None, help="a simulated host link for Harmony's devices (e.g. 2GB/s)")
         parser.add_argument("--ways", default="", help="only the ways whose names contain this (the two plain loops "
                             "always run: the table's ratios are to the plain halving)")
 
@@ -118,15 +122,19 @@ def main() -> None:
     ways: dict[str, Callable[[list[nn.Module]], dict[str, Any]]] = {
         "plain loop, every model to the end": lambda models: plain(models, data, val, every, False),
         "plain loop, successive halving": lambda models: plain(models, data, val, every, True),
-        "Harmony, every model to the end": lambda models: with_harmony(models, data, val, every, False, False),
-        "Harmony, prune='halving'": lambda models: with_harmony(models, data, val, every, True, False),
-        "Harmony fused, every model to the end": lambda models: with_harmony(models, data, val, every, False, True),
-        "Harmony fused, prune='halving'": lambda models: with_harmony(models, data, val, every, True, True),
+        "Harmony, every model to the end": lambda models: with_harmony(models, data, val, every, False, False,
+                                                                        link=args.link),
+        "Harmony, prune='halving'": lambda models: with_harmony(models, data, val, every, True, False, link=args.link),
+        "Harmony fused, every model to the end": lambda models: with_harmony(models, data, val, every, False, True,
+                                                                              link=args.link),
+        "Harmony fused, prune='halving'": lambda models: with_harmony(models, data, val, every, True, True,
+                                                                       link=args.link),
         "Harmony fused and swapped, every model to the end": lambda models: with_harmony(
-            models, data, val, every, False, True, swapped=True),
+            models, data, val, every, False, True, swapped=True, link=args.link),
         "Harmony fused and swapped, prune='halving'": lambda models: with_harmony(
-            models, data, val, every, True, True, swapped=True),
-        "Harmony fuse='auto', prune='halving'": lambda models: with_harmony(models, data, val, every, True, "auto"),
+            models, data, val, every, True, True, swapped=True, link=args.link),
+        "Harmony fuse='auto', prune='halving'": lambda models: with_harmony(models, data, val, every, True, "auto",
+                                                                             link=args.link),
     }
     ways = {name: way for index, (name, way) in enumerate(ways.items()) if index < 2 or args.ways in name}
     with_harmony([mlp(width, depth, seed=seed) for seed in range(2)], data[:2], val, 1, False, False)  # warm
@@ -142,17 +150,21 @@ def main() -> None:
                      "range": f"{min(seconds):.2f}-{max(seconds):.2f}",
                      "run s": statistics.median(run.get("run", run["seconds"]) for run in measured),
                      "best val loss": measured[0]["best val loss"],
-                     "busy": measured[0].get("busy", 1.0), "arrays": measured[0].get("arrays", "")})
+                     "busy": measured[0].get("busy", 1.0), "arrays": measured[0].get("arrays", ""),
+                     "weights in GB": measured[0].get("weights in GB", 0.0),
+                     "grads out GB": measured[0].get("grads out GB", 0.0)})
     base = rows[1]["seconds"]
     for row in rows:
         row["/ plain halving"] = row["seconds"] / base
     report("pruning", f"prune='halving': {args.models} MLPs {width}x{depth}, batch {batch}, {steps} steps, evaluated "
-           f"every {every}, SGD+momentum at {args.models} learning rates, 2 CPU devices, {args.rounds} rounds", rows,
+           f"every {every}, SGD+momentum at {args.models} learning rates, 2 CPU devices"
+           + (f" over a simulated {args.link} link" if args.link else "") + f", {args.rounds} rounds", rows,
            args.out, raw=runs, notes="seconds: the whole call; run s: the training alone (Harmony: stats.run_seconds, "
            "without starting, planning and taking down); model-steps: the steps the models trained; computed: those "
            "computed (stats.computed: an array's stopped members too where a step computes them); busy: the devices' "
            "mean busy share; "
-           "arrays: the jobs' sizes (Harmony)")
+           "arrays: the jobs' sizes (Harmony); weights in GB, grads out GB: bytes_in['weights'] and "
+           "bytes_out['grads'] of the first round (Harmony)")
 
 
 if __name__ == "__main__":
