@@ -36,8 +36,8 @@ class Forecast:
     job (in the order of packings), fusion the sub-array size chosen for each group of fusable models and the
     throughput predicted per size; steps the steps each job was simulated for (every model to its end); computed,
     under a built-in pruner, the share of those steps it is expected to leave computed, and pruned_seconds the run's
-    seconds simulated with each job computing its expected share of its steps, a swapped array moving its whole
-    stacks every step any of its members trains (None without one).
+    seconds simulated with each job computing its expected share of its steps, a swapped array's task costs whole
+    every step any of its members trains (None without one).
     """
 
     plan: RunPlan
@@ -196,7 +196,7 @@ def plan(
     time. prune (with eval_every, as train takes them; no val_loaders needed) weighs each fusion size by the share of
     its steps it is expected to compute under a built-in pruner; the forecast's times are for every model to its end,
     and pruned_seconds the run simulated with each job computing its expected share of its steps (the survivors of
-    each pruning step taken as any of the models, equally likely; a swapped array still moves its whole stacks
+    each pruning step taken as any of the models, equally likely; a swapped array still pays a task's fixed costs
     every step any member trains, see _pruned).
     """
     unknown = sorted(set(arguments) - set(PLANNED))
@@ -273,9 +273,10 @@ def _pruned(plan: RunPlan, counts: list[int], shares: list[float], running: list
             ) -> tuple[RunPlan, list[int]]:
     """The plan and steps per job to simulate a pruned run by: a job that computes shares of its model-steps (its
     live members') and runs running of its steps at all (while any member trains). A homed job's pruned step
-    shrinks whole (its weights stay on its device): it runs its computed share of its steps. A swapped array moves
-    its whole stacks in and out every step it runs (runtime.rows computes the live members' rows of them): it runs
-    its running steps, its compute and the values it hands between packs shrunk to the members it computes then."""
+    shrinks whole (its weights stay on its device): it runs its computed share of its steps. A swapped array runs
+    its running steps, each costing a task's fixed costs whole and the rest shrunk to the members it computes then:
+    compute, the values it hands between packs, and (runtime.rows) the rows of its weights copied in, of its
+    gradients written back and of its host update; a pack updated on its device moves its whole stacks."""
     jobs, steps = [], []
     for job, count, share, runs in zip(plan.jobs, counts, shares, running):
         if job.home is not None or not job.fused or runs <= 0:
@@ -283,9 +284,12 @@ def _pruned(plan: RunPlan, counts: list[int], shares: list[float], running: list
             steps.append(max(1, round(count * share)))  # a job's first rung runs
             continue
         fraction = min(1.0, share / runs)
-        packs = tuple(dataclasses.replace(pack, forward_seconds_per_sample=pack.forward_seconds_per_sample * fraction,
-                                          input_bytes_per_sample=pack.input_bytes_per_sample * fraction)
-                      for pack in job.packing.packs)
+        packs = tuple(dataclasses.replace(
+            pack, forward_seconds_per_sample=pack.forward_seconds_per_sample * fraction,
+            input_bytes_per_sample=pack.input_bytes_per_sample * fraction,
+            cost=pack.cost if pack.index in job.device_updates else dataclasses.replace(
+                pack.cost, weights=round(pack.cost.weights * fraction), grads=round(pack.cost.grads * fraction)))
+            for pack in job.packing.packs)
         jobs.append(dataclasses.replace(job, packing=dataclasses.replace(job.packing, packs=packs),
                                         step_seconds=job.step_seconds * fraction))
         steps.append(max(1, round(count * runs)))

@@ -74,7 +74,7 @@ def computed_share(sizes: Sequence[int], contenders: int, steps: int, every: int
     cost(live, size) is what a step of an array of size members costs with live of them training, as a share of
     its whole step: a compiled array computes every member while any trains (every_member); others compute their
     members still training alone (runtime.array.narrowed, runtime.rows), at a cost tasks.fusion.narrowed_cost
-    predicts (a swapped one still moves its whole stacks: harmony.plan simulates that). Which
+    predicts (a swapped one still pays its tasks' fixed costs: harmony.plan simulates that). Which
     models survive is not known when fusing, so the survivors of each pruning step are taken as drawn at random from
     the contenders: with s survivors, an array of k members has j of them with probability
     C(k, j) C(contenders - k, s - j) / C(contenders, s). Unfused models (sizes of 1) compute their share of

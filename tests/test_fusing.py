@@ -284,8 +284,8 @@ def test_a_pruned_sweep_is_fused_by_what_each_size_is_expected_to_compute(
     model's 0.25 s of the array's 0.4, 2 of 4 an array of two's 0.35): (1 + 0.875 + 10 x 0.625) / 12 of its steps'
     cost, so arrays of 4 still win. A user's pruner stops an unknown number: the sizes are ranked as unpruned. Under
     a built-in pruner the plan also simulates the pruned run: a homed array computing its expected share of its
-    steps, here a third of the time; a swapped one moving its whole stacks every step any member trains (all 12:
-    its members are every contender), its compute a third of the whole."""
+    steps, here a third of the time; a swapped one paying its tasks' fixed costs every step any member trains (all
+    12: its members are every contender), its compute and its rows copied a third of the whole."""
     seconds = {4: 1.0, 2: 0.7, 1: 0.4}  # the group's step by the number of arrays it runs as
     monkeypatch.setattr(fusing, "_predict", lambda arrays, sizing: seconds[len(arrays)])
     models = [batchnorm_mlp(seed) for seed in range(4)]
@@ -300,7 +300,7 @@ def test_a_pruned_sweep_is_fused_by_what_each_size_is_expected_to_compute(
         return
     if budget == "4MB":  # every model computes a third of its steps, each of them as long as any other
         assert plan.pruned_seconds == pytest.approx(plan.total_seconds / 3, rel=0.01)
-    else:  # 12 steps of transfers and task costs as before, a third of the compute
+    else:  # 12 steps of task costs as before, a third of the compute and of the bytes moved
         assert plan.total_seconds / 2 < plan.pruned_seconds < plan.total_seconds
     assert f"s with prune={prune!r} stopping models" in str(plan)
     assert choice.size == 4 and plan.arrays == [[0, 1, 2, 3]] and bool(plan.plan.homes) == (budget == "4MB")
