@@ -34,11 +34,13 @@ from harmony.tasks.memory import BudgetExceeded, DeviceMemory
 
 @dataclass(frozen=True)
 class Part:
-    """The part of a fused array's pack weights a task reads (runtime.rows): the members whose rows it computes, and
-    the byte ranges that hold them (and what every member reads); a copy in moves those alone."""
+    """The part of a fused array's pack weights a task reads (runtime.rows): the members whose rows it computes, the
+    byte ranges that hold them and what every member reads (a copy in moves those alone), and rows, the ranges of
+    some members' rows alone (what a copy made for other members lacks)."""
 
     members: frozenset[int]
     spans: tuple[tuple[int, int], ...]
+    rows: Callable[[list[int]], tuple[tuple[int, int], ...]]
 
 
 @dataclass
@@ -361,10 +363,13 @@ class DeviceCache:
 
     def _complete(self, key: Any, entry: CachedWeights, host: Source, part: Part | None) -> None:
         """Copy in what a task reading part (None: all of it) reads that entry, copied in part for another task of
-        the same version (or a prefetch), left out; the ranges part gives again whole (the same bytes)."""
+        the same version (or a prefetch), left out: the rows of the members it lacks (what every member reads it
+        holds already), or everything."""
+        assert entry.members is not None
         started = time.perf_counter_ns()
-        self._copy_weights(key, entry, host, spans=None if part is None else part.spans)
-        entry.members = None if part is None or entry.members is None else entry.members | part.members
+        missing = None if part is None else part.rows(sorted(part.members - entry.members))
+        self._copy_weights(key, entry, host, spans=missing)
+        entry.members = None if part is None else entry.members | part.members
         self._wait_arrived(key, entry)
         self.counters.add("wait_ns", time.perf_counter_ns() - started)
 

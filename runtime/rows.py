@@ -20,7 +20,7 @@ back, the host's other rows zeroed as a whole write of the step's gradients woul
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -70,34 +70,9 @@ class Rows:
                         tensors[name].index_copy_(0, index, copies[name])
 
     def spans(self, layout: BufferLayout, end: int | None = None) -> tuple[tuple[int, int], ...]:
-        """The byte ranges of layout (stacks, members first) that hold the computed members' rows, with everything
-        from end on whole (a pack's buffers): what a copy of those rows moves. A tensor that is not a stack of the
-        members is moved whole."""
-        end = layout.nbytes if end is None else end
-        runs: list[tuple[int, int]] = []  # (first, stop) of each run of consecutive computed members
-        for member in self.computing:
-            if runs and runs[-1][1] == member:
-                runs[-1] = (runs[-1][0], member + 1)
-            else:
-                runs.append((member, member + 1))
-        ranges = []
-        for slot in layout.slots:
-            if slot.offset >= end:
-                continue
-            if not slot.spec.shape or slot.spec.shape[0] != self.members:
-                ranges.append((slot.offset, slot.offset + slot.spec.nbytes))
-                continue
-            row = slot.spec.nbytes // self.members
-            ranges.extend((slot.offset + first * row, slot.offset + stop * row) for first, stop in runs)
-        if end < layout.nbytes:
-            ranges.append((end, layout.nbytes))
-        merged: list[tuple[int, int]] = []
-        for start, stop in sorted(ranges):
-            if merged and start <= merged[-1][1]:
-                merged[-1] = (merged[-1][0], max(merged[-1][1], stop))
-            elif stop > start:
-                merged.append((start, stop))
-        return tuple(merged)
+        """The byte ranges of layout (stacks, members first) that hold the computed members' rows, with what every
+        member reads whole (member_spans): what a copy of those rows moves."""
+        return member_spans(layout, self.members, self.computing, end)
 
     def clear(self, grads: dict[str, torch.Tensor]) -> None:
         """Zero the gradients' rows (members first) of the members computed but not training: a stopped member's
@@ -128,6 +103,39 @@ def computed_rows(training: Sequence[int], members: int, packs: Sequence[tuple[i
     if consecutive(list(training)) or all(weights * share <= workspace * (1 - share) for weights, workspace in packs):
         return Rows(tuple(training), tuple(training), members)
     return Rows(tuple(range(training[0], training[-1] + 1)), tuple(training), members)
+
+
+def member_spans(layout: BufferLayout, members: int, chosen: Iterable[int], end: int | None = None,
+                 shared: bool = True) -> tuple[tuple[int, int], ...]:
+    """The byte ranges of layout (stacks of members rows, members first; up to end) that hold chosen members' rows
+    (increasing), merged where they touch; with shared, also what every member reads whole: a tensor that is not a
+    stack of the members, and everything from end on (a pack's buffers)."""
+    end = layout.nbytes if end is None else end
+    runs: list[tuple[int, int]] = []  # (first, stop) of each run of consecutive chosen members
+    for member in chosen:
+        if runs and runs[-1][1] == member:
+            runs[-1] = (runs[-1][0], member + 1)
+        else:
+            runs.append((member, member + 1))
+    ranges = []
+    for slot in layout.slots:
+        if slot.offset >= end:
+            continue
+        if not slot.spec.shape or slot.spec.shape[0] != members:
+            if shared:
+                ranges.append((slot.offset, slot.offset + slot.spec.nbytes))
+            continue
+        row = slot.spec.nbytes // members
+        ranges.extend((slot.offset + first * row, slot.offset + stop * row) for first, stop in runs)
+    if shared and end < layout.nbytes:
+        ranges.append((end, layout.nbytes))
+    merged: list[tuple[int, int]] = []
+    for first, stop in sorted(ranges):
+        if merged and first <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], stop))
+        elif stop > first:
+            merged.append((first, stop))
+    return tuple(merged)
 
 
 def gaps(spans: Sequence[tuple[int, int]], nbytes: int) -> list[tuple[int, int]]:

@@ -8,6 +8,7 @@ a process). Teardown drops everything the run held on the worker.
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import time
@@ -55,7 +56,7 @@ from harmony.runtime.optimstate import OptimizerState
 from harmony.runtime.orphans import gone, sweep
 from harmony.runtime.peer import Exported, Outbox, take
 from harmony.runtime.profiling import TaskProfiler
-from harmony.runtime.rows import Rows, computed_rows
+from harmony.runtime.rows import Rows, computed_rows, member_spans
 from harmony.runtime.scaler import Scaler
 from harmony.runtime.serial_copy import copy_serially
 from harmony.runtime.shipping import ShippedTensors, unship
@@ -306,7 +307,9 @@ class RunContext:
         runtime = spec.packs[pack]
         if rows is None or spec.home is not None or runtime.device_update or runtime.halved is not None:
             return None
-        return Part(frozenset(rows.computing), rows.spans(runtime.device_weights, runtime.device_buffers_offset))
+        layout, buffers = runtime.device_weights, runtime.device_buffers_offset
+        return Part(frozenset(rows.computing), rows.spans(layout, buffers),
+                    functools.partial(member_spans, layout, spec.members, end=buffers, shared=False))
 
     def training_rows(self, model: int, step: int) -> Rows | None:
         """The members a swapped fused array's step computes where some of them stopped (runtime.rows); None for a

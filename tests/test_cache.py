@@ -110,14 +110,19 @@ def test_weights_copied_in_part_move_their_ranges_alone_and_a_task_that_reads_mo
     store: HostStore,
 ) -> None:
     """A fused array's task computing some members copies their rows in alone (runtime.rows); a later task of the
-    same version reading more members (an evaluation) or all of them copies what it reads again, and one reading
-    fewer copies nothing. A prefetch copies the part its task reads."""
+    same version reading more members (an evaluation) copies the rows it lacks, one reading all of it everything,
+    and one reading fewer nothing. A prefetch copies the part its task reads. Here three members' rows of 100
+    bytes, then 100 bytes every member reads."""
     cache = make_cache(store, budget=1000)
     host = store.create("w", 400)
     host.copy_(torch.arange(400) % 251)
-    first = Part(frozenset({0}), ((0, 100), (300, 400)))
-    wider = Part(frozenset({0, 1}), ((0, 200), (300, 400)))
-    moved = [200, 200, 500, 500, 900, 900]
+
+    def rows(members: list[int]) -> tuple[tuple[int, int], ...]:
+        return tuple((100 * member, 100 * member + 100) for member in members)
+
+    first = Part(frozenset({0}), ((0, 100), (300, 400)), rows)
+    wider = Part(frozenset({0, 1}), ((0, 200), (300, 400)), rows)
+    moved = [200, 200, 300, 300, 700, 700]
     for part, total in zip([first, first, wider, first, None, wider], moved):
         with cache.weights("p0", 0, host, part) as device_bytes:
             for start, stop in ((0, 400),) if part is None else part.spans:
@@ -127,7 +132,7 @@ def test_weights_copied_in_part_move_their_ranges_alone_and_a_task_that_reads_mo
     assert cache.prefetch("p1", 0, host, keep_free=0, part=first)
     with cache.weights("p1", 0, host, first) as device_bytes:
         assert torch.equal(device_bytes[:100], host[:100]) and torch.equal(device_bytes[300:], host[300:])
-    assert cache.counters.read()["in_weights"] == 900 + 200 and cache.counters.read()["prefetched"] == 200
+    assert cache.counters.read()["in_weights"] == 700 + 200 and cache.counters.read()["prefetched"] == 200
     grads = store.create("g", 400)
     cache.write_back(host, grads, "grads", ((100, 150), (390, 400)))
     assert torch.equal(grads[100:150], host[100:150]) and torch.equal(grads[390:], host[390:])

@@ -12,7 +12,7 @@ import torch
 from harmony.runtime.divergence import TRAINING, Members
 from harmony.runtime.files import diverged_name, pruned_name
 from harmony.runtime.hoststore import HostStore
-from harmony.runtime.rows import Rows, computed_rows, gaps
+from harmony.runtime.rows import Rows, computed_rows, gaps, member_spans
 from harmony.tasks.layout import TensorSpec, lay_out
 
 ROOMY = [(100, 200), (40, 200)]  # per pack: weights' bytes, workspace
@@ -113,9 +113,12 @@ def test_a_copy_of_the_computed_members_rows_moves_their_rows_of_every_stack_and
     assert Rows((1, 2), (1, 2), 4).spans(stacks) == (
         (w.offset + 12, w.offset + 36), (b.offset + 8, b.offset + 24), (running.offset + 8, running.offset + 24))
     assert Rows((0, 1, 2, 3), (0, 3), 4).spans(stacks) == ((0, stacks.nbytes),), "every row: one copy"
+    assert member_spans(stacks, 4, [3], buffers, shared=False) == (
+        (w.offset + 36, w.offset + 48), (b.offset + 24, b.offset + 32)), "a member's rows alone, as a copy lacks them"
     shared = lay_out([TensorSpec("table", "float32", (2, 5)), TensorSpec("w", "float32", (4, 1))])
     table, stacked = shared.slots
     assert Rows((2,), (2,), 4).spans(shared) == ((0, table.spec.nbytes), (stacked.offset + 8, stacked.offset + 12))
+    assert member_spans(shared, 4, [2], shared=False) == ((stacked.offset + 8, stacked.offset + 12),)
 
 
 def test_the_bytes_a_part_leaves_out_are_what_its_spans_do_not_cover() -> None:
