@@ -119,22 +119,21 @@ def main() -> None:
     every = min(args.every, steps // 4)
     data = teacher_data(steps, batch, width, seed=1)
     val = teacher_data(4, batch, width, seed=7)
+
+    def harmony_way(prune: bool, fuse: bool | str, swapped: bool = False
+                    ) -> Callable[[list[nn.Module]], dict[str, Any]]:
+        return lambda models: with_harmony(models, data, val, every, prune, fuse, swapped, args.link)
+
     ways: dict[str, Callable[[list[nn.Module]], dict[str, Any]]] = {
         "plain loop, every model to the end": lambda models: plain(models, data, val, every, False),
         "plain loop, successive halving": lambda models: plain(models, data, val, every, True),
-        "Harmony, every model to the end": lambda models: with_harmony(models, data, val, every, False, False,
-                                                                        link=args.link),
-        "Harmony, prune='halving'": lambda models: with_harmony(models, data, val, every, True, False, link=args.link),
-        "Harmony fused, every model to the end": lambda models: with_harmony(models, data, val, every, False, True,
-                                                                              link=args.link),
-        "Harmony fused, prune='halving'": lambda models: with_harmony(models, data, val, every, True, True,
-                                                                       link=args.link),
-        "Harmony fused and swapped, every model to the end": lambda models: with_harmony(
-            models, data, val, every, False, True, swapped=True, link=args.link),
-        "Harmony fused and swapped, prune='halving'": lambda models: with_harmony(
-            models, data, val, every, True, True, swapped=True, link=args.link),
-        "Harmony fuse='auto', prune='halving'": lambda models: with_harmony(models, data, val, every, True, "auto",
-                                                                             link=args.link),
+        "Harmony, every model to the end": harmony_way(False, False),
+        "Harmony, prune='halving'": harmony_way(True, False),
+        "Harmony fused, every model to the end": harmony_way(False, True),
+        "Harmony fused, prune='halving'": harmony_way(True, True),
+        "Harmony fused and swapped, every model to the end": harmony_way(False, True, swapped=True),
+        "Harmony fused and swapped, prune='halving'": harmony_way(True, True, swapped=True),
+        "Harmony fuse='auto', prune='halving'": harmony_way(True, "auto"),
     }
     ways = {name: way for index, (name, way) in enumerate(ways.items()) if index < 2 or args.ways in name}
     with_harmony([mlp(width, depth, seed=seed) for seed in range(2)], data[:2], val, 1, False, False)  # warm

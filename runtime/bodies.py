@@ -480,9 +480,10 @@ def _backward_pack(
     runtime = spec.packs[pack]
     host = ctx.device_source(model, pack, step)
     rows = ctx.training_rows(model, step)
+    part = ctx.part(model, pack, rows)
     with (
         ctx.cache.sparing((model, pack)),
-        ctx.cache.weights((model, pack), step, host, ctx.part(model, pack, rows)) as weights,
+        ctx.cache.weights((model, pack), step, host, part) as weights,
         ctx.cache.scratch(runtime.grads.nbytes, f"gradients of pack {pack}"),
         ctx.borrowed(model, pack, step) as borrowed,
         _computing(ctx, model, pack, rows),
@@ -515,7 +516,7 @@ def _backward_pack(
                 if spec.clip and on_device(spec.groups):  # the host reads no gradient for the norm
                     ctx.record_norms(model, pack, step, grad_bytes)
                 if not runtime.device_update or runtime.borrowed:  # a borrowed weight's gradient goes to its lender
-                    _grads_out(ctx, model, pack, group, grad_bytes, rows)
+                    _grads_out(ctx, model, pack, group, grad_bytes, None if part is None else rows)
             if start is not None:  # the last pack's forward ran here
                 _buffers_out(ctx, model, pack, step, group, weights, start, current)
         if runtime.device_update:
@@ -529,13 +530,13 @@ def _backward_pack(
 
 def _grads_out(ctx: RunContext, model: int, pack: int, group: int, grad_bytes: torch.Tensor, rows: Rows | None
                ) -> None:
-    """A pack's step's gradients into the host store: where its weights were copied in part, the computed members'
-    rows alone, the host's other rows zeroed (what the whole write of their zero rows left; runtime.rows)."""
+    """A pack's step's gradients into the host store: with rows (its weights copied in part, RunContext.part), the
+    computed members' rows alone, the host's other rows zeroed (what the whole write of their zero rows left;
+    runtime.rows); else all of them."""
     host = ctx.host_grads(model, pack, group)
-    if ctx.part(model, pack, rows) is None:
+    if rows is None:
         ctx.cache.write_back(grad_bytes, host, "grads")
         return
-    assert rows is not None
     spans = rows.spans(ctx.spec.models[model].packs[pack].grads)
     ctx.cache.write_back(grad_bytes, host, "grads", spans)
     for start, stop in gaps(spans, host.numel()):

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -301,12 +302,12 @@ class DeviceCache:
         try:
             if spans is not None:
                 assert isinstance(host, torch.Tensor), "a part is copied from one buffer"
-                for start, stop in spans:
-                    entry.done = self.engine.copy(entry.buffer[start:stop], host[start:stop])
-            offset = 0
-            for part in () if spans is not None else (host,) if isinstance(host, torch.Tensor) else host:
-                entry.done = self.engine.copy(entry.buffer[offset : offset + part.numel()], part)
-                offset += part.numel()
+                pieces = [(start, host[start:stop]) for start, stop in spans]
+            else:
+                parts = (host,) if isinstance(host, torch.Tensor) else host
+                pieces = list(zip(accumulate((part.numel() for part in parts), initial=0), parts))
+            for offset, piece in pieces:
+                entry.done = self.engine.copy(entry.buffer[offset : offset + piece.numel()], piece)
             self._over_link(nbytes, started, IN)
             self.counters.add("in_weights", nbytes)
             if not isinstance(host, torch.Tensor):
