@@ -151,8 +151,8 @@ class Driver:
 
     def _check_progress(self, since: float | None) -> float | None:
         """Fail a run that cannot go on: every device lost for DEVICE_TIMEOUT, or nothing in flight while it is not
-        finished; fail the jobs of a machine whose devices have all been lost that long. Returns since when the
-        devices have been gone."""
+        finished and no machine's jobs wait for its devices; fail the jobs of a machine whose devices have all been
+        lost that long. Returns since when the devices have been gone."""
         now = time.perf_counter()
         for machine in set(self.state.machines.values()):
             if not self.state.device_names or not self.state.stranded(machine):
@@ -166,7 +166,7 @@ class Driver:
                                    "the run cannot go on")
             return since if since is not None else now
         if (not self.state.bound and not self.state.finished and self.state.fetching is None
-                and not self.state.evaluating):
+                and not self.state.evaluating and not self.stranded_since):  # a stranded machine's jobs wait, above
             raise RuntimeError("harmony driver: no task in flight and none ready before training finished")
         return None
 
