@@ -536,8 +536,15 @@ class BindingState:
     # Binding
 
     def _bind_all(self) -> list[Instruction]:
-        """Bind ready tasks to every device with a free slot, round after round, until none can be bound."""
+        """Bind ready tasks to every device with a free slot, round after round, until none can be bound; first to
+        each idle device a task that can start now, which a busy device's free slot would otherwise queue behind its
+        running task while this one idles (a task waiting for another's result stays for that task's device)."""
         instructions: list[Instruction] = []
+        for device in self.device_names:
+            if self.occupied(device) == 0:
+                task = self.bind(device, now=True)
+                if task is not None:
+                    instructions.append(self._submission(task, device))
         progress = True
         while progress:
             progress = False
@@ -548,10 +555,13 @@ class BindingState:
                     progress = True
         return instructions
 
-    def bind(self, device: str) -> TaskId | None:
-        """Choose the ready task that device should run next, or None if there is none or no free slot (an upd task,
-        which runs beside the device, needs none: it is bound as soon as its bwd is, beside that bwd's device)."""
-        candidates = self.ready(device)
+    def bind(self, device: str, now: bool = False) -> TaskId | None:
+        """Choose the ready task that device should run next (with now, one that can start now: none of its
+        dependencies still running), or None if there is none or no free slot (an upd task, which runs beside the
+        device, needs none: it is bound as soon as its bwd is, beside that bwd's device)."""
+        candidates = [task for task in self.ready(device) if not self.waits_elsewhere(task, device)]
+        if now:
+            candidates = [task for task in candidates if not self.waiting(task)]
         if self.occupied(device) >= self.slots:
             candidates = [task for task in candidates if task.kind == "upd"]
         if not candidates:
@@ -702,14 +712,24 @@ class BindingState:
             return -self.remaining_seconds(model), progress
         return 0.0, progress
 
+    def waiting(self, task: TaskId) -> bool:
+        """Whether a ready task still waits for a dependency bound and running (it starts when that one ends)."""
+        return any(dep in self.bound for dep in self.dependencies(task))
+
+    def waits_elsewhere(self, task: TaskId, device: str) -> bool:
+        """Whether a task any device may run waits for a dependency bound to a device other than device: only that
+        one queues it early (its result is there, and a task queued beside hides the round trip through the driver);
+        once it can start, any device may take it."""
+        return self.placement(task) is None and any(
+            self.bound.get(dep, device) != device for dep in self.dependencies(task))
+
     def score(self, task: TaskId, device: str) -> tuple[float, ...]:
         """Lower is better: tasks that can start now, updates first, then tasks whose pack the device caches at
         the version they read, backward before forward, then the model the policy ranks first."""
         first, _ = self.open_spans[(task.model, task.span)]
         cached = task.kind != "upd" and self.memory[device].holds((task.model, task.pack), first)
-        waiting = any(dep in self.bound for dep in self.dependencies(task))
         return (
-            1 if waiting else 0,
+            1 if self.waiting(task) else 0,
             KIND_RANK[task.kind] if task.kind == "upd" else 1,
             0 if cached else 1,
             KIND_RANK[task.kind],

@@ -255,6 +255,37 @@ def test_a_device_prefers_the_task_whose_pack_it_holds() -> None:
     assert (follow.task.model, follow.task.pack) == (first.task.model, first.task.pack + 1)
 
 
+def test_a_task_waiting_for_a_producer_is_queued_beside_it_alone_so_jobs_do_not_crowd_one_device() -> None:
+    """Two one-pack jobs (a step is one bwd, waiting for the step before) on two devices of four slots: a step's
+    task is ready while the step before runs, and is queued on that one's device alone; the device that lists first
+    once queued the other job's too, and ran both jobs while the other idled."""
+    state = BindingState([job(100), job(100)], {"a": 10_000, "b": 10_000}, validate=True)
+    order = Player(state, {0: 6, 1: 6}).play()
+    assert state.spans_done == [6, 6]
+    devices = {model: {device for task, device in order if task.model == model} for model in (0, 1)}
+    assert devices == {0: {"a"}, 1: {"b"}}
+
+
+def test_an_idle_device_takes_a_task_that_can_start_before_a_busy_device_queues_it() -> None:
+    """Three one-pack jobs on two devices of two slots; job 1 (on b) ends after three steps, so b idles. When job 0's
+    step on a ends, a runs job 2's queued step and has a slot free: job 0's next step, which can start now, goes to
+    idle b; a, listed first, would have queued it behind job 2's."""
+    state = BindingState([job(100), job(100), job(100)], {"a": 10_000, "b": 10_000}, slots_per_device=2,
+                         validate=True)
+    player = Player(state, {0: 4, 1: 3, 2: 4})
+    player.carry_out(state.start())
+
+    def submitted(model: int, span: int) -> Submit:
+        return next(submit for submit in player.submitted if submit.task == TaskId("bwd", model, 0, span))
+
+    assert [submitted(model, 0).device for model in range(3)] == ["a", "b", "a"]
+    for span in range(3):
+        player.finish(submitted(1, span))
+    assert not state.running["b"], "job 1 is done: b idles"
+    player.finish(submitted(0, 0))
+    assert submitted(0, 1).device == "b"
+
+
 def test_values_are_released_once_their_readers_finish() -> None:
     state = BindingState([job(10, 10)], {"cpu-0": 1000}, slots_per_device=1, validate=True)
     player = Player(state, {0: 1})
@@ -400,9 +431,11 @@ def test_a_task_waiting_for_a_finished_result_of_a_lost_device_runs_again() -> N
     """A task submitted while a producer on another device ran waits for that producer's Dask result, which lives on
     the producer's worker after the producer is done and forgotten here. Lose that worker and Dask runs the producer
     again on the address it was bound to, which never comes back: the waiting task's job runs again instead (a
-    user's nanny cluster hung so)."""
-    jobs = [job(100, 100), job(100, 100)]
-    state = BindingState(jobs, {"a": 10_000, "b": 10_000}, slots_per_device=2, mode="free", validate=True)
+    user's nanny cluster hung so). Here an upd task of vDP's first group waits for the second group's backward; in
+    free mode a task is submitted early only to the device of the producers it waits for."""
+    jobs = [job(100, 100, groups=2), job(100, 100, groups=2)]
+    state = BindingState(jobs, {"a": 10_000, "b": 10_000, "c": 10_000}, slots_per_device=2, mode="vdp",
+                         validate=True)
     player = Player(state, {0: 4, 1: 4})
     player.carry_out(state.start())
     pick = random.Random(0)
