@@ -1,14 +1,18 @@
-"""The runtime's host cost per pack call, fitted to a run's steps for the plans this process makes after it.
+"""The runtime's host costs per pack call and per task, fitted to a run's steps for the plans this process makes
+after it.
 
-The pilot times a model's layers, never the work the runtime does around each pack's call on a micro-batch
-(binding, claiming and copying values, bookkeeping; on a GPU, launching the kernels), which a swapped model
-with many small packs or micro-batches can spend most of its step on. A run's steady step, against the
-simulator's step for its own plan with a cost per call (Hardware.call_seconds), gives the cost that makes
-the two agree (tasks.simulator.fit_calls); the process keeps the last few fits per device kind, and a later
-harmony.train or harmony.plan on such devices predicts, and chooses sections and modes, with their median. It is
-a fit, not a timer: what the simulator mispredicts otherwise (a layer's time, which the pilot can find tens of
-percent off on a busy machine; a copy) lands in it too, and the median keeps one such run from moving every later
-plan. harmony.shutdown() forgets them.
+The pilot times a model's layers, never the work the runtime does around them: inside a task, around each pack's
+call on a micro-batch (binding the weights, claiming and copying values, bookkeeping; on a GPU, launching the
+kernels), and between tasks (the driver binding and submitting the next, the worker taking its values in and its
+results out), which Dask's latency timed on the idle cluster does not show on a machine whose cores the devices
+compute with. A swapped model with many small packs or micro-batches can spend most of its step on them. A run
+tells the two apart: its devices' busy time per steady step (Stats.timeline) against the simulator's for its own
+plan gives the cost per call (Hardware.call_seconds) that makes them agree, and its steady step against the
+simulator's, at that call cost, the cost per task (Hardware.handling_seconds); tasks.simulator.fit_least finds
+each. The process keeps the last few fits per device kind, and a later harmony.train or harmony.plan on such
+devices predicts, and chooses sections and modes, with their medians. They are fits, not timers: what the simulator
+mispredicts otherwise (a layer's time, which the pilot can find tens of percent off on a busy machine; a copy) lands
+in them too, and the medians keep one such run from moving every later plan. harmony.shutdown() forgets them.
 """
 
 from __future__ import annotations
@@ -20,25 +24,38 @@ import statistics
 import time
 from collections.abc import Iterable
 
-from harmony.result import TrainResult
+from harmony.result import Stats, TrainResult, steady_window
 from harmony.runtime.devices import DeviceSpec
 from harmony.tasks.hardware import Hardware
 from harmony.tasks.runplan import RunPlan
-from harmony.tasks.simulator import fit_calls, simulate_machines
+from harmony.tasks.simulator import fit_least, simulate_machines
 
 logger = logging.getLogger("harmony")
 
-FITS: dict[str, list[float]] = {}  # Hardware.call_seconds by device kind ("cpu", "cuda"): this process's last fits
+
+@dataclasses.dataclass(frozen=True)
+class Fit:
+    """What one run's steps say the runtime costs on the host: seconds per pack call (Hardware.call_seconds) and per
+    task (Hardware.handling_seconds)."""
+
+    call_seconds: float
+    handling_seconds: float
+
+
+FITS: dict[str, list[Fit]] = {}  # by device kind ("cpu", "cuda"): this process's last fits
 KEPT = 5  # fits kept per kind
-LARGEST = 0.05  # seconds a call may be fitted at: well above any runtime's per-call work (docs/performance.md)
+LARGEST = 0.05  # seconds a call or a task may be fitted at: well above any runtime's work for one (docs/performance.md)
 STEPS = (4, 8)  # the simulated runs whose difference is the plan's steady step (the first steps' ramp left out)
 
 
-def learned(kind: str | None) -> float | None:
-    """The call cost later plans on devices of kind take: the median of the process's last fits (None: no run fitted
-    one)."""
+def learned(kind: str | None) -> Fit | None:
+    """The costs later plans on devices of kind take: the medians of the process's last fits (None: no run fitted
+    them)."""
     fits = FITS.get(kind or "")
-    return statistics.median(fits) if fits else None
+    if not fits:
+        return None
+    return Fit(statistics.median(fit.call_seconds for fit in fits),
+               statistics.median(fit.handling_seconds for fit in fits))
 
 
 def kind_of(specs: Iterable[DeviceSpec]) -> str | None:
@@ -48,52 +65,74 @@ def kind_of(specs: Iterable[DeviceSpec]) -> str | None:
 
 
 def fitted(hardware: Hardware, kind: str | None) -> Hardware:
-    """hardware with the call cost runs on devices of kind fitted (learned), as it is where none did."""
-    seconds = learned(kind)
-    return hardware if seconds is None else dataclasses.replace(hardware, call_seconds=seconds)
+    """hardware with the costs runs on devices of kind fitted (learned), as it is where none did."""
+    fit = learned(kind)
+    if fit is None:
+        return hardware
+    return dataclasses.replace(hardware, call_seconds=fit.call_seconds, handling_seconds=fit.handling_seconds)
 
 
-def steady_step(plan: RunPlan, samples: list[int], call_seconds: float) -> float:
-    """The plan's predicted seconds per step once running, at a cost per pack call: the makespan of STEPS[1] steps
-    less that of STEPS[0], over the steps between (every job runs as many)."""
-    hardware = dataclasses.replace(plan.hardware, call_seconds=call_seconds)
+def steady(plan: RunPlan, samples: list[int], call_seconds: float, handling_seconds: float) -> tuple[float, float]:
+    """The plan's predicted seconds per step once running and its devices' busy seconds per step (all devices'
+    together), at a cost per pack call and per task: those of STEPS[1] steps less those of STEPS[0], over the steps
+    between (every job runs as many)."""
+    hardware = dataclasses.replace(plan.hardware, call_seconds=call_seconds, handling_seconds=handling_seconds)
     timed = dataclasses.replace(plan, hardware=hardware)
     machines = {device: dict(plan.machines).get(device, "") for device in plan.devices}
-    short, long = (simulate_machines(timed, [steps] * len(plan.jobs), samples, machines).makespan for steps in STEPS)
-    return (long - short) / (STEPS[1] - STEPS[0])
+    short, long = (simulate_machines(timed, [steps] * len(plan.jobs), samples, machines) for steps in STEPS)
+    steps = STEPS[1] - STEPS[0]
+    return (long.makespan - short.makespan) / steps, (sum(long.busy.values()) - sum(short.busy.values())) / steps
 
 
-def learn(result: TrainResult, samples: list[int], kind: str | None) -> float | None:
-    """Fit the call cost to a run's steady step (samples: each job's per step) and keep it for devices of kind;
-    None (nothing kept) where the run says nothing of it: devices of several kinds, no swapped job, evaluations or
-    checkpoints in its steps (the simulator predicts neither), too few steps for a steady rate, or a step no call
-    cost up to LARGEST explains."""
+def measured(stats: Stats) -> tuple[float, float] | None:
+    """A run's steady seconds per step (its slowest model's) and its devices' busy seconds per step over the same
+    steps (the tasks of Stats.timeline on the devices' task threads, upd tasks beside them left out, cut to those
+    steps' span); None where no model ran steps enough for a steady rate."""
+    windows = []
+    for times in stats.step_seconds:
+        with contextlib.suppress(ValueError):  # a model that stopped early
+            first, last = steady_window(times)
+            windows.append(((times[last] - times[first]) / (last - first), times[first], times[last]))
+    if not windows:
+        return None
+    step, begin, end = max(windows)
+    busy = sum(max(0.0, min(stop, end) - max(start, begin))
+               for tasks in stats.timeline.values() for start, stop, _, key in tasks if not key.startswith("upd-"))
+    return step, busy * step / (end - begin)
+
+
+def learn(result: TrainResult, samples: list[int], kind: str | None) -> Fit | None:
+    """Fit the costs per call and per task to a run's steady steps (samples: each job's per step) and keep them for
+    devices of kind; None (nothing kept) where the run says nothing of them: devices of several kinds, no swapped
+    job, evaluations or checkpoints in its steps (the simulator predicts neither), too few steps for a steady rate,
+    or steps no costs up to LARGEST explain."""
     plan = result.plan
     if kind is None or all(job.home is not None for job in plan.jobs):
         return None
     if any(result.val_history) or plan.options.checkpoint_every:  # time the simulator does not predict
         return None
-    steady = []
-    for model in range(len(result.stats.step_seconds)):
-        with contextlib.suppress(ValueError):  # a model that stopped early
-            steady.append(result.stats.steady_seconds_per_step(model))
-    if not steady:
+    figures = measured(result.stats)
+    if figures is None:
         return None
-    measured = max(steady)
+    step, busy = figures
     started = time.perf_counter()
-    seconds = fit_calls(lambda cost: steady_step(plan, samples, cost), measured, LARGEST)
-    if seconds >= LARGEST:
-        logger.info("harmony: this run's %.1f ms steps are more than any host cost per pack call explains (%.0f ms a "
-                    "call): its plan mispredicts something else, and later plans are left as they were",
-                    measured * 1e3, LARGEST * 1e3)
+    calls = fit_least(lambda cost: steady(plan, samples, cost, 0.0)[1], busy, LARGEST)
+    handling = fit_least(lambda cost: steady(plan, samples, calls, cost)[0], step, LARGEST)
+    if max(calls, handling) >= LARGEST:
+        logger.info("harmony: this run's %.1f ms steps (%.1f ms of them busy) are more than any host cost per pack "
+                    "call and per task explains (%.0f ms each): its plan mispredicts something else, and later plans "
+                    "are left as they were", step * 1e3, busy * 1e3, LARGEST * 1e3)
         return None
-    FITS[kind] = [*FITS.get(kind, [])[1 - KEPT:], seconds]
-    logger.info("harmony: the runtime's host cost per pack call on %s devices, fitted to this run's %.1f ms steps: "
-                "%.0f µs (fitted in %.2f s); later plans take %.0f µs", kind, measured * 1e3, seconds * 1e6,
-                time.perf_counter() - started, (learned(kind) or 0.0) * 1e6)
-    return seconds
+    fit = Fit(calls, handling)
+    FITS[kind] = [*FITS.get(kind, [])[1 - KEPT:], fit]
+    later = learned(kind) or fit
+    logger.info("harmony: the runtime's host cost on %s devices, fitted to this run's %.1f ms steps (%.1f ms of them "
+                "busy): %.0f µs a pack call, %.0f µs a task (fitted in %.2f s); later plans take %.0f and %.0f µs",
+                kind, step * 1e3, busy * 1e3, calls * 1e6, handling * 1e6, time.perf_counter() - started,
+                later.call_seconds * 1e6, later.handling_seconds * 1e6)
+    return fit
 
 
 def forget() -> None:
-    """Drop the fitted call costs: the next plans predict without one until a run fits it again."""
+    """Drop the fitted costs: the next plans predict without them until a run fits them again."""
     FITS.clear()

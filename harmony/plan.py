@@ -165,8 +165,9 @@ class Forecast:
             f"{self.grads_out_per_step:,.0f} gradient bytes out"
             + (f", {self.memory.weights_out / max(self.model_steps, 1):,.0f} weight bytes out"
                if self.memory.weights_out else "")
-            + (f"; with {self.hardware.call_seconds * 1e6:,.0f} µs of the runtime's host work per pack call"
-               if self.hardware.call_seconds else "")
+            + (f"; with {self.hardware.call_seconds * 1e6:,.0f} µs of the runtime's host work per pack call and "
+               f"{self.hardware.handling_seconds * 1e6:,.0f} µs per task"
+               if self.hardware.call_seconds or self.hardware.handling_seconds else "")
         )
         return "\n".join(lines)
 

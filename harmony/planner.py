@@ -312,8 +312,9 @@ def with_depth(job: Job, depth: int | str, hardware: Hardware) -> Job:
 def with_sections(jobs: list[Job], args: Arguments, budgets: dict[str, int], hardware: Hardware, mode: str
                   ) -> list[Job]:
     """The swapped jobs with the packs each of their tasks runs: packs_per_task as given, or with "auto" as many as
-    keep Dask's cost per task (measured on the cluster) a small share of a section's forward (tasks.amortize; a
-    pack's forward counted with the host's work for its call, Hardware.call_seconds), in at least one section per
+    keep a task's cost (Hardware.task_cost: Dask's, measured on the cluster, and the runtime's handling, fitted) a
+    small share of a section's forward (tasks.amortize; a pack's forward counted with the host's work for its call,
+    Hardware.call_seconds), in at least one section per
     device in vpp (whose devices each run their own), where the simulator predicts the sweep faster so (a section
     other than a pass's last recomputes its packs' inputs: one more forward, and its weights read once more)."""
     per_task = args.options.packs_per_task
@@ -321,7 +322,7 @@ def with_sections(jobs: list[Job], args: Arguments, budgets: dict[str, int], har
     if isinstance(per_task, int):
         return [dataclasses.replace(job, sections=even_sections(len(job.packing.packs), per_task)) if here else job
                 for job, here in zip(jobs, cut)]
-    overhead = max(hardware.task_overhead, hardware.task_cpu)
+    overhead = hardware.task_cost
     fewest = len(budgets) if mode == "vpp" else 1
     proposed = [
         dataclasses.replace(job, sections=pack_sections(

@@ -20,10 +20,10 @@ from harmony.tasks.packing import Packing
 from harmony.tasks.runplan import RunPlan
 
 
-def steady_seconds(times: Sequence[float], skip: float = 0.2, what: str = "the run") -> float:
-    """Seconds per step once running, from the steps' finishing times in order: the time between the step that
-    ends the first skip share of them (start-up, the first task's warm-up) and the last, over the steps in
-    between. Steps that finished together (one multi-step task) count from the last of them."""
+def steady_window(times: Sequence[float], skip: float = 0.2, what: str = "the run") -> tuple[int, int]:
+    """The steps between which a run is steady, from the steps' finishing times in order: the step that ends the
+    first skip share of them (start-up, the first task's warm-up; of steps that finished together, one multi-step
+    task, the last) and the last step."""
     last = len(times) - 1
     first = max(0, int(len(times) * skip) - 1)
     while first < last and times[first + 1] == times[first]:
@@ -31,6 +31,13 @@ def steady_seconds(times: Sequence[float], skip: float = 0.2, what: str = "the r
     if first >= last:
         raise ValueError(f"{what}: its {len(times)} steps did not finish at two different times after the "
                          f"first {skip:.0%}; a steady rate needs more steps (or fewer steps per task)")
+    return first, last
+
+
+def steady_seconds(times: Sequence[float], skip: float = 0.2, what: str = "the run") -> float:
+    """Seconds per step once running, from the steps' finishing times in order: the time between the steps of
+    steady_window, over the steps in between."""
+    first, last = steady_window(times, skip, what)
     return (times[last] - times[first]) / (last - first)
 
 
@@ -160,10 +167,11 @@ class TrainResult:
     val_loaders); names the models' names (names=), or None; samples each model's samples per step (its first batch).
     grad_norms is per model (clip_grad_norm) each step's total gradient norm before clipping, as clip_grad_norm_
     returns it; empty for a model that is not clipped. pruned maps each model that prune= stopped to the step it
-    stopped at (its weights, history and validation figures end there; it is not in failed). call_seconds is the
-    runtime's host cost per pack call fitted to this run's steady step (harmony.calls), of which the process's
-    later plans on such devices take the median of the last few; None where the run said nothing of it (no
-    swapped model, too few steps).
+    stopped at (its weights, history and validation figures end there; it is not in failed). call_seconds and
+    handling_seconds are the runtime's host cost per pack call and per task fitted to this run's steady steps (the
+    first to its devices' busy time, the second to the rest: harmony.calls), of which the process's later plans on
+    such devices take the medians of the last few; None where the run said nothing of them (no swapped model, too
+    few steps).
     """
 
     models: list[nn.Module]
@@ -185,6 +193,7 @@ class TrainResult:
     grad_norms: list[list[float]] = field(default_factory=list)
     pruned: dict[int, int] = field(default_factory=dict)
     call_seconds: float | None = None
+    handling_seconds: float | None = None
 
     def report(self, path: str | os.PathLike[str]) -> Path:
         """Write the run on one page (path ending in .png: an image; .html: the image and the tables): every model's

@@ -55,11 +55,11 @@ def runs_spans(job: Job) -> bool:
 
 
 def homed_task_seconds(job: Job, hardware: Hardware) -> float:
-    """What one task of a job that runs spans costs besides its steps: Dask's per task (or the CPU time it takes,
-    where more) and the flush of the job's weights and optimizer state to the host store that ends it."""
+    """What one task of a job that runs spans costs besides its steps: its task cost (Hardware.task_cost) and the
+    flush of the job's weights and optimizer state to the host store that ends it."""
     pack = job.packing.packs[0]
     flushed = pack.float_bytes + job.state_ratio * pack.grad_bytes
-    return max(hardware.task_overhead, hardware.task_cpu) + flushed / (hardware.host_link or float("inf"))
+    return hardware.task_cost + flushed / (hardware.host_link or float("inf"))
 
 
 PACK_OVERHEAD_SHARE = 0.1

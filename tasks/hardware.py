@@ -19,8 +19,12 @@ class Hardware:
     call of a swapped job (one micro-batch through a pack's forward, its recompute or its backward; the simulator
     counts a task's calls): binding the weights, claiming and copying values, bookkeeping, and on a GPU the
     kernels' launches. On CPU devices it adds to the compute; on a GPU it runs while the kernels queued before
-    it run, so that a task takes the longer of the two (with_calls). The pilot's times never contain it; a run
-    fits it (harmony.calls) and later plans in the process take it.
+    it run, so that a task takes the longer of the two (with_calls). handling_seconds is the runtime's work per
+    task that task_overhead, timed on the idle cluster, does not show: the driver binding and submitting it, the
+    worker taking its values in and its results out, on a machine whose cores the devices compute with; it lies
+    between a device's tasks, where call_seconds lies inside them. The pilot's times contain neither; a run fits
+    both (harmony.calls: the call cost to the devices' busy time, this to the rest of the step) and later plans in
+    the process take them.
     """
 
     name: str = "this machine"
@@ -32,6 +36,13 @@ class Hardware:
     optimizer_bytes_per_second: float = 5e9
     shared_cores: bool = False
     call_seconds: float = 0.0
+    handling_seconds: float = 0.0
+
+    @property
+    def task_cost(self) -> float:
+        """What a task costs a device besides its work: Dask's per task (or the CPU time it takes, where more) and
+        the runtime's handling of it."""
+        return max(self.task_overhead, self.task_cpu) + self.handling_seconds
 
     def with_calls(self, compute: float, calls: int) -> float:
         """Seconds of work of which compute is the kernels' and calls the pack calls the runtime makes for them

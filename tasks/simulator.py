@@ -298,20 +298,20 @@ def homed_update_seconds(packing: Packing, pack: int, hardware: Hardware) -> flo
     return seconds / hardware.compute_scale
 
 
-def fit_calls(step: Callable[[float], float], measured: float, largest: float = 1.0) -> float:
-    """The least Hardware.call_seconds at which step (a plan's predicted seconds per step, given a call's cost)
-    reaches the measured step, to a hundredth (over by less): 0 where the plan without it predicts as long already,
-    largest at most. step never falls as the cost grows, so bisection finds it."""
-    if step(0.0) >= measured:
+def fit_least(predict: Callable[[float], float], measured: float, largest: float = 1.0) -> float:
+    """The least cost (a Hardware.call_seconds or handling_seconds) at which predict (a plan's predicted figure, given
+    that cost) reaches the measured one, to a hundredth (over by less): 0 where the plan without it predicts as much
+    already, largest at most. predict never falls as the cost grows, so bisection finds it."""
+    if predict(0.0) >= measured:
         return 0.0
     low, high = 0.0, 1e-6
-    while step(high) < measured:
+    while predict(high) < measured:
         if high >= largest:
             return largest
         low, high = high, min(4 * high, largest)
     while high - low > high / 100:
         middle = (low + high) / 2
-        low, high = (middle, high) if step(middle) < measured else (low, middle)
+        low, high = (middle, high) if predict(middle) < measured else (low, middle)
     return high
 
 
@@ -331,7 +331,9 @@ def model_step_seconds(packing: Packing, samples: int, hardware: Hardware) -> fl
 
 @dataclass
 class Simulation:
-    """A predicted run: per device, its tasks in order with start and end times, and the totals."""
+    """A predicted run: per device, its tasks in order with start and end times, and the totals. busy is per device
+    the seconds its tasks worked (their time less the per-task costs, upd tasks beside it not counted): what a run's
+    Stats.busy_seconds measures."""
 
     order: dict[str, list[TaskId]]
     times: dict[TaskId, tuple[float, float]]
@@ -532,11 +534,12 @@ class _Clock:
             copy += self._again_seconds(task, n)
         if not homed:
             compute = self._with_calls(task, n, compute, skipped)
-        end = start + self.hardware.task_overhead / self.spans[task.model] + compute + copy
+        per_task = self.hardware.task_overhead + self.hardware.handling_seconds
+        end = start + per_task / self.spans[task.model] + compute + copy
         self.times[task] = (start, end)
         self.order[device].append(task)
         self.previous[device] = task
-        self.busy[device] += end - start
+        self.busy[device] += compute + copy
         self.free_at[device] = end
         self.last_compute[device] = compute
         heapq.heappush(self.events, (end, len(self.times), task))
@@ -553,12 +556,12 @@ class _Clock:
         return self.hardware.with_calls(compute, calls)
 
     def run_beside(self, task: TaskId, device: str, ready: list[float]) -> None:
-        """An upd task on the device's host thread: its own Dask task (the task overhead) and the optimizer's
-        passes, from when its bwd ends; on shared cores the device loses that compute."""
+        """An upd task on the device's host thread: its own Dask task (the task overhead and handling) and the
+        optimizer's passes, from when its bwd ends; on shared cores the device loses that compute."""
         start = max([self.host_free_at[device], *ready])
         job = self.jobs[task.model]
         compute = update_seconds(job.packing, job.section(task.pack), self.hardware)
-        end = start + self.hardware.task_overhead + compute
+        end = start + self.hardware.task_overhead + self.hardware.handling_seconds + compute
         if self.hardware.shared_cores:
             self.free_at[device] = max(self.free_at[device], start) + compute
         self.times[task] = (start, end)

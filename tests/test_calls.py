@@ -1,4 +1,5 @@
-"""The runtime's host cost per pack call, fitted to a run's steps and taken by the process's later plans."""
+"""The runtime's host costs per pack call and per task, fitted to a run's steps and taken by the process's later
+plans."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from torch import nn
 
 import harmony
 from harmony import calls
+from harmony.result import Stats
 from harmony.tasks.hardware import Hardware
 from tests.conftest import deep_mlp, regression_batches
 
@@ -27,62 +29,89 @@ def train(budget: int, steps: int = 10) -> harmony.TrainResult:
                          optimizer=sgd, devices=["cpu"], device_memory=budget, microbatches=4, progress=False)
 
 
-def assert_predicts(result: harmony.TrainResult, fitted: float) -> None:
-    """fitted is the least call cost (to the fit's hundredth) at which the run's plan predicts its steady step."""
-    measured = result.stats.steady_seconds_per_step()
-    plan = dataclasses.replace(result.plan, hardware=dataclasses.replace(result.plan.hardware, call_seconds=0.0))
-    if fitted > 0:
-        assert calls.steady_step(plan, [16], fitted) >= measured
-        assert calls.steady_step(plan, [16], 0.98 * fitted) < measured
-    else:
-        assert calls.steady_step(plan, [16], 0.0) >= measured
+def assert_predicts(result: harmony.TrainResult, fit: calls.Fit) -> None:
+    """fit's call cost is the least (to the fit's hundredth) at which the run's plan predicts the devices' busy time
+    per step the run measured, and its cost per task, with that call cost, the least at which it predicts its
+    steady step."""
+    figures = calls.measured(result.stats)
+    assert figures is not None
+    step, busy = figures
+    assert 0 < busy < 2 * step, "two devices at most busy all along"
+    plan = dataclasses.replace(result.plan, hardware=dataclasses.replace(result.plan.hardware, call_seconds=0.0,
+                                                                          handling_seconds=0.0))
+    cost = fit.call_seconds
+    assert calls.steady(plan, [16], cost, 0.0)[1] >= busy
+    assert cost == 0 or calls.steady(plan, [16], 0.98 * cost, 0.0)[1] < busy
+    assert calls.steady(plan, [16], cost, fit.handling_seconds)[0] >= step
+    assert fit.handling_seconds == 0 or calls.steady(plan, [16], cost, 0.98 * fit.handling_seconds)[0] < step
 
 
-def test_a_swapped_run_fits_the_call_cost_that_predicts_its_steady_step_and_later_plans_take_it() -> None:
+def test_a_swapped_run_fits_the_costs_that_predict_its_steady_step_and_later_plans_take_them() -> None:
     budget = weight_bytes(deep_mlp()) // 3
     result = train(budget)
     assert result.plan.jobs[0].home is None and len(result.plan.jobs[0].packing.packs) > 2, "a swapped model"
-    assert result.plan.hardware.call_seconds == 0.0, "the first run planned without a call cost"
-    fitted = result.call_seconds
-    assert fitted is not None and {"cpu": [fitted]} == calls.FITS and calls.learned("cpu") == fitted
-    assert_predicts(result, fitted)
+    assert result.plan.hardware.call_seconds == result.plan.hardware.handling_seconds == 0.0, (
+        "the first run planned without them")
+    assert result.call_seconds is not None and result.handling_seconds is not None
+    fit = calls.Fit(result.call_seconds, result.handling_seconds)
+    assert {"cpu": [fit]} == calls.FITS and calls.learned("cpu") == fit
+    assert_predicts(result, fit)
 
     slow = dataclasses.replace(result, stats=dataclasses.replace(
         result.stats, step_seconds=[[100.0 * step for step in range(10)]]))
-    assert calls.learn(slow, [16], "cpu") is None, "100 s steps: no call cost explains them"
-    assert {"cpu": [fitted]} == calls.FITS, "nothing kept of it"
+    assert calls.learn(slow, [16], "cpu") is None, "100 s steps: no costs explain them"
+    assert {"cpu": [fit]} == calls.FITS, "nothing kept of it"
     evaluated = dataclasses.replace(result, val_history=[[(5, 0.5)]])
     assert calls.learn(evaluated, [16], "cpu") is None, "the simulator predicts no evaluation"
     checkpointed = dataclasses.replace(result, plan=dataclasses.replace(
         result.plan, options=dataclasses.replace(result.plan.options, checkpoint_every=4)))
     assert calls.learn(checkpointed, [16], "cpu") is None, "nor checkpoints"
-    assert {"cpu": [fitted]} == calls.FITS
+    assert {"cpu": [fit]} == calls.FITS
     stopped = dataclasses.replace(result, stats=dataclasses.replace(
         result.stats, step_seconds=[result.stats.step_seconds[0], [0.5]]))
-    assert calls.learn(stopped, [16], "cpu") == fitted, "a model stopped after one step leaves the others' steps"
+    assert calls.learn(stopped, [16], "cpu") == fit, "a model stopped after one step leaves the others' steps"
     calls.FITS["cpu"].pop()
 
     forecast = harmony.plan(deep_mlp(), regression_batches(160, 16), devices=["cpu"], device_memory=budget,
                             microbatches=4)
-    assert forecast.hardware.call_seconds == fitted
-    assert (f"with {fitted * 1e6:,.0f} µs of the runtime's host work per pack call" in str(forecast)) == (fitted > 0)
+    assert (forecast.hardware.call_seconds, forecast.hardware.handling_seconds) == (fit.call_seconds,
+                                                                                  fit.handling_seconds)
+    line = (f"with {fit.call_seconds * 1e6:,.0f} µs of the runtime's host work per pack call and "
+            f"{fit.handling_seconds * 1e6:,.0f} µs per task")
+    assert (line in str(forecast)) == (fit != calls.Fit(0.0, 0.0))
     again = train(budget)
-    assert again.plan.hardware.call_seconds == fitted, "the next run on such devices plans with it"
-    assert again.call_seconds is not None
-    assert_predicts(again, again.call_seconds)
-    assert calls.learned("cpu") == pytest.approx((fitted + again.call_seconds) / 2), "the median of the fits"
+    assert again.plan.hardware.call_seconds == fit.call_seconds, "the next run on such devices plans with them"
+    assert again.plan.hardware.handling_seconds == fit.handling_seconds
+    assert again.call_seconds is not None and again.handling_seconds is not None
+    refit = calls.Fit(again.call_seconds, again.handling_seconds)
+    assert_predicts(again, refit)
+    assert calls.learned("cpu") == calls.Fit(pytest.approx((fit.call_seconds + refit.call_seconds) / 2),
+                                             pytest.approx((fit.handling_seconds + refit.handling_seconds) / 2)), (
+        "the medians of the fits")
     for _ in range(calls.KEPT):
         calls.learn(again, [16], "cpu")
-    assert {"cpu": [again.call_seconds] * calls.KEPT} == calls.FITS, "the last few fits"
+    assert {"cpu": [refit] * calls.KEPT} == calls.FITS, "the last few fits"
 
     harmony.shutdown()
     assert calls.FITS == {} and calls.learned("cpu") is None
 
 
+def test_a_runs_busy_time_per_step_is_its_devices_tasks_over_its_slowest_models_steady_steps() -> None:
+    """Model 0's steps end each second (steady from step 1 to step 10), model 1's faster and fewer; the device
+    tasks count where they fall between 1 and 10 s, a host update (upd) not at all."""
+    timeline = {"d0": [(0.5, 1.5, 0.0, "fwd-m0-p0-s0-x"), (2.0, 2.5, 0.0, "upd-m0-p0-s1-x"),
+                       (9.5, 11.0, 0.0, "bwd-m0-p0-s9-x")],
+                "d1": [(3.0, 4.0, 0.0, "bwd-m1-p0-s2-x")]}
+    stats = Stats(peak_device_bytes={}, bytes_in={}, bytes_out={}, steps=[11, 5], tasks=4, wall_seconds=11.0,
+                  step_seconds=[[float(step) for step in range(11)], [0.1, 0.2, 0.3, 0.4, 0.5]], timeline=timeline)
+    assert calls.measured(stats) == pytest.approx((1.0, (0.5 + 0.5 + 1.0) / 9))
+    assert calls.measured(dataclasses.replace(stats, step_seconds=[[1.0], [2.0]])) is None, "no steady steps"
+
+
 def test_a_homed_run_says_nothing_of_the_call_cost() -> None:
     result = train(10 * weight_bytes(deep_mlp()))
     assert all(job.home is not None for job in result.plan.jobs)
-    assert calls.FITS == {} and result.call_seconds is None
+    assert calls.FITS == {} and result.call_seconds is None and result.handling_seconds is None
     assert calls.learn(result, [16], "cpu") is None
     assert calls.learn(result, [16], None) is None
 
@@ -93,8 +122,9 @@ def test_a_run_too_short_for_a_steady_step_keeps_nothing() -> None:
     assert calls.FITS == {} and result.call_seconds is None
 
 
-def test_later_plans_take_the_median_of_the_fits_for_their_kind_of_device() -> None:
-    calls.FITS["cuda"] = [1e-3, 2e-3, 0.04]
-    assert calls.fitted(Hardware(), "cuda").call_seconds == 2e-3, "one run's outlier moves nothing"
+def test_later_plans_take_the_medians_of_the_fits_for_their_kind_of_device() -> None:
+    calls.FITS["cuda"] = [calls.Fit(1e-3, 5e-3), calls.Fit(2e-3, 1e-3), calls.Fit(0.04, 3e-3)]
+    hardware = calls.fitted(Hardware(), "cuda")
+    assert (hardware.call_seconds, hardware.handling_seconds) == (2e-3, 3e-3), "one run's outlier moves nothing"
     assert calls.fitted(Hardware(), "cpu") == Hardware(), "none fitted for CPU devices"
     assert calls.fitted(Hardware(), None) == Hardware(), "devices of several kinds"

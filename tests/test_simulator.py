@@ -14,8 +14,9 @@ from harmony.tasks.simulator import (
     Hardware,
     MemoryReport,
     ScheduleExceedsBudget,
+    Simulation,
     boundary_bytes,
-    fit_calls,
+    fit_least,
     pack_tasks,
     replay_memory,
     simulate,
@@ -372,11 +373,30 @@ def test_the_call_cost_fitted_to_a_measured_step_is_the_one_that_predicts_it() -
         return simulate([packing], [3], [8], {"d": 7000}, hardware).makespan / 3
 
     assert step(2e-3) > step(0.0)
-    assert fit_calls(step, step(2e-3)) == pytest.approx(2e-3, rel=0.02)
-    assert fit_calls(step, step(0.0)) == 0.0, "a step the plan already predicts costs nothing more per call"
-    assert fit_calls(step, 0.5 * step(0.0)) == 0.0
-    assert fit_calls(step, 1e3, largest=0.1) == 0.1, "a step no call cost explains takes the largest"
+    assert fit_least(step, step(2e-3)) == pytest.approx(2e-3, rel=0.02)
+    assert fit_least(step, step(0.0)) == 0.0, "a step the plan already predicts costs nothing more per call"
+    assert fit_least(step, 0.5 * step(0.0)) == 0.0
+    assert fit_least(step, 1e3, largest=0.1) == 0.1, "a step no call cost explains takes the largest"
 
+
+def test_the_handling_of_a_task_lies_between_tasks_and_busy_counts_their_work_alone() -> None:
+    packing = chain_packing(layers=6, budget=7000)
+    steps = 3
+
+    def run(overhead: float, handling: float, calls: float = 0.0) -> Simulation:
+        hardware = Hardware(task_overhead=overhead, handling_seconds=handling, call_seconds=calls, shared_cores=True)
+        return simulate([packing], [steps], [8], {"d": 7000}, hardware, overlap=[False])
+
+    plain = run(0.0, 0.0)
+    tasks = len(plain.times)
+    assert run(2e-3, 0.0).makespan - plain.makespan == pytest.approx(tasks * 2e-3), "one device: every task waits"
+    assert run(0.0, 2e-3).makespan == pytest.approx(run(2e-3, 0.0).makespan), "handling is paid as Dask's cost is"
+    assert run(1e-3, 2e-3).busy == pytest.approx(plain.busy), "neither is the devices' busy time"
+    assert plain.busy["d"] == pytest.approx(plain.makespan), "one device, no per-task cost: busy all along"
+    calls = run(0.0, 0.0, 1e-3)
+    assert calls.makespan > plain.makespan
+    assert calls.busy["d"] - plain.busy["d"] == pytest.approx(calls.makespan - plain.makespan), (
+        "the calls' cost is the tasks' work")
 
 def test_the_hosts_work_for_calls_follows_the_compute_on_cpu_devices_and_runs_beside_a_gpus() -> None:
     cpu, gpu = Hardware(shared_cores=True, call_seconds=1e-3), Hardware(shared_cores=False, call_seconds=1e-3)
