@@ -48,6 +48,23 @@ def _chain_latency(client: Client, address: str, chain: int) -> float:
     return (time.perf_counter() - started) / chain
 
 
+def _passed(index: int, previous: int | None = None) -> int:
+    """An empty task that takes the result of the one before it through Dask."""
+    return index
+
+
+def _edge_latency(client: Client, addresses: list[str], chain: int) -> float:
+    """Seconds per task of a chain of empty tasks submitted at once, alternating between two workers, each taking
+    the one before's result through Dask: the scheduler's edge and the fetch from the other worker, as a task
+    reading a result of another device's task waits for it."""
+    started = time.perf_counter()
+    future = client.submit(_passed, 0, workers=[addresses[0]], pure=False)
+    for index in range(1, chain):
+        future = client.submit(_passed, index, future, workers=[addresses[index % 2]], pure=False)
+    future.result()
+    return (time.perf_counter() - started) / chain
+
+
 def _isolated_cpu(client: Client, address: str, tasks: int, in_flight: int = IN_FLIGHT) -> float:
     """CPU seconds per task of the driver's process and the worker's, for tasks sent as the driver sends a
     homed model's: the next as one finishes, a few in flight, each keeping the worker busy a while."""
@@ -66,9 +83,9 @@ def _isolated_cpu(client: Client, address: str, tasks: int, in_flight: int = IN_
 
 
 def task_cost(client: Client, workers: dict[str, str], chain: int = CHAIN, isolated: int = ISOLATED
-              ) -> tuple[float, float]:
-    """Seconds one task adds to a device's time, and CPU seconds it takes from the machine, the slowest
-    worker's of each.
+              ) -> tuple[float, float, float]:
+    """Seconds one task adds to a device's time, CPU seconds it takes from the machine (the slowest worker's of
+    each), and seconds a result takes from one device's worker to another's (0 with one worker).
 
     The time: a chain of empty tasks, each naming the one before, submitted at once to a device worker as
     the driver submits a step's tasks on one device (no scheduler edge between them, run in submission order,
@@ -79,6 +96,9 @@ def task_cost(client: Client, workers: dict[str, str], chain: int = CHAIN, isola
     tasks come one at a time, as a homed model's multi-step tasks do, each sent when one before it ends and
     keeping its worker busy meanwhile, so that every message is handled on its own (more than a chain's, whose
     messages go out and are handled together). Figures: docs/performance.md, "Dask's cost per task".
+
+    The edge: a chain of empty tasks alternating between the first two device workers, each a Dask dependency of
+    the next (_edge_latency), per task.
     """
     if not workers:
         raise RuntimeError("no device worker is connected to the scheduler: nothing to measure the task cost on")
@@ -88,7 +108,12 @@ def task_cost(client: Client, workers: dict[str, str], chain: int = CHAIN, isola
         _chain_latency(client, address, chain)  # the first pass warms the code paths up
         latencies.append(_chain_latency(client, address, chain))
         cpu.append(_isolated_cpu(client, address, isolated))
-    return max(latencies), max(cpu)
+    addresses = list(workers.values())[:2]
+    edge = 0.0
+    if len(addresses) == 2:
+        _edge_latency(client, addresses, chain)
+        edge = _edge_latency(client, addresses, chain)
+    return max(latencies), max(cpu), edge
 
 
 MEASURED: dict[tuple[object, ...], Hardware] = {}  # per cluster (its scheduler and workers), what it measured
@@ -102,12 +127,12 @@ def measured_hardware(client: Client, workers: dict[str, str], cpu_compute: bool
     a worker's GPU gives the compute scale and the link (runtime.measure.accelerator_speed)."""
     key = (client.scheduler.address, tuple(sorted(workers.items())), cpu_compute)
     if key not in MEASURED:
-        latency, cpu = task_cost(client, workers)
-        logger.info("task cost on this cluster: %.1f ms per task of a chain, %.1f ms of CPU", latency * 1e3,
-                    cpu * 1e3)
+        latency, cpu, edge = task_cost(client, workers)
+        logger.info("task cost on this cluster: %.1f ms per task of a chain, %.1f ms of CPU, %.1f ms from worker to "
+                    "worker", latency * 1e3, cpu * 1e3, edge * 1e3)
         while len(MEASURED) >= KEPT:
             del MEASURED[next(iter(MEASURED))]
-        hardware = dataclasses.replace(this_machine(), task_overhead=latency,
+        hardware = dataclasses.replace(this_machine(), task_overhead=latency, edge_seconds=edge or latency,
                                        task_cpu=cpu if cpu_compute else 0.0, shared_cores=cpu_compute)
         if not cpu_compute:  # the devices are GPUs: measured on one of their workers
             address = next(iter(workers.values()))

@@ -11,7 +11,9 @@ class Hardware:
 
     compute_scale 1.0 means as fast as the machine that ran the pilot pass; host_link is host<->device
     (None: copies cost nothing), peer_link device<->device; task_overhead is the runtime's fixed cost
-    per task (Dask's scheduling, about a millisecond on a server, a few on a small machine); task_cpu is the
+    per task (Dask's scheduling, about a millisecond on a server, a few on a small machine); edge_seconds is how long
+    a task's result takes to reach a reader on another device (the scheduler's edge and the fetch between their
+    workers), where a reader on the same device has it at once; task_cpu is the
     CPU time a task takes from the cores the devices compute with (the driver's, the scheduler's and the
     worker's work for it; 0 where the devices compute elsewhere); shared_cores says the devices compute on the
     host's cores (CPU devices), so that work on a host thread beside a device (an overlapped update) takes its
@@ -32,6 +34,7 @@ class Hardware:
     host_link: float | None = None
     peer_link: float | None = None
     task_overhead: float = 0.003
+    edge_seconds: float = 0.005
     task_cpu: float = 0.0
     optimizer_bytes_per_second: float = 5e9
     shared_cores: bool = False

@@ -366,7 +366,8 @@ def simulate(
 ) -> Simulation:
     """Predict the schedule and its times: the driver's binding state on a simulated clock.
 
-    Each device runs one task at a time; a task starts when its device is free and its inputs exist;
+    Each device runs one task at a time; a task starts when its device is free and its inputs exist (one made on
+    another device edge_seconds and the handling of a task after its task ended);
     it takes the task overhead, its compute, and its copies (weights in unless the device caches them,
     boundary activations in and out, less the one its producer left on the device when it ran just before),
     where with prefetch a weight copy overlaps the previous task's compute and (prefetch True, not "weights") the
@@ -489,6 +490,7 @@ class _Clock:
         self.memory = {name: DeviceMemory(name, budget) for name, budget in budgets.items()}
         self.previous: dict[str, TaskId] = {}
         self.times: dict[TaskId, tuple[float, float]] = {}
+        self.device_of: dict[TaskId, str] = {}
         self.order: dict[str, list[TaskId]] = {name: [] for name in budgets}
         self.busy = dict.fromkeys(budgets, 0.0)
         self.events: list[tuple[float, int, TaskId]] = []
@@ -503,7 +505,9 @@ class _Clock:
                 ready = BatchReady(instruction.model, instruction.span, min(instruction.count, left))
                 queue.extend(state.handle(ready))
             elif isinstance(instruction, Submit):
-                ends = [self.times[dep][1] for dep in state.dependencies(instruction.task) if dep in self.times]
+                edge = self.hardware.edge_seconds + self.hardware.handling_seconds  # from another device's task
+                ends = [self.times[dep][1] + (edge if self.device_of[dep] != instruction.device else 0.0)
+                        for dep in state.dependencies(instruction.task) if dep in self.times]
                 self.run(instruction, ends)
 
     def run(self, submit: Submit, ready: list[float]) -> None:
@@ -537,6 +541,7 @@ class _Clock:
         per_task = self.hardware.task_overhead + self.hardware.handling_seconds
         end = start + per_task / self.spans[task.model] + compute + copy
         self.times[task] = (start, end)
+        self.device_of[task] = device
         self.order[device].append(task)
         self.previous[device] = task
         self.busy[device] += compute + copy
@@ -565,6 +570,7 @@ class _Clock:
         if self.hardware.shared_cores:
             self.free_at[device] = max(self.free_at[device], start) + compute
         self.times[task] = (start, end)
+        self.device_of[task] = device
         self.order[device].append(task)
         self.host_free_at[device] = end
         heapq.heappush(self.events, (end, len(self.times), task))

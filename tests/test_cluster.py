@@ -148,12 +148,31 @@ def test_an_embedded_cluster_samples_itself_less_often_but_keeps_what_the_user_c
         handle.close()
     assert cpu_devices.task_overhead > 0 and cpu_devices.task_cpu > 0, "a task's latency and CPU time are measured"
     assert gpu_devices.task_cpu == 0, "the CPU a task takes counts only where the devices compute on the cores"
+    assert cpu_devices.edge_seconds == cpu_devices.task_overhead, "one worker: no edge between two, its chain's"
     assert intervals["tick"] == scheduler["tick"] == 100, "the user's tick interval is kept"
     assert intervals["profile"] == milliseconds(SAMPLING["distributed.worker.profile.interval"])
     expected_monitor = milliseconds(SAMPLING["distributed.admin.system-monitor.interval"])
     assert intervals["monitor"] == scheduler["monitor"] == expected_monitor
     assert expected_monitor > milliseconds(dask.config.get("distributed.admin.system-monitor.interval")), (
         "less often than distributed's default")
+
+
+def test_calibration_on_two_device_workers_times_a_result_passed_between_them(no_leaks: None) -> None:
+    """A chain alternating between the two workers, each task a Dask dependency of the next, against one that stays
+    on a worker and hands results over there: the first pays the scheduler's edge and the fetch each task."""
+    from harmony.runtime.calibrate import task_cost
+    from harmony.runtime.cluster import start_embedded
+    from harmony.runtime.devices import DeviceSpec
+
+    handle = start_embedded([DeviceSpec("cpu-0", "cpu", 2**26, 1), DeviceSpec("cpu-1", "cpu", 2**26, 1)],
+                            dashboard_address=":0")
+    try:
+        latency, _, edge = task_cost(handle.client, handle.workers)
+        _, _, alone = task_cost(handle.client, {"cpu-0": handle.workers["cpu-0"]})
+    finally:
+        handle.close()
+    assert edge > latency > 0
+    assert alone == 0.0
 
 
 def listening(pids: set[int]) -> set[str]:

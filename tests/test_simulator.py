@@ -403,3 +403,20 @@ def test_the_hosts_work_for_calls_follows_the_compute_on_cpu_devices_and_runs_be
     assert cpu.with_calls(2e-3, 3) == pytest.approx(5e-3)
     assert gpu.with_calls(2e-3, 3) == pytest.approx(3e-3) and gpu.with_calls(1e-2, 3) == 1e-2
     assert Hardware().with_calls(2e-3, 3) == 2e-3, "no call cost: the compute"
+
+
+def test_a_result_from_another_device_reaches_its_reader_an_edge_after_its_task_ends() -> None:
+    """One job of six packs for two steps on two devices: in vpp its packs alternate devices, so every task of a
+    step's chain reads the one before from the other device (ten edges a step: five forwards, then six backwards);
+    a step's first forward reads the backward on its own device. In free mode its chain stays on one device."""
+    packing = chain_packing(layers=6, budget=7000)
+    steps = 2
+    assert len(packing.packs) == 6
+
+    def makespan(mode: str, edge: float) -> float:
+        hardware = Hardware(task_overhead=1e-3, edge_seconds=edge, shared_cores=True)
+        return simulate([packing], [steps], [8], {"a": 7000, "b": 7000}, hardware, mode=mode,
+                        overlap=[False]).makespan
+
+    assert makespan("vpp", 0.01) - makespan("vpp", 0.0) == pytest.approx(steps * 10 * 0.01)
+    assert makespan("free", 0.01) == pytest.approx(makespan("free", 0.0))
