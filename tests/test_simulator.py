@@ -391,6 +391,8 @@ def test_the_handling_of_a_task_lies_between_tasks_and_busy_counts_their_work_al
     tasks = len(plain.times)
     assert run(2e-3, 0.0).makespan - plain.makespan == pytest.approx(tasks * 2e-3), "one device: every task waits"
     assert run(0.0, 2e-3).makespan == pytest.approx(run(2e-3, 0.0).makespan), "handling is paid as Dask's cost is"
+    cost = Hardware(task_overhead=1e-3, task_cpu=2e-3, handling_seconds=4e-3).task_cost
+    assert cost == pytest.approx(6e-3), "what sections and spans amortize: the larger of Dask's two, and handling"
     assert run(1e-3, 2e-3).busy == pytest.approx(plain.busy), "neither is the devices' busy time"
     assert plain.busy["d"] == pytest.approx(plain.makespan), "one device, no per-task cost: busy all along"
     calls = run(0.0, 0.0, 1e-3)
