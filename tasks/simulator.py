@@ -298,13 +298,21 @@ def homed_update_seconds(packing: Packing, pack: int, hardware: Hardware) -> flo
     return seconds / hardware.compute_scale
 
 
-def fit_least(predict: Callable[[float], float], measured: float, largest: float = 1.0) -> float:
+def fit_least(predict: Callable[[float], float], measured: float, largest: float = 1.0, probe: float = 1e-3
+              ) -> float:
     """The least cost (a Hardware.call_seconds or handling_seconds) at which predict (a plan's predicted figure, given
     that cost) reaches the measured one, to a hundredth (over by less): 0 where the plan without it predicts as much
-    already, largest at most. predict never falls as the cost grows, so bisection finds it."""
-    if predict(0.0) >= measured:
+    already, largest at most. predict never falls as the cost grows, so bisection finds it; it starts from a
+    bracket around where the line through predict(0) and predict(probe) reaches measured (on CPU devices the figures
+    grow about linearly with the cost), widened fourfold a time until it holds the cost."""
+    base = predict(0.0)
+    if base >= measured:
         return 0.0
-    low, high = 0.0, 1e-6
+    rise = predict(probe) - base
+    guess = min(largest, max(1e-6, probe * (measured - base) / rise)) if rise > 0 else 1e-6
+    low, high = guess / 1.05, min(guess * 1.05, largest)
+    while low > 0 and predict(low) >= measured:
+        high, low = low, (low / 4 if low > 1e-6 else 0.0)
     while predict(high) < measured:
         if high >= largest:
             return largest

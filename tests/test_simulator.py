@@ -377,6 +377,15 @@ def test_the_call_cost_fitted_to_a_measured_step_is_the_one_that_predicts_it() -
     assert fit_least(step, step(0.0)) == 0.0, "a step the plan already predicts costs nothing more per call"
     assert fit_least(step, 0.5 * step(0.0)) == 0.0
     assert fit_least(step, 1e3, largest=0.1) == 0.1, "a step no call cost explains takes the largest"
+    costs: list[float] = []
+
+    def line(cost: float) -> float:
+        costs.append(cost)
+        return 0.1 + 30 * cost
+
+    assert fit_least(line, 0.1 + 30 * 3.7e-3) == pytest.approx(3.7e-3, rel=0.01)
+    assert len(costs) <= 8, "a figure linear in the cost: bracketed at once around the line's guess"
+    assert fit_least(line, 0.1 + 30 * 2e-7) == pytest.approx(2e-7, rel=0.01), "below the guess's floor"
 
 
 def test_the_handling_of_a_task_lies_between_tasks_and_busy_counts_their_work_alone() -> None:
