@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import statistics
 import time
@@ -116,8 +117,13 @@ def learn(result: TrainResult, samples: list[int], kind: str | None) -> Fit | No
         return None
     step, busy = figures
     started = time.perf_counter()
-    calls = fit_least(lambda cost: steady(plan, samples, cost, 0.0)[1], busy, LARGEST)
-    handling = fit_least(lambda cost: steady(plan, samples, calls, cost)[0], step, LARGEST)
+
+    @functools.cache  # the second fit starts where the first ended
+    def predicted(call: float, handling: float) -> tuple[float, float]:
+        return steady(plan, samples, call, handling)
+
+    calls = fit_least(lambda cost: predicted(cost, 0.0)[1], busy, LARGEST)
+    handling = fit_least(lambda cost: predicted(calls, cost)[0], step, LARGEST)
     if max(calls, handling) >= LARGEST:
         logger.info("harmony: this run's %.1f ms steps (%.1f ms of them busy) are more than any host cost per pack "
                     "call and per task explains (%.0f ms each): its plan mispredicts something else, and later plans "

@@ -309,33 +309,53 @@ def with_depth(job: Job, depth: int | str, hardware: Hardware) -> Job:
                                depth=steps_per_task(job.step_seconds, task_seconds, job.batch_bytes, job.steps))
 
 
-def with_sections(jobs: list[Job], args: Arguments, budgets: dict[str, int], hardware: Hardware, mode: str
-                  ) -> list[Job]:
-    """The swapped jobs with the packs each of their tasks runs: packs_per_task as given, or with "auto" as many as
-    keep a task's cost (Hardware.task_cost: Dask's, measured on the cluster, and the runtime's handling, fitted) a
-    small share of a section's forward (tasks.amortize; a pack's forward counted with the host's work for its call,
-    Hardware.call_seconds), in at least one section per
-    device in vpp (whose devices each run their own), where the simulator predicts the sweep faster so (a section
-    other than a pass's last recomputes its packs' inputs: one more forward, and its weights read once more)."""
+def with_tasks(jobs: list[Job], args: Arguments, budgets: dict[str, int], hardware: Hardware, mode: str
+               ) -> list[Job]:
+    """The jobs with the packs each swapped job's task runs and their updates placed, chosen together: each way of
+    cutting the tasks (section_ways) with the update placement with_updates predicts fastest for it, and of those
+    the fastest (a whole pass a task leaves no later pack's backward for an update beside the device to overlap)."""
+    ways = {name: with_updates(way, args, budgets, hardware, mode)
+            for name, way in section_ways(jobs, args, budgets, hardware, mode).items()}
+    if len(ways) == 1:
+        return next(iter(ways.values()))
+    predicted = {name: ranking_run(way, args, budgets, hardware, mode).step_seconds() for name, way in ways.items()}
+    chosen = min(predicted, key=lambda name: predicted[name])  # a tie keeps the earlier: fewer recomputes
+    logger.info("packs_per_task auto: predicted %s per step; %s",
+                ", ".join(f"{name} {seconds * 1e3:.1f} ms" for name, seconds in predicted.items()), chosen)
+    return ways[chosen]
+
+
+def section_ways(jobs: list[Job], args: Arguments, budgets: dict[str, int], hardware: Hardware, mode: str
+                 ) -> dict[str, list[Job]]:
+    """The ways to cut the swapped jobs' passes into tasks worth comparing: packs_per_task as given, or with "auto" a
+    pack a task; sections of as many packs as keep a task's cost (Hardware.task_cost: Dask's, measured on the
+    cluster, and the runtime's handling, fitted) a small share of a section's forward (tasks.amortize; a pack's
+    forward counted with the host's work for its call, Hardware.call_seconds), in at least one section per device in
+    vpp (whose devices each run their own); and a whole pass a task (a section per device in vpp). Sections are left
+    out where the task cost proposes none (a section other than a pass's last recomputes its packs' inputs: one more
+    forward, and its weights read once more)."""
     per_task = args.options.packs_per_task
     cut = [job.home is None and len(job.packing.packs) > 1 for job in jobs]
     if isinstance(per_task, int):
-        return [dataclasses.replace(job, sections=even_sections(len(job.packing.packs), per_task)) if here else job
-                for job, here in zip(jobs, cut)]
-    overhead = hardware.task_cost
+        return {"as given": [dataclasses.replace(job, sections=even_sections(len(job.packing.packs), per_task))
+                             if here else job for job, here in zip(jobs, cut)]}
     fewest = len(budgets) if mode == "vpp" else 1
     proposed = [
         dataclasses.replace(job, sections=pack_sections(
             [hardware.with_calls(pack.forward_seconds_per_sample * job.packing.microbatch_samples
-                                 / hardware.compute_scale, 1) for pack in job.packing.packs], overhead, fewest))
-            if here else job
+                                 / hardware.compute_scale, 1) for pack in job.packing.packs], hardware.task_cost,
+            fewest))
+        if here else job
         for job, here in zip(jobs, cut)]
     if all(job.sections == () for job in proposed):
-        return jobs
-    predicted = [ranking_run(ways, args, budgets, hardware, mode).step_seconds() for ways in (jobs, proposed)]
-    logger.info("packs_per_task auto: predicted %.1f ms per step with a pack a task, %.1f ms in sections; %s",
-                predicted[0] * 1e3, predicted[1] * 1e3, "sections" if predicted[1] < predicted[0] else "a pack a task")
-    return proposed if predicted[1] < predicted[0] else jobs
+        return {"a pack a task": jobs}
+    whole = [dataclasses.replace(job, sections=even_sections(len(job.packing.packs),
+                                                             -(-len(job.packing.packs) // fewest))) if here else job
+             for job, here in zip(jobs, cut)]
+    ways = {"a pack a task": jobs, "sections": proposed}
+    if [job.sections for job in whole] != [job.sections for job in proposed]:
+        ways["a pass a task"] = whole
+    return ways
 
 
 def with_updates(jobs: list[Job], args: Arguments, budgets: dict[str, int], hardware: Hardware, mode: str
@@ -442,8 +462,7 @@ def build(
     scaled = options.precision == "fp16"
     jobs = [with_depth(dataclasses.replace(c.job, groups=groups, scaled=scaled, clip=clips(args, c.job.members)),
                        options.steps_per_task, hardware) for c in candidates]
-    jobs = with_sections(jobs, args, budgets, hardware, mode)
-    jobs = with_updates(jobs, args, budgets, hardware, mode)
+    jobs = with_tasks(jobs, args, budgets, hardware, mode)
     jobs = with_stashes(jobs, args, budgets, hardware, mode)
     plan = RunPlan(
         jobs=tuple(jobs),

@@ -303,14 +303,16 @@ def fit_least(predict: Callable[[float], float], measured: float, largest: float
     """The least cost (a Hardware.call_seconds or handling_seconds) at which predict (a plan's predicted figure, given
     that cost) reaches the measured one, to a hundredth (over by less): 0 where the plan without it predicts as much
     already, largest at most. predict never falls as the cost grows, so bisection finds it; it starts from a
-    bracket around where the line through predict(0) and predict(probe) reaches measured (on CPU devices the figures
-    grow about linearly with the cost), widened fourfold a time until it holds the cost."""
+    bracket a hundredth wide around where the line through predict(0) and predict(probe) reaches measured (on CPU
+    devices the figures grow about linearly with the cost, so that four predictions often settle it), widened
+    fourfold a time until it holds the cost. A prediction simulates the plan: on a large plan, a tenth of a second
+    or more."""
     base = predict(0.0)
     if base >= measured:
         return 0.0
     rise = predict(probe) - base
     guess = min(largest, max(1e-6, probe * (measured - base) / rise)) if rise > 0 else 1e-6
-    low, high = guess / 1.05, min(guess * 1.05, largest)
+    low, high = guess * 0.995, min(guess * 1.005, largest)
     while low > 0 and predict(low) >= measured:
         high, low = low, (low / 4 if low > 1e-6 else 0.0)
     while predict(high) < measured:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import re
 from collections.abc import Iterator
 
 import pytest
@@ -28,6 +30,24 @@ def test_plan_on_this_machine_predicts_packs_peaks_and_swaps() -> None:
     assert plan.step_seconds > 0
     text = str(plan)
     assert "model 0 (Sequential): 12 packs" in text and "predicted:" in text and "cpu-1" in text
+
+
+def test_packs_per_task_auto_weighs_a_whole_pass_a_task_beside_a_pack_a_task_and_its_sections(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Pack calls of 2 ms each: the sections the task cost proposes (several packs each, not the whole pass) recompute
+    their later packs' inputs, calls the simulator charges, and predict slower than a pack a task; a whole pass a task
+    recomputes none and predicts fastest, so auto takes it."""
+    hardware = harmony.Hardware("costly calls", task_overhead=1e-3, call_seconds=2e-3, shared_cores=True)
+    with caplog.at_level(logging.INFO, logger="harmony"):
+        auto = harmony.plan([deep_mlp(seed=s) for s in range(2)], regression_batches(128, 16), microbatches=4,
+                            devices=1, device_memory=24_000, hardware=hardware)
+    [line] = [record.message for record in caplog.records if record.message.startswith("packs_per_task auto")]
+    predicted = dict(re.findall(r"(a pack a task|sections|a pass a task) ([\d.]+) ms", line))
+    assert list(predicted) == ["a pack a task", "sections", "a pass a task"], line
+    ranked = sorted(predicted, key=lambda name: float(predicted[name]))
+    assert ranked == ["a pass a task", "a pack a task", "sections"], line
+    assert [job.sections for job in auto.plan.jobs] == [(0,), (0,)]
 
 
 def test_plan_for_hardware_that_is_not_here() -> None:

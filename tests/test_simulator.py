@@ -384,7 +384,7 @@ def test_the_call_cost_fitted_to_a_measured_step_is_the_one_that_predicts_it() -
         return 0.1 + 30 * cost
 
     assert fit_least(line, 0.1 + 30 * 3.7e-3) == pytest.approx(3.7e-3, rel=0.01)
-    assert len(costs) <= 8, "a figure linear in the cost: bracketed at once around the line's guess"
+    assert len(costs) <= 4, "a figure linear in the cost: bracketed at once around the line's guess"
     assert fit_least(line, 0.1 + 30 * 2e-7) == pytest.approx(2e-7, rel=0.01), "below the guess's floor"
 
 
