@@ -369,9 +369,10 @@ def train(
 
     packs_per_task is how many consecutive packs one task of a swapped model runs, swapping them in one after the
     other inside the task (each one's weights copied in while the one before computes), so that Dask's cost per
-    task is paid once for them all: "auto" takes as many as keep that cost, measured on the cluster, a tenth of
-    their forward. The budget holds as with one pack per task; a backward task of several packs recomputes their
-    inputs first (one more forward of all but its last pack). The weights are the same either way.
+    task is paid once for them all: "auto" takes a pack a task, as many as keep that cost (measured on the cluster,
+    with the handling a run fitted) a tenth of their forward, or a whole pass, whichever the simulator predicts
+    fastest with its updates placed. The budget holds as with one pack per task; a backward task of several packs
+    recomputes their inputs first (one more forward of all but its last pack). The weights are the same either way.
 
     compile=True runs every pack (and a homed model) through torch.compile on its worker: each pack compiles once
     per worker for training, once for its recompute and once for evaluation (its first tasks take that time, a few
