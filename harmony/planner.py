@@ -311,17 +311,26 @@ def with_depth(job: Job, depth: int | str, hardware: Hardware) -> Job:
 
 def with_tasks(jobs: list[Job], args: Arguments, budgets: dict[str, int], hardware: Hardware, mode: str
                ) -> list[Job]:
-    """The jobs with the packs each swapped job's task runs and their updates placed, chosen together: each way of
-    cutting the tasks (section_ways) with the update placement with_updates predicts fastest for it, and of those
-    the fastest (a whole pass a task leaves no later pack's backward for an update beside the device to overlap)."""
-    ways = {name: with_updates(way, args, budgets, hardware, mode)
-            for name, way in section_ways(jobs, args, budgets, hardware, mode).items()}
-    if len(ways) == 1:
+    """The jobs with the packs each swapped job's task runs and their updates placed, chosen together: of every way
+    of cutting the tasks (section_ways) with every placement of its updates (update_ways), the one the simulator
+    predicts fastest (a whole pass a task leaves no later pack's backward for an update beside the device to
+    overlap). A tie keeps the earlier: fewer recomputes, then fewer bytes across the link."""
+    ways = {(cut, placed): placing
+            for cut, cutting in section_ways(jobs, args, budgets, hardware, mode).items()
+            for placed, placing in update_ways(cutting, args, budgets).items()}
+    if len(ways) == 1 or all(job.home is not None for job in jobs):
         return next(iter(ways.values()))
-    predicted = {name: ranking_run(way, args, budgets, hardware, mode).step_seconds() for name, way in ways.items()}
-    chosen = min(predicted, key=lambda name: predicted[name])  # a tie keeps the earlier: fewer recomputes
-    logger.info("packs_per_task auto: predicted %s per step; %s",
-                ", ".join(f"{name} {seconds * 1e3:.1f} ms" for name, seconds in predicted.items()), chosen)
+    predicted = {key: ranking_run(way, args, budgets, hardware, mode).step_seconds() for key, way in ways.items()}
+    chosen = min(predicted, key=lambda key: predicted[key])
+    cuts = list(dict.fromkeys(cut for cut, _ in ways))
+    if len(cuts) > 1:
+        best = {cut: min((key for key in predicted if key[0] == cut), key=lambda key: predicted[key]) for cut in cuts}
+        logger.info("packs_per_task auto: predicted %s per step; %s", ", ".join(
+            f"{cut} {predicted[key] * 1e3:.1f} ms (updates {key[1]})" for cut, key in best.items()), chosen[0])
+    placements = [key for key in predicted if key[0] == chosen[0]]
+    if len(placements) > 1:
+        logger.info("updates: predicted per step %s; %s", ", ".join(
+            f"{key[1]} {predicted[key] * 1e3:.1f} ms" for key in placements), chosen[1])
     return ways[chosen]
 
 
@@ -358,17 +367,15 @@ def section_ways(jobs: list[Job], args: Arguments, budgets: dict[str, int], hard
     return ways
 
 
-def with_updates(jobs: list[Job], args: Arguments, budgets: dict[str, int], hardware: Hardware, mode: str
-                 ) -> list[Job]:
-    """The jobs with their updates placed: a swapped job's in its bwd tasks on the host store, in upd tasks beside
-    its device (overlap_update, tasks.graph), or in its bwd tasks on its device (update_on, tasks.updates). As the
-    options say; where they leave a choice, the way the simulator predicts fastest for the swapped jobs together.
-    With a scaled loss (fp16) or clipping, always upd tasks; a job that cannot update on its device updates on the
-    host."""
+def update_ways(jobs: list[Job], args: Arguments, budgets: dict[str, int]) -> dict[str, list[Job]]:
+    """The placements of the jobs' updates the options leave to compare, the host's first: a swapped job's in its
+    bwd tasks on the host store, in upd tasks beside its device (overlap_update, tasks.graph), or in its bwd tasks
+    on its device (update_on, tasks.updates). With a scaled loss (fp16) or clipping, always upd tasks; a job that
+    cannot update on its device updates on the host."""
     options = args.options
     swapped = [job.home is None for job in jobs]
     beside = True if any(job.whole_step for job in jobs) else options.overlap_update  # runtime.scaler, .clipping
-    ways: dict[str, list[Job]] = {}  # the host's first: a tie keeps the updates where fewer bytes cross the link
+    ways: dict[str, list[Job]] = {}
     if options.update_on != "device":
         for name, overlap in (("in backward", False), ("beside", True)):
             if beside is None or beside is overlap:
@@ -387,13 +394,7 @@ def with_updates(jobs: list[Job], args: Arguments, budgets: dict[str, int], hard
             device.append(dataclasses.replace(job, device_updates=packs))
         if any(job.device_update for job in device) or not ways:
             ways["on the device"] = device
-    if len(ways) == 1 or not any(swapped):
-        return next(iter(ways.values()))
-    predicted = {name: ranking_run(way, args, budgets, hardware, mode).step_seconds() for name, way in ways.items()}
-    chosen = min(predicted, key=lambda name: predicted[name])
-    logger.info("updates: predicted per step %s; %s", ", ".join(f"{name} {seconds * 1e3:.1f} ms"
-                                                                  for name, seconds in predicted.items()), chosen)
-    return ways[chosen]
+    return ways
 
 
 def with_stashes(jobs: list[Job], args: Arguments, budgets: dict[str, int], hardware: Hardware, mode: str

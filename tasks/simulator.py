@@ -490,6 +490,8 @@ class _Clock:
         self.spans = spans or [1] * len(jobs)
         self.samples = samples
         self.hardware = hardware
+        self.per_task = hardware.task_overhead + hardware.handling_seconds  # what a task costs besides its work
+        self.edge = hardware.edge_seconds + hardware.handling_seconds  # how late another device's result arrives
         self.prefetch = bool(prefetch)  # weights copied in while the task before computes
         self.ahead = prefetch is True  # and micro-batch values while the one before (after) computes
         self.stash = stash
@@ -515,8 +517,7 @@ class _Clock:
                 ready = BatchReady(instruction.model, instruction.span, min(instruction.count, left))
                 queue.extend(state.handle(ready))
             elif isinstance(instruction, Submit):
-                edge = self.hardware.edge_seconds + self.hardware.handling_seconds  # from another device's task
-                ends = [self.times[dep][1] + (edge if self.device_of[dep] != instruction.device else 0.0)
+                ends = [self.times[dep][1] + (self.edge if self.device_of[dep] != instruction.device else 0.0)
                         for dep in state.dependencies(instruction.task) if dep in self.times]
                 self.run(instruction, ends)
 
@@ -548,8 +549,7 @@ class _Clock:
             copy += self._again_seconds(task, n)
         if not homed:
             compute = self._with_calls(task, n, compute, skipped)
-        per_task = self.hardware.task_overhead + self.hardware.handling_seconds
-        end = start + per_task / self.spans[task.model] + compute + copy
+        end = start + self.per_task / self.spans[task.model] + compute + copy
         self.times[task] = (start, end)
         self.device_of[task] = device
         self.order[device].append(task)
@@ -576,7 +576,7 @@ class _Clock:
         start = max([self.host_free_at[device], *ready])
         job = self.jobs[task.model]
         compute = update_seconds(job.packing, job.section(task.pack), self.hardware)
-        end = start + self.hardware.task_overhead + self.hardware.handling_seconds + compute
+        end = start + self.per_task + compute
         if self.hardware.shared_cores:
             self.free_at[device] = max(self.free_at[device], start) + compute
         self.times[task] = (start, end)
