@@ -155,7 +155,7 @@ def execute(
             logger.warning("harmony: no /harmony page on this cluster's dashboard (%s: %s)", type(error).__name__,
                            error)
         state = BindingState(list(plan.jobs), plan.devices, policy=plan.options.policy, mode=plan.mode,
-                             homes=plan.homes, fail_fast=plan.options.fail_fast,
+                             hardware=plan.hardware, homes=plan.homes, fail_fast=plan.options.fail_fast,
                              checkpoint_every=(plan.options.checkpoint_every or END) if checkpoints else None,
                              start=starts,
                              allowed_failures=dask.config.get("distributed.scheduler.allowed-failures"),

@@ -55,6 +55,7 @@ from harmony.tasks.graph import (
     successor,
     updater,
 )
+from harmony.tasks.hardware import Hardware
 from harmony.tasks.memory import BudgetExceeded, DeviceMemory
 from harmony.tasks.runplan import Job
 
@@ -62,11 +63,28 @@ KIND_RANK = {"upd": 0, "bwd": 1, "fwd": 2}
 POLICIES = ("lrtf", "round_robin")
 MODES = ("free", "vpp", "vdp")
 STORY = 10_000
+TIE = 1e-9  # seconds: predicted starts this close are the same start
 
 
 def packs(job: Job) -> int:
     """The tasks of one pass of a job's step: one per section of packs (tasks.graph counts these as packs)."""
     return job.section_count
+
+
+def work_shares(job: Job) -> dict[tuple[str, int], float]:
+    """Each fwd and bwd task's share of one group's step compute, by section: forward once for fwd; for bwd the
+    recompute, the backward, and a forward more for every pack of its section but the last (what
+    tasks.simulator.task_seconds predicts, whose samples cancel out here)."""
+    work: dict[tuple[str, int], float] = {}
+    for section in range(job.section_count):
+        forwards = [job.packing.packs[pack].forward_seconds_per_sample for pack in job.section(section)]
+        backwards = [job.packing.packs[pack].backward_ratio * forward
+                     for pack, forward in zip(job.section(section), forwards)]
+        work[("bwd", section)] = sum(forwards) + sum(backwards) + sum(forwards[:-1])
+        if section < job.section_count - 1:
+            work[("fwd", section)] = sum(forwards)
+    total = sum(work.values())
+    return {key: value / total if total > 0 else 1 / len(work) for key, value in work.items()}
 
 
 class BindingState:
@@ -95,6 +113,7 @@ class BindingState:
         eval_every: int | None = None,
         prune: bool = False,
         pruned: dict[int, int] | None = None,
+        hardware: Hardware | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy={policy!r}; use one of {POLICIES}")
@@ -102,6 +121,10 @@ class BindingState:
             raise ValueError(f"mode={mode!r}; use one of {MODES}")
         self.policy = policy
         self.mode = mode
+        self.edge = hardware.edge_seconds + hardware.handling_seconds if hardware else 0.0
+        self.task_cost = hardware.task_cost if hardware else 0.0
+        self.costs = [{key: (job.step_seconds or 1.0) * share / job.groups + self.task_cost
+                       for key, share in work_shares(job).items()} for job in jobs]
         self.homes = dict(homes or {})
         self.jobs = jobs
         self.slots = slots_per_device
@@ -559,14 +582,15 @@ class BindingState:
         """Choose the ready task that device should run next (with now, one that can start now: none of its
         dependencies still running), or None if there is none or no free slot (an upd task, which runs beside the
         device, needs none: it is bound as soon as its bwd is, beside that bwd's device)."""
-        candidates = [task for task in self.ready(device) if not self.waits_elsewhere(task, device)]
+        candidates = self.ready(device)
         if now:
             candidates = [task for task in candidates if not self.waiting(task)]
         if self.occupied(device) >= self.slots:
             candidates = [task for task in candidates if task.kind == "upd"]
-        if not candidates:
+        candidates.sort(key=lambda t: self.score(t, device))
+        task = next((task for task in candidates if not self.sooner_elsewhere(task, device)), None)
+        if task is None:
             return None
-        task = min(candidates, key=lambda t: self.score(t, device))
         self._ready.discard(task)
         self.bound[task] = device
         self.placed[task] = device
@@ -716,12 +740,52 @@ class BindingState:
         """Whether a ready task still waits for a dependency bound and running (it starts when that one ends)."""
         return any(dep in self.bound for dep in self.dependencies(task))
 
-    def waits_elsewhere(self, task: TaskId, device: str) -> bool:
-        """Whether a task any device may run waits for a dependency bound to a device other than device: only that
-        one queues it early (its result is there, and a task queued beside hides the round trip through the driver);
-        once it can start, any device may take it."""
-        return self.placement(task) is None and any(
-            self.bound.get(dep, device) != device for dep in self.dependencies(task))
+    def seconds(self, task: TaskId) -> float:
+        """A task's predicted time on its device: its share of its job's step compute (a second a step where the plan
+        predicted none, so that tasks still weigh by their shares) and a task's cost; an upd, beside it, none."""
+        return self.costs[task.model].get((task.kind, task.pack), 0.0)
+
+    def queued(self, device: str, through: TaskId | None = None) -> float:
+        """The predicted seconds of device's bound tasks, or of those submitted up to through (it run in submission
+        order): when it would be done with them, counted from now as if each had just started."""
+        running = self.running[device]
+        last = running[through] if through is not None else self.submitted
+        return sum(self.seconds(task) for task, at in running.items() if at <= last)
+
+    def starts(self, task: TaskId, device: str) -> tuple[float, int]:
+        """When task would start if device took it now, and how many of its producers are elsewhere: after the
+        device's bound tasks, and after each dependency still bound ends (its device's tasks up to it, a result
+        from another device edge seconds later); a finished one's result read from another device, edge seconds
+        from now."""
+        start, away = self.queued(device), 0
+        for dep in self.dependencies(task):
+            at = self.bound.get(dep)
+            if at is not None:
+                ends = self.queued(at, dep)
+            elif dep in self.placed and dep in inputs(task, packs(self.jobs[task.model])):
+                at, ends = self.placed[dep], 0.0
+            else:
+                continue
+            if at != device:
+                away += 1
+                ends += self.edge
+            start = max(start, ends)
+        return start, away
+
+    def sooner_elsewhere(self, task: TaskId, device: str) -> bool:
+        """Whether a task any device may run would start sooner on another device of its machine (starts), or as
+        soon with fewer of its producers elsewhere: only the device where it starts first takes it, so that a
+        device with work queued does not take what another would start first, and one job's chain of tasks moves
+        between devices as their queues even out."""
+        if self.placement(task) is not None:
+            return False
+        start, away = self.starts(task, device)
+        for other in self.live_devices(task.model):
+            if other != device:
+                sooner, fewer = self.starts(task, other)
+                if sooner < start - TIE or (sooner <= start + TIE and fewer < away):
+                    return True
+        return False
 
     def score(self, task: TaskId, device: str) -> tuple[float, ...]:
         """Lower is better: tasks that can start now, updates first, then tasks whose pack the device caches at

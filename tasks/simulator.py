@@ -433,7 +433,7 @@ def simulate_jobs(
         for index, (job, count, n) in enumerate(zip(jobs, steps, samples, strict=True))
     ]
     homes = {index: job.home for index, job in enumerate(jobs) if job.home is not None}
-    state = BindingState(jobs, budgets, slots_per_device=1, policy=policy, mode=mode, homes=homes)
+    state = BindingState(jobs, budgets, slots_per_device=1, policy=policy, mode=mode, homes=homes, hardware=hardware)
     clock = _Clock(jobs, samples, budgets, hardware, prefetch, stash, spans)
     clock.carry_out(state, state.start())
     while not state.finished:

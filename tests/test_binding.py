@@ -266,24 +266,45 @@ def test_a_task_waiting_for_a_producer_is_queued_beside_it_alone_so_jobs_do_not_
     assert devices == {0: {"a"}, 1: {"b"}}
 
 
-def test_an_idle_device_takes_a_task_that_can_start_before_a_busy_device_queues_it() -> None:
-    """Three one-pack jobs on two devices of two slots; job 1 (on b) ends after three steps, so b idles. When job 0's
-    step on a ends, a runs job 2's queued step and has a slot free: job 0's next step, which can start now, goes to
-    idle b; a, listed first, would have queued it behind job 2's."""
-    state = BindingState([job(100), job(100), job(100)], {"a": 10_000, "b": 10_000}, slots_per_device=2,
-                         validate=True)
-    player = Player(state, {0: 4, 1: 3, 2: 4})
+def run_in_time(state: BindingState, player: Player) -> dict[str, list[TaskId]]:
+    """Plays the devices on a clock: each runs its tasks one at a time in the order they were submitted to it, each
+    taking a second from when the device is free and its dependencies have ended; returns what each device ran."""
     player.carry_out(state.start())
+    free = dict.fromkeys(state.device_names, 0.0)
+    ended: dict[TaskId, float] = {}
+    after = {submit.task: state.dependencies(submit.task) for submit in player.in_flight}
+    ran: dict[str, list[TaskId]] = {device: [] for device in state.device_names}
+    while player.in_flight:
+        heads = {}
+        for submit in player.in_flight:
+            heads.setdefault(submit.device, submit)
+        startable = [submit for submit in heads.values() if all(dep in ended for dep in after[submit.task])]
+        assert startable, "every device waits"
+        ends = {submit.task: max([free[submit.device], *(ended[dep] for dep in after[submit.task])]) + 1.0
+                for submit in startable}
+        submit = min(startable, key=lambda submit: ends[submit.task])
+        free[submit.device] = ended[submit.task] = ends[submit.task]
+        ran[submit.device].append(submit.task)
+        player.in_flight.remove(submit)
+        player.clock = ended[submit.task]
+        player.carry_out(state.handle(TaskFinished(submit.task, player.clock)))
+        after.update({submit.task: state.dependencies(submit.task) for submit in player.in_flight
+                      if submit.task not in after})
+    return ran
 
-    def submitted(model: int, span: int) -> Submit:
-        return next(submit for submit in player.submitted if submit.task == TaskId("bwd", model, 0, span))
 
-    assert [submitted(model, 0).device for model in range(3)] == ["a", "b", "a"]
-    for span in range(3):
-        player.finish(submitted(1, span))
-    assert not state.running["b"], "job 1 is done: b idles"
-    player.finish(submitted(0, 0))
-    assert submitted(0, 1).device == "b"
+def test_a_device_with_work_queued_leaves_a_task_another_starts_sooner() -> None:
+    """Three one-pack jobs on two devices of four slots, each step a second: job 0's second step would wait behind
+    job 2's first on a, and starts on b as job 1's first ends; the jobs' chains move between the devices and each
+    device runs half the steps, where a job's step queued beside its last ran 2:1 (a: jobs 0 and 2, b: job 1)."""
+    state = BindingState([job(100), job(100), job(100)], {"a": 10_000, "b": 10_000}, validate=True)
+    player = Player(state, {0: 12, 1: 12, 2: 12})
+    ran = run_in_time(state, player)
+    assert [submit.device for submit in player.submitted[:4]] == ["a", "b", "a", "b"]
+    assert player.submitted[3].task == TaskId("bwd", 0, 0, 1)
+    assert sorted(len(tasks) for tasks in ran.values()) == [18, 18]
+    assert player.clock == 18.0
+    assert state.finished
 
 
 def test_values_are_released_once_their_readers_finish() -> None:
