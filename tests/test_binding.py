@@ -32,6 +32,7 @@ from harmony.tasks.events import (
     WorkerLost,
 )
 from harmony.tasks.graph import BatchInput, TaskId
+from harmony.tasks.hardware import Hardware
 from harmony.tasks.packing import Pack, PackCost, Packing
 from harmony.tasks.runplan import Job
 
@@ -305,6 +306,15 @@ def test_a_device_with_work_queued_leaves_a_task_another_starts_sooner() -> None
     assert sorted(len(tasks) for tasks in ran.values()) == [18, 18]
     assert player.clock == 18.0
     assert state.finished
+
+
+def test_a_task_stays_beside_its_producer_where_the_edge_costs_more_than_the_queue() -> None:
+    """The same three jobs, where a result read from the other device costs two steps' time (Hardware.edge_seconds):
+    no chain moves, and a runs jobs 0 and 2."""
+    state = BindingState([job(100), job(100), job(100)], {"a": 10_000, "b": 10_000}, validate=True,
+                         hardware=Hardware(edge_seconds=2.0, task_overhead=0.0))
+    ran = run_in_time(state, Player(state, {0: 12, 1: 12, 2: 12}))
+    assert {device: sorted({task.model for task in tasks}) for device, tasks in ran.items()} == {"a": [0, 2], "b": [1]}
 
 
 def test_values_are_released_once_their_readers_finish() -> None:
