@@ -460,9 +460,7 @@ def train(
                 wall_seconds = time.perf_counter() - started
                 result = TrainResult.assemble(args.models, plan, outcome, wall_seconds, handle.dashboard_link, names,
                                               samples)
-                fit = calls.learn(result, [step_samples(args, job) for job in plan.jobs], kind)
-                if fit is not None:
-                    result.call_seconds, result.handling_seconds = fit.call_seconds, fit.handling_seconds
+                result.host_costs = calls.learn(result, [step_samples(args, job) for job in plan.jobs], kind)
                 if log is not None:
                     log.finish(result.history, result.stats.step_seconds, outcome.validation, result.grad_norms)
                     logger.info("harmony: metrics in %s", log.path)

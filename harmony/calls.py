@@ -9,10 +9,13 @@ compute with. A swapped model with many small packs or micro-batches can spend m
 tells the two apart: its devices' busy time per steady step (Stats.timeline) against the simulator's for its own
 plan gives the cost per call (Hardware.call_seconds) that makes them agree, and its steady step against the
 simulator's, at that call cost, the cost per task (Hardware.handling_seconds); tasks.simulator.fit_least finds
-each. The process keeps the last few fits per device kind, and a later harmony.train or harmony.plan on such
-devices predicts, and chooses sections and modes, with their medians. They are fits, not timers: what the simulator
-mispredicts otherwise (a layer's time, which the pilot can find tens of percent off on a busy machine; a copy) lands
-in them too, and the medians keep one such run from moving every later plan. harmony.shutdown() forgets them.
+each. The process keeps the last few runs' figures per device kind, and a later harmony.train or harmony.plan on
+such devices predicts, and chooses sections and modes, with the medians of their fits. A fit simulates the run's
+plan a dozen times or more (seconds for a plan of many small packs), so a run keeps its figures (Pending) and they
+are fitted when a later plan or the run's result first asks: no run waits for a fit nothing may read. They are
+fits, not timers: what the simulator mispredicts otherwise (a layer's time, which the pilot can find tens of percent
+off on a busy machine; a copy) lands in them too, and the medians keep one such run from moving every later plan.
+harmony.shutdown() forgets them.
 """
 
 from __future__ import annotations
@@ -43,20 +46,50 @@ class Fit:
     handling_seconds: float
 
 
-FITS: dict[str, list[Fit]] = {}  # by device kind ("cpu", "cuda"): this process's last fits
-KEPT = 5  # fits kept per kind
+KEPT = 5  # runs' figures kept per kind
 LARGEST = 0.05  # seconds a call or a task may be fitted at: well above any runtime's work for one (docs/performance.md)
 STEPS = (4, 8)  # the simulated runs whose difference is the plan's steady step (the first steps' ramp left out)
+
+
+class Pending:
+    """One run's steady figures with its plan, fitted (fit) when first asked: what the run's steady step and its
+    devices' busy time per step say of the host costs, for devices of kind; samples are each job's per step."""
+
+    def __init__(self, plan: RunPlan, samples: list[int], step: float, busy: float, kind: str) -> None:
+        self.plan, self.samples, self.step, self.busy, self.kind = plan, samples, step, busy, kind
+        self._fit: Fit | None = None
+        self._fitted = False
+
+    def fit(self) -> Fit | None:
+        """The least costs per call and per task at which the plan predicts the run's busy time and steady step
+        (once; the same answer after), or None where no costs up to LARGEST explain them."""
+        if not self._fitted:
+            self._fit, self._fitted = _fit(self), True
+        return self._fit
+
+    def costs(self) -> tuple[float, float] | None:
+        """(call_seconds, handling_seconds) of the fit, as a run's result reports them."""
+        fit = self.fit()
+        return None if fit is None else (fit.call_seconds, fit.handling_seconds)
+
+
+FITS: dict[str, list[Pending]] = {}  # by device kind ("cpu", "cuda"): this process's last runs' figures
+
+
+def fits(kind: str | None) -> list[Fit]:
+    """The fits of the runs kept for devices of kind, oldest first (fitting those not fitted yet); runs no costs
+    explain left out."""
+    return [fit for pending in FITS.get(kind or "", []) if (fit := pending.fit()) is not None]
 
 
 def learned(kind: str | None) -> Fit | None:
     """The costs later plans on devices of kind take: the medians of the process's last fits (None: no run fitted
     them)."""
-    fits = FITS.get(kind or "")
-    if not fits:
+    kept = fits(kind)
+    if not kept:
         return None
-    return Fit(statistics.median(fit.call_seconds for fit in fits),
-               statistics.median(fit.handling_seconds for fit in fits))
+    return Fit(statistics.median(fit.call_seconds for fit in kept),
+               statistics.median(fit.handling_seconds for fit in kept))
 
 
 def kind_of(specs: Iterable[DeviceSpec]) -> str | None:
@@ -102,11 +135,10 @@ def measured(stats: Stats) -> tuple[float, float] | None:
     return step, busy * step / (end - begin)
 
 
-def learn(result: TrainResult, samples: list[int], kind: str | None) -> Fit | None:
-    """Fit the costs per call and per task to a run's steady steps (samples: each job's per step) and keep them for
-    devices of kind; None (nothing kept) where the run says nothing of them: devices of several kinds, no swapped
-    job, evaluations or checkpoints in its steps (the simulator predicts neither), too few steps for a steady rate,
-    or steps no costs up to LARGEST explain."""
+def learn(result: TrainResult, samples: list[int], kind: str | None) -> Pending | None:
+    """Keep a run's steady figures (samples: each job's per step) for devices of kind, to be fitted when first asked
+    (Pending); None (nothing kept) where the run says nothing of the costs: devices of several kinds, no swapped job,
+    evaluations or checkpoints in its steps (the simulator predicts neither), too few steps for a steady rate."""
     plan = result.plan
     if kind is None or all(job.home is not None for job in plan.jobs):
         return None
@@ -115,28 +147,31 @@ def learn(result: TrainResult, samples: list[int], kind: str | None) -> Fit | No
     figures = measured(result.stats)
     if figures is None:
         return None
-    step, busy = figures
+    pending = Pending(plan, samples, *figures, kind)
+    FITS[kind] = [*FITS.get(kind, [])[1 - KEPT:], pending]
+    return pending
+
+
+def _fit(run: Pending) -> Fit | None:
+    """Pending.fit: the call cost to the busy time, then the cost per task to the steady step; None where no costs up
+    to LARGEST explain them (the plan mispredicts something else)."""
     started = time.perf_counter()
 
     @functools.cache  # the second fit starts where the first ended
     def predicted(call: float, handling: float) -> tuple[float, float]:
-        return steady(plan, samples, call, handling)
+        return steady(run.plan, run.samples, call, handling)
 
-    calls = fit_least(lambda cost: predicted(cost, 0.0)[1], busy, LARGEST)
-    handling = fit_least(lambda cost: predicted(calls, cost)[0], step, LARGEST)
+    calls = fit_least(lambda cost: predicted(cost, 0.0)[1], run.busy, LARGEST)
+    handling = fit_least(lambda cost: predicted(calls, cost)[0], run.step, LARGEST)
     if max(calls, handling) >= LARGEST:
-        logger.info("harmony: this run's %.1f ms steps (%.1f ms of them busy) are more than any host cost per pack "
+        logger.info("harmony: a run's %.1f ms steps (%.1f ms of them busy) are more than any host cost per pack "
                     "call and per task explains (%.0f ms each): its plan mispredicts something else, and later plans "
-                    "are left as they were", step * 1e3, busy * 1e3, LARGEST * 1e3)
+                    "take nothing of it", run.step * 1e3, run.busy * 1e3, LARGEST * 1e3)
         return None
-    fit = Fit(calls, handling)
-    FITS[kind] = [*FITS.get(kind, [])[1 - KEPT:], fit]
-    later = learned(kind) or fit
-    logger.info("harmony: the runtime's host cost on %s devices, fitted to this run's %.1f ms steps (%.1f ms of them "
-                "busy): %.0f µs a pack call, %.0f µs a task (fitted in %.2f s); later plans take %.0f and %.0f µs",
-                kind, step * 1e3, busy * 1e3, calls * 1e6, handling * 1e6, time.perf_counter() - started,
-                later.call_seconds * 1e6, later.handling_seconds * 1e6)
-    return fit
+    logger.info("harmony: the runtime's host cost on %s devices, fitted to a run's %.1f ms steps (%.1f ms of them "
+                "busy): %.0f µs a pack call, %.0f µs a task (fitted in %.2f s)", run.kind, run.step * 1e3,
+                run.busy * 1e3, calls * 1e6, handling * 1e6, time.perf_counter() - started)
+    return Fit(calls, handling)
 
 
 def forget() -> None:

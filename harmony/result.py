@@ -7,7 +7,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from torch import nn
 
@@ -152,6 +152,14 @@ class Best:
     metrics: dict[str, float]
 
 
+class HostCosts(Protocol):
+    """Where a run's fitted host costs come from (harmony.calls.Pending): fitted when first asked."""
+
+    def costs(self) -> tuple[float, float] | None:
+        """(seconds per pack call, seconds per task), or None where no costs explain the run's steps."""
+        ...
+
+
 @dataclass
 class TrainResult:
     """The outcome of harmony.train.
@@ -171,7 +179,7 @@ class TrainResult:
     handling_seconds are the runtime's host cost per pack call and per task fitted to this run's steady steps (the
     first to its devices' busy time, the second to the rest: harmony.calls), of which the process's later plans on
     such devices take the medians of the last few; None where the run said nothing of them (no swapped model, too
-    few steps).
+    few steps). They are fitted when first asked for (host_costs, harmony.calls.Pending), here or by a later plan.
     """
 
     models: list[nn.Module]
@@ -192,8 +200,19 @@ class TrainResult:
     samples: list[int] = field(default_factory=list)
     grad_norms: list[list[float]] = field(default_factory=list)
     pruned: dict[int, int] = field(default_factory=dict)
-    call_seconds: float | None = None
-    handling_seconds: float | None = None
+    host_costs: HostCosts | None = field(default=None, repr=False)
+
+    @property
+    def call_seconds(self) -> float | None:
+        """The runtime's host cost per pack call fitted to this run's steady steps (fitted when first asked)."""
+        costs = None if self.host_costs is None else self.host_costs.costs()
+        return None if costs is None else costs[0]
+
+    @property
+    def handling_seconds(self) -> float | None:
+        """The runtime's host cost per task fitted to this run's steady steps (fitted when first asked)."""
+        costs = None if self.host_costs is None else self.host_costs.costs()
+        return None if costs is None else costs[1]
 
     def report(self, path: str | os.PathLike[str]) -> Path:
         """Write the run on one page (path ending in .png: an image; .html: the image and the tables): every model's

@@ -46,30 +46,39 @@ def assert_predicts(result: harmony.TrainResult, fit: calls.Fit) -> None:
     assert fit.handling_seconds == 0 or calls.steady(plan, [16], cost, 0.98 * fit.handling_seconds)[0] < step
 
 
-def test_a_swapped_run_fits_the_costs_that_predict_its_steady_step_and_later_plans_take_them() -> None:
+def test_a_swapped_run_fits_the_costs_that_predict_its_steady_step_and_later_plans_take_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    fitted: list[calls.Pending] = []
+    fit_run = calls._fit
+    monkeypatch.setattr(calls, "_fit", lambda run: fitted.append(run) or fit_run(run))
     budget = weight_bytes(deep_mlp()) // 3
     result = train(budget)
     assert result.plan.jobs[0].home is None and len(result.plan.jobs[0].packing.packs) > 2, "a swapped model"
     assert result.plan.hardware.call_seconds == result.plan.hardware.handling_seconds == 0.0, (
         "the first run planned without them")
+    assert fitted == [], "train returned without fitting"
     assert result.call_seconds is not None and result.handling_seconds is not None
     fit = calls.Fit(result.call_seconds, result.handling_seconds)
-    assert {"cpu": [fit]} == calls.FITS and calls.learned("cpu") == fit
+    assert fitted == [result.host_costs] and calls.FITS["cpu"] == fitted, "fitted when first asked, once"
+    assert calls.fits("cpu") == [fit] and calls.learned("cpu") == fit
     assert_predicts(result, fit)
 
     slow = dataclasses.replace(result, stats=dataclasses.replace(
         result.stats, step_seconds=[[100.0 * step for step in range(10)]]))
-    assert calls.learn(slow, [16], "cpu") is None, "100 s steps: no costs explain them"
-    assert {"cpu": [fit]} == calls.FITS, "nothing kept of it"
+    unexplained = calls.learn(slow, [16], "cpu")
+    assert unexplained is not None and unexplained.fit() is None, "100 s steps: no costs explain them"
+    assert calls.fits("cpu") == [fit] and calls.learned("cpu") == fit, "nothing taken of it"
+    calls.FITS["cpu"].pop()
     evaluated = dataclasses.replace(result, val_history=[[(5, 0.5)]])
     assert calls.learn(evaluated, [16], "cpu") is None, "the simulator predicts no evaluation"
     checkpointed = dataclasses.replace(result, plan=dataclasses.replace(
         result.plan, options=dataclasses.replace(result.plan.options, checkpoint_every=4)))
     assert calls.learn(checkpointed, [16], "cpu") is None, "nor checkpoints"
-    assert {"cpu": [fit]} == calls.FITS
+    assert calls.fits("cpu") == [fit]
     stopped = dataclasses.replace(result, stats=dataclasses.replace(
         result.stats, step_seconds=[result.stats.step_seconds[0], [0.5]]))
-    assert calls.learn(stopped, [16], "cpu") == fit, "a model stopped after one step leaves the others' steps"
+    kept = calls.learn(stopped, [16], "cpu")
+    assert kept is not None and kept.fit() == fit, "a model stopped after one step leaves the others' steps"
     calls.FITS["cpu"].pop()
 
     forecast = harmony.plan(deep_mlp(), regression_batches(160, 16), devices=["cpu"], device_memory=budget,
@@ -90,7 +99,7 @@ def test_a_swapped_run_fits_the_costs_that_predict_its_steady_step_and_later_pla
         "the medians of the fits")
     for _ in range(calls.KEPT):
         calls.learn(again, [16], "cpu")
-    assert {"cpu": [refit] * calls.KEPT} == calls.FITS, "the last few fits"
+    assert calls.fits("cpu") == [refit] * calls.KEPT and len(calls.FITS["cpu"]) == calls.KEPT, "the last few fits"
 
     harmony.shutdown()
     assert calls.FITS == {} and calls.learned("cpu") is None
@@ -112,6 +121,7 @@ def test_a_homed_run_says_nothing_of_the_call_cost() -> None:
     result = train(10 * weight_bytes(deep_mlp()))
     assert all(job.home is not None for job in result.plan.jobs)
     assert calls.FITS == {} and result.call_seconds is None and result.handling_seconds is None
+    assert result.host_costs is None
     assert calls.learn(result, [16], "cpu") is None
     assert calls.learn(result, [16], None) is None
 
@@ -122,8 +132,11 @@ def test_a_run_too_short_for_a_steady_step_keeps_nothing() -> None:
     assert calls.FITS == {} and result.call_seconds is None
 
 
-def test_later_plans_take_the_medians_of_the_fits_for_their_kind_of_device() -> None:
-    calls.FITS["cuda"] = [calls.Fit(1e-3, 5e-3), calls.Fit(2e-3, 1e-3), calls.Fit(0.04, 3e-3)]
+def test_later_plans_take_the_medians_of_the_fits_for_their_kind_of_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    made = [calls.Fit(1e-3, 5e-3), calls.Fit(2e-3, 1e-3), calls.Fit(0.04, 3e-3)]
+    monkeypatch.setattr(calls, "_fit", lambda run: made[int(run.step)])
+    calls.FITS["cuda"] = [calls.Pending(None, [16], float(index), 0.0, "cuda")  # type: ignore[arg-type]
+                          for index in range(3)]  # the fit stands in for one simulating a plan
     hardware = calls.fitted(Hardware(), "cuda")
     assert (hardware.call_seconds, hardware.handling_seconds) == (2e-3, 3e-3), "one run's outlier moves nothing"
     assert calls.fitted(Hardware(), "cpu") == Hardware(), "none fitted for CPU devices"
