@@ -48,7 +48,7 @@ class Fit:
 
 KEPT = 5  # runs' figures kept per kind
 LARGEST = 0.05  # seconds a call or a task may be fitted at: well above any runtime's work for one (docs/performance.md)
-STEPS = (4, 8)  # the simulated runs whose difference is the plan's steady step (the first steps' ramp left out)
+STEPS = (4, 8)  # a simulated run's steps, and those of them its steady step leaves out (the first steps' ramp)
 
 
 class Pending:
@@ -108,14 +108,17 @@ def fitted(hardware: Hardware, kind: str | None) -> Hardware:
 
 def steady(plan: RunPlan, samples: list[int], call_seconds: float, handling_seconds: float) -> tuple[float, float]:
     """The plan's predicted seconds per step once running and its devices' busy seconds per step (all devices'
-    together), at a cost per pack call and per task: those of STEPS[1] steps less those of STEPS[0], over the steps
-    between (every job runs as many)."""
+    together), at a cost per pack call and per task: in one simulated run of STEPS[1] steps (every job as many), from
+    when every task of its first STEPS[0] steps has ended to when all have, and the work of the tasks of the steps
+    in between, over those steps."""
     hardware = dataclasses.replace(plan.hardware, call_seconds=call_seconds, handling_seconds=handling_seconds)
     timed = dataclasses.replace(plan, hardware=hardware)
     machines = {device: dict(plan.machines).get(device, "") for device in plan.devices}
-    short, long = (simulate_machines(timed, [steps] * len(plan.jobs), samples, machines) for steps in STEPS)
+    run = simulate_machines(timed, [STEPS[1]] * len(plan.jobs), samples, machines)
+    ramp = max(end for task, (_, end) in run.times.items() if task.span < STEPS[0])
+    busy = sum(seconds for task, seconds in run.work.items() if task.span >= STEPS[0])
     steps = STEPS[1] - STEPS[0]
-    return (long.makespan - short.makespan) / steps, (sum(long.busy.values()) - sum(short.busy.values())) / steps
+    return (run.makespan - ramp) / steps, busy / steps
 
 
 def measured(stats: Stats) -> tuple[float, float] | None:

@@ -351,6 +351,7 @@ class Simulation:
     steps: list[int]
     busy: dict[str, float] = field(default_factory=dict)
     stashed: dict[int, set[int]] = field(default_factory=dict)  # per job, the packs whose backward found its stash
+    work: dict[TaskId, float] = field(default_factory=dict)  # per fwd and bwd task, what it adds to its device's busy
 
     def step_seconds(self) -> float:
         """Predicted time per step of the whole sweep: the makespan over the most steps any model ran."""
@@ -442,7 +443,7 @@ def simulate_jobs(
         end, _, task = heapq.heappop(clock.events)
         clock.carry_out(state, state.handle(TaskFinished(task, end)))
     return Simulation(clock.order, clock.times, max(end for _, end in clock.times.values()), steps, clock.busy,
-                      clock.stashed)
+                      clock.stashed, clock.work)
 
 
 def simulate_machines(plan: RunPlan, counts: list[int], samples: list[int], machines: dict[str, str]) -> Simulation:
@@ -452,6 +453,7 @@ def simulate_machines(plan: RunPlan, counts: list[int], samples: list[int], mach
     order: dict[str, list[TaskId]] = {}
     times: dict[TaskId, tuple[float, float]] = {}
     busy: dict[str, float] = {}
+    work: dict[TaskId, float] = {}
     for machine in dict.fromkeys(machines.values()):
         own = [index for index, job in enumerate(jobs) if job.machine == machine]
         budgets = {device: budget for device, budget in plan.devices.items() if machines[device] == machine}
@@ -465,7 +467,8 @@ def simulate_machines(plan: RunPlan, counts: list[int], samples: list[int], mach
         order.update({device: [renamed[task] for task in tasks] for device, tasks in run.order.items()})
         times.update({renamed[task]: span for task, span in run.times.items()})
         busy.update(run.busy)
-    return Simulation(order, times, max((end for _, end in times.values()), default=0.0), counts, busy)
+        work.update({renamed[task]: seconds for task, seconds in run.work.items()})
+    return Simulation(order, times, max((end for _, end in times.values()), default=0.0), counts, busy, work=work)
 
 
 def _span(job: Job, step_seconds: float, hardware: Hardware) -> int:
@@ -505,6 +508,7 @@ class _Clock:
         self.device_of: dict[TaskId, str] = {}
         self.order: dict[str, list[TaskId]] = {name: [] for name in budgets}
         self.busy = dict.fromkeys(budgets, 0.0)
+        self.work: dict[TaskId, float] = {}
         self.events: list[tuple[float, int, TaskId]] = []
         self.stashed: dict[int, set[int]] = {}  # per job, the packs whose backward found its stash
 
@@ -555,6 +559,7 @@ class _Clock:
         self.order[device].append(task)
         self.previous[device] = task
         self.busy[device] += compute + copy
+        self.work[task] = compute + copy
         self.free_at[device] = end
         self.last_compute[device] = compute
         heapq.heappush(self.events, (end, len(self.times), task))
