@@ -742,8 +742,11 @@ class BindingState:
 
     def seconds(self, task: TaskId) -> float:
         """A task's predicted time on its device: its share of its job's step compute (a second a step where the plan
-        predicted none, so that tasks still weigh by their shares) and a task's cost; an upd, beside it, none."""
-        return self.costs[task.model].get((task.kind, task.pack), 0.0)
+        predicted none, so that tasks still weigh by their shares) for each step its span runs, and a task's cost;
+        an upd, beside it, none."""
+        cost = self.costs[task.model].get((task.kind, task.pack), 0.0)
+        steps = self.open_spans[(task.model, task.span)][1] if self.spans[task.model].multistep else 1
+        return cost if steps == 1 else (cost - self.task_cost) * steps + self.task_cost
 
     def queued(self, device: str, through: TaskId | None = None) -> float:
         """The predicted seconds of device's bound tasks, or of those submitted up to through (it run in submission

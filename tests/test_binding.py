@@ -6,6 +6,8 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
+import pytest
+
 from harmony.tasks.binding import BindingState
 from harmony.tasks.events import (
     BatchReady,
@@ -306,6 +308,21 @@ def test_a_device_with_work_queued_leaves_a_task_another_starts_sooner() -> None
     assert sorted(len(tasks) for tasks in ran.values()) == [18, 18]
     assert player.clock == 18.0
     assert state.finished
+
+
+def test_a_device_queue_weighs_each_step_of_a_homed_span() -> None:
+    """A homed job's task of four steps counts four of its steps in its device's queue (with the task cost once;
+    its first two spans are queued), so that the free jobs' steps wait behind each other on b rather than behind
+    eight homed steps on a (job 2's second step would go there if each span counted as one step)."""
+    jobs = [job(10, steps=8, step_seconds=1.5, depth=4, home="a"), job(10, steps=8, step_seconds=1.0),
+            job(10, steps=8, step_seconds=1.0)]
+    state = BindingState(jobs, {"a": 1000, "b": 1000}, validate=True, hardware=Hardware(task_overhead=0.01))
+    player = Player(state, {0: 8, 1: 8, 2: 8})
+    player.carry_out(state.start())
+    assert set(state.running["a"]) == {TaskId("bwd", 0, 0, 0), TaskId("bwd", 0, 0, 1)}
+    assert state.queued("a") == pytest.approx(2 * (4 * 1.5 + 0.01))
+    assert {submit.task: submit.device for submit in player.submitted if submit.task.model > 0} == {
+        TaskId("bwd", model, 0, span): "b" for model in (1, 2) for span in (0, 1)}
 
 
 def test_a_task_stays_beside_its_producer_where_the_edge_costs_more_than_the_queue() -> None:
