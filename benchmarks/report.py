@@ -15,7 +15,9 @@ import torch
 
 def arguments(description: str, extend: Callable[[argparse.ArgumentParser], None] | None = None
               ) -> argparse.Namespace:
-    """The options every benchmark takes (--out, --quick), plus those extend adds."""
+    """The options every benchmark takes (--out, --quick), plus those extend adds. A benchmark starts cold: the host
+    costs earlier processes fitted (harmony.fitfiles) are neither read nor written, unless HARMONY_CACHE_DIR is set."""
+    os.environ.setdefault("HARMONY_CACHE_DIR", "")
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--out", type=Path, default=None, help="where to write the JSON (default benchmarks/results/)")
     parser.add_argument("--quick", action="store_true", help="fewer steps and sizes, for a smoke run")

@@ -460,7 +460,8 @@ def train(
                 wall_seconds = time.perf_counter() - started
                 result = TrainResult.assemble(args.models, plan, outcome, wall_seconds, handle.dashboard_link, names,
                                               samples)
-                result.host_costs = calls.learn(result, [step_samples(args, job) for job in plan.jobs], kind)
+                result.host_costs = calls.learn(result, [step_samples(args, job) for job in plan.jobs], kind,
+                                                local=all(spec.machine == "" for spec in specs))
                 if log is not None:
                     log.finish(result.history, result.stats.step_seconds, outcome.validation, result.grad_norms)
                     logger.info("harmony: metrics in %s", log.path)

@@ -9,8 +9,9 @@ compute with. A swapped model with many small packs or micro-batches can spend m
 tells the two apart: its devices' busy time per steady step (Stats.timeline) against the simulator's for its own
 plan gives the cost per call (Hardware.call_seconds) that makes them agree, and its steady step against the
 simulator's, at that call cost, the cost per task (Hardware.handling_seconds); tasks.simulator.fit_least finds
-each. The process keeps the last few runs' figures per device kind, and a later harmony.train or harmony.plan on
-such devices predicts, and chooses sections and modes, with the medians of their fits. A fit simulates the run's
+each. The process keeps the last few runs' figures per device kind (on disk too, for later processes on this
+machine: harmony.fitfiles), and a later harmony.train or harmony.plan on such devices predicts, and chooses sections
+and modes, with the medians of their fits. A fit simulates the run's
 plan a dozen times or more (seconds for a plan of many small packs), so a run keeps its figures (Pending) and they
 are fitted when a later plan or the run's result first asks: no run waits for a fit nothing may read. They are
 fits, not timers: what the simulator mispredicts otherwise (a layer's time, which the pilot can find tens of percent
@@ -26,8 +27,11 @@ import functools
 import logging
 import statistics
 import time
+import uuid
 from collections.abc import Iterable
+from typing import Any
 
+from harmony import fitfiles
 from harmony.result import Stats, TrainResult, steady_window
 from harmony.runtime.devices import DeviceSpec
 from harmony.tasks.hardware import Hardware
@@ -53,18 +57,38 @@ STEPS = (4, 8)  # a simulated run's steps, and those of them its steady step lea
 
 class Pending:
     """One run's steady figures with its plan, fitted (fit) when first asked: what the run's steady step and its
-    devices' busy time per step say of the host costs, for devices of kind; samples are each job's per step."""
+    devices' busy time per step say of the host costs, for devices of kind; samples are each job's per step. kept:
+    its figures are on disk for later processes (harmony.fitfiles; its devices were all on this machine), and its fit
+    is written there once found. plan may be its msgpack bytes (as read from disk), decoded when first needed."""
 
-    def __init__(self, plan: RunPlan, samples: list[int], step: float, busy: float, kind: str) -> None:
-        self.plan, self.samples, self.step, self.busy, self.kind = plan, samples, step, busy, kind
+    def __init__(self, plan: RunPlan | bytes, samples: list[int], step: float, busy: float, kind: str,
+                 kept: bool = False) -> None:
+        self._plan, self.samples, self.step, self.busy, self.kind, self.kept = plan, samples, step, busy, kind, kept
+        self.name = uuid.uuid4().hex
+        self.at = time.time()
         self._fit: Fit | None = None
         self._fitted = False
 
+    @property
+    def plan(self) -> RunPlan:
+        if isinstance(self._plan, bytes):
+            self._plan = RunPlan.from_msgpack(self._plan)
+        return self._plan
+
     def fit(self) -> Fit | None:
         """The least costs per call and per task at which the plan predicts the run's busy time and steady step
-        (once; the same answer after), or None where no costs up to LARGEST explain them."""
+        (once; the same answer after), or None where no costs up to LARGEST explain them (or, read from disk, its
+        plan is not one this version of Harmony reads)."""
         if not self._fitted:
-            self._fit, self._fitted = _fit(self), True
+            try:
+                plan = self.plan
+            except (ValueError, TypeError, KeyError) as error:  # a plan written by another version
+                logger.info("harmony: a kept run's figures are not fitted (%s: %s)", type(error).__name__, error)
+            else:
+                self._fit = _fit(self, plan)
+            self._fitted = True
+            if self.kept:
+                _save(self.kind)
         return self._fit
 
     def costs(self) -> tuple[float, float] | None:
@@ -72,14 +96,59 @@ class Pending:
         fit = self.fit()
         return None if fit is None else (fit.call_seconds, fit.handling_seconds)
 
+    def entry(self) -> dict[str, Any]:
+        """What the file keeps of it."""
+        plan = self._plan if isinstance(self._plan, bytes) else self._plan.to_msgpack()
+        fit = None if self._fit is None else [self._fit.call_seconds, self._fit.handling_seconds]
+        return {"name": self.name, "at": self.at, "plan": plan, "samples": list(self.samples), "step": self.step,
+                "busy": self.busy, "fitted": self._fitted, "fit": fit}
+
+    @staticmethod
+    def read(entry: dict[str, Any], kind: str) -> Pending:
+        """One run as a file kept it (KeyError, TypeError or ValueError where it is not such an entry)."""
+        run = Pending(bytes(entry["plan"]), [int(count) for count in entry["samples"]], float(entry["step"]),
+                      float(entry["busy"]), kind, kept=True)
+        run.name, run.at, run._fitted = str(entry["name"]), float(entry["at"]), bool(entry["fitted"])
+        if entry["fit"] is not None:
+            call, handling = entry["fit"]
+            run._fit = Fit(float(call), float(handling))
+        return run
+
 
 FITS: dict[str, list[Pending]] = {}  # by device kind ("cpu", "cuda"): this process's last runs' figures
+READ: set[str] = set()  # the kinds whose file this process has read
+_forgotten = False  # forget() was called: files are no longer read (this process starts afresh)
+
+
+def _kept(kind: str) -> list[Pending]:
+    """FITS[kind], the runs of kind's file this process has not read before its own the first time (the last KEPT)."""
+    if kind not in READ and not _forgotten:
+        READ.add(kind)
+        runs = []
+        for entry in fitfiles.load(kind):
+            with contextlib.suppress(KeyError, TypeError, ValueError):
+                runs.append(Pending.read(entry, kind))
+        known = {run.name for run in FITS.get(kind, [])}
+        FITS[kind] = sorted([*(run for run in runs if run.name not in known), *FITS.get(kind, [])],
+                            key=lambda run: run.at)[-KEPT:]
+    return FITS.get(kind, [])
+
+
+def _save(kind: str) -> None:
+    """Write kind's kept runs: the file's, with this process's own (theirs as this process knows them), the last
+    KEPT."""
+    ours = {run.name: run.entry() for run in FITS.get(kind, []) if run.kept}
+    theirs = {entry.get("name"): entry for entry in fitfiles.load(kind) if isinstance(entry.get("at"), float)}
+    runs = sorted({**theirs, **ours}.values(), key=lambda entry: entry["at"])[-KEPT:]
+    fitfiles.save(kind, runs)
 
 
 def fits(kind: str | None) -> list[Fit]:
     """The fits of the runs kept for devices of kind, oldest first (fitting those not fitted yet); runs no costs
     explain left out."""
-    return [fit for pending in FITS.get(kind or "", []) if (fit := pending.fit()) is not None]
+    if kind is None:
+        return []
+    return [fit for pending in _kept(kind) if (fit := pending.fit()) is not None]
 
 
 def learned(kind: str | None) -> Fit | None:
@@ -138,10 +207,11 @@ def measured(stats: Stats) -> tuple[float, float] | None:
     return step, busy * step / (end - begin)
 
 
-def learn(result: TrainResult, samples: list[int], kind: str | None) -> Pending | None:
+def learn(result: TrainResult, samples: list[int], kind: str | None, local: bool = False) -> Pending | None:
     """Keep a run's steady figures (samples: each job's per step) for devices of kind, to be fitted when first asked
-    (Pending); None (nothing kept) where the run says nothing of the costs: devices of several kinds, no swapped job,
-    evaluations or checkpoints in its steps (the simulator predicts neither), too few steps for a steady rate."""
+    (Pending), and with local (its devices all on this machine) on disk for later processes; None (nothing kept)
+    where the run says nothing of the costs: devices of several kinds, no swapped job, evaluations or checkpoints in
+    its steps (the simulator predicts neither), too few steps for a steady rate."""
     plan = result.plan
     if kind is None or all(job.home is not None for job in plan.jobs):
         return None
@@ -150,19 +220,21 @@ def learn(result: TrainResult, samples: list[int], kind: str | None) -> Pending 
     figures = measured(result.stats)
     if figures is None:
         return None
-    pending = Pending(plan, samples, *figures, kind)
-    FITS[kind] = [*FITS.get(kind, [])[1 - KEPT:], pending]
+    pending = Pending(plan, samples, *figures, kind, kept=local)
+    FITS[kind] = [*_kept(kind)[1 - KEPT:], pending]
+    if local:
+        _save(kind)
     return pending
 
 
-def _fit(run: Pending) -> Fit | None:
+def _fit(run: Pending, plan: RunPlan) -> Fit | None:
     """Pending.fit: the call cost to the busy time, then the cost per task to the steady step; None where no costs up
     to LARGEST explain them (the plan mispredicts something else)."""
     started = time.perf_counter()
 
     @functools.cache  # the second fit starts where the first ended
     def predicted(call: float, handling: float) -> tuple[float, float]:
-        return steady(run.plan, run.samples, call, handling)
+        return steady(plan, run.samples, call, handling)
 
     calls = fit_least(lambda cost: predicted(cost, 0.0)[1], run.busy, LARGEST)
     handling = fit_least(lambda cost: predicted(calls, cost)[0], run.step, LARGEST)
@@ -177,6 +249,11 @@ def _fit(run: Pending) -> Fit | None:
     return Fit(calls, handling)
 
 
-def forget() -> None:
-    """Drop the fitted costs: the next plans predict without them until a run fits them again."""
+def forget(files: bool = False) -> None:
+    """Drop the fitted costs: this process's next plans predict without them until a run fits them again (the
+    files stay for later processes; with files, this machine's are deleted too)."""
+    global _forgotten
     FITS.clear()
+    _forgotten = True
+    if files:
+        fitfiles.remove()

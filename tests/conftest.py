@@ -354,11 +354,13 @@ def no_cluster_may_start(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture(autouse=True)
-def fresh_timings() -> None:
+def fresh_timings(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
     """Every test plans from timings of its own: none kept from an earlier test's calls (harmony.timings, and the
-    call cost a run fitted, harmony.calls), whose pinned or measured timings it would otherwise take."""
+    host costs runs fitted, harmony.calls), whose pinned or measured timings it would otherwise take, nor from the
+    user's cache directory (each test's processes keep their runs' figures in a directory of its own)."""
     timings.forget()
     calls.forget()
+    monkeypatch.setenv("HARMONY_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
 
 
 @pytest.fixture

@@ -4,13 +4,15 @@ plans."""
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 
 import pytest
 import torch
 from torch import nn
 
 import harmony
-from harmony import calls
+from harmony import calls, fitfiles
 from harmony.result import Stats
 from harmony.tasks.hardware import Hardware
 from tests.conftest import deep_mlp, regression_batches
@@ -50,7 +52,7 @@ def test_a_swapped_run_fits_the_costs_that_predict_its_steady_step_and_later_pla
         monkeypatch: pytest.MonkeyPatch) -> None:
     fitted: list[calls.Pending] = []
     fit_run = calls._fit
-    monkeypatch.setattr(calls, "_fit", lambda run: fitted.append(run) or fit_run(run))
+    monkeypatch.setattr(calls, "_fit", lambda run, plan: fitted.append(run) or fit_run(run, plan))
     budget = weight_bytes(deep_mlp()) // 3
     result = train(budget)
     assert result.plan.jobs[0].home is None and len(result.plan.jobs[0].packing.packs) > 2, "a swapped model"
@@ -134,10 +136,57 @@ def test_a_run_too_short_for_a_steady_step_keeps_nothing() -> None:
 
 def test_later_plans_take_the_medians_of_the_fits_for_their_kind_of_device(monkeypatch: pytest.MonkeyPatch) -> None:
     made = [calls.Fit(1e-3, 5e-3), calls.Fit(2e-3, 1e-3), calls.Fit(0.04, 3e-3)]
-    monkeypatch.setattr(calls, "_fit", lambda run: made[int(run.step)])
+    monkeypatch.setattr(calls, "_fit", lambda run, plan: made[int(run.step)])
     calls.FITS["cuda"] = [calls.Pending(None, [16], float(index), 0.0, "cuda")  # type: ignore[arg-type]
                           for index in range(3)]  # the fit stands in for one simulating a plan
     hardware = calls.fitted(Hardware(), "cuda")
     assert (hardware.call_seconds, hardware.handling_seconds) == (2e-3, 3e-3), "one run's outlier moves nothing"
     assert calls.fitted(Hardware(), "cpu") == Hardware(), "none fitted for CPU devices"
     assert calls.fitted(Hardware(), None) == Hardware(), "devices of several kinds"
+
+
+LATER_PROCESS = """
+from harmony import calls
+runs = calls._kept("cpu")
+fitted = [run._fitted for run in runs]
+fit = calls.learned("cpu")
+print(fitted, fit.call_seconds, fit.handling_seconds)
+"""
+
+
+def later_process() -> tuple[str, float, float]:
+    """What a new process on this machine reads of the kept runs: whether each was fitted already, and the costs its
+    plans take."""
+    done = subprocess.run([sys.executable, "-c", LATER_PROCESS], capture_output=True, text=True, timeout=300,
+                          check=True)
+    fitted, call, handling = done.stdout.strip().rsplit(" ", 2)
+    return fitted, float(call), float(handling)
+
+
+def test_a_later_process_on_this_machine_plans_with_the_fit_of_a_run_kept_on_disk() -> None:
+    result = train(weight_bytes(deep_mlp()) // 3)
+    file = fitfiles.path("cpu")
+    assert file is not None and file.exists(), "the run's figures kept, not fitted yet"
+    assert [run["fitted"] for run in fitfiles.load("cpu")] == [False]
+    assert later_process()[0] == "[False]", "the next process finds them unfitted"
+    fitted, call, handling = later_process()
+    assert fitted == "[True]", "and fitted them for the next: this one reads the fit"
+    assert (call, handling) == (result.call_seconds, result.handling_seconds), "the fit this run's figures give"
+
+    calls.forget()
+    assert calls.learned("cpu") is None, "forgotten in this process"
+    assert file.exists() and later_process()[1:] == (call, handling), "kept for later ones"
+    calls.forget(files=True)
+    assert not file.exists()
+
+
+def test_a_run_on_another_machines_devices_or_with_no_cache_directory_keeps_nothing_on_disk(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    result = train(weight_bytes(deep_mlp()) // 3)
+    file = fitfiles.path("cpu")
+    assert file is not None
+    file.unlink()
+    assert calls.learn(result, [16], "cpu", local=False) is not None and not file.exists()
+    monkeypatch.setenv("HARMONY_CACHE_DIR", "")
+    assert calls.learn(result, [16], "cpu", local=True) is not None and not file.exists()
+    assert len(calls.fits("cpu")) == 3, "kept in this process all the same"
