@@ -34,9 +34,10 @@ from typing import Any
 from harmony import fitfiles
 from harmony.result import Stats, TrainResult, steady_window
 from harmony.runtime.devices import DeviceSpec
+from harmony.tasks.graph import parse_key
 from harmony.tasks.hardware import Hardware
 from harmony.tasks.runplan import RunPlan
-from harmony.tasks.simulator import fit_least, simulate_machines
+from harmony.tasks.simulator import Simulation, fit_least, simulate_machines
 
 logger = logging.getLogger("harmony")
 
@@ -51,6 +52,8 @@ class Fit:
 
 
 KEPT = 5  # runs' figures kept per kind
+PROBE = 1e-3  # seconds per call at which the simulator's work for a task counts its calls
+TaskKind = tuple[str, int, int, int]  # a device task's kind, job, pack and group: its steps' tasks alike
 LARGEST = 0.05  # seconds a call or a task may be fitted at: well above any runtime's work for one (docs/performance.md)
 STEPS = (4, 8)  # a simulated run's steps, and those of them its steady step leaves out (the first steps' ramp)
 
@@ -62,8 +65,9 @@ class Pending:
     is written there once found. plan may be its msgpack bytes (as read from disk), decoded when first needed."""
 
     def __init__(self, plan: RunPlan | bytes, samples: list[int], step: float, busy: float, kind: str,
-                 kept: bool = False) -> None:
+                 kept: bool = False, durations: dict[TaskKind, float] | None = None) -> None:
         self._plan, self.samples, self.step, self.busy, self.kind, self.kept = plan, samples, step, busy, kind, kept
+        self.durations = durations or {}
         self.name = uuid.uuid4().hex
         self.at = time.time()
         self._fit: Fit | None = None
@@ -101,13 +105,16 @@ class Pending:
         plan = self._plan if isinstance(self._plan, bytes) else self._plan.to_msgpack()
         fit = None if self._fit is None else [self._fit.call_seconds, self._fit.handling_seconds]
         return {"name": self.name, "at": self.at, "plan": plan, "samples": list(self.samples), "step": self.step,
-                "busy": self.busy, "fitted": self._fitted, "fit": fit}
+                "busy": self.busy, "fitted": self._fitted, "fit": fit,
+                "durations": [[*kind, seconds] for kind, seconds in self.durations.items()]}
 
     @staticmethod
     def read(entry: dict[str, Any], kind: str) -> Pending:
         """One run as a file kept it (KeyError, TypeError or ValueError where it is not such an entry)."""
+        durations = {(str(task), int(job), int(pack), int(group)): float(seconds)
+                     for task, job, pack, group, seconds in entry["durations"]}
         run = Pending(bytes(entry["plan"]), [int(count) for count in entry["samples"]], float(entry["step"]),
-                      float(entry["busy"]), kind, kept=True)
+                      float(entry["busy"]), kind, kept=True, durations=durations)
         run.name, run.at, run._fitted = str(entry["name"]), float(entry["at"]), bool(entry["fitted"])
         if entry["fit"] is not None:
             call, handling = entry["fit"]
@@ -175,36 +182,88 @@ def fitted(hardware: Hardware, kind: str | None) -> Hardware:
     return dataclasses.replace(hardware, call_seconds=fit.call_seconds, handling_seconds=fit.handling_seconds)
 
 
+def simulated(plan: RunPlan, samples: list[int], call_seconds: float, handling_seconds: float) -> Simulation:
+    """The plan's run of STEPS[1] steps (every job as many) on the simulator, at a cost per pack call and per task."""
+    hardware = dataclasses.replace(plan.hardware, call_seconds=call_seconds, handling_seconds=handling_seconds)
+    timed = dataclasses.replace(plan, hardware=hardware)
+    machines = {device: dict(plan.machines).get(device, "") for device in plan.devices}
+    return simulate_machines(timed, [STEPS[1]] * len(plan.jobs), samples, machines)
+
+
+def per_call(plan: RunPlan, samples: list[int], durations: dict[TaskKind, float]) -> float | None:
+    """The cost per pack call that a run's task durations (each kind of task's median, durations) say, beside a cost
+    per task inside it: the least-squares slope of what each kind took over the simulator's work for it at no call
+    cost, against its pack calls (the simulator's count); None where the kinds measured make one count of calls
+    (a slope needs two), or none. At least 0."""
+    base, probed = (simulated(plan, samples, cost, 0.0) for cost in (0.0, PROBE))
+    points = []
+    for kind, seconds in durations.items():
+        works = [(base.work[task], probed.work[task]) for task in base.work
+                 if task.span >= STEPS[0] and (task.kind, task.model, task.pack, task.group) == kind]
+        if works:
+            work = statistics.mean(low for low, _ in works)
+            calls = statistics.mean(high - low for low, high in works) / PROBE
+            points.append((calls, seconds - work))
+    if len({round(calls, 6) for calls, _ in points}) < 2:
+        return None
+    mean_calls = statistics.mean(calls for calls, _ in points)
+    mean_over = statistics.mean(over for _, over in points)
+    slope = (sum((calls - mean_calls) * (over - mean_over) for calls, over in points)
+             / sum((calls - mean_calls) ** 2 for calls, _ in points))
+    return max(0.0, slope)
+
+
 def steady(plan: RunPlan, samples: list[int], call_seconds: float, handling_seconds: float) -> tuple[float, float]:
     """The plan's predicted seconds per step once running and its devices' busy seconds per step (all devices'
     together), at a cost per pack call and per task: in one simulated run of STEPS[1] steps (every job as many), from
     when every task of its first STEPS[0] steps has ended to when all have, and the work of the tasks of the steps
     in between, over those steps."""
-    hardware = dataclasses.replace(plan.hardware, call_seconds=call_seconds, handling_seconds=handling_seconds)
-    timed = dataclasses.replace(plan, hardware=hardware)
-    machines = {device: dict(plan.machines).get(device, "") for device in plan.devices}
-    run = simulate_machines(timed, [STEPS[1]] * len(plan.jobs), samples, machines)
+    run = simulated(plan, samples, call_seconds, handling_seconds)
     ramp = max(end for task, (_, end) in run.times.items() if task.span < STEPS[0])
     busy = sum(seconds for task, seconds in run.work.items() if task.span >= STEPS[0])
     steps = STEPS[1] - STEPS[0]
     return (run.makespan - ramp) / steps, busy / steps
 
 
-def measured(stats: Stats) -> tuple[float, float] | None:
-    """A run's steady seconds per step (its slowest model's) and its devices' busy seconds per step over the same
-    steps (the tasks of Stats.timeline on the devices' task threads, upd tasks beside them left out, cut to those
-    steps' span); None where no model ran steps enough for a steady rate."""
+def _window(stats: Stats) -> tuple[float, float, float] | None:
+    """The slowest model's steady seconds per step, and when its steady steps begin and end (None: no model ran
+    steps enough for a steady rate)."""
     windows = []
     for times in stats.step_seconds:
         with contextlib.suppress(ValueError):  # a model that stopped early
             first, last = steady_window(times)
             windows.append(((times[last] - times[first]) / (last - first), times[first], times[last]))
-    if not windows:
+    return max(windows) if windows else None
+
+
+def measured(stats: Stats) -> tuple[float, float] | None:
+    """A run's steady seconds per step (its slowest model's) and its devices' busy seconds per step over the same
+    steps (the tasks of Stats.timeline on the devices' task threads, upd tasks beside them left out, cut to those
+    steps' span); None where no model ran steps enough for a steady rate."""
+    window = _window(stats)
+    if window is None:
         return None
-    step, begin, end = max(windows)
+    step, begin, end = window
     busy = sum(max(0.0, min(stop, end) - max(start, begin))
                for tasks in stats.timeline.values() for start, stop, _, key in tasks if not key.startswith("upd-"))
     return step, busy * step / (end - begin)
+
+
+def durations(stats: Stats) -> dict[TaskKind, float]:
+    """Each kind of device task's median seconds (fwd and bwd tasks of one job, pack and group: TaskKind) over the
+    steady steps of measured (its window); empty where there are none."""
+    window = _window(stats)
+    if window is None:
+        return {}
+    begin, end = window[1:]
+    taken: dict[TaskKind, list[float]] = {}
+    for tasks in stats.timeline.values():
+        for start, stop, _, key in tasks:
+            parsed = parse_key(key)
+            if parsed is not None and parsed[0].kind != "upd" and begin <= start and stop <= end:
+                task = parsed[0]
+                taken.setdefault((task.kind, task.model, task.pack, task.group), []).append(stop - start)
+    return {kind: statistics.median(seconds) for kind, seconds in taken.items()}
 
 
 def learn(result: TrainResult, samples: list[int], kind: str | None, local: bool = False) -> Pending | None:
@@ -220,7 +279,7 @@ def learn(result: TrainResult, samples: list[int], kind: str | None, local: bool
     figures = measured(result.stats)
     if figures is None:
         return None
-    pending = Pending(plan, samples, *figures, kind, kept=local)
+    pending = Pending(plan, samples, *figures, kind, kept=local, durations=durations(result.stats))
     FITS[kind] = [*_kept(kind)[1 - KEPT:], pending]
     if local:
         _save(kind)
@@ -228,15 +287,18 @@ def learn(result: TrainResult, samples: list[int], kind: str | None, local: bool
 
 
 def _fit(run: Pending, plan: RunPlan) -> Fit | None:
-    """Pending.fit: the call cost to the busy time, then the cost per task to the steady step; None where no costs up
-    to LARGEST explain them (the plan mispredicts something else)."""
+    """Pending.fit: the call cost from the run's task durations (per_call), or where they cannot tell it from a
+    cost per task, to its busy time; then the cost per task to the steady step; None where no costs up to LARGEST
+    explain them (the plan mispredicts something else)."""
     started = time.perf_counter()
 
     @functools.cache  # the second fit starts where the first ended
     def predicted(call: float, handling: float) -> tuple[float, float]:
         return steady(plan, run.samples, call, handling)
 
-    calls = fit_least(lambda cost: predicted(cost, 0.0)[1], run.busy, LARGEST)
+    sloped = per_call(plan, run.samples, run.durations) if run.durations else None
+    calls = min(sloped, LARGEST) if sloped is not None else fit_least(lambda cost: predicted(cost, 0.0)[1], run.busy,
+                                                                      LARGEST)
     handling = fit_least(lambda cost: predicted(calls, cost)[0], run.step, LARGEST)
     if max(calls, handling) >= LARGEST:
         logger.info("harmony: a run's %.1f ms steps (%.1f ms of them busy) are more than any host cost per pack "
