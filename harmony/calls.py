@@ -6,17 +6,18 @@ call on a micro-batch (binding the weights, claiming and copying values, bookkee
 kernels), and between tasks (the driver binding and submitting the next, the worker taking its values in and its
 results out), which Dask's latency timed on the idle cluster does not show on a machine whose cores the devices
 compute with. A swapped model with many small packs or micro-batches can spend most of its step on them. A run
-tells the two apart: its devices' busy time per steady step (Stats.timeline) against the simulator's for its own
-plan gives the cost per call (Hardware.call_seconds) that makes them agree, and its steady step against the
-simulator's, at that call cost, the cost per task (Hardware.handling_seconds); tasks.simulator.fit_least finds
-each. The process keeps the last few runs' figures per device kind (on disk too, for later processes on this
-machine: harmony.fitfiles), and a later harmony.train or harmony.plan on such devices predicts, and chooses sections
-and modes, with the medians of their fits. A fit simulates the run's
-plan a dozen times or more (seconds for a plan of many small packs), so a run keeps its figures (Pending) and they
-are fitted when a later plan or the run's result first asks: no run waits for a fit nothing may read. They are
-fits, not timers: what the simulator mispredicts otherwise (a layer's time, which the pilot can find tens of percent
-off on a busy machine; a copy) lands in them too, and the medians keep one such run from moving every later plan.
-harmony.shutdown() forgets them.
+tells them apart: its tasks' durations (each kind's median over the steady steps) less the simulator's work for
+each, against each kind's pack calls, give the cost per call as their slope (Hardware.call_seconds; the intercept,
+work per task inside a task, is no call's), or where every kind makes as many calls, the busy time per step does;
+and its steady step against the simulator's, at that call cost, gives the cost per task (Hardware.handling_seconds,
+inside and between tasks alike; tasks.simulator.fit_least finds it). The process keeps the last few runs' figures
+per device kind (on disk too, for later processes on this machine: harmony.fitfiles), and a later harmony.train or
+harmony.plan on such devices predicts, and chooses sections and modes, with the medians of their fits. A fit
+simulates the run's plan a few times or more (seconds for a plan of many small packs), so a run keeps its figures
+(Pending) and they are fitted when a later plan or the run's result first asks: no run waits for a fit nothing may
+read. They are fits, not timers: what the simulator mispredicts otherwise (a layer's time, which the pilot can find
+tens of percent off on a busy machine; a copy) lands in them too, and the medians keep one such run from moving
+every later plan. harmony.shutdown() forgets them in the process.
 """
 
 from __future__ import annotations

@@ -177,8 +177,8 @@ class TrainResult:
     returns it; empty for a model that is not clipped. pruned maps each model that prune= stopped to the step it
     stopped at (its weights, history and validation figures end there; it is not in failed). call_seconds and
     handling_seconds are the runtime's host cost per pack call and per task fitted to this run's steady steps (the
-    first to its devices' busy time, the second to the rest: harmony.calls), of which the process's later plans on
-    such devices take the medians of the last few; None where the run said nothing of them (no swapped model, too
+    first to its tasks' durations, the second to the rest of the step: harmony.calls), of which later plans on such
+    devices take the medians of the last few; None where the run said nothing of them (no swapped model, too
     few steps). They are fitted when first asked for (host_costs, harmony.calls.Pending), here or by a later plan.
     """
 
