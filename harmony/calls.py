@@ -195,7 +195,10 @@ def per_call(plan: RunPlan, samples: list[int], durations: dict[TaskKind, float]
     """The cost per pack call that a run's task durations (each kind of task's median, durations) say, beside a cost
     per task inside it: the least-squares slope of what each kind took over the simulator's work for it at no call
     cost, against its pack calls (the simulator's count); None where the kinds measured make one count of calls
-    (a slope needs two), or none. At least 0."""
+    (a slope needs two), or none, and on devices that do not compute on the host's cores, where a call's host work
+    runs beside the kernels (Hardware.with_calls) and a task's duration is not linear in its calls. At least 0."""
+    if not plan.hardware.shared_cores:
+        return None
     base, probed = (simulated(plan, samples, cost, 0.0) for cost in (0.0, PROBE))
     points = []
     for kind, seconds in durations.items():

@@ -54,7 +54,8 @@ def assert_predicts(result: harmony.TrainResult, fit: calls.Fit) -> None:
 def test_the_call_cost_is_the_slope_of_the_task_durations_beside_a_cost_per_task_inside_them() -> None:
     """Durations made by the simulator at 2 ms a call, with 3 ms more per task: the slope finds the 2 ms (the busy
     time's sum, the old fit, would put the 3 ms in the calls too); where every kind of task makes as many calls (a
-    whole pass a task), it cannot tell them apart and says nothing."""
+    whole pass a task), it cannot tell them apart and says nothing, nor on devices whose calls run beside their
+    kernels."""
     result = train(weight_bytes(deep_mlp()) // 3)
     plan = dataclasses.replace(result.plan, hardware=dataclasses.replace(result.plan.hardware, call_seconds=0.0,
                                                                           handling_seconds=0.0))
@@ -69,6 +70,8 @@ def test_the_call_cost_is_the_slope_of_the_task_durations_beside_a_cost_per_task
     backward = {kind: seconds for kind, seconds in durations.items() if kind[0] == "bwd" and kind[2] in (1, 2)}
     assert calls.per_call(plan, [16], backward) is None, "one count of calls: no slope"
     assert calls.per_call(plan, [16], {}) is None
+    beside = dataclasses.replace(plan, hardware=dataclasses.replace(plan.hardware, shared_cores=False))
+    assert calls.per_call(beside, [16], durations) is None, "a GPU's calls run beside its kernels: not a slope"
 
 
 def test_a_swapped_run_fits_the_costs_that_predict_its_steady_step_and_later_plans_take_them(
