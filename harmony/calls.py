@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import logging
 import statistics
 import time
@@ -53,6 +54,7 @@ class Fit:
 
 
 KEPT = 5  # runs' figures kept per kind
+PAUSES = 3  # the fewest steps between evaluations or checkpoints that a run's median step stands clear of
 PROBE = 1e-3  # seconds per call at which the simulator's work for a task counts its calls
 TaskKind = tuple[str, int, int, int]  # a device task's kind, job, pack and group: its steps' tasks alike
 LARGEST = 0.05  # seconds a call or a task may be fitted at: well above any runtime's work for one (docs/performance.md)
@@ -231,25 +233,29 @@ def steady(plan: RunPlan, samples: list[int], call_seconds: float, handling_seco
 
 def _window(stats: Stats) -> tuple[float, float, float] | None:
     """The slowest model's steady seconds per step, and when its steady steps begin and end (None: no model ran
-    steps enough for a steady rate)."""
+    steps enough for a steady rate). A model's steady step is the median over its steady steps (steps that finished
+    together, a multi-step task's, as one): an evaluation's or a checkpoint's pause every few steps leaves it."""
     windows = []
     for times in stats.step_seconds:
         with contextlib.suppress(ValueError):  # a model that stopped early
             first, last = steady_window(times)
-            windows.append(((times[last] - times[first]) / (last - first), times[first], times[last]))
+            ends = [step for step in range(first, last + 1) if step == last or times[step + 1] != times[step]]
+            steps = [(times[b] - times[a]) / (b - a) for a, b in itertools.pairwise(ends)]
+            windows.append((statistics.median(steps), times[first], times[last]))
     return max(windows) if windows else None
 
 
 def measured(stats: Stats) -> tuple[float, float] | None:
-    """A run's steady seconds per step (its slowest model's) and its devices' busy seconds per step over the same
-    steps (the tasks of Stats.timeline on the devices' task threads, upd tasks beside them left out, cut to those
-    steps' span); None where no model ran steps enough for a steady rate."""
+    """A run's steady seconds per step (its slowest model's, _window) and its devices' busy seconds per step over the
+    same steps (the fwd and bwd tasks of Stats.timeline, cut to those steps' span: upd tasks beside the devices and
+    evaluations left out); None where no model ran steps enough for a steady rate."""
     window = _window(stats)
     if window is None:
         return None
     step, begin, end = window
     busy = sum(max(0.0, min(stop, end) - max(start, begin))
-               for tasks in stats.timeline.values() for start, stop, _, key in tasks if not key.startswith("upd-"))
+               for tasks in stats.timeline.values() for start, stop, _, key in tasks
+               if (parsed := parse_key(key)) is not None and parsed[0].kind != "upd")
     return step, busy * step / (end - begin)
 
 
@@ -273,12 +279,17 @@ def durations(stats: Stats) -> dict[TaskKind, float]:
 def learn(result: TrainResult, samples: list[int], kind: str | None, local: bool = False) -> Pending | None:
     """Keep a run's steady figures (samples: each job's per step) for devices of kind, to be fitted when first asked
     (Pending), and with local (its devices all on this machine) on disk for later processes; None (nothing kept)
-    where the run says nothing of the costs: devices of several kinds, no swapped job, evaluations or checkpoints in
-    its steps (the simulator predicts neither), too few steps for a steady rate."""
+    where the run says nothing of the costs: devices of several kinds, no swapped job, models pruned on the way,
+    evaluations or checkpoints fewer than PAUSES steps apart (the simulator predicts neither), too few steps for a
+    steady rate."""
     plan = result.plan
     if kind is None or all(job.home is not None for job in plan.jobs):
         return None
-    if any(result.val_history) or plan.options.checkpoint_every:  # time the simulator does not predict
+    if result.pruned:  # the jobs training changed on the way: no steady rate of the plan's
+        return None
+    pauses = [every for every, on in ((plan.options.eval_every, any(result.val_history)),
+                                      (plan.options.checkpoint_every, True)) if on and every is not None]
+    if min(pauses, default=PAUSES) < PAUSES:  # time the simulator does not predict, in too many steps for the median
         return None
     figures = measured(result.stats)
     if figures is None:

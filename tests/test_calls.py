@@ -97,12 +97,19 @@ def test_a_swapped_run_fits_the_costs_that_predict_its_steady_step_and_later_pla
     assert unexplained is not None and unexplained.fit() is None, "100 s steps: no costs explain them"
     assert calls.fits("cpu") == [fit] and calls.learned("cpu") == fit, "nothing taken of it"
     calls.FITS["cpu"].pop()
-    evaluated = dataclasses.replace(result, val_history=[[(5, 0.5)]])
-    assert calls.learn(evaluated, [16], "cpu") is None, "the simulator predicts no evaluation"
-    checkpointed = dataclasses.replace(result, plan=dataclasses.replace(
-        result.plan, options=dataclasses.replace(result.plan.options, checkpoint_every=4)))
-    assert calls.learn(checkpointed, [16], "cpu") is None, "nor checkpoints"
+    def every(evaluations: int | None, checkpoints: int | None) -> harmony.TrainResult:
+        options = dataclasses.replace(result.plan.options, eval_every=evaluations, checkpoint_every=checkpoints)
+        return dataclasses.replace(result, val_history=[[(5, 0.5)]] if evaluations else [],
+                                   plan=dataclasses.replace(result.plan, options=options))
+
+    assert calls.learn(every(2, None), [16], "cpu") is None, "the simulator predicts no evaluation: one every 2 steps"
+    assert calls.learn(every(None, 2), [16], "cpu") is None, "nor checkpoints"
+    assert calls.learn(dataclasses.replace(result, pruned={0: 4}), [16], "cpu") is None, "nor pruned models"
     assert calls.fits("cpu") == [fit]
+    for spaced in (every(3, None), every(None, 4)):
+        kept = calls.learn(spaced, [16], "cpu")
+        assert kept is not None and kept.fit() == fit, "every third step or fewer: the median step stands clear"
+        calls.FITS["cpu"].pop()
     stopped = dataclasses.replace(result, stats=dataclasses.replace(
         result.stats, step_seconds=[result.stats.step_seconds[0], [0.5]]))
     kept = calls.learn(stopped, [16], "cpu")
@@ -142,6 +149,11 @@ def test_a_runs_busy_time_per_step_is_its_devices_tasks_over_its_slowest_models_
     stats = Stats(peak_device_bytes={}, bytes_in={}, bytes_out={}, steps=[11, 5], tasks=4, wall_seconds=11.0,
                   step_seconds=[[float(step) for step in range(11)], [0.1, 0.2, 0.3, 0.4, 0.5]], timeline=timeline)
     assert calls.measured(stats) == pytest.approx((1.0, (0.5 + 0.5 + 1.0) / 9))
+    paused = [float(step) + (4.0 if step >= 5 else 0.0) for step in range(11)]  # an evaluation after step 4
+    assert calls.measured(dataclasses.replace(stats, step_seconds=[paused, [0.1]]))[0] == pytest.approx(1.0), (
+        "the median step")
+    spans = [0.0, 1.0, 3.0, 3.0, 5.0, 5.0, 7.0, 7.0, 9.0, 9.0, 10.0]  # steps finishing two by two (spans)
+    assert calls.measured(dataclasses.replace(stats, step_seconds=[spans, [0.1]]))[0] == pytest.approx(1.0)
     assert calls.measured(dataclasses.replace(stats, step_seconds=[[1.0], [2.0]])) is None, "no steady steps"
 
 
