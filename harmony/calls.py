@@ -54,6 +54,7 @@ class Fit:
 
 
 KEPT = 5  # runs' figures kept per kind
+PHASE = 6  # the fewest steps before a run's first pruning step that its fit reads (the steps after train fewer jobs)
 PAUSES = 3  # the fewest steps between evaluations or checkpoints that a run's median step stands clear of
 PROBE = 1e-3  # seconds per call at which the simulator's work for a task counts its calls
 TaskKind = tuple[str, int, int, int]  # a device task's kind, job, pack and group: its steps' tasks alike
@@ -231,12 +232,14 @@ def steady(plan: RunPlan, samples: list[int], call_seconds: float, handling_seco
     return (run.makespan - ramp) / steps, busy / steps
 
 
-def _window(stats: Stats) -> tuple[float, float, float] | None:
+def _window(stats: Stats, until: int | None = None) -> tuple[float, float, float] | None:
     """The slowest model's steady seconds per step, and when its steady steps begin and end (None: no model ran
-    steps enough for a steady rate). A model's steady step is the median over its steady steps (steps that finished
-    together, a multi-step task's, as one): an evaluation's or a checkpoint's pause every few steps leaves it."""
+    steps enough for a steady rate), of the steps before until where given. A model's steady step is the median over
+    its steady steps (steps that finished together, a multi-step task's, as one): an evaluation's or a checkpoint's
+    pause every few steps leaves it."""
     windows = []
     for times in stats.step_seconds:
+        times = times[:until]
         with contextlib.suppress(ValueError):  # a model that stopped early
             first, last = steady_window(times)
             ends = [step for step in range(first, last + 1) if step == last or times[step + 1] != times[step]]
@@ -245,11 +248,11 @@ def _window(stats: Stats) -> tuple[float, float, float] | None:
     return max(windows) if windows else None
 
 
-def measured(stats: Stats) -> tuple[float, float] | None:
+def measured(stats: Stats, until: int | None = None) -> tuple[float, float] | None:
     """A run's steady seconds per step (its slowest model's, _window) and its devices' busy seconds per step over the
     same steps (the fwd and bwd tasks of Stats.timeline, cut to those steps' span: upd tasks beside the devices and
     evaluations left out); None where no model ran steps enough for a steady rate."""
-    window = _window(stats)
+    window = _window(stats, until)
     if window is None:
         return None
     step, begin, end = window
@@ -259,10 +262,10 @@ def measured(stats: Stats) -> tuple[float, float] | None:
     return step, busy * step / (end - begin)
 
 
-def durations(stats: Stats) -> dict[TaskKind, float]:
+def durations(stats: Stats, until: int | None = None) -> dict[TaskKind, float]:
     """Each kind of device task's median seconds (fwd and bwd tasks of one job, pack and group: TaskKind) over the
     steady steps of measured (its window); empty where there are none."""
-    window = _window(stats)
+    window = _window(stats, until)
     if window is None:
         return {}
     begin, end = window[1:]
@@ -279,22 +282,23 @@ def durations(stats: Stats) -> dict[TaskKind, float]:
 def learn(result: TrainResult, samples: list[int], kind: str | None, local: bool = False) -> Pending | None:
     """Keep a run's steady figures (samples: each job's per step) for devices of kind, to be fitted when first asked
     (Pending), and with local (its devices all on this machine) on disk for later processes; None (nothing kept)
-    where the run says nothing of the costs: devices of several kinds, no swapped job, models pruned on the way,
-    evaluations or checkpoints fewer than PAUSES steps apart (the simulator predicts neither), too few steps for a
-    steady rate."""
+    where the run says nothing of the costs: devices of several kinds, no swapped job, fewer than PHASE steps before
+    its first pruning step (a pruned run's figures are those steps'), evaluations or checkpoints fewer than PAUSES
+    steps apart (the simulator predicts neither), too few steps for a steady rate."""
     plan = result.plan
     if kind is None or all(job.home is not None for job in plan.jobs):
         return None
-    if result.pruned:  # the jobs training changed on the way: no steady rate of the plan's
+    until = min(result.pruned.values()) if result.pruned else None  # the steps every job of the plan trained
+    if until is not None and until < PHASE:
         return None
     pauses = [every for every, on in ((plan.options.eval_every, any(result.val_history)),
                                       (plan.options.checkpoint_every, True)) if on and every is not None]
     if min(pauses, default=PAUSES) < PAUSES:  # time the simulator does not predict, in too many steps for the median
         return None
-    figures = measured(result.stats)
+    figures = measured(result.stats, until)
     if figures is None:
         return None
-    pending = Pending(plan, samples, *figures, kind, kept=local, durations=durations(result.stats))
+    pending = Pending(plan, samples, *figures, kind, kept=local, durations=durations(result.stats, until))
     FITS[kind] = [*_kept(kind)[1 - KEPT:], pending]
     if local:
         _save(kind)

@@ -104,8 +104,13 @@ def test_a_swapped_run_fits_the_costs_that_predict_its_steady_step_and_later_pla
 
     assert calls.learn(every(2, None), [16], "cpu") is None, "the simulator predicts no evaluation: one every 2 steps"
     assert calls.learn(every(None, 2), [16], "cpu") is None, "nor checkpoints"
-    assert calls.learn(dataclasses.replace(result, pruned={0: 4}), [16], "cpu") is None, "nor pruned models"
+    assert calls.learn(dataclasses.replace(result, pruned={0: 4}), [16], "cpu") is None, (
+        "a model pruned at step 4: too few steps of the plan's jobs all training")
     assert calls.fits("cpu") == [fit]
+    phase = calls.learn(dataclasses.replace(result, pruned={0: 8}), [16], "cpu")
+    assert phase is not None and phase.step == calls.measured(result.stats, 8)[0], "the steps before step 8"
+    assert calls.measured(result.stats, 8) != calls.measured(result.stats)
+    calls.FITS["cpu"].pop()
     for spaced in (every(3, None), every(None, 4)):
         kept = calls.learn(spaced, [16], "cpu")
         assert kept is not None and kept.fit() == fit, "every third step or fewer: the median step stands clear"
