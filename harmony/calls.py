@@ -63,8 +63,9 @@ STEPS = (4, 8)  # a simulated run's steps, and those of them its steady step lea
 
 
 class Pending:
-    """One run's steady figures with its plan, fitted (fit) when first asked: what the run's steady step and its
-    devices' busy time per step say of the host costs, for devices of kind; samples are each job's per step. kept:
+    """One run's steady figures with its plan, fitted (fit) when first asked: what the run's steady step, its
+    devices' busy time per step and its kinds of tasks' durations say of the host costs, for devices of kind;
+    samples are each job's per step. kept:
     its figures are on disk for later processes (harmony.fitfiles; its devices were all on this machine), and its fit
     is written there once found. plan may be its msgpack bytes (as read from disk), decoded when first needed."""
 
@@ -84,9 +85,9 @@ class Pending:
         return self._plan
 
     def fit(self) -> Fit | None:
-        """The least costs per call and per task at which the plan predicts the run's busy time and steady step
-        (once; the same answer after), or None where no costs up to LARGEST explain them (or, read from disk, its
-        plan is not one this version of Harmony reads)."""
+        """The costs per call and per task the run's figures say (_fit; once, the same answer after), or None where
+        no costs up to LARGEST explain them (or, read from disk, its plan is not one this version of Harmony
+        reads)."""
         if not self._fitted:
             try:
                 plan = self.plan
