@@ -13,6 +13,7 @@ afresh.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 import platform
@@ -36,6 +37,7 @@ def directory() -> Path | None:
     return Path(base) / "harmony"
 
 
+@functools.cache  # platform.processor() may run `uname -p`
 def digest() -> str:
     """What makes fits comparable, digested: the machine's name, processor and cores, torch's and Harmony's versions."""
     what = (FORMAT, platform.node(), platform.machine(), platform.processor(), os.cpu_count(), torch.__version__,
