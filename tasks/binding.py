@@ -58,6 +58,7 @@ from harmony.tasks.graph import (
 from harmony.tasks.hardware import Hardware
 from harmony.tasks.memory import BudgetExceeded, DeviceMemory
 from harmony.tasks.runplan import Job
+from harmony.tasks.work import task_seconds
 
 KIND_RANK = {"upd": 0, "bwd": 1, "fwd": 2}
 POLICIES = ("lrtf", "round_robin")
@@ -72,17 +73,11 @@ def packs(job: Job) -> int:
 
 
 def work_shares(job: Job) -> dict[tuple[str, int], float]:
-    """Each fwd and bwd task's share of one group's step compute, by section: forward once for fwd; for bwd the
-    recompute, the backward, and a forward more for every pack of its section but the last (what
-    tasks.simulator.task_seconds predicts, whose samples cancel out here)."""
-    work: dict[tuple[str, int], float] = {}
-    for section in range(job.section_count):
-        forwards = [job.packing.packs[pack].forward_seconds_per_sample for pack in job.section(section)]
-        backwards = [job.packing.packs[pack].backward_ratio * forward
-                     for pack, forward in zip(job.section(section), forwards)]
-        work[("bwd", section)] = sum(forwards) + sum(backwards) + sum(forwards[:-1])
-        if section < job.section_count - 1:
-            work[("fwd", section)] = sum(forwards)
+    """Each fwd and bwd task's share of one group's step compute, by section (tasks.work.task_seconds, whose samples
+    and compute scale cancel out here)."""
+    last = job.section_count - 1
+    work = {(kind, section): task_seconds(TaskId(kind, 0, section, 0), job.packing, 1, Hardware(), job.section(section))
+            for section in range(job.section_count) for kind in ("fwd", "bwd") if kind == "bwd" or section < last}
     total = sum(work.values())
     return {key: value / total if total > 0 else 1 / len(work) for key, value in work.items()}
 
@@ -121,10 +116,10 @@ class BindingState:
             raise ValueError(f"mode={mode!r}; use one of {MODES}")
         self.policy = policy
         self.mode = mode
-        self.edge = hardware.edge_seconds + hardware.handling_seconds if hardware else 0.0
+        self.edge = hardware.edge_cost if hardware else 0.0
         self.task_cost = hardware.task_cost if hardware else 0.0
-        self.costs = [{key: (job.step_seconds or 1.0) * share / job.groups + self.task_cost
-                       for key, share in work_shares(job).items()} for job in jobs]
+        self.step_work = [{key: (job.step_seconds or 1.0) * share / job.groups  # a second a step where none predicted
+                           for key, share in work_shares(job).items()} for job in jobs]
         self.homes = dict(homes or {})
         self.jobs = jobs
         self.slots = slots_per_device
@@ -744,9 +739,10 @@ class BindingState:
         """A task's predicted time on its device: its share of its job's step compute (a second a step where the plan
         predicted none, so that tasks still weigh by their shares) for each step its span runs, and a task's cost;
         an upd, beside it, none."""
-        cost = self.costs[task.model].get((task.kind, task.pack), 0.0)
+        if task.kind == "upd":
+            return 0.0
         steps = self.open_spans[(task.model, task.span)][1] if self.spans[task.model].multistep else 1
-        return cost if steps == 1 else (cost - self.task_cost) * steps + self.task_cost
+        return self.step_work[task.model][(task.kind, task.pack)] * steps + self.task_cost
 
     def queued(self, device: str, through: TaskId | None = None) -> float:
         """The predicted seconds of device's bound tasks, or of those submitted up to through (it run in submission

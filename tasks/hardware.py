@@ -42,6 +42,11 @@ class Hardware:
     handling_seconds: float = 0.0
 
     @property
+    def edge_cost(self) -> float:
+        """How long after its task ends a result reaches a task on another device: the edge, and a task's handling."""
+        return self.edge_seconds + self.handling_seconds
+
+    @property
     def task_cost(self) -> float:
         """What a task costs a device besides its work: Dask's per task (or the CPU time it takes, where more) and
         the runtime's handling of it."""

@@ -28,6 +28,7 @@ from harmony.tasks.memory import BudgetExceeded, DeviceMemory
 from harmony.tasks.microbatch import deal, split_sizes
 from harmony.tasks.packing import Packing
 from harmony.tasks.runplan import Job, RunPlan, section_packs
+from harmony.tasks.work import task_seconds, update_seconds
 
 
 class ScheduleExceedsBudget(ValueError):
@@ -269,27 +270,6 @@ def order_from_keys(schedule: dict[str, list[str]]) -> dict[str, list[TaskId]]:
     return order
 
 
-def task_seconds(task: TaskId, packing: Packing, samples: int, hardware: Hardware, packs: range | None = None
-                 ) -> float:
-    """Predicted compute time of a task over its packs (task.pack alone unless given): forward once for fwd; for
-    bwd the recompute and a backward (the forward times the pack's backward_ratio) and, over several packs, a
-    forward more for every pack but the last (the inputs of each, recomputed first); the optimizer's passes for
-    upd."""
-    packs = packs or range(task.pack, task.pack + 1)
-    forwards = [packing.packs[pack].forward_seconds_per_sample * samples / hardware.compute_scale for pack in packs]
-    if task.kind == "fwd":
-        return sum(forwards)
-    if task.kind == "bwd":
-        backwards = [packing.packs[pack].backward_ratio * forward for pack, forward in zip(packs, forwards)]
-        return sum(forwards) + sum(backwards) + sum(forwards[:-1])
-    return update_seconds(packing, packs, hardware)
-
-
-def update_seconds(packing: Packing, packs: range, hardware: Hardware) -> float:
-    """Predicted time of the optimizer steps of packs on the host store: a few passes over their weights."""
-    return 4 * sum(packing.packs[pack].float_bytes for pack in packs) / hardware.optimizer_bytes_per_second
-
-
 def homed_update_seconds(packing: Packing, pack: int, hardware: Hardware) -> float:
     """Predicted time of a homed pack's update on its device: its optimizer's step as the planner measured it
     (Pack.update_seconds), else the host store's passes, at the device's compute scale."""
@@ -442,7 +422,8 @@ def simulate_jobs(
             raise RuntimeError("simulation stalled: no task could be bound")
         end, _, task = heapq.heappop(clock.events)
         clock.carry_out(state, state.handle(TaskFinished(task, end)))
-    return Simulation(clock.order, clock.times, max(end for _, end in clock.times.values()), steps, clock.busy,
+    busy = {device: sum(clock.work.get(task, 0.0) for task in tasks) for device, tasks in clock.order.items()}
+    return Simulation(clock.order, clock.times, max(end for _, end in clock.times.values()), steps, busy,
                       clock.stashed, clock.work)
 
 
@@ -494,7 +475,7 @@ class _Clock:
         self.samples = samples
         self.hardware = hardware
         self.per_task = hardware.task_overhead + hardware.handling_seconds  # what a task costs besides its work
-        self.edge = hardware.edge_seconds + hardware.handling_seconds  # how late another device's result arrives
+        self.edge = hardware.edge_cost
         self.prefetch = bool(prefetch)  # weights copied in while the task before computes
         self.ahead = prefetch is True  # and micro-batch values while the one before (after) computes
         self.stash = stash
@@ -507,7 +488,6 @@ class _Clock:
         self.times: dict[TaskId, tuple[float, float]] = {}
         self.device_of: dict[TaskId, str] = {}
         self.order: dict[str, list[TaskId]] = {name: [] for name in budgets}
-        self.busy = dict.fromkeys(budgets, 0.0)
         self.work: dict[TaskId, float] = {}
         self.events: list[tuple[float, int, TaskId]] = []
         self.stashed: dict[int, set[int]] = {}  # per job, the packs whose backward found its stash
@@ -558,7 +538,6 @@ class _Clock:
         self.device_of[task] = device
         self.order[device].append(task)
         self.previous[device] = task
-        self.busy[device] += compute + copy
         self.work[task] = compute + copy
         self.free_at[device] = end
         self.last_compute[device] = compute

@@ -375,7 +375,7 @@ def test_the_backward_is_timed_through_the_chain_after_a_round_that_warms_it(mon
     parameters' gradients are as they were. A model piloted again runs only the backward of each layer that
     measures what it keeps."""
     from harmony.runtime import pilot
-    from harmony.tasks.simulator import task_seconds
+    from harmony.tasks.work import task_seconds
 
     clock = SimpleNamespace(now=0.0, last=None, first_backward=100.0)
     monkeypatch.setattr(pilot, "time", SimpleNamespace(perf_counter=lambda: clock.now))
@@ -418,7 +418,7 @@ def test_the_backward_ratio_counts_what_recording_the_graph_adds_to_the_recomput
     backward, 8 s: the profiles' 1.5 s forward times one and the ratio. Timed on fewer samples than the pilot's
     micro-batch (whose no_grad forward the profiles do not give), the recording forward is the unit instead."""
     from harmony.runtime import pilot
-    from harmony.tasks.simulator import task_seconds
+    from harmony.tasks.work import task_seconds
 
     clock = SimpleNamespace(now=0.0, last=None, first_backward=0.0)
     monkeypatch.setattr(pilot, "time", SimpleNamespace(perf_counter=lambda: clock.now))

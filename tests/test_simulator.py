@@ -20,9 +20,8 @@ from harmony.tasks.simulator import (
     pack_tasks,
     replay_memory,
     simulate,
-    task_seconds,
-    update_seconds,
 )
+from harmony.tasks.work import task_seconds, update_seconds
 
 
 def chain_packing(layers: int = 4, width: int = 16, seconds: float = 1e-4, budget: int = 10**9) -> Packing:

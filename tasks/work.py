@@ -1,0 +1,30 @@
+"""Predicted compute of a task: a forward, a backward with its recompute, an optimizer's update, from the pilot's
+per-sample times (tasks.packing) on a hardware. The simulator times tasks with it, and the binder weighs a device's
+queue by it."""
+
+from __future__ import annotations
+
+from harmony.tasks.graph import TaskId
+from harmony.tasks.hardware import Hardware
+from harmony.tasks.packing import Packing
+
+
+def task_seconds(task: TaskId, packing: Packing, samples: int, hardware: Hardware, packs: range | None = None
+                 ) -> float:
+    """Predicted compute time of a task over its packs (task.pack alone unless given): forward once for fwd; for
+    bwd the recompute and a backward (the forward times the pack's backward_ratio) and, over several packs, a
+    forward more for every pack but the last (the inputs of each, recomputed first); the optimizer's passes for
+    upd."""
+    packs = packs or range(task.pack, task.pack + 1)
+    forwards = [packing.packs[pack].forward_seconds_per_sample * samples / hardware.compute_scale for pack in packs]
+    if task.kind == "fwd":
+        return sum(forwards)
+    if task.kind == "bwd":
+        backwards = [packing.packs[pack].backward_ratio * forward for pack, forward in zip(packs, forwards)]
+        return sum(forwards) + sum(backwards) + sum(forwards[:-1])
+    return update_seconds(packing, packs, hardware)
+
+
+def update_seconds(packing: Packing, packs: range, hardware: Hardware) -> float:
+    """Predicted time of the optimizer steps of packs on the host store: a few passes over their weights."""
+    return 4 * sum(packing.packs[pack].float_bytes for pack in packs) / hardware.optimizer_bytes_per_second

@@ -1,0 +1,35 @@
+"""A task's predicted compute from the pilot's per-sample times: a forward, a backward with its recompute, an update."""
+
+from __future__ import annotations
+
+import pytest
+
+from harmony.tasks.graph import TaskId
+from harmony.tasks.hardware import Hardware
+from harmony.tasks.packing import Pack, PackCost, Packing
+from harmony.tasks.work import task_seconds, update_seconds
+
+
+def packing(*forwards: float) -> Packing:
+    """Packs of these forward seconds per sample, a backward twice its forward, 1,000 weight bytes each."""
+    packs = tuple(Pack(index, index, index + 1, (), (), (), PackCost(1000, 1000, 0, 0), seconds, backward_ratio=2.0)
+                  for index, seconds in enumerate(forwards))
+    return Packing("m", packs, 10**12, 1)
+
+
+def test_a_forward_a_backward_and_a_sections_backward_at_the_devices_speed() -> None:
+    cut = packing(1e-3, 2e-3, 3e-3)
+    fast = Hardware(compute_scale=2.0)
+    assert task_seconds(TaskId("fwd", 0, 1, 0), cut, 10, fast) == pytest.approx(10 * 2e-3 / 2)
+    assert task_seconds(TaskId("bwd", 0, 1, 0), cut, 10, fast) == pytest.approx(3 * 10 * 2e-3 / 2), (
+        "its recompute and a backward twice as long")
+    assert task_seconds(TaskId("fwd", 0, 0, 0), cut, 10, fast, range(0, 3)) == pytest.approx(10 * 6e-3 / 2)
+    assert task_seconds(TaskId("bwd", 0, 0, 0), cut, 10, fast, range(0, 3)) == pytest.approx(
+        10 * (3 * 6e-3 + 1e-3 + 2e-3) / 2), "every pack's inputs but the first's recomputed first"
+
+
+def test_an_update_is_a_few_passes_over_the_packs_weights_at_the_host_stores_rate() -> None:
+    cut = packing(1e-3, 2e-3, 3e-3)
+    host = Hardware(optimizer_bytes_per_second=1e6)
+    assert update_seconds(cut, range(0, 2), host) == pytest.approx(4 * 2000 / 1e6)
+    assert task_seconds(TaskId("upd", 0, 1, 0), cut, 10, host) == update_seconds(cut, range(1, 2), host)
