@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import statistics
 from contextlib import nullcontext
-from typing import Any
 from unittest import mock
 
 import torch
@@ -23,12 +22,7 @@ from torch import nn
 import harmony
 from benchmarks.models import mlp, parameter_bytes, plain_step_seconds, regression
 from benchmarks.report import arguments, report
-from harmony.runtime.halving import Casts, casts
-
-
-def none_halved(*args: Any) -> Casts:
-    """The pilot's casts with nothing halved: every weight copied in float32, autocast casting it."""
-    return casts(*args)._replace(only=frozenset())
+from harmony.runtime.halving import unhalved
 
 LR = 1e-3
 
@@ -60,7 +54,7 @@ def main() -> None:
     ways = (("harmony fp32", "fp32", True), ("harmony bf16, float32 copies", "bf16", False),
             ("harmony bf16, bf16 copies (default)", "bf16", True))
     for way, precision, halving in ways:
-        off = mock.patch("harmony.runtime.pilot.casts", none_halved)  # none halved, cut for float32
+        off = mock.patch("harmony.runtime.pilot.casts", unhalved)  # none halved, cut for float32
         with nullcontext() if halving else off:
             result = run(width, depth, data, budget, link, precision)
         job = result.plan.jobs[0]

@@ -289,6 +289,11 @@ class DeviceCache:
         if self.link is not None:
             self.link.carry(nbytes, direction, started)
 
+    def _entry(self, host: Source, part: Part | None) -> CachedWeights:
+        """A device buffer for host's weights, to hold part's members once copied (every member's without part)."""
+        return CachedWeights(self.engine.empty(source_bytes(host), torch.uint8),
+                             members=None if part is None else part.members)
+
     def _copy_weights(self, key: Any, entry: CachedWeights, host: Source, prefetched: bool = False,
                       spans: tuple[tuple[int, int], ...] | None = None) -> None:
         """Copy host weight bytes (a buffer, or parts laid one after another; of a buffer, the byte ranges spans
@@ -472,8 +477,7 @@ class DeviceCache:
             self._forget(evicted)
             self.counters.raise_to("peak", self.memory.used)
             if copy:
-                self.tensors[key] = CachedWeights(self.engine.empty(source_bytes(host), torch.uint8),
-                                                  members=None if part is None else part.members)
+                self.tensors[key] = self._entry(host, part)
             entry = self.tensors[key]
             self.memory.pin(key)
         try:
@@ -503,8 +507,7 @@ class DeviceCache:
             if not admitted:
                 return False
             self.counters.raise_to("peak", self.memory.used)
-            entry = self.tensors[key] = CachedWeights(self.engine.empty(source_bytes(host), torch.uint8),
-                                                      members=None if part is None else part.members)
+            entry = self.tensors[key] = self._entry(host, part)
             self._prefetching += 1
         self.engine.submit(self._copy_weights, key, entry, host, True, None if part is None else part.spans)
         return True

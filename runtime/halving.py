@@ -97,3 +97,9 @@ def casts(layer: nn.Module, x: Any, dtype: torch.dtype, names: set[str]) -> Cast
     except Exception:
         return Casts(frozenset(), frozenset())
     return Casts(frozenset(uses.cast - uses.other), frozenset(uses.some))
+
+
+def unhalved(layer: nn.Module, x: Any, dtype: torch.dtype, names: set[str]) -> Casts:
+    """casts with nothing halved (every weight copied in float32, autocast casting it): what a run that patches the
+    pilot's casts with it copies, to measure or test what halving saves."""
+    return casts(layer, x, dtype, names)._replace(only=frozenset())

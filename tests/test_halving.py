@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from harmony.runtime.halving import casts
+from harmony.runtime.halving import casts, unhalved
 
 
 def halved(layer: nn.Module, x: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> set[str]:
@@ -21,6 +21,15 @@ def test_linear_and_convolution_weights_are_halved_and_norms_and_embeddings_are_
     assert halved(convolution, torch.randn(2, 3, 8, 8), dtype) == {"0.weight", "0.bias"}
     embedding = nn.Embedding(10, 4)
     assert halved(embedding, torch.tensor([[1, 2]]), dtype) == set()
+
+
+def test_unhalved_halves_nothing_and_keeps_what_is_read_in_the_low_dtype() -> None:
+    mlp = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 4))
+    names = {name for name, _ in mlp.named_parameters()}
+    x = torch.randn(2, 4)
+    found, none = casts(mlp, x, torch.bfloat16, names), unhalved(mlp, x, torch.bfloat16, names)
+    assert found.only and none.only == frozenset()
+    assert none.some == found.some
 
 
 class Reads(nn.Module):

@@ -5,7 +5,6 @@ and the scale's history included; weights and optimizer state stay float32."""
 from __future__ import annotations
 
 import copy
-from typing import Any
 
 import pytest
 import torch
@@ -13,14 +12,8 @@ from torch import nn
 
 import harmony
 from harmony.errors import InputError
-from harmony.runtime.halving import Casts, casts
+from harmony.runtime.halving import unhalved
 from tests.conftest import deep_mlp, regression_batches, train_plain_scaled
-
-
-def none_halved(*args: Any) -> Casts:
-    """The pilot's casts with nothing halved: every weight copied in float32, autocast casting it."""
-    return casts(*args)._replace(only=frozenset())
-
 
 MICROBATCHES = 2
 
@@ -156,7 +149,7 @@ def test_weights_copied_in_halved_train_bit_for_bit_as_float32_copies_under_auto
     halved_names = []
     for halving in (True, False):
         if not halving:
-            monkeypatch.setattr("harmony.runtime.pilot.casts", none_halved)
+            monkeypatch.setattr("harmony.runtime.pilot.casts", unhalved)
         model = mixed()
         result = harmony.train(model, batches, nn.functional.mse_loss, adam, microbatches=MICROBATCHES, devices=2,
                                device_memory=budget, precision=precision, packs_per_task=2, mode="free",
