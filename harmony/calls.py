@@ -54,7 +54,7 @@ class Fit:
 
 
 KEPT = 5  # runs' figures kept per kind
-PHASE = 6  # the fewest steps before a run's first pruning step that its fit reads (the steps after train fewer jobs)
+PHASE = 6  # the fewest steps between a pruned run's pruning steps (or its ends) that its fit reads
 PAUSES = 3  # the fewest steps between evaluations or checkpoints that a run's median step stands clear of
 PROBE = 1e-3  # seconds per call at which the simulator's work for a task counts its calls
 TaskKind = tuple[str, int, int, int]  # a device task's kind, job, pack and group: its steps' tasks alike
@@ -233,14 +233,15 @@ def steady(plan: RunPlan, samples: list[int], call_seconds: float, handling_seco
     return (run.makespan - ramp) / steps, busy / steps
 
 
-def _window(stats: Stats, until: int | None = None) -> tuple[float, float, float] | None:
+def _window(stats: Stats, within: range | None = None) -> tuple[float, float, float] | None:
     """The slowest model's steady seconds per step, and when its steady steps begin and end (None: no model ran
-    steps enough for a steady rate), of the steps before until where given. A model's steady step is the median over
-    its steady steps (steps that finished together, a multi-step task's, as one): an evaluation's or a checkpoint's
-    pause every few steps leaves it."""
+    steps enough for a steady rate), of the steps within where given (of the models that ran them all). A model's
+    steady step is the median over its steady steps (steps that finished together, a multi-step task's, as one): an
+    evaluation's or a checkpoint's pause every few steps leaves it."""
     windows = []
     for times in stats.step_seconds:
-        times = times[:until]
+        if within is not None:
+            times = times[within.start:within.stop] if len(times) >= within.stop else []
         with contextlib.suppress(ValueError):  # a model that stopped early
             first, last = steady_window(times)
             ends = [step for step in range(first, last + 1) if step == last or times[step + 1] != times[step]]
@@ -249,11 +250,12 @@ def _window(stats: Stats, until: int | None = None) -> tuple[float, float, float
     return max(windows) if windows else None
 
 
-def measured(stats: Stats, until: int | None = None) -> tuple[float, float] | None:
-    """A run's steady seconds per step (its slowest model's, _window) and its devices' busy seconds per step over the
-    same steps (the fwd and bwd tasks of Stats.timeline, cut to those steps' span: upd tasks beside the devices and
-    evaluations left out); None where no model ran steps enough for a steady rate."""
-    window = _window(stats, until)
+def measured(stats: Stats, within: range | None = None) -> tuple[float, float] | None:
+    """A run's steady seconds per step (its slowest model's, _window; of the steps within where given) and its
+    devices' busy seconds per step over the same steps (the fwd and bwd tasks of Stats.timeline, cut to those steps'
+    span: upd tasks beside the devices and evaluations left out); None where no model ran steps enough for a steady
+    rate."""
+    window = _window(stats, within)
     if window is None:
         return None
     step, begin, end = window
@@ -263,10 +265,10 @@ def measured(stats: Stats, until: int | None = None) -> tuple[float, float] | No
     return step, busy * step / (end - begin)
 
 
-def durations(stats: Stats, until: int | None = None) -> dict[TaskKind, float]:
+def durations(stats: Stats, within: range | None = None) -> dict[TaskKind, float]:
     """Each kind of device task's median seconds (fwd and bwd tasks of one job, pack and group: TaskKind) over the
     steady steps of measured (its window); empty where there are none."""
-    window = _window(stats, until)
+    window = _window(stats, within)
     if window is None:
         return {}
     begin, end = window[1:]
@@ -280,26 +282,52 @@ def durations(stats: Stats, until: int | None = None) -> dict[TaskKind, float]:
     return {kind: statistics.median(seconds) for kind, seconds in taken.items()}
 
 
+def phase(plan: RunPlan, pruned: dict[int, int], steps: int) -> tuple[range, RunPlan, list[int]] | None:
+    """The steps of a pruned run that its fit reads and the plan they ran: the first PHASE steps or more between its
+    pruning steps (or its ends) in which a swapped job trains, and the plan of the jobs training in them (an array
+    with members stopped narrowed to those training, Job.narrowed; compiled, it computes every member), with those
+    jobs' indices in plan; None where no such steps. pruned: each stopped model's step (TrainResult.pruned); steps:
+    the run's."""
+    bounds = sorted({0, *pruned.values(), steps})
+    for start, stop in itertools.pairwise(bounds):
+        training = {index: sum(pruned.get(member, steps) >= stop for member in job.members)
+                    for index, job in enumerate(plan.jobs)}
+        kept = [index for index, count in training.items() if count]
+        if stop - start < PHASE or all(plan.jobs[index].home is not None for index in kept):
+            continue
+        jobs = [plan.jobs[index] for index in kept]
+        jobs = [job if training[index] == len(job.members) or plan.options.compile
+                else job.narrowed(training[index] / len(job.members)) for index, job in zip(kept, jobs)]
+        return range(start, stop), dataclasses.replace(plan, jobs=tuple(jobs)), kept
+    return None
+
+
 def learn(result: TrainResult, samples: list[int], kind: str | None, local: bool = False) -> Pending | None:
     """Keep a run's steady figures (samples: each job's per step) for devices of kind, to be fitted when first asked
     (Pending), and with local (its devices all on this machine) on disk for later processes; None (nothing kept)
-    where the run says nothing of the costs: devices of several kinds, no swapped job, fewer than PHASE steps before
-    its first pruning step (a pruned run's figures are those steps'), evaluations or checkpoints fewer than PAUSES
-    steps apart (the simulator predicts neither), too few steps for a steady rate."""
-    plan = result.plan
+    where the run says nothing of the costs: devices of several kinds, no swapped job, a pruned run without PHASE
+    steps between pruning steps in which a swapped job trains (its figures are the first such steps', with the
+    plan of the jobs training in them: phase), evaluations or checkpoints fewer than PAUSES steps apart (the
+    simulator predicts neither), too few steps for a steady rate."""
+    plan, steps = result.plan, None
     if kind is None or all(job.home is not None for job in plan.jobs):
-        return None
-    until = min(result.pruned.values()) if result.pruned else None  # the steps every job of the plan trained
-    if until is not None and until < PHASE:
         return None
     pauses = [every for every, on in ((plan.options.eval_every, any(result.val_history)),
                                       (plan.options.checkpoint_every, True)) if on and every is not None]
     if min(pauses, default=PAUSES) < PAUSES:  # time the simulator does not predict, in too many steps for the median
         return None
-    figures = measured(result.stats, until)
+    kept = list(range(len(plan.jobs)))
+    if result.pruned:
+        found = phase(plan, result.pruned, max(len(times) for times in result.stats.step_seconds))
+        if found is None:
+            return None
+        steps, plan, kept = found
+    figures = measured(result.stats, steps)
     if figures is None:
         return None
-    pending = Pending(plan, samples, *figures, kind, kept=local, durations=durations(result.stats, until))
+    taken = {(task, kept.index(job), pack, group): seconds
+             for (task, job, pack, group), seconds in durations(result.stats, steps).items() if job in kept}
+    pending = Pending(plan, [samples[index] for index in kept], *figures, kind, kept=local, durations=taken)
     FITS[kind] = [*_kept(kind)[1 - KEPT:], pending]
     if local:
         _save(kind)

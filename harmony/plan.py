@@ -275,23 +275,14 @@ def _pruned(plan: RunPlan, counts: list[int], shares: list[float], running: list
     """The plan and steps per job to simulate a pruned run by: a job that computes shares of its model-steps (its
     live members') and runs running of its steps at all (while any member trains). A homed job's pruned step
     shrinks whole (its weights stay on its device): it runs its computed share of its steps. A swapped array runs
-    its running steps, each costing a task's fixed costs whole and the rest shrunk to the members it computes then:
-    compute, the values it hands between packs, and (runtime.rows) the rows of its weights copied in, of its
-    gradients written back and of its host update; a pack updated on its device moves its whole stacks."""
+    its running steps, each costing a task's fixed costs whole and the rest shrunk to the members it computes then
+    (Job.narrowed)."""
     jobs, steps = [], []
     for job, count, share, runs in zip(plan.jobs, counts, shares, running):
         if job.home is not None or not job.fused or runs <= 0:
             jobs.append(job)
             steps.append(max(1, round(count * share)))  # a job's first rung runs
             continue
-        fraction = min(1.0, share / runs)
-        packs = tuple(dataclasses.replace(
-            pack, forward_seconds_per_sample=pack.forward_seconds_per_sample * fraction,
-            input_bytes_per_sample=pack.input_bytes_per_sample * fraction,
-            cost=pack.cost if pack.index in job.device_updates else dataclasses.replace(
-                pack.cost, weights=round(pack.cost.weights * fraction), grads=round(pack.cost.grads * fraction)))
-            for pack in job.packing.packs)
-        jobs.append(dataclasses.replace(job, packing=dataclasses.replace(job.packing, packs=packs),
-                                        step_seconds=job.step_seconds * fraction))
+        jobs.append(job.narrowed(min(1.0, share / runs)))
         steps.append(max(1, round(count * runs)))
     return dataclasses.replace(plan, jobs=tuple(jobs)), steps

@@ -139,6 +139,20 @@ class Job:
             packs.append(dataclasses.replace(pack, cost=held) if pack.halved else pack)
         return dataclasses.replace(self.packing, packs=tuple(packs))
 
+    def narrowed(self, fraction: float) -> Job:
+        """The job as its steps run with fraction of its members training, of a swapped array that computes those
+        alone (runtime.rows): its compute, the values it hands between packs, and the rows of its weights copied in
+        and of its gradients written back (and so its host update), shrunk to them (a pack updated on its device
+        still moves its whole stacks); the tasks, and their fixed costs, as many."""
+        packs = tuple(dataclasses.replace(
+            pack, forward_seconds_per_sample=pack.forward_seconds_per_sample * fraction,
+            input_bytes_per_sample=pack.input_bytes_per_sample * fraction,
+            cost=pack.cost if pack.index in self.device_updates else dataclasses.replace(
+                pack.cost, weights=round(pack.cost.weights * fraction), grads=round(pack.cost.grads * fraction)))
+            for pack in self.packing.packs)
+        return dataclasses.replace(self, packing=dataclasses.replace(self.packing, packs=packs),
+                                   step_seconds=self.step_seconds * fraction)
+
     @property
     def section_count(self) -> int:
         """How many tasks one pass (forward or backward) of a step has: one per section."""

@@ -108,8 +108,8 @@ def test_a_swapped_run_fits_the_costs_that_predict_its_steady_step_and_later_pla
         "a model pruned at step 4: too few steps of the plan's jobs all training")
     assert calls.fits("cpu") == [fit]
     phase = calls.learn(dataclasses.replace(result, pruned={0: 8}), [16], "cpu")
-    assert phase is not None and phase.step == calls.measured(result.stats, 8)[0], "the steps before step 8"
-    assert calls.measured(result.stats, 8) != calls.measured(result.stats)
+    assert phase is not None and phase.step == calls.measured(result.stats, range(8))[0], "the steps before step 8"
+    assert calls.measured(result.stats, range(8)) != calls.measured(result.stats)
     calls.FITS["cpu"].pop()
     for spaced in (every(3, None), every(None, 4)):
         kept = calls.learn(spaced, [16], "cpu")
@@ -143,6 +143,42 @@ def test_a_swapped_run_fits_the_costs_that_predict_its_steady_step_and_later_pla
 
     harmony.shutdown()
     assert calls.FITS == {} and calls.learned("cpu") is None
+
+
+def test_a_pruned_run_reads_its_first_steps_between_pruning_steps_long_enough_with_the_plan_that_ran_them() -> None:
+    """Three models, two of them fused: the plan of a phase keeps the jobs training in it, an array with a member
+    stopped narrowed to the other (compiled, it computes both); phases shorter than PHASE are passed over."""
+    plan = harmony.plan([deep_mlp() for _ in range(3)], regression_batches(160, 16), devices=["cpu"],
+                        device_memory=weight_bytes(deep_mlp()), microbatches=4, fuse=2).plan
+    assert all(job.home is None for job in plan.jobs), "swapped"
+    array, alone = (next(index for index, job in enumerate(plan.jobs) if len(job.members) == size) for size in (2, 1))
+    first, second = plan.jobs[array].members
+    steps, whole, stopped = calls.phase(plan, {plan.jobs[alone].members[0]: 8}, 20)
+    assert steps == range(8) and whole == plan and stopped == [0, 1], "every job training for 8 steps"
+    steps, narrowed, kept = calls.phase(plan, {plan.jobs[alone].members[0]: 3, first: 4}, 20)
+    assert steps == range(4, 20) and kept == [array], "3 and 1 steps before: too few"
+    assert narrowed.jobs == (plan.jobs[array].narrowed(0.5),)
+    packs = zip(narrowed.jobs[0].packing.packs, plan.jobs[array].packing.packs)
+    assert all(pack.forward_seconds_per_sample == 0.5 * whole_pack.forward_seconds_per_sample
+               for pack, whole_pack in packs)
+    compiled = dataclasses.replace(plan, options=dataclasses.replace(plan.options, compile=True))
+    assert calls.phase(compiled, {first: 4}, 20)[1].jobs == compiled.jobs, "every member computed, compiled"
+    assert calls.phase(plan, {first: 5, second: 5, plan.jobs[alone].members[0]: 10}, 14) is None, "5, 5 and 4 steps"
+
+
+def test_a_run_pruned_early_fits_its_longer_later_steps() -> None:
+    """Two swapped models, one stopped at step 3: the fit reads steps 3 to 15, the other model alone."""
+    batches = regression_batches(16 * 15, 16)
+    result = harmony.train([deep_mlp(), deep_mlp()], batches, loss_fn=nn.functional.mse_loss, optimizer=sgd,
+                           devices=["cpu"], device_memory=weight_bytes(deep_mlp()) // 3, microbatches=4,
+                           packs_per_task=1, fuse=False, val_loaders=batches[:1], eval_every=3,
+                           prune=lambda step, standings: [1] if step == 3 else [], progress=False)
+    assert result.pruned == {1: 3}
+    pending = result.host_costs
+    assert pending is not None and len(pending.plan.jobs) == 1 and pending.plan.jobs[0].members == (0,)
+    assert pending.step == calls.measured(result.stats, range(3, 15))[0]
+    assert {job for _, job, _, _ in pending.durations} == {0}
+    assert result.call_seconds is not None, "a fit of the later steps"
 
 
 def test_a_runs_busy_time_per_step_is_its_devices_tasks_over_its_slowest_models_steady_steps() -> None:

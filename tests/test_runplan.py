@@ -73,3 +73,17 @@ def test_a_bf16_model_is_cut_for_halved_copies_and_a_homed_job_holds_float32() -
     homed = dataclasses.replace(job, home="cpu-0")
     for pack, held in zip(job.packing.packs, homed.device_packing.packs, strict=True):
         assert held.cost.weights == pack.float_bytes and held.cost.grads == pack.cost.grads
+
+
+def test_a_narrowed_job_shrinks_its_compute_and_the_rows_it_moves_but_not_a_device_updated_packs_stacks() -> None:
+    job = next(job for job in small_sweep_plan(fuse=True).jobs if job.fused)
+    job = dataclasses.replace(job, device_updates=(0,))
+    half = job.narrowed(0.5)
+    assert half.step_seconds == 0.5 * job.step_seconds and half.members == job.members
+    for pack, whole in zip(half.packing.packs, job.packing.packs, strict=True):
+        assert pack.forward_seconds_per_sample == 0.5 * whole.forward_seconds_per_sample
+        assert pack.input_bytes_per_sample == 0.5 * whole.input_bytes_per_sample
+        moved = (whole.cost.weights, whole.cost.grads) if pack.index == 0 else (
+            round(whole.cost.weights / 2), round(whole.cost.grads / 2))
+        assert (pack.cost.weights, pack.cost.grads) == moved
+    assert job.narrowed(1.0) == job
