@@ -40,17 +40,20 @@ from harmony.tasks.graph import parse_key
 from harmony.tasks.hardware import Hardware
 from harmony.tasks.runplan import RunPlan
 from harmony.tasks.simulator import Simulation, fit_least, simulate_machines
+from harmony.tasks.work import optimizer_seconds
 
 logger = logging.getLogger("harmony")
 
 
 @dataclasses.dataclass(frozen=True)
 class Fit:
-    """What one run's steps say the runtime costs on the host: seconds per pack call (Hardware.call_seconds) and per
-    task (Hardware.handling_seconds)."""
+    """What one run's steps say the runtime costs on the host: seconds per pack call (Hardware.call_seconds), per
+    task (Hardware.handling_seconds) and, where it updated swapped packs on the host store, per update besides the
+    optimizer's passes (Hardware.update_call_seconds; measured, update_cost)."""
 
     call_seconds: float
     handling_seconds: float
+    update_call_seconds: float | None = None
 
 
 KEPT = 5  # runs' figures kept per kind
@@ -70,9 +73,11 @@ class Pending:
     is written there once found. plan may be its msgpack bytes (as read from disk), decoded when first needed."""
 
     def __init__(self, plan: RunPlan | bytes, samples: list[int], step: float, busy: float, kind: str,
-                 kept: bool = False, durations: dict[TaskKind, float] | None = None) -> None:
+                 kept: bool = False, durations: dict[TaskKind, float] | None = None, update: float | None = None
+                 ) -> None:
         self._plan, self.samples, self.step, self.busy, self.kind, self.kept = plan, samples, step, busy, kind, kept
         self.durations = durations or {}
+        self.update = update
         self.name = uuid.uuid4().hex
         self.at = time.time()
         self._fit: Fit | None = None
@@ -100,17 +105,17 @@ class Pending:
                 _save(self.kind)
         return self._fit
 
-    def costs(self) -> tuple[float, float] | None:
-        """(call_seconds, handling_seconds) of the fit, as a run's result reports them."""
+    def costs(self) -> tuple[float, float, float | None] | None:
+        """(call_seconds, handling_seconds, update_call_seconds) of the fit, as a run's result reports them."""
         fit = self.fit()
-        return None if fit is None else (fit.call_seconds, fit.handling_seconds)
+        return None if fit is None else (fit.call_seconds, fit.handling_seconds, fit.update_call_seconds)
 
     def entry(self) -> dict[str, Any]:
         """What the file keeps of it."""
         plan = self._plan if isinstance(self._plan, bytes) else self._plan.to_msgpack()
-        fit = None if self._fit is None else [self._fit.call_seconds, self._fit.handling_seconds]
+        fit = None if self._fit is None else list(dataclasses.astuple(self._fit))
         return {"name": self.name, "at": self.at, "plan": plan, "samples": list(self.samples), "step": self.step,
-                "busy": self.busy, "fitted": self._fitted, "fit": fit,
+                "busy": self.busy, "update": self.update, "fitted": self._fitted, "fit": fit,
                 "durations": [[*kind, seconds] for kind, seconds in self.durations.items()]}
 
     @staticmethod
@@ -118,12 +123,13 @@ class Pending:
         """One run as a file kept it (KeyError, TypeError or ValueError where it is not such an entry)."""
         durations = {(str(task), int(job), int(pack), int(group)): float(seconds)
                      for task, job, pack, group, seconds in entry["durations"]}
+        update = None if entry["update"] is None else float(entry["update"])
         run = Pending(bytes(entry["plan"]), [int(count) for count in entry["samples"]], float(entry["step"]),
-                      float(entry["busy"]), kind, kept=True, durations=durations)
+                      float(entry["busy"]), kind, kept=True, durations=durations, update=update)
         run.name, run.at, run._fitted = str(entry["name"]), float(entry["at"]), bool(entry["fitted"])
         if entry["fit"] is not None:
-            call, handling = entry["fit"]
-            run._fit = Fit(float(call), float(handling))
+            call, handling, stepping = entry["fit"]
+            run._fit = Fit(float(call), float(handling), None if stepping is None else float(stepping))
         return run
 
 
@@ -169,8 +175,10 @@ def learned(kind: str | None) -> Fit | None:
     kept = fits(kind)
     if not kept:
         return None
+    updates = [fit.update_call_seconds for fit in kept if fit.update_call_seconds is not None]
     return Fit(statistics.median(fit.call_seconds for fit in kept),
-               statistics.median(fit.handling_seconds for fit in kept))
+               statistics.median(fit.handling_seconds for fit in kept),
+               statistics.median(updates) if updates else None)
 
 
 def kind_of(specs: Iterable[DeviceSpec]) -> str | None:
@@ -184,7 +192,9 @@ def fitted(hardware: Hardware, kind: str | None) -> Hardware:
     fit = learned(kind)
     if fit is None:
         return hardware
-    return dataclasses.replace(hardware, call_seconds=fit.call_seconds, handling_seconds=fit.handling_seconds)
+    update = hardware.update_call_seconds if fit.update_call_seconds is None else fit.update_call_seconds
+    return dataclasses.replace(hardware, call_seconds=fit.call_seconds, handling_seconds=fit.handling_seconds,
+                               update_call_seconds=update)
 
 
 def simulated(plan: RunPlan, samples: list[int], call_seconds: float, handling_seconds: float) -> Simulation:
@@ -327,18 +337,38 @@ def learn(result: TrainResult, samples: list[int], kind: str | None, local: bool
         return None
     taken = {(task, kept.index(job), pack, group): seconds
              for (task, job, pack, group), seconds in durations(result.stats, steps).items() if job in kept}
-    pending = Pending(plan, [samples[index] for index in kept], *figures, kind, kept=local, durations=taken)
+    pending = Pending(plan, [samples[index] for index in kept], *figures, kind, kept=local, durations=taken,
+                      update=update_cost(result))
     FITS[kind] = [*_kept(kind)[1 - KEPT:], pending]
     if local:
         _save(kind)
     return pending
 
 
+def update_cost(result: TrainResult) -> float | None:
+    """The runtime's host work per update of a swapped pack on the host store (Hardware.update_call_seconds) that a
+    run measured: its workers' seconds per such update (Stats.update_seconds over Stats.updates) less the
+    optimizer's passes predicted for one (the mean over the packs its plan updates there), at least 0; None where it
+    updated none."""
+    count = sum(result.stats.updates.values())
+    plan = result.plan
+    packs = [(job.packing, pack) for job in plan.jobs if job.home is None
+             for pack in range(len(job.packing.packs)) if pack not in job.device_updates]
+    if not count or not packs:
+        return None
+    passes = statistics.mean(optimizer_seconds(packing, range(pack, pack + 1), plan.hardware)
+                             for packing, pack in packs)
+    return max(0.0, sum(result.stats.update_seconds.values()) / count - passes)
+
+
 def _fit(run: Pending, plan: RunPlan) -> Fit | None:
     """Pending.fit: the call cost from the run's task durations (per_call), or where they cannot tell it from a
-    cost per task, to its busy time; then the cost per task to the steady step; None where no costs up to LARGEST
-    explain them (the plan mispredicts something else)."""
+    cost per task, to its busy time; then the cost per task to the steady step, each with the run's measured cost
+    per host update (update_cost) in its plan; None where no costs up to LARGEST explain them (the plan mispredicts
+    something else)."""
     started = time.perf_counter()
+    plan = dataclasses.replace(plan, hardware=dataclasses.replace(plan.hardware,
+                                                                  update_call_seconds=run.update or 0.0))
 
     @functools.cache  # the second fit starts where the first ended
     def predicted(call: float, handling: float) -> tuple[float, float]:
@@ -354,9 +384,10 @@ def _fit(run: Pending, plan: RunPlan) -> Fit | None:
                     "take nothing of it", run.step * 1e3, run.busy * 1e3, LARGEST * 1e3)
         return None
     logger.info("harmony: the runtime's host cost on %s devices, fitted to a run's %.1f ms steps (%.1f ms of them "
-                "busy): %.0f µs a pack call, %.0f µs a task (fitted in %.2f s)", run.kind, run.step * 1e3,
-                run.busy * 1e3, calls * 1e6, handling * 1e6, time.perf_counter() - started)
-    return Fit(calls, handling)
+                "busy): %.0f µs a pack call, %.0f µs a task, %s a host update (fitted in %.2f s)", run.kind,
+                run.step * 1e3, run.busy * 1e3, calls * 1e6, handling * 1e6,
+                "none" if run.update is None else f"{run.update * 1e6:.0f} µs", time.perf_counter() - started)
+    return Fit(calls, handling, run.update)
 
 
 def forget(files: bool = False) -> None:

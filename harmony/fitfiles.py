@@ -25,7 +25,7 @@ from typing import Any
 import msgpack
 import torch
 
-FORMAT = 1  # the entries' layout: a file of another is ignored
+FORMAT = 2  # the entries' layout: a file of another is ignored
 
 
 def directory() -> Path | None:

@@ -29,6 +29,8 @@ NAMES = (
     "wait_ns",
     "room_ns",
     "gc_ns",
+    "update_ns",
+    "updates",
     "tasks",
     "executing",
 )

@@ -346,6 +346,14 @@ class RunContext:
         skipped (the version still advances) when any gradient of the step was not finite, and the model's last pack
         writes the next step's scale (see runtime.scaler). files are those the gradients were computed from, by the
         task that applies it (see writing)."""
+        started = time.perf_counter_ns()
+        try:
+            self._update(model, pack, step, files)
+        finally:
+            self.counters.add("update_ns", time.perf_counter_ns() - started)
+            self.counters.add("updates", 1)
+
+    def _update(self, model: int, pack: int, step: int, files: Sequence[ShippedTensors]) -> None:
         spec = self.spec.models[model]
         runtime = spec.packs[pack]
         stopped = self.members(model).stopped() if spec.members > 1 else []

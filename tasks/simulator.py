@@ -28,7 +28,7 @@ from harmony.tasks.memory import BudgetExceeded, DeviceMemory
 from harmony.tasks.microbatch import deal, split_sizes
 from harmony.tasks.packing import Packing
 from harmony.tasks.runplan import Job, RunPlan, section_packs
-from harmony.tasks.work import task_seconds, update_seconds
+from harmony.tasks.work import optimizer_seconds, task_seconds, update_seconds
 
 
 class ScheduleExceedsBudget(ValueError):
@@ -274,7 +274,7 @@ def homed_update_seconds(packing: Packing, pack: int, hardware: Hardware) -> flo
     """Predicted time of a homed pack's update on its device: its optimizer's step as the planner measured it
     (Pack.update_seconds), else the host store's passes, at the device's compute scale."""
     measured = packing.packs[pack].update_seconds
-    seconds = update_seconds(packing, range(pack, pack + 1), hardware) if measured is None else measured
+    seconds = optimizer_seconds(packing, range(pack, pack + 1), hardware) if measured is None else measured
     return seconds / hardware.compute_scale
 
 
@@ -521,8 +521,7 @@ class _Clock:
         if task.kind == "bwd" and homed:
             compute += sum(homed_update_seconds(packing, pack, self.hardware) for pack in packs)
         elif task.kind == "bwd" and updates_in_backward(job.groups, job.overlap):
-            compute += sum(update_seconds(packing, range(pack, pack + 1), self.hardware)
-                           / (self.hardware.compute_scale if pack in job.device_updates else 1.0) for pack in packs)
+            compute += sum(self._update_seconds(job, pack) for pack in packs)
         copy = self._copy_seconds(task, device, submit.first, n, compute)
         recomputes = task.kind == "bwd" and not homed
         skipped = 0
@@ -542,6 +541,13 @@ class _Clock:
         self.free_at[device] = end
         self.last_compute[device] = compute
         heapq.heappush(self.events, (end, len(self.times), task))
+
+    def _update_seconds(self, job: Job, pack: int) -> float:
+        """A swapped pack's update in its bwd task: on its device at the device's speed (the optimizer's passes), else
+        on the host store (the passes and the runtime's work for an update)."""
+        if pack in job.device_updates:
+            return optimizer_seconds(job.packing, range(pack, pack + 1), self.hardware) / self.hardware.compute_scale
+        return update_seconds(job.packing, range(pack, pack + 1), self.hardware)
 
     def _with_calls(self, task: TaskId, samples: int, compute: float, skipped: int) -> float:
         """A swapped fwd or bwd task's compute with the runtime's host work for its pack calls (Hardware.with_calls):

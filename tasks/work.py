@@ -26,5 +26,12 @@ def task_seconds(task: TaskId, packing: Packing, samples: int, hardware: Hardwar
 
 
 def update_seconds(packing: Packing, packs: range, hardware: Hardware) -> float:
-    """Predicted time of the optimizer steps of packs on the host store: a few passes over their weights."""
+    """Predicted time of the updates of packs on the host store: the optimizer's passes over their weights
+    (optimizer_seconds) and the runtime's host work for each pack's update (Hardware.update_call_seconds)."""
+    return optimizer_seconds(packing, packs, hardware) + len(packs) * hardware.update_call_seconds
+
+
+def optimizer_seconds(packing: Packing, packs: range, hardware: Hardware) -> float:
+    """Predicted time of the optimizer's steps of packs alone, wherever they run: a few passes over their weights at
+    the host store's optimizer rate."""
     return 4 * sum(packing.packs[pack].float_bytes for pack in packs) / hardware.optimizer_bytes_per_second

@@ -41,8 +41,10 @@ def assert_predicts(result: harmony.TrainResult, fit: calls.Fit) -> None:
     assert figures is not None
     step, busy = figures
     assert 0 < busy < 2 * step, "two devices at most busy all along"
-    plan = dataclasses.replace(result.plan, hardware=dataclasses.replace(result.plan.hardware, call_seconds=0.0,
-                                                                          handling_seconds=0.0))
+    assert fit.update_call_seconds == calls.update_cost(result), "measured"
+    hardware = dataclasses.replace(result.plan.hardware, call_seconds=0.0, handling_seconds=0.0,
+                                   update_call_seconds=fit.update_call_seconds or 0.0)
+    plan = dataclasses.replace(result.plan, hardware=hardware)
     durations = calls.durations(result.stats)
     assert {kind for kind, *_ in durations} == {"fwd", "bwd"}, "a pack a task: forwards and backwards timed"
     cost = fit.call_seconds
@@ -86,11 +88,21 @@ def test_a_swapped_run_fits_the_costs_that_predict_its_steady_step_and_later_pla
         "the first run planned without them")
     assert fitted == [], "train returned without fitting"
     assert result.call_seconds is not None and result.handling_seconds is not None
-    fit = calls.Fit(result.call_seconds, result.handling_seconds)
+    fit = calls.Fit(result.call_seconds, result.handling_seconds, result.update_call_seconds)
+    assert fit.update_call_seconds is not None and sum(result.stats.updates.values()) == 10 * len(
+        result.plan.jobs[0].packing.packs), "a host update per pack and step, timed"
     assert fitted == [result.host_costs] and calls.FITS["cpu"] == fitted, "fitted when first asked, once"
     assert calls.fits("cpu") == [fit] and calls.learned("cpu") == fit
     assert_predicts(result, fit)
 
+    def timed(updates: int, seconds: float) -> harmony.TrainResult:
+        return dataclasses.replace(result, stats=dataclasses.replace(
+            result.stats, updates={"cpu-0": updates}, update_seconds={"cpu-0": seconds}))
+
+    packs = result.plan.jobs[0].packing.packs
+    passes = sum(4 * pack.float_bytes for pack in packs) / len(packs) / result.plan.hardware.optimizer_bytes_per_second
+    assert calls.update_cost(timed(10, 0.01)) == pytest.approx(1e-3 - passes), "per update, less the passes"
+    assert calls.update_cost(timed(10, 0.0)) == 0.0 and calls.update_cost(timed(0, 0.0)) is None
     slow = dataclasses.replace(result, stats=dataclasses.replace(
         result.stats, step_seconds=[[100.0 * step for step in range(10)]]))
     unexplained = calls.learn(slow, [16], "cpu")
@@ -123,20 +135,28 @@ def test_a_swapped_run_fits_the_costs_that_predict_its_steady_step_and_later_pla
 
     forecast = harmony.plan(deep_mlp(), regression_batches(160, 16), devices=["cpu"], device_memory=budget,
                             microbatches=4)
-    assert (forecast.hardware.call_seconds, forecast.hardware.handling_seconds) == (fit.call_seconds,
-                                                                                  fit.handling_seconds)
+    assert (forecast.hardware.call_seconds, forecast.hardware.handling_seconds,
+            forecast.hardware.update_call_seconds) == dataclasses.astuple(fit)
     line = (f"with {fit.call_seconds * 1e6:,.0f} µs of the runtime's host work per pack call and "
             f"{fit.handling_seconds * 1e6:,.0f} µs per task")
-    assert (line in str(forecast)) == (fit != calls.Fit(0.0, 0.0))
+    assert (line in str(forecast)) == (fit.call_seconds > 0 or fit.handling_seconds > 0)
+    assert f"({fit.update_call_seconds * 1e6:,.0f} µs per host update of a pack)" in str(forecast)
     again = train(budget)
     assert again.plan.hardware.call_seconds == fit.call_seconds, "the next run on such devices plans with them"
     assert again.plan.hardware.handling_seconds == fit.handling_seconds
     assert again.call_seconds is not None and again.handling_seconds is not None
-    refit = calls.Fit(again.call_seconds, again.handling_seconds)
+    assert again.plan.hardware.update_call_seconds == fit.update_call_seconds
+    refit = calls.Fit(again.call_seconds, again.handling_seconds, again.update_call_seconds)
     assert_predicts(again, refit)
-    assert calls.learned("cpu") == calls.Fit(pytest.approx((fit.call_seconds + refit.call_seconds) / 2),
-                                             pytest.approx((fit.handling_seconds + refit.handling_seconds) / 2)), (
-        "the medians of the fits")
+    if again.plan.jobs[0].device_updates:  # the host's measured cost per update makes updating on the device faster
+        assert refit.update_call_seconds is None and sum(again.stats.updates.values()) == 0, "none on the host"
+        updates = fit.update_call_seconds
+    else:
+        assert refit.update_call_seconds is not None
+        updates = pytest.approx((fit.update_call_seconds + refit.update_call_seconds) / 2)
+    assert calls.learned("cpu") == calls.Fit(
+        pytest.approx((fit.call_seconds + refit.call_seconds) / 2),
+        pytest.approx((fit.handling_seconds + refit.handling_seconds) / 2), updates), "the medians of the fits"
     for _ in range(calls.KEPT):
         calls.learn(again, [16], "cpu")
     assert calls.fits("cpu") == [refit] * calls.KEPT and len(calls.FITS["cpu"]) == calls.KEPT, "the last few fits"
@@ -214,12 +234,13 @@ def test_a_run_too_short_for_a_steady_step_keeps_nothing() -> None:
 
 
 def test_later_plans_take_the_medians_of_the_fits_for_their_kind_of_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    made = [calls.Fit(1e-3, 5e-3), calls.Fit(2e-3, 1e-3), calls.Fit(0.04, 3e-3)]
+    made = [calls.Fit(1e-3, 5e-3, 4e-4), calls.Fit(2e-3, 1e-3, None), calls.Fit(0.04, 3e-3, 2e-4)]
     monkeypatch.setattr(calls, "_fit", lambda run, plan: made[int(run.step)])
     calls.FITS["cuda"] = [calls.Pending(None, [16], float(index), 0.0, "cuda")  # type: ignore[arg-type]
                           for index in range(3)]  # the fit stands in for one simulating a plan
     hardware = calls.fitted(Hardware(), "cuda")
     assert (hardware.call_seconds, hardware.handling_seconds) == (2e-3, 3e-3), "one run's outlier moves nothing"
+    assert hardware.update_call_seconds == pytest.approx(3e-4), "the median of the runs that updated on the host"
     assert calls.fitted(Hardware(), "cpu") == Hardware(), "none fitted for CPU devices"
     assert calls.fitted(Hardware(), None) == Hardware(), "devices of several kinds"
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 
@@ -223,6 +224,26 @@ def test_an_update_on_the_device_costs_its_state_over_the_link_and_the_optimizer
     with pytest.raises(ScheduleExceedsBudget, match="more bytes"):
         replay_memory(order, [wide], {"d": held - 1}, device_updates=updated)
     assert replay_memory(order, [wide], {"d": held}, device_updates=updated).peak["d"] == held
+
+
+def test_the_runtimes_work_per_host_update_lengthens_a_bwd_that_updates_on_the_host_alone() -> None:
+    """Hardware.update_call_seconds: a swapped pack's bwd that updates on the host store takes it more, one that
+    updates on its device or a homed step nothing more."""
+    packing = chain_packing(layers=6, budget=7000)
+    plain = Hardware(task_overhead=0.0, host_link=1e6, optimizer_bytes_per_second=2e6)
+    costly = dataclasses.replace(plain, update_call_seconds=0.01)
+    every = tuple(range(len(packing.packs)))
+
+    def seconds(hardware: Hardware, **options: Any) -> list[float]:
+        run = simulate([packing], [1], [8], {"d": 7000}, hardware, prefetch=False, **options)
+        return [run.times[TaskId("bwd", 0, pack, 0)][1] - run.times[TaskId("bwd", 0, pack, 0)][0] for pack in every]
+
+    assert seconds(costly) == pytest.approx([second + 0.01 for second in seconds(plain)])
+    assert seconds(costly, device_updates=[every]) == pytest.approx(seconds(plain, device_updates=[every]))
+    single = chain_packing(layers=2)
+    homed = [simulate([single], [1], [8], {"d": 10**9}, hardware, homes={0: "d"}).makespan
+             for hardware in (plain, costly)]
+    assert homed[0] == homed[1]
 
 
 def test_a_section_whose_later_packs_stashes_are_predicted_recomputes_none_of_their_inputs() -> None:

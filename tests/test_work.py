@@ -7,7 +7,7 @@ import pytest
 from harmony.tasks.graph import TaskId
 from harmony.tasks.hardware import Hardware
 from harmony.tasks.packing import Pack, PackCost, Packing
-from harmony.tasks.work import task_seconds, update_seconds
+from harmony.tasks.work import optimizer_seconds, task_seconds, update_seconds
 
 
 def packing(*forwards: float) -> Packing:
@@ -33,3 +33,12 @@ def test_an_update_is_a_few_passes_over_the_packs_weights_at_the_host_stores_rat
     host = Hardware(optimizer_bytes_per_second=1e6)
     assert update_seconds(cut, range(0, 2), host) == pytest.approx(4 * 2000 / 1e6)
     assert task_seconds(TaskId("upd", 0, 1, 0), cut, 10, host) == update_seconds(cut, range(1, 2), host)
+
+
+def test_a_host_update_adds_the_runtimes_work_for_each_pack_to_the_optimizers_passes() -> None:
+    cut = packing(1e-3, 2e-3, 3e-3)
+    host = Hardware(optimizer_bytes_per_second=1e6, update_call_seconds=5e-4)
+    assert optimizer_seconds(cut, range(0, 2), host) == pytest.approx(4 * 2000 / 1e6)
+    assert update_seconds(cut, range(0, 2), host) == pytest.approx(4 * 2000 / 1e6 + 2 * 5e-4)
+    assert task_seconds(TaskId("upd", 0, 0, 0), cut, 10, host, range(0, 3)) == pytest.approx(
+        4 * 3000 / 1e6 + 3 * 5e-4), "an upd task of a section: each of its packs' updates"
