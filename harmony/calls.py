@@ -346,19 +346,25 @@ def learn(result: TrainResult, samples: list[int], kind: str | None, local: bool
 
 
 def update_cost(result: TrainResult) -> float | None:
-    """The runtime's host work per update of a swapped pack on the host store (Hardware.update_call_seconds) that a
-    run measured: its workers' seconds per such update (Stats.update_seconds over Stats.updates) less the
-    optimizer's passes predicted for one (the mean over the packs its plan updates there), at least 0; None where it
-    updated none."""
-    count = sum(result.stats.updates.values())
-    plan = result.plan
-    packs = [(job.packing, pack) for job in plan.jobs if job.home is None
-             for pack in range(len(job.packing.packs)) if pack not in job.device_updates]
-    if not count or not packs:
+    """The runtime's work per update of a swapped pack (Hardware.update_call_seconds) that a run measured: its
+    workers' seconds per update, on the host store and on the devices (Stats.update_seconds, device_update_seconds),
+    less the optimizer's passes predicted for one (each kind's mean over the packs its plan updates that way; on a
+    device at its compute scale), at least 0; None where it updated none."""
+    stats, plan = result.stats, result.plan
+    counts = (sum(stats.updates.values()), sum(stats.device_updates.values()))
+    if not sum(counts):
         return None
-    passes = statistics.mean(optimizer_seconds(packing, range(pack, pack + 1), plan.hardware)
-                             for packing, pack in packs)
-    return max(0.0, sum(result.stats.update_seconds.values()) / count - passes)
+    hardware = plan.hardware
+    host, device = [], []
+    for job in plan.jobs:
+        if job.home is None:
+            for pack in range(len(job.packing.packs)):
+                passes = optimizer_seconds(job.packing, range(pack, pack + 1), hardware)
+                (device if pack in job.device_updates else host).append(passes)
+    predicted = [statistics.mean(host) if host else 0.0,
+                 statistics.mean(device) / hardware.compute_scale if device else 0.0]
+    measured = sum(stats.update_seconds.values()) + sum(stats.device_update_seconds.values())
+    return max(0.0, (measured - sum(count * passes for count, passes in zip(counts, predicted))) / sum(counts))
 
 
 def _fit(run: Pending, plan: RunPlan) -> Fit | None:

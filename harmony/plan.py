@@ -168,7 +168,7 @@ class Forecast:
             + (f"; with {self.hardware.call_seconds * 1e6:,.0f} µs of the runtime's host work per pack call and "
                f"{self.hardware.handling_seconds * 1e6:,.0f} µs per task"
                if self.hardware.call_seconds or self.hardware.handling_seconds else "")
-            + (f" ({self.hardware.update_call_seconds * 1e6:,.0f} µs per host update of a pack)"
+            + (f" ({self.hardware.update_call_seconds * 1e6:,.0f} µs per update of a pack)"
                if self.hardware.update_call_seconds else "")
         )
         return "\n".join(lines)

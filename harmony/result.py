@@ -77,7 +77,8 @@ class Stats:
     gc_seconds: per device, the part its worker process spent in Python's garbage collector (which stops every
     thread of it); updates / update_seconds: per device, the host updates of swapped packs its worker applied (in
     its bwd tasks or its upd tasks beside them: runtime.optimizer) and the seconds they took, locks, copies and
-    checks included; reserved_device_bytes: per GPU, the most memory its worker's CUDA caching allocator held at once
+    checks included; device_updates / device_update_seconds the same of the updates its bwd tasks applied on the
+    device; reserved_device_bytes: per GPU, the most memory its worker's CUDA caching allocator held at once
     in the run (peak_device_bytes is what the budget accounted); schedule: per device, the keys of the tasks in the
     order it ran them;
     finish_seconds: per model, when its last step finished, counted from the same moment;
@@ -108,6 +109,8 @@ class Stats:
     gc_seconds: dict[str, float] = field(default_factory=dict)
     updates: dict[str, int] = field(default_factory=dict)
     update_seconds: dict[str, float] = field(default_factory=dict)
+    device_updates: dict[str, int] = field(default_factory=dict)
+    device_update_seconds: dict[str, float] = field(default_factory=dict)
     reserved_device_bytes: dict[str, int] = field(default_factory=dict)
     bytes_remote: int = 0
     bytes_p2p: int = 0
@@ -160,7 +163,7 @@ class HostCosts(Protocol):
     """Where a run's fitted host costs come from (harmony.calls.Pending): fitted when first asked."""
 
     def costs(self) -> tuple[float, float, float | None] | None:
-        """(seconds per pack call, seconds per task, seconds per host update or None where the run made none), or
+        """(seconds per pack call, seconds per task, seconds per update of a pack or None where the run made none), or
         None where no costs explain the run's steps."""
         ...
 
@@ -183,7 +186,7 @@ class TrainResult:
     stopped at (its weights, history and validation figures end there; it is not in failed). call_seconds and
     handling_seconds are the runtime's host cost per pack call and per task fitted to this run's steady steps (the
     first to its tasks' durations, the second to the rest of the step: harmony.calls), update_call_seconds its
-    host work per update of a swapped pack besides the optimizer's passes, as measured; later plans on such
+    work per update of a swapped pack besides the optimizer's passes, as measured; later plans on such
     devices take the medians of the last few runs'; None where the run said nothing of them (no swapped model, too
     few steps). They are fitted when first asked for (host_costs, harmony.calls.Pending), here or by a later plan.
     """
@@ -222,8 +225,8 @@ class TrainResult:
 
     @property
     def update_call_seconds(self) -> float | None:
-        """The runtime's host work per update of a swapped pack on the host store besides the optimizer's passes,
-        as this run's workers measured it (None: no such update, or no fit of the run)."""
+        """The runtime's work per update of a swapped pack (on the host store or its device) besides the optimizer's
+        passes, as this run's workers measured it (None: no such update, or no fit of the run)."""
         costs = None if self.host_costs is None else self.host_costs.costs()
         return None if costs is None else costs[2]
 
@@ -333,6 +336,8 @@ class TrainResult:
             gc_seconds={name: values["gc_ns"] / 1e9 for name, values in counters.items()},
             updates={name: values["updates"] for name, values in counters.items()},
             update_seconds={name: values["update_ns"] / 1e9 for name, values in counters.items()},
+            device_updates={name: values["device_updates"] for name, values in counters.items()},
+            device_update_seconds={name: values["device_update_ns"] / 1e9 for name, values in counters.items()},
             reserved_device_bytes={name: values["reserved"] for name, values in counters.items() if values["reserved"]},
             bytes_remote=sum(values["remote"] for values in counters.values()),
             bytes_p2p=sum(values["p2p"] for values in counters.values()),

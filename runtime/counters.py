@@ -31,6 +31,8 @@ NAMES = (
     "gc_ns",
     "update_ns",
     "updates",
+    "device_update_ns",
+    "device_updates",
     "tasks",
     "executing",
 )

@@ -458,6 +458,15 @@ class RunContext:
         """Apply a swapped pack's update for step on this device, once (see runtime.optimizer.update_on_device);
         weights, its device bytes, are stepped in place: the caller drops them from the cache when it lets them go.
         Called by the device's running task, whose files it checks first (see writing)."""
+        started = time.perf_counter_ns()
+        try:
+            self._update_on_device(model, pack, step, weights, grads)
+        finally:
+            self.counters.add("device_update_ns", time.perf_counter_ns() - started)
+            self.counters.add("device_updates", 1)
+
+    def _update_on_device(self, model: int, pack: int, step: int, weights: torch.Tensor, grads: torch.Tensor
+                          ) -> None:
         spec = self.spec.models[model]
         runtime = spec.packs[pack]
         stopped = self.members(model).stopped() if spec.members > 1 else []

@@ -24,10 +24,11 @@ class Hardware:
     it run, so that a task takes the longer of the two (with_calls). handling_seconds is the runtime's work per
     task that task_overhead, timed on the idle cluster, does not show: the driver binding and submitting it, the
     worker taking its values in and its results out, on a machine whose cores the devices compute with; it lies
-    between a device's tasks, where call_seconds lies inside them. update_call_seconds is the runtime's host work
-    per update of a swapped pack on the host store besides the optimizer's passes over its bytes (taking the pack's
-    lock, checking its files, copying the slot and the optimizer's state across, publishing the version; the
-    optimizer's own per-step work): a fixed cost per pack and step that small packs feel. The pilot's times contain
+    between a device's tasks, where call_seconds lies inside them. update_call_seconds is the runtime's work per
+    update of a swapped pack, on the host store or on its device, besides the optimizer's passes over its bytes (and
+    a device update's state copies): taking the pack's lock, checking its files, copying the slot and the state
+    across, publishing the version, the optimizer's own per-step work; a fixed cost per pack and step that small
+    packs feel. The pilot's times contain
     none of them; a run measures the last (its workers time their updates) and fits the others (harmony.calls: the
     call cost to its tasks' durations, the cost per task to the rest of the step), and later plans take them.
     """

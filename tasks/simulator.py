@@ -543,10 +543,11 @@ class _Clock:
         heapq.heappush(self.events, (end, len(self.times), task))
 
     def _update_seconds(self, job: Job, pack: int) -> float:
-        """A swapped pack's update in its bwd task: on its device at the device's speed (the optimizer's passes), else
-        on the host store (the passes and the runtime's work for an update)."""
+        """A swapped pack's update in its bwd task: the runtime's work for an update (Hardware.update_call_seconds)
+        and the optimizer's passes, on its device at the device's speed, else on the host store."""
         if pack in job.device_updates:
-            return optimizer_seconds(job.packing, range(pack, pack + 1), self.hardware) / self.hardware.compute_scale
+            passes = optimizer_seconds(job.packing, range(pack, pack + 1), self.hardware) / self.hardware.compute_scale
+            return passes + self.hardware.update_call_seconds
         return update_seconds(job.packing, range(pack, pack + 1), self.hardware)
 
     def _with_calls(self, task: TaskId, samples: int, compute: float, skipped: int) -> float:

@@ -89,19 +89,28 @@ def test_a_swapped_run_fits_the_costs_that_predict_its_steady_step_and_later_pla
     assert fitted == [], "train returned without fitting"
     assert result.call_seconds is not None and result.handling_seconds is not None
     fit = calls.Fit(result.call_seconds, result.handling_seconds, result.update_call_seconds)
-    assert fit.update_call_seconds is not None and sum(result.stats.updates.values()) == 10 * len(
-        result.plan.jobs[0].packing.packs), "a host update per pack and step, timed"
+    updates = sum(result.stats.updates.values()) + sum(result.stats.device_updates.values())
+    assert fit.update_call_seconds is not None and updates == 10 * len(result.plan.jobs[0].packing.packs), (
+        "an update per pack and step, timed")
     assert fitted == [result.host_costs] and calls.FITS["cpu"] == fitted, "fitted when first asked, once"
     assert calls.fits("cpu") == [fit] and calls.learned("cpu") == fit
     assert_predicts(result, fit)
 
-    def timed(updates: int, seconds: float) -> harmony.TrainResult:
-        return dataclasses.replace(result, stats=dataclasses.replace(
-            result.stats, updates={"cpu-0": updates}, update_seconds={"cpu-0": seconds}))
+    def timed(updates: int, seconds: float, device: bool = False) -> harmony.TrainResult:
+        stats = dataclasses.replace(result.stats, updates={"cpu-0": 0 if device else updates},
+                                    update_seconds={"cpu-0": 0.0 if device else seconds},
+                                    device_updates={"cpu-0": updates if device else 0},
+                                    device_update_seconds={"cpu-0": seconds if device else 0.0})
+        hardware = dataclasses.replace(result.plan.hardware, compute_scale=2.0)
+        job = dataclasses.replace(result.plan.jobs[0], device_updates=tuple(range(len(packs))) if device else ())
+        return dataclasses.replace(result, stats=stats, plan=dataclasses.replace(result.plan, jobs=(job,),
+                                                                                  hardware=hardware))
 
     packs = result.plan.jobs[0].packing.packs
     passes = sum(4 * pack.float_bytes for pack in packs) / len(packs) / result.plan.hardware.optimizer_bytes_per_second
     assert calls.update_cost(timed(10, 0.01)) == pytest.approx(1e-3 - passes), "per update, less the passes"
+    assert calls.update_cost(timed(10, 0.01, device=True)) == pytest.approx(1e-3 - passes / 2), (
+        "on the device, at its speed")
     assert calls.update_cost(timed(10, 0.0)) == 0.0 and calls.update_cost(timed(0, 0.0)) is None
     slow = dataclasses.replace(result, stats=dataclasses.replace(
         result.stats, step_seconds=[[100.0 * step for step in range(10)]]))
@@ -140,7 +149,7 @@ def test_a_swapped_run_fits_the_costs_that_predict_its_steady_step_and_later_pla
     line = (f"with {fit.call_seconds * 1e6:,.0f} µs of the runtime's host work per pack call and "
             f"{fit.handling_seconds * 1e6:,.0f} µs per task")
     assert (line in str(forecast)) == (fit.call_seconds > 0 or fit.handling_seconds > 0)
-    assert f"({fit.update_call_seconds * 1e6:,.0f} µs per host update of a pack)" in str(forecast)
+    assert f"({fit.update_call_seconds * 1e6:,.0f} µs per update of a pack)" in str(forecast)
     again = train(budget)
     assert again.plan.hardware.call_seconds == fit.call_seconds, "the next run on such devices plans with them"
     assert again.plan.hardware.handling_seconds == fit.handling_seconds
@@ -148,15 +157,11 @@ def test_a_swapped_run_fits_the_costs_that_predict_its_steady_step_and_later_pla
     assert again.plan.hardware.update_call_seconds == fit.update_call_seconds
     refit = calls.Fit(again.call_seconds, again.handling_seconds, again.update_call_seconds)
     assert_predicts(again, refit)
-    if again.plan.jobs[0].device_updates:  # the host's measured cost per update makes updating on the device faster
-        assert refit.update_call_seconds is None and sum(again.stats.updates.values()) == 0, "none on the host"
-        updates = fit.update_call_seconds
-    else:
-        assert refit.update_call_seconds is not None
-        updates = pytest.approx((fit.update_call_seconds + refit.update_call_seconds) / 2)
+    assert refit.update_call_seconds is not None
     assert calls.learned("cpu") == calls.Fit(
         pytest.approx((fit.call_seconds + refit.call_seconds) / 2),
-        pytest.approx((fit.handling_seconds + refit.handling_seconds) / 2), updates), "the medians of the fits"
+        pytest.approx((fit.handling_seconds + refit.handling_seconds) / 2),
+        pytest.approx((fit.update_call_seconds + refit.update_call_seconds) / 2)), "the medians of the fits"
     for _ in range(calls.KEPT):
         calls.learn(again, [16], "cpu")
     assert calls.fits("cpu") == [refit] * calls.KEPT and len(calls.FITS["cpu"]) == calls.KEPT, "the last few fits"
