@@ -78,8 +78,10 @@ class Stats:
     thread of it); updates / update_seconds: per device, the host updates of swapped packs its worker applied (in
     its bwd tasks or its upd tasks beside them: runtime.optimizer) and the seconds they took, locks, copies and
     checks included; device_updates / device_update_seconds the same of the updates its bwd tasks applied on the
-    device; reserved_device_bytes: per GPU, the most memory its worker's CUDA caching allocator held at once
-    in the run (peak_device_bytes is what the budget accounted); schedule: per device, the keys of the tasks in the
+    device; one_thread: per CPU device of more than one thread that timed its tasks both ways, whether it went on
+    with one thread rather than all (runtime.threads);
+    reserved_device_bytes: per GPU, the most memory its worker's CUDA caching allocator held at once in the run
+    (peak_device_bytes is what the budget accounted); schedule: per device, the keys of the tasks in the
     order it ran them;
     finish_seconds: per model, when its last step finished, counted from the same moment;
     step_seconds: per model, when each of its steps finished (its update applied), from the same moment
@@ -111,6 +113,7 @@ class Stats:
     update_seconds: dict[str, float] = field(default_factory=dict)
     device_updates: dict[str, int] = field(default_factory=dict)
     device_update_seconds: dict[str, float] = field(default_factory=dict)
+    one_thread: dict[str, bool] = field(default_factory=dict)
     reserved_device_bytes: dict[str, int] = field(default_factory=dict)
     bytes_remote: int = 0
     bytes_p2p: int = 0
@@ -337,6 +340,8 @@ class TrainResult:
             updates={name: values["updates"] for name, values in counters.items()},
             update_seconds={name: values["update_ns"] / 1e9 for name, values in counters.items()},
             device_updates={name: values["device_updates"] for name, values in counters.items()},
+            one_thread={name: bool(values["one_thread"]) for name, values in counters.items()
+                        if values["threads_chosen"]},
             device_update_seconds={name: values["device_update_ns"] / 1e9 for name, values in counters.items()},
             reserved_device_bytes={name: values["reserved"] for name, values in counters.items() if values["reserved"]},
             bytes_remote=sum(values["remote"] for values in counters.values()),

@@ -113,7 +113,8 @@ def task_body(kind: str, host: bool = False) -> Callable[[Callable[..., Result]]
             ctx.successor = successor
             ctx.attempt = key_attempt(key)
             ctx.files = files_read(values)
-            ctx.use_threads()
+            key_of = (kind, model, pack) if kind in ("fwd", "bwd") else None
+            ctx.use_threads(key_of)
             waited = ctx.counters.values["wait_ns"]
             collecting = collected_ns()
             began = time.time()

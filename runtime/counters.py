@@ -33,6 +33,8 @@ NAMES = (
     "updates",
     "device_update_ns",
     "device_updates",
+    "threads_chosen",
+    "one_thread",
     "tasks",
     "executing",
 )

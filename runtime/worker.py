@@ -62,6 +62,7 @@ from harmony.runtime.serial_copy import copy_serially
 from harmony.runtime.shipping import ShippedTensors, unship
 from harmony.runtime.skeleton import load_code, load_skeleton
 from harmony.runtime.spec import RunSpec
+from harmony.runtime.threads import TaskKey, Threads
 from harmony.tasks.graph import TaskId, parse_key
 
 RUNS: dict[tuple[str, str], RunContext] = {}
@@ -81,6 +82,8 @@ class RunContext:
         self.store = HostStore(spec.run, spec.store_directory, pin=self.device.type == "cuda")
         counters = Counters(self.store.attach(counters_name(self.device_index), block_bytes(len(spec.models))))
         self.threads = self.store.attach(threads_name(self.device_index), 8).view(torch.int64)
+        self.choice = Threads()  # one thread or all (CPU devices of several)
+        self._timing: tuple[TaskKey, int, float] | None = None  # the fwd or bwd task running: its threads, start
         self.cache = DeviceCache(
             self.device_spec.name, self.device, self.device_spec.budget, counters, self.device_spec.link_bandwidth,
             ahead=spec.ahead,
@@ -120,10 +123,26 @@ class RunContext:
         of its machine with nothing left to compute give theirs (runtime.devices.shared_threads)."""
         return int(self.threads[0]) or self.device_spec.threads
 
-    def use_threads(self) -> None:
-        """Give torch computing_threads, in the thread that runs the tasks."""
-        if torch.get_num_threads() != self.computing_threads:
-            torch.set_num_threads(self.computing_threads)
+    def use_threads(self, key: TaskKey | None = None) -> int:
+        """Give torch computing_threads in the thread that runs the tasks, or for a fwd or bwd task (key) of a CPU
+        device the one thread or all that the device chose or is timing (runtime.threads); returns how many. The
+        task before it, if a fwd or bwd, is timed from its start to this one's (what it cost the device, the
+        runtime's work after it included)."""
+        now = time.perf_counter()
+        threads = self.computing_threads
+        if self._timing is not None:
+            timed, used, began = self._timing
+            one = self.choice.finished(timed, used, threads, now - began)
+            if one is not None:
+                self.counters.add("threads_chosen", 1)
+                self.counters.add("one_thread", int(one))
+        self._timing = None
+        if key is not None and self.device.type == "cpu":
+            threads = self.choice.threads_for(key, threads)
+            self._timing = (key, threads, now)
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        return threads
 
     def autocast(self) -> AbstractContextManager[object]:
         """Where forward and backward compute (and a loss is taken): under torch.autocast in the run's precision

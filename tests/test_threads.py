@@ -1,0 +1,75 @@
+"""A CPU device's choice between one thread and all of its share, from its own tasks timed both ways."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import harmony
+from harmony.runtime.devices import cpu_count
+from harmony.runtime.threads import PAIRS, SKIP, Threads
+from tests.conftest import assert_same_weights, deep_mlp, param_bytes, regression_batches
+
+
+def run(choice: Threads, seconds: dict[int, float], steps: int, packs: int = 4, share: int = 2) -> list[int]:
+    """Steps of a job's fwd tasks, one per pack, each taking seconds[threads] of the device; the threads each ran
+    with, in order."""
+    used = []
+    for _ in range(steps):
+        for pack in range(packs):
+            key = ("fwd", 0, pack)
+            threads = choice.threads_for(key, share)
+            used.append(threads)
+            choice.finished(key, threads, share, seconds[threads])
+            choice.validate_state()
+    return used
+
+
+@pytest.mark.parametrize(("single", "every", "one"), [(1.0, 2.0, True), (2.0, 1.0, False)])
+def test_a_device_times_its_tasks_both_ways_and_keeps_the_faster(single: float, every: float, one: bool) -> None:
+    """Four tasks a step: after the first step (left out), each pair of steps, one thread and then all, gives four
+    ratios; with PAIRS of them the device keeps the faster way for every task after."""
+    choice = Threads()
+    used = run(choice, {1: single, 2: every}, steps=12)
+    assert used[:4] == [2] * 4 and used[4:8] == [1] * 4 and used[8:12] == [2] * 4, "a task's occurrences alternate"
+    timed = SKIP + 2 * PAIRS // 4
+    assert choice.one is one and len(choice.ratios) == PAIRS
+    assert used[4 * timed:] == [1 if one else 2] * (len(used) - 4 * timed), "then kept"
+
+
+def test_the_median_ratio_decides_and_a_device_of_one_thread_has_nothing_to_choose() -> None:
+    choice = Threads(pairs=3)
+    key = ("bwd", 1, 0)
+    assert choice.threads_for(key, 2) == 2
+    assert choice.finished(key, 2, 2, 100.0) is None and not choice.last, "the first occurrence, left out"
+    for ratio in (0.5, 1.5, 0.9):
+        assert choice.threads_for(key, 2) == 1
+        choice.finished(key, 1, 2, ratio)
+        assert choice.threads_for(key, 2) == 2
+        made = choice.finished(key, 2, 2, 1.0)
+    assert choice.ratios == [0.5, 1.5, 0.9] and choice.one is True and made is True, "the median, 0.9"
+    assert choice.threads_for(key, 4) == 1, "kept when the device's share grows"
+    alone = Threads()
+    assert run(alone, {1: 1.0, 2: 5.0}, steps=20, share=1) == [1] * 80 and alone.one is None and not alone.ratios
+
+
+def test_a_cpu_device_of_two_threads_chooses_and_trains_as_plain_pytorch_would() -> None:
+    """One CPU device of the machine's threads, swapped packs a task each: it reports its choice, and the float64
+    weights are plain PyTorch's (micro-batched the same way) to float64 rounding."""
+    if cpu_count() < 2:
+        pytest.skip("one CPU thread: nothing to choose")
+    batches = [(x.double(), y.double()) for x, y in regression_batches(16 * 24, 16)]
+    model = deep_mlp().double()
+    result = harmony.train(model, batches, loss_fn=nn.functional.mse_loss,
+                           optimizer=lambda p: torch.optim.SGD(p, lr=0.01), devices=["cpu"],
+                           device_memory=param_bytes(model) // 3, microbatches=2, packs_per_task=1, progress=False)
+    assert result.plan.jobs[0].home is None and set(result.stats.one_thread) == {"cpu-0"}, "timed both ways, chose"
+    plain = deep_mlp().double()
+    optimizer = torch.optim.SGD(plain.parameters(), lr=0.01)
+    for x, y in batches:
+        optimizer.zero_grad()
+        for xs, ys in zip(x.chunk(2), y.chunk(2)):
+            (nn.functional.mse_loss(plain(xs), ys) / 2).backward()
+        optimizer.step()
+    assert_same_weights(result.models[0], plain, rtol=1e-12, atol=1e-14)
