@@ -11,7 +11,8 @@ machine, so each device times it: the occurrences of each fwd and bwd task (kind
 same work) alternate between all of its threads and one, the first of each left out (the run's start slows it);
 each task is timed from its start to the next task's (what it cost the device, the runtime's work after it
 included); consecutive occurrences of a task give the ratio of their seconds, and once PAIRS ratios are in, the
-device keeps one thread if their median is below one, else all. A device of one thread has nothing to choose.
+device keeps one thread if their median is below one, else all, until its share of threads changes (an idle
+device gives its own). A device of one thread has nothing to choose.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class Threads:
     threads_for before a task, finished when the device's next task starts."""
 
     pairs: int = PAIRS
+    share: int = 0  # the device's threads that the choice, or the timing, is for
     one: bool | None = None  # the choice: True, one thread; None, still timing
     ratios: list[float] = field(default_factory=list)  # one thread's seconds over all threads', per pair
     last: dict[TaskKey, tuple[bool, float]] = field(default_factory=dict)  # an unpaired occurrence: (one, seconds)
@@ -37,7 +39,11 @@ class Threads:
 
     def threads_for(self, key: TaskKey, threads: int) -> int:
         """The threads task key runs with on a device whose share is threads now: as chosen, else, while timing,
-        all of them on its even occurrences and one on its odd ones."""
+        all of them on its even occurrences and one on its odd ones. A share other than the one the choice was made
+        for (threads an idle device gave, runtime.devices.shared_threads) times afresh."""
+        if threads != self.share:
+            self.share, self.one = threads, None
+            self.ratios, self.last, self.count = [], {}, {}
         if threads == 1:
             return 1
         if self.one is not None:
@@ -47,10 +53,10 @@ class Threads:
         return 1 if occurrence % 2 else threads
 
     def finished(self, key: TaskKey, threads: int, share: int, seconds: float) -> bool | None:
-        """Record that task key took seconds of the device with threads of its share (threads_for): a pair's ratio
-        with its last unpaired occurrence, and the choice once there are pairs of them, which it returns (True:
-        one thread; None: no choice made now)."""
-        if share == 1 or self.one is not None or self.count.get(key, 0) <= SKIP:
+        """Record that task key took seconds of the device with threads of its share then (threads_for): a pair's
+        ratio with its last unpaired occurrence, and the choice once there are pairs of them, which it returns
+        (True: one thread; None: no choice made now, or the share has changed since)."""
+        if share != self.share or share == 1 or self.one is not None or self.count.get(key, 0) <= SKIP:
             return None
         one = threads == 1
         unpaired = self.last.pop(key, None)

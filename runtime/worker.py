@@ -83,7 +83,8 @@ class RunContext:
         counters = Counters(self.store.attach(counters_name(self.device_index), block_bytes(len(spec.models))))
         self.threads = self.store.attach(threads_name(self.device_index), 8).view(torch.int64)
         self.choice = Threads()  # one thread or all (CPU devices of several)
-        self._timing: tuple[TaskKey, int, float] | None = None  # the fwd or bwd task running: its threads, start
+        self._timing: tuple[TaskKey, int, int, float] | None = None  # the fwd or bwd task running: its threads,
+        # the device's share then, its start
         self.cache = DeviceCache(
             self.device_spec.name, self.device, self.device_spec.budget, counters, self.device_spec.link_bandwidth,
             ahead=spec.ahead,
@@ -131,15 +132,15 @@ class RunContext:
         now = time.perf_counter()
         threads = self.computing_threads
         if self._timing is not None:
-            timed, used, began = self._timing
-            one = self.choice.finished(timed, used, threads, now - began)
+            timed, used, share, began = self._timing
+            one = self.choice.finished(timed, used, share, now - began)
             if one is not None:
                 self.counters.add("threads_chosen", 1)
                 self.counters.add("one_thread", int(one))
         self._timing = None
         if key is not None and self.device.type == "cpu":
-            threads = self.choice.threads_for(key, threads)
-            self._timing = (key, threads, now)
+            self._timing = (key, self.choice.threads_for(key, threads), threads, now)
+            threads = self._timing[1]
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
         return threads

@@ -49,7 +49,9 @@ def test_the_median_ratio_decides_and_a_device_of_one_thread_has_nothing_to_choo
         assert choice.threads_for(key, 2) == 2
         made = choice.finished(key, 2, 2, 1.0)
     assert choice.ratios == [0.5, 1.5, 0.9] and choice.one is True and made is True, "the median, 0.9"
-    assert choice.threads_for(key, 4) == 1, "kept when the device's share grows"
+    assert choice.finished(key, 2, 4, 1.0) is None and choice.one is True, "a task of the old share, not timed"
+    assert choice.threads_for(key, 4) == 4 and choice.one is None and not choice.ratios, (
+        "a new share (an idle device's threads given) times afresh, all threads first")
     alone = Threads()
     assert run(alone, {1: 1.0, 2: 5.0}, steps=20, share=1) == [1] * 80 and alone.one is None and not alone.ratios
 
