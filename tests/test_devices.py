@@ -33,20 +33,21 @@ def test_idle_cpu_devices_give_their_threads_to_the_cpu_devices_of_their_machine
 
 
 class Threads(nn.Module):
-    """A layer that records in a buffer the threads torch computed with at its last forward."""
+    """A layer that records in a buffer the most threads torch computed its forward with."""
 
     def __init__(self) -> None:
         super().__init__()
         self.register_buffer("seen", torch.zeros(()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.seen.fill_(torch.get_num_threads())
+        self.seen.fill_(max(float(self.seen), torch.get_num_threads()))
         return x
 
 
 def test_a_homed_model_left_alone_computes_with_the_threads_of_the_device_that_finished(no_leaks: None) -> None:
     """Two models homed on two CPU devices, one with far fewer steps: once it ends its device has nothing left to
-    compute, and the other's later tasks run with both devices' threads; the weights are still plain PyTorch's."""
+    compute, and the other's later tasks run with both devices' threads (the first of each task so, as the device
+    times its new share both ways, runtime.threads); the weights are still plain PyTorch's."""
     torch.manual_seed(0)
     models = [nn.Sequential(Threads(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1)) for _ in range(2)]
     references = [copy.deepcopy(model) for model in models]
