@@ -53,7 +53,9 @@ def harmony_run(data: list, devices: int, packs_per_task: int | str) -> dict[str
     steps = [b - a for a, b in zip(finished[WARMUP:], finished[WARMUP + 1 :])]
     job = result.plan.jobs[0]
     return {"packs": len(job.packing.packs), "tasks per pass": job.section_count, "tasks": result.stats.tasks,
-            "updates": "device" if job.device_updates else "beside" if job.overlap else "host", "steps": steps}
+            "updates": "device" if job.device_updates else "beside" if job.overlap else "host",
+            "threads": ",".join("one" if one else "all" for one in result.stats.one_thread.values()) or "one each",
+            "steps": steps}
 
 
 def main() -> None:
