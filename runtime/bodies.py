@@ -113,7 +113,7 @@ def task_body(kind: str, host: bool = False) -> Callable[[Callable[..., Result]]
             ctx.successor = successor
             ctx.attempt = key_attempt(key)
             ctx.files = files_read(values)
-            key_of = (kind, model, pack) if kind in ("fwd", "bwd") else None
+            key_of = (kind, model, pack) if kind in ("fwd", "bwd") and steps is None else None  # runtime.threads
             ctx.use_threads(key_of)
             waited = ctx.counters.values["wait_ns"]
             collecting = collected_ns()

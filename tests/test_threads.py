@@ -75,3 +75,15 @@ def test_a_cpu_device_of_two_threads_chooses_and_trains_as_plain_pytorch_would()
             (nn.functional.mse_loss(plain(xs), ys) / 2).backward()
         optimizer.step()
     assert_same_weights(result.models[0], plain, rtol=1e-12, atol=1e-14)
+
+
+def test_a_homed_jobs_tasks_of_several_steps_are_not_timed() -> None:
+    """Few and long: they run with every thread of the device, and a device that runs nothing else chooses
+    nothing."""
+    if cpu_count() < 2:
+        pytest.skip("one CPU thread: nothing to choose")
+    result = harmony.train(deep_mlp(), regression_batches(16 * 80, 16), loss_fn=nn.functional.mse_loss,
+                           optimizer=lambda p: torch.optim.SGD(p, lr=0.01), devices=["cpu"], steps_per_task=2,
+                           progress=False)
+    assert result.plan.jobs[0].home == "cpu-0" and result.stats.steps_per_task == [2], "40 tasks: pairs enough"
+    assert result.stats.one_thread == {}
