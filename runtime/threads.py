@@ -11,9 +11,9 @@ machine, so each device times it: the occurrences of each fwd and bwd task of on
 apart, the same work; a homed job's tasks of several steps are long, few and run with all threads) alternate
 between all of its threads and one, the first of each left out (the run's start slows it);
 each task is timed from its start to the next task's (what it cost the device, the runtime's work after it
-included); consecutive occurrences of a task give the ratio of their seconds, and once PAIRS ratios are in, the
-device keeps one thread if their median is below one, else all, until its share of threads changes (an idle
-device gives its own). A device of one thread has nothing to choose.
+included); consecutive occurrences of a task give the ratio of their seconds, and once PAIRS ratios are in (or
+AGREEING, all on one side of one), the device keeps one thread if their median is below one, else all, until its
+share of threads changes (an idle device gives its own). A device of one thread has nothing to choose.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import statistics
 from dataclasses import dataclass, field
 
 PAIRS = 16  # the ratios a device is timed for before its choice
+AGREEING = 4  # as many ratios all on one side of one choose sooner (a run of few tasks would time most of them)
 SKIP = 1  # each task's first occurrences left out of the timing: the run's first step (first touches, warm-up)
 TaskKey = tuple[str, int, int]  # a task's kind, job and pack: its occurrences, a step apart, do the same work
 
@@ -66,13 +67,15 @@ class Threads:
             return None
         single, every = (seconds, unpaired[1]) if one else (unpaired[1], seconds)
         self.ratios.append(single / every if every > 0 else 1.0)
-        if len(self.ratios) < self.pairs:
+        agree = len(self.ratios) >= AGREEING and len({ratio < 1.0 for ratio in self.ratios}) == 1
+        if len(self.ratios) < self.pairs and not agree:
             return None
         self.one = statistics.median(self.ratios) < 1.0
         self.last.clear()
         return self.one
 
     def validate_state(self) -> None:
-        """Chosen once there are pairs enough of ratios, and nothing left unpaired after."""
-        assert (self.one is not None) == (len(self.ratios) >= self.pairs), self.ratios
+        """Chosen once there are pairs enough of ratios (or agreeing ones), and nothing left unpaired after."""
+        agree = len(self.ratios) >= AGREEING and len({ratio < 1.0 for ratio in self.ratios}) == 1
+        assert (self.one is not None) == (len(self.ratios) >= self.pairs or agree), self.ratios
         assert self.one is None or not self.last

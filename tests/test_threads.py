@@ -8,7 +8,7 @@ from torch import nn
 
 import harmony
 from harmony.runtime.devices import cpu_count
-from harmony.runtime.threads import PAIRS, SKIP, Threads
+from harmony.runtime.threads import AGREEING, PAIRS, SKIP, Threads
 from tests.conftest import assert_same_weights, deep_mlp, param_bytes, regression_batches
 
 
@@ -28,14 +28,26 @@ def run(choice: Threads, seconds: dict[int, float], steps: int, packs: int = 4, 
 
 @pytest.mark.parametrize(("single", "every", "one"), [(1.0, 2.0, True), (2.0, 1.0, False)])
 def test_a_device_times_its_tasks_both_ways_and_keeps_the_faster(single: float, every: float, one: bool) -> None:
-    """Four tasks a step: after the first step (left out), each pair of steps, one thread and then all, gives four
-    ratios; with PAIRS of them the device keeps the faster way for every task after."""
+    """Four tasks a step: after the first step (left out), a step with one thread and one with all give four
+    ratios, all on one side of one here, so the device keeps the faster way for every task after."""
     choice = Threads()
     used = run(choice, {1: single, 2: every}, steps=12)
     assert used[:4] == [2] * 4 and used[4:8] == [1] * 4 and used[8:12] == [2] * 4, "a task's occurrences alternate"
-    timed = SKIP + 2 * PAIRS // 4
-    assert choice.one is one and len(choice.ratios) == PAIRS
+    assert choice.one is one and len(choice.ratios) == AGREEING == 4
+    timed = SKIP + 2
     assert used[4 * timed:] == [1 if one else 2] * (len(used) - 4 * timed), "then kept"
+
+
+def test_ratios_on_both_sides_of_one_are_timed_to_pairs_enough() -> None:
+    choice = Threads()
+    key = ("fwd", 0, 0)
+    choice.finished(key, choice.threads_for(key, 2), 2, 1.0)  # the first occurrence, left out
+    for index in range(PAIRS):
+        assert choice.one is None, f"{index} ratios, some each side"
+        choice.finished(key, choice.threads_for(key, 2), 2, 0.5 if index % 3 else 1.5)
+        choice.finished(key, choice.threads_for(key, 2), 2, 1.0)
+        choice.validate_state()
+    assert len(choice.ratios) == PAIRS and choice.one is True, "the median: one thread's half the time"
 
 
 def test_the_median_ratio_decides_and_a_device_of_one_thread_has_nothing_to_choose() -> None:
