@@ -83,6 +83,7 @@ class RunContext:
         counters = Counters(self.store.attach(counters_name(self.device_index), block_bytes(len(spec.models))))
         self.threads = self.store.attach(threads_name(self.device_index), 8).view(torch.int64)
         self.choice = Threads()  # one thread or all (CPU devices of several)
+        self.threads_now = 0  # what the device's last task computed with (the dashboard's)
         self._timing: tuple[TaskKey, int, int, float] | None = None  # the fwd or bwd task running: its threads,
         # the device's share then, its start
         self.cache = DeviceCache(
@@ -143,6 +144,7 @@ class RunContext:
             threads = self._timing[1]
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
+        self.threads_now = threads
         return threads
 
     def autocast(self) -> AbstractContextManager[object]:
@@ -625,7 +627,8 @@ def device_metrics(run: str) -> dict[str, Any]:
         "harmony_in": counter(*(f"in_{kind}" for kind in IN_KINDS)),
         "harmony_out": counter(*(f"out_{kind}" for kind in OUT_KINDS)),
         "harmony_busy": busy,
-        "harmony_threads": lambda worker: 0 if figures(worker) is None else figures(worker).computing_threads,
+        "harmony_threads": lambda worker: 0 if figures(worker) is None else (figures(worker).threads_now
+                                                                             or figures(worker).computing_threads),
     }
 
 
