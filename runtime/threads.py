@@ -9,11 +9,11 @@ long again with two threads as with one, while a long task's large multiplies ga
 device chooses for all of its tasks at once. Which way is faster depends on the layers, the tasks' length and the
 machine, so each device times it: the occurrences of each fwd and bwd task of one step (kind, job, pack: a step
 apart, the same work; a homed job's tasks of several steps are long, few and run with all threads) alternate
-between all of its threads and one, the first of each left out (the run's start slows it);
-each task is timed from its start to the next task's (what it cost the device, the runtime's work after it
-included); consecutive occurrences of a task give the ratio of their seconds, and once PAIRS ratios are in (or
-AGREEING, all on one side of one), the device keeps one thread if their median is below one, else all, until its
-share of threads changes (an idle device gives its own). A device of one thread has nothing to choose.
+between all of its threads and one, the first of each left out (the run's start slows it); each task is timed
+from its start to the next task's (what it cost the device, the runtime's work after it included); consecutive
+occurrences of a task give the ratio of their seconds, and once PAIRS ratios are in (or AGREEING, all on one side
+of one), the device keeps one thread if their median is below one, else all, until its share of threads changes
+(an idle device gives its own). A device of one thread has nothing to choose.
 """
 
 from __future__ import annotations

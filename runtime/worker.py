@@ -135,9 +135,9 @@ class RunContext:
         if self._timing is not None:
             timed, used, share, began = self._timing
             one = self.choice.finished(timed, used, share, now - began)
-            if one is not None:
-                self.counters.add("threads_chosen", 1)
-                self.counters.add("one_thread", int(one))
+            if one is not None:  # the latest choice (a new share times afresh)
+                self.counters.set("threads_chosen", 1)
+                self.counters.set("one_thread", int(one))
         self._timing = None
         if key is not None and self.device.type == "cpu":
             self._timing = (key, self.choice.threads_for(key, threads), threads, now)
