@@ -2,9 +2,9 @@
 
 A CPU device computes with a team of threads (OpenMP) on the host's cores, which it shares with its worker's
 event loop, the driver and the scheduler. A parallel region waits for the slowest thread of its team, so where one
-of them is descheduled to let the runtime's own work run, every op waits for it, and the team's threads take cores
-from that work as they spin after a region: a run of short tasks, whose runtime work never stops, can take half as
-long again with two threads as with one, while a long task's large multiplies gain from the team
+of them is descheduled to let the runtime's own work run, every op waits for it (letting idle threads sleep at once,
+OMP_WAIT_POLICY=PASSIVE, did not help): a run of short tasks, whose runtime work never stops, can take half as long
+again with two threads as with one, while a long task's large multiplies gain from the team
 (docs/performance.md, "One thread or all"). Tasks that run with a team slow the tasks around them too, so the
 device chooses for all of its tasks at once. Which way is faster depends on the layers, the tasks' length and the
 machine, so each device times it: the occurrences of each fwd and bwd task of one step (kind, job, pack: a step
