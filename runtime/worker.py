@@ -12,7 +12,7 @@ import functools
 import logging
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -66,6 +66,25 @@ from harmony.runtime.threads import TaskKey, Threads
 from harmony.tasks.graph import TaskId, parse_key
 
 RUNS: dict[tuple[str, str], RunContext] = {}
+
+
+def counted(name: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """A RunContext method whose calls its device's counters count (name + "s") and time (name + "_ns"), however
+    each ends."""
+
+    def decorate(method: Callable[..., None]) -> Callable[..., None]:
+        @functools.wraps(method)
+        def run(self: RunContext, *args: Any, **kwargs: Any) -> None:
+            started = time.perf_counter_ns()
+            try:
+                method(self, *args, **kwargs)
+            finally:
+                self.counters.add(f"{name}_ns", time.perf_counter_ns() - started)
+                self.counters.add(f"{name}s", 1)
+
+        return run
+
+    return decorate
 
 
 class RunContext:
@@ -140,8 +159,8 @@ class RunContext:
                 self.counters.set("one_thread", int(one))
         self._timing = None
         if key is not None and self.device.type == "cpu":
-            self._timing = (key, self.choice.threads_for(key, threads), threads, now)
-            threads = self._timing[1]
+            share, threads = threads, self.choice.threads_for(key, threads)
+            self._timing = (key, threads, share, now)
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
         self.threads_now = threads
@@ -362,20 +381,13 @@ class RunContext:
             _check(self.files, self.store)
             yield self.versions(model).current(pack)[0] == step
 
+    @counted("update")
     def update(self, model: int, pack: int, step: int, files: Sequence[ShippedTensors] = ()) -> None:
         """Apply a swapped pack's update for step on the host store, once (see runtime.optimizer), reducing the micro-
         batch groups' gradients first (vDP). With a scaled loss its gradients are unscaled first, the update is
         skipped (the version still advances) when any gradient of the step was not finite, and the model's last pack
         writes the next step's scale (see runtime.scaler). files are those the gradients were computed from, by the
         task that applies it (see writing)."""
-        started = time.perf_counter_ns()
-        try:
-            self._update(model, pack, step, files)
-        finally:
-            self.counters.add("update_ns", time.perf_counter_ns() - started)
-            self.counters.add("updates", 1)
-
-    def _update(self, model: int, pack: int, step: int, files: Sequence[ShippedTensors]) -> None:
         spec = self.spec.models[model]
         runtime = spec.packs[pack]
         stopped = self.members(model).stopped() if spec.members > 1 else []
@@ -476,19 +488,11 @@ class RunContext:
             self._norms[model] = Norms(self.store, model, spec.members, [len(pack.stepped) for pack in spec.packs])
         return self._norms[model]
 
+    @counted("device_update")
     def update_on_device(self, model: int, pack: int, step: int, weights: torch.Tensor, grads: torch.Tensor) -> None:
         """Apply a swapped pack's update for step on this device, once (see runtime.optimizer.update_on_device);
         weights, its device bytes, are stepped in place: the caller drops them from the cache when it lets them go.
         Called by the device's running task, whose files it checks first (see writing)."""
-        started = time.perf_counter_ns()
-        try:
-            self._update_on_device(model, pack, step, weights, grads)
-        finally:
-            self.counters.add("device_update_ns", time.perf_counter_ns() - started)
-            self.counters.add("device_updates", 1)
-
-    def _update_on_device(self, model: int, pack: int, step: int, weights: torch.Tensor, grads: torch.Tensor
-                          ) -> None:
         spec = self.spec.models[model]
         runtime = spec.packs[pack]
         stopped = self.members(model).stopped() if spec.members > 1 else []
