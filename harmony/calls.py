@@ -260,36 +260,27 @@ def _window(stats: Stats, within: range | None = None) -> tuple[float, float, fl
     return max(windows) if windows else None
 
 
-def measured(stats: Stats, within: range | None = None) -> tuple[float, float] | None:
-    """A run's steady seconds per step (its slowest model's, _window; of the steps within where given) and its
-    devices' busy seconds per step over the same steps (the fwd and bwd tasks of Stats.timeline, cut to those steps'
-    span: upd tasks beside the devices and evaluations left out); None where no model ran steps enough for a steady
-    rate."""
+def figures(stats: Stats, within: range | None = None) -> tuple[float, float, dict[TaskKind, float]] | None:
+    """A run's steady seconds per step (its slowest model's, _window; of the steps within where given), its devices'
+    busy seconds per step over the same steps (the fwd and bwd tasks of Stats.timeline, cut to those steps' span:
+    upd tasks beside the devices and evaluations left out), and each kind of those tasks' median seconds (TaskKind)
+    among those inside the span; None where no model ran steps enough for a steady rate."""
     window = _window(stats, within)
     if window is None:
         return None
     step, begin, end = window
-    busy = sum(max(0.0, min(stop, end) - max(start, begin))
-               for tasks in stats.timeline.values() for start, stop, _, key in tasks
-               if (parsed := parse_key(key)) is not None and parsed[0].kind != "upd")
-    return step, busy * step / (end - begin)
-
-
-def durations(stats: Stats, within: range | None = None) -> dict[TaskKind, float]:
-    """Each kind of device task's median seconds (fwd and bwd tasks of one job, pack and group: TaskKind) over the
-    steady steps of measured (its window); empty where there are none."""
-    window = _window(stats, within)
-    if window is None:
-        return {}
-    begin, end = window[1:]
+    busy = 0.0
     taken: dict[TaskKind, list[float]] = {}
     for tasks in stats.timeline.values():
         for start, stop, _, key in tasks:
             parsed = parse_key(key)
-            if parsed is not None and parsed[0].kind != "upd" and begin <= start and stop <= end:
+            if parsed is None or parsed[0].kind == "upd":
+                continue
+            busy += max(0.0, min(stop, end) - max(start, begin))
+            if begin <= start and stop <= end:
                 task = parsed[0]
                 taken.setdefault((task.kind, task.model, task.pack, task.group), []).append(stop - start)
-    return {kind: statistics.median(seconds) for kind, seconds in taken.items()}
+    return step, busy * step / (end - begin), {kind: statistics.median(seconds) for kind, seconds in taken.items()}
 
 
 def phase(plan: RunPlan, pruned: dict[int, int], steps: int) -> tuple[range, RunPlan, list[int]] | None:
@@ -332,12 +323,13 @@ def learn(result: TrainResult, samples: list[int], kind: str | None, local: bool
         if found is None:
             return None
         steps, plan, kept = found
-    figures = measured(result.stats, steps)
-    if figures is None:
+    found = figures(result.stats, steps)
+    if found is None:
         return None
+    step, busy, timed = found
     taken = {(task, kept.index(job), pack, group): seconds
-             for (task, job, pack, group), seconds in durations(result.stats, steps).items() if job in kept}
-    pending = Pending(plan, [samples[index] for index in kept], *figures, kind, kept=local, durations=taken,
+             for (task, job, pack, group), seconds in timed.items() if job in kept}
+    pending = Pending(plan, [samples[index] for index in kept], step, busy, kind, kept=local, durations=taken,
                       update=update_cost(result))
     FITS[kind] = [*_kept(kind)[1 - KEPT:], pending]
     if local:
@@ -363,14 +355,14 @@ def update_cost(result: TrainResult) -> float | None:
                 (device if pack in job.device_updates else host).append(passes)
     predicted = [statistics.mean(host) if host else 0.0,
                  statistics.mean(device) / hardware.compute_scale if device else 0.0]
-    measured = sum(stats.update_seconds.values()) + sum(stats.device_update_seconds.values())
-    return max(0.0, (measured - sum(count * passes for count, passes in zip(counts, predicted))) / sum(counts))
+    spent = sum(stats.update_seconds.values()) + sum(stats.device_update_seconds.values())
+    return max(0.0, (spent - sum(count * passes for count, passes in zip(counts, predicted))) / sum(counts))
 
 
 def _fit(run: Pending, plan: RunPlan) -> Fit | None:
     """Pending.fit: the call cost from the run's task durations (per_call), or where they cannot tell it from a
     cost per task, to its busy time; then the cost per task to the steady step, each with the run's measured cost
-    per host update (update_cost) in its plan; None where no costs up to LARGEST explain them (the plan mispredicts
+    per update (update_cost) in its plan; None where no costs up to LARGEST explain them (the plan mispredicts
     something else)."""
     started = time.perf_counter()
     plan = dataclasses.replace(plan, hardware=dataclasses.replace(plan.hardware,
@@ -390,7 +382,7 @@ def _fit(run: Pending, plan: RunPlan) -> Fit | None:
                     "take nothing of it", run.step * 1e3, run.busy * 1e3, LARGEST * 1e3)
         return None
     logger.info("harmony: the runtime's host cost on %s devices, fitted to a run's %.1f ms steps (%.1f ms of them "
-                "busy): %.0f µs a pack call, %.0f µs a task, %s a host update (fitted in %.2f s)", run.kind,
+                "busy): %.0f µs a pack call, %.0f µs a task, %s an update (fitted in %.2f s)", run.kind,
                 run.step * 1e3, run.busy * 1e3, calls * 1e6, handling * 1e6,
                 "none" if run.update is None else f"{run.update * 1e6:.0f} µs", time.perf_counter() - started)
     return Fit(calls, handling, run.update)

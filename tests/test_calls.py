@@ -37,15 +37,14 @@ def assert_predicts(result: harmony.TrainResult, fit: calls.Fit) -> None:
     """fit's call cost is the slope of the run's task durations over their pack calls (calls.per_call), and its cost
     per task, with that call cost, the least (to the fit's hundredth) at which the run's plan predicts its steady
     step."""
-    figures = calls.measured(result.stats)
+    figures = calls.figures(result.stats)
     assert figures is not None
-    step, busy = figures
+    step, busy, durations = figures
     assert 0 < busy < 2 * step, "two devices at most busy all along"
     assert fit.update_call_seconds == calls.update_cost(result), "measured"
     hardware = dataclasses.replace(result.plan.hardware, call_seconds=0.0, handling_seconds=0.0,
                                    update_call_seconds=fit.update_call_seconds or 0.0)
     plan = dataclasses.replace(result.plan, hardware=hardware)
-    durations = calls.durations(result.stats)
     assert {kind for kind, *_ in durations} == {"fwd", "bwd"}, "a pack a task: forwards and backwards timed"
     cost = fit.call_seconds
     assert cost == calls.per_call(plan, [16], durations)
@@ -129,8 +128,8 @@ def test_a_swapped_run_fits_the_costs_that_predict_its_steady_step_and_later_pla
         "a model pruned at step 4: too few steps of the plan's jobs all training")
     assert calls.fits("cpu") == [fit]
     phase = calls.learn(dataclasses.replace(result, pruned={0: 8}), [16], "cpu")
-    assert phase is not None and phase.step == calls.measured(result.stats, range(8))[0], "the steps before step 8"
-    assert calls.measured(result.stats, range(8)) != calls.measured(result.stats)
+    assert phase is not None and phase.step == calls.figures(result.stats, range(8))[0], "the steps before step 8"
+    assert calls.figures(result.stats, range(8))[:2] != calls.figures(result.stats)[:2]
     calls.FITS["cpu"].pop()
     for spaced in (every(3, None), every(None, 4)):
         kept = calls.learn(spaced, [16], "cpu")
@@ -201,7 +200,7 @@ def test_a_run_pruned_early_fits_its_longer_later_steps() -> None:
     assert result.pruned == {1: 3}
     pending = result.host_costs
     assert pending is not None and len(pending.plan.jobs) == 1 and pending.plan.jobs[0].members == (0,)
-    assert pending.step == calls.measured(result.stats, range(3, 15))[0]
+    assert pending.step == calls.figures(result.stats, range(3, 15))[0]
     assert {job for _, job, _, _ in pending.durations} == {0}
     assert result.call_seconds is not None, "a fit of the later steps"
 
@@ -214,13 +213,13 @@ def test_a_runs_busy_time_per_step_is_its_devices_tasks_over_its_slowest_models_
                 "d1": [(3.0, 4.0, 0.0, "bwd-m1-p0-s2-x")]}
     stats = Stats(peak_device_bytes={}, bytes_in={}, bytes_out={}, steps=[11, 5], tasks=4, wall_seconds=11.0,
                   step_seconds=[[float(step) for step in range(11)], [0.1, 0.2, 0.3, 0.4, 0.5]], timeline=timeline)
-    assert calls.measured(stats) == pytest.approx((1.0, (0.5 + 0.5 + 1.0) / 9))
+    assert calls.figures(stats)[:2] == pytest.approx((1.0, (0.5 + 0.5 + 1.0) / 9))
     paused = [float(step) + (4.0 if step >= 5 else 0.0) for step in range(11)]  # an evaluation after step 4
-    assert calls.measured(dataclasses.replace(stats, step_seconds=[paused, [0.1]]))[0] == pytest.approx(1.0), (
+    assert calls.figures(dataclasses.replace(stats, step_seconds=[paused, [0.1]]))[0] == pytest.approx(1.0), (
         "the median step")
     spans = [0.0, 1.0, 3.0, 3.0, 5.0, 5.0, 7.0, 7.0, 9.0, 9.0, 10.0]  # steps finishing two by two (spans)
-    assert calls.measured(dataclasses.replace(stats, step_seconds=[spans, [0.1]]))[0] == pytest.approx(1.0)
-    assert calls.measured(dataclasses.replace(stats, step_seconds=[[1.0], [2.0]])) is None, "no steady steps"
+    assert calls.figures(dataclasses.replace(stats, step_seconds=[spans, [0.1]]))[0] == pytest.approx(1.0)
+    assert calls.figures(dataclasses.replace(stats, step_seconds=[[1.0], [2.0]])) is None, "no steady steps"
 
 
 def test_a_homed_run_says_nothing_of_the_call_cost() -> None:
