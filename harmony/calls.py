@@ -40,7 +40,7 @@ from harmony.tasks.graph import parse_key
 from harmony.tasks.hardware import Hardware
 from harmony.tasks.runplan import RunPlan
 from harmony.tasks.simulator import Simulation, fit_least, simulate_machines
-from harmony.tasks.work import optimizer_seconds
+from harmony.tasks.work import update_passes
 
 logger = logging.getLogger("harmony")
 
@@ -346,15 +346,12 @@ def update_cost(result: TrainResult) -> float | None:
     counts = (sum(stats.updates.values()), sum(stats.device_updates.values()))
     if not sum(counts):
         return None
-    hardware = plan.hardware
     host, device = [], []
     for job in plan.jobs:
         if job.home is None:
             for pack in range(len(job.packing.packs)):
-                passes = optimizer_seconds(job.packing, range(pack, pack + 1), hardware)
-                (device if pack in job.device_updates else host).append(passes)
-    predicted = [statistics.mean(host) if host else 0.0,
-                 statistics.mean(device) / hardware.compute_scale if device else 0.0]
+                (device if pack in job.device_updates else host).append(update_passes(job, pack, plan.hardware))
+    predicted = [statistics.mean(passes) if passes else 0.0 for passes in (host, device)]
     spent = sum(stats.update_seconds.values()) + sum(stats.device_update_seconds.values())
     return max(0.0, (spent - sum(count * passes for count, passes in zip(counts, predicted))) / sum(counts))
 

@@ -340,9 +340,9 @@ class TrainResult:
             updates={name: values["updates"] for name, values in counters.items()},
             update_seconds={name: values["update_ns"] / 1e9 for name, values in counters.items()},
             device_updates={name: values["device_updates"] for name, values in counters.items()},
+            device_update_seconds={name: values["device_update_ns"] / 1e9 for name, values in counters.items()},
             one_thread={name: bool(values["one_thread"]) for name, values in counters.items()
                         if values["threads_chosen"]},
-            device_update_seconds={name: values["device_update_ns"] / 1e9 for name, values in counters.items()},
             reserved_device_bytes={name: values["reserved"] for name, values in counters.items() if values["reserved"]},
             bytes_remote=sum(values["remote"] for values in counters.values()),
             bytes_p2p=sum(values["p2p"] for values in counters.values()),

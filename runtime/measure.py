@@ -35,7 +35,7 @@ def this_machine() -> Hardware:
 
 
 def optimizer_rate(elements: int = 1 << 22, repeats: int = 3) -> float:
-    """The host store's update rate in tasks.work.update_seconds' measure (4 bytes per parameter byte a
+    """The host store's update rate in tasks.work.optimizer_seconds' measure (4 bytes per parameter byte a
     second): torch's fused CPU Adam over a float32 parameter, after the copies an update makes into the other slot
     (the weights and both moments, runtime.optimizer)."""
     param = nn.Parameter(torch.zeros(elements))

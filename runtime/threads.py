@@ -67,15 +67,19 @@ class Threads:
             return None
         single, every = (seconds, unpaired[1]) if one else (unpaired[1], seconds)
         self.ratios.append(single / every if every > 0 else 1.0)
-        agree = len(self.ratios) >= AGREEING and len({ratio < 1.0 for ratio in self.ratios}) == 1
-        if len(self.ratios) < self.pairs and not agree:
+        if not self.timed:
             return None
         self.one = statistics.median(self.ratios) < 1.0
         self.last.clear()
         return self.one
 
-    def validate_state(self) -> None:
-        """Chosen once there are pairs enough of ratios (or agreeing ones), and nothing left unpaired after."""
+    @property
+    def timed(self) -> bool:
+        """Whether the ratios are enough to choose by: pairs of them, or AGREEING all on one side of one."""
         agree = len(self.ratios) >= AGREEING and len({ratio < 1.0 for ratio in self.ratios}) == 1
-        assert (self.one is not None) == (len(self.ratios) >= self.pairs or agree), self.ratios
+        return len(self.ratios) >= self.pairs or agree
+
+    def validate_state(self) -> None:
+        """Chosen once the ratios are enough (timed), and nothing left unpaired after."""
+        assert (self.one is not None) == self.timed, self.ratios
         assert self.one is None or not self.last

@@ -28,9 +28,9 @@ class Hardware:
     update of a swapped pack, on the host store or on its device, besides the optimizer's passes over its bytes (and
     a device update's state copies): taking the pack's lock, checking its files, copying the slot and the state
     across, publishing the version, the optimizer's own per-step work; a fixed cost per pack and step that small
-    packs feel. The pilot's times contain
-    none of them; a run measures the last (its workers time their updates) and fits the others (harmony.calls: the
-    call cost to its tasks' durations, the cost per task to the rest of the step), and later plans take them.
+    packs feel. The pilot's times contain none of them; a run measures the last (its workers time their updates) and
+    fits the others (harmony.calls: the call cost to its tasks' durations, the cost per task to the rest of the
+    step), and later plans take them.
     """
 
     name: str = "this machine"

@@ -28,7 +28,7 @@ from harmony.tasks.memory import BudgetExceeded, DeviceMemory
 from harmony.tasks.microbatch import deal, split_sizes
 from harmony.tasks.packing import Packing
 from harmony.tasks.runplan import Job, RunPlan, section_packs
-from harmony.tasks.work import optimizer_seconds, task_seconds, update_seconds
+from harmony.tasks.work import optimizer_seconds, task_seconds, update_passes, update_seconds
 
 
 class ScheduleExceedsBudget(ValueError):
@@ -521,7 +521,8 @@ class _Clock:
         if task.kind == "bwd" and homed:
             compute += sum(homed_update_seconds(packing, pack, self.hardware) for pack in packs)
         elif task.kind == "bwd" and updates_in_backward(job.groups, job.overlap):
-            compute += sum(self._update_seconds(job, pack) for pack in packs)
+            compute += sum(update_passes(job, pack, self.hardware) + self.hardware.update_call_seconds
+                           for pack in packs)
         copy = self._copy_seconds(task, device, submit.first, n, compute)
         recomputes = task.kind == "bwd" and not homed
         skipped = 0
@@ -541,14 +542,6 @@ class _Clock:
         self.free_at[device] = end
         self.last_compute[device] = compute
         heapq.heappush(self.events, (end, len(self.times), task))
-
-    def _update_seconds(self, job: Job, pack: int) -> float:
-        """A swapped pack's update in its bwd task: the runtime's work for an update (Hardware.update_call_seconds)
-        and the optimizer's passes, on its device at the device's speed, else on the host store."""
-        if pack in job.device_updates:
-            passes = optimizer_seconds(job.packing, range(pack, pack + 1), self.hardware) / self.hardware.compute_scale
-            return passes + self.hardware.update_call_seconds
-        return update_seconds(job.packing, range(pack, pack + 1), self.hardware)
 
     def _with_calls(self, task: TaskId, samples: int, compute: float, skipped: int) -> float:
         """A swapped fwd or bwd task's compute with the runtime's host work for its pack calls (Hardware.with_calls):

@@ -7,6 +7,7 @@ from __future__ import annotations
 from harmony.tasks.graph import TaskId
 from harmony.tasks.hardware import Hardware
 from harmony.tasks.packing import Packing
+from harmony.tasks.runplan import Job
 
 
 def task_seconds(task: TaskId, packing: Packing, samples: int, hardware: Hardware, packs: range | None = None
@@ -35,3 +36,10 @@ def optimizer_seconds(packing: Packing, packs: range, hardware: Hardware) -> flo
     """Predicted time of the optimizer's steps of packs alone, wherever they run: a few passes over their weights at
     the host store's optimizer rate."""
     return 4 * sum(packing.packs[pack].float_bytes for pack in packs) / hardware.optimizer_bytes_per_second
+
+
+def update_passes(job: Job, pack: int, hardware: Hardware) -> float:
+    """Predicted time of the optimizer's passes of a swapped pack's update: on its device at the device's speed where
+    it updates there (Job.device_updates), else on the host store."""
+    passes = optimizer_seconds(job.packing, range(pack, pack + 1), hardware)
+    return passes / hardware.compute_scale if pack in job.device_updates else passes

@@ -7,7 +7,8 @@ import pytest
 from harmony.tasks.graph import TaskId
 from harmony.tasks.hardware import Hardware
 from harmony.tasks.packing import Pack, PackCost, Packing
-from harmony.tasks.work import optimizer_seconds, task_seconds, update_seconds
+from harmony.tasks.runplan import Job
+from harmony.tasks.work import optimizer_seconds, task_seconds, update_passes, update_seconds
 
 
 def packing(*forwards: float) -> Packing:
@@ -42,3 +43,11 @@ def test_a_host_update_adds_the_runtimes_work_for_each_pack_to_the_optimizers_pa
     assert update_seconds(cut, range(0, 2), host) == pytest.approx(4 * 2000 / 1e6 + 2 * 5e-4)
     assert task_seconds(TaskId("upd", 0, 0, 0), cut, 10, host, range(0, 3)) == pytest.approx(
         4 * 3000 / 1e6 + 3 * 5e-4), "an upd task of a section: each of its packs' updates"
+
+
+def test_a_packs_update_passes_run_at_the_devices_speed_where_it_updates_there() -> None:
+    job = Job(members=(0,), label="m", feed=0, seed=0, packing=packing(1e-3, 2e-3), steps=1, step_seconds=0.0,
+              batch_bytes=0, device_updates=(1,))
+    fast = Hardware(optimizer_bytes_per_second=1e6, compute_scale=4.0, update_call_seconds=5e-4)
+    assert update_passes(job, 0, fast) == pytest.approx(4 * 1000 / 1e6), "on the host store"
+    assert update_passes(job, 1, fast) == pytest.approx(4 * 1000 / 1e6 / 4), "on its device"
