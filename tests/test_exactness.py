@@ -268,10 +268,13 @@ def test_values_copied_ahead_and_sent_behind_over_a_link_give_the_same_weights(p
 
 
 def test_tasks_of_several_packs_draw_the_dropout_masks_and_keep_the_statistics_of_one_pack_tasks(
-    no_leaks: None
+    no_leaks: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Dropout masks are drawn per pack and batch norm's running statistics written per pack, so sections change
-    nothing: the weights and buffers equal those of one pack per task, bit for bit."""
+    nothing: the weights and buffers equal those of one pack per task, bit for bit, on a device of one thread (one
+    of several may choose one thread for short tasks and all for long ones, runtime.threads, and batch norm's sums
+    round by the threads that make them)."""
+    monkeypatch.setattr("harmony.runtime.devices.threads_per_device", lambda cpus, devices: 1)
     def model() -> nn.Sequential:
         torch.manual_seed(5)
         return nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Dropout(0.3), nn.Linear(64, 64),
