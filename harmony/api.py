@@ -271,6 +271,7 @@ def train(
     lr_schedule: Any = None,
     clip_grad_norm: Any = None,
     prune: Any = None,
+    threads: int | str = "auto",
 ) -> TrainResult:
     """Train every model on its data through fine-grained tasks on Dask device workers.
 
@@ -390,6 +391,14 @@ def train(
     weights and reservations, and a backward that does not find its stash recomputes), so the budget holds as
     without; result.stats.stashed and .recomputed count which way each micro-batch went. A compiled pack always
     recomputes. False recomputes every pack's forward (a baseline).
+
+    threads="auto" (the default) lets each CPU device choose how many of its share of the cores it computes with:
+    it times its tasks with one thread and with all of them, and keeps the faster (result.stats.one_thread), and a
+    device with nothing left to compute gives its threads to the others of its machine. Where a kernel splits a sum
+    by threads (batch norm, a convolution's weight gradient) the last bits of the weights then depend on timings. A
+    count, threads=1 say, makes every device worker compute with that many threads throughout (the pilot times the
+    layers so too): two runs of one plan give the same weights bit for bit, as a plain loop run twice at
+    ``torch.set_num_threads(1)`` does. On a GPU device it is the host threads its worker steps optimizers with.
     """
     options = read_options(locals())  # first: locals() are the arguments alone
     for name, value in (("host", host), ("dashboard_address", dashboard_address)):
@@ -403,7 +412,8 @@ def train(
     check_models(models)
     starting = specs = None
     if cluster is None:  # the embedded cluster's workers start while the rest is checked (see Starting)
-        specs = build_specs(*check_devices(devices, device_memory, link_bandwidth, cluster))
+        specs = build_specs(*check_devices(devices, device_memory, link_bandwidth, cluster),
+                            threads=options.fixed_threads)
         starting = Starting(specs, host, dashboard_address)
     args = validate(models, loaders, loss_fn, optimizer, options, devices, device_memory, cluster, link_bandwidth,
                     host_memory=host_memory, lr_schedule=lr_schedule, clip_grad_norm=clip_grad_norm)
@@ -414,7 +424,7 @@ def train(
     directory = check_checkpoints(checkpoint_dir, checkpoint_every, resume)
     with watching_interrupts(), training_conventions(args.models), user_cluster(args.cluster) as user:
         if user is not None:
-            specs = external_devices(user, args.device_memory)
+            specs = external_devices(user, args.device_memory, options.fixed_threads)
         assert specs is not None
         budgets = {spec.name: spec.budget for spec in specs}
         if starting is not None:

@@ -228,7 +228,7 @@ def plan(
     if hardware is not None:  # its devices copy micro-batch values ahead where they have a link to copy over
         args = dataclasses.replace(args, ahead=options.ahead and bool(hardware.host_link))
     if hardware is None:
-        specs = build_specs(args.devices, args.device_memory)
+        specs = build_specs(args.devices, args.device_memory, threads=options.fixed_threads)
         budgets = {spec.name: spec.budget for spec in specs}
         cpu = any(spec.kind == "cpu" for spec in specs)
         hardware = dataclasses.replace(this_machine(), shared_cores=cpu)

@@ -575,6 +575,11 @@ def check_options(options: Options) -> None:
         raise InputError(f"compile={options.compile!r} must be True or False")
     if not isinstance(options.stash, bool):
         raise InputError(f"stash={options.stash!r} must be True or False")
+    if options.threads != "auto" and (isinstance(options.threads, bool) or not isinstance(options.threads, int)
+                                      or options.threads < 1):
+        raise InputError(f"threads={options.threads!r} must be 'auto' (each CPU device times one thread against its "
+                         "share of the cores and takes an idle device's) or a count of threads for every device, "
+                         "such as 1 (the same threads every run: results reproducible bit for bit)")
     if options.precision == "fp16" and options.overlap_update is False:
         raise InputError("precision='fp16' steps a swapped model's packs in upd tasks once its whole backward is done "
                          "(whether the step is skipped depends on every gradient): leave overlap_update as None")
@@ -611,6 +616,7 @@ def describe_run(args: Arguments, budgets: dict[str, int]) -> dict[str, Any]:
     anything ran, nor how often it is checkpointed)."""
     options = dataclasses.asdict(args.options)
     options.pop("checkpoint_every")
+    options.pop("threads")  # how fast, and the last bits of a sum: a run may resume with other threads
     return {
         "models": [[type(model).__qualname__, [(name, list(t.shape), str(t.dtype))
                                               for name, t in model.state_dict().items()]] for model in args.models],

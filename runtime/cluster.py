@@ -378,10 +378,11 @@ def _probe_device() -> tuple[str, int, int, str]:
     return device, capacity(device, 1), cpu_count(), identity()
 
 
-def external_devices(handle: ClusterHandle, budget: int | dict[str, int] | None) -> list[DeviceSpec]:
+def external_devices(handle: ClusterHandle, budget: int | dict[str, int] | None, threads: int | None = None
+                     ) -> list[DeviceSpec]:
     """Every worker of a user's cluster is one device: its first visible GPU if it has one, else its CPU; the
-    workers on one machine share its CPU threads evenly. budget is every device's, or per worker name (a worker
-    not named keeps its device's own bytes)."""
+    workers on one machine share its CPU threads evenly (threads: that many each instead). budget is every device's,
+    or per worker name (a worker not named keeps its device's own bytes)."""
     found = handle.client.run(_probe_device)
     by_address = {address: name for name, address in handle.workers.items()}
     per_machine = Counter(machine for _, _, _, machine in found.values())
@@ -389,8 +390,8 @@ def external_devices(handle: ClusterHandle, budget: int | dict[str, int] | None)
     devices = []
     for address, (device, limit, cpus, machine) in sorted(found.items(), key=lambda item: by_address[item[0]]):
         name = by_address[address]
-        threads = threads_per_device(cpus, per_machine[machine])
+        share = threads or threads_per_device(cpus, per_machine[machine])
         given = budget.get(name) if isinstance(budget, dict) else budget
-        devices.append(DeviceSpec(name, device, given if given is not None else limit, threads,
+        devices.append(DeviceSpec(name, device, given if given is not None else limit, share,
                                   machine="" if machine == here else machine))
     return devices

@@ -136,9 +136,11 @@ def capacity(torch_device: str, cpu_devices: int) -> int:
 
 
 def build_specs(
-    torch_devices: list[str], budget: int | dict[str, int] | None, link_bandwidths: list[float | None] | None = None
+    torch_devices: list[str], budget: int | dict[str, int] | None, link_bandwidths: list[float | None] | None = None,
+    threads: int | None = None,
 ) -> list[DeviceSpec]:
-    """Device specs with names cpu-0, cpu-1, cuda-0 ... and the machine's CPU threads split evenly among them.
+    """Device specs with names cpu-0, cpu-1, cuda-0 ... and the machine's CPU threads split evenly among them
+    (threads: that many each instead).
 
     A CPU device computes with its threads; a GPU device's worker needs them too, for the optimizer steps
     it runs on the host store (docs/performance.md, "Host optimizers need the machine's threads").
@@ -148,7 +150,7 @@ def build_specs(
     """
     links = link_bandwidths or [None] * len(torch_devices)
     cpu_devices = sum(1 for d in torch_devices if d == "cpu")
-    threads = threads_per_device(cpu_count(), len(torch_devices))
+    threads = threads or threads_per_device(cpu_count(), len(torch_devices))
     specs = []
     cpu_index = 0
     for device, link in zip(torch_devices, links):

@@ -145,7 +145,8 @@ def execute(
         spec = RunSpec(run, str(stores[""].directory if "" in stores else shm_directory()), models, tuple(devices),
                        bool(plan.options.prefetch), plan.options.group, ahead=plan.options.ahead,
                        autocast=PRECISIONS[plan.options.precision],
-                       scaler=files.settings, compile=plan.options.compile, profile=profile)
+                       scaler=files.settings, compile=plan.options.compile, profile=profile,
+                       adaptive=plan.options.fixed_threads is None)
         handle.client.register_plugin(DevicePlugin(spec), name=plugin)
         registered = True
         try:
@@ -183,7 +184,8 @@ def execute(
                         [feeds[job.feed] for job in plan.jobs], handle.workers,
                         plan.options.microbatches, on_step=files.open_step,
                         on_progress=lambda _: watch(view),
-                        on_checkpoint=checkpoint if checkpoints is not None else None, on_idle=share,
+                        on_checkpoint=checkpoint if checkpoints is not None else None,
+                        on_idle=share if spec.adaptive else None,  # a count of threads stays each device's
                         validation=validation, metrics=metrics, executing=files.executing, ranking=ranking)
         publisher = Publisher(handle.client, run, names)
 

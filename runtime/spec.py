@@ -121,6 +121,7 @@ class RunSpec:
     autocast: str | None = None  # the dtype forward and backward compute in under torch.autocast (None: as is)
     scaler: Settings = field(default_factory=Settings)  # the loss scaler's arguments (jobs whose loss is scaled)
     compile: bool = False  # packs run through torch.compile
+    adaptive: bool = True  # a CPU device times one thread against all (runtime.threads) and takes idle devices'
     profile: tuple[str, int] | None = None  # (directory, steps): trace that many steps' tasks (runtime.profiling)
 
     def device_index(self, worker_name: str) -> int:

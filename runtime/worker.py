@@ -146,9 +146,9 @@ class RunContext:
 
     def use_threads(self, key: TaskKey | None = None) -> int:
         """Give torch computing_threads in the thread that runs the tasks, or for a fwd or bwd task (key) of a CPU
-        device the one thread or all that the device chose or is timing (runtime.threads); returns how many. The
-        task before it, if a fwd or bwd, is timed from its start to this one's (what it cost the device, the
-        runtime's work after it included)."""
+        device that adapts (threads="auto") the one thread or all that it chose or is timing (runtime.threads);
+        returns how many. The task before it, if a fwd or bwd, is timed from its start to this one's (what it cost
+        the device, the runtime's work after it included)."""
         now = time.perf_counter()
         threads = self.computing_threads
         if self._timing is not None:
@@ -158,7 +158,7 @@ class RunContext:
                 self.counters.set("threads_chosen", 1)
                 self.counters.set("one_thread", int(one))
         self._timing = None
-        if key is not None and self.device.type == "cpu":
+        if key is not None and self.device.type == "cpu" and self.spec.adaptive:
             share, threads = threads, self.choice.threads_for(key, threads)
             self._timing = (key, threads, share, now)
         if torch.get_num_threads() != threads:

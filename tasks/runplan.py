@@ -45,6 +45,13 @@ class Options:
     grad_scaler: dict[str, float] | None = None
     compile: bool = False
     stash: bool = True
+    threads: int | str = "auto"
+
+    @property
+    def fixed_threads(self) -> int | None:
+        """The threads every device worker computes with where threads is a count; None where each CPU device
+        adapts its own (runtime.threads, runtime.devices.shared_threads)."""
+        return None if self.threads == "auto" else int(self.threads)
 
     @property
     def ahead(self) -> bool:

@@ -117,6 +117,20 @@ class TiedEnds(nn.Module):
         return self.head(self.last(self.middle(self.first(x))))
 
 
+class ThreadsSeen(nn.Module):
+    """A layer that records in buffers the fewest and the most threads torch computed its forward with."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("fewest", torch.full((), float("inf")))
+        self.register_buffer("most", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.fewest.fill_(min(float(self.fewest), torch.get_num_threads()))
+        self.most.fill_(max(float(self.most), torch.get_num_threads()))
+        return x
+
+
 def param_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 

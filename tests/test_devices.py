@@ -10,7 +10,7 @@ from torch import nn
 import harmony
 from harmony.runtime import handoff, serialization  # noqa: F401
 from harmony.runtime.devices import DeviceSpec, build_specs, cpu_count, shared_threads, threads_per_device
-from tests.conftest import assert_same_weights
+from tests.conftest import ThreadsSeen, assert_same_weights
 
 
 def test_every_device_worker_gets_an_even_share_of_the_cpu_threads() -> None:
@@ -18,6 +18,8 @@ def test_every_device_worker_gets_an_even_share_of_the_cpu_threads() -> None:
     specs = build_specs(["cpu", "cuda:0"], budget=1_000_000)
     assert [spec.threads for spec in specs] == [threads_per_device(cpu_count(), 2)] * 2
     assert threads_per_device(16, 1) == 16 and threads_per_device(16, 3) == 5 and threads_per_device(2, 4) == 1
+    assert [spec.threads for spec in build_specs(["cpu", "cpu", "cuda:0"], 1_000_000, threads=3)] == [3, 3, 3], (
+        "threads=3: a count for every device, however many the machine has")
 
 
 def test_idle_cpu_devices_give_their_threads_to_the_cpu_devices_of_their_machine_that_still_compute() -> None:
@@ -32,24 +34,12 @@ def test_idle_cpu_devices_give_their_threads_to_the_cpu_devices_of_their_machine
     assert shared_threads(specs, frozenset({"cpu-0", "cpu-1", "cpu-2"})) == own, "no CPU device left to take them"
 
 
-class Threads(nn.Module):
-    """A layer that records in a buffer the most threads torch computed its forward with."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.register_buffer("seen", torch.zeros(()))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.seen.fill_(max(float(self.seen), torch.get_num_threads()))
-        return x
-
-
 def test_a_homed_model_left_alone_computes_with_the_threads_of_the_device_that_finished(no_leaks: None) -> None:
     """Two models homed on two CPU devices, one with far fewer steps: once it ends its device has nothing left to
     compute, and the other's later tasks run with both devices' threads (the first of each task so, as the device
     times its new share both ways, runtime.threads); the weights are still plain PyTorch's."""
     torch.manual_seed(0)
-    models = [nn.Sequential(Threads(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1)) for _ in range(2)]
+    models = [nn.Sequential(ThreadsSeen(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1)) for _ in range(2)]
     references = [copy.deepcopy(model) for model in models]
     loaders = [[(torch.randn(16, 8), torch.randn(16, 1)) for _ in range(steps)] for steps in (2, 24)]
     factory = lambda params: torch.optim.SGD(params, lr=0.05)  # noqa: E731
@@ -57,7 +47,7 @@ def test_a_homed_model_left_alone_computes_with_the_threads_of_the_device_that_f
                            fuse=False, progress=False)
     assert {job.home for job in result.plan.jobs} == {"cpu-0", "cpu-1"}
     own = threads_per_device(cpu_count(), 2)
-    assert [float(model[0].seen) for model in models] == [own, 2 * own]
+    assert [float(model[0].most) for model in models] == [own, 2 * own]
     for model, reference, batches in zip(models, references, loaders):
         optimizer = factory(reference.parameters())
         for x, y in batches:

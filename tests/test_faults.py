@@ -593,7 +593,8 @@ def test_a_killed_driver_leaves_nothing_and_its_run_resumes_to_the_uninterrupted
 
 def test_a_checkpoint_with_a_pack_without_weights_resumes(tmp_path: Path, no_leaks: None) -> None:
     """A budget that leaves an activation alone in its pack writes that pack's weights as an empty file, which a
-    resume reads back as no bytes (it failed to, before)."""
+    resume reads back as no bytes (it failed to, before). It resumes with threads of its own: they are not part of
+    the run's identity."""
     batches = regression_batches(samples=512, batch=256)
     settings = {"loss_fn": nn.functional.mse_loss, "optimizer": sgd, "devices": ["cpu"], "device_memory": 40_000,
                 "microbatches": 5, "checkpoint_dir": tmp_path, "checkpoint_every": 1, "progress": False}
@@ -601,7 +602,7 @@ def test_a_checkpoint_with_a_pack_without_weights_resumes(tmp_path: Path, no_lea
     harmony.train(trained, batches, **settings)
     assert [path.stat().st_size for path in tmp_path.glob("job-0/v2/p*-weights.bin")].count(0) > 0, "an empty pack"
     resumed = deep_mlp()
-    result = harmony.train(resumed, batches, resume=True, **settings)
+    result = harmony.train(resumed, batches, resume=True, threads=1, **settings)
     assert result.stats.steps == [2]
     assert_same_weights(resumed, trained, rtol=0, atol=0)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -9,7 +11,14 @@ from torch import nn
 import harmony
 from harmony.runtime.devices import cpu_count
 from harmony.runtime.threads import AGREEING, PAIRS, SKIP, Threads
-from tests.conftest import assert_same_weights, deep_mlp, param_bytes, regression_batches
+from tests.conftest import (
+    ThreadsSeen,
+    assert_same_weights,
+    deep_mlp,
+    param_bytes,
+    regression_batches,
+    torch_threads,
+)
 
 
 def run(choice: Threads, seconds: dict[int, float], steps: int, packs: int = 4, share: int = 2) -> list[int]:
@@ -99,3 +108,61 @@ def test_a_homed_jobs_tasks_of_several_steps_are_not_timed() -> None:
                            progress=False)
     assert result.plan.jobs[0].home == "cpu-0" and result.stats.steps_per_task == [2], "40 tasks: pairs enough"
     assert result.stats.one_thread == {}
+
+
+def conv_net() -> nn.Sequential:
+    """Convolutions and batch norm, whose sums torch splits by threads: their last bits tell thread counts apart."""
+    torch.manual_seed(0)
+    return nn.Sequential(ThreadsSeen(), nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                         nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                         nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                         nn.Flatten(), nn.Linear(16 * 16 * 16, 10))
+
+
+def test_a_count_of_threads_trains_as_plain_pytorch_at_that_count_bit_for_bit(no_leaks: None) -> None:
+    """threads=n: one CPU device of the machine's threads, swapped packs a task each (where threads="auto" times one
+    thread against all, and trains with a mix), computes every task with n threads, and its weights and batch norm
+    statistics are those of a plain loop at torch.set_num_threads(n), bit for bit."""
+    share = cpu_count()
+    if share < 2:
+        pytest.skip("one CPU thread: a count changes nothing")
+    generator = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(32, 3, 16, 16, generator=generator), torch.randint(0, 10, (32,), generator=generator))
+               for _ in range(12)]
+    factory = lambda params: torch.optim.SGD(params, lr=0.05)  # noqa: E731
+    model = conv_net()
+    result = harmony.train(model, batches, nn.functional.cross_entropy, factory, devices=["cpu"],
+                           device_memory=param_bytes(model) // 2 + 2_400_000, packs_per_task=1, threads=share,
+                           progress=False)
+    assert result.plan.jobs[0].home is None and len(result.plan.jobs[0].packing.packs) > 1
+    assert result.stats.one_thread == {}, "nothing timed, nothing chosen"
+    plain = conv_net()
+    optimizer = factory(plain.parameters())
+    with torch_threads(share):
+        for x, y in batches:
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(plain(x), y).backward()
+            optimizer.step()
+    assert float(model[0].fewest) == float(model[0].most) == share
+    assert_same_weights(model, plain, rtol=0, atol=0)
+
+
+def test_a_count_of_threads_is_each_devices_even_when_another_has_nothing_left(no_leaks: None) -> None:
+    """threads=1 on two CPU devices: the model homed on the device that still computes after the other's model ended
+    keeps one thread (threads="auto" gives it the idle device's, test_devices); the weights are plain PyTorch's."""
+    torch.manual_seed(0)
+    models = [nn.Sequential(ThreadsSeen(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1)) for _ in range(2)]
+    references = [copy.deepcopy(model) for model in models]
+    loaders = [[(torch.randn(16, 8), torch.randn(16, 1)) for _ in range(steps)] for steps in (2, 24)]
+    factory = lambda params: torch.optim.SGD(params, lr=0.05)  # noqa: E731
+    result = harmony.train(models, loaders, nn.functional.mse_loss, factory, devices=2, steps_per_task=1,
+                           fuse=False, threads=1, progress=False)
+    assert {job.home for job in result.plan.jobs} == {"cpu-0", "cpu-1"}
+    assert [(float(model[0].fewest), float(model[0].most)) for model in models] == [(1, 1), (1, 1)]
+    for model, reference, batches in zip(models, references, loaders):
+        optimizer = factory(reference.parameters())
+        for x, y in batches:
+            optimizer.zero_grad()
+            nn.functional.mse_loss(reference(x), y).backward()
+            optimizer.step()
+        assert_same_weights(model[1:], reference[1:])

@@ -181,6 +181,13 @@ def test_a_compile_setting_that_is_not_a_bool(compile: object) -> None:
         call(compile=compile)
 
 
+@pytest.mark.parametrize("threads", [0, "all", True, 1.5, None])
+def test_threads_that_are_not_a_count_or_auto(threads: object, no_cluster_is_waited_for: list[object]) -> None:
+    with pytest.raises(InputError, match=r"threads=.* must be 'auto' .* or a count of threads for every device"):
+        call(threads=threads)
+    assert not no_cluster_is_waited_for, "checked before the cluster starts"
+
+
 def test_a_model_on_the_meta_device_or_with_nothing_to_train_is_refused_before_any_worker_starts(
     no_cluster_is_waited_for: list[object],
 ) -> None:
