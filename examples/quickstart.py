@@ -86,8 +86,8 @@ for index, losses in enumerate(result.history):
           f"{losses[-1]:>10.4f}{val_loss:>10.4f}{figures['accuracy']:>14.1%}")
 best = result.best()
 print(f"best: {best.name} (validation loss {best.val_loss:.4f}, accuracy {best.metrics['accuracy']:.1%})")
-for choice in result.fusion:
-    print(choice.explain("MLP"))
+for choice in result.fusion:  # one choice per group of models that could fuse: here, per optimizer class
+    print(choice.explain(f"MLP ({grid[choice.members[0]][0]})"))
 stats = result.stats
 print(
     f"\npeak device bytes {stats.peak_device_bytes} (budget 300kB each); weights swapped in "

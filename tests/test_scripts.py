@@ -230,8 +230,9 @@ def test_the_gpt_sweep_example_runs_and_picks_the_best_configuration(no_leaks: N
 def test_the_quickstart_trains_the_grid_evaluates_it_and_writes_its_report(
     prune: bool, tmp_path: Path, no_leaks: None
 ) -> None:
-    """examples/quickstart.py --report: six models in two fused arrays under a 300 kB budget, evaluated on held-out
-    points; it prints every model's validation loss and accuracy and the best, and writes the report page. With
+    """examples/quickstart.py --report: six models in two groups that may fuse (one per optimizer class) under a
+    300 kB budget, evaluated on held-out points; it prints every model's validation loss and accuracy, the best, and
+    each group's fusion choice by its optimizer, and writes the report page. With
     --prune, the models stop by successive halving at steps 16, 32 and 48: three, one and one of them."""
     example = Path(__file__).parent.parent / "examples" / "quickstart.py"
     page = tmp_path / "run.png"
@@ -244,4 +245,5 @@ def test_the_quickstart_trains_the_grid_evaluates_it_and_writes_its_report(
     assert steps == ([16, 16, 16, 32, 48, 64] if prune else [64] * 6), done.stdout
     best = min(rows, key=lambda row: float(row.split()[-2]))
     assert f"best: {best[:22].strip()} (validation loss {float(best.split()[-2]):.4f}" in done.stdout, done.stdout
+    assert all(f"3 x MLP ({group})" in done.stdout for group in ("SGD+momentum", "Adam")), done.stdout
     assert page.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
