@@ -26,7 +26,7 @@ from harmony.runtime.array_optimizer import ArrayOptimizer
 from harmony.runtime.code import JobCode
 from harmony.runtime.measure import update_rate
 from harmony.runtime.pilot import decompose
-from harmony.runtime.stages import Entry
+from harmony.runtime.stages import Entry, quiet_failures
 from harmony.tasks.fusion import (
     FusionChoice,
     candidate_sizes,
@@ -95,8 +95,10 @@ def build_array(members: list[int], candidates: list[Candidate], args: Arguments
     ]
     sample, target, sizes = pilot_batch(args, members[0])
     try:
-        decomposition = decompose(nn.Sequential(*layers), sample, label, autocast=PRECISIONS[args.options.precision],
-                                  timed=timed, shares=parts[0].profile)
+        with quiet_failures():  # a failure is reported below, as this array's
+            decomposition = decompose(nn.Sequential(*layers), sample, label,
+                                      autocast=PRECISIONS[args.options.precision], timed=timed,
+                                      shares=parts[0].profile)
     except Exception as error:
         raise Unfusable(members[0], f"{label} raised {type(error).__name__}: {error} in its fused forward during "
                         "the pilot pass; pass fuse=False to train these models unfused") from error

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.func import vmap
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from harmony.runtime.reparametrize import bind
 
@@ -43,6 +43,7 @@ ELEMENTWISE = (
 
 TRANSPOSED = "^T"
 ROW = "^row"
+TENSOR = object()  # in a vmapped member's output, a tensor's place (ArrayLayer.forward keeps the other leaves)
 LINEAR_TYPES = (nn.Linear, nn.modules.linear.NonDynamicallyQuantizableLinear)
 
 
@@ -130,16 +131,22 @@ class ArrayLayer(nn.Module):
             return self._batchnorm(x, params, buffers)
         shared = self.shared_input
         if shared and not params and not buffers:
-            x = tree_map(lambda t: t.unsqueeze(0).expand(self.size, *t.shape), x)
+            x = tree_map(lambda t: t.unsqueeze(0).expand(self.size, *t.shape) if isinstance(t, torch.Tensor) else t, x)
             shared = False
 
         call = bind(template)
+        sizes: list[Any] = []  # the output's structure and its leaves that are not tensors (a traced stage's sizes)
 
-        def member(member_params: dict[str, torch.Tensor], member_buffers: dict[str, torch.Tensor], value: Any) -> Any:
-            return call({**member_params, **member_buffers}, value)
+        def member(member_params: dict[str, torch.Tensor], member_buffers: dict[str, torch.Tensor], value: Any
+                   ) -> list[torch.Tensor]:
+            leaves, structure = tree_flatten(call({**member_params, **member_buffers}, value))
+            sizes[:] = [structure, [TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]]
+            return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
 
-        fused = vmap(member, in_dims=(0, 0, None if shared else 0), randomness="different")
-        return fused(params, buffers, x)
+        dims = None if shared else tree_map(lambda leaf: 0 if isinstance(leaf, torch.Tensor) else None, x)
+        tensors = iter(vmap(member, in_dims=(0, 0, dims), randomness="different")(params, buffers, x))
+        structure, leaves = sizes
+        return tree_unflatten([next(tensors) if leaf is TENSOR else leaf for leaf in leaves], structure)
 
     def _linear(self, x: torch.Tensor, transposed: torch.Tensor, rows_bias: torch.Tensor | None) -> torch.Tensor:
         """x @ weight.T + bias for every member at once; transposed is the members' weights, members x in x out,

@@ -21,6 +21,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
+from harmony.runtime.stages import quiet_failures
+
 CAST_BY_AUTOCAST: frozenset[Callable[..., Any]] = frozenset({
     torch.nn.functional.linear, torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm,
     torch.conv1d, torch.conv2d, torch.conv3d, torch.conv_transpose1d, torch.conv_transpose2d, torch.conv_transpose3d,
@@ -92,7 +94,7 @@ def casts(layer: nn.Module, x: Any, dtype: torch.dtype, names: set[str]) -> Cast
     storages = {parameter.untyped_storage().data_ptr(): name for name, parameter in watched if parameter.numel()}
     uses = _Uses({id(parameter): name for name, parameter in watched}, storages, device.type, dtype)
     try:
-        with torch.no_grad(), torch.autocast(device.type, dtype=dtype), uses:
+        with torch.no_grad(), torch.autocast(device.type, dtype=dtype), uses, quiet_failures():
             layer(x)
     except Exception:
         return Casts(frozenset(), frozenset())

@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from harmony.runtime.cache import tree_nbytes
 from harmony.runtime.halving import casts
 from harmony.runtime.hoststore import dtype_name
-from harmony.runtime.stages import CONTAINERS, trace_stages, weight_bytes
+from harmony.runtime.stages import CONTAINERS, quiet_failures, trace_stages, weight_bytes
 from harmony.tasks.layout import TensorSpec
 from harmony.tasks.profile import BACKWARD_RATIO, LayerProfile, ModelProfile
 
@@ -510,7 +510,8 @@ def _split(layer: nn.Module, x: Any, tracked: bool, computing: Callable[[], Abst
     fewer = samples // 2
     half = _first(x, samples, fewer)
     try:
-        less = _kept(layer, half, tracked, computing, dtype)
+        with quiet_failures():
+            less = _kept(layer, half, tracked, computing, dtype)
     except Exception:
         return every
     parts = []

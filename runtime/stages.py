@@ -23,8 +23,12 @@ way; one that neither can trace is not cut, and ``trace_stages`` says why.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import operator
 import re
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -67,6 +71,36 @@ def trace_stages(module: nn.Module, largest: int | None = None, sample: Any = No
         return [module], f"its forward takes {len(placeholders)} inputs"
     stages, how = _cut(module, list(graph.nodes), Units(module, largest), "traced by torch.fx")
     return (stages, how) if len(stages) > 1 else ([module], how)
+
+
+FX_MESSAGE = "Call using an FX-traced Module"  # how torch.fx's message on an exception in a generated forward begins
+
+
+class _WithoutFxMessages(io.TextIOBase):
+    """A stream that writes to another all but torch.fx's messages on exceptions in a stage (and their newlines)."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.dropped = False  # the last write was such a message: print's newline follows it
+
+    def write(self, text: str) -> int:
+        dropped, self.dropped = self.dropped, FX_MESSAGE in text
+        if self.dropped or (dropped and text == "\n"):
+            return len(text)
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+@contextlib.contextmanager
+def quiet_failures() -> Iterator[None]:
+    """Within the block, a stage that raises leaves no message on stderr. A stage is an fx.GraphModule, and torch.fx
+    prints a traceback and the generated lines to stderr for every exception inside one, caught or not: a probe whose
+    failure is an answer (a layer that cannot run on half its samples, models that cannot fuse) would fill a user's
+    terminal with errors that are none. Everything else written to stderr meanwhile, from any thread, goes through."""
+    with contextlib.redirect_stderr(_WithoutFxMessages(sys.stderr)):
+        yield
 
 
 def _first_line(error: Exception) -> str:

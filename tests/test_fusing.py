@@ -462,6 +462,49 @@ def test_swapped_arrays_of_traced_models_carry_several_tensors_across_their_cuts
     assert result.history[1] == pytest.approx(losses, abs=1e-9)
 
 
+class Heads(nn.Module):
+    """A pre-norm attention block that takes its sizes from its input, as a GPT's does, and an MLP: cut into its
+    children, the sizes (Python ints) cross the cuts beside the activations."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.out = nn.Linear(width, width)
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, width = x.shape
+        q, k, v = self.qkv(self.norm(x)).split(width, dim=2)
+        q, k, v = (t.view(batch, length, 4, width // 4).transpose(1, 2) for t in (q, k, v))
+        attended = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.out(attended.transpose(1, 2).reshape(batch, length, width))
+        return x + self.down(torch.relu(self.up(x)))
+
+
+def test_arrays_of_traced_models_carry_sizes_across_their_cuts(no_leaks: None) -> None:
+    """Attention blocks cut into their children (a block's weights do not fit the budget) pass their sizes (ints)
+    from stage to stage: fused into an array of two (vmap gives the ints to every member, and they pass out beside
+    the stacked tensors), swapped in packs, in float64, the members equal plain PyTorch within 1e-9 (an array of them
+    raised in its pilot before)."""
+    torch.manual_seed(0)
+    models = [nn.Sequential(*(Heads(64) for _ in range(2)), nn.Flatten(), nn.Linear(64 * 4, 2)).double()
+              for _ in range(2)]
+    references = clones(models)
+    factories: list[Factory] = [functools.partial(torch.optim.Adam, lr=1e-3 * (i + 1)) for i in range(2)]
+    generator = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(2, 4, 64, generator=generator, dtype=torch.float64),
+                torch.randn(2, 2, generator=generator, dtype=torch.float64)) for _ in range(4)]
+    block = param_bytes(models[0][0])
+    result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss, optimizer=factories, fuse=2,
+                           devices=["cpu"], device_memory=3 * block, progress=False)
+    assert result.arrays == [[0, 1]] and len(result.packings[0].packs) >= 3
+    for model, reference, factory in zip(models, references, factories):
+        train_plain(reference, batches, nn.functional.mse_loss, factory)
+        assert_same_weights(model, reference, rtol=0, atol=1e-9)
+
+
 def test_arrays_dealt_out_in_turn_take_the_timings_of_the_trial_array_of_their_size(
     monkeypatch: pytest.MonkeyPatch, timed_calls: list[int],
 ) -> None:

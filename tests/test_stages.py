@@ -3,12 +3,14 @@ children, with boundaries that carry one value or several."""
 
 from __future__ import annotations
 
+import sys
+
 import cloudpickle
 import pytest
 import torch
-from torch import nn
+from torch import fx, nn
 
-from harmony.runtime.stages import trace_stages
+from harmony.runtime.stages import FX_MESSAGE, quiet_failures, trace_stages
 from tests.conftest import FlattenedTokens, GatedNet, ResidualBlock, ResidualNet
 
 
@@ -165,3 +167,27 @@ def test_a_size_left_behind_at_one_cut_crosses_a_later_one_where_no_tensor_has_i
     x = torch.randn(3, 7, 8, dtype=torch.float64)
     with torch.no_grad():
         torch.testing.assert_close(run_chain(stages, x), model(x), rtol=0, atol=0)
+
+
+def test_a_stage_that_raises_under_quiet_failures_leaves_no_message_on_stderr(capsys: pytest.CaptureFixture[str]
+                                                                             ) -> None:
+    """torch.fx prints its generated lines to stderr for an exception inside a stage, even one the caller catches; a
+    probe whose failure is an answer runs under quiet_failures, which drops that message and nothing else."""
+
+    class Sized(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.linear(x).view(x.shape[0], 3)
+
+    stage = fx.symbolic_trace(Sized())
+    wrong = torch.randn(3, 4)  # 12 values: not 3 rows of 3
+    with pytest.raises(RuntimeError):
+        stage(wrong)
+    assert FX_MESSAGE in capsys.readouterr().err, "torch.fx prints it (else quiet_failures has nothing to do)"
+    with quiet_failures(), pytest.raises(RuntimeError):
+        print("a warning of the user's", file=sys.stderr)
+        stage(wrong)
+    assert capsys.readouterr().err == "a warning of the user's\n"
