@@ -141,7 +141,9 @@ class Forecast:
                 updates += (f", gradients clipped at norm {limits}"
                             + (" (every update after the whole backward)" if job.home is None else ""))
             if job.sections:
-                updates += f", {job.section_count} tasks a pass ({len(packing.packs)} packs)"
+                count = job.section_count
+                updates += (f", one task a pass ({len(packing.packs)} packs)" if count == 1
+                            else f", {count} tasks a pass ({len(packing.packs)} packs)")
             if job.stashes:
                 updates += f", stashes the activations of {len(job.stashes)} of its packs for their backward"
             halved = sum(job.halved_bytes(pack) for pack in range(len(packing.packs)))

@@ -48,6 +48,7 @@ def test_packs_per_task_auto_weighs_a_whole_pass_a_task_beside_a_pack_a_task_and
     ranked = sorted(predicted, key=lambda name: float(predicted[name]))
     assert ranked == ["a pass a task", "a pack a task", "sections"], line
     assert [job.sections for job in auto.plan.jobs] == [(0,), (0,)]
+    assert "12 packs [" in str(auto) and "one task a pass (12 packs)" in str(auto)
 
 
 def test_plan_for_hardware_that_is_not_here() -> None:
