@@ -188,10 +188,13 @@ def kind_of(specs: Iterable[DeviceSpec]) -> str | None:
 
 
 def fitted(hardware: Hardware, kind: str | None) -> Hardware:
-    """hardware with the costs runs on devices of kind fitted (learned), as it is where none did."""
+    """hardware with the costs runs on devices of kind fitted (learned); where none did, a task's handling is the CPU
+    the calibration measured a task to take beyond its latency (Hardware.task_cpu over task_overhead: on devices that
+    compute on the host's cores, the driver's, scheduler's and worker's work for a task comes out of the devices'
+    compute), and a pack call costs nothing."""
     fit = learned(kind)
     if fit is None:
-        return hardware
+        return dataclasses.replace(hardware, handling_seconds=max(0.0, hardware.task_cpu - hardware.task_overhead))
     update = hardware.update_call_seconds if fit.update_call_seconds is None else fit.update_call_seconds
     return dataclasses.replace(hardware, call_seconds=fit.call_seconds, handling_seconds=fit.handling_seconds,
                                update_call_seconds=update)

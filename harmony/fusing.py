@@ -27,6 +27,7 @@ from harmony.runtime.code import JobCode
 from harmony.runtime.measure import update_rate
 from harmony.runtime.pilot import decompose
 from harmony.runtime.stages import Entry, quiet_failures
+from harmony.tasks.amortize import even_sections
 from harmony.tasks.fusion import (
     FusionChoice,
     candidate_sizes,
@@ -177,13 +178,23 @@ def _homes(arrays: Sequence[Candidate | Predicted], sizing: Sizing) -> dict[int,
 
 
 def _predict(arrays: Sequence[Candidate | Predicted], sizing: Sizing) -> float:
-    """Predicted seconds for every array to advance one step, with the arrays that fit a device homed."""
+    """Predicted seconds for every array to advance one step, with the arrays that fit a device homed, and the tasks
+    of those swapped as the plan may cut them (harmony.planner.with_tasks): with packs_per_task="auto" a pack a task
+    or a whole pass a task, the faster (Dask's cost per task weighs on a pack a task); a count, as given."""
     options = sizing.args.options
-    run = simulate([array.job.packing for array in arrays], [RANKING_STEPS] * len(arrays),
-                   [step_samples(sizing.args, a.job) for a in arrays], sizing.budgets, sizing.hardware,
-                   prefetch=options.prefetch, policy=options.policy, mode="free", groups=[1] * len(arrays),
-                   homes=_homes(arrays, sizing), stash=options.stash)
-    return run.makespan / RANKING_STEPS
+    homes = _homes(arrays, sizing)
+    packs = [len(array.job.packing.packs) for array in arrays]
+    per_task = options.packs_per_task
+    cuts = [[even_sections(count, count if per_task == "auto" else int(per_task)) for count in packs]]
+    if per_task == "auto":
+        cuts.append([()] * len(arrays))
+    return min(simulate([array.job.packing for array in arrays], [RANKING_STEPS] * len(arrays),
+                        [step_samples(sizing.args, a.job) for a in arrays], sizing.budgets, sizing.hardware,
+                        prefetch=options.prefetch, policy=options.policy, mode="free", groups=[1] * len(arrays),
+                        homes=homes, stash=options.stash,
+                        sections=[() if index in homes else cut for index, cut in enumerate(sections)]
+                        ).makespan / RANKING_STEPS
+               for sections in cuts)
 
 
 def _choose(
@@ -196,6 +207,7 @@ def _choose(
     copy per candidate size at once.
     """
     fuse = sizing.args.options.fuse
+    sizing, devices = _share_of_devices(group, candidates, sizing)
     sizes = candidate_sizes(len(group))
     if fuse != "auto":
         cap = len(group) if fuse is True else min(int(fuse), len(group))
@@ -226,8 +238,29 @@ def _choose(
             best = rank
         del array  # before the next size's array is built
         if fuse != "auto" and predicted[size] is not None:
-            return FusionChoice(tuple(group), predicted, size, unbuilt, shares, interleaved)
-    return choose_size(group, predicted, unbuilt, shares, interleaved)
+            return FusionChoice(tuple(group), predicted, size, unbuilt, shares, interleaved, *devices)
+    return choose_size(group, predicted, unbuilt, shares, interleaved, devices)
+
+
+def _share_of_devices(group: list[int], candidates: list[Candidate], sizing: Sizing
+                      ) -> tuple[Sizing, tuple[int, int]]:
+    """sizing on the devices a group's sizes are predicted on, and (how many, of how many; (0, 0) for all): as many
+    of the run's devices (those of the largest budgets) as the group's share of the run's compute, every model's
+    unfused (its steps' work, as the pilot predicts it), at least one. Groups that train beside each other are then
+    each sized for the devices they will have: on two devices, two groups of three small models train fastest as
+    an array each, one to a device, though either alone would train faster unfused across both."""
+    def work(candidate: Candidate) -> float:
+        seconds = model_step_seconds(candidate.job.packing, step_samples(sizing.args, candidate.job), sizing.hardware)
+        return seconds * (candidate.job.steps or 1) if counted else seconds
+
+    counted = all(candidate.job.steps is not None for candidate in candidates)
+    total = sum(work(candidate) for candidate in candidates)
+    share = sum(work(candidates[member]) for member in group) / total if total > 0 else 1.0
+    count = max(1, round(share * len(sizing.budgets)))
+    if count >= len(sizing.budgets):
+        return sizing, (0, 0)
+    largest = sorted(sizing.budgets, key=lambda name: -sizing.budgets[name])[:count]
+    return replace(sizing, budgets={name: sizing.budgets[name] for name in largest}), (count, len(sizing.budgets))
 
 
 def _share(group: list[int], size: int, array: Candidate | Predicted | None, predicted: dict[int, float | None],

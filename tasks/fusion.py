@@ -112,7 +112,8 @@ class FusionChoice:
     candidate size to the share of its steps it is expected to compute under the run's pruner (empty without one);
     a size is ranked by predicted times share. interleaved (a pruned run) deals the members out to the arrays in turn:
     a sweep's neighbours (the learning rates next to each other) tend to survive pruning together, and in one array
-    they would leave the others' devices with nothing to compute.
+    they would leave the others' devices with nothing to compute. devices: how many of the run's devices (of
+    total) the sizes were predicted on, the group's share of them (harmony.fusing); 0, all of them.
     """
 
     members: tuple[int, ...]
@@ -121,6 +122,8 @@ class FusionChoice:
     unbuilt: dict[int, int] = field(default_factory=dict)
     shares: dict[int, float] = field(default_factory=dict)
     interleaved: bool = False
+    devices: int = 0
+    total: int = 0
 
     @property
     def arrays(self) -> list[list[int]]:
@@ -130,6 +133,9 @@ class FusionChoice:
         tried = ", ".join(f"{size}: {self._outcome(size, seconds)}" for size, seconds in self.predicted.items())
         if self.shares:
             tried += "; pruned, as a built-in pruner is expected to leave them"
+        if self.devices:
+            tried += (f"; on {self.devices} of the {self.total} devices, its share of the run's compute (the other "
+                      "models train beside it)")
         if self.size == 1:
             return f"{len(self.members)} x {name} trained unfused (predicted {tried})"
         arrays = " + ".join(str(len(array)) for array in self.arrays)
@@ -154,11 +160,12 @@ class FusionChoice:
 
 def choose_size(
     members: Sequence[int], predicted: dict[int, float | None], unbuilt: dict[int, int] | None = None,
-    shares: dict[int, float] | None = None, interleaved: bool = False,
+    shares: dict[int, float] | None = None, interleaved: bool = False, devices: tuple[int, int] = (0, 0),
 ) -> FusionChoice:
     """The size with the best predicted throughput, pruned where shares are given (ties go to the larger size); 1
-    when none fits."""
-    ranked = FusionChoice(tuple(members), dict(predicted), 1, dict(unbuilt or {}), dict(shares or {}), interleaved)
+    when none fits. devices: of how many devices, how many it was predicted on (FusionChoice.devices)."""
+    ranked = FusionChoice(tuple(members), dict(predicted), 1, dict(unbuilt or {}), dict(shares or {}), interleaved,
+                          *devices)
     fitting = {size: cost for size in predicted if (cost := ranked.cost(size)) is not None}
     best = min(fitting, key=lambda size: (fitting[size], -size)) if fitting else 1
     return dataclasses.replace(ranked, size=best)

@@ -273,6 +273,43 @@ def test_plan_shows_the_arrays_and_the_sizes_it_compared() -> None:
     assert unfused.arrays == [[0], [1], [2], [3]] and "fused" not in str(unfused)
 
 
+def test_groups_that_train_beside_each_other_are_each_sized_on_their_share_of_the_devices(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two groups (SGD and Adam) of three alike models on two devices: each group's sizes are predicted on one device,
+    its share of the run's compute (as arrays they would each train on their own device); a group alone, on both."""
+    devices: list[int] = []
+    monkeypatch.setattr(fusing, "_predict", lambda arrays, sizing: devices.append(len(sizing.budgets)) or 0.1)
+    models = [batchnorm_mlp(seed) for seed in range(6)]
+    optimizers: list[Factory] = [*SWEEP[:3], *SWEEP[3:6]]
+    batches = regression_batches(samples=16 * 3, batch=16)
+    plan = harmony.plan(models, batches, loss_fn=nn.functional.mse_loss, optimizer=optimizers, devices=2,
+                        device_memory="4MB")
+    assert [(choice.members, choice.devices, choice.total) for choice in plan.fusion] == [
+        ((0, 1, 2), 1, 2), ((3, 4, 5), 1, 2)]
+    assert set(devices) == {1} and "on 1 of the 2 devices, its share of the run's compute" in str(plan)
+    devices.clear()
+    alone = harmony.plan(models[:3], batches, loss_fn=nn.functional.mse_loss, optimizer=optimizers[:3], devices=2,
+                         device_memory="4MB")
+    assert [(choice.devices, choice.total) for choice in alone.fusion] == [(0, 0)] and set(devices) == {2}
+    assert "devices, its share" not in str(alone)
+
+
+def test_a_swapped_arrays_size_is_predicted_with_a_whole_pass_a_task_where_that_is_faster() -> None:
+    """Dask's cost per task of 20 ms: an array of two swapped in packs is predicted at a whole pass a task (the plan
+    may cut it so, planner.with_tasks), far faster than at a pack a task, which packs_per_task=1 holds it to."""
+    hardware = harmony.Hardware("slow tasks", task_overhead=20e-3, shared_cores=True)
+    models = [deep_mlp(seed=seed) for seed in range(2)]
+    predicted = {}
+    for per_task in ("auto", 1):
+        plan = harmony.plan(models, regression_batches(samples=16 * 3, batch=16), loss_fn=nn.functional.mse_loss,
+                            optimizer=SWEEP[0], devices=1, device_memory=param_bytes(models[0]),
+                            hardware=hardware, fuse=2, packs_per_task=per_task)
+        assert plan.arrays == [[0, 1]] and len(plan.packings[0].packs) > 3 and plan.plan.jobs[0].home is None
+        predicted[per_task] = plan.fusion[0].predicted[2]
+    assert predicted["auto"] < predicted[1] / 2, predicted
+
+
 @pytest.mark.parametrize("budget", ["4MB", "200kB"], ids=["homed", "swapped"])
 @pytest.mark.parametrize("prune", [None, "halving", "median", lambda step, standings: []])
 def test_a_pruned_sweep_is_fused_by_what_each_size_is_expected_to_compute(
