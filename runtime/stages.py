@@ -73,7 +73,7 @@ def trace_stages(module: nn.Module, largest: int | None = None, sample: Any = No
     return (stages, how) if len(stages) > 1 else ([module], how)
 
 
-FX_MESSAGE = "Call using an FX-traced Module"  # how torch.fx's message on an exception in a generated forward begins
+FX_MESSAGE = "Call using an FX-traced Module"  # what torch.fx's message on an exception in a generated forward holds
 
 
 class _WithoutFxMessages(io.TextIOBase):
