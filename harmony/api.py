@@ -443,7 +443,8 @@ def train(
             hardware = measured_hardware(handle.client, handle.workers,
                                          cpu_compute=any(spec.kind == "cpu" for spec in specs))
             kind = calls.kind_of(specs)
-            hardware = calls.fitted(hardware, kind)
+            architectures = calls.architectures(args.models)
+            hardware = calls.fitted(hardware, kind, architectures)
             machines = {spec.name: spec.machine for spec in specs}
             if recorded is None:
                 with device_threads(specs):  # fusion pilots its trial arrays
@@ -471,6 +472,7 @@ def train(
                 result = TrainResult.assemble(args.models, plan, outcome, wall_seconds, handle.dashboard_link, names,
                                               samples)
                 result.host_costs = calls.learn(result, [step_samples(args, job) for job in plan.jobs], kind,
+                                                models=architectures,
                                                 local=all(spec.machine == "" for spec in specs))
                 if log is not None:
                     log.finish(result.history, result.stats.step_seconds, outcome.validation, result.grad_norms)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import itertools
 import logging
 import statistics
@@ -32,6 +33,8 @@ import time
 import uuid
 from collections.abc import Iterable
 from typing import Any
+
+from torch import nn
 
 from harmony import fitfiles
 from harmony.result import Stats, TrainResult, steady_window
@@ -49,11 +52,14 @@ logger = logging.getLogger("harmony")
 class Fit:
     """What one run's steps say the runtime costs on the host: seconds per pack call (Hardware.call_seconds), per
     task (Hardware.handling_seconds) and, where it updated swapped packs on the host store, per update besides the
-    optimizer's passes (Hardware.update_call_seconds; measured, update_cost)."""
+    optimizer's passes (Hardware.update_call_seconds; measured, update_cost). call_measured says whether the run could
+    tell a call's cost from a task's."""
 
     call_seconds: float
     handling_seconds: float
     update_call_seconds: float | None = None
+    call_measured: bool = True  # False: its kinds of tasks made as many calls each on CPU devices, and its cost per
+    # task took its calls' cost too (_fit)
 
 
 KEPT = 5  # runs' figures kept per kind
@@ -68,16 +74,17 @@ STEPS = (4, 8)  # a simulated run's steps, and those of them its steady step lea
 class Pending:
     """One run's steady figures with its plan, fitted (fit) when first asked: what the run's steady step, its
     devices' busy time per step and its kinds of tasks' durations say of the host costs, for devices of kind;
-    samples are each job's per step. kept:
+    samples are each job's per step; models the architectures it trained (architectures). kept:
     its figures are on disk for later processes (harmony.fitfiles; its devices were all on this machine), and its fit
     is written there once found. plan may be its msgpack bytes (as read from disk), decoded when first needed."""
 
     def __init__(self, plan: RunPlan | bytes, samples: list[int], step: float, busy: float, kind: str,
-                 kept: bool = False, durations: dict[TaskKind, float] | None = None, update: float | None = None
-                 ) -> None:
+                 kept: bool = False, durations: dict[TaskKind, float] | None = None, update: float | None = None,
+                 models: str = "") -> None:
         self._plan, self.samples, self.step, self.busy, self.kind, self.kept = plan, samples, step, busy, kind, kept
         self.durations = durations or {}
         self.update = update
+        self.models = models  # the architectures it trained (architectures)
         self.name = uuid.uuid4().hex
         self.at = time.time()
         self._fit: Fit | None = None
@@ -115,7 +122,7 @@ class Pending:
         plan = self._plan if isinstance(self._plan, bytes) else self._plan.to_msgpack()
         fit = None if self._fit is None else list(dataclasses.astuple(self._fit))
         return {"name": self.name, "at": self.at, "plan": plan, "samples": list(self.samples), "step": self.step,
-                "busy": self.busy, "update": self.update, "fitted": self._fitted, "fit": fit,
+                "busy": self.busy, "update": self.update, "fitted": self._fitted, "fit": fit, "models": self.models,
                 "durations": [[*kind, seconds] for kind, seconds in self.durations.items()]}
 
     @staticmethod
@@ -125,11 +132,12 @@ class Pending:
                      for task, job, pack, group, seconds in entry["durations"]}
         update = None if entry["update"] is None else float(entry["update"])
         run = Pending(bytes(entry["plan"]), [int(count) for count in entry["samples"]], float(entry["step"]),
-                      float(entry["busy"]), kind, kept=True, durations=durations, update=update)
+                      float(entry["busy"]), kind, kept=True, durations=durations, update=update,
+                      models=str(entry["models"]))
         run.name, run.at, run._fitted = str(entry["name"]), float(entry["at"]), bool(entry["fitted"])
         if entry["fit"] is not None:
-            call, handling, stepping = entry["fit"]
-            run._fit = Fit(float(call), float(handling), None if stepping is None else float(stepping))
+            call, handling, stepping, measured = entry["fit"]
+            run._fit = Fit(float(call), float(handling), None if stepping is None else float(stepping), bool(measured))
         return run
 
 
@@ -161,24 +169,39 @@ def _save(kind: str) -> None:
     fitfiles.save(kind, runs)
 
 
-def fits(kind: str | None) -> list[Fit]:
-    """The fits of the runs kept for devices of kind, oldest first (fitting those not fitted yet); runs no costs
-    explain left out."""
+def fits(kind: str | None, models: str | None = None) -> list[Fit]:
+    """The fits of the runs kept for devices of kind, oldest first (fitting those not fitted yet), of those that
+    trained the architectures models where given; runs no costs explain left out."""
     if kind is None:
         return []
-    return [fit for pending in _kept(kind) if (fit := pending.fit()) is not None]
+    return [fit for pending in _kept(kind) if (models is None or pending.models == models)
+            and (fit := pending.fit()) is not None]
 
 
-def learned(kind: str | None) -> Fit | None:
-    """The costs later plans on devices of kind take: the medians of the process's last fits (None: no run fitted
-    them)."""
-    kept = fits(kind)
+def learned(kind: str | None, models: str | None = None) -> Fit | None:
+    """The costs later plans on devices of kind take: the medians of the process's last fits, the call cost's of
+    those that measured it (0 where none did; None: no run fitted them). For a plan of the architectures models
+    (architectures): the fits of runs of them where there are some; else every run's, but no call cost, which
+    depends on the models (what the pilot mispredicts of their layers lands in it: a transformer's stages fitted
+    0.3-0.6 ms a call, small MLPs' arrays 0.1), where a task's handling and an update's do not as much."""
+    same = fits(kind, models) if models is not None else []
+    kept = same or fits(kind)
     if not kept:
         return None
     updates = [fit.update_call_seconds for fit in kept if fit.update_call_seconds is not None]
-    return Fit(statistics.median(fit.call_seconds for fit in kept),
+    measured = [fit.call_seconds for fit in kept if fit.call_measured] if same or models is None else []
+    return Fit(statistics.median(measured) if measured else 0.0,
                statistics.median(fit.handling_seconds for fit in kept),
-               statistics.median(updates) if updates else None)
+               statistics.median(updates) if updates else None, bool(measured))
+
+
+def architectures(models: Iterable[nn.Module]) -> str:
+    """What tells a run's models apart from other runs' for their fits (learned): a digest of the distinct
+    architectures among them (each one's class and its state's names, shapes and dtypes), however many of each."""
+    distinct = sorted({repr((type(model).__qualname__, [(name, tuple(tensor.shape), str(tensor.dtype))
+                                                        for name, tensor in model.state_dict().items()]))
+                       for model in models})
+    return hashlib.sha256(repr(distinct).encode()).hexdigest()[:16]
 
 
 def kind_of(specs: Iterable[DeviceSpec]) -> str | None:
@@ -187,12 +210,13 @@ def kind_of(specs: Iterable[DeviceSpec]) -> str | None:
     return next(iter(kinds)) if len(kinds) == 1 else None
 
 
-def fitted(hardware: Hardware, kind: str | None) -> Hardware:
-    """hardware with the costs runs on devices of kind fitted (learned); where none did, a task's handling is the CPU
+def fitted(hardware: Hardware, kind: str | None, models: str | None = None) -> Hardware:
+    """hardware with the costs runs on devices of kind fitted (learned, for a plan of the architectures models where
+    given); where none did, a task's handling is the CPU
     the calibration measured a task to take beyond its latency (Hardware.task_cpu over task_overhead: on devices that
     compute on the host's cores, the driver's, scheduler's and worker's work for a task comes out of the devices'
     compute), and a pack call costs nothing."""
-    fit = learned(kind)
+    fit = learned(kind, models)
     if fit is None:
         return dataclasses.replace(hardware, handling_seconds=max(0.0, hardware.task_cpu - hardware.task_overhead))
     update = hardware.update_call_seconds if fit.update_call_seconds is None else fit.update_call_seconds
@@ -306,8 +330,10 @@ def phase(plan: RunPlan, pruned: dict[int, int], steps: int) -> tuple[range, Run
     return None
 
 
-def learn(result: TrainResult, samples: list[int], kind: str | None, local: bool = False) -> Pending | None:
-    """Keep a run's steady figures (samples: each job's per step) for devices of kind, to be fitted when first asked
+def learn(result: TrainResult, samples: list[int], kind: str | None, local: bool = False, models: str = ""
+          ) -> Pending | None:
+    """Keep a run's steady figures (samples: each job's per step; models: its architectures) for devices of kind, to
+    be fitted when first asked
     (Pending), and with local (its devices all on this machine) on disk for later processes; None (nothing kept)
     where the run says nothing of the costs: devices of several kinds, no swapped job, a pruned run without PHASE
     steps between pruning steps in which a swapped job trains (its figures are the first such steps', with the
@@ -333,7 +359,7 @@ def learn(result: TrainResult, samples: list[int], kind: str | None, local: bool
     taken = {(task, kept.index(job), pack, group): seconds
              for (task, job, pack, group), seconds in timed.items() if job in kept}
     pending = Pending(plan, [samples[index] for index in kept], step, busy, kind, kept=local, durations=taken,
-                      update=update_cost(result))
+                      update=update_cost(result), models=models)
     FITS[kind] = [*_kept(kind)[1 - KEPT:], pending]
     if local:
         _save(kind)
@@ -360,10 +386,13 @@ def update_cost(result: TrainResult) -> float | None:
 
 
 def _fit(run: Pending, plan: RunPlan) -> Fit | None:
-    """Pending.fit: the call cost from the run's task durations (per_call), or where they cannot tell it from a
-    cost per task, to its busy time; then the cost per task to the steady step, each with the run's measured cost
-    per update (update_cost) in its plan; None where no costs up to LARGEST explain them (the plan mispredicts
-    something else)."""
+    """Pending.fit: the call cost from the run's task durations (per_call); where they cannot tell it from a cost per
+    task (every kind of task makes as many calls), on devices that compute on the host's cores none (the cost per
+    task takes it: fitted to the busy time, the work a task does around its calls, taking its values in and its
+    results out, would be charged to every call, and a plan of many calls a task, a whole pass or an array, predicted
+    far slower than it runs), and beside a GPU's kernels the call cost fitted to its busy time; then the cost per
+    task to the steady step, each with the run's measured cost per update (update_cost) in its plan; None where no
+    costs up to LARGEST explain them (the plan mispredicts something else)."""
     started = time.perf_counter()
     plan = dataclasses.replace(plan, hardware=dataclasses.replace(plan.hardware,
                                                                   update_call_seconds=run.update or 0.0))
@@ -373,8 +402,11 @@ def _fit(run: Pending, plan: RunPlan) -> Fit | None:
         return steady(plan, run.samples, call, handling)
 
     sloped = per_call(plan, run.samples, run.durations) if run.durations else None
-    calls = min(sloped, LARGEST) if sloped is not None else fit_least(lambda cost: predicted(cost, 0.0)[1], run.busy,
-                                                                      LARGEST)
+    measured = sloped is not None or not plan.hardware.shared_cores
+    if sloped is not None:
+        calls = min(sloped, LARGEST)
+    else:
+        calls = fit_least(lambda cost: predicted(cost, 0.0)[1], run.busy, LARGEST) if measured else 0.0
     handling = fit_least(lambda cost: predicted(calls, cost)[0], run.step, LARGEST)
     if max(calls, handling) >= LARGEST:
         logger.info("harmony: a run's %.1f ms steps (%.1f ms of them busy) are more than any host cost per pack "
@@ -382,10 +414,12 @@ def _fit(run: Pending, plan: RunPlan) -> Fit | None:
                     "take nothing of it", run.step * 1e3, run.busy * 1e3, LARGEST * 1e3)
         return None
     logger.info("harmony: the runtime's host cost on %s devices, fitted to a run's %.1f ms steps (%.1f ms of them "
-                "busy): %.0f µs a pack call, %.0f µs a task, %s an update (fitted in %.2f s)", run.kind,
-                run.step * 1e3, run.busy * 1e3, calls * 1e6, handling * 1e6,
+                "busy): %s a pack call, %.0f µs a task, %s an update (fitted in %.2f s)", run.kind,
+                run.step * 1e3, run.busy * 1e3,
+                f"{calls * 1e6:.0f} µs" if measured else "none told apart (its tasks made as many each)",
+                handling * 1e6,
                 "none" if run.update is None else f"{run.update * 1e6:.0f} µs", time.perf_counter() - started)
-    return Fit(calls, handling, run.update)
+    return Fit(calls, handling, run.update, measured)
 
 
 def forget(files: bool = False) -> None:

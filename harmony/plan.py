@@ -11,7 +11,7 @@ from typing import Any
 from torch import nn
 
 from harmony.api import train
-from harmony.calls import fitted, kind_of
+from harmony.calls import architectures, fitted, kind_of
 from harmony.candidate import step_samples
 from harmony.conventions import training_conventions
 from harmony.errors import InputError
@@ -236,7 +236,7 @@ def plan(
         hardware = dataclasses.replace(this_machine(), shared_cores=cpu)
         if not cpu:  # the devices are this machine's GPUs
             hardware = with_accelerator(hardware, accelerator_speed())
-        hardware = fitted(hardware, kind_of(specs))
+        hardware = fitted(hardware, kind_of(specs), architectures(args.models))
     else:
         budgets = {f"dev-{k}-{i}" if machines > 1 else f"dev-{i}": args.device_memory  # type: ignore[misc]
                    for k in range(machines) for i in range(len(args.devices))}

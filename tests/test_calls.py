@@ -146,7 +146,7 @@ def test_a_swapped_run_fits_the_costs_that_predict_its_steady_step_and_later_pla
     forecast = harmony.plan(deep_mlp(), regression_batches(160, 16), devices=["cpu"], device_memory=budget,
                             microbatches=4)
     assert (forecast.hardware.call_seconds, forecast.hardware.handling_seconds,
-            forecast.hardware.update_call_seconds) == dataclasses.astuple(fit)
+            forecast.hardware.update_call_seconds) == dataclasses.astuple(fit)[:3]
     line = (f"with {fit.call_seconds * 1e6:,.0f} µs of the runtime's host work per pack call and "
             f"{fit.handling_seconds * 1e6:,.0f} µs per task")
     assert (line in str(forecast)) == (fit.call_seconds > 0 or fit.handling_seconds > 0)
@@ -224,6 +224,25 @@ def test_a_runs_busy_time_per_step_is_its_devices_tasks_over_its_slowest_models_
     assert calls.figures(dataclasses.replace(stats, step_seconds=[[1.0], [2.0]])) is None, "no steady steps"
 
 
+def test_a_run_whose_tasks_make_as_many_calls_each_puts_their_cost_in_its_cost_per_task() -> None:
+    """Two swapped models of one pack each: every task (a forward and backward of its micro-batches) makes four
+    calls, so no slope tells a call's cost from the task's own work. On CPU devices it fits none, and its cost per
+    task takes it all: the least at which its plan predicts its steady step."""
+    result = harmony.train([deep_mlp(depth=3, seed=seed) for seed in range(2)], regression_batches(16 * 12, 16),
+                           loss_fn=nn.functional.mse_loss, optimizer=sgd, devices=["cpu"], microbatches=4,
+                           resident=False, fuse=False, progress=False)
+    assert [len(job.packing.packs) for job in result.plan.jobs] == [1, 1] and not result.plan.homes
+    run = result.host_costs
+    assert run is not None and calls.per_call(run.plan, run.samples, run.durations) is None, "one count of calls"
+    fit = run.fit()
+    assert fit is not None and fit.call_seconds == 0.0 and not fit.call_measured and fit.handling_seconds > 0
+    plan = dataclasses.replace(run.plan, hardware=dataclasses.replace(run.plan.hardware,
+                                                                      update_call_seconds=run.update or 0.0))
+    assert calls.steady(plan, run.samples, 0.0, fit.handling_seconds)[0] >= run.step
+    assert calls.steady(plan, run.samples, 0.0, 0.98 * fit.handling_seconds)[0] < run.step
+    assert calls.learned("cpu") == fit
+
+
 def test_a_homed_run_says_nothing_of_the_call_cost() -> None:
     result = train(10 * weight_bytes(deep_mlp()))
     assert all(job.home is not None for job in result.plan.jobs)
@@ -240,15 +259,40 @@ def test_a_run_too_short_for_a_steady_step_keeps_nothing() -> None:
 
 
 def test_later_plans_take_the_medians_of_the_fits_for_their_kind_of_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    made = [calls.Fit(1e-3, 5e-3, 4e-4), calls.Fit(2e-3, 1e-3, None), calls.Fit(0.04, 3e-3, 2e-4)]
+    made = [calls.Fit(1e-3, 5e-3, 4e-4), calls.Fit(2e-3, 1e-3, None), calls.Fit(0.04, 3e-3, 2e-4),
+            calls.Fit(0.0, 2e-3, None, call_measured=False)]
     monkeypatch.setattr(calls, "_fit", lambda run, plan: made[int(run.step)])
     calls.FITS["cuda"] = [calls.Pending(None, [16], float(index), 0.0, "cuda")  # type: ignore[arg-type]
-                          for index in range(3)]  # the fit stands in for one simulating a plan
+                          for index in range(4)]  # the fit stands in for one simulating a plan
     hardware = calls.fitted(Hardware(), "cuda")
-    assert (hardware.call_seconds, hardware.handling_seconds) == (2e-3, 3e-3), "one run's outlier moves nothing"
+    assert (hardware.call_seconds, hardware.handling_seconds) == (2e-3, 2.5e-3), (
+        "one run's outlier moves nothing; a run that could not tell a call's cost from a task's is not counted in the "
+        "call cost's median")
     assert hardware.update_call_seconds == pytest.approx(3e-4), "the median of the runs that updated on the host"
     assert calls.fitted(Hardware(), "cpu") == Hardware(), "none fitted for CPU devices"
     assert calls.fitted(Hardware(), None) == Hardware(), "devices of several kinds"
+
+
+def test_a_plan_takes_the_fits_of_runs_of_its_own_architectures_and_no_call_cost_from_others(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call's fitted cost depends on the models (what the pilot mispredicts of their layers lands in it): a plan
+    of architectures some kept runs trained takes their fits alone; one of architectures no run trained takes the
+    others' costs per task and per update, and no call cost."""
+    made = [calls.Fit(3e-4, 1e-3, 5e-4), calls.Fit(1e-4, 4e-3, 1e-3), calls.Fit(5e-4, 2e-3, None)]
+    monkeypatch.setattr(calls, "_fit", lambda run, plan: made[int(run.step)])
+    calls.FITS["cuda"] = [calls.Pending(None, [16], float(index), 0.0, "cuda", models=models)  # type: ignore[arg-type]
+                          for index, models in enumerate(["gpt", "mlp", "gpt"])]
+    assert calls.learned("cuda", "mlp") == made[1], "its own architectures' run"
+    assert calls.learned("cuda", "gpt") == calls.Fit(pytest.approx(4e-4), pytest.approx(1.5e-3), 5e-4), (
+        "the medians of its own runs")
+    assert calls.learned("cuda", "cnn") == calls.Fit(0.0, 2e-3, pytest.approx(7.5e-4), call_measured=False), (
+        "every run's handling and update, no call cost")
+    assert calls.learned("cuda") == calls.Fit(3e-4, 2e-3, pytest.approx(7.5e-4)), "every run's, where none is asked"
+    mlp = deep_mlp()
+    assert calls.architectures([mlp, deep_mlp(seed=1)]) == calls.architectures([deep_mlp(seed=2)]), (
+        "the distinct architectures, not the models or how many")
+    assert calls.architectures([mlp]) != calls.architectures([deep_mlp(depth=3)])
+    assert calls.architectures([mlp]) != calls.architectures([mlp, deep_mlp(depth=3)])
 
 
 LATER_PROCESS = """
