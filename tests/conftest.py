@@ -131,6 +131,28 @@ class ThreadsSeen(nn.Module):
         return x
 
 
+def one_left_alone(**options: Any) -> list[nn.Sequential]:
+    """Two small models, each led by a ThreadsSeen, homed on two CPU devices, the first for 2 steps and the second
+    for 24 (so that its device computes alone after the first's has nothing left): trained with options to
+    harmony.train, checked against plain PyTorch, and returned."""
+    torch.manual_seed(0)
+    models = [nn.Sequential(ThreadsSeen(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1)) for _ in range(2)]
+    references = [copy.deepcopy(model) for model in models]
+    loaders = [[(torch.randn(16, 8), torch.randn(16, 1)) for _ in range(steps)] for steps in (2, 24)]
+    factory = lambda params: torch.optim.SGD(params, lr=0.05)  # noqa: E731
+    result = harmony.train(models, loaders, nn.functional.mse_loss, factory, devices=2, steps_per_task=1,
+                           fuse=False, progress=False, **options)
+    assert {job.home for job in result.plan.jobs} == {"cpu-0", "cpu-1"}
+    for model, reference, batches in zip(models, references, loaders):
+        optimizer = factory(reference.parameters())
+        for x, y in batches:
+            optimizer.zero_grad()
+            nn.functional.mse_loss(reference(x), y).backward()
+            optimizer.step()
+        assert_same_weights(model[1:], reference[1:])
+    return models
+
+
 def param_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 

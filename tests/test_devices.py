@@ -2,15 +2,9 @@
 
 from __future__ import annotations
 
-import copy
-
-import torch
-from torch import nn
-
-import harmony
 from harmony.runtime import handoff, serialization  # noqa: F401
 from harmony.runtime.devices import DeviceSpec, build_specs, cpu_count, shared_threads, threads_per_device
-from tests.conftest import ThreadsSeen, assert_same_weights
+from tests.conftest import one_left_alone
 
 
 def test_every_device_worker_gets_an_even_share_of_the_cpu_threads() -> None:
@@ -38,20 +32,5 @@ def test_a_homed_model_left_alone_computes_with_the_threads_of_the_device_that_f
     """Two models homed on two CPU devices, one with far fewer steps: once it ends its device has nothing left to
     compute, and the other's later tasks run with both devices' threads (the first of each task so, as the device
     times its new share both ways, runtime.threads); the weights are still plain PyTorch's."""
-    torch.manual_seed(0)
-    models = [nn.Sequential(ThreadsSeen(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1)) for _ in range(2)]
-    references = [copy.deepcopy(model) for model in models]
-    loaders = [[(torch.randn(16, 8), torch.randn(16, 1)) for _ in range(steps)] for steps in (2, 24)]
-    factory = lambda params: torch.optim.SGD(params, lr=0.05)  # noqa: E731
-    result = harmony.train(models, loaders, nn.functional.mse_loss, factory, devices=2, steps_per_task=1,
-                           fuse=False, progress=False)
-    assert {job.home for job in result.plan.jobs} == {"cpu-0", "cpu-1"}
     own = threads_per_device(cpu_count(), 2)
-    assert [float(model[0].most) for model in models] == [own, 2 * own]
-    for model, reference, batches in zip(models, references, loaders):
-        optimizer = factory(reference.parameters())
-        for x, y in batches:
-            optimizer.zero_grad()
-            nn.functional.mse_loss(reference(x), y).backward()
-            optimizer.step()
-        assert_same_weights(model[1:], reference[1:])
+    assert [float(model[0].most) for model in one_left_alone()] == [own, 2 * own]

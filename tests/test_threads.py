@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from torch import nn
@@ -15,6 +13,7 @@ from tests.conftest import (
     ThreadsSeen,
     assert_same_weights,
     deep_mlp,
+    one_left_alone,
     param_bytes,
     regression_batches,
     torch_threads,
@@ -150,19 +149,5 @@ def test_a_count_of_threads_trains_as_plain_pytorch_at_that_count_bit_for_bit(no
 def test_a_count_of_threads_is_each_devices_even_when_another_has_nothing_left(no_leaks: None) -> None:
     """threads=1 on two CPU devices: the model homed on the device that still computes after the other's model ended
     keeps one thread (threads="auto" gives it the idle device's, test_devices); the weights are plain PyTorch's."""
-    torch.manual_seed(0)
-    models = [nn.Sequential(ThreadsSeen(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1)) for _ in range(2)]
-    references = [copy.deepcopy(model) for model in models]
-    loaders = [[(torch.randn(16, 8), torch.randn(16, 1)) for _ in range(steps)] for steps in (2, 24)]
-    factory = lambda params: torch.optim.SGD(params, lr=0.05)  # noqa: E731
-    result = harmony.train(models, loaders, nn.functional.mse_loss, factory, devices=2, steps_per_task=1,
-                           fuse=False, threads=1, progress=False)
-    assert {job.home for job in result.plan.jobs} == {"cpu-0", "cpu-1"}
+    models = one_left_alone(threads=1)
     assert [(float(model[0].fewest), float(model[0].most)) for model in models] == [(1, 1), (1, 1)]
-    for model, reference, batches in zip(models, references, loaders):
-        optimizer = factory(reference.parameters())
-        for x, y in batches:
-            optimizer.zero_grad()
-            nn.functional.mse_loss(reference(x), y).backward()
-            optimizer.step()
-        assert_same_weights(model[1:], reference[1:])
