@@ -13,6 +13,7 @@ mini-batch.
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -43,6 +44,7 @@ ELEMENTWISE = (
 
 TRANSPOSED = "^T"
 ROW = "^row"
+FALLBACK_WARNING = "There is a performance drop because we have not yet implemented the batching rule"  # vmap's
 TENSOR = object()  # in a vmapped member's output, a tensor's place (ArrayLayer.forward keeps the other leaves)
 LINEAR_TYPES = (nn.Linear, nn.modules.linear.NonDynamicallyQuantizableLinear)
 
@@ -144,7 +146,9 @@ class ArrayLayer(nn.Module):
             return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
 
         dims = None if shared else tree_map(lambda leaf: 0 if isinstance(leaf, torch.Tensor) else None, x)
-        tensors = iter(vmap(member, in_dims=(0, 0, dims), randomness="different")(params, buffers, x))
+        with warnings.catch_warnings():  # an op vmap loops over (attention on a CPU): timed like any (harmony.fusing)
+            warnings.filterwarnings("ignore", message=FALLBACK_WARNING)
+            tensors = iter(vmap(member, in_dims=(0, 0, dims), randomness="different")(params, buffers, x))
         structure, leaves = sizes
         return tree_unflatten([next(tensors) if leaf is TENSOR else leaf for leaf in leaves], structure)
 

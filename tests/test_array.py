@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import copy
 import pickle
+import warnings
 from collections.abc import Callable
 
 import pytest
 import torch
 from torch import nn
 
-from harmony.runtime.array import ArrayLayer, array_loss, layer_signature, narrowed, narrowed_bytes
+from harmony.runtime.array import (
+    FALLBACK_WARNING,
+    ArrayLayer,
+    array_loss,
+    layer_signature,
+    narrowed,
+    narrowed_bytes,
+)
 
 
 class Block(nn.Module):
@@ -190,3 +198,34 @@ def test_array_losses_are_per_member_and_vectorized_only_when_the_losses_agree()
     torch.testing.assert_close(same(output, target), expected)
     assert mixed(output, target)[1] != expected[1]
     torch.testing.assert_close(mixed(output, target)[::2], expected[::2])
+
+
+class Attention(nn.Module):
+    """Causal self-attention through scaled_dot_product_attention, which vmap has no batching rule for on a CPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 2, 4).permute(2, 0, 3, 1, 4)
+        return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2)
+
+
+def test_an_array_of_an_op_vmap_loops_over_computes_each_member_and_warns_nothing() -> None:
+    """vmap warns that it loops over the members for an op without a batching rule (attention on a CPU): fusion times
+    an array as it runs, so the warning says nothing a user can act on, and the array keeps it to itself."""
+    torch.manual_seed(0)
+    members = [Attention() for _ in range(2)]
+    x = torch.randn(2, 3, 5, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = ArrayLayer(members, shared_input=False)(x)
+        expected = [member(x[index]) for index, member in enumerate(members)]
+    assert not [warning for warning in caught if FALLBACK_WARNING in str(warning.message)], caught
+    for index, want in enumerate(expected):
+        torch.testing.assert_close(out[index], want)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.func.vmap(members[0])(x)
+    assert [warning for warning in caught if FALLBACK_WARNING in str(warning.message)], "torch's vmap still warns"
