@@ -25,7 +25,7 @@ from harmony.runtime.array import ArrayLayer, array_loss, layer_signature
 from harmony.runtime.array_optimizer import ArrayOptimizer
 from harmony.runtime.code import JobCode
 from harmony.runtime.measure import update_rate
-from harmony.runtime.pilot import decompose
+from harmony.runtime.pilot import borrowings, decompose
 from harmony.runtime.stages import Entry, quiet_failures
 from harmony.tasks.amortize import even_sections
 from harmony.tasks.fusion import (
@@ -50,7 +50,6 @@ logger = logging.getLogger("harmony")
 
 
 UNFUSED = {  # why a model is never fused, by the first item of its fusion key
-    "tied across layers": "its layers share a weight, and an array stacks each layer's weights apart",
     "exported": "torch.export cut it, and torch.func.vmap has no batching rule for the sizes an export reads",
     "loss-scaled": "precision='fp16' skips each model's steps by its own loss scale, not an array's",
 }
@@ -60,15 +59,14 @@ def fusion_key(candidate: Candidate, args: Arguments) -> Hashable:
     """What must agree for two models to be fused: loader, validation loader, optimizer class and every layer's
     signature; for a model never fused, why (a key of UNFUSED) and its index."""
     index = candidate.job.members[0]
-    if any(layer.borrowed for layer in candidate.profile.layers):
-        return ("tied across layers", index)
     if any(isinstance(module, Entry) for layer in candidate.code.layers for module in layer.modules()):
         return ("exported", index)
     if args.options.precision == "fp16":
         return ("loss-scaled", index)
     layers = tuple(layer_signature(layer) for layer in candidate.code.layers)
+    ties = tuple(tuple(sorted(tied.items())) for tied in borrowings(list(candidate.code.layers)))
     validation = args.validation_of[index] if args.validation_of else None
-    return (candidate.job.feed, validation, args.optimizer_classes[index], layers)
+    return (candidate.job.feed, validation, args.optimizer_classes[index], layers, ties)
 
 
 def _label(members: list[int], args: Arguments) -> str:
@@ -90,10 +88,7 @@ def build_array(members: list[int], candidates: list[Candidate], args: Arguments
     """
     parts = [candidates[m] for m in members]
     label = _label(members, args)
-    layers = [
-        ArrayLayer([part.code.layers[position] for part in parts], shared_input=position == 0)
-        for position in range(len(parts[0].code.layers))
-    ]
+    layers = _array_layers([part.code.layers for part in parts])
     sample, target, sizes = pilot_batch(args, members[0])
     try:
         with quiet_failures():  # a failure is reported below, as this array's
@@ -115,6 +110,31 @@ def build_array(members: list[int], candidates: list[Candidate], args: Arguments
     profile, packing = with_update_rate(decomposition.profile, packing, rate)
     code = JobCode(tuple(decomposition.layers), loss, optimizer, tuple(part.code.layers for part in parts))
     return Candidate(_array_job(members, candidates, args, packing, sizes), code, profile)
+
+
+def _array_layers(chains: list[tuple[nn.Module, ...]]) -> list[ArrayLayer]:
+    """An ArrayLayer per position of the members' chains, a weight that two positions read (tied) stacked once, by
+    the first, and read from its stack by the later ones; where the layers it joins would lay their stacks out
+    differently (a linear layer's transposed, another's not: an embedding and the head tied to it), both run through
+    vmap."""
+    ties = borrowings(list(chains[0]))
+    kinds = [_natural_kind(chains, position) for position in range(len(chains[0]))]
+    general = set()
+    for position, tied in enumerate(ties):
+        for lender, _ in tied.values():
+            if kinds[position] != kinds[lender]:
+                general |= {position, lender}
+    layers: list[ArrayLayer] = []
+    for position in range(len(chains[0])):
+        stacks = {name: getattr(layers[lender], layers[lender].attribute(held))
+                  for name, (lender, held) in ties[position].items()}
+        layers.append(ArrayLayer([chain[position] for chain in chains], shared_input=position == 0, tied=stacks,
+                                 general=position in general))
+    return layers
+
+
+def _natural_kind(chains: list[tuple[nn.Module, ...]], position: int) -> str:
+    return ArrayLayer([chains[0][position]], shared_input=position == 0).kind
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,10 @@ def member_layout(name: str, stack: torch.Tensor) -> torch.Tensor:
 class ArrayLayer(nn.Module):
     """One layer of every member of an array, its weights stacked, run as one fused computation.
 
+    tied: the stacks of earlier array layers of the chain for the weights this layer reads too (tied weights), by
+    this layer's names, registered here as they are (the pilot finds them borrowed); general: run through vmap
+    whatever the layer (where a tie joins layers whose own ways would lay the stack out differently).
+
     A linear layer's weights are stacked transposed, members x in x out, under the name ``weight^T``, so that
     the batched matrix multiply reads them contiguously forwards and accumulates their gradients contiguously
     backwards; its biases are stacked as rows, members x 1 x out, under the name ``bias^row``, the shape the
@@ -74,16 +78,20 @@ class ArrayLayer(nn.Module):
     docs/performance.md, "Fused arrays".
     """
 
-    def __init__(self, members: Sequence[nn.Module], shared_input: bool) -> None:
+    def __init__(self, members: Sequence[nn.Module], shared_input: bool, tied: dict[str, nn.Parameter] | None = None,
+                 general: bool = False) -> None:
         super().__init__()
         first = members[0]
         self.size = len(members)
         self.shared_input = shared_input
-        self.kind = _kind(first, shared_input)
+        self.kind = "vmap" if general else _kind(first, shared_input)
         self.param_names = [name for name, _ in first.named_parameters()]
         self.buffer_names = [name for name, _ in first.named_buffers()]
         with torch.no_grad():
             for name, param in first.named_parameters():
+                if tied and name in tied:  # the stack of an earlier layer that reads the same weight
+                    self.register_parameter(self.attribute(name), tied[name])
+                    continue
                 stack = torch.stack([member.get_parameter(name).detach() for member in members])
                 attribute = self.attribute(name)
                 if attribute.endswith(TRANSPOSED):

@@ -142,7 +142,7 @@ def _flatten(module: nn.Module, x: Any, layers: list[nn.Module], notes: list[str
 
 def _merge_shared(layers: list[nn.Module]) -> list[nn.Module]:
     """Merge every run of layers that share a buffer or are the same module into one layer (a parameter two
-    layers share is borrowed instead: see _borrowings)."""
+    layers share is borrowed instead: see borrowings)."""
     while True:
         first_seen: dict[int, int] = {}
         span = None
@@ -161,7 +161,7 @@ def _merge_shared(layers: list[nn.Module]) -> list[nn.Module]:
         layers = [*layers[:first], merged, *layers[last + 1 :]]
 
 
-def _borrowings(layers: list[nn.Module]) -> list[dict[str, tuple[int, str]]]:
+def borrowings(layers: list[nn.Module]) -> list[dict[str, tuple[int, str]]]:
     """Per layer, the parameters an earlier layer holds (tied weights), by this layer's name for them: the lending
     layer and its name for it."""
     held: dict[int, tuple[int, str]] = {}
@@ -233,9 +233,9 @@ def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7, larges
         _flatten(model, sample, layers, notes, largest, export)
         layers = _merge_shared(layers)
     profiles = []
-    borrowings = _borrowings(layers)
-    lent = {lender for borrowed in borrowings for lender in borrowed.values()}
-    known = _timings(timed, layers, borrowings, samples)
+    ties = borrowings(layers)
+    lent = {lender for borrowed in ties for lender in borrowed.values()}
+    known = _timings(timed, layers, ties, samples)
     shared = ([layer.forward_seconds_per_sample for layer in shares.layers]
               if shares is not None and len(shares.layers) == len(layers) and not known else None)
     given = known or shared  # the layers' times, not timed one by one
@@ -248,7 +248,7 @@ def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7, larges
 
     with preserved_state(model), torch.no_grad():
         x = low = sample  # low: the values as the run computes them (under autocast); x: in float32, for output
-        for index, (layer, borrowed) in enumerate(zip(layers, borrowings)):
+        for index, (layer, borrowed) in enumerate(zip(layers, ties)):
             kept = _kept(layer, low, index > 0, computing, dtype)  # before the timed calls: one output at a time
             named = list(layer.named_parameters())
             saved, transient = _split(layer, low, index > 0, computing, dtype, samples, kept, named)

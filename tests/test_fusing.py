@@ -20,6 +20,7 @@ from harmony.runtime.shipping import BatchFiles
 from tests.conftest import (
     FlattenedTokens,
     GatedNet,
+    TiedEnds,
     assert_same_weights,
     clones,
     deep_mlp,
@@ -539,6 +540,122 @@ def test_arrays_of_traced_models_carry_sizes_across_their_cuts(no_leaks: None) -
     assert result.arrays == [[0, 1]] and len(result.packings[0].packs) >= 3
     for model, reference, factory in zip(models, references, factories):
         train_plain(reference, batches, nn.functional.mse_loss, factory)
+        assert_same_weights(model, reference, rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("budget", [None, 2.5], ids=["homed", "swapped"])
+def test_models_with_tied_weights_fuse_and_keep_their_ties(budget: float | None, no_leaks: None) -> None:
+    """TiedEnds' last linear layer reads its first one's weight: fused into an array of two, the first layer's stack is
+    the last's (one stack, stepped once with both uses' gradients), homed, or swapped in packs that the tie spans (the
+    first's pack holds it, the last's borrows it); in float64 the members equal plain PyTorch within 1e-9 and keep
+    their ties. Tied models were never fused before."""
+    models = [TiedEnds().double() for _ in range(2)]
+    with torch.no_grad():
+        for parameter in models[1].parameters():
+            parameter.add_(0.01)
+    references = clones(models)
+    factories: list[Factory] = [functools.partial(torch.optim.Adam, lr=1e-3 * (i + 1)) for i in range(2)]
+    batches = [(x.double(), y.double()) for x, y in regression_batches(samples=16 * 4, batch=16)]
+    result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss, optimizer=factories, fuse=2,
+                           devices=["cpu"], device_memory=budget and int(budget * param_bytes(models[0])),
+                           progress=False)
+    assert result.arrays == [[0, 1]] and (result.plan.jobs[0].home is None) == (budget is not None)
+    assert budget is None or len(result.packings[0].packs) > 2
+    for model, reference, factory in zip(models, references, factories):
+        train_plain(reference, batches, nn.functional.mse_loss, factory)
+        assert model.first.weight is model.last.weight
+        assert_same_weights(model, reference, rtol=0, atol=1e-9)
+
+
+def test_a_pruned_swapped_array_of_tied_models_computes_its_live_members_rows_of_the_shared_stack(
+        no_leaks: None) -> None:
+    """Four TiedEnds (SGD at four rates) in two arrays of two, swapped in packs the tie spans, halved every two steps:
+    the packs that borrow the tied stack compute the live members' rows of it as the holder does (runtime.rows), and
+    each member equals plain PyTorch over the steps it trained within 1e-9."""
+    models = [TiedEnds().double() for _ in range(4)]
+    with torch.no_grad():
+        for index, model in enumerate(models):
+            for parameter in model.parameters():
+                parameter.add_(0.01 * index)
+    references = clones(models)
+    factories: list[Factory] = [functools.partial(torch.optim.SGD, lr=1e-2 * (i + 1)) for i in range(4)]
+    batches = [(x.double(), y.double()) for x, y in regression_batches(samples=16 * 8, batch=16)]
+    validation = [(x.double(), y.double()) for x, y in regression_batches(samples=32, batch=16, seed=5)]
+    result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss, optimizer=factories, fuse=4,
+                           devices=["cpu"], device_memory=4 * param_bytes(models[0]), val_loaders=validation,
+                           eval_every=2, prune="halving", progress=False)
+    assert len(result.arrays) == 2 and all(len(packing.packs) > 2 for packing in result.packings)
+    assert sorted(result.stats.steps) == [2, 2, 4, 8]
+    for model, reference, factory, steps in zip(models, references, factories, result.stats.steps):
+        train_plain(reference, batches[:steps], nn.functional.mse_loss, factory)
+        assert model.first.weight is model.last.weight
+        assert_same_weights(model, reference, rtol=0, atol=1e-9)
+
+
+def test_an_embedding_and_the_head_tied_to_it_fuse_through_one_stack_run_by_vmap() -> None:
+    """An embedding's stack is laid out as its members' weights, a linear layer's transposed: tied, both run through
+    vmap and read one stack, whose gradient takes both uses' (each member's its own)."""
+    torch.manual_seed(0)
+
+    def chain() -> tuple[nn.Module, ...]:
+        embedding, head = nn.Embedding(10, 6), nn.Linear(6, 10, bias=False)
+        head.weight = embedding.weight
+        return embedding, nn.Tanh(), head
+
+    members = [chain() for _ in range(2)]
+    layers = fusing._array_layers(members)
+    assert [layer.kind for layer in layers] == ["vmap", "elementwise", "vmap"], "the head not run as linear"
+    [stack] = list(layers[0].parameters())
+    assert list(layers[2].parameters()) == [stack], "one stack"
+    ids = torch.randint(0, 10, (4, 3))
+    out = nn.Sequential(*layers)(ids)
+    out.pow(2).sum().backward()
+    assert stack.grad is not None
+    for index, (embedding, tanh, head) in enumerate(members):
+        expected = head(tanh(embedding(ids)))
+        expected.pow(2).sum().backward()
+        torch.testing.assert_close(out[index], expected)
+        torch.testing.assert_close(stack.grad[index], embedding.weight.grad)
+
+
+def test_a_fused_pair_of_hugging_face_gpt2s_keeps_the_head_tied_to_the_embedding(no_leaks: None) -> None:
+    """GPT-2 ties its head to its token embedding inside its traced stages: two of them (AdamW at two rates) fused into
+    an array of two on one device, in float64, equal plain PyTorch micro-batched the same way within 1e-9 and keep
+    the tie."""
+    transformers = pytest.importorskip("transformers")
+
+    class LanguageModel(nn.Module):
+        def __init__(self, seed: int) -> None:
+            super().__init__()
+            torch.manual_seed(seed)
+            config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=16,
+                                             attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0, bos_token_id=0,
+                                             eos_token_id=0)
+            self.gpt = transformers.GPT2LMHeadModel(config)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.gpt(input_ids=ids).logits
+
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(logits.reshape(-1, 64), targets.reshape(-1))
+
+    generator = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, 64, (4, 16), generator=generator), torch.randint(0, 64, (4, 16), generator=generator))
+               for _ in range(3)]
+    models = [LanguageModel(seed).double() for seed in range(2)]
+    references = clones(models)
+    factories: list[Factory] = [functools.partial(torch.optim.AdamW, lr=1e-3 * (i + 1)) for i in range(2)]
+    result = harmony.train(models, batches, loss_fn=loss, optimizer=factories, fuse=2, devices=["cpu"],
+                           microbatches=2, progress=False)
+    assert result.arrays == [[0, 1]]
+    for model, reference, factory in zip(models, references, factories):
+        optimizer = factory(reference.parameters())
+        for x, y in batches:
+            optimizer.zero_grad()
+            for xs, ys in zip(x.chunk(2), y.chunk(2)):
+                (loss(reference(xs), ys) / 2).backward()
+            optimizer.step()
+        assert model.gpt.lm_head.weight is model.gpt.transformer.wte.weight
         assert_same_weights(model, reference, rtol=0, atol=1e-9)
 
 
