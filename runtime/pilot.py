@@ -253,9 +253,11 @@ def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7, larges
             named = list(layer.named_parameters())
             saved, transient = _split(layer, low, index > 0, computing, dtype, samples, kept, named)
             generator = torch.get_rng_state()
+            versions = _versions(low)
             with computing():
                 y, seconds = _fastest_call(layer, low, 1 if given else repeats)
             draws = not torch.equal(generator, torch.get_rng_state())  # only the last call leaves the RNG moved
+            writes = _versions(low) != versions  # its input written in place: see LayerProfile.cut_before
             halved: frozenset[str] = frozenset()
             copied: frozenset[str] = frozenset()
             if dtype is not None:
@@ -276,7 +278,7 @@ def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7, larges
                     transient_bytes_per_sample=transient.per_sample,
                     transient_bytes=transient.fixed,
                     forward_seconds_per_sample=given[index] if given else seconds / samples,
-                    cut_before=is_boundary(low),
+                    cut_before=is_boundary(low) and not writes,
                     borrowed=_specs((n, p) for n, p in named if n in borrowed),
                     lenders=tuple(borrowed[n] for n, _ in named if n in borrowed),
                     halved=halved,
@@ -547,6 +549,11 @@ def _new_bytes(y: Any, x: Any) -> int:
     a branch) is memory its input already holds."""
     passed = {id(leaf) for leaf in tree_leaves(x) if isinstance(leaf, torch.Tensor)}
     return sum(leaf.nbytes for leaf in tree_leaves(y) if isinstance(leaf, torch.Tensor) and id(leaf) not in passed)
+
+
+def _versions(x: Any) -> list[int]:
+    """The version counters of x's tensors: a layer that writes its input in place moves them."""
+    return [leaf._version for leaf in tree_leaves(x) if isinstance(leaf, torch.Tensor)]
 
 
 def is_boundary(x: Any) -> bool:

@@ -14,7 +14,9 @@ class LayerProfile:
     """One layer of a model's chain.
 
     Byte counts of activations are per sample so that they scale with the micro-batch size.
-    ``cut_before`` says whether a pack may start at this layer: the values flowing into it are tensors.
+    ``cut_before`` says whether a pack may start at this layer: the values flowing into it are tensors, and it does
+    not write them in place (an in-place activation: a pack's input is kept for its backward and is an autograd
+    leaf there, so the layer stays in the pack of the layer before it, as in the model it writes that one's output).
     ``borrowed`` are parameters the layer reads that an earlier layer holds (tied weights: a language model's
     head reading its embedding), named as this layer names them; ``lenders`` says, for each, which layer holds
     it and under what name. Their bytes count as this layer's weights and gradients (a pack without the lender
