@@ -294,6 +294,11 @@ def test_groups_that_train_beside_each_other_are_each_sized_on_their_share_of_th
                          device_memory="4MB")
     assert [(choice.devices, choice.total) for choice in alone.fusion] == [(0, 0)] and set(devices) == {2}
     assert "devices, its share" not in str(alone)
+    devices.clear()
+    pruned = harmony.plan(models, batches, loss_fn=nn.functional.mse_loss, optimizer=optimizers, devices=2,
+                          device_memory="4MB", prune="halving", eval_every=1)
+    assert [(choice.devices, choice.total) for choice in pruned.fusion] == [(0, 0), (0, 0)] and set(devices) == {2}, (
+        "pruned: the models that stop free their devices for those left, in either group")
 
 
 def test_a_swapped_arrays_size_is_predicted_with_a_whole_pass_a_task_where_that_is_faster() -> None:
