@@ -182,8 +182,8 @@ def learned(kind: str | None, models: str | None = None) -> Fit | None:
     """The costs later plans on devices of kind take: the medians of the process's last fits, the call cost's of
     those that measured it (0 where none did; None: no run fitted them). For a plan of the architectures models
     (architectures): the fits of runs of them where there are some; else every run's, but no call cost, which
-    depends on the models (what the pilot mispredicts of their layers lands in it: a transformer's stages fitted
-    0.3-0.6 ms a call, small MLPs' arrays 0.1), where a task's handling and an update's do not as much."""
+    depends on the models (what the pilot mispredicts of their layers lands in it; docs/performance.md, "Fits kept
+    by architecture"), where a task's handling and an update's do not as much."""
     same = fits(kind, models) if models is not None else []
     kept = same or fits(kind)
     if not kept:
@@ -212,10 +212,9 @@ def kind_of(specs: Iterable[DeviceSpec]) -> str | None:
 
 def fitted(hardware: Hardware, kind: str | None, models: str | None = None) -> Hardware:
     """hardware with the costs runs on devices of kind fitted (learned, for a plan of the architectures models where
-    given); where none did, a task's handling is the CPU
-    the calibration measured a task to take beyond its latency (Hardware.task_cpu over task_overhead: on devices that
-    compute on the host's cores, the driver's, scheduler's and worker's work for a task comes out of the devices'
-    compute), and a pack call costs nothing."""
+    given); where none did, a task's handling is the CPU the calibration measured a task to take beyond its latency
+    (Hardware.task_cpu over task_overhead: on devices that compute on the host's cores, the driver's, scheduler's and
+    worker's work for a task comes out of the devices' compute), and a pack call costs nothing."""
     fit = learned(kind, models)
     if fit is None:
         return dataclasses.replace(hardware, handling_seconds=max(0.0, hardware.task_cpu - hardware.task_overhead))
@@ -332,13 +331,12 @@ def phase(plan: RunPlan, pruned: dict[int, int], steps: int) -> tuple[range, Run
 
 def learn(result: TrainResult, samples: list[int], kind: str | None, local: bool = False, models: str = ""
           ) -> Pending | None:
-    """Keep a run's steady figures (samples: each job's per step; models: its architectures) for devices of kind, to
-    be fitted when first asked
-    (Pending), and with local (its devices all on this machine) on disk for later processes; None (nothing kept)
-    where the run says nothing of the costs: devices of several kinds, no swapped job, a pruned run without PHASE
-    steps between pruning steps in which a swapped job trains (its figures are the first such steps', with the
-    plan of the jobs training in them: phase), evaluations or checkpoints fewer than PAUSES steps apart (the
-    simulator predicts neither), too few steps for a steady rate."""
+    """Keep a run's steady figures (samples: each job's per step; models: its architectures) for devices of kind, to be
+    fitted when first asked (Pending), and with local (its devices all on this machine) on disk for later processes;
+    None (nothing kept) where the run says nothing of the costs: devices of several kinds, no swapped job, a pruned
+    run without PHASE steps between pruning steps in which a swapped job trains (its figures are the first such
+    steps', with the plan of the jobs training in them: phase), evaluations or checkpoints fewer than PAUSES steps
+    apart (the simulator predicts neither), too few steps for a steady rate."""
     plan, steps = result.plan, None
     if kind is None or all(job.home is not None for job in plan.jobs):
         return None

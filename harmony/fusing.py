@@ -21,7 +21,7 @@ from torch import nn
 from harmony import timings
 from harmony.candidate import RANKING_STEPS, Candidate, model_device, pilot_batch, step_samples
 from harmony.errors import ModelError
-from harmony.runtime.array import ArrayLayer, array_loss, layer_signature
+from harmony.runtime.array import ArrayLayer, array_kind, array_loss, layer_signature
 from harmony.runtime.array_optimizer import ArrayOptimizer
 from harmony.runtime.code import JobCode
 from harmony.runtime.measure import update_rate
@@ -118,7 +118,7 @@ def _array_layers(chains: list[tuple[nn.Module, ...]]) -> list[ArrayLayer]:
     differently (a linear layer's transposed, another's not: an embedding and the head tied to it), both run through
     vmap."""
     ties = borrowings(list(chains[0]))
-    kinds = [_natural_kind(chains, position) for position in range(len(chains[0]))]
+    kinds = [array_kind(layer, position == 0) for position, layer in enumerate(chains[0])]
     general = set()
     for position, tied in enumerate(ties):
         for lender, _ in tied.values():
@@ -131,10 +131,6 @@ def _array_layers(chains: list[tuple[nn.Module, ...]]) -> list[ArrayLayer]:
         layers.append(ArrayLayer([chain[position] for chain in chains], shared_input=position == 0, tied=stacks,
                                  general=position in general))
     return layers
-
-
-def _natural_kind(chains: list[tuple[nn.Module, ...]], position: int) -> str:
-    return ArrayLayer([chains[0][position]], shared_input=position == 0).kind
 
 
 @dataclass(frozen=True)
@@ -205,15 +201,13 @@ def _predict(arrays: Sequence[Candidate | Predicted], sizing: Sizing) -> float:
     homes = _homes(arrays, sizing)
     packs = [len(array.job.packing.packs) for array in arrays]
     per_task = options.packs_per_task
-    cuts = [[even_sections(count, count if per_task == "auto" else int(per_task)) for count in packs]]
-    if per_task == "auto":
-        cuts.append([()] * len(arrays))
+    ways = ["auto", 1] if per_task == "auto" else [int(per_task)]  # "auto": a whole pass a task, or a pack a task
+    cuts = {tuple(() if index in homes else even_sections(count, count if way == "auto" else way)
+                  for index, count in enumerate(packs)) for way in ways}  # alike where no array is cut: simulated once
     return min(simulate([array.job.packing for array in arrays], [RANKING_STEPS] * len(arrays),
                         [step_samples(sizing.args, a.job) for a in arrays], sizing.budgets, sizing.hardware,
                         prefetch=options.prefetch, policy=options.policy, mode="free", groups=[1] * len(arrays),
-                        homes=homes, stash=options.stash,
-                        sections=[() if index in homes else cut for index, cut in enumerate(sections)]
-                        ).makespan / RANKING_STEPS
+                        homes=homes, stash=options.stash, sections=list(sections)).makespan / RANKING_STEPS
                for sections in cuts)
 
 
@@ -269,16 +263,16 @@ def _share_of_devices(group: list[int], candidates: list[Candidate], sizing: Siz
     unfused (its steps' work, as the pilot predicts it), at least one. Groups that train beside each other are then
     each sized for the devices they will have: on two devices, two groups of three small models train fastest as
     an array each, one to a device, though either alone would train faster unfused across both. Under a pruner, all
-    of them: the models that stop free their devices for those left, whichever group those are in (the quickstart
-    pruned by halving trained 0.81-0.91 s unfused, 1.00-1.12 in an array per group, one to a device)."""
+    of them: the models that stop free their devices for those left, whichever group those are in
+    (docs/performance.md, "A group sized on its share of the devices")."""
     if sizing.args.pruner is not None:
         return sizing, (0, 0)
+    counted = all(candidate.job.steps is not None for candidate in candidates)
 
     def work(candidate: Candidate) -> float:
         seconds = model_step_seconds(candidate.job.packing, step_samples(sizing.args, candidate.job), sizing.hardware)
         return seconds * (candidate.job.steps or 1) if counted else seconds
 
-    counted = all(candidate.job.steps is not None for candidate in candidates)
     total = sum(work(candidate) for candidate in candidates)
     share = sum(work(candidates[member]) for member in group) / total if total > 0 else 1.0
     count = max(1, round(share * len(sizing.budgets)))

@@ -84,7 +84,7 @@ class ArrayLayer(nn.Module):
         first = members[0]
         self.size = len(members)
         self.shared_input = shared_input
-        self.kind = "vmap" if general else _kind(first, shared_input)
+        self.kind = "vmap" if general else array_kind(first, shared_input)
         self.param_names = [name for name, _ in first.named_parameters()]
         self.buffer_names = [name for name, _ in first.named_buffers()]
         with torch.no_grad():
@@ -300,7 +300,7 @@ def retie(template: nn.Module, original: nn.Module) -> nn.Module:
     return template
 
 
-def _kind(first: nn.Module, shared_input: bool) -> str:
+def array_kind(first: nn.Module, shared_input: bool) -> str:
     """How an array of layers like first runs: linear, batchnorm, elementwise or vmap (see ArrayLayer)."""
     if type(first) in LINEAR_TYPES:
         return "linear"
