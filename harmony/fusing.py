@@ -26,7 +26,7 @@ from harmony.runtime.array_optimizer import ArrayOptimizer
 from harmony.runtime.code import JobCode
 from harmony.runtime.measure import update_rate
 from harmony.runtime.pilot import borrowings, decompose
-from harmony.runtime.stages import Entry, quiet_failures
+from harmony.runtime.stages import quiet_failures
 from harmony.tasks.amortize import even_sections
 from harmony.tasks.fusion import (
     FusionChoice,
@@ -50,7 +50,6 @@ logger = logging.getLogger("harmony")
 
 
 UNFUSED = {  # why a model is never fused, by the first item of its fusion key
-    "exported": "torch.export cut it, and torch.func.vmap has no batching rule for the sizes an export reads",
     "loss-scaled": "precision='fp16' skips each model's steps by its own loss scale, not an array's",
 }
 
@@ -59,8 +58,6 @@ def fusion_key(candidate: Candidate, args: Arguments) -> Hashable:
     """What must agree for two models to be fused: loader, validation loader, optimizer class and every layer's
     signature; for a model never fused, why (a key of UNFUSED) and its index."""
     index = candidate.job.members[0]
-    if any(isinstance(module, Entry) for layer in candidate.code.layers for module in layer.modules()):
-        return ("exported", index)
     if args.options.precision == "fp16":
         return ("loss-scaled", index)
     layers = tuple(layer_signature(layer) for layer in candidate.code.layers)

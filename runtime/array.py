@@ -15,14 +15,15 @@ from __future__ import annotations
 import copy
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
-from torch import nn
+from torch import fx, nn
 from torch.func import vmap
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from harmony.runtime.padding import PaddedLookups, pads
 from harmony.runtime.reparametrize import bind
 
 ELEMENTWISE = (
@@ -87,6 +88,7 @@ class ArrayLayer(nn.Module):
         self.kind = "vmap" if general else array_kind(first, shared_input)
         self.param_names = [name for name, _ in first.named_parameters()]
         self.buffer_names = [name for name, _ in first.named_buffers()]
+        self.pads = pads(first)  # its lookups with a padding row run as runtime.padding's where indices are batched
         with torch.no_grad():
             for name, param in first.named_parameters():
                 if tied and name in tied:  # the stack of an earlier layer that reads the same weight
@@ -154,7 +156,8 @@ class ArrayLayer(nn.Module):
             return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
 
         dims = None if shared else tree_map(lambda leaf: 0 if isinstance(leaf, torch.Tensor) else None, x)
-        with warnings.catch_warnings():  # an op vmap loops over (attention on a CPU): timed like any (harmony.fusing)
+        lookups = PaddedLookups() if self.pads and not shared else nullcontext()
+        with warnings.catch_warnings(), lookups:  # an op vmap loops over (attention on a CPU): timed like any
             warnings.filterwarnings("ignore", message=FALLBACK_WARNING)
             tensors = iter(vmap(member, in_dims=(0, 0, dims), randomness="different")(params, buffers, x))
         structure, leaves = sizes
@@ -329,11 +332,12 @@ def simple_attributes(module: nn.Module) -> tuple[tuple[str, str], ...]:
 
 
 def layer_signature(layer: nn.Module) -> tuple[Any, ...]:
-    """What must agree for layers of different models to be fused: types, configuration, shapes, dtypes."""
+    """What must agree for layers of different models to be fused: types, configuration, shapes, dtypes, and a
+    traced stage's code (which holds the constants its model's configuration put there: an epsilon, a rate)."""
     parts: list[Any] = []
     for name, module in layer.named_modules():
         parts.append((name, type(module).__qualname__, type(module).__module__, module.training,
-                      simple_attributes(module)))
+                      simple_attributes(module), module.code if isinstance(module, fx.GraphModule) else None))
     for name, param in layer.named_parameters():
         parts.append((name, tuple(param.shape), str(param.dtype), param.requires_grad, str(param.device)))
     for name, buffer in layer.named_buffers():

@@ -332,6 +332,15 @@ class StageTracer(fx.Tracer):
     proxy_buffer_attributes = True
 
 
+PYTHON_CALLS = {  # operators an exported graph calls that a fused array needs called as Python calls (a stage
+    # computes the same either way): vmap has no batching rule for a size read, and a fallback's warning from an
+    # operator called as torch.ops.aten.* goes to stderr past Python's warnings filters
+    torch.ops.aten.sym_size.int: ("call_method", "size"),
+    torch.ops.aten.sym_numel.default: ("call_method", "numel"),
+    torch.ops.aten.scaled_dot_product_attention.default: ("call_function", nn.functional.scaled_dot_product_attention),
+}
+
+
 def _stage(module: nn.Module, segment: list[fx.Node], flowing: list[fx.Node], result: fx.node.Argument,
            name: str) -> nn.Module:
     """The operations of segment as a module of their own: the flowing values in (one, or a tuple), result out; the
@@ -356,13 +365,18 @@ def _stage(module: nn.Module, segment: list[fx.Node], flowing: list[fx.Node], re
             env[value] = graph.node_copy(value)
         elif value not in env and _symbol(value.meta.get("val")) in sizes:  # a size read off a flowing tensor
             tensor, dim = sizes[_symbol(value.meta["val"])]
-            env[value] = graph.call_function(torch.ops.aten.sym_size.int, (tensor, dim))
+            env[value] = graph.call_method("size", (tensor, dim))
         return env[value]
 
     tensors = [env[value] for value in flowing if isinstance(value.meta.get("val"), torch.Tensor)]
     device = graph.call_function(getattr, (tensors[0], "device")) if tensors else None
     for node in segment:
-        copied = graph.node_copy(node, lookup)
+        if node.op == "call_function" and node.target in PYTHON_CALLS:
+            kind, target = PYTHON_CALLS[node.target]
+            copied = graph.create_node(kind, target, fx.map_arg(node.args, lookup), fx.map_arg(node.kwargs, lookup))
+            copied.meta = dict(node.meta)
+        else:
+            copied = graph.node_copy(node, lookup)
         if device is not None:  # an exported graph names the device it was exported on: compute where its input is
             copied.args, copied.kwargs = tree_map(lambda arg: device if isinstance(arg, torch.device) else arg,
                                                   (copied.args, copied.kwargs))

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import copy
 import pickle
+import types
 import warnings
 from collections.abc import Callable
 
 import pytest
 import torch
-from torch import nn
+from torch import fx, nn
 
 from harmony.runtime.array import (
     FALLBACK_WARNING,
@@ -180,6 +181,26 @@ def test_layer_signatures_tell_configurations_apart() -> None:
     assert layer_signature(nn.LeakyReLU(0.1)) != layer_signature(nn.LeakyReLU(0.2))
     assert layer_signature(nn.Linear(4, 3)) != layer_signature(nn.Linear(4, 3).double())
     assert layer_signature(nn.BatchNorm1d(3)) != layer_signature(nn.BatchNorm1d(3).eval())
+
+
+def test_traced_stages_whose_code_differs_have_different_signatures() -> None:
+    """A traced forward holds the constants its configuration put there (an epsilon, a rate read off a config
+    object, which no attribute shows): stages of models configured apart are not fused."""
+
+    class Scaled(nn.Module):
+        def __init__(self, scale: float) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+            self.config = types.SimpleNamespace(scale=scale)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.linear(x) * self.config.scale
+
+    def stage(scale: float) -> fx.GraphModule:
+        return fx.symbolic_trace(Scaled(scale))
+
+    assert layer_signature(stage(2.0)) == layer_signature(stage(2.0))
+    assert layer_signature(stage(2.0)) != layer_signature(stage(3.0))
 
 
 def test_array_losses_are_per_member_and_vectorized_only_when_the_losses_agree() -> None:

@@ -161,7 +161,7 @@ def test_causal_lms_larger_than_the_device_are_exported_cut_at_their_layers_and_
     their weights' bytes each (at most a quarter of what training one holds: its gradients, Adam's state and the
     activations of its attention and MLPs besides): exported, cut at their decoder layers (the rotary position
     embeddings and the causal mask cross the cuts beside the hidden states), trained with their own loss on dict
-    batches in two micro-batches, unfused (an exported model is not fused): equal to plain PyTorch in float64."""
+    batches in two micro-batches, fused or not as fuse="auto" predicts: equal to plain PyTorch in float64."""
     models = [llama(0), llama(1)]
     references = copy.deepcopy(models)
     batches = token_batches(steps=4, batch=8, length=12)
@@ -172,7 +172,7 @@ def test_causal_lms_larger_than_the_device_are_exported_cut_at_their_layers_and_
                                microbatches=2, progress=False)
     assert ("LlamaForCausalLM: exported by torch.export and cut into 19 stages at model.embed_tokens, model, "
             "model.rotary_emb, model.layers.0-11, model.norm, lm_head" in caplog.text)
-    assert result.arrays == [[0], [1]] and all(len(packing.packs) >= 6 for packing in result.packings)
+    assert all(len(packing.packs) >= 6 for packing in result.packings)
     assert result.models == models
     assert max(result.stats.peak_device_bytes.values()) <= budget
     for index, (model, reference, factory) in enumerate(zip(models, references, factories)):
@@ -181,6 +181,40 @@ def test_causal_lms_larger_than_the_device_are_exported_cut_at_their_layers_and_
         # the model's own loss is float32 (transformers upcasts the logits with .float()): two micro-batches'
         # losses averaged differ from the whole batch's at float32 rounding
         assert result.history[index] == pytest.approx(losses, rel=2 * torch.finfo(torch.float32).eps)
+
+
+def opt(seed: int, layers: int = 6) -> torch.nn.Module:
+    """A small OPT in float64 without dropout: it flattens its tokens to batch x length, so sizes cross cuts as ints."""
+    torch.manual_seed(seed)
+    config = transformers.OPTConfig(num_hidden_layers=layers, hidden_size=32, ffn_dim=64, num_attention_heads=2,
+                                    vocab_size=VOCAB, max_position_embeddings=32, word_embed_proj_dim=32,
+                                    dropout=0.0, attention_dropout=0.0)
+    return transformers.OPTForCausalLM(config).double()
+
+
+@pytest.mark.parametrize("build", [llama, gpt2, opt], ids=["llama", "gpt2", "opt"])
+def test_exported_causal_lms_fuse_into_swapped_arrays_that_equal_plain_pytorch(
+    build: object, no_leaks: None, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Two 6-layer LMs torch.fx cannot trace, on one device of four times one's weight bytes (the array's are two,
+    and its next pack's come in beside the current one's): exported, fused as an array
+    of two (the stages read sizes off their inputs and call attention as vmap can batch them), swapped in packs,
+    in two micro-batches; GPT-2's head borrows the stacked tied embeddings packs later, OPT's sizes cross cuts as
+    ints. Adam at two rates: equal to plain PyTorch in float64, ties intact, and no warning of vmap's on stderr."""
+    models = [build(seed, layers=6) for seed in range(2)]  # type: ignore[operator]
+    references = copy.deepcopy(models)
+    batches = token_batches(steps=4, batch=8, length=12)
+    budget = 4 * sum(p.numel() * p.element_size() for p in models[0].parameters())
+    factories = [adam(1e-3), adam(3e-3)]
+    result = harmony.train(models, batches, None, factories, devices=["cpu"], device_memory=budget,
+                           microbatches=2, fuse=True, progress=False)
+    assert result.arrays == [[0, 1]] and len(result.packings[0].packs) >= 6
+    assert max(result.stats.peak_device_bytes.values()) <= budget
+    for model, reference, factory in zip(models, references, factories):
+        train_plain(reference, batches, factory, keywords=True)
+        assert_close(model, reference)
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight or build is llama
+    assert "performance drop" not in capfd.readouterr().err
 
 
 def test_a_mixture_of_experts_trains_in_packs_with_its_custom_operator_on_the_workers(no_leaks: None) -> None:

@@ -18,7 +18,6 @@ import harmony
 from harmony import fusing, planner
 from harmony.runtime.shipping import BatchFiles
 from tests.conftest import (
-    FlattenedTokens,
     GatedNet,
     TiedEnds,
     assert_same_weights,
@@ -119,15 +118,16 @@ class ItemGate(nn.Module):
 
 def test_fuse_true_says_which_models_it_never_fuses_and_why(caplog: pytest.LogCaptureFixture, no_leaks: None
                                                             ) -> None:
-    """Models cut by torch.export are never fused (fusing.UNFUSED): with fuse=True the plan says so for each."""
-    models = [FlattenedTokens(width=64, blocks=6, outputs=4) for _ in range(2)]
-    x, y = torch.randn(16, 5, 64), torch.randn(16, 5, 4)
+    """Models trained in fp16 are never fused (fusing.UNFUSED: each skips its steps by its own loss scale): with
+    fuse=True the plan says so for each."""
+    models = [nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4)) for _ in range(2)]
+    x, y = torch.randn(16, 64), torch.randn(16, 4)
     with caplog.at_level("WARNING", logger="harmony"):
-        plan = harmony.plan(models, [(x, y)], loss_fn=nn.functional.mse_loss, devices=["cpu"], device_memory=120_000,
-                            microbatches=2, resident=False, fuse=True)
+        plan = harmony.plan(models, [(x, y)], loss_fn=nn.functional.mse_loss, devices=["cpu"], precision="fp16",
+                            fuse=True)
     assert [job.members for job in plan.plan.jobs] == [(0,), (1,)]
     for index in (0, 1):
-        assert f"model {index} (FlattenedTokens): fuse=True trains it unfused: torch.export cut it" in caplog.text
+        assert f"model {index} (Sequential): fuse=True trains it unfused: precision='fp16' skips" in caplog.text
 
 
 def test_models_whose_layers_cannot_run_as_an_array_train_unfused_under_auto_and_fuse_true_says_why(

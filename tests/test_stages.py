@@ -156,6 +156,39 @@ def test_a_model_torch_fx_cannot_trace_is_exported_cut_at_its_layers_and_runs_ot
     torch.testing.assert_close(x.loss, expected.loss, rtol=0, atol=0)
 
 
+def test_an_exported_models_stages_run_as_an_array_of_members_each_computing_its_own_output(
+    capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The stages of two exported Llamas, stacked stage by stage into array layers, compute each model's output: an
+    export reads sizes with an operator vmap cannot batch and calls attention as an operator whose fallback warns
+    on stderr; the stages call both as Python calls, which compute the same unfused."""
+    transformers = pytest.importorskip("transformers")
+    from harmony.runtime.array import ArrayLayer
+    from harmony.runtime.pilot import KeywordCall
+
+    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=16, intermediate_size=32,
+                                      num_attention_heads=2, num_key_value_heads=2, vocab_size=50,
+                                      bos_token_id=0, eos_token_id=0, use_cache=False)
+    models = []
+    for seed in range(2):
+        torch.manual_seed(seed)
+        models.append(transformers.LlamaForCausalLM(config).double().eval())
+    ids = torch.randint(0, 50, (4, 12))
+    batch = {"input_ids": ids, "labels": ids}
+    chains = [trace_stages(KeywordCall(model), sample=batch)[0] for model in models]
+    graphs = [module.graph for stage in chains[0] for module in stage.modules() if isinstance(module, fx.GraphModule)]
+    calls = {node.target for graph in graphs for node in graph.nodes if node.op == "call_function"}
+    assert not calls & {torch.ops.aten.sym_size.int, torch.ops.aten.scaled_dot_product_attention.default}
+    assert nn.functional.scaled_dot_product_attention in calls
+    x: object = batch
+    with torch.no_grad():
+        for position in range(len(chains[0])):
+            x = ArrayLayer([chain[position] for chain in chains], shared_input=position == 0)(x)
+        for index, model in enumerate(models):
+            torch.testing.assert_close(x.logits[index], model(**batch).logits, rtol=0, atol=1e-12)
+    assert "performance drop" not in capfd.readouterr().err
+
+
 def test_a_size_left_behind_at_one_cut_crosses_a_later_one_where_no_tensor_has_it() -> None:
     """The first cut carries a tensor shaped (batch, length, 8): the sizes stay behind, read off it. Later cuts carry
     only (batch * length, 8), a product, and the head needs batch and length: they cross as values of their own
