@@ -3,9 +3,9 @@
 Each model is built from a small config (random init) in float64, or float32 where a kernel has no float64 one
 (a Mixtral's grouped matrix product), and takes three SGD steps: swapped in packs on two CPU devices under about
 a third of its bytes (or what its largest layer needs, where that is more), and with --fused two of it (the second
-scaled by 0.9) fused in one array on one device. Beside them, plain PyTorch's loop on one thread and on two, and
-for the array, plain PyTorch's own way of computing models side by side: torch.func.vmap over their stacked
-weights (torch.func.stack_module_state), one thread.
+scaled by 0.9) fused in one array on one device, homed and swapped in packs. Beside them, plain PyTorch's loop on
+one thread and on two, and for the array, plain PyTorch's own way of computing models side by side:
+torch.func.vmap over their stacked weights (torch.func.stack_module_state), one thread.
 
 Harmony's CPU workers compute on one thread each, so the swapped way is compared with the one-thread loop, whose
 own difference between one and two threads is the noise. An array's batched kernels sum in another order than one
@@ -230,6 +230,26 @@ def fused(build: Callable[[], nn.Module], batches: Batches, loss_fn: Any) -> lis
     return models
 
 
+def fused_swapped(build: Callable[[], nn.Module], batches: Batches, loss_fn: Any) -> tuple[list[nn.Module], int]:
+    """The pair trained fused in one array swapped in packs on one device, and its packs: under a third of the
+    pair's bytes, or twice, four or eight times that where the array does not fit beside its next pack (then
+    fuse=True trains them unfused)."""
+    nbytes = 2 * sum(p.numel() * p.element_size() for p in build().parameters())
+    budget = nbytes // 3
+    for _ in range(4):
+        models = pair(build)
+        try:
+            result = harmony.train(models, batches, loss_fn, sgd, devices=["cpu"], device_memory=budget, fuse=True,
+                                   resident=False, progress=False)
+        except harmony.BudgetTooSmall as error:
+            budget = error.prefetching * 13 // 10
+            continue
+        if result.arrays == [[0, 1]]:
+            return models, len(result.packings[0].packs)
+        budget *= 2
+    raise RuntimeError(f"the pair trained unfused up to a budget of {budget // 2:,} bytes")
+
+
 def stacked(build: Callable[[], nn.Module], batches: Batches, loss_fn: Any) -> list[dict[str, torch.Tensor]]:
     """The pair trained by torch.func.vmap over their stacked weights and buffers, SGD by hand, on one thread: each
     member's parameters and buffers after the steps."""
@@ -258,7 +278,8 @@ def verdict(difference: float, noise: float, scale: float, dtype: torch.dtype) -
 
 def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--only", default="", help="comma-separated names (default: all)")
-    parser.add_argument("--fused", action="store_true", help="also train two of each fused in one array")
+    parser.add_argument("--fused", action="store_true",
+                        help="also train two of each fused in one array, homed and swapped")
 
 
 def main() -> None:
@@ -299,13 +320,22 @@ def main() -> None:
             except Exception as error:  # a model fuse=True refuses (harmony.fusing.UNFUSED, Unfusable) says why
                 row.update({"fused vs loop": float("nan"), "fused vs vmap": float("nan"),
                             "fused ok": f"failed: {type(error).__name__}: {str(error)[:80]}"})
+            try:
+                members, packs = fused_swapped(build, batches, loss_fn)
+                difference = max(largest_difference(m, v) for m, v in zip(members, stacked(build, batches, loss_fn)))
+                row.update({"array packs": packs, "swapped array vs vmap": difference,
+                            "swapped array ok": verdict(difference, noise, scale, dtype)})
+            except Exception as error:
+                row.update({"array packs": 0, "swapped array vs vmap": float("nan"),
+                            "swapped array ok": f"failed: {type(error).__name__}: {str(error)[:80]}"})
         print(row, flush=True)
         rows.append(row)
     report("architectures", "Architectures trained by Harmony against plain PyTorch's loop (largest weight "
            "difference after 3 SGD steps)", rows, args.out,
            notes="moved: how far plain PyTorch's 3 steps moved the weights; noise: plain PyTorch on 1 thread against "
                  "2; swapped: Harmony against plain PyTorch on 1 thread; fused vs loop / vmap: the array's members "
-                 "against the loop and against torch.func.vmap of the stacked pair; ok: within 3x the noise or 64 "
+                 "against the loop and against torch.func.vmap of the stacked pair; swapped array vs vmap: the pair "
+                 "fused and swapped in packs on one device against that vmap; ok: within 3x the noise or 64 "
                  "units of rounding of the largest weight")
 
 

@@ -11,7 +11,7 @@ Each array takes the place of its first member, so jobs keep the order of the mo
 from __future__ import annotations
 
 import logging
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
 
 import psutil
@@ -20,7 +20,7 @@ from torch import nn
 
 from harmony import timings
 from harmony.candidate import RANKING_STEPS, Candidate, model_device, pilot_batch, step_samples
-from harmony.errors import ModelError
+from harmony.errors import BudgetTooSmall, ModelError
 from harmony.runtime.array import ArrayLayer, array_kind, array_loss, layer_signature
 from harmony.runtime.array_optimizer import ArrayOptimizer
 from harmony.runtime.code import JobCode
@@ -76,14 +76,58 @@ class Unfusable(ModelError):
     operator): fuse="auto" trains such models unfused, fuse=True or k reports it."""
 
 
+Cutter = Callable[[int, int], Candidate]  # a model piloted and cut for a budget (harmony.planner.member_cutter)
+
+
 def build_array(members: list[int], candidates: list[Candidate], args: Arguments, budget: int,
-                timed: ModelProfile | None = None) -> Candidate:
+                timed: ModelProfile | None = None, cutter: Cutter | None = None) -> Candidate:
     """Stack the members' layers into ArrayLayers, pilot the array (its layers' times and its update's from timed,
     an array of as many members of the same group, where given) and cut it into packs for budget.
+
+    Each array layer holds its members' layers: where one does not fit budget, or the array fits only without
+    room to prefetch where its members prefetch, the members are cut again by cutter for their share of budget
+    (a traced model at finer blocks, one that fit whole exported), and the array built of those layers instead.
 
     Raises LayerTooLarge when the array's largest layer does not fit budget, Unfusable when it fails in its pilot.
     """
     parts = [candidates[m] for m in members]
+    try:
+        array = _stacked(members, parts, candidates, args, budget, timed)
+    except LayerTooLarge as error:
+        if cutter is None:
+            raise
+        return _recut(members, candidates, args, budget, timed, cutter, error)
+    if cutter is None or array.job.packing.prefetch or not all(part.job.packing.prefetch for part in parts):
+        return array
+    return _recut(members, candidates, args, budget, timed, cutter, array)
+
+
+def _recut(members: list[int], candidates: list[Candidate], args: Arguments, budget: int,
+           timed: ModelProfile | None, cutter: Cutter, built: Candidate | LayerTooLarge) -> Candidate:
+    """The array of members cut again by cutter for their share of budget, where that cuts them finer and the array
+    then prefetches; else built (the array of the members as they were cut, which fits only without prefetching),
+    or where that did not fit, its error raised."""
+    parts = [candidates[m] for m in members]
+    try:
+        finer = [cutter(m, budget // len(members)) for m in members]
+    except BudgetTooSmall:
+        finer = None
+    recut: Candidate | LayerTooLarge = built
+    if finer is not None and len(finer[0].code.layers) > len(parts[0].code.layers):
+        try:
+            recut = _stacked(members, finer, candidates, args, budget, timed)
+        except LayerTooLarge as error:
+            recut = error
+    if isinstance(recut, Candidate) and (recut.job.packing.prefetch or not isinstance(built, Candidate)):
+        return recut
+    if isinstance(built, LayerTooLarge):
+        raise built
+    return built
+
+
+def _stacked(members: list[int], parts: list[Candidate], candidates: list[Candidate], args: Arguments, budget: int,
+             timed: ModelProfile | None) -> Candidate:
+    """The array of parts (the members as cut), piloted and cut into packs for budget (see build_array)."""
     label = _label(members, args)
     layers = _array_layers([part.code.layers for part in parts])
     sample, target, sizes = pilot_batch(args, members[0])
@@ -175,11 +219,13 @@ def _kept_key(members: list[int], candidates: list[Candidate], args: Arguments) 
 
 @dataclass(frozen=True)
 class Sizing:
-    """What choosing a sub-array size needs: the arguments, the devices' budgets and the hardware predicted on."""
+    """What choosing a sub-array size needs: the arguments, the devices' budgets, the hardware predicted on, and how
+    a member is cut finer for an array (build_array)."""
 
     args: Arguments
     budgets: dict[str, int]
     hardware: Hardware
+    cutter: Cutter | None = None
 
 
 def _homes(arrays: Sequence[Candidate | Predicted], sizing: Sizing) -> dict[int, str]:
@@ -319,12 +365,16 @@ def _trial(group: list[int], size: int, candidates: list[Candidate], sizing: Siz
         return _predict([candidates[m] for m in group], sizing), None
     key = _kept_key(group[:size], candidates, sizing.args)
     kept = timings.KEPT.get(key)
-    array: Candidate | Predicted
+    budget = min(sizing.budgets.values())
+    array: Candidate | Predicted | None = None
     try:
-        if kept is not None:
-            array = predicted_array(group[:size], candidates, sizing.args, min(sizing.budgets.values()), kept)
-        else:
-            array = build_array(group[:size], candidates, sizing.args, min(sizing.budgets.values()))
+        if kept is not None:  # an array of members cut as they are now, or as build_array cut them finer
+            try:
+                array = predicted_array(group[:size], candidates, sizing.args, budget, kept)
+            except LayerTooLarge:
+                array = None
+        if array is None or (not array.job.packing.prefetch and sizing.cutter is not None):
+            array = build_array(group[:size], candidates, sizing.args, budget, kept, sizing.cutter)
             timings.KEPT[key] = array.profile
     except LayerTooLarge:
         return None, None
@@ -340,9 +390,11 @@ def _trial(group: list[int], size: int, candidates: list[Candidate], sizing: Siz
 
 
 def fuse(
-    candidates: list[Candidate], args: Arguments, budgets: dict[str, int], hardware: Hardware
+    candidates: list[Candidate], args: Arguments, budgets: dict[str, int], hardware: Hardware,
+    cutter: Cutter | None = None,
 ) -> tuple[list[Candidate], list[FusionChoice]]:
-    """The jobs with every group of fusable models replaced by arrays of the chosen size, and the choices."""
+    """The jobs with every group of fusable models replaced by arrays of the chosen size, and the choices (cutter:
+    how a member is cut finer for an array, see build_array)."""
     if args.options.fuse is False:
         return candidates, []
     keys = [fusion_key(candidate, args) for candidate in candidates]
@@ -352,7 +404,7 @@ def fuse(
                 logger.warning("model %d (%s): fuse=True trains it unfused: %s", index,
                                type(args.models[index]).__name__, UNFUSED[key[0]])
     groups = fusion_groups(keys)
-    sizing = Sizing(args, budgets, hardware)
+    sizing = Sizing(args, budgets, hardware, cutter)
     built: dict[tuple[int, ...], Candidate] = {}
     choices = [_choose(group, candidates, sizing, built) for group in groups]
     first_of: dict[int, Candidate] = {}
@@ -364,7 +416,7 @@ def fuse(
                 continue
             key = _kept_key(members, candidates, args)  # arrays of a size take the timings of the first one timed
             array = built.get(tuple(members)) or build_array(members, candidates, args, min(budgets.values()),
-                                                             timings.KEPT.get(key))
+                                                             timings.KEPT.get(key), cutter)
             timings.KEPT.setdefault(key, array.profile)
             logger.info("%s", array.job.packing.explain())
             first_of[members[0]] = array

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -132,32 +132,45 @@ def pilot(args: Arguments, budget: int, made: Mapping[int, tuple[Decomposition, 
     """Profile every model on its first micro-batch and cut it into packs that fit budget (or take its
     decomposition and packing from made, fewest_microbatches's at this count)."""
     candidates = []
-    for index, model in enumerate(args.models):
-        label = model_label(index, model)
-        sample, target, sizes = pilot_batch(args, index)
-        kept = _kept(args, index, sample)
-        decomposition, packing = (made or {}).get(index) or _decompose_and_cut(
-            args, index, sample, target, sizes[0], budget, timings.KEPT.get(kept))
-        timings.KEPT.setdefault(kept, decomposition.profile)
-        optimizer = (kept, args.optimizer_classes[index], args.optimizer_state_ratios[index])
-        if optimizer not in timings.RATES and args.optimizers[index] is not None:
-            timings.RATES[optimizer] = update_rate(args.optimizers[index], decomposition.layers)
-        profile, packing = with_update_rate(decomposition.profile, packing, timings.RATES.get(optimizer))
-        logger.info("%s%s", packing.explain(), "".join(f"; {note}" for note in decomposition.notes[:3]))
-        job = Job(
-            members=(index,),
-            label=label,
-            feed=args.loader_of[index],
-            seed=index,
-            packing=packing,
-            steps=args.expected_steps(index),
-            step_seconds=model_step_seconds(packing, sum(sizes), Hardware()),
-            batch_bytes=tree_nbytes(args.first_batch(index)),
-            state_ratio=args.optimizer_state_ratios[index],
-        )
-        code = JobCode(tuple(decomposition.layers), args.loss_fns[index], args.optimizers[index])
-        candidates.append(Candidate(job, code, profile))
+    for index in range(len(args.models)):
+        candidate, notes = _piloted(args, index, budget, (made or {}).get(index))
+        logger.info("%s%s", candidate.job.packing.explain(), "".join(f"; {note}" for note in notes[:3]))
+        candidates.append(candidate)
     return candidates
+
+
+def member_cutter(args: Arguments) -> Callable[[int, int], Candidate]:
+    """How fusion cuts a model finer for an array (harmony.fusing.build_array): piloted and cut for a budget, its
+    share of the array's."""
+    return lambda index, budget: _piloted(args, index, budget)[0]
+
+
+def _piloted(args: Arguments, index: int, budget: int, made: tuple[Decomposition, Any] | None = None
+             ) -> tuple[Candidate, list[str]]:
+    """Model index piloted on its first micro-batch and cut into packs that fit budget (or as made), and the notes
+    on how it was decomposed."""
+    sample, target, sizes = pilot_batch(args, index)
+    kept = _kept(args, index, sample)
+    decomposition, packing = made or _decompose_and_cut(args, index, sample, target, sizes[0], budget,
+                                                        timings.KEPT.get(kept))
+    timings.KEPT.setdefault(kept, decomposition.profile)
+    optimizer = (kept, args.optimizer_classes[index], args.optimizer_state_ratios[index])
+    if optimizer not in timings.RATES and args.optimizers[index] is not None:
+        timings.RATES[optimizer] = update_rate(args.optimizers[index], decomposition.layers)
+    profile, packing = with_update_rate(decomposition.profile, packing, timings.RATES.get(optimizer))
+    job = Job(
+        members=(index,),
+        label=model_label(index, args.models[index]),
+        feed=args.loader_of[index],
+        seed=index,
+        packing=packing,
+        steps=args.expected_steps(index),
+        step_seconds=model_step_seconds(packing, sum(sizes), Hardware()),
+        batch_bytes=tree_nbytes(args.first_batch(index)),
+        state_ratio=args.optimizer_state_ratios[index],
+    )
+    code = JobCode(tuple(decomposition.layers), args.loss_fns[index], args.optimizers[index])
+    return Candidate(job, code, profile), decomposition.notes
 
 
 def _kept(args: Arguments, index: int, sample: Any) -> Hashable:
@@ -422,7 +435,7 @@ def codes_for(plan: RunPlan, candidates: list[Candidate], args: Arguments, budge
         if len(job.members) == 1:
             codes.append(candidates[job.members[0]].code)
         else:
-            codes.append(build_array(list(job.members), candidates, args, budget).code)
+            codes.append(build_array(list(job.members), candidates, args, budget, cutter=member_cutter(args)).code)
     return codes
 
 
@@ -453,7 +466,7 @@ def build(
     each device's machine ("" for the driver's) where they are on several."""
     options = args.options
     machines = machines or {}
-    candidates, fusion = fuse(candidates, args, budgets, hardware)
+    candidates, fusion = fuse(candidates, args, budgets, hardware, member_cutter(args))
     mode, predicted = choose_mode(candidates, args, budgets, hardware)
     jobs = on_machines([candidate.job for candidate in candidates], budgets, machines)
     candidates = [dataclasses.replace(candidate, job=job) for candidate, job in zip(candidates, jobs)]
