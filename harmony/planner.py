@@ -141,19 +141,37 @@ def pilot(args: Arguments, budget: int, made: Mapping[int, tuple[Decomposition, 
 
 def member_cutter(args: Arguments) -> Callable[[int, int], Candidate]:
     """How fusion cuts a model finer for an array (harmony.fusing.build_array): piloted and cut for a budget, its
-    share of the array's."""
-    return lambda index, budget: _piloted(args, index, budget)[0]
+    share of the array's. Each cut pilots the model again (an exported one is exported again), so a model is cut
+    once for a budget, the members of an architecture take the first one's timings at that budget, and a budget at
+    or under one a model could not be cut for raises at once (larger arrays are tried at smaller shares)."""
+    cut: dict[tuple[int, int], Candidate] = {}
+    failed: dict[int, tuple[int, BudgetTooSmall]] = {}
+
+    def cutter(index: int, budget: int) -> Candidate:
+        if index in failed and budget <= failed[index][0]:
+            raise failed[index][1]
+        if (index, budget) not in cut:
+            try:
+                cut[index, budget] = _piloted(args, index, budget, finer=True)[0]
+            except BudgetTooSmall as error:
+                failed[index] = (max(budget, failed.get(index, (0, error))[0]), error)
+                raise
+        return cut[index, budget]
+
+    return cutter
 
 
-def _piloted(args: Arguments, index: int, budget: int, made: tuple[Decomposition, Any] | None = None
-             ) -> tuple[Candidate, list[str]]:
+def _piloted(args: Arguments, index: int, budget: int, made: tuple[Decomposition, Any] | None = None,
+             finer: bool = False) -> tuple[Candidate, list[str]]:
     """Model index piloted on its first micro-batch and cut into packs that fit budget (or as made), and the notes
-    on how it was decomposed."""
+    on how it was decomposed. finer: cut for an array (member_cutter), its timings kept apart from the model's own
+    cut's, by budget."""
     sample, target, sizes = pilot_batch(args, index)
     kept = _kept(args, index, sample)
+    timed = (kept, budget) if finer else kept
     decomposition, packing = made or _decompose_and_cut(args, index, sample, target, sizes[0], budget,
-                                                        timings.KEPT.get(kept))
-    timings.KEPT.setdefault(kept, decomposition.profile)
+                                                        timings.KEPT.get(timed))
+    timings.KEPT.setdefault(timed, decomposition.profile)
     optimizer = (kept, args.optimizer_classes[index], args.optimizer_state_ratios[index])
     if optimizer not in timings.RATES and args.optimizers[index] is not None:
         timings.RATES[optimizer] = update_rate(args.optimizers[index], decomposition.layers)

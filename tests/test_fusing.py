@@ -574,6 +574,41 @@ def test_members_too_coarse_for_their_array_are_cut_again_for_their_share_of_the
         assert_same_weights(model, reference, rtol=0, atol=1e-9)
 
 
+def test_a_member_is_cut_again_once_a_budget_and_never_under_a_budget_it_could_not_be_cut_for(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each cut pilots the model again (an exported one is exported again): sizing eight FlattenedTokens under four
+    times one's weights, fuse="auto" cuts members for arrays of two, four and eight, each member once a budget, and
+    once the first member could not be cut for an array's share, no larger array is tried on it."""
+    calls: list[tuple[int, int, str]] = []
+    piloted = planner._piloted
+
+    def spy(args: Any, index: int, budget: int, made: Any = None, finer: bool = False) -> Any:
+        try:
+            result = piloted(args, index, budget, made, finer)
+        except harmony.BudgetTooSmall:
+            calls.append((index, budget, "too small"))
+            raise
+        if finer:
+            calls.append((index, budget, "cut"))
+        return result
+
+    monkeypatch.setattr(planner, "_piloted", spy)
+    torch.manual_seed(0)
+    models = [FlattenedTokens(width=32, blocks=6, outputs=4).double() for _ in range(8)]
+    generator = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 5, 32, generator=generator, dtype=torch.float64),
+                torch.randn(8, 5, 4, generator=generator, dtype=torch.float64)) for _ in range(3)]
+    budget = 4 * param_bytes(models[0])
+    forecast = harmony.plan(models, batches, loss_fn=nn.functional.mse_loss, devices=["cpu"], device_memory=budget,
+                            resident=False)
+    assert len(calls) == len(set(calls)), calls
+    failed = [(index, share) for index, share, outcome in calls if outcome == "too small"]
+    assert failed, "an array's share too small to cut a member for (else the test shows nothing)"
+    assert not [call for call in calls for index, share in failed if call[0] == index and call[1] < share]
+    assert max(len(job.members) for job in forecast.plan.jobs) > 1
+
+
 @pytest.mark.parametrize("budget", [None, 2.5], ids=["homed", "swapped"])
 def test_models_with_tied_weights_fuse_and_keep_their_ties(budget: float | None, no_leaks: None) -> None:
     """TiedEnds' last linear layer reads its first one's weight: fused into an array of two, the first layer's stack is
