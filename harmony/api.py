@@ -444,11 +444,12 @@ def train(
                                          cpu_compute=any(spec.kind == "cpu" for spec in specs))
             kind = calls.kind_of(specs)
             architectures = calls.architectures(args.models)
-            hardware = calls.fitted(hardware, kind, architectures)
+            arrays_hardware = calls.fitted(hardware, kind, calls.keyed(architectures, True))
+            hardware = calls.fitted(hardware, kind, calls.keyed(architectures, False))
             machines = {spec.name: spec.machine for spec in specs}
             if recorded is None:
                 with device_threads(specs):  # fusion pilots its trial arrays
-                    plan, codes = build(args, candidates, budgets, hardware, machines)
+                    plan, codes = build(args, candidates, budgets, hardware, machines, arrays_hardware)
                 if args.pruner is not None and any(len(job.members) > 1 and job.home is None for job in plan.jobs):
                     logger.info("harmony: prune= with swapped fused arrays: such an array computes its pruned members "
                                 "until all of them have stopped (fuse=False frees what pruning stops)")
@@ -472,7 +473,8 @@ def train(
                 result = TrainResult.assemble(args.models, plan, outcome, wall_seconds, handle.dashboard_link, names,
                                               samples)
                 result.host_costs = calls.learn(result, [step_samples(args, job) for job in plan.jobs], kind,
-                                                models=architectures,
+                                                models=calls.keyed(architectures, any(
+                                                    len(job.members) > 1 for job in plan.jobs)),
                                                 local=all(spec.machine == "" for spec in specs))
                 if log is not None:
                     log.finish(result.history, result.stats.step_seconds, outcome.validation, result.grad_norms)

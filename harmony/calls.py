@@ -74,7 +74,7 @@ STEPS = (4, 8)  # a simulated run's steps, and those of them its steady step lea
 class Pending:
     """One run's steady figures with its plan, fitted (fit) when first asked: what the run's steady step, its
     devices' busy time per step and its kinds of tasks' durations say of the host costs, for devices of kind;
-    samples are each job's per step; models the architectures it trained (architectures). kept:
+    samples are each job's per step; models the key of its fits (keyed). kept:
     its figures are on disk for later processes (harmony.fitfiles; its devices were all on this machine), and its fit
     is written there once found. plan may be its msgpack bytes (as read from disk), decoded when first needed."""
 
@@ -84,7 +84,7 @@ class Pending:
         self._plan, self.samples, self.step, self.busy, self.kind, self.kept = plan, samples, step, busy, kind, kept
         self.durations = durations or {}
         self.update = update
-        self.models = models  # the architectures it trained (architectures)
+        self.models = models  # the architectures it trained, and whether as arrays (keyed)
         self.name = uuid.uuid4().hex
         self.at = time.time()
         self._fit: Fit | None = None
@@ -169,23 +169,29 @@ def _save(kind: str) -> None:
     fitfiles.save(kind, runs)
 
 
-def fits(kind: str | None, models: str | None = None) -> list[Fit]:
+def fits(kind: str | None, models: str | None = None, exclude: str | None = None) -> list[Fit]:
     """The fits of the runs kept for devices of kind, oldest first (fitting those not fitted yet), of those that
-    trained the architectures models where given; runs no costs explain left out."""
+    trained models (keyed) where given, or of architectures other than exclude; runs no costs explain left out."""
     if kind is None:
         return []
     return [fit for pending in _kept(kind) if (models is None or pending.models == models)
-            and (fit := pending.fit()) is not None]
+            and (exclude is None or pending.models.split("/")[0] != exclude) and (fit := pending.fit()) is not None]
 
 
 def learned(kind: str | None, models: str | None = None) -> Fit | None:
     """The costs later plans on devices of kind take: the medians of the process's last fits, the call cost's of
-    those that measured it (0 where none did; None: no run fitted them). For a plan of the architectures models
-    (architectures): the fits of runs of them where there are some; else every run's, but no call cost, which
-    depends on the models (what the pilot mispredicts of their layers lands in it; docs/performance.md, "Fits kept
-    by architecture"), where a task's handling and an update's do not as much."""
-    same = fits(kind, models) if models is not None else []
-    kept = same or fits(kind)
+    those that measured it (0 where none did; None: no run fitted them). For a plan of models (keyed: its
+    architectures and whether they train as arrays): the fits of runs of them, trained that way, where there are
+    some; else the runs' of other architectures, but no call cost, which depends on the models (what the pilot
+    mispredicts of their layers lands in it; docs/performance.md, "Fits kept by architecture"), where a task's
+    handling and an update's do not as much. Never the same architectures' runs of the other way: a fit carries what
+    the pilot mispredicts of that way (an array's layers against a model's), and a plan weighs the two ways against
+    each other (harmony.fusing)."""
+    if models is None:
+        same, kept = [], fits(kind)
+    else:
+        same = fits(kind, models)
+        kept = same or fits(kind, exclude=models.split("/")[0])
     if not kept:
         return None
     updates = [fit.update_call_seconds for fit in kept if fit.update_call_seconds is not None]
@@ -202,6 +208,11 @@ def architectures(models: Iterable[nn.Module]) -> str:
                                                         for name, tensor in model.state_dict().items()]))
                        for model in models})
     return hashlib.sha256(repr(distinct).encode()).hexdigest()[:16]
+
+
+def keyed(architectures: str, arrays: bool) -> str:
+    """The key of a run's fits (learned): its architectures, and whether it trained any of them as fused arrays."""
+    return f"{architectures}/{'arrays' if arrays else 'models'}"
 
 
 def kind_of(specs: Iterable[DeviceSpec]) -> str | None:

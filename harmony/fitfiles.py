@@ -25,7 +25,7 @@ from typing import Any
 import msgpack
 import torch
 
-FORMAT = 3  # the entries' layout and how their fits were made: a file of another is ignored
+FORMAT = 4  # the entries' layout and how their fits were made: a file of another is ignored
 
 
 def directory() -> Path | None:

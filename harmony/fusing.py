@@ -219,13 +219,15 @@ def _kept_key(members: list[int], candidates: list[Candidate], args: Arguments) 
 
 @dataclass(frozen=True)
 class Sizing:
-    """What choosing a sub-array size needs: the arguments, the devices' budgets, the hardware predicted on, and how
-    a member is cut finer for an array (build_array)."""
+    """What choosing a sub-array size needs: the arguments, the devices' budgets, the hardware models are predicted
+    on, how a member is cut finer for an array (build_array), and the hardware arrays are predicted on (None:
+    hardware; harmony.calls.keyed: each way with the host costs fitted to runs of it)."""
 
     args: Arguments
     budgets: dict[str, int]
     hardware: Hardware
     cutter: Cutter | None = None
+    arrays: Hardware | None = None
 
 
 def _homes(arrays: Sequence[Candidate | Predicted], sizing: Sizing) -> dict[int, str]:
@@ -386,15 +388,17 @@ def _trial(group: list[int], size: int, candidates: list[Candidate], sizing: Siz
         return None, None
     if not array.job.packing.prefetch and all(candidates[m].job.packing.prefetch for m in group):
         return None, None  # it fits only without prefetching, where its members prefetch alone
-    return _predict([array] * len(split(group, size)), sizing), array
+    arrays = replace(sizing, hardware=sizing.arrays or sizing.hardware)  # with the host costs runs of arrays fitted
+    return _predict([array] * len(split(group, size)), arrays), array
 
 
 def fuse(
     candidates: list[Candidate], args: Arguments, budgets: dict[str, int], hardware: Hardware,
-    cutter: Cutter | None = None,
+    cutter: Cutter | None = None, arrays: Hardware | None = None,
 ) -> tuple[list[Candidate], list[FusionChoice]]:
     """The jobs with every group of fusable models replaced by arrays of the chosen size, and the choices (cutter:
-    how a member is cut finer for an array, see build_array)."""
+    how a member is cut finer for an array, see build_array; arrays: the hardware arrays are predicted on, see
+    Sizing)."""
     if args.options.fuse is False:
         return candidates, []
     keys = [fusion_key(candidate, args) for candidate in candidates]
@@ -404,7 +408,7 @@ def fuse(
                 logger.warning("model %d (%s): fuse=True trains it unfused: %s", index,
                                type(args.models[index]).__name__, UNFUSED[key[0]])
     groups = fusion_groups(keys)
-    sizing = Sizing(args, budgets, hardware, cutter)
+    sizing = Sizing(args, budgets, hardware, cutter, arrays)
     built: dict[tuple[int, ...], Candidate] = {}
     choices = [_choose(group, candidates, sizing, built) for group in groups]
     first_of: dict[int, Candidate] = {}

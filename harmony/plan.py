@@ -11,7 +11,7 @@ from typing import Any
 from torch import nn
 
 from harmony.api import train
-from harmony.calls import architectures, fitted, kind_of
+from harmony.calls import architectures, fitted, keyed, kind_of
 from harmony.candidate import step_samples
 from harmony.conventions import training_conventions
 from harmony.errors import InputError
@@ -227,6 +227,7 @@ def plan(
     pruner, prune = check_prune(given["prune"], options, validation=True)  # what it would rank by is not needed here
     args = dataclasses.replace(args, pruner=pruner, prune=prune)
     specs: list[DeviceSpec] = []  # devices of this machine (none for hardware that need not exist here)
+    arrays_hardware = None  # fitted to runs of these models as arrays (harmony.calls.keyed); None: hardware
     if hardware is not None:  # its devices copy micro-batch values ahead where they have a link to copy over
         args = dataclasses.replace(args, ahead=options.ahead and bool(hardware.host_link))
     if hardware is None:
@@ -236,7 +237,8 @@ def plan(
         hardware = dataclasses.replace(this_machine(), shared_cores=cpu)
         if not cpu:  # the devices are this machine's GPUs
             hardware = with_accelerator(hardware, accelerator_speed())
-        hardware = fitted(hardware, kind_of(specs), architectures(args.models))
+        arrays_hardware = fitted(hardware, kind_of(specs), keyed(architectures(args.models), True))
+        hardware = fitted(hardware, kind_of(specs), keyed(architectures(args.models), False))
     else:
         budgets = {f"dev-{k}-{i}" if machines > 1 else f"dev-{i}": args.device_memory  # type: ignore[misc]
                    for k in range(machines) for i in range(len(args.devices))}
@@ -246,7 +248,8 @@ def plan(
             raise InputError(f"loaders for model {index} have no length; pass steps= to plan a fixed number of steps")
     with training_conventions(args.models), device_threads(specs):
         args, made = fewest_microbatches(args, min(budgets.values()))
-        run_plan, _ = build(args, pilot(args, min(budgets.values()), made), budgets, hardware, machine_of)
+        run_plan, _ = build(args, pilot(args, min(budgets.values()), made), budgets, hardware, machine_of,
+                            arrays_hardware)
     jobs = list(run_plan.jobs)
     counts = [job.steps or 0 for job in jobs]
     samples = [step_samples(args, job) for job in jobs]

@@ -478,13 +478,17 @@ def clips(args: Arguments, members: tuple[int, ...]) -> tuple[float, ...]:
 
 def build(
     args: Arguments, candidates: list[Candidate], budgets: dict[str, int], hardware: Hardware,
-    machines: dict[str, str] | None = None,
+    machines: dict[str, str] | None = None, arrays_hardware: Hardware | None = None,
 ) -> tuple[RunPlan, list[JobCode]]:
     """The run's plan for the piloted models on devices with these budgets, predicted for hardware; machines gives
-    each device's machine ("" for the driver's) where they are on several."""
+    each device's machine ("" for the driver's) where they are on several. arrays_hardware: the hardware fused arrays
+    are predicted on (fitted to runs that trained these models as arrays, harmony.calls.keyed; None: hardware), and
+    the plan too where it fuses any."""
     options = args.options
     machines = machines or {}
-    candidates, fusion = fuse(candidates, args, budgets, hardware, member_cutter(args))
+    candidates, fusion = fuse(candidates, args, budgets, hardware, member_cutter(args), arrays_hardware)
+    if arrays_hardware is not None and any(len(candidate.job.members) > 1 for candidate in candidates):
+        hardware = arrays_hardware
     mode, predicted = choose_mode(candidates, args, budgets, hardware)
     jobs = on_machines([candidate.job for candidate in candidates], budgets, machines)
     candidates = [dataclasses.replace(candidate, job=job) for candidate, job in zip(candidates, jobs)]
