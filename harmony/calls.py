@@ -169,29 +169,33 @@ def _save(kind: str) -> None:
     fitfiles.save(kind, runs)
 
 
-def fits(kind: str | None, models: str | None = None, exclude: str | None = None) -> list[Fit]:
+def fits(kind: str | None, models: str | None = None, within: str | None = None, exclude: str | None = None
+         ) -> list[Fit]:
     """The fits of the runs kept for devices of kind, oldest first (fitting those not fitted yet), of those that
-    trained models (keyed) where given, or of architectures other than exclude; runs no costs explain left out."""
+    trained models (keyed) where given, of the architectures within (either way), or of architectures other than
+    exclude; runs no costs explain left out."""
     if kind is None:
         return []
     return [fit for pending in _kept(kind) if (models is None or pending.models == models)
+            and (within is None or pending.models.split("/")[0] == within)
             and (exclude is None or pending.models.split("/")[0] != exclude) and (fit := pending.fit()) is not None]
 
 
 def learned(kind: str | None, models: str | None = None) -> Fit | None:
     """The costs later plans on devices of kind take: the medians of the process's last fits, the call cost's of
     those that measured it (0 where none did; None: no run fitted them). For a plan of models (keyed: its
-    architectures and whether they train as arrays): the fits of runs of them, trained that way, where there are
-    some; else the runs' of other architectures, but no call cost, which depends on the models (what the pilot
-    mispredicts of their layers lands in it; docs/performance.md, "Fits kept by architecture"), where a task's
-    handling and an update's do not as much. Never the same architectures' runs of the other way: a fit carries what
-    the pilot mispredicts of that way (an array's layers against a model's), and a plan weighs the two ways against
-    each other (harmony.fusing)."""
+    architectures and whether they train as arrays): the fits of runs of them trained that way where there are
+    some, else of runs of them trained the other way; else the runs' of other architectures, but no call cost,
+    which depends on the models (what the pilot mispredicts of their layers lands in it; docs/performance.md, "Fits
+    kept by architecture"), where a task's handling and an update's do not as much. A fit carries what the pilot
+    mispredicts of its way too (an array's layers against a model's): once runs of both ways are kept, fusion
+    weighs each with its own (harmony.fusing); until then both with the one way's."""
     if models is None:
         same, kept = [], fits(kind)
     else:
-        same = fits(kind, models)
-        kept = same or fits(kind, exclude=models.split("/")[0])
+        architecture = models.split("/")[0]
+        same = fits(kind, models) or fits(kind, within=architecture)
+        kept = same or fits(kind, exclude=architecture)
     if not kept:
         return None
     updates = [fit.update_call_seconds for fit in kept if fit.update_call_seconds is not None]

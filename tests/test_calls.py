@@ -243,20 +243,27 @@ def test_a_run_whose_tasks_make_as_many_calls_each_puts_their_cost_in_its_cost_p
     assert calls.learned("cpu") == fit
 
 
-def test_a_fused_runs_fit_is_kept_for_plans_of_its_models_as_arrays_alone() -> None:
-    """A fit carries what the pilot mispredicts of the way a run trained (an array's layers, a model's): a run that
-    trained its models as an array keeps its fit under their architectures as arrays; a plan predicts their arrays
-    with it, and the models unfused without it."""
+def test_fits_of_runs_that_trained_arrays_and_of_runs_that_did_not_are_kept_apart_once_both_are_kept() -> None:
+    """A fit carries what the pilot mispredicts of the way a run trained (an array's layers, a model's). A run of
+    two models as an array keeps its fit under their architectures as arrays, and plans take it for both ways until a
+    run trains them unfused; from then on each way is predicted with its own runs' fits."""
     models = [deep_mlp(depth=3, seed=seed) for seed in range(2)]
-    result = harmony.train(models, regression_batches(16 * 12, 16), loss_fn=nn.functional.mse_loss, optimizer=sgd,
-                           devices=["cpu"], device_memory=4 * weight_bytes(models[0]), resident=False, fuse=True,
-                           progress=False)
-    assert result.arrays == [[0, 1]] and result.plan.jobs[0].home is None
+    batches = regression_batches(16 * 12, 16)
+    settings = {"loss_fn": nn.functional.mse_loss, "optimizer": sgd, "devices": ["cpu"], "resident": False,
+                "device_memory": 4 * weight_bytes(models[0]), "progress": False}
+    fused = harmony.train(models, batches, fuse=True, **settings)
+    assert fused.arrays == [[0, 1]] and fused.plan.jobs[0].home is None
     architectures = calls.architectures(models)
-    assert result.host_costs is not None and result.host_costs.models == calls.keyed(architectures, True)
-    fit = result.host_costs.fit()
-    assert fit is not None and calls.learned("cpu", calls.keyed(architectures, True)) == fit
-    assert calls.learned("cpu", calls.keyed(architectures, False)) is None, "no run of them unfused, no other run"
+    arrays, unfused = calls.keyed(architectures, True), calls.keyed(architectures, False)
+    assert fused.host_costs is not None and fused.host_costs.models == arrays
+    fit = fused.host_costs.fit()
+    assert fit is not None and calls.learned("cpu", arrays) == fit
+    assert calls.learned("cpu", unfused) == fit, "no run of them unfused yet: the arrays' fit"
+    alone = harmony.train([deep_mlp(depth=3, seed=seed) for seed in range(2)], batches, fuse=False, **settings)
+    assert alone.host_costs is not None and alone.host_costs.models == unfused
+    own = alone.host_costs.fit()
+    assert own is not None and own != fit
+    assert calls.learned("cpu", unfused) == own and calls.learned("cpu", arrays) == fit
 
 
 def test_a_homed_run_says_nothing_of_the_call_cost() -> None:
@@ -292,9 +299,9 @@ def test_later_plans_take_the_medians_of_the_fits_for_their_kind_of_device(monke
 def test_a_plan_takes_the_fits_of_runs_of_its_own_architectures_and_no_call_cost_from_others(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A call's fitted cost depends on the models (what the pilot mispredicts of their layers lands in it): a plan
-    of architectures some kept runs trained (the same way: as arrays or not) takes their fits alone; one of
-    architectures no run trained that way takes other architectures' costs per task and per update, and no call
-    cost, never the same architectures' runs of the other way (they carry that way's mispredictions)."""
+    of architectures some kept runs trained the same way (as arrays or not) takes their fits alone, else those of
+    its architectures' runs the other way; one of architectures no run trained takes other architectures' costs per
+    task and per update, and no call cost."""
     made = [calls.Fit(3e-4, 1e-3, 5e-4), calls.Fit(1e-4, 4e-3, 1e-3), calls.Fit(5e-4, 2e-3, None),
             calls.Fit(2e-4, 9e-3, 2e-3)]
     monkeypatch.setattr(calls, "_fit", lambda run, plan: made[int(run.step)])
@@ -305,9 +312,8 @@ def test_a_plan_takes_the_fits_of_runs_of_its_own_architectures_and_no_call_cost
     assert calls.learned("cuda", "mlp/arrays") == made[3]
     assert calls.learned("cuda", "gpt/models") == calls.Fit(pytest.approx(4e-4), pytest.approx(1.5e-3), 5e-4), (
         "the medians of its own runs")
-    assert calls.learned("cuda", "gpt/arrays") == calls.Fit(0.0, pytest.approx(6.5e-3), pytest.approx(1.5e-3),
-                                                            call_measured=False), (
-        "the other architectures' handling and update (mlp's, both ways), not its own runs unfused")
+    assert calls.learned("cuda", "gpt/arrays") == calls.learned("cuda", "gpt/models"), (
+        "no run of them as arrays: their runs unfused")
     assert calls.learned("cuda", "cnn/models") == calls.Fit(0.0, 3e-3, pytest.approx(1e-3), call_measured=False), (
         "every run's handling and update, no call cost")
     assert calls.learned("cuda") == calls.Fit(pytest.approx(2.5e-4), 3e-3, pytest.approx(1e-3)), (
