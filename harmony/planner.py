@@ -19,6 +19,7 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import torch
+from torch import nn
 
 from harmony import timings
 from harmony.candidate import RANKING_STEPS, Candidate, pilot_batch, step_samples
@@ -28,7 +29,7 @@ from harmony.runtime.cache import tree_nbytes
 from harmony.runtime.code import JobCode
 from harmony.runtime.data import batch_size
 from harmony.runtime.measure import update_rate
-from harmony.runtime.pilot import Decomposition, KeywordCall, decompose
+from harmony.runtime.pilot import Decomposition, KeywordCall, decompose, rebound
 from harmony.tasks.amortize import even_sections, homed_task_seconds, pack_sections, runs_spans, steps_per_task
 from harmony.tasks.binding import MODES
 from harmony.tasks.hardware import Hardware
@@ -127,13 +128,17 @@ def _fewest_for(args: Arguments, index: int, budget: int, count: int
     return count, (None, None)
 
 
+Cuts = dict[Hashable, tuple[int, list[nn.Module], list[str]]]  # by architecture and budget: an exported model's chain
+
+
 def pilot(args: Arguments, budget: int, made: Mapping[int, tuple[Decomposition, Any]] | None = None
           ) -> list[Candidate]:
     """Profile every model on its first micro-batch and cut it into packs that fit budget (or take its
     decomposition and packing from made, fewest_microbatches's at this count)."""
     candidates = []
+    cuts: Cuts = {}
     for index in range(len(args.models)):
-        candidate, notes = _piloted(args, index, budget, (made or {}).get(index))
+        candidate, notes = _piloted(args, index, budget, (made or {}).get(index), cuts=cuts)
         logger.info("%s%s", candidate.job.packing.explain(), "".join(f"; {note}" for note in notes[:3]))
         candidates.append(candidate)
     return candidates
@@ -146,13 +151,14 @@ def member_cutter(args: Arguments) -> Callable[[int, int], Candidate]:
     or under one a model could not be cut for raises at once (larger arrays are tried at smaller shares)."""
     cut: dict[tuple[int, int], Candidate] = {}
     failed: dict[int, tuple[int, BudgetTooSmall]] = {}
+    cuts: Cuts = {}
 
     def cutter(index: int, budget: int) -> Candidate:
         if index in failed and budget <= failed[index][0]:
             raise failed[index][1]
         if (index, budget) not in cut:
             try:
-                cut[index, budget] = _piloted(args, index, budget, finer=True)[0]
+                cut[index, budget] = _piloted(args, index, budget, finer=True, cuts=cuts)[0]
             except BudgetTooSmall as error:
                 failed[index] = (max(budget, failed.get(index, (0, error))[0]), error)
                 raise
@@ -162,15 +168,21 @@ def member_cutter(args: Arguments) -> Callable[[int, int], Candidate]:
 
 
 def _piloted(args: Arguments, index: int, budget: int, made: tuple[Decomposition, Any] | None = None,
-             finer: bool = False) -> tuple[Candidate, list[str]]:
+             finer: bool = False, cuts: Cuts | None = None) -> tuple[Candidate, list[str]]:
     """Model index piloted on its first micro-batch and cut into packs that fit budget (or as made), and the notes
     on how it was decomposed. finer: cut for an array (member_cutter), its timings kept apart from the model's own
-    cut's, by budget."""
+    cut's, by budget. cuts: the chains of exported models cut for budget before (by architecture and budget), which a
+    model of one of their architectures takes, rebound to its own weights, rather than being exported again."""
     sample, target, sizes = pilot_batch(args, index)
     kept = _kept(args, index, sample)
     timed = (kept, budget) if finer else kept
+    source = (cuts or {}).get((kept, budget))
+    if made is None and source is not None:
+        made = _rebound_cut(args, index, sample, target, sizes[0], budget, timings.KEPT.get(timed), source)
     decomposition, packing = made or _decompose_and_cut(args, index, sample, target, sizes[0], budget,
                                                         timings.KEPT.get(timed))
+    if cuts is not None and any("torch.export" in note for note in decomposition.notes):
+        cuts.setdefault((kept, budget), (index, decomposition.layers, decomposition.notes))
     timings.KEPT.setdefault(timed, decomposition.profile)
     optimizer = (kept, args.optimizer_classes[index], args.optimizer_state_ratios[index])
     if optimizer not in timings.RATES and args.optimizers[index] is not None:
@@ -205,6 +217,29 @@ def _architecture(args: Arguments, index: int) -> Hashable:
     return (type(model),
             tuple((name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in model.named_parameters()),
             tuple((name, tuple(b.shape), b.dtype) for name, b in model.named_buffers()))
+
+
+def _rebound_cut(args: Arguments, index: int, sample: Any, target: Any, samples: int, budget: int,
+                 timed: ModelProfile | None, source: tuple[int, list[nn.Module], list[str]]
+                 ) -> tuple[Decomposition, Any] | None:
+    """Model index decomposed as source (the chain of a model of its architecture, exported and cut for budget),
+    rebound to its own weights, and cut into packs; None where they do not fit (it is then cut anew)."""
+    origin, layers, notes = source
+    model, label = args.models[index], model_label(index, args.models[index])
+    chain = rebound(layers, args.models[origin], model)
+    try:
+        decomposition = decompose(KeywordCall(model) if isinstance(sample, Mapping) else model, sample, label,
+                                  autocast=PRECISIONS[args.options.precision], timed=timed, cut=(chain, notes))
+    except Exception as error:
+        raise ModelError(index, f"{label} raised {type(error).__name__}: {error} in its forward "
+                         "during the pilot pass") from error
+    if args.loss_fns[index] is not None:
+        _check_loss(args, index, label, decomposition.output, target)
+    try:
+        packing = cut_packs(decomposition.profile, budget, samples, args.ahead)
+    except LayerTooLarge:
+        return None
+    return decomposition, packing
 
 
 def _decompose_and_cut(args: Arguments, index: int, sample: Any, target: Any, samples: int,

@@ -13,8 +13,9 @@ autocast it measures and times each layer under autocast too, as the run compute
 
 from __future__ import annotations
 
+import copy
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
@@ -211,9 +212,31 @@ def _fastest_call(layer: nn.Module, x: Any, repeats: int) -> tuple[Any, float]:
         del y
 
 
+def rebound(layers: Sequence[nn.Module], source: nn.Module, target: nn.Module) -> list[nn.Module]:
+    """layers, a chain cut from source, as the same chain of target, a model of source's architecture (the same
+    names and shapes of parameters and buffers): copies that compute with target's parameters and buffers, trained
+    in place as source's would be. Exporting a model takes a second or more; copying its stages, milliseconds."""
+    theirs = [*source.named_parameters(remove_duplicate=False), *source.named_buffers(remove_duplicate=False)]
+    owns = [*target.named_parameters(remove_duplicate=False), *target.named_buffers(remove_duplicate=False)]
+    if [(name, tensor.shape) for name, tensor in theirs] != [(name, tensor.shape) for name, tensor in owns]:
+        raise ValueError(f"{type(target).__name__} is not of its source's architecture")
+    memo: dict[int, Any] = {id(tensor): own for (_, tensor), (_, own) in zip(theirs, owns)}
+    copies = copy.deepcopy(list(layers), memo)
+    for layer, copied in zip(layers, copies):
+        for name, module in layer.named_modules():
+            if isinstance(module, fx.GraphModule):  # deepcopy builds a GraphModule anew, without these
+                own = copied.get_submodule(name)
+                type(own).__name__ = type(module).__name__
+                for attribute in ("harmony_description", "harmony_inputs"):
+                    if hasattr(module, attribute):
+                        setattr(own, attribute, getattr(module, attribute))
+    return copies
+
+
 def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7, largest: int | None = None,
               export: bool = False, autocast: str | None = None, timed: ModelProfile | None = None,
-              shares: ModelProfile | None = None) -> Decomposition:
+              shares: ModelProfile | None = None, cut: tuple[list[nn.Module], list[str]] | None = None
+              ) -> Decomposition:
     """Decompose model into a chain and profile it on sample (one micro-batch of inputs); a traced block holding more
     than largest bytes of weights is cut at its children; with export, a module torch.fx cannot trace is exported
     with torch.export and cut the same way; with autocast (a dtype's name), each layer's parameters that autocast
@@ -225,13 +248,16 @@ def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7, larges
     once, for its output and sizes, and takes its time from timed instead of being timed again. Everything else
     (bytes, which parameters are halved) is this model's own. shares is the profile of a chain of as many layers
     that do alike in their proportions (a sub-array's member, for the sub-array): each layer is called once and
-    only the whole chain is timed, its time split among the layers as shares' times split."""
+    only the whole chain is timed, its time split among the layers as shares' times split. cut: model's chain
+    and the notes on how it was cut, already made (rebound from a model of its architecture): profiled as it is."""
     samples = max(1, _batch_size(sample))
-    with preserved_state(model), torch.no_grad():
-        layers: list[nn.Module] = []
-        notes: list[str] = []
-        _flatten(model, sample, layers, notes, largest, export)
-        layers = _merge_shared(layers)
+    if cut is not None:
+        layers, notes = list(cut[0]), list(cut[1])
+    else:
+        with preserved_state(model), torch.no_grad():
+            layers, notes = [], []
+            _flatten(model, sample, layers, notes, largest, export)
+            layers = _merge_shared(layers)
     profiles = []
     ties = borrowings(layers)
     lent = {lender for borrowed in ties for lender in borrowed.values()}

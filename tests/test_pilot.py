@@ -674,3 +674,39 @@ def test_under_autocast_a_layer_is_sized_as_it_computes_and_its_weights_copies_a
     assert [layer.saved_bytes_per_sample for layer in low] == [16, 32, 0]
     assert [layer.copied for layer in low] == [{"weight", "bias"}, set(), {"weight", "bias"}]
     assert [layer.copy_bytes for layer in low] == [0, 0, 0], "both Linears' weights halved on the device"
+
+
+def test_an_exported_chain_rebound_to_a_model_of_its_architecture_computes_that_model_with_its_weights() -> None:
+    """A sweep's models are exported once: the others take the first one's stages rebound to their own weights (a
+    second or more of export against milliseconds of copying). The copies read the other model's parameters (trained
+    in place), compute its output bit for bit, keep the stages' names and descriptions (their layer signatures are
+    the source's: they fuse with it), and a model of another architecture is refused."""
+    transformers = pytest.importorskip("transformers")
+    from harmony.runtime.array import layer_signature
+    from harmony.runtime.pilot import rebound
+    from harmony.runtime.stages import trace_stages
+
+    def llama(seed: int, layers: int = 2) -> nn.Module:
+        torch.manual_seed(seed)
+        config = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=16, intermediate_size=32,
+                                          num_attention_heads=2, num_key_value_heads=2, vocab_size=50,
+                                          bos_token_id=0, eos_token_id=0, use_cache=False)
+        return transformers.LlamaForCausalLM(config).double()
+
+    source, target = llama(0), llama(1)
+    ids = torch.randint(0, 50, (4, 12))
+    batch = {"input_ids": ids, "labels": ids}
+    stages, how = trace_stages(KeywordCall(source), sample=batch)
+    assert how.startswith("exported by torch.export")
+    copies = rebound(stages, source, target)
+    own = {id(parameter) for parameter in target.parameters()}
+    assert all(id(parameter) in own for copy in copies for parameter in copy.parameters())
+    assert [layer_signature(copy) for copy in copies] == [layer_signature(stage) for stage in stages]
+    x: Any = batch
+    with torch.no_grad():
+        for copy in copies:
+            x = copy(x)
+        expected = target(**batch)
+    assert torch.equal(x.logits, expected.logits) and torch.equal(x.loss, expected.loss)
+    with pytest.raises(ValueError, match="not of its source's architecture"):
+        rebound(stages, source, llama(0, layers=3))
