@@ -75,6 +75,9 @@ def cut_error(error: LayerTooLarge, label: str) -> BudgetTooSmall:
         error.one_sample)
 
 
+Cuts = dict[Hashable, tuple[int, list[nn.Module], list[str]]]  # by architecture and budget: an exported model's chain
+
+
 def fewest_microbatches(args: Arguments, budget: int) -> tuple[Arguments, dict[int, tuple[Decomposition, Any]]]:
     """args with microbatches="auto" made the fewest micro-batches of each step at which every model's layers fit
     budget (the smallest device's): piloted first on the whole batch, then, where a layer does not fit, on the
@@ -86,8 +89,9 @@ def fewest_microbatches(args: Arguments, budget: int) -> tuple[Arguments, dict[i
     if args.options.microbatches != "auto":
         return args, {}
     count, found = 1, {}
+    cuts: Cuts = {}
     for index in range(len(args.models)):
-        count, found[index] = _fewest_for(args, index, budget, count)
+        count, found[index] = _fewest_for(args, index, budget, count, cuts)
     for index, model in enumerate(args.models):
         samples = batch_size(args.first_batch(index)[0])
         if count > samples:
@@ -103,19 +107,19 @@ def fewest_microbatches(args: Arguments, budget: int) -> tuple[Arguments, dict[i
             {index: made for index, (at, made) in found.items() if at == count})
 
 
-def _fewest_for(args: Arguments, index: int, budget: int, count: int
+def _fewest_for(args: Arguments, index: int, budget: int, count: int, cuts: Cuts | None = None
                 ) -> tuple[int, tuple[int, tuple[Decomposition, Any]] | tuple[None, None]]:
     """The fewest micro-batches, from count on, at which model index's layers fit budget, and what was made there:
     (that count, (the decomposition, the packing)); a count beyond its samples is returned as it is, with (None,
-    None)."""
+    None). cuts: exported models' chains to take (_cut)."""
     batch = batch_size(args.first_batch(index)[0])
     while count <= batch:  # else more than its samples: fewest_microbatches refuses it
         trial = dataclasses.replace(args, options=dataclasses.replace(args.options, microbatches=count))
         sample, target, sizes = pilot_batch(trial, index)
         kept = _kept(trial, index, sample)
         try:
-            decomposition, packing = _decompose_and_cut(trial, index, sample, target, sizes[0], budget,
-                                                        timings.KEPT.get(kept))
+            decomposition, packing = _cut(trial, index, sample, target, sizes[0], budget, timings.KEPT.get(kept),
+                                          cuts)
         except BudgetTooSmall as error:
             if error.largest_microbatch is None or count == batch:
                 raise BudgetTooSmall(f"device_memory is too small for {model_label(index, args.models[index])} in "
@@ -126,9 +130,6 @@ def _fewest_for(args: Arguments, index: int, budget: int, count: int
             continue
         return count, (count, (decomposition, packing))
     return count, (None, None)
-
-
-Cuts = dict[Hashable, tuple[int, list[nn.Module], list[str]]]  # by architecture and budget: an exported model's chain
 
 
 def pilot(args: Arguments, budget: int, made: Mapping[int, tuple[Decomposition, Any]] | None = None
@@ -176,13 +177,8 @@ def _piloted(args: Arguments, index: int, budget: int, made: tuple[Decomposition
     sample, target, sizes = pilot_batch(args, index)
     kept = _kept(args, index, sample)
     timed = (kept, budget) if finer else kept
-    source = (cuts or {}).get((kept, budget))
-    if made is None and source is not None:
-        made = _rebound_cut(args, index, sample, target, sizes[0], budget, timings.KEPT.get(timed), source)
-    decomposition, packing = made or _decompose_and_cut(args, index, sample, target, sizes[0], budget,
-                                                        timings.KEPT.get(timed))
-    if cuts is not None and any("torch.export" in note for note in decomposition.notes):
-        cuts.setdefault((kept, budget), (index, decomposition.layers, decomposition.notes))
+    decomposition, packing = made or _cut(args, index, sample, target, sizes[0], budget, timings.KEPT.get(timed),
+                                          cuts)
     timings.KEPT.setdefault(timed, decomposition.profile)
     optimizer = (kept, args.optimizer_classes[index], args.optimizer_state_ratios[index])
     if optimizer not in timings.RATES and args.optimizers[index] is not None:
@@ -217,6 +213,20 @@ def _architecture(args: Arguments, index: int) -> Hashable:
     return (type(model),
             tuple((name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in model.named_parameters()),
             tuple((name, tuple(b.shape), b.dtype) for name, b in model.named_buffers()))
+
+
+def _cut(args: Arguments, index: int, sample: Any, target: Any, samples: int, budget: int,
+         timed: ModelProfile | None, cuts: Cuts | None) -> tuple[Decomposition, Any]:
+    """Model index decomposed and cut into packs for budget (_decompose_and_cut): where a model of its architecture
+    was exported and cut for budget before (cuts), as that model's stages rebound to its own weights; an exported
+    model's chain kept in cuts for the next."""
+    key = (_kept(args, index, sample), budget)
+    source = None if cuts is None else cuts.get(key)
+    made = None if source is None else _rebound_cut(args, index, sample, target, samples, budget, timed, source)
+    decomposition, packing = made or _decompose_and_cut(args, index, sample, target, samples, budget, timed)
+    if cuts is not None and any("torch.export" in note for note in decomposition.notes):
+        cuts.setdefault(key, (index, decomposition.layers, decomposition.notes))
+    return decomposition, packing
 
 
 def _rebound_cut(args: Arguments, index: int, sample: Any, target: Any, samples: int, budget: int,

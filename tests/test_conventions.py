@@ -183,9 +183,11 @@ def test_causal_lms_larger_than_the_device_are_exported_cut_at_their_layers_and_
         assert result.history[index] == pytest.approx(losses, rel=2 * torch.finfo(torch.float32).eps)
 
 
-def test_a_sweep_of_exported_models_is_exported_once(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("microbatches", [2, "auto"])
+def test_a_sweep_of_exported_models_is_exported_once(microbatches: object, monkeypatch: pytest.MonkeyPatch) -> None:
     """Three Llamas that do not fit whole, planned: the first is exported (again where it is cut finer), and the others
-    take its stages rebound to their own weights (exporting one takes a second or more), cut alike."""
+    take its stages rebound to their own weights (exporting one takes a second or more), cut alike; with
+    microbatches="auto" too, whose search cuts each model at the counts it tries."""
     from harmony.runtime import stages
 
     exports = []
@@ -194,9 +196,10 @@ def test_a_sweep_of_exported_models_is_exported_once(monkeypatch: pytest.MonkeyP
     models = [llama(seed, layers=4) for seed in range(3)]
     budget = sum(p.numel() * p.element_size() for p in models[0].parameters())
     forecast = harmony.plan(models, token_batches(steps=2, batch=8, length=12), None, adam(1e-3), devices=["cpu"],
-                            device_memory=2 * budget, microbatches=2, fuse=False)
+                            device_memory=2 * budget, microbatches=microbatches, fuse=False)
     assert exports and all(module.model is models[0] for module in exports), "the first alone (cut finer once)"
-    assert len({tuple(job.packing.packs) for job in forecast.plan.jobs}) == 1 and len(forecast.plan.jobs) == 3
+    cuts = {tuple((pack.first, pack.stop) for pack in job.packing.packs) for job in forecast.plan.jobs}
+    assert len(cuts) == 1 and len(forecast.plan.jobs) == 3
 
 
 def opt(seed: int, layers: int = 6) -> torch.nn.Module:
