@@ -147,9 +147,10 @@ def pilot(args: Arguments, budget: int, made: Mapping[int, tuple[Decomposition, 
 
 def member_cutter(args: Arguments) -> Callable[[int, int], Candidate]:
     """How fusion cuts a model finer for an array (harmony.fusing.build_array): piloted and cut for a budget, its
-    share of the array's. Each cut pilots the model again (an exported one is exported again), so a model is cut
-    once for a budget, the members of an architecture take the first one's timings at that budget, and a budget at
-    or under one a model could not be cut for raises at once (larger arrays are tried at smaller shares)."""
+    share of the array's. Each cut pilots the model again (the first of an architecture exported again at that
+    budget, the others its chain rebound: _cut), so a model is cut once for a budget, the members of an
+    architecture take the first one's timings at that budget, and a budget at or under one a model could not be cut
+    for raises at once (larger arrays are tried at smaller shares)."""
     cut: dict[tuple[int, int], Candidate] = {}
     failed: dict[int, tuple[int, BudgetTooSmall]] = {}
     cuts: Cuts = {}
