@@ -177,8 +177,8 @@ def fits(kind: str | None, models: str | None = None, within: str | None = None,
     if kind is None:
         return []
     return [fit for pending in _kept(kind) if (models is None or pending.models == models)
-            and (within is None or pending.models.split("/")[0] == within)
-            and (exclude is None or pending.models.split("/")[0] != exclude) and (fit := pending.fit()) is not None]
+            and (within is None or architecture_of(pending.models) == within)
+            and (exclude is None or architecture_of(pending.models) != exclude) and (fit := pending.fit()) is not None]
 
 
 def learned(kind: str | None, models: str | None = None) -> Fit | None:
@@ -193,7 +193,7 @@ def learned(kind: str | None, models: str | None = None) -> Fit | None:
     if models is None:
         same, kept = [], fits(kind)
     else:
-        architecture = models.split("/")[0]
+        architecture = architecture_of(models)
         same = fits(kind, models) or fits(kind, within=architecture)
         kept = same or fits(kind, exclude=architecture)
     if not kept:
@@ -219,6 +219,11 @@ def keyed(architectures: str, arrays: bool) -> str:
     return f"{architectures}/{'arrays' if arrays else 'models'}"
 
 
+def architecture_of(key: str) -> str:
+    """The architectures of a key of fits (keyed), either way."""
+    return key.split("/")[0]
+
+
 def kind_of(specs: Iterable[DeviceSpec]) -> str | None:
     """The one kind of device a run's specs are ("cpu", "cuda"), whose fits it takes and adds to; None for several."""
     kinds = {spec.kind for spec in specs}
@@ -226,7 +231,7 @@ def kind_of(specs: Iterable[DeviceSpec]) -> str | None:
 
 
 def fitted(hardware: Hardware, kind: str | None, models: str | None = None) -> Hardware:
-    """hardware with the costs runs on devices of kind fitted (learned, for a plan of the architectures models where
+    """hardware with the costs runs on devices of kind fitted (learned, for a plan of models, a key of fits, where
     given); where none did, a task's handling is the CPU the calibration measured a task to take beyond its latency
     (Hardware.task_cpu over task_overhead: on devices that compute on the host's cores, the driver's, scheduler's and
     worker's work for a task comes out of the devices' compute), and a pack call costs nothing."""
@@ -346,12 +351,12 @@ def phase(plan: RunPlan, pruned: dict[int, int], steps: int) -> tuple[range, Run
 
 def learn(result: TrainResult, samples: list[int], kind: str | None, local: bool = False, models: str = ""
           ) -> Pending | None:
-    """Keep a run's steady figures (samples: each job's per step; models: its architectures) for devices of kind, to be
-    fitted when first asked (Pending), and with local (its devices all on this machine) on disk for later processes;
-    None (nothing kept) where the run says nothing of the costs: devices of several kinds, no swapped job, a pruned
-    run without PHASE steps between pruning steps in which a swapped job trains (its figures are the first such
-    steps', with the plan of the jobs training in them: phase), evaluations or checkpoints fewer than PAUSES steps
-    apart (the simulator predicts neither), too few steps for a steady rate."""
+    """Keep a run's steady figures (samples: each job's per step; models: the key of its fits, keyed) for devices of
+    kind, to be fitted when first asked (Pending), and with local (its devices all on this machine) on disk for later
+    processes; None (nothing kept) where the run says nothing of the costs: devices of several kinds, no swapped job,
+    a pruned run without PHASE steps between pruning steps in which a swapped job trains (its figures are the first
+    such steps', with the plan of the jobs training in them: phase), evaluations or checkpoints fewer than PAUSES
+    steps apart (the simulator predicts neither), too few steps for a steady rate."""
     plan, steps = result.plan, None
     if kind is None or all(job.home is not None for job in plan.jobs):
         return None

@@ -30,6 +30,7 @@ from harmony.runtime.code import JobCode
 from harmony.runtime.data import batch_size
 from harmony.runtime.measure import update_rate
 from harmony.runtime.pilot import Decomposition, KeywordCall, decompose, rebound
+from harmony.runtime.stages import Entry
 from harmony.tasks.amortize import even_sections, homed_task_seconds, pack_sections, runs_spans, steps_per_task
 from harmony.tasks.binding import MODES
 from harmony.tasks.hardware import Hardware
@@ -225,9 +226,22 @@ def _cut(args: Arguments, index: int, sample: Any, target: Any, samples: int, bu
     source = None if cuts is None else cuts.get(key)
     made = None if source is None else _rebound_cut(args, index, sample, target, samples, budget, timed, source)
     decomposition, packing = made or _decompose_and_cut(args, index, sample, target, samples, budget, timed)
-    if cuts is not None and any("torch.export" in note for note in decomposition.notes):
+    exported = any(isinstance(module, Entry) for layer in decomposition.layers for module in layer.modules())
+    if cuts is not None and exported:
         cuts.setdefault(key, (index, decomposition.layers, decomposition.notes))
     return decomposition, packing
+
+
+def _decompose(args: Arguments, index: int, sample: Any, timed: ModelProfile | None, **how: Any) -> Decomposition:
+    """Model index decomposed and profiled on sample (runtime.pilot.decompose, how: its options); an exception in its
+    forward is the model's own (ModelError)."""
+    model, label = args.models[index], model_label(index, args.models[index])
+    try:
+        return decompose(KeywordCall(model) if isinstance(sample, Mapping) else model, sample, label,
+                         autocast=PRECISIONS[args.options.precision], timed=timed, **how)
+    except Exception as error:
+        raise ModelError(index, f"{label} raised {type(error).__name__}: {error} in its forward "
+                         "during the pilot pass") from error
 
 
 def _rebound_cut(args: Arguments, index: int, sample: Any, target: Any, samples: int, budget: int,
@@ -236,14 +250,9 @@ def _rebound_cut(args: Arguments, index: int, sample: Any, target: Any, samples:
     """Model index decomposed as source (the chain of a model of its architecture, exported and cut for budget),
     rebound to its own weights, and cut into packs; None where they do not fit (it is then cut anew)."""
     origin, layers, notes = source
-    model, label = args.models[index], model_label(index, args.models[index])
-    chain = rebound(layers, args.models[origin], model)
-    try:
-        decomposition = decompose(KeywordCall(model) if isinstance(sample, Mapping) else model, sample, label,
-                                  autocast=PRECISIONS[args.options.precision], timed=timed, cut=(chain, notes))
-    except Exception as error:
-        raise ModelError(index, f"{label} raised {type(error).__name__}: {error} in its forward "
-                         "during the pilot pass") from error
+    label = model_label(index, args.models[index])
+    chain = rebound(layers, args.models[origin], args.models[index])
+    decomposition = _decompose(args, index, sample, timed, cut=(chain, notes))
     if args.loss_fns[index] is not None:
         _check_loss(args, index, label, decomposition.output, target)
     try:
@@ -262,19 +271,13 @@ def _decompose_and_cut(args: Arguments, index: int, sample: Any, target: Any, sa
     are cut finer once, and that decomposition is kept if its packs leave room. A model torch.fx cannot trace is
     exported with torch.export only when it does not fit whole (exporting is slow; a model that fits trains as
     it is)."""
-    model, label = args.models[index], model_label(index, args.models[index])
+    label = model_label(index, args.models[index])
     largest: int | None = None
     export = False
     layers = 0
     without_prefetch: tuple[Decomposition, Any] | None = None
     while True:
-        try:
-            decomposition = decompose(KeywordCall(model) if isinstance(sample, Mapping) else model, sample, label,
-                                      largest=largest, export=export, autocast=PRECISIONS[args.options.precision],
-                                      timed=timed)
-        except Exception as error:
-            raise ModelError(index, f"{label} raised {type(error).__name__}: {error} in its forward "
-                             "during the pilot pass") from error
+        decomposition = _decompose(args, index, sample, timed, largest=largest, export=export)
         if args.loss_fns[index] is not None and not layers:
             _check_loss(args, index, label, decomposition.output, target)
         try:
