@@ -5,7 +5,8 @@ i's weight is ``stacked[i]``) and runs them at once: an nn.Linear as one batched
 (``baddbmm``), a BatchNorm as one over members x channels, an elementwise activation or dropout
 directly on the stacked activations, and any other
 layer (Conv2d, BatchNorm with its running statistics per member, LayerNorm, Embedding, attention) through
-``torch.func.vmap`` over a functional call (runtime.reparametrize), with random draws different per member. Activations
+``torch.func.vmap`` over a functional call (runtime.reparametrize), with random draws different per member and the
+members' attention calls folded into one (runtime.attention). Activations
 between array layers carry the member dimension first; the first layer's input is the members' shared
 mini-batch.
 """
@@ -23,6 +24,7 @@ from torch import fx, nn
 from torch.func import vmap
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from harmony.runtime.attention import FoldedAttention
 from harmony.runtime.padding import PaddedLookups, pads
 from harmony.runtime.reparametrize import bind
 
@@ -89,6 +91,7 @@ class ArrayLayer(nn.Module):
         self.param_names = [name for name, _ in first.named_parameters()]
         self.buffer_names = [name for name, _ in first.named_buffers()]
         self.pads = pads(first)  # its lookups with a padding row run as runtime.padding's where indices are batched
+        self.attends: bool | None = None  # whether it calls attention (runtime.attention folds it): known once run
         with torch.no_grad():
             for name, param in first.named_parameters():
                 if tied and name in tied:  # the stack of an earlier layer that reads the same weight
@@ -157,9 +160,12 @@ class ArrayLayer(nn.Module):
 
         dims = None if shared else tree_map(lambda leaf: 0 if isinstance(leaf, torch.Tensor) else None, x)
         lookups = PaddedLookups() if self.pads and not shared else nullcontext()
-        with warnings.catch_warnings(), lookups:  # an op vmap loops over (attention on a CPU): timed like any
+        attention = FoldedAttention() if self.attends is not False else nullcontext()
+        with warnings.catch_warnings(), lookups, attention:  # an op vmap loops over (attention with dropout)
             warnings.filterwarnings("ignore", message=FALLBACK_WARNING)
             tensors = iter(vmap(member, in_dims=(0, 0, dims), randomness="different")(params, buffers, x))
+        if isinstance(attention, FoldedAttention):
+            self.attends = attention.calls > 0
         structure, leaves = sizes
         return tree_unflatten([next(tensors) if leaf is TENSOR else leaf for leaf in leaves], structure)
 

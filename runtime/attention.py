@@ -1,0 +1,91 @@
+"""Attention of a fused array's members as one call: the members fold into the batch dimension.
+
+torch has no batching rule for ``scaled_dot_product_attention`` (its CPU and CUDA kernels), so under vmap it loops
+over the members, one kernel call each, and torch.library's vmap rules apply to custom operators only.
+``FoldedAttention`` intercepts the call within a vmap, takes the members' tensors out of vmap's wrapping (members
+first), runs one attention over members x batch and wraps the result back: the same kernel on the same rows, so the
+same values and gradients (autograd records the call on the unwrapped tensors, as it does a batching rule's).
+
+It folds a call whose query, key and value are each four-dimensional per member (batch, heads, tokens, features,
+the layout of Hugging Face's and torch's attention) and that draws no dropout: vmap refuses a random draw on an
+unwrapped tensor where each member must draw its own, so a call with ``dropout_p > 0`` keeps vmap's loop, as does
+any other call. A mask broadcast over the batch or shared by the members is expanded to the folded batch (its
+gradient, where it needs one, summed over the expansion: vmap's loop cannot differentiate such a mask at all).
+nn.MultiheadAttention keeps the loop: it calls attention from within its functional form, which a
+TorchFunctionMode sees only as a whole.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch._C import _functorch
+from torch.overrides import TorchFunctionMode
+
+ATTENTION = nn.functional.scaled_dot_product_attention
+NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+DEFAULTS = (None, None, None, None, 0.0, False, None, False)
+
+
+class FoldedAttention(TorchFunctionMode):
+    """Within the block (inside a vmap), attention runs as ``folded`` where it can; calls counts the calls made,
+    folds those folded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+        self.folds = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+                           ) -> Any:
+        kwargs = kwargs or {}
+        if func is ATTENTION:
+            self.calls += 1
+            out = folded(**{**dict(zip(NAMES, DEFAULTS)), **dict(zip(NAMES, args)), **kwargs})
+            if out is not None:
+                self.folds += 1
+                return out
+        return func(*args, **kwargs)
+
+
+def folded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
+           dropout_p: float, is_causal: bool, scale: float | None, enable_gqa: bool) -> torch.Tensor | None:
+    """The attention of every member at once, as the innermost vmap sees it; None where it cannot fold (not within
+    a vmap, no tensor batched by it, dropout drawn, a tensor not 4-D per member)."""
+    level = _functorch.maybe_current_level()
+    if level is None or dropout_p > 0 or any(t.dim() != 4 for t in (query, key, value)):
+        return None
+    tensors = (query, key, value)
+    if not any(_functorch.maybe_get_level(t) == level for t in tensors):
+        return None
+    members = next(_unwrapped(t, level).shape[0] for t in tensors if _functorch.maybe_get_level(t) == level)
+    q, k, v = (_members_first(t, level, members).flatten(0, 1) for t in tensors)
+    mask = None if attn_mask is None else _mask(attn_mask, level, members, query.shape[0])
+    out = ATTENTION(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    return _functorch._add_batch_dim(out.unflatten(0, (members, -1)), 0, level)
+
+
+def _unwrapped(t: torch.Tensor, level: int) -> torch.Tensor:
+    """t's members' tensor, members first (t is batched at level)."""
+    inner, dim = _functorch._unwrap_batched(t, level)
+    return inner.movedim(dim, 0)
+
+
+def _members_first(t: torch.Tensor, level: int, members: int) -> torch.Tensor:
+    """t as members x its per-member shape: unwrapped where batched at level, else the same for every member."""
+    if _functorch.maybe_get_level(t) == level:
+        return _unwrapped(t, level)
+    return t.unsqueeze(0).expand(members, *t.shape)
+
+
+def _mask(mask: torch.Tensor, level: int, members: int, batch: int) -> torch.Tensor:
+    """The members' mask for attention over members x batch: broadcastable to (members x batch, heads, queries,
+    keys); a mask shared by the members and the batch stays as it is."""
+    batched = _functorch.maybe_get_level(mask) == level
+    inner = _unwrapped(mask, level) if batched else mask.unsqueeze(0)
+    per_member = inner.reshape(inner.shape[0], *[1] * (5 - inner.dim()), *inner.shape[1:])
+    if per_member.shape[0] == 1 and per_member.shape[1] == 1:
+        return per_member[0]
+    return per_member.expand(members, batch, *per_member.shape[2:]).flatten(0, 1)
