@@ -4,12 +4,13 @@
 # The lent machine has torch, pytest, psutil, msgpack and cloudpickle, no network, and none of dask's packages:
 # `wheels` (here, with network) downloads them for its Python into .whl/ (ignored by git: carry it), with DeepSpeed
 # (gpu_peers' peer) built as a pure-Python wheel and its requirements in .whl/peers/, and every other stage (there)
-# installs them and the repository without network first (`peers` the peer's too). Results go to $OUT (the files the
-# device tool brings back), else to benchmarks/results/.
+# installs them and the repository without network first (`peers` the peer's too; `sweep`, `sweep4` and `attention`
+# transformers, from .whl/hf, which holds its requirements less those .whl/peers has). Results go to $OUT (the files
+# the device tool brings back), else to benchmarks/results/.
 #
 #   bash benchmarks/gpu_lease.sh wheels                 # here, once
 #   bash benchmarks/gpu_lease.sh tests                  # there: tests/test_gpu.py and tests/test_ipc.py
-#   bash benchmarks/gpu_lease.sh swap|copies|update|sweep|sweep4|calls|count|peers
+#   bash benchmarks/gpu_lease.sh swap|copies|update|sweep|sweep4|attention|calls|count|peers
 #   bash benchmarks/gpu_lease.sh lease                  # there: what one 10-minute call of a 15-minute lease holds
 #   bash benchmarks/gpu_lease.sh profile                # there: the GPU tests, gpu_swap's 16k row traced, where its
 #                                                       # time went, and microbatch_cost's quick rows (the host's cost
@@ -20,23 +21,30 @@
 #                                                       # and sent behind or not (weights alone prefetched), and bf16
 set -euo pipefail
 cd "$(dirname "$0")/.."
-stage="${1:?a stage: wheels, tests, swap, copies, update, sweep, sweep4, calls, count, peers, lease, profile, spy or planned}"
+stages="wheels, tests, swap, copies, update, sweep, sweep4, attention, calls, count, peers, lease, profile, spy, planned"
+stage="${1:?a stage: $stages}"
 python=python3
 wheels=(dask==2026.8.0 distributed==2026.8.0 bokeh==3.9.2 tornado==6.6.1 partd==1.4.2 locket==1.0.0 tblib==3.2.2
         zict==3.0.0 xyzservices==2026.9.1 dask-cuda)
 peer=deepspeed==0.19.8  # gpu_peers' peer: an sdist, built here as a pure-Python wheel (DS_BUILD_OPS=0: no ops)
 peer_wheels=(einops hjson ninja py-cpuinfo pydantic==2.14.4 pydantic-core==2.50.5 annotated-types typing-inspection
              typing-extensions numpy tqdm packaging)  # its requirements beyond what the lent machine has
+hf=transformers==5.24.0  # gpu_sweep's and attention's models, from configs (its requirements into .whl/hf)
 binary=(--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
         --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
 
 if [[ "$stage" == wheels ]]; then
-    mkdir -p .whl/peers .whl/spy
+    mkdir -p .whl/peers .whl/spy .whl/hf
     "$python" -m pip download -q --no-deps "${binary[@]}" -d .whl "${wheels[@]}"
     "$python" -m pip download -q --no-deps "${binary[@]}" -d .whl/peers "${peer_wheels[@]}"
     "$python" -m pip download -q --no-deps "${binary[@]}" -d .whl/spy py-spy  # the spy stage's sampler
     DS_BUILD_OPS=0 "$python" -m pip wheel -q --no-deps --no-build-isolation -w .whl/peers "$peer"
-    ls .whl .whl/peers
+    "$python" -m pip download -q "${binary[@]}" -d .whl/hf "$hf"
+    for wheel in .whl/hf/*.whl; do  # one copy of each (the carried paths hold 64 MiB in all)
+        [[ -e ".whl/peers/$(basename "$wheel")" ]] && rm "$wheel"
+    done
+    ls .whl .whl/peers .whl/hf
+    du -sh .whl
     exit
 fi
 
@@ -46,6 +54,11 @@ mkdir -p "$out"
 "$python" -m pip install -q --no-index --no-deps --no-build-isolation -e .  # harmony.runtime maps to runtime/
 export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PATH="/tmp/site/bin:$PATH"  # dask's CLI
 "$python" -c "import torch; assert torch.cuda.is_available(), 'no GPU here'; print(torch.cuda.get_device_name(0))"
+
+models() {  # transformers and its requirements, resolved against what the lent machine has
+    "$python" -m pip install -q --no-index --no-compile --no-cache-dir --find-links .whl/hf --find-links .whl/peers \
+        "$hf"
+}
 
 run() {  # run NAME SECONDS COMMAND...: its output to $out/NAME.log, its JSON to $out/NAME.json
     local name="$1" seconds="$2"
@@ -61,8 +74,10 @@ case "$stage" in
     copies) run gpu_copies 240 "$python" -m benchmarks.gpu_copies --out "$out/gpu_copies.json" ;;
     update) run device_update 540 "$python" -m benchmarks.device_update --device cuda:0 \
                 --out "$out/device_update.json" ;;
-    sweep) run gpu_sweep 540 "$python" -m benchmarks.gpu_sweep --out "$out/gpu_sweep.json" ;;
-    sweep4) run gpu_sweep 300 "$python" -m benchmarks.gpu_sweep --models 4 --layers 12 --out "$out/gpu_sweep.json" ;;
+    sweep) models; run gpu_sweep 540 "$python" -m benchmarks.gpu_sweep --out "$out/gpu_sweep.json" ;;
+    sweep4) models; run gpu_sweep 300 "$python" -m benchmarks.gpu_sweep --models 4 --layers 12 \
+                --out "$out/gpu_sweep.json" ;;
+    attention) models; run attention 300 "$python" -m benchmarks.attention --device cuda --out "$out/attention.json" ;;
     calls) run microbatch_cost 300 "$python" -m benchmarks.microbatch_cost --device cuda:0 \
                --out "$out/microbatch_cost.json" ;;
     count) run microbatch_count 400 "$python" -m benchmarks.microbatch_count --device cuda:0 --quick \
