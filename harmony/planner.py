@@ -238,7 +238,7 @@ def _decompose(args: Arguments, index: int, sample: Any, timed: ModelProfile | N
     model, label = args.models[index], model_label(index, args.models[index])
     try:
         return decompose(KeywordCall(model) if isinstance(sample, Mapping) else model, sample, label,
-                         autocast=PRECISIONS[args.options.precision], timed=timed, **how)
+                         autocast=PRECISIONS[args.options.precision], timed=timed, exports=args.exports, **how)
     except Exception as error:
         raise ModelError(index, f"{label} raised {type(error).__name__}: {error} in its forward "
                          "during the pilot pass") from error

@@ -18,6 +18,7 @@ from torch import nn
 from harmony.errors import InputError
 from harmony.runtime.data import batch_size
 from harmony.runtime.devices import DeviceSpecError, parse_devices
+from harmony.runtime.pilot import Exports
 from harmony.runtime.schedule import Schedule, Scheduled
 from harmony.sizes import parse_bandwidths, parse_size
 from harmony.tasks.binding import MODES, POLICIES
@@ -65,6 +66,7 @@ class Arguments:
     clips: list[float | None] = dataclasses.field(default_factory=list)  # each model's clip_grad_norm (None: off)
     pruner: Pruner | None = None
     prune: str | None = None  # the pruner's name: a built-in's, or the callable's qualified name
+    exports: Exports = dataclasses.field(default_factory=Exports, compare=False, repr=False)  # the planning's
 
     def expected_steps(self, model: int) -> int | None:
         """How many steps a model will train, when its loader knows its length (or steps= says)."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
@@ -24,12 +24,12 @@ import torch
 from torch import fx, nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves, tree_map
 
 from harmony.runtime.cache import tree_nbytes
 from harmony.runtime.halving import casts
 from harmony.runtime.hoststore import dtype_name
-from harmony.runtime.stages import CONTAINERS, quiet_failures, trace_stages, weight_bytes
+from harmony.runtime.stages import CONTAINERS, exported_graph, quiet_failures, trace_stages, weight_bytes
 from harmony.tasks.layout import TensorSpec
 from harmony.tasks.profile import BACKWARD_RATIO, LayerProfile, ModelProfile
 
@@ -116,21 +116,22 @@ def chain_order(module: nn.Module) -> list[nn.Module] | None:
 
 
 def _flatten(module: nn.Module, x: Any, layers: list[nn.Module], notes: list[str], largest: int | None,
-             export: bool, block: bool = False) -> Any:
+             export: bool, exports: Exports | None, block: bool = False) -> Any:
     """Append module's layers to layers; notes says how a module that is not a chain of its children was cut, or
-    why it was not (largest, and export: whether to try torch.export: see trace_stages). A block (an entry of a
-    Sequential or ModuleList) is one layer unless its weights exceed largest. Only torch.export reads a module's
-    input (x), so only with export is x run through the layers found (decompose runs them after, timing each)."""
+    why it was not (largest, and export: whether to try torch.export, through exports where given: see
+    trace_stages). A block (an entry of a Sequential or ModuleList) is one layer unless its weights exceed largest.
+    Only torch.export reads a module's input (x), so only with export is x run through the layers found (decompose
+    runs them after, timing each)."""
     order = chain_order(module)
     if order is not None:
         for child in order:
-            x = _flatten(child, x, layers, notes, largest, export, isinstance(module, CONTAINERS))
+            x = _flatten(child, x, layers, notes, largest, export, exports, isinstance(module, CONTAINERS))
         return x
     whole_block = block and (largest is None or weight_bytes(module) <= largest)
     if whole_block or not any(True for _ in module.children()):
         stages, how = [module], ""
     else:
-        stages, how = trace_stages(module, largest, x if export else None)
+        stages, how = trace_stages(module, largest, x if export else None, exports)
     if how:
         named = module.model if isinstance(module, KeywordCall) else module
         notes.append(f"{type(named).__name__}: {how}")
@@ -233,10 +234,48 @@ def rebound(layers: Sequence[nn.Module], source: nn.Module, target: nn.Module) -
     return copies
 
 
+class Exports:
+    """torch.export's graphs of one planning's modules, so that an architecture is exported once (an export takes a
+    second or more): a module exported before (cut again, for another budget) takes its graph again, and one of the
+    same architecture (class, names, shapes and dtypes of parameters and buffers, training modes) on inputs of the
+    same structure, shapes and dtypes takes that graph rebound to its own weights (rebound). It holds the modules it
+    exported: keep it for one planning."""
+
+    def __init__(self) -> None:
+        self.made: dict[Hashable, tuple[nn.Module, fx.GraphModule, TreeSpec]] = {}
+
+    def __call__(self, module: nn.Module, sample: Any) -> tuple[fx.GraphModule, TreeSpec]:
+        key = _export_key(module, sample)
+        if key not in self.made:
+            root, spec = exported_graph(module, sample)
+            self.made[key] = (module, root, spec)
+            return root, spec
+        source, root, spec = self.made[key]
+        if _own(source) is _own(module):
+            return root, spec
+        return rebound([root], source, module)[0], spec
+
+
+def _own(module: nn.Module) -> nn.Module:
+    """The user's module a layer is (a KeywordCall is made anew for each pilot of its model)."""
+    return module.model if isinstance(module, KeywordCall) else module
+
+
+def _export_key(module: nn.Module, sample: Any) -> Hashable:
+    """What two modules and their samples must share for one's export to stand for the other's (Exports)."""
+    leaves, structure = tree_flatten(sample)
+    return (type(_own(module)), str(structure),
+            tuple((tuple(leaf.shape), leaf.dtype) if isinstance(leaf, torch.Tensor) else repr(leaf) for leaf in leaves),
+            tuple((name, tuple(t.shape), t.dtype, t.requires_grad)
+                  for name, t in module.named_parameters(remove_duplicate=False)),
+            tuple((name, tuple(t.shape), t.dtype) for name, t in module.named_buffers(remove_duplicate=False)),
+            tuple(part.training for part in module.modules()))
+
+
 def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7, largest: int | None = None,
               export: bool = False, autocast: str | None = None, timed: ModelProfile | None = None,
-              shares: ModelProfile | None = None, cut: tuple[list[nn.Module], list[str]] | None = None
-              ) -> Decomposition:
+              shares: ModelProfile | None = None, cut: tuple[list[nn.Module], list[str]] | None = None,
+              exports: Exports | None = None) -> Decomposition:
     """Decompose model into a chain and profile it on sample (one micro-batch of inputs); a traced block holding more
     than largest bytes of weights is cut at its children; with export, a module torch.fx cannot trace is exported
     with torch.export and cut the same way; with autocast (a dtype's name), each layer's parameters that autocast
@@ -249,14 +288,15 @@ def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7, larges
     (bytes, which parameters are halved) is this model's own. shares is the profile of a chain of as many layers
     that do alike in their proportions (a sub-array's member, for the sub-array): each layer is called once and
     only the whole chain is timed, its time split among the layers as shares' times split. cut: model's chain
-    and the notes on how it was cut, already made (rebound from a model of its architecture): profiled as it is."""
+    and the notes on how it was cut, already made (rebound from a model of its architecture): profiled as it is.
+    exports: the planning's exports, which a module to export is taken from where it can be (Exports)."""
     samples = max(1, _batch_size(sample))
     if cut is not None:
         layers, notes = list(cut[0]), list(cut[1])
     else:
         with preserved_state(model), torch.no_grad():
             layers, notes = [], []
-            _flatten(model, sample, layers, notes, largest, export)
+            _flatten(model, sample, layers, notes, largest, export, exports)
             layers = _merge_shared(layers)
     profiles = []
     ties = borrowings(layers)

@@ -28,7 +28,7 @@ import io
 import operator
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -42,11 +42,16 @@ ASSERT_DTYPE = torch.ops.aten._assert_tensor_metadata.default  # export's check 
 # the stage's inputs come in autocast's dtype (a model's logits.float() gets bfloat16 logits), as in the eager model
 
 
-def trace_stages(module: nn.Module, largest: int | None = None, sample: Any = None) -> tuple[list[nn.Module], str]:
+Exporter = Callable[[nn.Module, Any], tuple[fx.GraphModule, TreeSpec]]  # module and sample -> graph, output's structure
+
+
+def trace_stages(module: nn.Module, largest: int | None = None, sample: Any = None, exporter: Exporter | None = None
+                 ) -> tuple[list[nn.Module], str]:
     """module as a chain of stages, and how it was cut (or why it was not: then the list holds module alone).
 
     largest: the most weight bytes a unit may hold before it is cut at its children (None: never). sample: an input
-    to export the module with when torch.fx cannot trace it (None: do not try)."""
+    to export the module with when torch.fx cannot trace it (None: do not try). exporter: how to export it
+    (exported_graph where None; runtime.pilot.Exports keeps a planning's exports for the next cut)."""
     try:
         graph = fx.Tracer().trace(module)
     except Exception as error:  # torch.fx raises many kinds for what it cannot trace
@@ -54,17 +59,16 @@ def trace_stages(module: nn.Module, largest: int | None = None, sample: Any = No
         if sample is None:
             return [module], why
         try:
-            exported = _export(module, sample)
+            root, out_spec = (exporter or exported_graph)(module, sample)
         except Exception as export_error:  # so does torch.export
             return [module], f"{why} nor by torch.export ({_first_line(export_error)})"
-        root = exported.module()
         nodes = [node for node in root.graph.nodes if not (node.op == "call_module" and node.target == "_guards_fn")
                  and node.target is not ASSERT_DTYPE]
         stages, how = _cut(root, nodes, Units(module, largest), "exported by torch.export")
         if len(stages) < 2:
             return [module], how
         stages[0] = Entry(stages[0])
-        stages[-1] = Exit(stages[-1], exported.call_spec.out_spec)
+        stages[-1] = Exit(stages[-1], out_spec)
         return stages, how
     placeholders = [node for node in graph.nodes if node.op == "placeholder"]
     if len(placeholders) != 1:
@@ -107,12 +111,14 @@ def _first_line(error: Exception) -> str:
     return f"{type(error).__name__}: {str(error).strip().splitlines()[0][:120] if str(error).strip() else ''}"
 
 
-def _export(module: nn.Module, sample: Any) -> torch.export.ExportedProgram:
-    """module exported for inputs shaped like sample, every dimension of its tensors free to vary (a shorter last
-    batch, another sequence length) where the model allows it."""
+def exported_graph(module: nn.Module, sample: Any) -> tuple[fx.GraphModule, TreeSpec]:
+    """module exported by torch.export for inputs shaped like sample, every dimension of its tensors free to vary (a
+    shorter last batch, another sequence length) where the model allows it: the graph, which reads module's own
+    parameters and buffers, and the structure of module's output."""
     dims = tree_map(lambda leaf: dict.fromkeys(range(leaf.dim()), torch.export.Dim.AUTO)
                     if isinstance(leaf, torch.Tensor) else None, sample)
-    return torch.export.export(module, (sample,), dynamic_shapes=(dims,), strict=False)
+    program = torch.export.export(module, (sample,), dynamic_shapes=(dims,), strict=False)
+    return program.module(), program.call_spec.out_spec
 
 
 def _cut(root: nn.Module, nodes: list[fx.Node], units: Units, traced: str) -> tuple[list[nn.Module], str]:

@@ -185,19 +185,29 @@ def test_causal_lms_larger_than_the_device_are_exported_cut_at_their_layers_and_
 
 @pytest.mark.parametrize("microbatches", [2, "auto"])
 def test_a_sweep_of_exported_models_is_exported_once(microbatches: object, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Three Llamas that do not fit whole, planned: the first is exported (again where it is cut finer), and the others
-    take its stages rebound to their own weights (exporting one takes a second or more), cut alike; with
-    microbatches="auto" too, whose search cuts each model at the counts it tries."""
-    from harmony.runtime import stages
+    """Three Llamas that do not fit whole, planned: the first is exported once (cut finer from the same graph), and
+    the others take its stages rebound to their own weights (exporting one takes a second or more), cut alike; with
+    microbatches="auto" too, whose search cuts each model at the counts it tries (exporting the first once a
+    micro-batch shape)."""
+    from harmony.runtime import pilot
 
     exports = []
-    export = stages._export
-    monkeypatch.setattr(stages, "_export", lambda module, sample: exports.append(module) or export(module, sample))
+    export = pilot.exported_graph
+    samples = []
+
+    def exporting(module: torch.nn.Module, sample: dict) -> object:
+        exports.append(module)
+        samples.append(sample)
+        return export(module, sample)
+
+    monkeypatch.setattr(pilot, "exported_graph", exporting)
     models = [llama(seed, layers=4) for seed in range(3)]
     budget = sum(p.numel() * p.element_size() for p in models[0].parameters())
     forecast = harmony.plan(models, token_batches(steps=2, batch=8, length=12), None, adam(1e-3), devices=["cpu"],
                             device_memory=2 * budget, microbatches=microbatches, fuse=False)
-    assert exports and all(module.model is models[0] for module in exports), "the first alone (cut finer once)"
+    assert exports and all(module.model is models[0] for module in exports), "the first alone"
+    shapes = {tuple(sample["input_ids"].shape) for sample in samples}
+    assert len(exports) == len(shapes), "once a micro-batch shape"
     cuts = {tuple((pack.first, pack.stop) for pack in job.packing.packs) for job in forecast.plan.jobs}
     assert len(cuts) == 1 and len(forecast.plan.jobs) == 3
 

@@ -710,3 +710,48 @@ def test_an_exported_chain_rebound_to_a_model_of_its_architecture_computes_that_
     assert torch.equal(x.logits, expected.logits) and torch.equal(x.loss, expected.loss)
     with pytest.raises(ValueError, match="not of its source's architecture"):
         rebound(stages, source, llama(0, layers=3))
+
+
+def test_exports_export_an_architecture_once_and_give_every_cut_and_model_of_it_that_graph(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A planning's exports: a model cut again for another budget takes its graph again, a model of its architecture
+    on alike inputs takes it rebound to its own weights (computing that model bit for bit through stages cut at
+    another budget), and a model of another architecture, or the same on inputs of another shape, is exported."""
+    transformers = pytest.importorskip("transformers")
+    from harmony.runtime import pilot
+    from harmony.runtime.pilot import Exports
+    from harmony.runtime.stages import trace_stages
+
+    def llama(seed: int, layers: int = 2) -> nn.Module:
+        torch.manual_seed(seed)
+        config = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=16, intermediate_size=32,
+                                          num_attention_heads=2, num_key_value_heads=2, vocab_size=50,
+                                          bos_token_id=0, eos_token_id=0, use_cache=False)
+        return transformers.LlamaForCausalLM(config).double()
+
+    made = []
+    export = pilot.exported_graph
+    monkeypatch.setattr(pilot, "exported_graph", lambda module, sample: made.append(module.model) or export(
+        module, sample))
+    exports = Exports()
+    first, second, deeper = llama(0), llama(1), llama(2, layers=3)
+    ids = torch.randint(0, 50, (4, 12))
+    batch = {"input_ids": ids, "labels": ids}
+    whole = sum(t.numel() * t.element_size() for t in first.model.layers[0].parameters())
+    coarse, _ = trace_stages(KeywordCall(first), whole, batch, exports)
+    fine, _ = trace_stages(KeywordCall(first), whole // 2, batch, exports)
+    assert len(fine) > len(coarse) and made == [first]
+    stages, how = trace_stages(KeywordCall(second), whole // 2, batch, exports)
+    assert how.startswith("exported by torch.export") and made == [first] and len(stages) == len(fine)
+    own = {id(parameter) for parameter in second.parameters()}
+    assert all(id(parameter) in own for stage in stages for parameter in stage.parameters())
+    x: Any = batch
+    with torch.no_grad():
+        for stage in stages:
+            x = stage(x)
+        expected = second(**batch)
+    assert torch.equal(x.logits, expected.logits) and torch.equal(x.loss, expected.loss)
+    trace_stages(KeywordCall(deeper), whole, batch, exports)
+    shorter = {"input_ids": ids[:, :8], "labels": ids[:, :8]}
+    trace_stages(KeywordCall(second), whole, shorter, exports)
+    assert made == [first, deeper, second]
