@@ -375,9 +375,19 @@ def _trial(group: list[int], size: int, candidates: list[Candidate], sizing: Siz
                 array = predicted_array(group[:size], candidates, sizing.args, budget, kept)
             except LayerTooLarge:
                 array = None
-        if array is None or (not array.job.packing.prefetch and sizing.cutter is not None):
-            array = build_array(group[:size], candidates, sizing.args, budget, kept, sizing.cutter)
-            timings.KEPT[key] = array.profile
+        if array is None or (not array.job.packing.prefetch and sizing.cutter is not None):  # members cut finer?
+            if (key, budget) in timings.NO_ROOM:  # an earlier call built it at this budget
+                if array is None:
+                    return None, None
+            else:
+                try:
+                    array = build_array(group[:size], candidates, sizing.args, budget, kept, sizing.cutter)
+                except LayerTooLarge:
+                    timings.NO_ROOM.add((key, budget))
+                    raise
+                timings.KEPT[key] = array.profile
+                if not array.job.packing.prefetch and sizing.cutter is not None:
+                    timings.NO_ROOM.add((key, budget))
     except LayerTooLarge:
         return None, None
     except Unfusable as error:

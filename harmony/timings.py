@@ -4,7 +4,8 @@ A call's pilot times the first model of each architecture (its layers' forwards 
 optimizer's update, and fuse="auto" times a trial array of each size it weighs. A later call in the same process,
 with models of the same architecture on batches of the same shapes, the same precision and as many threads, takes
 those timings: its models' layers are still called once each (runtime.pilot.decompose checks that they are the
-ones timed, and sizes their outputs), and a trial array whose timings are kept is predicted without being built.
+ones timed, and sizes their outputs), a trial array whose timings are kept is predicted without being built, and
+one that an earlier call found without room at a budget (NO_ROOM) is not built again there.
 Timings are the machine's at the moment they were taken; harmony.shutdown() forgets them with the warm cluster.
 
 Only what a key names is shared: anything else a layer's time depends on (values, a data-dependent branch) is
@@ -23,6 +24,8 @@ from harmony.tasks.profile import ModelProfile
 
 KEPT: dict[Hashable, ModelProfile] = {}  # by kind and key: "model", "trial"
 RATES: dict[Hashable, float | None] = {}  # an optimizer's update seconds per byte, by architecture and optimizer
+NO_ROOM: set[Hashable] = set()  # trial arrays (KEPT's key, budget) built and found not to fit, or to fit only without
+# prefetching with their members cut again: built again at that budget they would come out the same
 
 
 def context(sample: Any, precision: str) -> Hashable:
@@ -39,3 +42,4 @@ def forget() -> None:
     """Drop every kept timing: the next call times its models again."""
     KEPT.clear()
     RATES.clear()
+    NO_ROOM.clear()

@@ -577,7 +577,7 @@ def test_members_too_coarse_for_their_array_are_cut_again_for_their_share_of_the
 def test_a_member_is_cut_again_once_a_budget_and_never_under_a_budget_it_could_not_be_cut_for(
     monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Each cut pilots the model again (an exported one is exported again): sizing eight FlattenedTokens under four
+    """Each cut pilots the model again: sizing eight FlattenedTokens under four
     times one's weights, fuse="auto" cuts members for arrays of two, four and eight, each member once a budget, and
     once the first member could not be cut for an array's share, no larger array is tried on it."""
     calls: list[tuple[int, int, str]] = []
@@ -606,7 +606,40 @@ def test_a_member_is_cut_again_once_a_budget_and_never_under_a_budget_it_could_n
     failed = [(index, share) for index, share, outcome in calls if outcome == "too small"]
     assert failed, "an array's share too small to cut a member for (else the test shows nothing)"
     assert not [call for call in calls for index, share in failed if call[0] == index and call[1] < share]
-    assert max(len(job.members) for job in forecast.plan.jobs) > 1
+    assert forecast.fusion[0].predicted[2] is not None, "arrays of two, of members cut again, were predicted"
+
+
+@pytest.mark.parametrize("budget", [2.5, 4.5], ids=["does not fit", "fits without prefetching"])
+def test_a_warm_plan_does_not_build_again_a_trial_array_that_had_no_room_at_its_budget(
+    budget: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two chains of Linears (no finer cut) whose array of two does not fit the budget (2.5x one's weights), or fits
+    it only without room to prefetch where each alone prefetches (4.5x): the first plan builds the trial array (and
+    tries its members cut again); the next plan at that budget, from the kept timings, builds nothing and plans the
+    same, unfused (it built the array, and piloted the members again, every call before)."""
+    builds: list[list[int]] = []
+    build = fusing.build_array
+
+    def recorded(members: list[int], *args: Any, **kwargs: Any) -> Any:
+        builds.append(list(members))
+        return build(members, *args, **kwargs)
+
+    monkeypatch.setattr(fusing, "build_array", recorded)
+    models = []
+    for seed in range(2):
+        torch.manual_seed(seed)
+        models.append(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                                    nn.Linear(256, 64), nn.ReLU(), nn.Linear(64, 4)))
+    generator = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(16, 64, generator=generator), torch.randn(16, 4, generator=generator)) for _ in range(3)]
+    plans = []
+    for _ in range(2):
+        builds.clear()
+        forecast = harmony.plan(models, batches, loss_fn=nn.functional.mse_loss, devices=["cpu"],
+                                device_memory=int(budget * param_bytes(models[0])), resident=False)
+        plans.append((forecast.arrays, [job.packing for job in forecast.plan.jobs], list(builds)))
+    assert plans[0][2] == [[0, 1]] and plans[1][2] == [], "built the first time only"
+    assert plans[0][:2] == plans[1][:2] and plans[0][0] == [[0], [1]]
 
 
 @pytest.mark.parametrize("budget", [None, 2.5], ids=["homed", "swapped"])
