@@ -7,11 +7,12 @@ first), runs one attention over members x batch and wraps the result back: the s
 same values and gradients (autograd records the call on the unwrapped tensors, as it does a batching rule's).
 
 It folds a call whose query, key and value are each four-dimensional per member (batch, heads, tokens, features,
-the layout of Hugging Face's and torch's attention) and that draws no dropout: vmap refuses a random draw on an
-unwrapped tensor where each member must draw its own, so a call with ``dropout_p > 0`` keeps vmap's loop, as does
-any other call. A mask broadcast over the batch or shared by the members is expanded to the folded batch (its
-gradient, where it needs one, summed over the expansion: vmap's loop cannot differentiate such a mask at all).
-nn.MultiheadAttention keeps the loop: it calls attention from within its functional form, which a
+the layout of Hugging Face's and torch's attention), run below the vmap as a batching rule is (the vmap's
+interpreter lowered): a dropout then draws its masks for members x batch in one call, each member its own, as the
+array's vmap asks (``randomness="different"``; under another randomness a call with dropout keeps the loop). Any
+other call keeps vmap's loop. A mask broadcast over the batch or shared by the members is expanded to the folded
+batch (its gradient, where it needs one, summed over the expansion: vmap's loop cannot differentiate such a mask at
+all). nn.MultiheadAttention keeps the loop: it calls attention from within its functional form, which a
 TorchFunctionMode sees only as a whole.
 """
 
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch._C import _functorch
+from torch._functorch.pyfunctorch import VmapInterpreter, coerce_cinterpreter
 from torch.overrides import TorchFunctionMode
 
 ATTENTION = nn.functional.scaled_dot_product_attention
@@ -52,18 +54,25 @@ class FoldedAttention(TorchFunctionMode):
 
 def folded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
            dropout_p: float, is_causal: bool, scale: float | None, enable_gqa: bool) -> torch.Tensor | None:
-    """The attention of every member at once, as the innermost vmap sees it; None where it cannot fold (not within
-    a vmap, no tensor batched by it, dropout drawn, a tensor not 4-D per member)."""
-    level = _functorch.maybe_current_level()
-    if level is None or dropout_p > 0 or any(t.dim() != 4 for t in (query, key, value)):
+    """The attention of every member at once, as the innermost vmap sees it, run below that vmap as a batching rule
+    runs (its interpreter lowered: a dropout draws for members x batch at once, each member its own); None where it
+    cannot fold (not within a vmap, no tensor batched by it, a tensor not 4-D per member, dropout under a vmap whose
+    members must draw alike or not at all)."""
+    top = _functorch.peek_interpreter_stack()
+    interpreter = None if top is None else coerce_cinterpreter(top)
+    if not isinstance(interpreter, VmapInterpreter) or any(t.dim() != 4 for t in (query, key, value)):
         return None
+    if dropout_p > 0 and interpreter.randomness() != "different":
+        return None
+    level, members = interpreter.level(), interpreter.batch_size()
     tensors = (query, key, value)
     if not any(_functorch.maybe_get_level(t) == level for t in tensors):
         return None
-    members = next(_unwrapped(t, level).shape[0] for t in tensors if _functorch.maybe_get_level(t) == level)
     q, k, v = (_members_first(t, level, members).flatten(0, 1) for t in tensors)
     mask = None if attn_mask is None else _mask(attn_mask, level, members, query.shape[0])
-    out = ATTENTION(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    with interpreter.lower():
+        out = ATTENTION(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                        enable_gqa=enable_gqa)
     return _functorch._add_batch_dim(out.unflatten(0, (members, -1)), 0, level)
 
 

@@ -117,16 +117,28 @@ def test_a_learned_mask_broadcast_over_the_batch_is_differentiated_as_plain_pyto
     assert torch.equal(explicit[4], folded[4])
 
 
-def test_attention_with_dropout_is_not_folded_and_draws_per_member() -> None:
-    """vmap refuses a draw on unwrapped tensors where each member must draw its own: such a call runs as vmap
-    runs it."""
+@pytest.mark.parametrize("randomness", ["different", "same"])
+def test_attention_with_dropout_draws_for_members_by_batch_at_once(randomness: str) -> None:
+    """Folded below the vmap, a dropout draws its masks for members x batch in one call (each member its own, as
+    randomness="different" asks): the values of one call over the folded batch from the same generator state, and
+    its gradients. Under randomness="same" (members drawing alike) the call keeps vmap's loop."""
     torch.manual_seed(3)
-    q = torch.randn(1, BATCH, HEADS, TOKENS, FEATURES).expand(MEMBERS, -1, -1, -1, -1)
+    q = torch.randn(1, BATCH, HEADS, TOKENS, FEATURES).expand(MEMBERS, -1, -1, -1, -1).clone().requires_grad_()
+    expected_q = q.detach().clone().requires_grad_()
+    torch.manual_seed(4)
     with FoldedAttention() as mode:
         out = vmap(lambda t: nn.functional.scaled_dot_product_attention(t, t, t, dropout_p=0.5),
-                   randomness="different")(q)
-    assert (mode.calls, mode.folds) == (1, 0) and out.shape == q.shape
-    assert not torch.equal(out[0], out[1])
+                   randomness=randomness)(q)
+    out.sum().backward()
+    if randomness == "same":
+        assert (mode.calls, mode.folds) == (1, 0) and torch.equal(out[0], out[1])
+        return
+    assert (mode.calls, mode.folds) == (1, 1) and not torch.equal(out[0], out[1])
+    torch.manual_seed(4)
+    flat = expected_q.flatten(0, 1)
+    expected = nn.functional.scaled_dot_product_attention(flat, flat, flat, dropout_p=0.5).unflatten(0, (MEMBERS, -1))
+    expected.sum().backward()
+    assert torch.equal(out, expected) and torch.equal(q.grad, expected_q.grad)
 
 
 class SelfAttention(nn.Module):
