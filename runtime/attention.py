@@ -10,10 +10,11 @@ It folds a call whose query, key and value are each four-dimensional per member 
 the layout of Hugging Face's and torch's attention), run below the vmap as a batching rule is (the vmap's
 interpreter lowered): a dropout then draws its masks for members x batch in one call, each member its own, as the
 array's vmap asks (``randomness="different"``; under another randomness a call with dropout keeps the loop). Any
-other call keeps vmap's loop. A mask broadcast over the batch or shared by the members is expanded to the folded
-batch (its gradient, where it needs one, summed over the expansion: vmap's loop cannot differentiate such a mask at
-all). nn.MultiheadAttention keeps the loop: it calls attention from within its functional form, which a
-TorchFunctionMode sees only as a whole.
+other call keeps vmap's loop. Where members x batch would exceed what one call of CUDA's kernels takes (ROWS,
+ELEMENTS), the members are folded a few at a time. A mask broadcast over the batch or shared by the members is
+expanded to the folded batch (its gradient, where it needs one, summed over the expansion: vmap's loop cannot
+differentiate such a mask at all). nn.MultiheadAttention keeps the loop: it calls attention from within its
+functional form, which a TorchFunctionMode sees only as a whole.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from torch._functorch.pyfunctorch import VmapInterpreter, coerce_cinterpreter
 from torch.overrides import TorchFunctionMode
 
 ATTENTION = nn.functional.scaled_dot_product_attention
+ROWS = 65535  # the batch rows CUDA's efficient and flash kernels take in one call (their grid's limit, pytorch#146704)
+ELEMENTS = 2**31 - 1  # the query elements (tokens rounded up to 128, features to 32) flash's backward indexes
 NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 DEFAULTS = (None, None, None, None, 0.0, False, None, False)
 
@@ -70,10 +73,24 @@ def folded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mas
         return None
     q, k, v = (_members_first(t, level, members).flatten(0, 1) for t in tensors)
     mask = None if attn_mask is None else _mask(attn_mask, level, members, query.shape[0])
+    rows = query.shape[0] * _per_call(query)  # members x batch rows a call takes
+    starts = range(0, q.shape[0], rows)
+    masks = [mask if mask is None or mask.shape[0] == 1 else mask[start : start + rows] for start in starts]
     with interpreter.lower():
-        out = ATTENTION(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                        enable_gqa=enable_gqa)
+        outs = [ATTENTION(q[start : start + rows], k[start : start + rows], v[start : start + rows], attn_mask=part,
+                          dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+                for start, part in zip(starts, masks)]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return _functorch._add_batch_dim(out.unflatten(0, (members, -1)), 0, level)
+
+
+def _per_call(query: torch.Tensor) -> int:
+    """How many members' attention one call takes, for a member's query of (batch, heads, tokens, features): as
+    many as keep the call within ROWS batch rows and ELEMENTS rounded query elements (at least one, the call
+    vmap's loop makes)."""
+    batch, heads, tokens, features = query.shape
+    elements = batch * heads * -(-tokens // 128) * 128 * max(features, 32)
+    return max(1, min(ROWS // max(batch, 1), ELEMENTS // max(elements, 1)))
 
 
 def _unwrapped(t: torch.Tensor, level: int) -> torch.Tensor:

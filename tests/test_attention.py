@@ -44,9 +44,15 @@ def qkv(heads: int = HEADS) -> list[torch.Tensor]:
     return [torch.randn(MEMBERS, BATCH, h, TOKENS, FEATURES, dtype=torch.float64) for h in (HEADS, heads, heads)]
 
 
-@pytest.mark.parametrize("case", ["plain", "causal", "scaled", "grouped"])
-def test_folded_attention_gives_the_loops_values_and_gradients_bit_for_bit(case: str) -> None:
+@pytest.mark.parametrize("case", ["plain", "causal", "scaled", "grouped", "a member a call"])
+def test_folded_attention_gives_the_loops_values_and_gradients_bit_for_bit(case: str,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The last case folds the members one call each, as where members x batch exceed what one call of CUDA's
+    kernels takes (their rows here)."""
     torch.manual_seed(0)
+    if case == "a member a call":
+        monkeypatch.setattr(attention, "ROWS", BATCH)
+        assert attention._per_call(torch.empty(BATCH, HEADS, TOKENS, FEATURES)) == 1
     kwargs = {"causal": {"is_causal": True}, "scaled": {"scale": 0.3}, "grouped": {"enable_gqa": True}}.get(case, {})
 
     def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -59,7 +65,7 @@ def test_folded_attention_gives_the_loops_values_and_gradients_bit_for_bit(case:
 
 
 @pytest.mark.parametrize("mask", ["per member", "shared per row", "shared", "shared square", "per member boolean"])
-def test_a_mask_of_members_or_shared_by_them_is_folded_with_them(mask: str) -> None:
+def test_a_mask_of_members_or_shared_by_them_is_folded_with_them(mask: str, monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(1)
     shapes = {"per member": (MEMBERS, BATCH, 1, TOKENS, TOKENS), "shared per row": (BATCH, 1, TOKENS, TOKENS),
               "shared": (1, 1, TOKENS, TOKENS), "shared square": (TOKENS, TOKENS),
@@ -71,8 +77,14 @@ def test_a_mask_of_members_or_shared_by_them_is_folded_with_them(mask: str) -> N
         return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=own[0] if own else masks)
 
     per_member = "per member" in mask  # a mask of the members' own, with a gradient; a shared one is a constant
-    loop, folded, folds = loop_and_folded(call, [*qkv(), *[masks] * per_member], (0, 0, 0, *[0] * per_member))
+    inputs = [*qkv(), *[masks] * per_member]
+    state = torch.get_rng_state()
+    loop, folded, folds = loop_and_folded(call, inputs, (0, 0, 0, *[0] * per_member))
     assert folds == 1
+    monkeypatch.setattr(attention, "ROWS", BATCH)  # a member a call: each its own rows of the mask
+    torch.set_rng_state(state)  # the same upstream gradient
+    _, by_member, folds = loop_and_folded(call, inputs, (0, 0, 0, *[0] * per_member))
+    assert folds == 1 and all(torch.equal(a, b) for a, b in zip(by_member, loop))
     for expected, got in zip(loop, folded):
         assert torch.equal(expected, got)
 
