@@ -13,12 +13,13 @@ array's vmap asks (``randomness="different"``; under another randomness a call w
 other call keeps vmap's loop. Where members x batch would exceed what one call of CUDA's kernels takes (ROWS,
 ELEMENTS), the members are folded a few at a time. A mask broadcast over the batch or shared by the members is
 expanded to the folded batch (its gradient, where it needs one, summed over the expansion: vmap's loop cannot
-differentiate such a mask at all). nn.MultiheadAttention keeps the loop: it calls attention from within its
-functional form, which a TorchFunctionMode sees only as a whole.
+differentiate such a mask at all). nn.MultiheadAttention's functional form, which a TorchFunctionMode sees only as a
+whole, runs as a copy whose call of attention is the mode's.
 """
 
 from __future__ import annotations
 
+from types import FunctionType
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from torch._functorch.pyfunctorch import VmapInterpreter, coerce_cinterpreter
 from torch.overrides import TorchFunctionMode
 
 ATTENTION = nn.functional.scaled_dot_product_attention
+MULTI_HEAD = nn.functional.multi_head_attention_forward  # nn.MultiheadAttention's, which calls ATTENTION within
 ROWS = 65535  # the batch rows CUDA's efficient and flash kernels take in one call (their grid's limit, pytorch#146704)
 ELEMENTS = 2**31 - 1  # the query elements (tokens rounded up to 128, features to 32) flash's backward indexes
 NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -47,12 +49,22 @@ class FoldedAttention(TorchFunctionMode):
                            ) -> Any:
         kwargs = kwargs or {}
         if func is ATTENTION:
-            self.calls += 1
-            out = folded(**{**dict(zip(NAMES, DEFAULTS)), **dict(zip(NAMES, args)), **kwargs})
-            if out is not None:
-                self.folds += 1
-                return out
+            return self.attend(*args, **kwargs)
+        if func is MULTI_HEAD:  # its own call of attention, as ours: a copy of it that looks the name up here
+            inner = FunctionType(func.__code__, {**func.__globals__, "scaled_dot_product_attention": self.attend},
+                                 func.__name__, func.__defaults__, func.__closure__)
+            inner.__kwdefaults__ = func.__kwdefaults__
+            return inner(*args, **kwargs)
         return func(*args, **kwargs)
+
+    def attend(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """scaled_dot_product_attention, folded where it can be."""
+        self.calls += 1
+        out = folded(**{**dict(zip(NAMES, DEFAULTS)), **dict(zip(NAMES, args)), **kwargs})
+        if out is None:
+            return ATTENTION(*args, **kwargs)
+        self.folds += 1
+        return out
 
 
 def folded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,

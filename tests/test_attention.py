@@ -165,16 +165,29 @@ class SelfAttention(nn.Module):
         return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(-2)
 
 
+class MultiHead(nn.Module):
+    """Self-attention through nn.MultiheadAttention (torchvision's ViT, nn.TransformerEncoderLayer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = nn.MultiheadAttention(FEATURES, 2, batch_first=True, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attention(x, x, x, need_weights=False)[0]
+
+
+@pytest.mark.parametrize("kind", [SelfAttention, MultiHead], ids=["attention", "nn.MultiheadAttention"])
 def test_an_array_layer_folds_its_members_attention_and_knows_after_its_first_call_whether_it_attends(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        kind: type[nn.Module], monkeypatch: pytest.MonkeyPatch) -> None:
     """A layer that never calls attention runs without the mode after its first call; one that does keeps it, and
-    gives vmap's loop's output and gradients bit for bit."""
+    gives vmap's loop's output and gradients bit for bit: a layer that calls attention itself, and
+    nn.MultiheadAttention, which calls it from within its functional form."""
     convs = ArrayLayer([nn.Conv1d(2, 2, 3) for _ in range(2)], shared_input=False)
     assert convs.attends is None
     convs(torch.randn(2, 4, 2, 6))
     assert convs.attends is False
     torch.manual_seed(6)
-    members = [SelfAttention() for _ in range(MEMBERS)]
+    members = [kind() for _ in range(MEMBERS)]
     x = torch.randn(MEMBERS, BATCH, TOKENS, FEATURES, dtype=torch.float64)
     upstream = torch.randn(MEMBERS, BATCH, TOKENS, FEATURES, dtype=torch.float64)
     folds = []
@@ -188,6 +201,6 @@ def test_an_array_layer_folds_its_members_attention_and_knows_after_its_first_ca
             assert array.attends is folding
         assert len(folds) == 2 * folding and all(out is not None for out in folds)
         (out * upstream).sum().backward()
-        results.append([out.detach(), *[array.stacked(name, grad=True) for name in ("qkv.weight", "qkv.bias")]])
+        results.append([out.detach(), *[array.stacked(name, grad=True) for name, _ in members[0].named_parameters()]])
     for loop, folded in zip(*results):
         assert torch.equal(loop, folded)
