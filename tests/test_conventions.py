@@ -311,3 +311,31 @@ def test_tied_embeddings_are_held_once_and_borrowed_by_the_head_across_packs(
     train_plain(reference, batches, factory, keywords=True)
     assert_close(model, reference)
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+
+
+def t5(seed: int) -> torch.nn.Module:
+    """A small T5 in float64 without dropout: its attention adds a learned relative position bias as a mask."""
+    torch.manual_seed(seed)
+    config = transformers.T5Config(vocab_size=VOCAB, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=2,
+                                   num_heads=2, decoder_start_token_id=0, pad_token_id=0, dropout_rate=0.0)
+    return transformers.T5ForConditionalGeneration(config).double()
+
+
+@pytest.mark.parametrize("swapped", [False, True], ids=["homed", "swapped"])
+def test_t5s_fuse_with_their_learned_attention_bias(swapped: bool, no_leaks: None) -> None:
+    """T5 adds its learned relative position bias to attention as a mask that needs a gradient, which vmap's loop
+    over the members cannot differentiate (T5 could not be fused): its attention folded over the members
+    (runtime.attention), two T5s fuse, homed or exported and swapped in packs, and equal plain PyTorch in float64
+    with SGD at two rates."""
+    models = [t5(seed) for seed in range(2)]
+    references = copy.deepcopy(models)
+    batches = token_batches(steps=3, batch=4, length=8)
+    factories = [functools.partial(torch.optim.SGD, lr=rate) for rate in (0.1, 0.2)]
+    budget = 4 * sum(p.numel() * p.element_size() for p in models[0].parameters()) if swapped else None
+    result = harmony.train(models, batches, None, factories, devices=["cpu"], device_memory=budget,
+                           resident=not swapped, fuse=True, progress=False)
+    assert result.arrays == [[0, 1]]
+    assert (len(result.packings[0].packs) > 1) is swapped
+    for model, reference, factory in zip(models, references, factories):
+        train_plain(reference, batches, factory, keywords=True)
+        assert_close(model, reference)
