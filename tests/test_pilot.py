@@ -676,22 +676,36 @@ def test_under_autocast_a_layer_is_sized_as_it_computes_and_its_weights_copies_a
     assert [layer.copy_bytes for layer in low] == [0, 0, 0], "both Linears' weights halved on the device"
 
 
+def llama(seed: int, layers: int = 2) -> nn.Module:
+    """A Llama 16 wide in float64 (torch.fx cannot trace it: it is exported), built from a config."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=16, intermediate_size=32,
+                                      num_attention_heads=2, num_key_value_heads=2, vocab_size=50,
+                                      bos_token_id=0, eos_token_id=0, use_cache=False)
+    return transformers.LlamaForCausalLM(config).double()
+
+
+def assert_computes(chain: list[nn.Module], model: nn.Module, batch: dict[str, torch.Tensor]) -> None:
+    """chain reads model's own parameters (trained in place) and computes its output on batch bit for bit."""
+    own = {id(parameter) for parameter in model.parameters()}
+    assert all(id(parameter) in own for layer in chain for parameter in layer.parameters())
+    x: Any = batch
+    with torch.no_grad():
+        for layer in chain:
+            x = layer(x)
+        expected = model(**batch)
+    assert torch.equal(x.logits, expected.logits) and torch.equal(x.loss, expected.loss)
+
+
 def test_an_exported_chain_rebound_to_a_model_of_its_architecture_computes_that_model_with_its_weights() -> None:
     """A sweep's models are exported once: the others take the first one's stages rebound to their own weights (a
     second or more of export against milliseconds of copying). The copies read the other model's parameters (trained
     in place), compute its output bit for bit, keep the stages' names and descriptions (their layer signatures are
     the source's: they fuse with it), and a model of another architecture is refused."""
-    transformers = pytest.importorskip("transformers")
     from harmony.runtime.array import layer_signature
     from harmony.runtime.pilot import rebound
     from harmony.runtime.stages import trace_stages
-
-    def llama(seed: int, layers: int = 2) -> nn.Module:
-        torch.manual_seed(seed)
-        config = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=16, intermediate_size=32,
-                                          num_attention_heads=2, num_key_value_heads=2, vocab_size=50,
-                                          bos_token_id=0, eos_token_id=0, use_cache=False)
-        return transformers.LlamaForCausalLM(config).double()
 
     source, target = llama(0), llama(1)
     ids = torch.randint(0, 50, (4, 12))
@@ -699,15 +713,8 @@ def test_an_exported_chain_rebound_to_a_model_of_its_architecture_computes_that_
     stages, how = trace_stages(KeywordCall(source), sample=batch)
     assert how.startswith("exported by torch.export")
     copies = rebound(stages, source, target)
-    own = {id(parameter) for parameter in target.parameters()}
-    assert all(id(parameter) in own for copy in copies for parameter in copy.parameters())
     assert [layer_signature(copy) for copy in copies] == [layer_signature(stage) for stage in stages]
-    x: Any = batch
-    with torch.no_grad():
-        for copy in copies:
-            x = copy(x)
-        expected = target(**batch)
-    assert torch.equal(x.logits, expected.logits) and torch.equal(x.loss, expected.loss)
+    assert_computes(copies, target, batch)
     with pytest.raises(ValueError, match="not of its source's architecture"):
         rebound(stages, source, llama(0, layers=3))
 
@@ -717,17 +724,9 @@ def test_exports_export_an_architecture_once_and_give_every_cut_and_model_of_it_
     """A planning's exports: a model cut again for another budget takes its graph again, a model of its architecture
     on alike inputs takes it rebound to its own weights (computing that model bit for bit through stages cut at
     another budget), and a model of another architecture, or the same on inputs of another shape, is exported."""
-    transformers = pytest.importorskip("transformers")
     from harmony.runtime import pilot
     from harmony.runtime.pilot import Exports
     from harmony.runtime.stages import trace_stages
-
-    def llama(seed: int, layers: int = 2) -> nn.Module:
-        torch.manual_seed(seed)
-        config = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=16, intermediate_size=32,
-                                          num_attention_heads=2, num_key_value_heads=2, vocab_size=50,
-                                          bos_token_id=0, eos_token_id=0, use_cache=False)
-        return transformers.LlamaForCausalLM(config).double()
 
     made = []
     export = pilot.exported_graph
@@ -743,14 +742,7 @@ def test_exports_export_an_architecture_once_and_give_every_cut_and_model_of_it_
     assert len(fine) > len(coarse) and made == [first]
     stages, how = trace_stages(KeywordCall(second), whole // 2, batch, exports)
     assert how.startswith("exported by torch.export") and made == [first] and len(stages) == len(fine)
-    own = {id(parameter) for parameter in second.parameters()}
-    assert all(id(parameter) in own for stage in stages for parameter in stage.parameters())
-    x: Any = batch
-    with torch.no_grad():
-        for stage in stages:
-            x = stage(x)
-        expected = second(**batch)
-    assert torch.equal(x.logits, expected.logits) and torch.equal(x.loss, expected.loss)
+    assert_computes(stages, second, batch)
     trace_stages(KeywordCall(deeper), whole, batch, exports)
     shorter = {"input_ids": ids[:, :8], "labels": ids[:, :8]}
     trace_stages(KeywordCall(second), whole, shorter, exports)
