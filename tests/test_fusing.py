@@ -360,7 +360,7 @@ def test_resident_arrays_run_several_steps_per_task_and_still_match_plain_pytorc
         models = [deep_mlp(depth=2, seed=seed) for seed in range(4)]
         references = clones(models)
         result = harmony.train(models, batches, loss_fn=nn.functional.mse_loss, optimizer=factories,
-                               steps_per_task=steps_per_task, devices=["cpu"], progress=False)
+                               steps_per_task=steps_per_task, devices=["cpu"], fuse=True, progress=False)
         assert result.arrays == [[0, 1, 2, 3]] and result.homes == dict.fromkeys(range(4), "cpu-0")
         assert result.stats.steps == [30] * 4
         if spans is not None:
