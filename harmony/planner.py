@@ -29,7 +29,7 @@ from harmony.runtime.cache import tree_nbytes
 from harmony.runtime.code import JobCode
 from harmony.runtime.data import batch_size
 from harmony.runtime.measure import update_rate
-from harmony.runtime.pilot import Decomposition, KeywordCall, decompose, rebound
+from harmony.runtime.pilot import Decomposition, KeywordCall, architecture, decompose, rebound
 from harmony.runtime.stages import Entry
 from harmony.tasks.amortize import even_sections, homed_task_seconds, pack_sections, runs_spans, steps_per_task
 from harmony.tasks.binding import MODES
@@ -204,17 +204,7 @@ def _piloted(args: Arguments, index: int, budget: int, made: tuple[Decomposition
 def _kept(args: Arguments, index: int, sample: Any) -> Hashable:
     """Where model index's profile on sample is kept (timings.KEPT): the first profile of each architecture, whose
     timings the rest take, in this call and later ones."""
-    return ("model", _architecture(args, index), timings.context(sample, args.options.precision))
-
-
-def _architecture(args: Arguments, index: int) -> Hashable:
-    """What models must share for one's pilot timings to stand for the other's, besides their batches' shapes
-    (harmony.timings.context): class, parameters and buffers (decompose still checks that their layers come out
-    alike)."""
-    model = args.models[index]
-    return (type(model),
-            tuple((name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in model.named_parameters()),
-            tuple((name, tuple(b.shape), b.dtype) for name, b in model.named_buffers()))
+    return ("model", architecture(args.models[index]), timings.context(sample, args.options.precision))
 
 
 def _cut(args: Arguments, index: int, sample: Any, target: Any, samples: int, budget: int,

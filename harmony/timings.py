@@ -18,8 +18,8 @@ from collections.abc import Hashable
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
 
+from harmony.runtime.pilot import input_shapes
 from harmony.tasks.profile import ModelProfile
 
 KEPT: dict[Hashable, ModelProfile] = {}  # by kind and key: "model", "trial"
@@ -31,11 +31,7 @@ NO_ROOM: set[Hashable] = set()  # trial arrays (KEPT's key, budget) built and fo
 def context(sample: Any, precision: str) -> Hashable:
     """What besides the layers a pilot's timings depend on: the micro-batch's structure, shapes, dtypes and device,
     the precision and this process's threads (the pilot runs with a device worker's)."""
-    leaves, spec = tree_flatten(sample)
-    shapes = tuple((tuple(leaf.shape), str(leaf.dtype), leaf.device.type) if isinstance(leaf, torch.Tensor)
-                   else (type(leaf).__qualname__, leaf if isinstance(leaf, (int, float, str, bool)) else None)
-                   for leaf in leaves)
-    return (str(spec), shapes, precision, torch.get_num_threads())
+    return (*input_shapes(sample), precision, torch.get_num_threads())
 
 
 def forget() -> None:

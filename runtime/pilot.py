@@ -263,13 +263,25 @@ def _own(module: nn.Module) -> nn.Module:
 
 def _export_key(module: nn.Module, sample: Any) -> Hashable:
     """What two modules and their samples must share for one's export to stand for the other's (Exports)."""
-    leaves, structure = tree_flatten(sample)
-    return (type(_own(module)), str(structure),
-            tuple((tuple(leaf.shape), leaf.dtype) if isinstance(leaf, torch.Tensor) else repr(leaf) for leaf in leaves),
-            tuple((name, tuple(t.shape), t.dtype, t.requires_grad)
-                  for name, t in module.named_parameters(remove_duplicate=False)),
-            tuple((name, tuple(t.shape), t.dtype) for name, t in module.named_buffers(remove_duplicate=False)),
-            tuple(part.training for part in module.modules()))
+    return architecture(_own(module)), input_shapes(sample), tuple(part.training for part in module.modules())
+
+
+def architecture(module: nn.Module) -> Hashable:
+    """What two modules must share, besides their inputs, for one's pilot timings or export to stand for the
+    other's: class, parameters (names, shapes, dtypes, whether trained) and buffers (decompose still checks that
+    their layers come out alike)."""
+    return (type(module),
+            tuple((name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in module.named_parameters()),
+            tuple((name, tuple(b.shape), b.dtype) for name, b in module.named_buffers()))
+
+
+def input_shapes(sample: Any) -> Hashable:
+    """A sample's structure and its leaves' shapes, dtypes and devices (a leaf that is not a tensor: its type, and
+    its value where it is a number, string or bool)."""
+    leaves, spec = tree_flatten(sample)
+    return str(spec), tuple((tuple(leaf.shape), str(leaf.dtype), leaf.device.type) if isinstance(leaf, torch.Tensor)
+                            else (type(leaf).__qualname__, leaf if isinstance(leaf, (int, float, str, bool)) else None)
+                            for leaf in leaves)
 
 
 def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7, largest: int | None = None,
