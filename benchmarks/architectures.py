@@ -272,6 +272,22 @@ def stacked(build: Callable[[], nn.Module], batches: Batches, loss_fn: Any) -> l
              **{name: tensor[index] for name, tensor in buffers.items()}} for index in range(2)]
 
 
+def against_loop_and_vmap(members: list[nn.Module], reference: nn.Module, build: Callable[[], nn.Module],
+                          batches: Batches, loss_fn: Any) -> tuple[float, float, float]:
+    """A fused pair's largest difference from the loop (reference: the first member's) and from torch.func.vmap of
+    the stacked pair (nan where vmap refuses the model: one that checkpoints its blocks, which an export's stages
+    run as they are, or a mask that needs a gradient, which runtime.attention folds), and the one to judge: vmap's,
+    else the loop's."""
+    references = [reference, pair(build)[1]]
+    plain(references[1], batches, loss_fn, count=1)
+    loop = max(largest_difference(m, r) for m, r in zip(members, references))
+    try:
+        difference = max(largest_difference(m, v) for m, v in zip(members, stacked(build, batches, loss_fn)))
+    except RuntimeError:
+        difference = float("nan")
+    return loop, difference, loop if difference != difference else difference
+
+
 def verdict(difference: float, noise: float, scale: float, dtype: torch.dtype) -> str:
     return "yes" if difference <= max(3 * noise, 64 * torch.finfo(dtype).eps * scale) else "NO"
 
@@ -309,16 +325,8 @@ def main() -> None:
             row.update({"packs": 0, "swapped": float("nan"), "swapped ok": f"failed: {type(error).__name__}"})
         if args.fused:
             try:
-                references = [reference, pair(build)[1]]  # the first member's loop is the row's reference
-                plain(references[1], batches, loss_fn, count=1)
-                members = fused(build, batches, loss_fn)
-                loop = max(largest_difference(m, r) for m, r in zip(members, references))
-                try:  # vmap refuses what runtime.attention folds (a mask that needs a gradient: T5's bias)
-                    vmapped = stacked(build, batches, loss_fn)
-                    difference = max(largest_difference(m, v) for m, v in zip(members, vmapped))
-                except RuntimeError:
-                    difference = float("nan")
-                judged = loop if difference != difference else difference
+                loop, difference, judged = against_loop_and_vmap(fused(build, batches, loss_fn), reference, build,
+                                                                 batches, loss_fn)
                 row.update({"fused vs loop": loop, "fused vs vmap": difference,
                             "fused ok": verdict(judged, noise, scale, dtype)})
             except Exception as error:  # a model fuse=True refuses (harmony.fusing.UNFUSED, Unfusable) says why
@@ -326,16 +334,7 @@ def main() -> None:
                             "fused ok": f"failed: {type(error).__name__}: {str(error)[:80]}"})
             try:
                 members, packs = fused_swapped(build, batches, loss_fn)
-                references = [reference, pair(build)[1]]
-                plain(references[1], batches, loss_fn, count=1)
-                loop = max(largest_difference(m, r) for m, r in zip(members, references))
-                try:  # vmap refuses a model that checkpoints its blocks (which an export's stages run as they are), and
-                    # a mask that needs a gradient
-                    vmapped = stacked(build, batches, loss_fn)
-                    difference = max(largest_difference(m, v) for m, v in zip(members, vmapped))
-                except RuntimeError:
-                    difference = float("nan")
-                judged = loop if difference != difference else difference
+                loop, difference, judged = against_loop_and_vmap(members, reference, build, batches, loss_fn)
                 row.update({"array packs": packs, "swapped array vs loop": loop, "swapped array vs vmap": difference,
                             "swapped array ok": verdict(judged, noise, scale, dtype)})
             except Exception as error:
