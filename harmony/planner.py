@@ -19,7 +19,6 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch import nn
 
 from harmony import timings
 from harmony.candidate import RANKING_STEPS, Candidate, pilot_batch, step_samples
@@ -76,9 +75,6 @@ def cut_error(error: LayerTooLarge, label: str) -> BudgetTooSmall:
         error.one_sample)
 
 
-Cuts = dict[Hashable, tuple[int, list[nn.Module], list[str]]]  # by architecture and budget: an exported model's chain
-
-
 def fewest_microbatches(args: Arguments, budget: int) -> tuple[Arguments, dict[int, tuple[Decomposition, Any]]]:
     """args with microbatches="auto" made the fewest micro-batches of each step at which every model's layers fit
     budget (the smallest device's): piloted first on the whole batch, then, where a layer does not fit, on the
@@ -90,9 +86,8 @@ def fewest_microbatches(args: Arguments, budget: int) -> tuple[Arguments, dict[i
     if args.options.microbatches != "auto":
         return args, {}
     count, found = 1, {}
-    cuts: Cuts = {}
     for index in range(len(args.models)):
-        count, found[index] = _fewest_for(args, index, budget, count, cuts)
+        count, found[index] = _fewest_for(args, index, budget, count)
     for index, model in enumerate(args.models):
         samples = batch_size(args.first_batch(index)[0])
         if count > samples:
@@ -108,19 +103,18 @@ def fewest_microbatches(args: Arguments, budget: int) -> tuple[Arguments, dict[i
             {index: made for index, (at, made) in found.items() if at == count})
 
 
-def _fewest_for(args: Arguments, index: int, budget: int, count: int, cuts: Cuts | None = None
+def _fewest_for(args: Arguments, index: int, budget: int, count: int
                 ) -> tuple[int, tuple[int, tuple[Decomposition, Any]] | tuple[None, None]]:
     """The fewest micro-batches, from count on, at which model index's layers fit budget, and what was made there:
     (that count, (the decomposition, the packing)); a count beyond its samples is returned as it is, with (None,
-    None). cuts: exported models' chains to take (_cut)."""
+    None)."""
     batch = batch_size(args.first_batch(index)[0])
     while count <= batch:  # else more than its samples: fewest_microbatches refuses it
         trial = dataclasses.replace(args, options=dataclasses.replace(args.options, microbatches=count))
         sample, target, sizes = pilot_batch(trial, index)
         kept = _kept(trial, index, sample)
         try:
-            decomposition, packing = _cut(trial, index, sample, target, sizes[0], budget, timings.KEPT.get(kept),
-                                          cuts)
+            decomposition, packing = _cut(trial, index, sample, target, sizes[0], budget, timings.KEPT.get(kept))
         except BudgetTooSmall as error:
             if error.largest_microbatch is None or count == batch:
                 raise BudgetTooSmall(f"device_memory is too small for {model_label(index, args.models[index])} in "
@@ -138,9 +132,8 @@ def pilot(args: Arguments, budget: int, made: Mapping[int, tuple[Decomposition, 
     """Profile every model on its first micro-batch and cut it into packs that fit budget (or take its
     decomposition and packing from made, fewest_microbatches's at this count)."""
     candidates = []
-    cuts: Cuts = {}
     for index in range(len(args.models)):
-        candidate, notes = _piloted(args, index, budget, (made or {}).get(index), cuts=cuts)
+        candidate, notes = _piloted(args, index, budget, (made or {}).get(index))
         logger.info("%s%s", candidate.job.packing.explain(), "".join(f"; {note}" for note in notes[:3]))
         candidates.append(candidate)
     return candidates
@@ -154,14 +147,13 @@ def member_cutter(args: Arguments) -> Callable[[int, int], Candidate]:
     for raises at once (larger arrays are tried at smaller shares)."""
     cut: dict[tuple[int, int], Candidate] = {}
     failed: dict[int, tuple[int, BudgetTooSmall]] = {}
-    cuts: Cuts = {}
 
     def cutter(index: int, budget: int) -> Candidate:
         if index in failed and budget <= failed[index][0]:
             raise failed[index][1]
         if (index, budget) not in cut:
             try:
-                cut[index, budget] = _piloted(args, index, budget, finer=True, cuts=cuts)[0]
+                cut[index, budget] = _piloted(args, index, budget, finer=True)[0]
             except BudgetTooSmall as error:
                 failed[index] = (max(budget, failed.get(index, (0, error))[0]), error)
                 raise
@@ -171,16 +163,14 @@ def member_cutter(args: Arguments) -> Callable[[int, int], Candidate]:
 
 
 def _piloted(args: Arguments, index: int, budget: int, made: tuple[Decomposition, Any] | None = None,
-             finer: bool = False, cuts: Cuts | None = None) -> tuple[Candidate, list[str]]:
+             finer: bool = False) -> tuple[Candidate, list[str]]:
     """Model index piloted on its first micro-batch and cut into packs that fit budget (or as made), and the notes
     on how it was decomposed. finer: cut for an array (member_cutter), its timings kept apart from the model's own
-    cut's, by budget. cuts: the chains of exported models cut for budget before (by architecture and budget), which a
-    model of one of their architectures takes, rebound to its own weights, rather than being exported again."""
+    cut's, by budget."""
     sample, target, sizes = pilot_batch(args, index)
     kept = _kept(args, index, sample)
     timed = (kept, budget) if finer else kept
-    decomposition, packing = made or _cut(args, index, sample, target, sizes[0], budget, timings.KEPT.get(timed),
-                                          cuts)
+    decomposition, packing = made or _cut(args, index, sample, target, sizes[0], budget, timings.KEPT.get(timed))
     timings.KEPT.setdefault(timed, decomposition.profile)
     optimizer = (kept, args.optimizer_classes[index], args.optimizer_state_ratios[index])
     if optimizer not in timings.RATES and args.optimizers[index] is not None:
@@ -208,17 +198,18 @@ def _kept(args: Arguments, index: int, sample: Any) -> Hashable:
 
 
 def _cut(args: Arguments, index: int, sample: Any, target: Any, samples: int, budget: int,
-         timed: ModelProfile | None, cuts: Cuts | None) -> tuple[Decomposition, Any]:
+         timed: ModelProfile | None) -> tuple[Decomposition, Any]:
     """Model index decomposed and cut into packs for budget (_decompose_and_cut): where a model of its architecture
-    was exported and cut for budget before (cuts), as that model's stages rebound to its own weights; an exported
-    model's chain kept in cuts for the next."""
+    was exported and cut for budget on a sample of these shapes before in this planning (Arguments.cuts), as that
+    model's stages rebound to its own weights (an export takes seconds); an exported model's cut kept there for the
+    next."""
     key = (_kept(args, index, sample), budget)
-    source = None if cuts is None else cuts.get(key)
+    source = args.cuts.get(key)
     made = None if source is None else _rebound_cut(args, index, sample, target, samples, budget, timed, source)
     decomposition, packing = made or _decompose_and_cut(args, index, sample, target, samples, budget, timed)
     exported = any(isinstance(module, Entry) for layer in decomposition.layers for module in layer.modules())
-    if cuts is not None and exported:
-        cuts.setdefault(key, (index, decomposition.layers, decomposition.notes))
+    if exported:
+        args.cuts.setdefault(key, (index, decomposition))
     return decomposition, packing
 
 
@@ -235,14 +226,15 @@ def _decompose(args: Arguments, index: int, sample: Any, timed: ModelProfile | N
 
 
 def _rebound_cut(args: Arguments, index: int, sample: Any, target: Any, samples: int, budget: int,
-                 timed: ModelProfile | None, source: tuple[int, list[nn.Module], list[str]]
+                 timed: ModelProfile | None, source: tuple[int, Decomposition]
                  ) -> tuple[Decomposition, Any] | None:
-    """Model index decomposed as source (the chain of a model of its architecture, exported and cut for budget),
-    rebound to its own weights, and cut into packs; None where they do not fit (it is then cut anew)."""
-    origin, layers, notes = source
+    """Model index decomposed as source (a model of its architecture exported and cut for budget, and its
+    decomposition): its chain rebound to this model's weights, profiled as source's where that stands for it
+    (runtime.pilot.decompose's cut), and cut into packs; None where they do not fit (it is then cut anew)."""
+    origin, made = source
     label = model_label(index, args.models[index])
-    chain = rebound(layers, args.models[origin], args.models[index])
-    decomposition = _decompose(args, index, sample, timed, cut=(chain, notes))
+    chain = rebound(made.layers, args.models[origin], args.models[index])
+    decomposition = _decompose(args, index, sample, timed, cut=(chain, made))
     if args.loss_fns[index] is not None:
         _check_loss(args, index, label, decomposition.output, target)
     try:

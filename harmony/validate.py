@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +18,7 @@ from torch import nn
 from harmony.errors import InputError
 from harmony.runtime.data import batch_size
 from harmony.runtime.devices import DeviceSpecError, parse_devices
-from harmony.runtime.pilot import Exports
+from harmony.runtime.pilot import Decomposition, Exports
 from harmony.runtime.schedule import Schedule, Scheduled
 from harmony.sizes import parse_bandwidths, parse_size
 from harmony.tasks.binding import MODES, POLICIES
@@ -67,6 +67,8 @@ class Arguments:
     pruner: Pruner | None = None
     prune: str | None = None  # the pruner's name: a built-in's, or the callable's qualified name
     exports: Exports = dataclasses.field(default_factory=Exports, compare=False, repr=False)  # the planning's
+    cuts: dict[Hashable, tuple[int, Decomposition]] = dataclasses.field(default_factory=dict, compare=False,
+                                                                        repr=False)  # harmony.planner._cut
 
     def expected_steps(self, model: int) -> int | None:
         """How many steps a model will train, when its loader knows its length (or steps= says)."""

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils._pytree import TreeSpec, tree_leaves, tree_map, tree_unflatten
 
 CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
@@ -119,6 +120,19 @@ def exported_graph(module: nn.Module, sample: Any) -> tuple[fx.GraphModule, Tree
                     if isinstance(leaf, torch.Tensor) else None, sample)
     program = torch.export.export(module, (sample,), dynamic_shapes=(dims,), strict=False)
     return program.module(), program.call_spec.out_spec
+
+
+def sized_by_shapes(layers: list[nn.Module]) -> bool:
+    """Whether every value the layers compute has a size their inputs' shapes fix: each layer is an exported stage
+    (its graph records the sizes of its values) and none reads a size off a tensor's values (nonzero, a boolean
+    mask, .item()). The bytes such a chain holds on one sample are then what it holds on any sample of those
+    shapes."""
+    stages = [layer.stage if isinstance(layer, _Wrapped) else layer for layer in layers]
+    return all(isinstance(stage, fx.GraphModule)
+               and any(node.meta.get("val") is not None for node in stage.graph.nodes)  # exported, not traced
+               and not any(node.op == "call_module" or free_unbacked_symbols(node.meta.get("val"))
+                           for node in stage.graph.nodes)
+               for stage in stages)
 
 
 def _cut(root: nn.Module, nodes: list[fx.Node], units: Units, traced: str) -> tuple[list[nn.Module], str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from harmony.tasks.layout import TensorSpec
 
@@ -33,7 +34,8 @@ class LayerProfile:
     ``transient_bytes`` the part of it that does not grow with the micro-batch. ``copied``: the
     float32 parameters (own and borrowed) that autocast casts for some op: each forward makes a 2-byte copy of one,
     held until its backward ends (saved for it, or in autocast's cache), but of a halved one the device holds in
-    that dtype already (copy_bytes).
+    that dtype already (copy_bytes). Its byte counts are computed once (cached_property: planning reads them in
+    loops over packs and caps); a profile is never changed in place (dataclasses.replace makes a new one).
     """
 
     description: str
@@ -54,45 +56,45 @@ class LayerProfile:
     copied: frozenset[str] = frozenset()
     draws: bool = False
 
-    @property
+    @cached_property
     def param_bytes(self) -> int:
         return sum(spec.nbytes for spec in self.params)
 
-    @property
+    @cached_property
     def borrowed_bytes(self) -> int:
         return sum(spec.nbytes for spec in self.borrowed)
 
-    @property
+    @cached_property
     def buffer_bytes(self) -> int:
         return sum(spec.nbytes for spec in self.buffers)
 
-    @property
+    @cached_property
     def weight_bytes(self) -> int:
         """Everything that is swapped in for the layer to run: parameters (borrowed ones too) and buffers."""
         return self.param_bytes + self.buffer_bytes + self.borrowed_bytes
 
-    @property
+    @cached_property
     def halved_bytes(self) -> int:
         """The float32 bytes of the parameters whose device copy may be in autocast's 2-byte dtype."""
         return sum(spec.nbytes for spec in self.params if spec.name in self.halved)
 
-    @property
+    @cached_property
     def device_bytes(self) -> int:
         """weight_bytes as a swapped pack holds them on its device: the halved parameters at half their bytes."""
         return self.weight_bytes - self.halved_bytes // 2
 
-    @property
+    @cached_property
     def copy_bytes(self) -> int:
         """What autocast's copies of its weights hold while it runs, where the device holds the halved ones halved
         (a job that holds them in float32 adds their copies: Pack.float_workspace)."""
         return sum(spec.nbytes // 2 for spec in (*self.params, *self.borrowed)
                    if spec.name in self.copied and spec.name not in self.halved)
 
-    @property
+    @cached_property
     def grad_bytes(self) -> int:
         return sum(spec.nbytes for spec in (*self.params, *self.borrowed) if spec.name not in self.frozen)
 
-    @property
+    @cached_property
     def largest_param_bytes(self) -> int:
         return max((spec.nbytes for spec in (*self.params, *self.borrowed)), default=0)
 

@@ -65,6 +65,22 @@ class ResidualNet(nn.Module):
         return self.head(torch.flatten(x, 1))
 
 
+class MaskedSquares(nn.Module):
+    """A forward torch.fx cannot trace (it iterates its input's shape) that keeps a tensor of a size its values set:
+    the squares of its hidden units that are positive (masked_select), saved for the backward."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.a = nn.Linear(width, width)
+        self.b = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, _ = tuple(x.shape)
+        hidden = self.a(x)
+        kept = torch.masked_select(hidden, hidden > 0)
+        return self.b(hidden) + (kept * kept).sum() / batch
+
+
 class FlattenedTokens(nn.Module):
     """OPT's shape: a forward torch.fx cannot trace (it iterates its input's shape), a stem and a block on (batch,
     length, width), blocks on the tokens flattened to (batch * length, width), a head on them viewed back. Past the

@@ -583,9 +583,9 @@ def test_a_member_is_cut_again_once_a_budget_and_never_under_a_budget_it_could_n
     calls: list[tuple[int, int, str]] = []
     piloted = planner._piloted
 
-    def spy(args: Any, index: int, budget: int, made: Any = None, finer: bool = False, cuts: Any = None) -> Any:
+    def spy(args: Any, index: int, budget: int, made: Any = None, finer: bool = False) -> Any:
         try:
-            result = piloted(args, index, budget, made, finer, cuts)
+            result = piloted(args, index, budget, made, finer)
         except harmony.BudgetTooSmall:
             calls.append((index, budget, "too small"))
             raise

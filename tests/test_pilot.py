@@ -19,7 +19,7 @@ from harmony.tasks.graph import TaskId
 from harmony.tasks.hardware import Hardware
 from harmony.tasks.packing import LayerTooLarge, cut_packs, workspace_bytes
 from harmony.tasks.profile import BACKWARD_RATIO
-from tests.conftest import ResidualBlock
+from tests.conftest import MaskedSquares, ResidualBlock
 
 
 class Chain(nn.Module):
@@ -747,3 +747,44 @@ def test_exports_export_an_architecture_once_and_give_every_cut_and_model_of_it_
     shorter = {"input_ids": ids[:, :8], "labels": ids[:, :8]}
     trace_stages(KeywordCall(second), whole, shorter, exports)
     assert made == [first, deeper, second]
+
+
+def _bytes(profile: Any) -> list[tuple[Any, ...]]:
+    """What a profile measured of each layer's memory."""
+    return [(layer.input_bytes_per_sample, layer.output_bytes_per_sample, layer.saved_bytes_per_sample,
+             layer.saved_bytes, layer.transient_bytes_per_sample, layer.transient_bytes) for layer in profile.layers]
+
+
+def test_a_chain_rebound_takes_its_sources_profile_where_shapes_fix_its_sizes_and_is_measured_where_values_set_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sweep's model whose chain is another's rebound, on a sample of the same shapes, takes that model's profile
+    without measuring a layer, where every size its stages compute is fixed by their inputs' shapes (a Llama's):
+    measured, its bytes would be the same. Its output is its own. A model that keeps a tensor sized by its values
+    (MaskedSquares) is measured: its bytes are its own, not its source's."""
+    from harmony.runtime import pilot
+    from harmony.runtime.pilot import rebound
+
+    first, second = llama(0), llama(1)
+    ids = torch.randint(0, 50, (4, 12))
+    batch = {"input_ids": ids, "labels": ids}
+    whole = sum(t.numel() * t.element_size() for t in first.model.layers[0].parameters())
+    source = decompose(KeywordCall(first), batch, "first", largest=whole // 2, export=True)
+    measured = decompose(KeywordCall(second), batch, "second", largest=whole // 2, export=True, timed=source.profile)
+    assert len(source.layers) > 3 and _bytes(measured.profile) == _bytes(source.profile)
+    kept = pilot._kept
+    calls = []
+    monkeypatch.setattr(pilot, "_kept", lambda *a, **k: calls.append(1) or kept(*a, **k))
+    chain = rebound(source.layers, first, second)
+    taken = decompose(KeywordCall(second), batch, "second", cut=(chain, source))
+    assert not calls and taken.profile == replace(source.profile, name="second") and taken.notes == source.notes
+    assert torch.equal(taken.output.loss, second(**batch).loss)
+
+    below, above = MaskedSquares(), MaskedSquares()
+    with torch.no_grad():
+        below.a.bias.fill_(-100.0)  # no hidden unit positive: nothing kept
+        above.a.bias.fill_(100.0)  # every one
+    x = torch.randn(6, 8)
+    source = decompose(below, x, "below", export=True)
+    own = decompose(above, x, "above", export=True)
+    taken = decompose(above, x, "above", cut=(rebound(source.layers, below, above), source))
+    assert calls and _bytes(taken.profile) == _bytes(own.profile) != _bytes(source.profile)

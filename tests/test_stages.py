@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import fx, nn
 
-from harmony.runtime.stages import FX_MESSAGE, quiet_failures, trace_stages
-from tests.conftest import FlattenedTokens, GatedNet, ResidualBlock, ResidualNet
+from harmony.runtime.stages import FX_MESSAGE, quiet_failures, sized_by_shapes, trace_stages
+from tests.conftest import FlattenedTokens, GatedNet, MaskedSquares, ResidualBlock, ResidualNet
 
 
 class DataDependent(nn.Module):
@@ -154,6 +154,24 @@ def test_a_model_torch_fx_cannot_trace_is_exported_cut_at_its_layers_and_runs_ot
     assert type(x) is type(expected)
     torch.testing.assert_close(x.logits, expected.logits, rtol=0, atol=0)
     torch.testing.assert_close(x.loss, expected.loss, rtol=0, atol=0)
+
+
+def test_exported_stages_whose_sizes_their_inputs_fix_are_told_from_ones_whose_values_set_a_size() -> None:
+    """sized_by_shapes: a Llama's exported stages compute only values whose sizes the input's shapes fix; a model
+    that masks a tensor by its values keeps one whose size they set; stages torch.fx traced record no sizes."""
+    transformers = pytest.importorskip("transformers")
+    from harmony.runtime.pilot import KeywordCall
+
+    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=16, intermediate_size=32,
+                                      num_attention_heads=2, num_key_value_heads=2, vocab_size=50,
+                                      bos_token_id=0, eos_token_id=0, use_cache=False)
+    ids = torch.randint(0, 50, (4, 12))
+    llama, how = trace_stages(KeywordCall(transformers.LlamaForCausalLM(config)), sample={"input_ids": ids})
+    assert how.startswith("exported by torch.export") and sized_by_shapes(llama)
+    masked, how = trace_stages(MaskedSquares(), sample=torch.randn(6, 8))
+    assert how.startswith("exported by torch.export") and not sized_by_shapes(masked)
+    traced, how = trace_stages(ResidualNet(width=16, blocks=2, inputs=8, outputs=3))
+    assert how.startswith("traced by torch.fx") and not sized_by_shapes(traced)
 
 
 def test_an_exported_models_stages_run_as_an_array_of_members_each_computing_its_own_output(
