@@ -91,6 +91,8 @@ def build_array(members: list[int], candidates: list[Candidate], args: Arguments
     Raises LayerTooLarge when the array's largest layer does not fit budget, Unfusable when it fails in its pilot.
     """
     parts = [candidates[m] for m in members]
+    if cutter is not None and _outgrows(parts, budget):
+        return _recut(members, candidates, args, budget, timed, cutter, None)
     try:
         array = _stacked(members, parts, candidates, args, budget, timed)
     except LayerTooLarge as error:
@@ -102,11 +104,22 @@ def build_array(members: list[int], candidates: list[Candidate], args: Arguments
     return _recut(members, candidates, args, budget, timed, cutter, array)
 
 
+def _outgrows(parts: list[Candidate], budget: int) -> bool:
+    """Whether the array of parts, as they are cut, cannot fit budget: a layer's stacked parameters, their gradients
+    and the largest one's fresh gradient alone hold more (a part of what tasks.packing counts for a pack of it).
+    Such an array is not piloted (a pilot of an array of whole models, to learn that it does not fit, takes a
+    second)."""
+    largest = max(layer.param_bytes + sum(spec.nbytes for spec in layer.params if spec.name not in layer.frozen)
+                  + max((spec.nbytes for spec in layer.params), default=0) for layer in parts[0].profile.layers)
+    return len(parts) * largest > budget
+
+
 def _recut(members: list[int], candidates: list[Candidate], args: Arguments, budget: int,
-           timed: ModelProfile | None, cutter: Cutter, built: Candidate | LayerTooLarge) -> Candidate:
+           timed: ModelProfile | None, cutter: Cutter, built: Candidate | LayerTooLarge | None) -> Candidate:
     """The array of members cut again by cutter for their share of budget, where that cuts them finer and the array
     then prefetches; else built (the array of the members as they were cut, which fits only without prefetching),
-    or where that did not fit, its error raised."""
+    or where that did not fit, its error raised (None: not built, as it outgrows budget; built then for its
+    error)."""
     parts = [candidates[m] for m in members]
     try:
         finer = [cutter(m, budget // len(members)) for m in members]
@@ -120,6 +133,8 @@ def _recut(members: list[int], candidates: list[Candidate], args: Arguments, bud
             recut = error
     if isinstance(recut, Candidate) and (recut.job.packing.prefetch or not isinstance(built, Candidate)):
         return recut
+    if built is None:
+        return _stacked(members, parts, candidates, args, budget, timed)
     if isinstance(built, LayerTooLarge):
         raise built
     return built

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import harmony
-from harmony import fusing, planner
+from harmony import fusing, planner, timings
 from harmony.runtime.shipping import BatchFiles
 from tests.conftest import (
     FlattenedTokens,
@@ -607,6 +607,42 @@ def test_a_member_is_cut_again_once_a_budget_and_never_under_a_budget_it_could_n
     assert failed, "an array's share too small to cut a member for (else the test shows nothing)"
     assert not [call for call in calls for index, share in failed if call[0] == index and call[1] < share]
     assert forecast.fusion[0].predicted[2] is not None, "arrays of two, of members cut again, were predicted"
+
+
+def test_an_array_whose_stacked_weights_alone_outgrow_the_budget_is_not_piloted_and_the_plan_is_the_same(
+    monkeypatch: pytest.MonkeyPatch, steady_pilot: None
+) -> None:
+    """Two FlattenedTokens each fit four times one's weights whole, and an array of two whole ones holds more in its
+    stacked parameters and their gradients alone: fuse=2 cuts the members again for their share of the budget
+    without piloting that array first (fusing._outgrows), and plans what piloting it first plans."""
+    stacked: list[tuple[tuple[int, ...], int]] = []
+    build = fusing._stacked
+
+    def recorded(members: list[int], parts: list[Any], *args: Any) -> Any:
+        stacked.append((tuple(members), len(parts[0].code.layers)))
+        return build(members, parts, *args)
+
+    monkeypatch.setattr(fusing, "_stacked", recorded)
+    torch.manual_seed(0)
+    models = [FlattenedTokens(width=64, blocks=6, outputs=4).double() for _ in range(2)]
+    generator = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 5, 64, generator=generator, dtype=torch.float64),
+                torch.randn(8, 5, 4, generator=generator, dtype=torch.float64)) for _ in range(3)]
+    alone = harmony.plan(models[0], batches, loss_fn=nn.functional.mse_loss, devices=["cpu"],
+                         device_memory=4 * param_bytes(models[0]), resident=False)
+    assert len(alone.plan.jobs[0].packing.packs[0].weights) == len(list(models[0].parameters())), "fits whole"
+    plans = []
+    for outgrows in (fusing._outgrows, lambda parts, budget: False):
+        monkeypatch.setattr(fusing, "_outgrows", outgrows)
+        timings.forget()
+        stacked.clear()
+        forecast = harmony.plan(models, batches, loss_fn=nn.functional.mse_loss, devices=["cpu"], fuse=2,
+                                device_memory=4 * param_bytes(models[0]), resident=False)
+        cuts = [[(pack.first, pack.stop, pack.weights) for pack in job.packing.packs] for job in forecast.plan.jobs]
+        plans.append((forecast.arrays, cuts, sorted(set(stacked))))
+    assert plans[0][0] == [[0, 1]] and plans[0][:2] == plans[1][:2]
+    assert all(layers > 1 for _, layers in plans[0][2]), "no array of whole models piloted"
+    assert ((0, 1), 1) in plans[1][2], "piloted first where it was not told apart"
 
 
 @pytest.mark.parametrize("budget", [2.5, 4.5], ids=["does not fit", "fits without prefetching"])
