@@ -1,0 +1,96 @@
+"""Planning: what harmony.plan takes for a sweep of GPT-2s of one architecture, before any training.
+
+A sweep's planning pilots each model on one micro-batch, exports and cuts models that do not fit (torch.export,
+once an architecture), and with fuse="auto" builds and pilots trial arrays of 2, 4, 8 ... members, their members cut
+again for their share of the budget. Each planning runs in a fresh process (nothing kept from an earlier call:
+HARMONY_CACHE_DIR is empty), ROUNDS times. In the same run, as the scale to read it against: plain PyTorch's first
+training step of every model (forward, backward and an Adam step each), in that process too.
+
+    python -m benchmarks.planning
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+import harmony
+from benchmarks.report import arguments, report
+
+ROUNDS = 3
+SWEEPS = [(8, "auto", 16.0), (8, "false", 2.0), (16, "auto", 16.0)]  # models, fuse, budget in one model's weights
+
+
+def sweep(count: int) -> tuple[list[torch.nn.Module], list[dict[str, torch.Tensor]]]:
+    """count GPT-2s 128 wide, 6 layers, vocabulary 1000 (random init), and 8 batches of 8 x 32 tokens."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_embd=128, n_layer=6, n_head=4, vocab_size=1000, n_positions=64, bos_token_id=0,
+                        eos_token_id=0)
+    models = []
+    for seed in range(count):
+        torch.manual_seed(seed)
+        models.append(GPT2LMHeadModel(config))
+    ids = torch.randint(0, 1000, (64, 32), generator=torch.Generator().manual_seed(0))
+    return models, [{"input_ids": ids[i:i + 8], "labels": ids[i:i + 8]} for i in range(0, 64, 8)]
+
+
+def child(count: int, fuse: str, budget: float) -> dict[str, object]:
+    """One planning, and the plain first step of every model."""
+    models, batches = sweep(count)
+    weights = sum(p.numel() * p.element_size() for p in models[0].parameters())
+    started = time.perf_counter()
+    forecast = harmony.plan(models, batches, devices=["cpu"], device_memory=int(budget * weights), microbatches=2,
+                            fuse={"auto": "auto", "false": False}[fuse])
+    planned = time.perf_counter() - started
+    started = time.perf_counter()
+    for model in models:
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+        model(**batches[0]).loss.backward()
+        optimizer.step()
+    return {"plan": planned, "plain step": time.perf_counter() - started, "arrays": forecast.arrays}
+
+
+def main() -> None:
+    if "--child" in sys.argv:
+        count, fuse, budget = sys.argv[-3:]
+        print(json.dumps(child(int(count), fuse, float(budget))))
+        return
+    args = arguments(__doc__.splitlines()[0])
+    rounds = 1 if args.quick else ROUNDS
+    environment = {**os.environ, "HARMONY_CACHE_DIR": ""}
+    raw: dict[str, list[dict[str, object]]] = {}
+    for _ in range(rounds):
+        for count, fuse, budget in SWEEPS:
+            output = subprocess.run([sys.executable, "-m", "benchmarks.planning", "--child", str(count), fuse,
+                                     str(budget)], capture_output=True, text=True, check=True, timeout=900,
+                                    env=environment).stdout
+            raw.setdefault(f"{count} {fuse} {budget:g}", []).append(json.loads(output.strip().splitlines()[-1]))
+    rows = []
+    for key, runs in raw.items():
+        count, fuse, budget = key.split()
+        plans = [float(run["plan"]) for run in runs]  # type: ignore[arg-type]
+        steps = [float(run["plain step"]) for run in runs]  # type: ignore[arg-type]
+        rows.append({
+            "models": int(count),
+            "fuse": fuse,
+            "budget x weights": float(budget),
+            "plan s": statistics.median(plans),
+            "range s": f"{min(plans):.1f}-{max(plans):.1f}",
+            "plain first step s": statistics.median(steps),
+            "arrays": " ".join(str(len(array)) for array in runs[-1]["arrays"]),  # type: ignore[union-attr]
+        })
+    report("planning", "Planning: harmony.plan of GPT-2 sweeps on one CPU device, each in a fresh process", rows,
+           args.out, raw=raw, notes="plan s = harmony.plan's wall time (median of rounds); plain first step = "
+                                    "every model's first forward, backward and Adam step in plain PyTorch; "
+                                    "arrays = the last round's sub-array sizes")
+
+
+if __name__ == "__main__":
+    main()
