@@ -457,6 +457,7 @@ def train(
                 plan = replan_machines(recorded, machines)
                 with device_threads(specs):
                     codes = codes_for(recorded, candidates, args, min(budgets.values()))
+            args.planned()
             starts = [0] * len(plan.jobs)
             if checkpoints is not None:
                 checkpoints.begin(plan, ", ".join(job.label for job in plan.jobs))

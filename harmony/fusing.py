@@ -26,7 +26,7 @@ from harmony.runtime.array_optimizer import ArrayOptimizer
 from harmony.runtime.code import JobCode
 from harmony.runtime.measure import update_rate
 from harmony.runtime.pilot import borrowings, decompose
-from harmony.runtime.stages import quiet_failures
+from harmony.runtime.stages import quiet_failures, sized_by_shapes
 from harmony.tasks.amortize import even_sections
 from harmony.tasks.fusion import (
     FusionChoice,
@@ -142,18 +142,25 @@ def _recut(members: list[int], candidates: list[Candidate], args: Arguments, bud
 
 def _stacked(members: list[int], parts: list[Candidate], candidates: list[Candidate], args: Arguments, budget: int,
              timed: ModelProfile | None) -> Candidate:
-    """The array of parts (the members as cut), piloted and cut into packs for budget (see build_array)."""
+    """The array of parts (the members as cut), piloted and cut into packs for budget (see build_array). An array of
+    as many members of its architecture, cut alike, piloted before in this planning (Arguments.cuts) gives it its
+    profile where every size the members' chains compute is fixed by their inputs' shapes (sized_by_shapes): only
+    its output is computed."""
     label = _label(members, args)
     layers = _array_layers([part.code.layers for part in parts])
     sample, target, sizes = pilot_batch(args, members[0])
+    key = ("array", _kept_key(members, candidates, args), tuple(layer.description for layer in parts[0].profile.layers))
+    alike = args.cuts.get(key) if sized_by_shapes(list(parts[0].code.layers)) else None
     try:
         with quiet_failures():  # a failure is reported below, as this array's
             decomposition = decompose(nn.Sequential(*layers), sample, label,
                                       autocast=PRECISIONS[args.options.precision], timed=timed,
-                                      shares=parts[0].profile)
+                                      shares=parts[0].profile, cut=(list(layers), []) if alike else None,
+                                      alike=alike[1].profile if alike else None)
     except Exception as error:
         raise Unfusable(members[0], f"{label} raised {type(error).__name__}: {error} in its fused forward during "
                         "the pilot pass; pass fuse=False to train these models unfused") from error
+    args.cuts.setdefault(key, (members[0], decomposition))
     stacked = tuple(replace(layer, halved=frozenset()) for layer in decomposition.profile.layers)
     decomposition = replace(decomposition, profile=replace(decomposition.profile, layers=stacked))  # float32 stacks
     loss_fns = [args.loss_fns[m] for m in members]

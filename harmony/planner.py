@@ -29,7 +29,7 @@ from harmony.runtime.code import JobCode
 from harmony.runtime.data import batch_size
 from harmony.runtime.measure import update_rate
 from harmony.runtime.pilot import Decomposition, KeywordCall, architecture, decompose, rebound
-from harmony.runtime.stages import Entry
+from harmony.runtime.stages import Entry, sized_by_shapes
 from harmony.tasks.amortize import even_sections, homed_task_seconds, pack_sections, runs_spans, steps_per_task
 from harmony.tasks.binding import MODES
 from harmony.tasks.hardware import Hardware
@@ -229,12 +229,14 @@ def _rebound_cut(args: Arguments, index: int, sample: Any, target: Any, samples:
                  timed: ModelProfile | None, source: tuple[int, Decomposition]
                  ) -> tuple[Decomposition, Any] | None:
     """Model index decomposed as source (a model of its architecture exported and cut for budget, and its
-    decomposition): its chain rebound to this model's weights, profiled as source's where that stands for it
-    (runtime.pilot.decompose's cut), and cut into packs; None where they do not fit (it is then cut anew)."""
+    decomposition): its chain rebound to this model's weights, with source's profile where every size it computes
+    is fixed by its inputs' shapes (sized_by_shapes: its bytes are then source's) or else profiled, and cut into
+    packs; None where they do not fit (it is then cut anew)."""
     origin, made = source
     label = model_label(index, args.models[index])
     chain = rebound(made.layers, args.models[origin], args.models[index])
-    decomposition = _decompose(args, index, sample, timed, cut=(chain, made))
+    alike = made.profile if sized_by_shapes(made.layers) else None
+    decomposition = _decompose(args, index, sample, timed, cut=(chain, made.notes), alike=alike)
     if args.loss_fns[index] is not None:
         _check_loss(args, index, label, decomposition.output, target)
     try:

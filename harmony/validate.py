@@ -68,7 +68,13 @@ class Arguments:
     prune: str | None = None  # the pruner's name: a built-in's, or the callable's qualified name
     exports: Exports = dataclasses.field(default_factory=Exports, compare=False, repr=False)  # the planning's
     cuts: dict[Hashable, tuple[int, Decomposition]] = dataclasses.field(default_factory=dict, compare=False,
-                                                                        repr=False)  # harmony.planner._cut
+                                                                        repr=False)  # planner._cut, fusing._stacked
+
+    def planned(self) -> None:
+        """Drop what only the planning needed: its exports and cuts (graphs, chains, trial arrays' stacked copies
+        of weights), which the run never reads."""
+        self.exports.made.clear()
+        self.cuts.clear()
 
     def expected_steps(self, model: int) -> int | None:
         """How many steps a model will train, when its loader knows its length (or steps= says)."""

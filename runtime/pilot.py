@@ -29,14 +29,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves, tree_map
 from harmony.runtime.cache import tree_nbytes
 from harmony.runtime.halving import casts
 from harmony.runtime.hoststore import dtype_name
-from harmony.runtime.stages import (
-    CONTAINERS,
-    exported_graph,
-    quiet_failures,
-    sized_by_shapes,
-    trace_stages,
-    weight_bytes,
-)
+from harmony.runtime.stages import CONTAINERS, exported_graph, quiet_failures, trace_stages, weight_bytes
 from harmony.tasks.layout import TensorSpec
 from harmony.tasks.profile import BACKWARD_RATIO, LayerProfile, ModelProfile
 
@@ -293,8 +286,8 @@ def input_shapes(sample: Any) -> Hashable:
 
 def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7, largest: int | None = None,
               export: bool = False, autocast: str | None = None, timed: ModelProfile | None = None,
-              shares: ModelProfile | None = None, cut: tuple[list[nn.Module], Decomposition] | None = None,
-              exports: Exports | None = None) -> Decomposition:
+              shares: ModelProfile | None = None, cut: tuple[list[nn.Module], list[str]] | None = None,
+              alike: ModelProfile | None = None, exports: Exports | None = None) -> Decomposition:
     """Decompose model into a chain and profile it on sample (one micro-batch of inputs); a traced block holding more
     than largest bytes of weights is cut at its children; with export, a module torch.fx cannot trace is exported
     with torch.export and cut the same way; with autocast (a dtype's name), each layer's parameters that autocast
@@ -306,21 +299,22 @@ def decompose(model: nn.Module, sample: Any, name: str, repeats: int = 7, larges
     once, for its output and sizes, and takes its time from timed instead of being timed again. Everything else
     (bytes, which parameters are halved) is this model's own. shares is the profile of a chain of as many layers
     that do alike in their proportions (a sub-array's member, for the sub-array): each layer is called once and
-    only the whole chain is timed, its time split among the layers as shares' times split. cut: model's chain,
-    rebound from the decomposition of a model of its architecture on a sample of these shapes (rebound), and that
-    decomposition: where every size the chain computes is fixed by its inputs' shapes (sized_by_shapes), its bytes
-    are that model's and so are its times (the same code on the same shapes), and only the output is computed;
-    else the chain is profiled as it is. exports: the planning's exports, which a module to export is taken from
-    where it can be (Exports)."""
+    only the whole chain is timed, its time split among the layers as shares' times split. cut: model's chain
+    and the notes on how it was cut, already made (rebound from a model of its architecture, or an array's layers):
+    profiled as it is, or with alike, as a chain like it was (another model's it was rebound from, an array of as
+    many members of one architecture cut alike) on a sample of these shapes, where the caller knows every size the
+    chain computes is fixed by its inputs' shapes (stages.sized_by_shapes): its bytes are then alike's, and so are
+    its times (the same code on the same shapes), and only its output is computed. exports: the planning's
+    exports, which a module to export is taken from where it can be (Exports)."""
     samples = max(1, _batch_size(sample))
-    if cut is not None and sized_by_shapes(cut[1].layers):
+    if cut is not None and alike is not None and len(alike.layers) == len(cut[0]):
         with preserved_state(model), torch.no_grad():
             output = sample
             for layer in cut[0]:
                 output = layer(output)
-        return Decomposition(list(cut[0]), replace(cut[1].profile, name=name), output, list(cut[1].notes))
+        return Decomposition(list(cut[0]), replace(alike, name=name), output, list(cut[1]))
     if cut is not None:
-        layers, notes = list(cut[0]), list(cut[1].notes)
+        layers, notes = list(cut[0]), list(cut[1])
     else:
         with preserved_state(model), torch.no_grad():
             layers, notes = [], []

@@ -645,6 +645,38 @@ def test_an_array_whose_stacked_weights_alone_outgrow_the_budget_is_not_piloted_
     assert ((0, 1), 1) in plans[1][2], "piloted first where it was not told apart"
 
 
+def test_arrays_of_exported_members_cut_alike_take_the_first_arrays_profile_and_plan_as_measured(
+    monkeypatch: pytest.MonkeyPatch, steady_pilot: None
+) -> None:
+    """Six FlattenedTokens under three times one's weights are exported and cut; in arrays of two, the first array
+    is piloted and the other two take its profile (their stages' sizes fixed by their inputs' shapes), measuring
+    nothing: their packs, bytes and costs are what measuring each plans."""
+    from harmony.runtime.stages import sized_by_shapes
+
+    given: list[bool] = []
+    piloted = fusing.decompose
+    monkeypatch.setattr(fusing, "decompose", lambda *args, **kwargs: given.append(kwargs.get("alike") is not None)
+                        or piloted(*args, **kwargs))
+    torch.manual_seed(0)
+    models = [FlattenedTokens(width=32, blocks=6, outputs=4).double() for _ in range(6)]
+    generator = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 5, 32, generator=generator, dtype=torch.float64),
+                torch.randn(8, 5, 4, generator=generator, dtype=torch.float64)) for _ in range(3)]
+    plans = []
+    for sized in (sized_by_shapes, lambda layers: False):
+        monkeypatch.setattr(fusing, "sized_by_shapes", sized)
+        timings.forget()
+        given.clear()
+        forecast = harmony.plan(models, batches, loss_fn=nn.functional.mse_loss, devices=["cpu"], fuse=2,
+                                device_memory=3 * param_bytes(models[0]), resident=False)
+        packs = [[(pack.first, pack.stop, pack.weights, pack.cost, pack.transient, pack.input_bytes_per_sample)
+                  for pack in job.packing.packs] for job in forecast.plan.jobs]
+        plans.append((forecast.arrays, packs, list(given)))
+    assert plans[0][0] == [[0, 1], [2, 3], [4, 5]] and len(plans[0][1][0]) > 1
+    assert plans[0][2] == [False, True, True] and plans[1][2] == [False, False, False]
+    assert plans[0][:2] == plans[1][:2]
+
+
 @pytest.mark.parametrize("budget", [2.5, 4.5], ids=["does not fit", "fits without prefetching"])
 def test_a_warm_plan_does_not_build_again_a_trial_array_that_had_no_room_at_its_budget(
     budget: float, monkeypatch: pytest.MonkeyPatch

@@ -758,11 +758,12 @@ def _bytes(profile: Any) -> list[tuple[Any, ...]]:
 def test_a_chain_rebound_takes_its_sources_profile_where_shapes_fix_its_sizes_and_is_measured_where_values_set_one(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A sweep's model whose chain is another's rebound, on a sample of the same shapes, takes that model's profile
-    without measuring a layer, where every size its stages compute is fixed by their inputs' shapes (a Llama's):
-    measured, its bytes would be the same. Its output is its own. A model that keeps a tensor sized by its values
-    (MaskedSquares) is measured: its bytes are its own, not its source's."""
+    without measuring a layer (alike), where every size its stages compute is fixed by their inputs' shapes (a
+    Llama's): measured, its bytes would be the same. Its output is its own. A model that keeps a tensor sized by its
+    values (MaskedSquares) is not told so: profiled as it is, its bytes are its own, not its source's."""
     from harmony.runtime import pilot
     from harmony.runtime.pilot import rebound
+    from harmony.runtime.stages import sized_by_shapes
 
     first, second = llama(0), llama(1)
     ids = torch.randint(0, 50, (4, 12))
@@ -775,7 +776,8 @@ def test_a_chain_rebound_takes_its_sources_profile_where_shapes_fix_its_sizes_an
     calls = []
     monkeypatch.setattr(pilot, "_kept", lambda *a, **k: calls.append(1) or kept(*a, **k))
     chain = rebound(source.layers, first, second)
-    taken = decompose(KeywordCall(second), batch, "second", cut=(chain, source))
+    assert sized_by_shapes(source.layers)
+    taken = decompose(KeywordCall(second), batch, "second", cut=(chain, source.notes), alike=source.profile)
     assert not calls and taken.profile == replace(source.profile, name="second") and taken.notes == source.notes
     assert torch.equal(taken.output.loss, second(**batch).loss)
 
@@ -786,5 +788,6 @@ def test_a_chain_rebound_takes_its_sources_profile_where_shapes_fix_its_sizes_an
     x = torch.randn(6, 8)
     source = decompose(below, x, "below", export=True)
     own = decompose(above, x, "above", export=True)
-    taken = decompose(above, x, "above", cut=(rebound(source.layers, below, above), source))
+    assert not sized_by_shapes(source.layers)
+    taken = decompose(above, x, "above", cut=(rebound(source.layers, below, above), source.notes))
     assert calls and _bytes(taken.profile) == _bytes(own.profile) != _bytes(source.profile)
