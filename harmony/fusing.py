@@ -44,7 +44,7 @@ from harmony.tasks.profile import ModelProfile
 from harmony.tasks.pruning import PRUNERS, computed_share, every_member
 from harmony.tasks.runplan import PRECISIONS, Job
 from harmony.tasks.simulator import model_step_seconds, simulate
-from harmony.validate import Arguments
+from harmony.validate import Arguments, Cut
 
 logger = logging.getLogger("harmony")
 
@@ -150,19 +150,21 @@ def _stacked(members: list[int], parts: list[Candidate], candidates: list[Candid
     layers = _array_layers([part.code.layers for part in parts])
     sample, target, sizes = pilot_batch(args, members[0])
     key = ("array", _kept_key(members, candidates, args), tuple(layer.description for layer in parts[0].profile.layers))
-    alike = args.cuts.get(key) if sized_by_shapes(list(parts[0].code.layers)) else None
+    sized = sized_by_shapes(list(parts[0].code.layers))
+    alike = args.cuts.get(key) if sized else None
     try:
         with quiet_failures():  # a failure is reported below, as this array's
             decomposition = decompose(nn.Sequential(*layers), sample, label,
                                       autocast=PRECISIONS[args.options.precision], timed=timed,
                                       shares=parts[0].profile, cut=(list(layers), []) if alike else None,
-                                      alike=alike[1].profile if alike else None)
+                                      alike=alike.profile if alike else None)
     except Exception as error:
         raise Unfusable(members[0], f"{label} raised {type(error).__name__}: {error} in its fused forward during "
                         "the pilot pass; pass fuse=False to train these models unfused") from error
-    args.cuts.setdefault(key, (members[0], decomposition))
     stacked = tuple(replace(layer, halved=frozenset()) for layer in decomposition.profile.layers)
     decomposition = replace(decomposition, profile=replace(decomposition.profile, layers=stacked))  # float32 stacks
+    if sized:
+        args.cuts.setdefault(key, Cut(members[0], [], [], decomposition.profile))
     loss_fns = [args.loss_fns[m] for m in members]
     loss = array_loss(loss_fns, decomposition.output, target) if all(fn is not None for fn in loss_fns) else None
     factories = [args.optimizers[m] for m in members]

@@ -39,7 +39,7 @@ from harmony.tasks.profile import LayerProfile, ModelProfile
 from harmony.tasks.runplan import PRECISIONS, Job, RunPlan
 from harmony.tasks.simulator import Simulation, model_step_seconds, simulate_jobs
 from harmony.tasks.updates import packs_on_device, why_not_on_device
-from harmony.validate import Arguments, model_label
+from harmony.validate import Arguments, Cut, model_label
 
 logger = logging.getLogger("harmony")
 
@@ -209,7 +209,7 @@ def _cut(args: Arguments, index: int, sample: Any, target: Any, samples: int, bu
     decomposition, packing = made or _decompose_and_cut(args, index, sample, target, samples, budget, timed)
     exported = any(isinstance(module, Entry) for layer in decomposition.layers for module in layer.modules())
     if exported:
-        args.cuts.setdefault(key, (index, decomposition))
+        args.cuts.setdefault(key, Cut(index, decomposition.layers, decomposition.notes, decomposition.profile))
     return decomposition, packing
 
 
@@ -226,17 +226,15 @@ def _decompose(args: Arguments, index: int, sample: Any, timed: ModelProfile | N
 
 
 def _rebound_cut(args: Arguments, index: int, sample: Any, target: Any, samples: int, budget: int,
-                 timed: ModelProfile | None, source: tuple[int, Decomposition]
-                 ) -> tuple[Decomposition, Any] | None:
+                 timed: ModelProfile | None, source: Cut) -> tuple[Decomposition, Any] | None:
     """Model index decomposed as source (a model of its architecture exported and cut for budget, and its
     decomposition): its chain rebound to this model's weights, with source's profile where every size it computes
     is fixed by its inputs' shapes (sized_by_shapes: its bytes are then source's) or else profiled, and cut into
     packs; None where they do not fit (it is then cut anew)."""
-    origin, made = source
     label = model_label(index, args.models[index])
-    chain = rebound(made.layers, args.models[origin], args.models[index])
-    alike = made.profile if sized_by_shapes(made.layers) else None
-    decomposition = _decompose(args, index, sample, timed, cut=(chain, made.notes), alike=alike)
+    chain = rebound(source.layers, args.models[source.origin], args.models[index])
+    alike = source.profile if sized_by_shapes(source.layers) else None
+    decomposition = _decompose(args, index, sample, timed, cut=(chain, source.notes), alike=alike)
     if args.loss_fns[index] is not None:
         _check_loss(args, index, label, decomposition.output, target)
     try:

@@ -8,7 +8,7 @@ import os
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import cloudpickle
 import torch
@@ -18,10 +18,11 @@ from torch import nn
 from harmony.errors import InputError
 from harmony.runtime.data import batch_size
 from harmony.runtime.devices import DeviceSpecError, parse_devices
-from harmony.runtime.pilot import Decomposition, Exports
+from harmony.runtime.pilot import Exports
 from harmony.runtime.schedule import Schedule, Scheduled
 from harmony.sizes import parse_bandwidths, parse_size
 from harmony.tasks.binding import MODES, POLICIES
+from harmony.tasks.profile import ModelProfile
 from harmony.tasks.pruning import PRUNERS, Pruner
 from harmony.tasks.runplan import PRECISIONS, Options
 
@@ -39,6 +40,17 @@ class Loader:
     def source(self) -> Iterable[Any]:
         """The loader as the user gave it."""
         return self.loader.source if isinstance(self.loader, KeywordBatches) else self.loader
+
+
+class Cut(NamedTuple):
+    """A chain the planning cut for a budget and profiled, for a model or an array like it to take (harmony.planner's
+    _cut, harmony.fusing's _stacked): the model it was cut from, its layers and the notes on how (an array keeps
+    none: its stacks are copies of its members' weights), and its profile."""
+
+    origin: int
+    layers: list[nn.Module]
+    notes: list[str]
+    profile: ModelProfile
 
 
 @dataclass(frozen=True)
@@ -67,12 +79,11 @@ class Arguments:
     pruner: Pruner | None = None
     prune: str | None = None  # the pruner's name: a built-in's, or the callable's qualified name
     exports: Exports = dataclasses.field(default_factory=Exports, compare=False, repr=False)  # the planning's
-    cuts: dict[Hashable, tuple[int, Decomposition]] = dataclasses.field(default_factory=dict, compare=False,
-                                                                        repr=False)  # planner._cut, fusing._stacked
+    cuts: dict[Hashable, Cut] = dataclasses.field(default_factory=dict, compare=False, repr=False)  # the planning's
 
     def planned(self) -> None:
-        """Drop what only the planning needed: its exports and cuts (graphs, chains, trial arrays' stacked copies
-        of weights), which the run never reads."""
+        """Drop what only the planning needed: its exports and cuts (graphs and chains), which the run never
+        reads."""
         self.exports.made.clear()
         self.cuts.clear()
 

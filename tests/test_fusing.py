@@ -650,13 +650,17 @@ def test_arrays_of_exported_members_cut_alike_take_the_first_arrays_profile_and_
 ) -> None:
     """Six FlattenedTokens under three times one's weights are exported and cut; in arrays of two, the first array
     is piloted and the other two take its profile (their stages' sizes fixed by their inputs' shapes), measuring
-    nothing: their packs, bytes and costs are what measuring each plans."""
+    nothing: their packs, bytes and costs are what measuring each plans. The planning keeps the first array's profile,
+    not its stacked copies of its members' weights."""
+    from harmony.runtime.array import ArrayLayer
     from harmony.runtime.stages import sized_by_shapes
 
     given: list[bool] = []
-    piloted = fusing.decompose
+    piloted, stack = fusing.decompose, fusing._stacked
+    planning: list[Any] = []
     monkeypatch.setattr(fusing, "decompose", lambda *args, **kwargs: given.append(kwargs.get("alike") is not None)
                         or piloted(*args, **kwargs))
+    monkeypatch.setattr(fusing, "_stacked", lambda *args: planning.append(args[3]) or stack(*args))
     torch.manual_seed(0)
     models = [FlattenedTokens(width=32, blocks=6, outputs=4).double() for _ in range(6)]
     generator = torch.Generator().manual_seed(1)
@@ -675,6 +679,8 @@ def test_arrays_of_exported_members_cut_alike_take_the_first_arrays_profile_and_
     assert plans[0][0] == [[0, 1], [2, 3], [4, 5]] and len(plans[0][1][0]) > 1
     assert plans[0][2] == [False, True, True] and plans[1][2] == [False, False, False]
     assert plans[0][:2] == plans[1][:2]
+    kept = [layer for cut in planning[0].cuts.values() for layer in cut.layers]
+    assert kept and not any(isinstance(layer, ArrayLayer) for layer in kept), "no array's stacks kept for the next"
 
 
 @pytest.mark.parametrize("budget", [2.5, 4.5], ids=["does not fit", "fits without prefetching"])
