@@ -222,16 +222,34 @@ def rebound(layers: Sequence[nn.Module], source: nn.Module, target: nn.Module) -
     if [(name, tensor.shape) for name, tensor in theirs] != [(name, tensor.shape) for name, tensor in owns]:
         raise ValueError(f"{type(target).__name__} is not of its source's architecture")
     memo: dict[int, Any] = {id(tensor): own for (_, tensor), (_, own) in zip(theirs, owns)}
-    copies = copy.deepcopy(list(layers), memo)
-    for layer, copied in zip(layers, copies):
-        for name, module in layer.named_modules():
-            if isinstance(module, fx.GraphModule):  # deepcopy builds a GraphModule anew, without these
-                own = copied.get_submodule(name)
-                type(own).__name__ = type(module).__name__
-                for attribute in ("harmony_description", "harmony_inputs"):
-                    if hasattr(module, attribute):
-                        setattr(own, attribute, getattr(module, attribute))
-    return copies
+    return [_rebound(layer, memo) for layer in layers]
+
+
+def _rebound(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
+    """A copy of module that reads the tensors memo maps its own to (by id). A traced stage (an fx.GraphModule)
+    shares its class, graph and generated code with module (never changed once a stage is made; a deep copy would
+    generate the code again, 1-2 ms a stage); a module that holds stages, and a bare nn.Module (the containers a
+    stage reads its parameters through), is copied around them, its containers (hooks, meta) copied, its other
+    attributes shared; anything else is deep-copied."""
+    if id(module) in memo:
+        return memo[id(module)]
+    if type(module) is not nn.Module and not any(isinstance(part, fx.GraphModule) for part in module.modules()):
+        return copy.deepcopy(module, memo)
+    copied = object.__new__(type(module))  # a GraphModule's class is its own, its forward installed on it
+    memo[id(module)] = copied
+    state = {}
+    for name, value in vars(module).items():
+        if name == "_modules":
+            value = {key: None if child is None else _rebound(child, memo) for key, child in value.items()}
+        elif name in ("_parameters", "_buffers"):
+            value = {key: None if tensor is None else memo.get(id(tensor), tensor) for key, tensor in value.items()}
+        elif isinstance(value, torch.Tensor):
+            value = memo.get(id(value), value)
+        elif isinstance(value, (dict, set, list)):
+            value = value.copy()
+        state[name] = value
+    copied.__dict__.update(state)
+    return copied
 
 
 class Exports:

@@ -702,7 +702,8 @@ def test_an_exported_chain_rebound_to_a_model_of_its_architecture_computes_that_
     """A sweep's models are exported once: the others take the first one's stages rebound to their own weights (a
     second or more of export against milliseconds of copying). The copies read the other model's parameters (trained
     in place), compute its output bit for bit, keep the stages' names and descriptions (their layer signatures are
-    the source's: they fuse with it), and a model of another architecture is refused."""
+    the source's: they fuse with it), are modules of their own (a mode or a hook set on one is not the stage's, which
+    still computes its model), and a model of another architecture is refused."""
     from harmony.runtime.array import layer_signature
     from harmony.runtime.pilot import rebound
     from harmony.runtime.stages import trace_stages
@@ -715,6 +716,11 @@ def test_an_exported_chain_rebound_to_a_model_of_its_architecture_computes_that_
     copies = rebound(stages, source, target)
     assert [layer_signature(copy) for copy in copies] == [layer_signature(stage) for stage in stages]
     assert_computes(copies, target, batch)
+    for copy in copies:  # a copy of its own: its mode and hooks are not its stage's
+        copy.eval()
+        copy.register_forward_hook(lambda *_: None)
+    assert all(stage.training and not stage._forward_hooks for layer in stages for stage in layer.modules())
+    assert_computes(stages, source, batch)
     with pytest.raises(ValueError, match="not of its source's architecture"):
         rebound(stages, source, llama(0, layers=3))
 
