@@ -55,6 +55,17 @@ def batchnorm_mlp(seed: int, width: int = 32, hidden: int = 48, depth: int = 1) 
     )
 
 
+def flattened_sweep(count: int, width: int = 32) -> tuple[list[nn.Module], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """count FlattenedTokens in float64 (torch.fx cannot trace them: cut, they are exported), and three batches of 8
+    sequences of 5 tokens."""
+    torch.manual_seed(0)
+    models = [FlattenedTokens(width=width, blocks=6, outputs=4).double() for _ in range(count)]
+    generator = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 5, width, generator=generator, dtype=torch.float64),
+                torch.randn(8, 5, 4, generator=generator, dtype=torch.float64)) for _ in range(3)]
+    return models, batches
+
+
 def small_cnn(seed: int) -> nn.Sequential:
     torch.manual_seed(seed)
     return nn.Sequential(
@@ -554,13 +565,9 @@ def test_members_too_coarse_for_their_array_are_cut_again_for_their_share_of_the
     layer, and an array of two such layers does not fit. Cut again for half the budget (exported, at their blocks),
     they fuse into an array swapped in packs within the budget; in float64 with Adam at two rates, the members equal
     plain PyTorch within 1e-9 (they trained unfused before)."""
-    torch.manual_seed(0)
-    models = [FlattenedTokens(width=32, blocks=6, outputs=4).double() for _ in range(2)]
+    models, batches = flattened_sweep(2)
     references = clones(models)
     factories: list[Factory] = [functools.partial(torch.optim.Adam, lr=1e-3 * (i + 1)) for i in range(2)]
-    generator = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(8, 5, 32, generator=generator, dtype=torch.float64),
-                torch.randn(8, 5, 4, generator=generator, dtype=torch.float64)) for _ in range(3)]
     budget = 6 * param_bytes(models[0])
     alone = harmony.plan(models[0], batches, loss_fn=nn.functional.mse_loss, devices=["cpu"], device_memory=budget,
                          resident=False)
@@ -594,11 +601,7 @@ def test_a_member_is_cut_again_once_a_budget_and_never_under_a_budget_it_could_n
         return result
 
     monkeypatch.setattr(planner, "_piloted", spy)
-    torch.manual_seed(0)
-    models = [FlattenedTokens(width=32, blocks=6, outputs=4).double() for _ in range(8)]
-    generator = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(8, 5, 32, generator=generator, dtype=torch.float64),
-                torch.randn(8, 5, 4, generator=generator, dtype=torch.float64)) for _ in range(3)]
+    models, batches = flattened_sweep(8)
     budget = 4 * param_bytes(models[0])
     forecast = harmony.plan(models, batches, loss_fn=nn.functional.mse_loss, devices=["cpu"], device_memory=budget,
                             resident=False)
@@ -623,11 +626,7 @@ def test_an_array_whose_stacked_weights_alone_outgrow_the_budget_is_not_piloted_
         return build(members, parts, *args)
 
     monkeypatch.setattr(fusing, "_stacked", recorded)
-    torch.manual_seed(0)
-    models = [FlattenedTokens(width=64, blocks=6, outputs=4).double() for _ in range(2)]
-    generator = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(8, 5, 64, generator=generator, dtype=torch.float64),
-                torch.randn(8, 5, 4, generator=generator, dtype=torch.float64)) for _ in range(3)]
+    models, batches = flattened_sweep(2, width=64)
     alone = harmony.plan(models[0], batches, loss_fn=nn.functional.mse_loss, devices=["cpu"],
                          device_memory=4 * param_bytes(models[0]), resident=False)
     assert len(alone.plan.jobs[0].packing.packs[0].weights) == len(list(models[0].parameters())), "fits whole"
@@ -661,11 +660,7 @@ def test_arrays_of_exported_members_cut_alike_take_the_first_arrays_profile_and_
     monkeypatch.setattr(fusing, "decompose", lambda *args, **kwargs: given.append(kwargs.get("alike") is not None)
                         or piloted(*args, **kwargs))
     monkeypatch.setattr(fusing, "_stacked", lambda *args: planning.append(args[3]) or stack(*args))
-    torch.manual_seed(0)
-    models = [FlattenedTokens(width=32, blocks=6, outputs=4).double() for _ in range(6)]
-    generator = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(8, 5, 32, generator=generator, dtype=torch.float64),
-                torch.randn(8, 5, 4, generator=generator, dtype=torch.float64)) for _ in range(3)]
+    models, batches = flattened_sweep(6)
     plans = []
     for sized in (sized_by_shapes, lambda layers: False):
         monkeypatch.setattr(fusing, "sized_by_shapes", sized)
