@@ -107,8 +107,7 @@ def build_array(members: list[int], candidates: list[Candidate], args: Arguments
 def _outgrows(parts: list[Candidate], budget: int) -> bool:
     """Whether the array of parts, as they are cut, cannot fit budget: a layer's stacked parameters, their gradients
     and the largest one's fresh gradient alone hold more (a part of what tasks.packing counts for a pack of it).
-    Such an array is not piloted (a pilot of an array of whole models, to learn that it does not fit, takes a
-    second)."""
+    Such an array is not piloted: its pilot would run every member forward and backward only to learn that."""
     largest = max(layer.param_bytes + sum(spec.nbytes for spec in layer.params if spec.name not in layer.frozen)
                   + max((spec.nbytes for spec in layer.params), default=0) for layer in parts[0].profile.layers)
     return len(parts) * largest > budget
@@ -150,7 +149,7 @@ def _stacked(members: list[int], parts: list[Candidate], candidates: list[Candid
     layers = _array_layers([part.code.layers for part in parts])
     sample, target, sizes = pilot_batch(args, members[0])
     key = ("array", _kept_key(members, candidates, args), tuple(layer.description for layer in parts[0].profile.layers))
-    sized = sized_by_shapes(list(parts[0].code.layers))
+    sized = sized_by_shapes(parts[0].code.layers)
     alike = args.cuts.get(key) if sized else None
     try:
         with quiet_failures():  # a failure is reported below, as this array's

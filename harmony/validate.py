@@ -84,7 +84,7 @@ class Arguments:
     def planned(self) -> None:
         """Drop what only the planning needed: its exports and cuts (graphs and chains), which the run never
         reads."""
-        self.exports.made.clear()
+        self.exports.clear()
         self.cuts.clear()
 
     def expected_steps(self, model: int) -> int | None:

@@ -228,7 +228,7 @@ def rebound(layers: Sequence[nn.Module], source: nn.Module, target: nn.Module) -
 def _rebound(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
     """A copy of module that reads the tensors memo maps its own to (by id). A traced stage (an fx.GraphModule)
     shares its class, graph and generated code with module (never changed once a stage is made; a deep copy would
-    generate the code again, 1-2 ms a stage); a module that holds stages, and a bare nn.Module (the containers a
+    generate and compile the code again); a module that holds stages, and a bare nn.Module (the containers a
     stage reads its parameters through), is copied around them, its containers (hooks, meta) copied, its other
     attributes shared; anything else is deep-copied."""
     if id(module) in memo:
@@ -261,6 +261,10 @@ class Exports:
 
     def __init__(self) -> None:
         self.made: dict[Hashable, tuple[nn.Module, fx.GraphModule, TreeSpec]] = {}
+
+    def clear(self) -> None:
+        """Drop every export (the planning is over)."""
+        self.made.clear()
 
     def __call__(self, module: nn.Module, sample: Any) -> tuple[fx.GraphModule, TreeSpec]:
         key = _export_key(module, sample)

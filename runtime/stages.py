@@ -28,7 +28,7 @@ import io
 import operator
 import re
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -122,7 +122,7 @@ def exported_graph(module: nn.Module, sample: Any) -> tuple[fx.GraphModule, Tree
     return program.module(), program.call_spec.out_spec
 
 
-def sized_by_shapes(layers: list[nn.Module]) -> bool:
+def sized_by_shapes(layers: Sequence[nn.Module]) -> bool:
     """Whether every value the layers compute has a size their inputs' shapes fix: each layer is an exported stage
     (its graph records the sizes of its values) and none reads a size off a tensor's values (nonzero, a boolean
     mask, .item()). The bytes such a chain holds on one sample are then what it holds on any sample of those
