@@ -4,8 +4,10 @@ The sweep a notebook user re-runs: 12 small MLPs (16 -> 64 -> 64 -> 1), 500 step
 loader, on the default devices. In the same run: the plain PyTorch loop over the 12 models (median of ROUNDS);
 harmony.train cold, each in a fresh Python process (imports excluded: the clock starts at the call), ROUNDS times;
 and warm, ROUNDS calls in one process after a first call (the embedded cluster kept up between calls, its
-calibration cached). A call's fixed cost is its wall time less its training (result.stats.run_seconds: the driver's
-first instruction to every model's end). Goals (issue 27): cold fixed cost <= 1.5 s, warm <= 0.1 s, the sweep end
+calibration cached); and with other devices, ROUNDS calls each on one CPU device then on two (or two then one) after a
+call on the other count (the warm cluster keeps the workers a call names, closes the rest and starts the missing
+ones). A call's fixed cost is its wall time less its training (result.stats.run_seconds: the driver's first
+instruction to every model's end). Goals (issue 27): cold fixed cost <= 1.5 s, warm <= 0.1 s, the sweep end
 to end on a cold call >= 2x the plain loop.
 
     python -m benchmarks.startup
@@ -44,11 +46,13 @@ def plain_seconds() -> float:
     return train_sequentially(models, [0.01] * len(models), data, nn.functional.mse_loss)
 
 
-def harmony_call() -> dict[str, float]:
-    """One harmony.train call on the sweep: its wall time and its training time."""
+def harmony_call(devices: list[str] | None = None) -> dict[str, float]:
+    """One harmony.train call on the sweep (on devices, else the default ones): its wall time and its training
+    time."""
     models, data = sweep()
     started = time.perf_counter()
-    result = harmony.train(models, data, nn.functional.mse_loss, lambda p: torch.optim.SGD(p, lr=0.01), progress=False)
+    result = harmony.train(models, data, nn.functional.mse_loss, lambda p: torch.optim.SGD(p, lr=0.01),
+                           devices=devices, progress=False)
     return {"call": time.perf_counter() - started, "training": result.stats.run_seconds}
 
 
@@ -66,17 +70,22 @@ def main() -> None:
         return
     args = arguments(__doc__.splitlines()[0])
     rounds = 1 if args.quick else ROUNDS
-    plain, cold, warm = [], [], []
+    plain, cold, warm, fewer, more = [], [], [], [], []
     for _ in range(rounds):
         plain.append(plain_seconds())
         cold.append(cold_call())
     harmony_call()  # the first call in this process starts the cluster that the next ones find warm
     for _ in range(rounds):
         warm.append(harmony_call())
+    harmony_call(["cpu", "cpu"])
+    for _ in range(rounds):
+        fewer.append(harmony_call(["cpu"]))
+        more.append(harmony_call(["cpu", "cpu"]))
     harmony.shutdown()
     plain_median = statistics.median(plain)
     rows = []
-    for way, calls in (("cold", cold), ("warm", warm)):
+    for way, calls in (("cold", cold), ("warm", warm), ("two devices, then one", fewer),
+                       ("one device, then two", more)):
         totals = [call["call"] for call in calls]
         fixed = [call["call"] - call["training"] for call in calls]
         rows.append({
@@ -89,11 +98,12 @@ def main() -> None:
             "x plain loop": plain_median / statistics.median(totals),
         })
     report("startup", f"Start-up: {MODELS} MLPs x {STEPS} steps, harmony.train cold and warm vs the plain loop",
-           rows, args.out, raw={"plain": plain, "cold": cold, "warm": warm},
+           rows, args.out, raw={"plain": plain, "cold": cold, "warm": warm, "fewer": fewer, "more": more},
            notes="cold = a fresh process's first call (imports excluded); warm = later calls in one process "
-                 "(cluster kept, calibration cached); fixed cost = call less training (stats.run_seconds); "
-                 "x plain loop = plain loop time / harmony time (goal >= 2 cold); goals: fixed <= 1.5 s cold, "
-                 "<= 0.1 s warm")
+                 "(cluster kept, calibration cached); two devices, then one (one, then two): a call on "
+                 "devices=['cpu'] after one on two CPU devices (on two after one); fixed cost = call less training "
+                 "(stats.run_seconds); x plain loop = plain loop time / harmony time (goal >= 2 cold); goals: fixed "
+                 "<= 1.5 s cold, <= 0.1 s warm")
 
 
 if __name__ == "__main__":

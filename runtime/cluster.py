@@ -6,9 +6,11 @@ calls harmony.train at top level with no ``if __name__ == "__main__"`` guard wor
 notebook. The workers inherit the driver's sys.path, so classes from the user's modules unpickle.
 The scheduler (and its dashboard) runs in the driver's process.
 
-An embedded cluster stays up after a run that ended well, warm for the next call in the process that asks for the
-same devices (a notebook's re-run cell starts no process); it is closed by ``shutdown()`` (harmony.shutdown), at
-interpreter exit, when a call needs other devices, and after a run that failed or was interrupted.
+An embedded cluster stays up after a run that ended well, warm for the next call in the process (a notebook's
+re-run cell starts no process). A call with other devices takes it as it is where it can: the workers of devices it
+names again are kept (a CPU device's told its new share of threads), the others closed, and only the missing ones
+started. It is closed by ``shutdown()`` (harmony.shutdown), at interpreter exit, when a call needs another
+scheduler (another dashboard address or host), and after a run that failed or was interrupted.
 """
 
 from __future__ import annotations
@@ -282,18 +284,15 @@ def _rejoined(handle: ClusterHandle, count: int) -> bool:
 
 def _embedded(devices: list[DeviceSpec], dashboard_address: str, host: str) -> ClusterHandle:
     global WARM
-    key = (tuple((device.name, device.kind, device.threads) for device in devices), dashboard_address, host)
+    key = (dashboard_address, host)
     if WARM is not None:
         known, handle = WARM
-        if known == key:
+        if known == key and handle.cluster is not None:
             try:
-                if _rejoined(handle, len(devices)):
-                    handle.workers = worker_addresses(handle.client)
-                    if set(handle.workers) == {device.name for device in devices}:
-                        return handle
-                else:
-                    logger.info("harmony: the warm cluster lost %s for good; starting another",
-                                ", ".join(handle.gone()))
+                if _rejoined(handle, len(handle.cluster.worker_spec)):
+                    _resized(handle, devices)
+                    return handle
+                logger.info("harmony: the warm cluster lost %s for good; starting another", ", ".join(handle.gone()))
             except Exception as error:
                 logger.info("harmony: the warm cluster cannot be reused (%s); starting another", error)
         shutdown()
@@ -301,6 +300,46 @@ def _embedded(devices: list[DeviceSpec], dashboard_address: str, host: str) -> C
     handle.warm = True
     WARM = (key, handle)
     return handle
+
+
+def compute_with(threads: int) -> None:
+    """On a device worker kept for a call whose devices share the cores otherwise: compute with threads from now on,
+    as a worker started for that call would (torch's pools are sized at its first parallel region, after which
+    torch.set_num_threads sets them; the environment is for what the worker starts)."""
+    os.environ.update(thread_environment(threads))
+    torch.set_num_threads(threads)
+
+
+def _resized(handle: ClusterHandle, devices: list[DeviceSpec]) -> None:
+    """Make the warm cluster's workers the devices': keep those it has, each with the device's threads, close the
+    ones the call does not name and start the missing ones (SpecCluster's own correction of its workers to its
+    spec), then wait for those to join. Raises where they do not within WORKER_START_TIMEOUT."""
+    cluster = handle.cluster
+    assert cluster is not None
+    wanted = {device.name: device for device in devices}
+    addresses = worker_addresses(handle.client)
+    for name, worker in cluster.workers.items():
+        device = wanted.get(name)
+        if device is None or not isinstance(worker, DeviceWorkerProcess) or worker.threads == device.threads:
+            continue
+        handle.client.run(compute_with, device.threads, workers=[addresses[name]])
+        worker.threads = cluster.worker_spec[name]["options"]["threads"] = device.threads  # and when it restarts
+    options = next(iter(cluster.worker_spec.values()))["options"]
+    for name in set(cluster.worker_spec) - set(wanted):
+        del cluster.worker_spec[name]
+    for name, device in wanted.items():
+        if name not in cluster.worker_spec:
+            cluster.worker_spec[name] = {"cls": DeviceWorkerProcess, "options": {**options, "threads": device.threads}}
+    cluster.sync(cluster._correct_state)
+    deadline = time.monotonic() + WORKER_START_TIMEOUT
+    while set(joined := worker_addresses(handle.client, attempts=1)) != set(wanted):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{', '.join(sorted(set(wanted) - set(joined)))} did not join in "
+                               f"{WORKER_START_TIMEOUT} s")
+        if handle.gone():
+            raise RuntimeError(f"{', '.join(handle.gone())} did not start")
+        time.sleep(0.05)
+    handle.workers = joined
 
 
 def shutdown() -> None:

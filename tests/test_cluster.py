@@ -268,14 +268,16 @@ def test_a_users_cluster_on_ucx_trains_a_model_across_its_workers_and_equals_pla
 
 
 @pytest.mark.usefixtures("cold_start")  # it counts the calibrations of a cluster it starts
-def test_the_embedded_cluster_stays_warm_between_calls_until_other_devices_a_failure_or_shutdown(
+def test_the_embedded_cluster_stays_warm_between_calls_and_follows_their_devices_until_a_failure_or_shutdown(
     monkeypatch: pytest.MonkeyPatch, no_leaks: None
 ) -> None:
     """A second call with the same devices runs on the same worker processes, without measuring the task cost
-    again, and equals plain PyTorch; a call with other devices replaces them; a run that fails leaves none;
-    harmony.shutdown() closes the warm one."""
-    from harmony.runtime import calibrate
-    from tests.conftest import live_workers, worker_processes
+    again, and equals plain PyTorch; a call with fewer devices keeps the workers of those it names, computing with
+    their new share of the cores, and closes the others; one with more starts only the missing ones; a run that fails
+    leaves none; harmony.shutdown() closes the warm one."""
+    from harmony.runtime import calibrate, cluster
+    from harmony.runtime.devices import build_specs
+    from tests.conftest import ThreadsSeen, live_workers, worker_processes
 
     measured = []
     task_cost = calibrate.task_cost
@@ -287,18 +289,42 @@ def test_the_embedded_cluster_stays_warm_between_calls_until_other_devices_a_fai
         return harmony.train(model or deep_mlp(depth=2), batches, nn.functional.mse_loss, sgd, devices=devices,
                              dashboard_address=":0", progress=False)
 
+    def pids() -> dict[str, int]:
+        """Device name -> its worker's process id; every device worker alive is one of them."""
+        assert cluster.WARM is not None
+        handle = cluster.WARM[1]
+        by_address = handle.client.run(os.getpid)
+        named = {name: by_address[address] for name, address in handle.workers.items()}
+        assert sorted(process.pid for process in live_workers()) == sorted(named.values())
+        return named
+
+    def trained_as_plain(devices: list[str], seed: int) -> nn.Sequential:
+        """A model led by a ThreadsSeen trained on devices, checked against plain PyTorch."""
+        model = nn.Sequential(ThreadsSeen(), *deep_mlp(depth=2, seed=seed))
+        reference = copy.deepcopy(model)
+        call(devices, model)
+        train_plain(reference, batches, nn.functional.mse_loss, sgd)
+        assert_same_weights(model[1:], reference[1:])
+        return model
+
     call(["cpu", "cpu"])
-    first = sorted(process.pid for process in worker_processes())
-    model = deep_mlp(depth=2, seed=5)
-    reference = copy.deepcopy(model)
-    call(["cpu", "cpu"], model)
-    assert sorted(process.pid for process in worker_processes()) == first and len(first) == 2, "the same workers"
+    first = pids()
+    assert sorted(first) == ["cpu-0", "cpu-1"]
+    trained_as_plain(["cpu", "cpu"], seed=5)
+    assert pids() == first, "the same workers"
     assert len(measured) == 1, "the task cost is measured once per cluster"
-    train_plain(reference, batches, nn.functional.mse_loss, sgd)
-    assert_same_weights(model, reference)
-    call(["cpu"])
-    now = [process.pid for process in worker_processes()]
-    assert len(now) == 1 and not set(now) & set(first), "other devices: the warm cluster was replaced"
+    share = build_specs(["cpu"], None)[0].threads
+    alone = trained_as_plain(["cpu"], seed=6)
+    assert pids() == {"cpu-0": first["cpu-0"]}, "fewer devices: the worker of cpu-0 kept, cpu-1's closed"
+    assert int(alone[0].most) == share, "the kept worker computes with the whole machine's share of the cores"
+    assert cluster.WARM is not None
+    assert list(cluster.WARM[1].client.run(torch.get_num_threads).values()) == [share]
+    assert len(measured) == 2, "other workers: the task cost measured on them"
+    trained_as_plain(["cpu", "cpu"], seed=7)
+    again = pids()
+    assert again["cpu-0"] == first["cpu-0"] and again["cpu-1"] not in first.values(), "only cpu-1 started"
+    halves = build_specs(["cpu", "cpu"], None)[0].threads
+    assert list(cluster.WARM[1].client.run(torch.get_num_threads).values()) == [halves, halves]
 
     def broken(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if target.isnan().any():
