@@ -37,6 +37,7 @@ from distributed.deploy.spec import ProcessInterface, SpecCluster
 from harmony.runtime.devices import DeviceSpec, capacity, cpu_count, threads_per_device
 from harmony.runtime.hoststore import identity
 from harmony.runtime.orphans import driver_environment
+from harmony.runtime.zygote import Forked, Zygote
 
 WORKER_START_TIMEOUT = 120
 LOOPBACK = "127.0.0.1"
@@ -83,18 +84,46 @@ def thread_environment(threads: int) -> dict[str, str]:
     return dict.fromkeys(THREAD_VARIABLES, str(threads))
 
 
+ZYGOTE: Zygote | None = None  # the warm zygote CPU device workers are forked from (runtime.zygote)
+FORKING = threading.Lock()
+
+
+def zygote(env: dict[str, str]) -> Zygote | None:
+    """The zygote to fork a worker from (started with env where there is none, or it has ended); None where
+    workers cannot be forked here (not Linux)."""
+    global ZYGOTE
+    if not sys.platform.startswith("linux"):
+        return None
+    with FORKING:
+        if ZYGOTE is None or not ZYGOTE.alive:
+            if ZYGOTE is not None:
+                ZYGOTE.close()
+            ZYGOTE = Zygote(env)
+        return ZYGOTE
+
+
+def close_zygote() -> None:
+    global ZYGOTE
+    with FORKING:
+        if ZYGOTE is not None:
+            ZYGOTE.close()
+            ZYGOTE = None
+
+
 class DeviceWorkerProcess(ProcessInterface):
-    """One Dask worker, one thread, in its own process, named after the device it drives."""
+    """One Dask worker, one thread, in its own process, named after the device it drives: forked from the zygote
+    where fork (a CPU device's), else started as a process of its own."""
 
     def __init__(self, scheduler: str, name: str, threads: int = 1, config: dict[str, str] | None = None,
-                 host: str = LOOPBACK) -> None:
+                 host: str = LOOPBACK, fork: bool = False) -> None:
         super().__init__()
         self.host = host
         self.scheduler = scheduler
         self.name = name
         self.threads = threads
         self.config = config or {}
-        self.process: asyncio.subprocess.Process | None = None
+        self.fork = fork
+        self.process: asyncio.subprocess.Process | Forked | None = None
         self.closing = False
         self.restarts = 0
         self.watch: asyncio.Task[None] | None = None
@@ -148,13 +177,14 @@ class DeviceWorkerProcess(ProcessInterface):
             **config_environment(self.config),
             **driver_environment(),
         }
-        self.process = await asyncio.create_subprocess_exec(
+        args = [self.scheduler, "--spec", json.dumps(spec)]
+        forking = zygote(env) if self.fork else None
+        forked = None if forking is None else await forking.fork(args, env, self.threads)
+        self.process = forked or await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
             "distributed.cli.dask_spec",
-            self.scheduler,
-            "--spec",
-            json.dumps(spec),
+            *args,
             env=env,
             stdin=asyncio.subprocess.DEVNULL,
             start_new_session=True,  # outside the terminal's process group: Ctrl-C reaches the driver alone
@@ -269,16 +299,21 @@ def embedded(devices: list[DeviceSpec], dashboard_address: str = ":8787", host: 
 
 
 def _rejoined(handle: ClusterHandle, count: int) -> bool:
-    """Whether the warm cluster has count workers again (those that died restarted): False as soon as one of them
-    is gone for good, TimeoutError after WORKER_START_TIMEOUT."""
+    """Whether the warm cluster has count workers again, every one of them answering (those that died restarted;
+    one that died a moment ago may still be listed by the scheduler): False as soon as one of them is gone for
+    good, TimeoutError after WORKER_START_TIMEOUT."""
     deadline = time.monotonic() + WORKER_START_TIMEOUT
     while not handle.gone():
         try:
             handle.client.wait_for_workers(count, timeout=1)
-            return True
+            answers = handle.client.run(os.getpid, on_error="return")
+            if len(answers) == count and not any(isinstance(answer, BaseException) for answer in answers.values()):
+                return True
+            time.sleep(0.05)
         except TimeoutError:
-            if time.monotonic() > deadline:
-                raise
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the warm cluster's {count} workers did not all answer in {WORKER_START_TIMEOUT} s")
     return False
 
 
@@ -329,7 +364,8 @@ def _resized(handle: ClusterHandle, devices: list[DeviceSpec]) -> None:
         del cluster.worker_spec[name]
     for name, device in wanted.items():
         if name not in cluster.worker_spec:
-            cluster.worker_spec[name] = {"cls": DeviceWorkerProcess, "options": {**options, "threads": device.threads}}
+            cluster.worker_spec[name] = {"cls": DeviceWorkerProcess, "options": {
+                **options, "threads": device.threads, "fork": device.kind == "cpu"}}
     cluster.sync(cluster._correct_state)
     deadline = time.monotonic() + WORKER_START_TIMEOUT
     while set(joined := worker_addresses(handle.client, attempts=1)) != set(wanted):
@@ -344,10 +380,11 @@ def _resized(handle: ClusterHandle, devices: list[DeviceSpec]) -> None:
 
 def shutdown() -> None:
     """Close the warm embedded cluster (its scheduler, dashboard and device workers), if there is one (waiting for
-    one being started)."""
+    one being started), and the zygote its workers were forked from."""
     with STARTING:
         if WARM is not None:
             WARM[1].close()
+        close_zygote()
 
 
 atexit.register(shutdown)
@@ -360,7 +397,8 @@ def start_embedded(devices: list[DeviceSpec], dashboard_address: str = ":8787", 
     sampling = quiet_sampling()
     workers = {
         device.name: {"cls": DeviceWorkerProcess,
-                      "options": {"threads": device.threads, "config": sampling, "host": host}}
+                      "options": {"threads": device.threads, "config": sampling, "host": host,
+                                  "fork": device.kind == "cpu"}}
         for device in devices
     }
     if dashboard_address.startswith(":"):

@@ -349,13 +349,34 @@ def torch_threads(count: int) -> Iterator[None]:
 
 
 def worker_processes() -> list[psutil.Process]:
-    """Dask worker processes started by Harmony that are still alive, whoever their parent is now."""
+    """Dask worker processes started by Harmony that are still alive, whoever their parent is now: started as
+    processes of their own, or forked from a zygote (runtime.zygote names them)."""
     found = []
-    for process in psutil.process_iter(["cmdline"]):
+    for process in psutil.process_iter(["cmdline", "name"]):
         cmdline = process.info.get("cmdline") or []
-        if any("distributed.cli.dask_spec" in part for part in cmdline):
+        if any("distributed.cli.dask_spec" in part for part in cmdline) or process.info.get("name") == "harmony-device":
             found.append(process)
     return found
+
+
+def started_by(pid: int, processes: list[psutil.Process]) -> list[psutil.Process]:
+    """Those of processes that process pid started, itself or through a process it started (a worker its
+    zygote forked)."""
+    found = []
+    for process in processes:
+        try:
+            if pid in {parent.pid for parent in process.parents()}:
+                found.append(process)
+        except psutil.Error:
+            continue
+    return found
+
+
+def zygotes() -> list[psutil.Process]:
+    """Zygote processes (runtime.zygote) that still run."""
+    return [process for process in psutil.process_iter(["cmdline", "name"])
+            if any("harmony.runtime.zygote" in part for part in process.info.get("cmdline") or [])
+            and process.info.get("name") != "harmony-device" and process.status() != psutil.STATUS_ZOMBIE]
 
 
 def live_workers() -> list[psutil.Process]:
@@ -373,6 +394,7 @@ def nothing_outlives_the_suite() -> Iterator[None]:
     alive = live_workers()
     assert not leftover_files, f"shared-memory files left behind: {described(leftover_files)}"
     assert not alive, f"worker processes left alive: {[p.pid for p in alive]}"
+    assert not zygotes(), f"zygotes left alive: {[p.pid for p in zygotes()]}"
 
 
 def warm_workers() -> set[int]:

@@ -525,7 +525,7 @@ SCHEDULED = {"lr_schedule": WARMUP, "clip_grad_norm": 0.5}
 def test_a_killed_driver_leaves_nothing_and_its_run_resumes_to_the_uninterrupted_result(
     fuse: bool, extra: dict, tmp_path: Path
 ) -> None:
-    from tests.conftest import worker_processes
+    from tests.conftest import started_by, worker_processes, zygotes
 
     budget = 6_000 if not fuse else None
     whole = run_script(tmp_path / "whole.py", CHECKPOINTED.format(
@@ -549,7 +549,9 @@ def test_a_killed_driver_leaves_nothing_and_its_run_resumes_to_the_uninterrupted
         time.sleep(0.5)  # on to its loader's stall at step 50, with its workers' files written
         steps = [int(latest.read_text().removeprefix("v")) for latest in (tmp_path / "ckpt").glob("job-*/latest")]
         assert max(steps) < 80, "the run must be killed before it ends"
-        workers = [p for p in worker_processes() if p.ppid() == driver.pid]
+        workers = started_by(driver.pid, worker_processes())
+        assert len(workers) == 2, "its two device workers run"
+        workers += started_by(driver.pid, zygotes())
     finally:
         driver.kill()
         driver.wait()

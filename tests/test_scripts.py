@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import harmony_files, worker_processes
+from tests.conftest import harmony_files, started_by, worker_processes, zygotes
 
 pytestmark = pytest.mark.usefixtures("cold_start")  # every test here runs Harmony in processes of its own
 
@@ -154,11 +154,12 @@ def test_ctrl_c_leaves_no_workers_and_no_shared_memory(tmp_path: Path) -> None:
         deadline = time.monotonic() + 120
         children: list[psutil.Process] = []
         while time.monotonic() < deadline:
-            children = [p for p in worker_processes() if p.ppid() == process.pid]
+            children = started_by(process.pid, worker_processes())
             if len(children) == 2 and set(harmony_files()) - before:
                 break
             time.sleep(0.2)
         assert len(children) == 2, "the workers never started"
+        children += started_by(process.pid, zygotes())  # what they were forked from
         time.sleep(2.0)
         process.send_signal(signal.SIGINT)
         _, stderr = process.communicate(timeout=60)
@@ -196,11 +197,12 @@ def test_ctrl_c_to_the_whole_process_group_with_the_users_own_handler_stops_clea
         deadline = time.monotonic() + 120
         children: list[psutil.Process] = []
         while time.monotonic() < deadline:
-            children = [p for p in worker_processes() if p.ppid() == process.pid]
+            children = started_by(process.pid, worker_processes())
             if len(children) == 2 and set(harmony_files()) - before:
                 break
             time.sleep(0.2)
         assert len(children) == 2, "the workers never started"
+        children += started_by(process.pid, zygotes())  # what they were forked from
         time.sleep(2.0)
         os.killpg(process.pid, signal.SIGINT)
         stdout, stderr = process.communicate(timeout=60)
