@@ -359,6 +359,9 @@ def _resized(handle: ClusterHandle, devices: list[DeviceSpec]) -> None:
             continue
         handle.client.run(compute_with, device.threads, workers=[addresses[name]])
         worker.threads = cluster.worker_spec[name]["options"]["threads"] = device.threads  # and when it restarts
+    if set(cluster.worker_spec) == set(wanted):
+        handle.workers = addresses
+        return
     options = next(iter(cluster.worker_spec.values()))["options"]
     for name in set(cluster.worker_spec) - set(wanted):
         del cluster.worker_spec[name]

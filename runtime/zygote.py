@@ -314,3 +314,5 @@ def main() -> None:
 
     with contextlib.suppress(OSError):  # the driver has gone: its end of the channel closed
         serve(channel)
+    sys.stderr.flush()
+    os._exit(0)  # nothing of its own to finalize; torch's finalization would take a while
