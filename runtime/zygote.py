@@ -38,6 +38,7 @@ import time
 import traceback
 from typing import Any, NoReturn
 
+import psutil
 import torch
 
 from harmony.runtime.orphans import DRIVER, WATCH_INTERVAL
@@ -190,7 +191,7 @@ class Zygote:
                 loop.call_soon_threadsafe(_answer, future, {})
         while children:
             time.sleep(POLL)
-            for child in [child for child in children if not _exists(child.pid)]:
+            for child in [child for child in children if not psutil.pid_exists(child.pid)]:
                 child.ended(-signal.SIGKILL)
                 children.remove(child)
 
@@ -209,16 +210,6 @@ class Zygote:
 def _answer(future: asyncio.Future[dict[str, Any]], message: dict[str, Any]) -> None:
     if not future.done():
         future.set_result(message)
-
-
-def _exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _send(channel: socket.socket, message: dict[str, Any]) -> None:
