@@ -441,7 +441,7 @@ def train(
             replicas_kept(handle.client),
         ):
             hardware = measured_hardware(handle.client, handle.workers,
-                                         cpu_compute=any(spec.kind == "cpu" for spec in specs))
+                                         cpu_compute=any(spec.kind == "cpu" for spec in specs), by_name=handle.embedded)
             kind = calls.kind_of(specs)
             architectures = calls.architectures(args.models)
             arrays_hardware = calls.fitted(hardware, kind, calls.keyed(architectures, True))

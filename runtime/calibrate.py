@@ -120,12 +120,17 @@ MEASURED: dict[tuple[object, ...], Hardware] = {}  # per cluster (its scheduler 
 KEPT = 16
 
 
-def measured_hardware(client: Client, workers: dict[str, str], cpu_compute: bool = True) -> Hardware:
+def measured_hardware(client: Client, workers: dict[str, str], cpu_compute: bool = True, by_name: bool = False
+                      ) -> Hardware:
     """This machine as the simulator sees it, with the task cost measured on the cluster the run will use (once per
     cluster: a warm cluster's next run, or the next run on the same user's workers, takes what it measured); the
     CPU a task takes counts where the devices compute on this machine's cores (cpu_compute), and where they do not,
-    a worker's GPU gives the compute scale and the link (runtime.measure.accelerator_speed)."""
-    key = (client.scheduler.address, tuple(sorted(workers.items())), cpu_compute)
+    a worker's GPU gives the compute scale and the link (runtime.measure.accelerator_speed). by_name: the workers
+    are known by their names alone (the embedded cluster's, where a device's worker started again is started the same
+    way on the same machine: a warm cluster that closed a device's worker and started it again measures nothing);
+    else by their addresses too (a user's worker of a name may come back on another machine)."""
+    known = tuple(sorted(workers)) if by_name else tuple(sorted(workers.items()))
+    key = (client.scheduler.address, known, cpu_compute)
     if key not in MEASURED:
         latency, cpu, edge = task_cost(client, workers)
         logger.info("task cost on this cluster: %.1f ms per task of a chain, %.1f ms of CPU, %.1f ms from worker to "

@@ -323,6 +323,7 @@ def test_the_embedded_cluster_stays_warm_between_calls_and_follows_their_devices
     trained_as_plain(["cpu", "cpu"], seed=7)
     again = pids()
     assert again["cpu-0"] == first["cpu-0"] and again["cpu-1"] not in first.values(), "only cpu-1 started"
+    assert len(measured) == 2, "these devices' workers of this cluster: measured before"
     halves = build_specs(["cpu", "cpu"], None)[0].threads
     assert list(cluster.WARM[1].client.run(torch.get_num_threads).values()) == [halves, halves]
 
