@@ -330,7 +330,7 @@ def _embedded(devices: list[DeviceSpec], dashboard_address: str, host: str) -> C
                 logger.info("harmony: the warm cluster lost %s for good; starting another", ", ".join(handle.gone()))
             except Exception as error:
                 logger.info("harmony: the warm cluster cannot be reused (%s); starting another", error)
-        shutdown()
+        handle.close()  # the zygote stays: the next cluster's workers fork from it
     handle = start_embedded(devices, dashboard_address, host)
     handle.warm = True
     WARM = (key, handle)

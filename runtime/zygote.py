@@ -112,9 +112,8 @@ class Zygote:
         theirs.close()
         self._lock = threading.Lock()
         self._requests = 0
-        self._replies: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[dict[str, Any]]]] = {}
+        self._replies: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[dict[str, Forked]]]] = {}
         self._children: dict[int, Forked] = {}
-        self._ends: dict[int, int] = {}  # children that ended before their reply was read
         self.alive = True
         self._reader = threading.Thread(target=self._read, name="harmony-zygote", daemon=True)
         self._reader.start()
@@ -123,7 +122,7 @@ class Zygote:
         """A worker forked to run ``dask_spec`` with args, env and threads, or None where this zygote cannot (it
         has ended, or refuses: the caller starts the worker as a process of its own)."""
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[dict[str, Any]] = loop.create_future()
+        future: asyncio.Future[dict[str, Forked]] = loop.create_future()
         with self._lock:
             if not self.alive:
                 return None
@@ -139,9 +138,7 @@ class Zygote:
                 self._replies.pop(number, None)
             return None
         reply = await future
-        if "pid" not in reply:
-            return None
-        return self._children[reply["pid"]]
+        return reply.get("child")
 
     def _read(self) -> None:
         buffer = b""
@@ -159,23 +156,21 @@ class Zygote:
         self._lost()
 
     def _handle(self, message: dict[str, Any]) -> None:
+        """A child's end, or the answer to a fork request (a child's end always comes after it: the zygote answers
+        as it forks, and reaps later)."""
         if "exit" in message:
             with self._lock:
-                child = self._children.pop(message["exit"], None)
-                if child is None:
-                    self._ends[message["exit"]] = message["code"]
-            if child is not None:
-                child.ended(message["code"])
+                ended = self._children.pop(message["exit"], None)
+            if ended is not None:
+                ended.ended(message["code"])
             return
         with self._lock:
             loop, future = self._replies.pop(message["id"])
+            reply = {}
             if "pid" in message:
-                child = self._children[message["pid"]] = Forked(message["pid"])
-                code = self._ends.pop(message["pid"], None)
-                if code is not None:
-                    child.ended(code)
+                reply["child"] = self._children[message["pid"]] = Forked(message["pid"])
         with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(_answer, future, message)
+            loop.call_soon_threadsafe(_answer, future, reply)
 
     def _lost(self) -> None:
         """The zygote has ended: no more forks; pending requests are answered with none, and its children, which
@@ -207,9 +202,9 @@ class Zygote:
         self.socket.close()
 
 
-def _answer(future: asyncio.Future[dict[str, Any]], message: dict[str, Any]) -> None:
+def _answer(future: asyncio.Future[dict[str, Forked]], reply: dict[str, Forked]) -> None:
     if not future.done():
-        future.set_result(message)
+        future.set_result(reply)
 
 
 def _send(channel: socket.socket, message: dict[str, Any]) -> None:

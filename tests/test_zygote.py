@@ -21,13 +21,14 @@ from harmony.runtime.zygote import Forked
 from tests.conftest import assert_same_weights, deep_mlp, live_workers, regression_batches, train_plain, zygotes
 
 
-def trained_as_plain(devices: list[str], seed: int = 0) -> harmony.TrainResult:
-    """A small model trained on devices and checked against plain PyTorch."""
+def trained_as_plain(devices: list[str], seed: int = 0, dashboard_address: str = ":8787") -> harmony.TrainResult:
+    """A small model trained on devices (the dashboard on dashboard_address) and checked against plain PyTorch."""
     model = deep_mlp(depth=2, seed=seed)
     reference = copy.deepcopy(model)
     batches = regression_batches(samples=32, batch=8)
     factory = lambda p: torch.optim.SGD(p, lr=0.05)  # noqa: E731
-    result = harmony.train(model, batches, nn.functional.mse_loss, factory, devices=devices, progress=False)
+    result = harmony.train(model, batches, nn.functional.mse_loss, factory, devices=devices, progress=False,
+                           dashboard_address=dashboard_address)
     train_plain(reference, batches, nn.functional.mse_loss, factory)
     assert_same_weights(model, reference)
     return result
@@ -92,6 +93,18 @@ def test_a_killed_worker_and_a_killed_zygote_are_forked_and_started_again(no_lea
     assert replacement.pid != zygote.pid
     assert all(psutil.Process(int(pid)).ppid() == replacement.pid  # type: ignore[arg-type]
                for pid in ask(os.getpid).values())
+
+
+def test_a_cluster_started_again_forks_its_workers_from_the_same_zygote(no_leaks: None) -> None:
+    """Another dashboard address needs another scheduler: the warm cluster is closed, the zygote stays and forks the
+    new one's workers."""
+    trained_as_plain(["cpu"], dashboard_address=":0")
+    [zygote] = zygotes()
+    before = ask(os.getpid)
+    trained_as_plain(["cpu"], seed=1, dashboard_address="127.0.0.1:0")
+    after = ask(os.getpid)
+    assert zygotes() == [zygote] and after["cpu-0"] != before["cpu-0"]
+    assert psutil.Process(int(after["cpu-0"])).ppid() == zygote.pid  # type: ignore[arg-type]
 
 
 def test_shutdown_ends_the_zygote_and_the_next_call_starts_another(no_leaks: None) -> None:
