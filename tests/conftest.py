@@ -374,9 +374,9 @@ def started_by(pid: int, processes: list[psutil.Process]) -> list[psutil.Process
 
 def zygotes() -> list[psutil.Process]:
     """Zygote processes (runtime.zygote) that still run."""
-    return [process for process in psutil.process_iter(["cmdline", "name"])
+    return [process for process in psutil.process_iter(["cmdline", "name", "status"])
             if any("harmony.runtime.zygote" in part for part in process.info.get("cmdline") or [])
-            and process.info.get("name") != "harmony-device" and process.status() != psutil.STATUS_ZOMBIE]
+            and process.info.get("name") != "harmony-device" and process.info.get("status") != psutil.STATUS_ZOMBIE]
 
 
 def live_workers() -> list[psutil.Process]:
