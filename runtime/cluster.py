@@ -88,6 +88,20 @@ ZYGOTE: Zygote | None = None  # the warm zygote CPU device workers are forked fr
 FORKING = threading.Lock()
 
 
+def worker_environment(threads: int, config: dict[str, str]) -> dict[str, str]:
+    """A device worker's environment: the driver's, its sys.path, threads for torch's pools and config as DASK_*."""
+    paths = [path for path in sys.path if path and os.path.isdir(path)]
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(paths),
+        **thread_environment(threads),
+        "DASK_DISTRIBUTED__WORKER__DAEMON": "False",
+        "DASK_LOGGING__DISTRIBUTED": os.environ.get("DASK_LOGGING__DISTRIBUTED", "warning"),
+        **config_environment(config),
+        **driver_environment(),
+    }
+
+
 def zygote(env: dict[str, str]) -> Zygote | None:
     """The zygote to fork a worker from (started with env where there is none, or it has ended); None where
     workers cannot be forked here (not Linux)."""
@@ -154,6 +168,10 @@ class DeviceWorkerProcess(ProcessInterface):
         runs."""
         return self.restarts >= RESTARTS and (self.process is None or self.process.returncode is not None)
 
+    def environment(self) -> dict[str, str]:
+        """The worker's environment: the driver's, its sys.path, the device's threads and the cluster's config."""
+        return worker_environment(self.threads, self.config)
+
     async def launch(self) -> None:
         spec = {
             "cls": "distributed.Worker",
@@ -167,16 +185,7 @@ class DeviceWorkerProcess(ProcessInterface):
                 "dashboard": False,
             },
         }
-        paths = [path for path in sys.path if path and os.path.isdir(path)]
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join(paths),
-            **thread_environment(self.threads),
-            "DASK_DISTRIBUTED__WORKER__DAEMON": "False",
-            "DASK_LOGGING__DISTRIBUTED": os.environ.get("DASK_LOGGING__DISTRIBUTED", "warning"),
-            **config_environment(self.config),
-            **driver_environment(),
-        }
+        env = self.environment()
         args = [self.scheduler, "--spec", json.dumps(spec)]
         forking = zygote(env) if self.fork else None
         forked = None if forking is None else await forking.fork(args, env, self.threads)
@@ -398,6 +407,9 @@ def start_embedded(devices: list[DeviceSpec], dashboard_address: str = ":8787", 
     listens on host (loopback unless the user asks otherwise); the dashboard on dashboard_address, whose host is
     host when it names none."""
     sampling = quiet_sampling()
+    first = next((device for device in devices if device.kind == "cpu"), None)
+    if first is not None:  # its imports overlap the scheduler's start, which its first fork would wait for
+        zygote(worker_environment(first.threads, sampling))
     workers = {
         device.name: {"cls": DeviceWorkerProcess,
                       "options": {"threads": device.threads, "config": sampling, "host": host,
