@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from harmony import calls, timings
+from harmony import calibration, calls, timings
 from harmony.candidate import step_samples
 from harmony.conventions import training_conventions
 from harmony.errors import InputError, ModelError
@@ -25,7 +25,6 @@ from harmony.progress import EventLog, display, wants_progress
 from harmony.result import TrainResult
 from harmony.runtime import collector
 from harmony.runtime.batching import unbatched
-from harmony.runtime.calibrate import measured_hardware
 from harmony.runtime.checkpoint import Checkpoints, fingerprint
 from harmony.runtime.cluster import LOOPBACK, ClusterHandle, connect, embedded, external_devices, worker_threads
 from harmony.runtime.cluster import shutdown as close_warm
@@ -440,8 +439,7 @@ def train(
             unbatched(handle.client, list(handle.workers.values()), restore=not handle.embedded),
             replicas_kept(handle.client),
         ):
-            hardware = measured_hardware(handle.client, handle.workers,
-                                         cpu_compute=any(spec.kind == "cpu" for spec in specs), by_name=handle.embedded)
+            hardware = calibration.hardware(handle, specs)
             kind = calls.kind_of(specs)
             architectures = calls.architectures(args.models)
             arrays_hardware = calls.fitted(hardware, kind, calls.keyed(architectures, True))

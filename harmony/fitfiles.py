@@ -1,5 +1,6 @@
-"""The runs' host-cost figures kept on disk, so that a later process on this machine plans with their fits
-(harmony.calls): one file per device kind and machine in the user's cache directory.
+"""What runs measured, kept on disk so that a later process on this machine plans with it: the runs' host-cost
+figures, whose fits plans take (harmony.calls), and the embedded cluster's calibration (harmony.calibration); one
+file of each per device kind and machine in the user's cache directory.
 
 HARMONY_CACHE_DIR names the directory (default $XDG_CACHE_HOME/harmony, else ~/.cache/harmony); set to "", nothing
 is read or written. The directory and its files are the user's alone (0700, 0600). A file is replaced whole (written
@@ -25,7 +26,8 @@ from typing import Any
 import msgpack
 import torch
 
-FORMAT = 4  # the entries' layout and how their fits were made: a file of another is ignored
+FORMAT = 5  # the files' layout, their entries' and how their fits were made: a file of another is ignored
+WHAT = ("fits", "calibration")  # what a file keeps, the start of its name
 
 
 def directory() -> Path | None:
@@ -45,37 +47,37 @@ def digest() -> str:
     return hashlib.sha256(repr(what).encode()).hexdigest()[:16]
 
 
-def path(kind: str) -> Path | None:
-    """The file of device kind's fits on this machine (None: nothing kept)."""
+def path(kind: str, what: str = "fits") -> Path | None:
+    """The file of what (WHAT) device kind's runs measured on this machine (None: nothing kept)."""
+    assert what in WHAT
     folder = directory()
-    return None if folder is None else folder / f"fits-{kind}-{digest()}.msgpack"
+    return None if folder is None else folder / f"{what}-{kind}-{digest()}.msgpack"
 
 
-def load(kind: str) -> list[dict[str, Any]]:
+def load(kind: str, what: str = "fits") -> list[dict[str, Any]]:
     """The entries kept for kind, oldest first (none where there is no readable file of this format)."""
-    file = path(kind)
+    file = path(kind, what)
     if file is None:
         return []
     try:
         content = msgpack.unpackb(file.read_bytes(), raw=False)
     except (OSError, ValueError, msgpack.UnpackException):
         return []
-    if not isinstance(content, dict) or content.get("format") != FORMAT or not isinstance(content.get("runs"), list):
-        return []
-    return [run for run in content["runs"] if isinstance(run, dict)]
+    entries = content.get("entries") if isinstance(content, dict) and content.get("format") == FORMAT else None
+    return [entry for entry in entries if isinstance(entry, dict)] if isinstance(entries, list) else []
 
 
-def save(kind: str, runs: list[dict[str, Any]]) -> None:
-    """Replace kind's file with runs (a full disk or a read-only home: nothing kept, the run goes on)."""
-    file = path(kind)
+def save(kind: str, entries: list[dict[str, Any]], what: str = "fits") -> None:
+    """Replace kind's file of what with entries (a full disk or a read-only home: nothing kept, the run goes on)."""
+    file = path(kind, what)
     if file is None:
         return
     with contextlib.suppress(OSError):
         file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        descriptor, temporary = tempfile.mkstemp(dir=file.parent, prefix=".fits-")  # 0600
+        descriptor, temporary = tempfile.mkstemp(dir=file.parent, prefix=f".{what}-")  # 0600
         try:
             with os.fdopen(descriptor, "wb") as out:
-                out.write(msgpack.packb({"format": FORMAT, "runs": runs}, use_bin_type=True))
+                out.write(msgpack.packb({"format": FORMAT, "entries": entries}, use_bin_type=True))
             os.replace(temporary, file)
         except BaseException:
             with contextlib.suppress(OSError):
@@ -84,9 +86,9 @@ def save(kind: str, runs: list[dict[str, Any]]) -> None:
 
 
 def remove() -> None:
-    """Delete this machine's files, of every device kind."""
+    """Delete this machine's files, of every device kind and what they keep."""
     folder = directory()
     if folder is not None:
-        for file in folder.glob(f"fits-*-{digest()}.msgpack"):
+        for file in [file for what in WHAT for file in folder.glob(f"{what}-*-{digest()}.msgpack")]:
             with contextlib.suppress(FileNotFoundError):
                 file.unlink()

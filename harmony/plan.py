@@ -11,6 +11,7 @@ from typing import Any
 from torch import nn
 
 from harmony.api import train
+from harmony.calibration import stored
 from harmony.calls import architectures, fitted, keyed, kind_of
 from harmony.candidate import step_samples
 from harmony.conventions import training_conventions
@@ -234,9 +235,11 @@ def plan(
         specs = build_specs(args.devices, args.device_memory, threads=options.fixed_threads)
         budgets = {spec.name: spec.budget for spec in specs}
         cpu = any(spec.kind == "cpu" for spec in specs)
-        hardware = dataclasses.replace(this_machine(), shared_cores=cpu)
-        if not cpu:  # the devices are this machine's GPUs
-            hardware = with_accelerator(hardware, accelerator_speed())
+        hardware = stored(specs, "+".join(sorted({spec.kind for spec in specs})))  # a train call's calibration
+        if hardware is None:
+            hardware = dataclasses.replace(this_machine(), shared_cores=cpu)
+            if not cpu:  # the devices are this machine's GPUs
+                hardware = with_accelerator(hardware, accelerator_speed())
         arrays_hardware = fitted(hardware, kind_of(specs), keyed(architectures(args.models), True))
         hardware = fitted(hardware, kind_of(specs), keyed(architectures(args.models), False))
     else:

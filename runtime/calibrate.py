@@ -120,27 +120,33 @@ MEASURED: dict[tuple[object, ...], Hardware] = {}  # per cluster (its scheduler 
 KEPT = 16
 
 
-def measured_hardware(client: Client, workers: dict[str, str], cpu_compute: bool = True, by_name: bool = False
-                      ) -> Hardware:
+def measured_hardware(client: Client, workers: dict[str, str], cpu_compute: bool = True, by_name: bool = False,
+                      stored: Hardware | None = None) -> Hardware:
     """This machine as the simulator sees it, with the task cost measured on the cluster the run will use (once per
     cluster: a warm cluster's next run, or the next run on the same user's workers, takes what it measured); the
     CPU a task takes counts where the devices compute on this machine's cores (cpu_compute), and where they do not,
     a worker's GPU gives the compute scale and the link (runtime.measure.accelerator_speed). by_name: the workers
     are known by their names alone (the embedded cluster's, where a device's worker started again is started the same
     way on the same machine: a warm cluster that closed a device's worker and started it again measures nothing);
-    else by their addresses too (a user's worker of a name may come back on another machine)."""
+    else by their addresses too (a user's worker of a name may come back on another machine). stored: what an
+    earlier process measured on such a cluster, taken where this process has measured nothing for it."""
     known = tuple(sorted(workers)) if by_name else tuple(sorted(workers.items()))
     key = (client.scheduler.address, known, cpu_compute)
     if key not in MEASURED:
-        latency, cpu, edge = task_cost(client, workers)
-        logger.info("task cost on this cluster: %.1f ms per task of a chain, %.1f ms of CPU, %.1f ms from worker to "
-                    "worker", latency * 1e3, cpu * 1e3, edge * 1e3)
         while len(MEASURED) >= KEPT:
             del MEASURED[next(iter(MEASURED))]
-        hardware = dataclasses.replace(this_machine(), task_overhead=latency, edge_seconds=edge or latency,
-                                       task_cpu=cpu if cpu_compute else 0.0, shared_cores=cpu_compute)
-        if not cpu_compute:  # the devices are GPUs: measured on one of their workers
-            address = next(iter(workers.values()))
-            hardware = with_accelerator(hardware, client.run(accelerator_speed, workers=[address])[address])
-        MEASURED[key] = hardware
+        MEASURED[key] = stored if stored is not None else _measured(client, workers, cpu_compute)
     return MEASURED[key]
+
+
+def _measured(client: Client, workers: dict[str, str], cpu_compute: bool) -> Hardware:
+    """measured_hardware's figures, measured now."""
+    latency, cpu, edge = task_cost(client, workers)
+    logger.info("task cost on this cluster: %.1f ms per task of a chain, %.1f ms of CPU, %.1f ms from worker to "
+                "worker", latency * 1e3, cpu * 1e3, edge * 1e3)
+    hardware = dataclasses.replace(this_machine(), task_overhead=latency, edge_seconds=edge or latency,
+                                   task_cpu=cpu if cpu_compute else 0.0, shared_cores=cpu_compute)
+    if not cpu_compute:  # the devices are GPUs: measured on one of their workers
+        address = next(iter(workers.values()))
+        hardware = with_accelerator(hardware, client.run(accelerator_speed, workers=[address])[address])
+    return hardware
