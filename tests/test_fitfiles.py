@@ -1,4 +1,4 @@
-"""The runs' host-cost figures kept on disk between processes: where, whose, and what a reader makes of a bad file."""
+"""What runs measured, kept on disk between processes: where, whose, and what a reader makes of a bad file."""
 
 from __future__ import annotations
 
@@ -39,6 +39,8 @@ def test_a_file_is_the_users_alone_replaced_whole_and_one_per_kind(monkeypatch: 
     assert fitfiles.load("cpu") == runs[1:]
     assert [path.name for path in file.parent.iterdir()] == [file.name], "no temporary file left beside it"
     fitfiles.save("cuda", runs)
+    fitfiles.save("cpu", runs[:1], "calibration")
+    assert fitfiles.load("cpu", "calibration") == runs[:1] and fitfiles.load("cpu") == runs[1:], "a file for each"
     fitfiles.remove()
     assert list(file.parent.iterdir()) == []
 
