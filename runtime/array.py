@@ -52,6 +52,21 @@ TENSOR = object()  # in a vmapped member's output, a tensor's place (ArrayLayer.
 LINEAR_TYPES = (nn.Linear, nn.modules.linear.NonDynamicallyQuantizableLinear)
 
 
+LIFT = torch.ops.aten.lift_fresh_copy.default  # how an exported graph reads a tensor its forward made
+
+
+def lifted_constants(module: nn.Module) -> set[str]:
+    """module's buffers that torch.export lifted from tensors its forward made (``torch.tensor(2)``, a config's
+    token id): a graph reads them only through lift_fresh_copy, so nothing writes them."""
+    names = set()
+    for path, graph in module.named_modules():
+        if isinstance(graph, fx.GraphModule):
+            for node in graph.graph.nodes:
+                if node.op == "get_attr" and node.users and all(user.target is LIFT for user in node.users):
+                    names.add(f"{path}.{node.target}" if path else str(node.target))
+    return names & {name for name, _ in module.named_buffers()}
+
+
 def stacked_name(name: str) -> str:
     """The attribute name of a member tensor's stack (module attribute names may not contain dots)."""
     return name.replace(".", ":")
@@ -89,7 +104,10 @@ class ArrayLayer(nn.Module):
         self.shared_input = shared_input
         self.kind = "vmap" if general else array_kind(first, shared_input)
         self.param_names = [name for name, _ in first.named_parameters()]
-        self.buffer_names = [name for name, _ in first.named_buffers()]
+        self.constants = {  # read by every member as it is, not stacked: a batched one could not fill a fresh tensor
+            name: first.get_buffer(name).detach().clone() for name in sorted(lifted_constants(first))
+            if all(torch.equal(member.get_buffer(name), first.get_buffer(name)) for member in members[1:])}
+        self.buffer_names = [name for name, _ in first.named_buffers() if name not in self.constants]
         self.pads = pads(first)  # its lookups with a padding row run as runtime.padding's where indices are batched
         self.attends: bool | None = None  # whether it calls attention (runtime.attention folds it): known once run
         with torch.no_grad():
@@ -104,7 +122,7 @@ class ArrayLayer(nn.Module):
                 elif attribute.endswith(ROW):
                     stack = stack.unsqueeze(1)
                 self.register_parameter(attribute, nn.Parameter(stack, requires_grad=param.requires_grad))
-            for name, _ in first.named_buffers():
+            for name in self.buffer_names:
                 stack = torch.stack([member.get_buffer(name).detach() for member in members])
                 self.register_buffer(stacked_name(name), stack)
         template = retie(copy.deepcopy(first).to("meta"), first)
@@ -150,11 +168,12 @@ class ArrayLayer(nn.Module):
             shared = False
 
         call = bind(template)
+        constants = self._constants(next(iter([*params.values(), *buffers.values()]), None))
         sizes: list[Any] = []  # the output's structure and its leaves that are not tensors (a traced stage's sizes)
 
         def member(member_params: dict[str, torch.Tensor], member_buffers: dict[str, torch.Tensor], value: Any
                    ) -> list[torch.Tensor]:
-            leaves, structure = tree_flatten(call({**member_params, **member_buffers}, value))
+            leaves, structure = tree_flatten(call({**member_params, **member_buffers, **constants}, value))
             sizes[:] = [structure, [TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]]
             return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
 
@@ -168,6 +187,12 @@ class ArrayLayer(nn.Module):
             self.attends = attention.calls > 0
         structure, leaves = sizes
         return tree_unflatten([next(tensors) if leaf is TENSOR else leaf for leaf in leaves], structure)
+
+    def _constants(self, beside: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """The shared constants on the device of beside (a stack; this layer moves to a device without them)."""
+        if beside is not None and any(value.device != beside.device for value in self.constants.values()):
+            self.constants = {name: value.to(beside.device) for name, value in self.constants.items()}
+        return self.constants
 
     def _linear(self, x: torch.Tensor, transposed: torch.Tensor, rows_bias: torch.Tensor | None) -> torch.Tensor:
         """x @ weight.T + bias for every member at once; transposed is the members' weights, members x in x out,

@@ -250,3 +250,52 @@ def test_an_array_of_an_op_vmap_loops_over_computes_each_member_and_warns_nothin
         warnings.simplefilter("always")
         torch.func.vmap(members[0])(x)
     assert [warning for warning in caught if FALLBACK_WARNING in str(warning.message)], "torch's vmap still warns"
+
+
+class Shifted(nn.Module):
+    """Shifts its input right by one place, the first place filled with a token id from its configuration (as a
+    sequence-to-sequence model makes its decoder's inputs), then a linear layer: exported, the token id is a tensor
+    constant lifted into a buffer."""
+
+    def __init__(self, token: float) -> None:
+        super().__init__()
+        self.token = token
+        self.linear = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shifted = x.new_zeros(x.shape)
+        shifted[:, 1:] = x[:, :-1]
+        shifted[:, 0] = torch.tensor(self.token)
+        return self.linear(shifted)
+
+
+def exported(module: nn.Module, sample: torch.Tensor) -> fx.GraphModule:
+    """module exported and made a stage of its graph as runtime.stages makes one (the stage copies what its graph
+    reads: a tensor constant becomes a buffer)."""
+    program = torch.export.export(module, (sample,), strict=False).module()
+    return fx.GraphModule(program, program.graph)
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-input", "stacked-input"])
+def test_an_exported_constant_every_member_has_alike_is_read_unstacked_and_one_that_differs_is_stacked(
+        shared: bool) -> None:
+    """A constant an exported forward made fills a fresh tensor: stacked per member, vmap refuses to fill a tensor
+    that is not batched with one that is (exported BART could not be fused); the same in every member, every member
+    reads it as it is. Constants that differ between members stay each member's own."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 5)
+    alike = [exported(Shifted(2.0), x) for _ in range(2)]
+    layer = ArrayLayer(alike, shared_input=shared)
+    assert list(layer.constants) and not [name for name in layer.buffer_names if name in layer.constants]
+    inputs = x if shared else torch.stack([x, 2 * x])
+    out = layer(inputs)
+    for index, member in enumerate(alike):
+        torch.testing.assert_close(out[index], member(x if shared else inputs[index]))
+    (out ** 2).sum().backward()
+    assert layer.stacked("linear.weight", grad=True).abs().sum() > 0
+
+    differing = [exported(Shifted(token), x) for token in (2.0, 3.0)]
+    layer = ArrayLayer(differing, shared_input=True)
+    assert layer.constants == {} and len(layer.buffer_names) == 1, "each member's own, stacked"
+    with pytest.raises(RuntimeError):  # vmap refuses the stacked constant in place (fusion then trains them unfused)
+        layer(x)

@@ -313,6 +313,36 @@ def test_tied_embeddings_are_held_once_and_borrowed_by_the_head_across_packs(
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
 
 
+def bart(seed: int) -> torch.nn.Module:
+    """A small BART in float64 without dropout: its decoder's inputs are its labels shifted right after its
+    configuration's start token, a tensor constant of the exported graph that fills a fresh tensor."""
+    torch.manual_seed(seed)
+    config = transformers.BartConfig(vocab_size=VOCAB, d_model=16, encoder_layers=2, decoder_layers=2,
+                                     encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+                                     decoder_ffn_dim=32, max_position_embeddings=32, pad_token_id=1, bos_token_id=0,
+                                     eos_token_id=2, decoder_start_token_id=2, dropout=0.0, attention_dropout=0.0,
+                                     activation_dropout=0.0)
+    return transformers.BartForConditionalGeneration(config).double()
+
+
+def test_barts_exported_fuse_into_a_swapped_array_that_equals_plain_pytorch(no_leaks: None) -> None:
+    """Exported, BART's start token is a constant its graph lifted into a buffer: stacked per member, vmap refused
+    to fill the decoder's fresh inputs with it, and BART could not be fused swapped. Alike in both members, it is
+    read unstacked (runtime.array.lifted_constants): two BARTs fuse into one array swapped in packs and equal plain
+    PyTorch in float64 with SGD at two rates."""
+    models = [bart(seed) for seed in range(2)]
+    references = copy.deepcopy(models)
+    batches = token_batches(steps=3, batch=4, length=8)
+    factories = [functools.partial(torch.optim.SGD, lr=rate) for rate in (0.1, 0.2)]
+    budget = 4 * sum(p.numel() * p.element_size() for p in models[0].parameters())
+    result = harmony.train(models, batches, None, factories, devices=["cpu"], device_memory=budget, resident=False,
+                           fuse=True, progress=False)
+    assert result.arrays == [[0, 1]] and len(result.packings[0].packs) > 1
+    for model, reference, factory in zip(models, references, factories):
+        train_plain(reference, batches, factory, keywords=True)
+        assert_close(model, reference)
+
+
 def t5(seed: int) -> torch.nn.Module:
     """A small T5 in float64 without dropout: its attention adds a learned relative position bias as a mask."""
     torch.manual_seed(seed)
