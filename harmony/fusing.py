@@ -88,7 +88,8 @@ def build_array(members: list[int], candidates: list[Candidate], args: Arguments
     room to prefetch where its members prefetch, the members are cut again by cutter for their share of budget
     (a traced model at finer blocks, one that fit whole exported), and the array built of those layers instead.
 
-    Raises LayerTooLarge when the array's largest layer does not fit budget, Unfusable when it fails in its pilot.
+    Raises LayerTooLarge when the array's largest layer does not fit budget, Unfusable when it fails in its pilot
+    (an array of whole models that vmap refuses is first built of the members cut apart: _cut_apart).
     """
     parts = [candidates[m] for m in members]
     if cutter is not None and _outgrows(parts, budget):
@@ -99,9 +100,32 @@ def build_array(members: list[int], candidates: list[Candidate], args: Arguments
         if cutter is None:
             raise
         return _recut(members, candidates, args, budget, timed, cutter, error)
+    except Unfusable as refused:
+        if cutter is None or len(parts[0].code.layers) > 1:
+            raise
+        try:
+            apart = _cut_apart(members, candidates, args, budget, timed, cutter)
+        except (BudgetTooSmall, ModelError):  # not cut, or its stages fail too: the whole model's refusal says why
+            raise refused from None
+        if apart is None:
+            raise
+        return apart
     if cutter is None or array.job.packing.prefetch or not all(part.job.packing.prefetch for part in parts):
         return array
     return _recut(members, candidates, args, budget, timed, cutter, array)
+
+
+def _cut_apart(members: list[int], candidates: list[Candidate], args: Arguments, budget: int,
+               timed: ModelProfile | None, cutter: Cutter) -> Candidate | None:
+    """The array of members whose whole forward vmap refuses (gradient checkpointing inside a model calls
+    requires_grad_), built of the members cut by cutter: exported, their stages compute the forward without the
+    calls vmap refuses. A member that fits its share of budget whole is cut for a budget just under its pack, which
+    only its export (or finer blocks) fits. None where that does not cut it finer."""
+    share = min(budget // len(members), candidates[members[0]].job.packing.packs[0].cost.total - 1)
+    finer = [cutter(m, share) for m in members]
+    if len(finer[0].code.layers) == 1:
+        return None
+    return _stacked(members, finer, candidates, args, budget, timed)
 
 
 def _outgrows(parts: list[Candidate], budget: int) -> bool:

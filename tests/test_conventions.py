@@ -343,6 +343,26 @@ def test_barts_exported_fuse_into_a_swapped_array_that_equals_plain_pytorch(no_l
         assert_close(model, reference)
 
 
+def test_gpt2s_with_gradient_checkpointing_that_fit_whole_fuse_cut_apart_and_equal_plain_pytorch(
+        no_leaks: None) -> None:
+    """Gradient checkpointing calls requires_grad_ inside the forward, which vmap refuses: two checkpointed GPT-2s
+    that fit whole could not be fused (exported, as when they do not fit, they could). Their array is now built of
+    the members cut apart (harmony.fusing._cut_apart: exported for a budget just under the whole model), homed, and
+    equals plain PyTorch's checkpointed models in float64 with SGD at two rates."""
+    models = [gpt2(seed) for seed in range(2)]
+    for model in models:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    references = copy.deepcopy(models)
+    batches = token_batches(steps=3, batch=4, length=8)
+    factories = [functools.partial(torch.optim.SGD, lr=rate) for rate in (0.1, 0.2)]
+    result = harmony.train(models, batches, None, factories, devices=["cpu"], fuse=True, progress=False)
+    assert result.arrays == [[0, 1]] and result.homes == {0: "cpu-0", 1: "cpu-0"}
+    for model, reference, factory in zip(models, references, factories):
+        assert model.is_gradient_checkpointing, "the user's model as it was"
+        train_plain(reference, batches, factory, keywords=True)
+        assert_close(model, reference)
+
+
 def t5(seed: int) -> torch.nn.Module:
     """A small T5 in float64 without dropout: its attention adds a learned relative position bias as a mask."""
     torch.manual_seed(seed)
