@@ -104,11 +104,12 @@ def build_array(members: list[int], candidates: list[Candidate], args: Arguments
         if cutter is None or len(parts[0].code.layers) > 1:
             raise
         try:
-            apart = _cut_apart(members, candidates, args, budget, timed, cutter)
+            with quiet_failures():  # an export that fails is an answer, not an error to show
+                apart = _cut_apart(members, candidates, args, budget, timed, cutter)
         except (BudgetTooSmall, ModelError):  # not cut, or its stages fail too: the whole model's refusal says why
-            raise refused from None
+            apart = None
         if apart is None:
-            raise
+            raise refused
         return apart
     if cutter is None or array.job.packing.prefetch or not all(part.job.packing.prefetch for part in parts):
         return array

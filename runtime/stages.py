@@ -79,17 +79,19 @@ def trace_stages(module: nn.Module, largest: int | None = None, sample: Any = No
 
 
 FX_MESSAGE = "Call using an FX-traced Module"  # what torch.fx's message on an exception in a generated forward holds
+PARTIAL_GRAPH = "def forward(self"  # how the partial graph torch.export prints when an export fails begins
 
 
 class _WithoutFxMessages(io.TextIOBase):
-    """A stream that writes to another all but torch.fx's messages on exceptions in a stage (and their newlines)."""
+    """A stream that writes to another all but torch.fx's messages on exceptions in a stage, and the partial graph
+    torch.export prints when an export fails (and their newlines)."""
 
     def __init__(self, stream: Any) -> None:
         self.stream = stream
         self.dropped = False  # the last write was such a message: print's newline follows it
 
     def write(self, text: str) -> int:
-        dropped, self.dropped = self.dropped, FX_MESSAGE in text
+        dropped, self.dropped = self.dropped, FX_MESSAGE in text or text.lstrip().startswith(PARTIAL_GRAPH)
         if self.dropped or (dropped and text == "\n"):
             return len(text)
         return self.stream.write(text)
@@ -101,9 +103,10 @@ class _WithoutFxMessages(io.TextIOBase):
 @contextlib.contextmanager
 def quiet_failures() -> Iterator[None]:
     """Within the block, a stage that raises leaves no message on stderr. A stage is an fx.GraphModule, and torch.fx
-    prints a traceback and the generated lines to stderr for every exception inside one, caught or not: a probe whose
-    failure is an answer (a layer that cannot run on half its samples, models that cannot fuse) would fill a user's
-    terminal with errors that are none. Everything else written to stderr meanwhile, from any thread, goes through."""
+    prints a traceback and the generated lines to stderr for every exception inside one, caught or not (and
+    torch.export the graph it had traced when it fails): a probe whose failure is an answer (a layer that cannot run
+    on half its samples, models that cannot fuse) would fill a user's terminal with errors that are none. Everything
+    else written to stderr meanwhile, from any thread, goes through."""
     with contextlib.redirect_stderr(_WithoutFxMessages(sys.stderr)):
         yield
 

@@ -128,6 +128,36 @@ class ItemGate(nn.Module):
         return x * self.scale * (1.0 if self.scale.item() > 0 else -1.0)
 
 
+class GatedWhole(nn.Module):
+    """A model that is not a chain, an ItemGate inside: it fits whole, and vmap refuses it however it is cut."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden, self.gate, self.out = nn.Linear(32, 16), ItemGate(), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.gate(torch.tanh(self.hidden(x))))
+
+
+def test_a_whole_model_vmap_refuses_however_it_is_cut_trains_unfused_saying_why_and_printing_nothing(
+        caplog: pytest.LogCaptureFixture, capfd: pytest.CaptureFixture[str], no_leaks: None) -> None:
+    """A whole model whose array vmap refuses is cut apart for the array first (harmony.fusing._cut_apart: a model
+    with gradient checkpointing fuses so); where its export fails too (.item() on a weight), fuse="auto" trains it
+    unfused saying what vmap refused, fuse=True raises that, and the failed export's graph is not printed."""
+    batches = regression_batches(samples=16 * 2, batch=16)
+    factory = lambda p: torch.optim.SGD(p, lr=0.05)  # noqa: E731
+    with caplog.at_level("WARNING", logger="harmony"):
+        result = harmony.train([GatedWhole() for _ in range(2)], batches, loss_fn=nn.functional.mse_loss,
+                               optimizer=factory, devices=["cpu"], progress=False)
+    assert result.arrays == [[0], [1]]
+    assert "trains them unfused, as their array raised RuntimeError: vmap: It looks like you're calling .item()" in \
+        caplog.text
+    with pytest.raises(harmony.ModelError, match=r"\.item\(\)"):
+        harmony.train([GatedWhole() for _ in range(2)], batches, loss_fn=nn.functional.mse_loss, optimizer=factory,
+                      devices=["cpu"], fuse=True, progress=False)
+    assert "def forward(self" not in capfd.readouterr().err
+
+
 def test_fuse_true_says_which_models_it_never_fuses_and_why(caplog: pytest.LogCaptureFixture, no_leaks: None
                                                             ) -> None:
     """Models trained in fp16 are never fused (fusing.UNFUSED: each skips its steps by its own loss scale): with
