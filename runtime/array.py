@@ -6,7 +6,9 @@ i's weight is ``stacked[i]``) and runs them at once: an nn.Linear as one batched
 directly on the stacked activations, and any other
 layer (Conv2d, BatchNorm with its running statistics per member, LayerNorm, Embedding, attention) through
 ``torch.func.vmap`` over a functional call (runtime.reparametrize), with random draws different per member and the
-members' attention calls folded into one (runtime.attention). Activations
+members' attention calls folded into one (runtime.attention); a tensor constant an exported stage made, alike in
+every member, is read by all of them as it is (lifted_constants: vmap cannot fill an unbatched tensor from a
+stacked one). Activations
 between array layers carry the member dimension first; the first layer's input is the members' shared
 mini-batch.
 """
@@ -168,7 +170,8 @@ class ArrayLayer(nn.Module):
             shared = False
 
         call = bind(template)
-        constants = self._constants(next(iter([*params.values(), *buffers.values()]), None))
+        constants = self._constants([*params.values(), *buffers.values(), *tree_flatten(x)[0]]) if self.constants \
+            else {}
         sizes: list[Any] = []  # the output's structure and its leaves that are not tensors (a traced stage's sizes)
 
         def member(member_params: dict[str, torch.Tensor], member_buffers: dict[str, torch.Tensor], value: Any
@@ -188,10 +191,12 @@ class ArrayLayer(nn.Module):
         structure, leaves = sizes
         return tree_unflatten([next(tensors) if leaf is TENSOR else leaf for leaf in leaves], structure)
 
-    def _constants(self, beside: torch.Tensor | None) -> dict[str, torch.Tensor]:
-        """The shared constants on the device of beside (a stack; this layer moves to a device without them)."""
-        if beside is not None and any(value.device != beside.device for value in self.constants.values()):
-            self.constants = {name: value.to(beside.device) for name, value in self.constants.items()}
+    def _constants(self, beside: list[Any]) -> dict[str, torch.Tensor]:
+        """The shared constants on the device of the first tensor beside (the stacks, then the input's leaves: this
+        layer moves to a device without them)."""
+        device = next((value.device for value in beside if isinstance(value, torch.Tensor)), None)
+        if device is not None and any(value.device != device for value in self.constants.values()):
+            self.constants = {name: value.to(device) for name, value in self.constants.items()}
         return self.constants
 
     def _linear(self, x: torch.Tensor, transposed: torch.Tensor, rows_bias: torch.Tensor | None) -> torch.Tensor:
