@@ -235,7 +235,7 @@ def plan(
         specs = build_specs(args.devices, args.device_memory, threads=options.fixed_threads)
         budgets = {spec.name: spec.budget for spec in specs}
         cpu = any(spec.kind == "cpu" for spec in specs)
-        hardware = stored(specs, "+".join(sorted({spec.kind for spec in specs})))  # a train call's calibration
+        hardware = stored(specs)  # a train call's calibration, where one was kept
         if hardware is None:
             hardware = dataclasses.replace(this_machine(), shared_cores=cpu)
             if not cpu:  # the devices are this machine's GPUs

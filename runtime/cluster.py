@@ -168,10 +168,6 @@ class DeviceWorkerProcess(ProcessInterface):
         runs."""
         return self.restarts >= RESTARTS and (self.process is None or self.process.returncode is not None)
 
-    def environment(self) -> dict[str, str]:
-        """The worker's environment: the driver's, its sys.path, the device's threads and the cluster's config."""
-        return worker_environment(self.threads, self.config)
-
     async def launch(self) -> None:
         spec = {
             "cls": "distributed.Worker",
@@ -185,7 +181,7 @@ class DeviceWorkerProcess(ProcessInterface):
                 "dashboard": False,
             },
         }
-        env = self.environment()
+        env = worker_environment(self.threads, self.config)
         args = [self.scheduler, "--spec", json.dumps(spec)]
         forking = zygote(env) if self.fork else None
         forked = None if forking is None else await forking.fork(args, env, self.threads)
