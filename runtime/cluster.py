@@ -141,6 +141,7 @@ class DeviceWorkerProcess(ProcessInterface):
         self.closing = False
         self.restarts = 0
         self.watch: asyncio.Task[None] | None = None
+        self.launching: asyncio.Future[asyncio.subprocess.Process | Forked] | None = None
 
     async def start(self) -> None:
         await self.launch()
@@ -169,6 +170,13 @@ class DeviceWorkerProcess(ProcessInterface):
         return self.restarts >= RESTARTS and (self.process is None or self.process.returncode is not None)
 
     async def launch(self) -> None:
+        """Start the worker's process. A cancel (the cluster closing while a lost worker starts again) does not cut
+        the start short: the process it starts anyway is close's to end (self.launching), not left to wait out its
+        death timeout."""
+        self.launching = asyncio.ensure_future(self._started())
+        self.process = await asyncio.shield(self.launching)
+
+    async def _started(self) -> asyncio.subprocess.Process | Forked:
         spec = {
             "cls": "distributed.Worker",
             "opts": {
@@ -185,7 +193,7 @@ class DeviceWorkerProcess(ProcessInterface):
         args = [self.scheduler, "--spec", json.dumps(spec)]
         forking = zygote(env) if self.fork else None
         forked = None if forking is None else await forking.fork(args, env, self.threads)
-        self.process = forked or await asyncio.create_subprocess_exec(
+        return forked or await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
             "distributed.cli.dask_spec",
@@ -199,6 +207,9 @@ class DeviceWorkerProcess(ProcessInterface):
         self.closing = True
         if self.watch is not None:
             self.watch.cancel()
+        if self.launching is not None:
+            with contextlib.suppress(Exception):
+                self.process = await self.launching
         process = self.process
         if process is not None and process.returncode is None:
             process.terminate()

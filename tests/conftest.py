@@ -6,6 +6,7 @@ import copy
 import os
 import subprocess
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -331,6 +332,22 @@ def described(names: set[str] | list[str]) -> str:
     return "; ".join(lines) + f"; workers alive (pid, parent, status): {alive}"
 
 
+def portrayed(pids: set[int]) -> str:
+    """Processes by what tells a worker left alive from another that took its process id: name, status, parent,
+    age and command line."""
+    lines = []
+    for pid in sorted(pids):
+        try:
+            process = psutil.Process(pid)
+            with process.oneshot():
+                lines.append(f"{pid} ({process.name()}, {process.status()}, parent {process.ppid()}, "
+                             f"{time.time() - process.create_time():.1f} s old, {process.num_threads()} threads: "
+                             f"{' '.join(process.cmdline())[:160]})")
+        except psutil.Error as error:
+            lines.append(f"{pid} ({type(error).__name__})")
+    return "; ".join(lines)
+
+
 def native_threads() -> set[int]:
     """Ids of the calling process's threads that Python did not start: torch's OpenMP pool threads among them."""
     started_by_python = {thread.native_id for thread in threading.enumerate()}
@@ -457,7 +474,8 @@ def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
     left = set(harmony_files()) - before
     assert not left, f"this test left shared-memory files behind: {described(left)}"
     alive = {p.pid for p in live_workers()}
-    assert alive <= warm_workers(), f"this test left worker processes alive: {sorted(alive - warm_workers())}"
+    left_alive = alive - warm_workers()
+    assert not left_alive, f"this test left worker processes alive: {portrayed(left_alive)}"
 
 
 @pytest.fixture

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import copy
 import functools
 import logging
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 
 import dask
+import psutil
 import pytest
 import torch
 from distributed import Client, LocalCluster
@@ -394,6 +397,39 @@ def test_a_warm_cluster_whose_worker_died_for_good_is_replaced_without_waiting_f
         call()
     assert "the warm cluster lost cpu-0 for good" in caplog.text
     assert cluster.WARM is not None and cluster.WARM[1] is not handle
+
+
+def test_a_worker_forked_again_while_its_cluster_closes_is_closed_with_it(
+    monkeypatch: pytest.MonkeyPatch, no_leaks: None
+) -> None:
+    """A device worker that died is forked again; a cluster closed while that fork is under way (a call that needs
+    another cluster, the zygote staying) ends the process forked for it too, rather than leave it to wait out its
+    death timeout for a scheduler that is gone."""
+    from harmony.runtime import cluster
+    from harmony.runtime.zygote import Zygote
+
+    sgd = lambda p: torch.optim.SGD(p, lr=0.05)  # noqa: E731
+    harmony.train(deep_mlp(depth=2), regression_batches(samples=32, batch=8), nn.functional.mse_loss, sgd,
+                  devices=["cpu"], progress=False)
+    assert cluster.WARM is not None and cluster.ZYGOTE is not None
+    handle = cluster.WARM[1]
+    zygote = psutil.Process(cluster.ZYGOTE.process.pid)
+    forked = threading.Event()
+    fork = Zygote.fork
+
+    async def held(self: Zygote, *args: object) -> object:
+        child = await fork(self, *args)  # type: ignore[arg-type]
+        forked.set()
+        await asyncio.sleep(2)  # forked, not yet the worker's process: the cluster closes now
+        return child
+
+    monkeypatch.setattr(Zygote, "fork", held)
+    [first] = handle.client.run(os.getpid).values()
+    os.kill(first, signal.SIGKILL)
+    assert forked.wait(60), "the worker was not forked again"
+    handle.close()
+    _, alive = psutil.wait_procs(zygote.children(), timeout=10)
+    assert not alive, f"the zygote's children outlived their cluster: {[process.pid for process in alive]}"
 
 
 def test_worker_names_are_asked_again_when_the_clients_answer_lists_none() -> None:
