@@ -24,6 +24,7 @@ from harmony import timings
 from harmony.candidate import RANKING_STEPS, Candidate, pilot_batch, step_samples
 from harmony.errors import BudgetTooSmall, InputError, ModelError
 from harmony.fusing import build_array, fuse
+from harmony.runtime.array import configuration
 from harmony.runtime.cache import tree_nbytes
 from harmony.runtime.code import JobCode
 from harmony.runtime.data import batch_size
@@ -200,10 +201,11 @@ def _kept(args: Arguments, index: int, sample: Any) -> Hashable:
 def _cut(args: Arguments, index: int, sample: Any, target: Any, samples: int, budget: int,
          timed: ModelProfile | None) -> tuple[Decomposition, Any]:
     """Model index decomposed and cut into packs for budget (_decompose_and_cut): where a model of its architecture
-    was exported and cut for budget on a sample of these shapes before in this planning (Arguments.cuts), as that
+    and configuration (runtime.array.configuration: what its graph bakes in) was exported and cut for budget on a
+    sample of these shapes before in this planning (Arguments.cuts), as that
     model's stages rebound to its own weights (an export takes seconds); an exported model's cut kept there for the
     next."""
-    key = (_kept(args, index, sample), budget)
+    key = (_kept(args, index, sample), configuration(args.models[index]), budget)
     source = args.cuts.get(key)
     made = None if source is None else _rebound_cut(args, index, sample, target, samples, budget, timed, source)
     decomposition, packing = made or _decompose_and_cut(args, index, sample, target, samples, budget, timed)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
@@ -365,6 +365,35 @@ def simple_attributes(module: nn.Module) -> tuple[tuple[str, str], ...]:
         if isinstance(value, plain) or (isinstance(value, tuple) and all(isinstance(v, plain) for v in value)):
             items.append((name, repr(value)))
     return tuple(items)
+
+
+def configuration(model: nn.Module) -> Hashable:
+    """What a model's code reads besides its tensors: each module's type and plain configuration, and the other
+    objects its modules keep (a function, a Hugging Face model's config). torch.export and torch.fx bake these into
+    a graph (an activation's kind, an epsilon, a dropout rate): models of one architecture whose configurations
+    differ compute differently, and one's graph cannot stand for the other's."""
+    modules = []
+    settings: dict[int, str] = {}
+    for name, module in model.named_modules():
+        modules.append((name, type(module).__qualname__, type(module).__module__, simple_attributes(module)))
+        for attribute, value in sorted(vars(module).items()):
+            if not attribute.startswith("_") and not isinstance(value, (bool, int, float, str, tuple, type(None),
+                                                                         torch.Tensor, nn.Module)):
+                settings.setdefault(id(value), _setting(value))
+    return tuple(modules), tuple(settings.values())
+
+
+def _setting(value: object) -> str:
+    """An object a module keeps, as what it computes with: a function by name, a settings object by its values."""
+    if callable(value):
+        qualified = getattr(value, "__qualname__", None)
+        return repr(value) if qualified is None else f"{getattr(value, '__module__', None)}.{qualified}"
+    to_dict = getattr(value, "to_dict", None)
+    if callable(to_dict):
+        return repr(sorted(to_dict().items()))
+    if hasattr(value, "__dict__"):
+        return f"{type(value).__qualname__}{sorted(vars(value).items())!r}"
+    return repr(value)
 
 
 def layer_signature(layer: nn.Module) -> tuple[Any, ...]:

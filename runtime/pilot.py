@@ -26,6 +26,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves, tree_map
 
+from harmony.runtime.array import configuration
 from harmony.runtime.cache import tree_nbytes
 from harmony.runtime.halving import casts
 from harmony.runtime.hoststore import dtype_name
@@ -284,14 +285,16 @@ def _own(module: nn.Module) -> nn.Module:
 
 
 def _export_key(module: nn.Module, sample: Any) -> Hashable:
-    """What two modules and their samples must share for one's export to stand for the other's (Exports)."""
-    return architecture(_own(module)), input_shapes(sample), tuple(part.training for part in module.modules())
+    """What two modules and their samples must share for one's export to stand for the other's (Exports): the
+    architecture, the configuration the graph bakes in, the inputs' shapes and the training modes."""
+    return (architecture(_own(module)), configuration(_own(module)), input_shapes(sample),
+            tuple(part.training for part in module.modules()))
 
 
 def architecture(module: nn.Module) -> Hashable:
-    """What two modules must share, besides their inputs, for one's pilot timings or export to stand for the
-    other's: class, parameters (names, shapes, dtypes, whether trained) and buffers (decompose still checks that
-    their layers come out alike)."""
+    """What two modules must share, besides their inputs, for one's pilot timings to stand for the other's: class,
+    parameters (names, shapes, dtypes, whether trained) and buffers (decompose still checks that their layers come
+    out alike). An export or a cut must share their configuration too (runtime.array.configuration)."""
     return (type(module),
             tuple((name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in module.named_parameters()),
             tuple((name, tuple(b.shape), b.dtype) for name, b in module.named_buffers()))

@@ -16,6 +16,7 @@ from harmony.runtime.array import (
     FALLBACK_WARNING,
     ArrayLayer,
     array_loss,
+    configuration,
     layer_signature,
     narrowed,
     narrowed_bytes,
@@ -181,6 +182,27 @@ def test_layer_signatures_tell_configurations_apart() -> None:
     assert layer_signature(nn.LeakyReLU(0.1)) != layer_signature(nn.LeakyReLU(0.2))
     assert layer_signature(nn.Linear(4, 3)) != layer_signature(nn.Linear(4, 3).double())
     assert layer_signature(nn.BatchNorm1d(3)) != layer_signature(nn.BatchNorm1d(3).eval())
+
+
+def test_a_models_configuration_tells_apart_what_its_graph_would_bake_in() -> None:
+    """Models of one architecture (the same parameters and buffers) take one another's export or cut only where their
+    configurations agree: a rate, an activation function kept as a function, a settings object's values."""
+
+    class Configured(nn.Module):
+        def __init__(self, rate: float, activation: Callable[..., torch.Tensor], scale: float) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+            self.drop = nn.Dropout(rate)
+            self.activation = activation
+            self.config = types.SimpleNamespace(scale=scale)
+
+    base = configuration(Configured(0.1, nn.functional.gelu, 2.0))
+    assert configuration(Configured(0.1, nn.functional.gelu, 2.0)) == base, "other weights, the same configuration"
+    assert configuration(Configured(0.2, nn.functional.gelu, 2.0)) != base
+    assert configuration(Configured(0.1, nn.functional.relu, 2.0)) != base
+    assert configuration(Configured(0.1, nn.functional.gelu, 3.0)) != base
+    gelu = nn.TransformerEncoderLayer(8, 2, 16, activation="gelu")
+    assert configuration(gelu) != configuration(nn.TransformerEncoderLayer(8, 2, 16, activation="relu"))
 
 
 def test_traced_stages_whose_code_differs_have_different_signatures() -> None:

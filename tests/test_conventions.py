@@ -183,6 +183,45 @@ def test_causal_lms_larger_than_the_device_are_exported_cut_at_their_layers_and_
         assert result.history[index] == pytest.approx(losses, rel=2 * torch.finfo(torch.float32).eps)
 
 
+def test_a_sweep_over_settings_that_leave_the_weights_alike_exports_each_setting_and_equals_plain_pytorch(
+    no_leaks: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GPT-2s of one shape whose activation function or layer-norm epsilon differ (a sweep over them), larger than the
+    device: torch.export bakes those settings into its graph, so a model takes another's export and cut only where
+    its settings are the same (before, every model trained with the first's activation and epsilon); each equals
+    plain PyTorch in float64."""
+    from harmony.runtime import pilot
+
+    exported = []
+    export = pilot.exported_graph
+
+    def exporting(module: torch.nn.Module, sample: dict) -> object:
+        exported.append(getattr(module, "model", module))  # a model called on keywords is wrapped (KeywordCall)
+        return export(module, sample)
+
+    monkeypatch.setattr(pilot, "exported_graph", exporting)
+
+    def variant(seed: int, activation: str, epsilon: float) -> torch.nn.Module:
+        torch.manual_seed(seed)
+        config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=16,
+                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                                         eos_token_id=0, activation_function=activation, layer_norm_epsilon=epsilon)
+        return transformers.GPT2LMHeadModel(config).double()
+
+    models = [variant(0, "gelu_new", 1e-5), variant(1, "relu", 1e-5), variant(2, "gelu_new", 0.5),
+              variant(3, "gelu_new", 1e-5)]
+    references = copy.deepcopy(models)
+    batches = token_batches(steps=3)
+    budget = 2 * sum(p.numel() * p.element_size() for p in models[0].parameters())  # less than training one holds
+    result = harmony.train(models, batches, None, adam(1e-3), devices=["cpu"], device_memory=budget, fuse=False,
+                           microbatches=2, progress=False)
+    assert all(len(packing.packs) > 1 for packing in result.packings)
+    assert [models.index(module) for module in exported] == [0, 1, 2], "model 3 takes model 0's export"
+    for model, reference in zip(models, references):
+        train_plain(reference, batches, adam(1e-3), keywords=True)
+        assert_close(model, reference)
+
+
 @pytest.mark.parametrize("microbatches", [2, "auto"])
 def test_a_sweep_of_exported_models_is_exported_once(microbatches: object, monkeypatch: pytest.MonkeyPatch) -> None:
     """Three Llamas that do not fit whole, planned: the first is exported once (cut finer from the same graph), and
