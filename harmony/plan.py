@@ -253,6 +253,7 @@ def plan(
         args, made = fewest_microbatches(args, min(budgets.values()))
         run_plan, _ = build(args, pilot(args, min(budgets.values()), made), budgets, hardware, machine_of,
                             arrays_hardware)
+    args.planned()  # its exports kept for a train call that follows
     jobs = list(run_plan.jobs)
     counts = [job.steps or 0 for job in jobs]
     samples = [step_samples(args, job) for job in jobs]

@@ -7,6 +7,9 @@ those timings: its models' layers are still called once each (runtime.pilot.deco
 ones timed, and sizes their outputs), a trial array whose timings are kept is predicted without being built, and
 one that an earlier call found without room at a budget (NO_ROOM) is not built again there.
 Timings are the machine's at the moment they were taken; harmony.shutdown() forgets them with the warm cluster.
+The exports a planning made (a model torch.export cut: seconds each) are kept here too, without their models'
+weights (runtime.pilot.Exports), for later calls' models of the same architecture and configuration on inputs of
+the same shapes (harmony.plan's, and train's after it).
 
 Only what a key names is shared: anything else a layer's time depends on (values, a data-dependent branch) is
 taken as its first call found it, as within one call the models of one architecture already take the first's.
@@ -23,6 +26,7 @@ from harmony.runtime.pilot import input_shapes
 from harmony.tasks.profile import ModelProfile
 
 KEPT: dict[Hashable, ModelProfile] = {}  # by kind and key: "model", "trial"
+EXPORTS: dict[Hashable, Any] = {}  # torch.export's graphs, weightless, by runtime.pilot.Exports' key
 RATES: dict[Hashable, float | None] = {}  # an optimizer's update seconds per byte, by architecture and optimizer
 NO_ROOM: set[Hashable] = set()  # trial arrays (KEPT's key, budget) built and found not to fit, or to fit only without
 # prefetching with their members cut again: built again at that budget they would come out the same
@@ -37,5 +41,6 @@ def context(sample: Any, precision: str) -> Hashable:
 def forget() -> None:
     """Drop every kept timing: the next call times its models again."""
     KEPT.clear()
+    EXPORTS.clear()
     RATES.clear()
     NO_ROOM.clear()

@@ -15,6 +15,7 @@ import torch
 from distributed import Client
 from torch import nn
 
+from harmony import timings
 from harmony.errors import InputError
 from harmony.runtime.data import batch_size
 from harmony.runtime.devices import DeviceSpecError, parse_devices
@@ -78,7 +79,8 @@ class Arguments:
     clips: list[float | None] = dataclasses.field(default_factory=list)  # each model's clip_grad_norm (None: off)
     pruner: Pruner | None = None
     prune: str | None = None  # the pruner's name: a built-in's, or the callable's qualified name
-    exports: Exports = dataclasses.field(default_factory=Exports, compare=False, repr=False)  # the planning's
+    exports: Exports = dataclasses.field(default_factory=lambda: Exports(timings.EXPORTS), compare=False,
+                                         repr=False)  # the planning's, kept for later calls once it is over
     cuts: dict[Hashable, Cut] = dataclasses.field(default_factory=dict, compare=False, repr=False)  # the planning's
 
     def planned(self) -> None:

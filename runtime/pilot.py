@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import time
+import types
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
@@ -218,20 +219,31 @@ def rebound(layers: Sequence[nn.Module], source: nn.Module, target: nn.Module) -
     """layers, a chain cut from source, as the same chain of target, a model of source's architecture (the same
     names and shapes of parameters and buffers): copies that compute with target's parameters and buffers, trained
     in place as source's would be. Exporting a model takes a second or more; copying its stages, milliseconds."""
-    theirs = [*source.named_parameters(remove_duplicate=False), *source.named_buffers(remove_duplicate=False)]
-    owns = [*target.named_parameters(remove_duplicate=False), *target.named_buffers(remove_duplicate=False)]
+    return rebound_from(layers, _tensors(source), target)
+
+
+def rebound_from(layers: Sequence[nn.Module], theirs: list[tuple[str, torch.Tensor]],
+                 target: nn.Module) -> list[nn.Module]:
+    """layers, which read the tensors theirs names (a model's parameters and buffers, _tensors), rebound to
+    target's of the same names and shapes (rebound)."""
+    owns = _tensors(target)
     if [(name, tensor.shape) for name, tensor in theirs] != [(name, tensor.shape) for name, tensor in owns]:
         raise ValueError(f"{type(target).__name__} is not of its source's architecture")
     memo: dict[int, Any] = {id(tensor): own for (_, tensor), (_, own) in zip(theirs, owns)}
     return [_rebound(layer, memo) for layer in layers]
 
 
+def _tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """A module's parameters and then its buffers, by name, tied ones under each of their names."""
+    return [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+
+
 def _rebound(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
     """A copy of module that reads the tensors memo maps its own to (by id). A traced stage (an fx.GraphModule)
     shares its class, graph and generated code with module (never changed once a stage is made; a deep copy would
     generate and compile the code again); a module that holds stages, and a bare nn.Module (the containers a
-    stage reads its parameters through), is copied around them, its containers (hooks, meta) copied, its other
-    attributes shared; anything else is deep-copied."""
+    stage reads its parameters through), is copied around them, its containers (hooks, meta) copied, methods bound
+    to it bound to the copy, its other attributes shared; anything else is deep-copied."""
     if id(module) in memo:
         return memo[id(module)]
     if type(module) is not nn.Module and not any(isinstance(part, fx.GraphModule) for part in module.modules()):
@@ -246,6 +258,8 @@ def _rebound(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
             value = {key: None if tensor is None else memo.get(id(tensor), tensor) for key, tensor in value.items()}
         elif isinstance(value, torch.Tensor):
             value = memo.get(id(value), value)
+        elif isinstance(value, types.MethodType) and value.__self__ is module:  # torch.export's train and eval
+            value = types.MethodType(value.__func__, copied)
         elif isinstance(value, (dict, set, list)):
             value = value.copy()
         state[name] = value
@@ -256,19 +270,37 @@ def _rebound(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
 class Exports:
     """torch.export's graphs of one planning's modules, so that an architecture is exported once (an export takes a
     second or more): a module exported before (cut again, for another budget) takes its graph again, and one of the
-    same architecture (class, names, shapes and dtypes of parameters and buffers, training modes) on inputs of the
-    same structure, shapes and dtypes takes that graph rebound to its own weights (rebound). It holds the modules it
-    exported: keep it for one planning."""
+    same architecture and configuration (runtime.array.configuration: what the graph bakes in), training modes and
+    inputs of the same structure, shapes and dtypes takes that graph rebound to its own weights (rebound). It holds
+    the modules it exported: keep it for one planning. kept, where given, is where the process keeps the exports of
+    its plannings for later ones (harmony.timings.EXPORTS): clear moves each there, rebound to weightless stand-ins
+    (meta tensors) for its module's parameters and buffers, so that no model's weights outlive its planning."""
 
-    def __init__(self) -> None:
+    def __init__(self, kept: dict[Hashable, tuple[list[tuple[str, torch.Tensor]], fx.GraphModule, TreeSpec]]
+                 | None = None) -> None:
         self.made: dict[Hashable, tuple[nn.Module, fx.GraphModule, TreeSpec]] = {}
+        self.kept = kept
 
     def clear(self) -> None:
-        """Drop every export (the planning is over)."""
+        """Drop every export (the planning is over), keeping each weightless where the process keeps them."""
+        if self.kept is not None:
+            for key, (module, root, spec) in self.made.items():
+                if key not in self.kept:
+                    theirs = _tensors(module)
+                    stand_ins = [(name, torch.empty_like(tensor, device="meta")) for name, tensor in theirs]
+                    memo: dict[int, Any] = {id(tensor): meta for (_, tensor), (_, meta) in zip(theirs, stand_ins)}
+                    weightless = _rebound(root, memo)
+                    weightless.graph.owning_module = weightless  # the shared graph's owner held the weights
+                    self.kept[key] = (stand_ins, weightless, spec)
         self.made.clear()
 
     def __call__(self, module: nn.Module, sample: Any) -> tuple[fx.GraphModule, TreeSpec]:
         key = _export_key(module, sample)
+        if key not in self.made and self.kept is not None and key in self.kept:
+            stand_ins, weightless, spec = self.kept[key]
+            root = rebound_from([weightless], stand_ins, module)[0]
+            self.made[key] = (module, root, spec)
+            return root, spec
         if key not in self.made:
             root, spec = exported_graph(module, sample)
             self.made[key] = (module, root, spec)

@@ -222,6 +222,48 @@ def test_a_sweep_over_settings_that_leave_the_weights_alike_exports_each_setting
         assert_close(model, reference)
 
 
+def test_later_calls_take_the_export_an_earlier_one_kept_without_its_weights_and_equal_plain_pytorch(
+    no_leaks: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A notebook's harmony.plan, then train, then the cell run again with new models of the same configuration:
+    the plan's export of GPT-2 (larger than the device) is kept without the planned models' weights
+    (harmony.timings.EXPORTS), the train calls export nothing, and each model equals plain PyTorch in float64."""
+    import gc
+    import weakref
+
+    from harmony import timings
+    from harmony.runtime import pilot
+
+    exported = []
+    export = pilot.exported_graph
+
+    def exporting(module: torch.nn.Module, sample: dict) -> object:
+        exported.append(module)
+        return export(module, sample)
+
+    monkeypatch.setattr(pilot, "exported_graph", exporting)
+    batches = token_batches(steps=3)
+    planned = [gpt2(0), gpt2(1)]
+    budget = 2 * sum(p.numel() * p.element_size() for p in planned[0].parameters())  # less than training one holds
+    options = {"devices": ["cpu"], "device_memory": budget, "fuse": False, "microbatches": 2}
+    harmony.plan(planned, batches, None, adam(1e-3), **options)
+    assert len(exported) == 1 and len(timings.EXPORTS) == 1
+    weights = weakref.ref(planned[0].transformer.h[0].mlp.c_fc.weight)
+    del planned
+    exported.clear()
+    gc.collect()
+    assert weights() is None, "the kept export holds no planned model's weights"
+    for seed in (2, 4):  # the call, and the cell run again
+        models = [gpt2(seed), gpt2(seed + 1)]
+        references = copy.deepcopy(models)
+        result = harmony.train(models, batches, None, adam(1e-3), progress=False, **options)
+        assert all(len(packing.packs) > 1 for packing in result.packings)
+        assert not exported, "the export kept is taken"
+        for model, reference in zip(models, references):
+            train_plain(reference, batches, adam(1e-3), keywords=True)
+            assert_close(model, reference)
+
+
 @pytest.mark.parametrize("microbatches", [2, "auto"])
 def test_a_sweep_of_exported_models_is_exported_once(microbatches: object, monkeypatch: pytest.MonkeyPatch) -> None:
     """Three Llamas that do not fit whole, planned: the first is exported once (cut finer from the same graph), and
