@@ -3,8 +3,10 @@
 A sweep's planning pilots each model on one micro-batch, exports and cuts models that do not fit (torch.export,
 once an architecture), and with fuse="auto" builds and pilots trial arrays of 2, 4, 8 ... members, their members cut
 again for their share of the budget. Each planning runs in a fresh process (nothing kept from an earlier call:
-HARMONY_CACHE_DIR is empty), ROUNDS times. In the same run, as the scale to read it against: plain PyTorch's first
-training step of every model (forward, backward and an Adam step each), in that process too.
+HARMONY_CACHE_DIR is empty), ROUNDS times, then again twice in that process with new models of the sweep (a
+notebook's re-run: the timings kept, with the exports kept and with them forgotten). In the same run, as the
+scale to read it against: plain PyTorch's first training step of every model (forward, backward and an Adam step
+each), in that process too.
 
     python -m benchmarks.planning
 """
@@ -22,6 +24,7 @@ import torch
 
 import harmony
 from benchmarks.report import arguments, report
+from harmony import timings
 
 ROUNDS = 3
 SWEEPS = [(8, "auto", 16.0), (8, "false", 2.0), (16, "auto", 16.0)]  # models, fuse, budget in one model's weights
@@ -54,7 +57,17 @@ def child(count: int, fuse: str, budget: float) -> dict[str, object]:
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
         model(**batches[0]).loss.backward()
         optimizer.step()
-    return {"plan": planned, "plain step": time.perf_counter() - started, "arrays": forecast.arrays}
+    plain = time.perf_counter() - started
+    again = {}
+    for way in ("re-run, exported again", "re-run"):  # a notebook's cell run again: new models, timings kept
+        if way == "re-run, exported again":
+            timings.EXPORTS.clear()  # as before exports were kept across calls
+        models, batches = sweep(count)
+        started = time.perf_counter()
+        harmony.plan(models, batches, devices=["cpu"], device_memory=int(budget * weights), microbatches=2,
+                     fuse={"auto": "auto", "false": False}[fuse])
+        again[way] = time.perf_counter() - started
+    return {"plan": planned, "plain step": plain, "arrays": forecast.arrays, **again}
 
 
 def main() -> None:
@@ -83,11 +96,16 @@ def main() -> None:
             "budget x weights": float(budget),
             "plan s": statistics.median(plans),
             "range s": f"{min(plans):.1f}-{max(plans):.1f}",
+            **{f"{way} s": f"{statistics.median(float(run[way]) for run in runs):.2f} "  # type: ignore[arg-type]
+                           f"({min(float(run[way]) for run in runs):.2f}-{max(float(run[way]) for run in runs):.2f})"  # type: ignore[arg-type]
+               for way in ("re-run, exported again", "re-run")},
             "plain first step s": statistics.median(steps),
             "arrays": " ".join(str(len(array)) for array in runs[-1]["arrays"]),  # type: ignore[union-attr]
         })
     report("planning", "Planning: harmony.plan of GPT-2 sweeps on one CPU device, each in a fresh process", rows,
-           args.out, raw=raw, notes="plan s = harmony.plan's wall time (median of rounds); plain first step = "
+           args.out, raw=raw, notes="plan s = harmony.plan's wall time (median of rounds); re-run = the same "
+                                    "plan again in that process with new models (timings and exports kept; "
+                                    "'exported again': the exports forgotten first); plain first step = "
                                     "every model's first forward, backward and Adam step in plain PyTorch; "
                                     "arrays = the last round's sub-array sizes")
 
