@@ -202,9 +202,8 @@ def _cut(args: Arguments, index: int, sample: Any, target: Any, samples: int, bu
          timed: ModelProfile | None) -> tuple[Decomposition, Any]:
     """Model index decomposed and cut into packs for budget (_decompose_and_cut): where a model of its architecture
     and configuration (runtime.array.configuration: what its graph bakes in) was exported and cut for budget on a
-    sample of these shapes before in this planning (Arguments.cuts), as that
-    model's stages rebound to its own weights (an export takes seconds); an exported model's cut kept there for the
-    next."""
+    sample of these shapes before in this planning (Arguments.cuts), as that model's stages rebound to its own
+    weights (an export takes seconds); an exported model's cut kept there for the next."""
     key = (_kept(args, index, sample), configuration(args.models[index]), budget)
     source = args.cuts.get(key)
     made = None if source is None else _rebound_cut(args, index, sample, target, samples, budget, timed, source)

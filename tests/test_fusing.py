@@ -683,13 +683,20 @@ def test_arrays_of_exported_members_cut_alike_take_the_first_arrays_profile_and_
     not its stacked copies of its members' weights."""
     from harmony.runtime.array import ArrayLayer
     from harmony.runtime.stages import sized_by_shapes
+    from harmony.validate import Arguments
 
     given: list[bool] = []
-    piloted, stack = fusing.decompose, fusing._stacked
-    planning: list[Any] = []
+    piloted, planned = fusing.decompose, Arguments.planned
+    kept: list[nn.Module] = []  # what the first planning's cuts held when it was over
     monkeypatch.setattr(fusing, "decompose", lambda *args, **kwargs: given.append(kwargs.get("alike") is not None)
                         or piloted(*args, **kwargs))
-    monkeypatch.setattr(fusing, "_stacked", lambda *args: planning.append(args[3]) or stack(*args))
+
+    def over(self: Arguments) -> None:
+        if not kept:
+            kept.extend(layer for cut in self.cuts.values() for layer in cut.layers)
+        planned(self)
+
+    monkeypatch.setattr(Arguments, "planned", over)
     models, batches = flattened_sweep(6)
     plans = []
     for sized in (sized_by_shapes, lambda layers: False):
@@ -704,7 +711,6 @@ def test_arrays_of_exported_members_cut_alike_take_the_first_arrays_profile_and_
     assert plans[0][0] == [[0, 1], [2, 3], [4, 5]] and len(plans[0][1][0]) > 1
     assert plans[0][2] == [False, True, True] and plans[1][2] == [False, False, False]
     assert plans[0][:2] == plans[1][:2]
-    kept = [layer for cut in planning[0].cuts.values() for layer in cut.layers]
     assert kept and not any(isinstance(layer, ArrayLayer) for layer in kept), "no array's stacks kept for the next"
 
 
