@@ -16,8 +16,9 @@ mini-batch.
 from __future__ import annotations
 
 import copy
+import types
 import warnings
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
@@ -368,37 +369,47 @@ def simple_attributes(module: nn.Module) -> tuple[tuple[str, str], ...]:
 
 
 def configuration(model: nn.Module) -> Hashable:
-    """What a model's code reads besides its tensors: each module's type and plain configuration, and the other
-    objects its modules keep (a function, a Hugging Face model's config). torch.export and torch.fx bake these into
-    a graph (an activation's kind, an epsilon, a dropout rate): models of one architecture whose configurations
-    differ compute differently, and one's graph cannot stand for the other's."""
-    modules = []
-    settings: dict[int, str] = {}
-    for name, module in model.named_modules():
-        modules.append((name, type(module).__qualname__, type(module).__module__, simple_attributes(module)))
+    """What a model's code reads besides its tensors: each module's class and plain configuration, and the other
+    objects its modules keep (settings). torch.export and torch.fx bake these into a graph (an activation's kind, an
+    epsilon, a dropout rate): models of one architecture whose configurations differ compute differently, and one's
+    graph cannot stand for the other's. Classes and functions count as the objects they are: one redefined (a
+    notebook's cell run again) is another."""
+    modules = tuple((name, type(module), simple_attributes(module)) for name, module in model.named_modules())
+    return modules, settings(model.modules())
+
+
+def settings(modules: Iterable[nn.Module]) -> tuple[Hashable, ...]:
+    """The objects modules keep that a forward may compute with besides tensors, modules, plain values and
+    containers (a module's bookkeeping: fx's meta, a model's warnings issued), each once: a function as itself, a
+    settings object (a Hugging Face model's config) by its values."""
+    kept: dict[int, Hashable] = {}
+    for module in modules:
         for attribute, value in sorted(vars(module).items()):
             if not attribute.startswith("_") and not isinstance(value, (bool, int, float, str, tuple, type(None),
-                                                                         torch.Tensor, nn.Module)):
-                settings.setdefault(id(value), _setting(value))
-    return tuple(modules), tuple(settings.values())
+                                                                         torch.Tensor, nn.Module, dict, list, set)):
+                kept.setdefault(id(value), _setting(value))
+    return tuple(kept.values())
 
 
-def _setting(value: object) -> str:
-    """An object a module keeps, as what it computes with: a function by name, a settings object by its values."""
-    if callable(value):
-        qualified = getattr(value, "__qualname__", None)
-        return repr(value) if qualified is None else f"{getattr(value, '__module__', None)}.{qualified}"
+def _setting(value: object) -> Hashable:
+    """An object a module keeps, as what it computes with (settings)."""
+    if isinstance(value, types.MethodType):
+        value = value.__func__  # not the object it is bound to: a model's own method would hold its weights
+    if isinstance(value, (types.FunctionType, types.BuiltinFunctionType, type)):
+        return value
     to_dict = getattr(value, "to_dict", None)
     if callable(to_dict):
         return repr(sorted(to_dict().items()))
-    if hasattr(value, "__dict__"):
+    if hasattr(value, "__dict__") and not callable(value):
         return f"{type(value).__qualname__}{sorted(vars(value).items())!r}"
     return repr(value)
 
 
 def layer_signature(layer: nn.Module) -> tuple[Any, ...]:
-    """What must agree for layers of different models to be fused: types, configuration, shapes, dtypes, and a
-    traced stage's code (which holds the constants its model's configuration put there: an epsilon, a rate)."""
+    """What must agree for layers of different models to be fused: types, configuration, shapes, dtypes, a traced
+    stage's code (which holds the constants its model's configuration put there: an epsilon, a rate) and the
+    settings its modules keep (an activation function kept as an attribute, a config object): an array runs its
+    first member's code for all of them."""
     parts: list[Any] = []
     for name, module in layer.named_modules():
         parts.append((name, type(module).__qualname__, type(module).__module__, module.training,
@@ -407,6 +418,7 @@ def layer_signature(layer: nn.Module) -> tuple[Any, ...]:
         parts.append((name, tuple(param.shape), str(param.dtype), param.requires_grad, str(param.device)))
     for name, buffer in layer.named_buffers():
         parts.append((name, tuple(buffer.shape), str(buffer.dtype), str(buffer.device)))
+    parts.append(settings(layer.modules()))
     return tuple(parts)
 
 

@@ -204,6 +204,20 @@ def test_a_models_configuration_tells_apart_what_its_graph_would_bake_in() -> No
     gelu = nn.TransformerEncoderLayer(8, 2, 16, activation="gelu")
     assert configuration(gelu) != configuration(nn.TransformerEncoderLayer(8, 2, 16, activation="relu"))
 
+    def defined() -> nn.Module:  # a class of one name defined each time (a notebook's cell run again)
+        class Block(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.linear = nn.Linear(4, 4)
+
+        return Block()
+
+    assert configuration(nn.Sequential(defined())) != configuration(nn.Sequential(defined()))
+    assert layer_signature(Configured(0.1, nn.functional.gelu, 2.0)) != layer_signature(
+        Configured(0.1, nn.functional.relu, 2.0)), "an array runs its first member's activation for all"
+    assert layer_signature(Configured(0.1, nn.functional.gelu, 2.0)) == layer_signature(
+        Configured(0.1, nn.functional.gelu, 2.0))
+
 
 def test_traced_stages_whose_code_differs_have_different_signatures() -> None:
     """A traced forward holds the constants its configuration put there (an epsilon, a rate read off a config
