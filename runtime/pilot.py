@@ -296,13 +296,12 @@ class Exports:
 
     def __call__(self, module: nn.Module, sample: Any) -> tuple[fx.GraphModule, TreeSpec]:
         key = _export_key(module, sample)
-        if key not in self.made and self.kept is not None and key in self.kept:
-            stand_ins, weightless, spec = self.kept[key]
-            root = rebound_from([weightless], stand_ins, module)[0]
-            self.made[key] = (module, root, spec)
-            return root, spec
         if key not in self.made:
-            root, spec = exported_graph(module, sample)
+            if self.kept is not None and key in self.kept:
+                stand_ins, weightless, spec = self.kept[key]
+                root = rebound_from([weightless], stand_ins, module)[0]
+            else:
+                root, spec = exported_graph(module, sample)
             self.made[key] = (module, root, spec)
             return root, spec
         source, root, spec = self.made[key]
