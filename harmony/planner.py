@@ -19,6 +19,7 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map
 
 from harmony import timings
 from harmony.candidate import RANKING_STEPS, Candidate, pilot_batch, step_samples
@@ -30,11 +31,12 @@ from harmony.runtime.code import JobCode
 from harmony.runtime.data import batch_size
 from harmony.runtime.measure import update_rate
 from harmony.runtime.pilot import Decomposition, KeywordCall, architecture, decompose, rebound
-from harmony.runtime.stages import Entry, sized_by_shapes
+from harmony.runtime.stages import Entry, ShapeError, sized_by_shapes
 from harmony.tasks.amortize import even_sections, homed_task_seconds, pack_sections, runs_spans, steps_per_task
 from harmony.tasks.binding import MODES
 from harmony.tasks.hardware import Hardware
 from harmony.tasks.homes import assign_machines, choose_homes
+from harmony.tasks.microbatch import split_sizes
 from harmony.tasks.packing import LayerTooLarge, cut_packs, minimal_budget, with_update_rate
 from harmony.tasks.profile import LayerProfile, ModelProfile
 from harmony.tasks.runplan import PRECISIONS, Job, RunPlan
@@ -172,6 +174,7 @@ def _piloted(args: Arguments, index: int, budget: int, made: tuple[Decomposition
     kept = _kept(args, index, sample)
     timed = (kept, budget) if finer else kept
     decomposition, packing = made or _cut(args, index, sample, target, sizes[0], budget, timings.KEPT.get(timed))
+    _check_exported_sizes(args, index, sample, decomposition.layers[0])
     timings.KEPT.setdefault(timed, decomposition.profile)
     optimizer = (kept, args.optimizer_classes[index], args.optimizer_state_ratios[index])
     if optimizer not in timings.RATES and args.optimizers[index] is not None:
@@ -190,6 +193,28 @@ def _piloted(args: Arguments, index: int, budget: int, made: tuple[Decomposition
     )
     code = JobCode(tuple(decomposition.layers), args.loss_fns[index], args.optimizers[index])
     return Candidate(job, code, profile), decomposition.notes
+
+
+def _check_exported_sizes(args: Arguments, index: int, sample: Any, first: torch.nn.Module) -> None:
+    """Refuse, before work starts, a model exported whole (its first layer an Entry) whose graph does not hold for
+    a micro-batch its loader will give it (a short last batch, a batch that microbatches does not divide evenly),
+    where the loader says its batch sizes (Arguments.batch_sizes); the run checks every micro-batch besides."""
+    counted = isinstance(args.options.microbatches, int)  # else fewest_microbatches is still choosing
+    batches = args.batch_sizes(index) if isinstance(first, Entry) and counted else None
+    pilot = batch_size(sample)
+    for batch in sorted(batches or ()):
+        for size in set(split_sizes(batch, args.options.microbatches)) - {pilot}:
+            shaped = tree_map(lambda leaf, size=size: torch.empty((size, *leaf.shape[1:]), device="meta")
+                              if isinstance(leaf, torch.Tensor) else leaf, sample)
+            try:
+                first.shapes.check(shaped)
+            except ShapeError as error:
+                raise InputError(
+                    f"{model_label(index, args.models[index])} does not fit the device whole, and torch.export's "
+                    f"graph of it, cut into packs, holds for micro-batches of {pilot} samples but not {size} "
+                    f"(its loader gives batches of {batch}): {error}. Give it batches of one size (a DataLoader's "
+                    "drop_last=True drops the short last batch; a batch size that microbatches divides keeps its "
+                    "micro-batches one size), or a device_memory that fits it whole") from None
 
 
 def _kept(args: Arguments, index: int, sample: Any) -> Hashable:

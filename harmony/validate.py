@@ -102,6 +102,23 @@ class Arguments:
         """The first (inputs, targets) batch of the model's loader."""
         return self.loaders[self.loader_of[model]].first
 
+    def batch_sizes(self, model: int) -> set[int] | None:
+        """The sizes of the batches the model's loader gives it over its run, where the loader says them without
+        being read: a list or tuple of batches, a DataLoader batching a sized dataset by its batch_size (a short
+        last batch unless drop_last, where steps= reaches it); None for any other."""
+        loader, steps = self.loaders[self.loader_of[model]].source, self.options.steps
+        if isinstance(loader, (list, tuple)):
+            return {batch_size(batch if _is_keyword_batch(batch) else batch[0])
+                    for batch in (loader if steps is None else loader[:steps])}
+        if not isinstance(loader, torch.utils.data.DataLoader) or loader.batch_size is None:
+            return None
+        try:
+            full, short = divmod(len(loader.sampler), loader.batch_size)  # type: ignore[arg-type]
+        except TypeError:  # an iterable dataset's sampler has no length
+            return None
+        reached = short and not loader.drop_last and (steps is None or steps > full)
+        return ({loader.batch_size} if full else set()) | ({short} if reached else set())
+
 
 def model_label(index: int, model: nn.Module) -> str:
     return f"model {index} ({type(model).__name__})"

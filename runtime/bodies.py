@@ -46,6 +46,7 @@ from harmony.runtime.rows import Rows, gaps
 from harmony.runtime.scaler import finite
 from harmony.runtime.seeding import begin, microbatch_number
 from harmony.runtime.spec import PackRuntime
+from harmony.runtime.stages import ShapeError
 from harmony.runtime.stash import Stash, detached, stash_key, worth_stashing
 from harmony.runtime.worker import RunContext, context
 from harmony.tasks import graph
@@ -177,9 +178,10 @@ def _failures(model: int, where: str, *passing: type[BaseException]) -> Iterator
 
 def _failure(model: int, where: str, error: Exception) -> Exception:
     """A task's exception as the driver should see it: the model's own failure (raised in its code, or in torch
-    under it), which stops that model alone; or, raised in Harmony's own code, an error that ends the run."""
+    under it, or its inputs of shapes its exported graph does not hold for), which stops that model alone; or,
+    raised in Harmony's own code, an error that ends the run."""
     frames = traceback.extract_tb(error.__traceback__)
-    if frames and Path(frames[-1].filename).resolve().parent in HARMONY:
+    if frames and Path(frames[-1].filename).resolve().parent in HARMONY and not isinstance(error, ShapeError):
         return RuntimeError(f"harmony failed in {where} for job {model}: {type(error).__name__}: {error}\n"
                             f"{traceback.format_exc()}")
     return ModelFailure(model, where, f"{type(error).__name__}: {error}", traceback.format_exc())

@@ -31,7 +31,7 @@ from harmony.runtime.array import configuration
 from harmony.runtime.cache import tree_nbytes
 from harmony.runtime.halving import casts
 from harmony.runtime.hoststore import dtype_name
-from harmony.runtime.stages import CONTAINERS, exported_graph, quiet_failures, trace_stages, weight_bytes
+from harmony.runtime.stages import CONTAINERS, ShapeError, exported_graph, quiet_failures, trace_stages, weight_bytes
 from harmony.tasks.layout import TensorSpec
 from harmony.tasks.profile import BACKWARD_RATIO, LayerProfile, ModelProfile
 
@@ -500,9 +500,17 @@ def _backward_ratio(layers: list[nn.Module], sample: Any, samples: int, profiles
             for turn in range(4):
                 started = time.perf_counter()
                 x = warm if turn == 0 else timed
-                with computing():
-                    for layer in layers:
-                        x = layer(x)
+                try:
+                    with computing():
+                        for layer in layers:
+                            x = layer(x)
+                except ShapeError:  # an export that fixed the micro-batch's size (runtime.stages.Shapes)
+                    if turn > 0 or count != samples:
+                        return BACKWARD_RATIO
+                    x = warm = timed  # the warm-up round on all of them
+                    with computing():
+                        for layer in layers:
+                            x = layer(x)
                 middle = time.perf_counter()
                 outputs = [leaf for leaf in tree_leaves(x) if isinstance(leaf, torch.Tensor) and leaf.grad_fn]
                 if not outputs:

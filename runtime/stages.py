@@ -24,16 +24,21 @@ way; one that neither can trace is not cut, and ``trace_stages`` says why.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
+import math
 import operator
 import re
 import sys
+import types
+from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import sympy
 import torch
 from torch import fx, nn
-from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP, free_unbacked_symbols
 from torch.utils._pytree import TreeSpec, tree_leaves, tree_map, tree_unflatten
 
 CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
@@ -43,6 +48,7 @@ ASSERT_DTYPE = torch.ops.aten._assert_tensor_metadata.default  # export's check 
 # the stage's inputs come in autocast's dtype (a model's logits.float() gets bfloat16 logits), as in the eager model
 
 
+GUARDS = "harmony_guards"  # an exported graph's meta entry: torch.export's guards on its input's sizes, as code
 Exporter = Callable[[nn.Module, Any], tuple[fx.GraphModule, TreeSpec]]  # module and sample -> graph, output's structure
 
 
@@ -68,7 +74,7 @@ def trace_stages(module: nn.Module, largest: int | None = None, sample: Any = No
         stages, how = _cut(root, nodes, Units(module, largest), "exported by torch.export")
         if len(stages) < 2:
             return [module], how
-        stages[0] = Entry(stages[0])
+        stages[0] = Entry(stages[0], Shapes(root))
         stages[-1] = Exit(stages[-1], out_spec)
         return stages, how
     placeholders = [node for node in graph.nodes if node.op == "placeholder"]
@@ -122,7 +128,9 @@ def exported_graph(module: nn.Module, sample: Any) -> tuple[fx.GraphModule, Tree
     dims = tree_map(lambda leaf: dict.fromkeys(range(leaf.dim()), torch.export.Dim.AUTO)
                     if isinstance(leaf, torch.Tensor) else None, sample)
     program = torch.export.export(module, (sample,), dynamic_shapes=(dims,), strict=False)
-    return program.module(), program.call_spec.out_spec
+    root = program.module()
+    root.meta[GUARDS] = tuple(getattr(program, "_guards_code", ()))  # what its _guards_fn checks, as text
+    return root, program.call_spec.out_spec
 
 
 def sized_by_shapes(layers: Sequence[nn.Module]) -> bool:
@@ -211,11 +219,116 @@ class _Wrapped(nn.Module):
 
 class Entry(_Wrapped):
     """An exported model's first stage, given the model's input as the model is: its tensors, flattened as the
-    export flattened them, are the stage's inputs."""
+    export flattened them, are the stage's inputs, checked against the shapes the graph holds for (Shapes) as
+    torch's exported module checks them: a graph run on others would compute what the model does not."""
+
+    def __init__(self, stage: nn.Module, shapes: Shapes) -> None:
+        super().__init__(stage)
+        self.shapes = shapes
 
     def forward(self, x: Any) -> Any:
         leaves = tree_leaves(((x,), {}))
+        try:
+            self.shapes.check(x)
+        except ShapeError as error:
+            raise ShapeError(f"{error}: torch.export's graph of the model holds only for inputs like those it was "
+                             "exported with; give it batches of those shapes (a DataLoader's drop_last=True drops "
+                             "a short last batch; a batch size that microbatches divides keeps micro-batches one "
+                             "size), or a device_memory that fits it whole (a model not cut runs its own forward)"
+                             ) from None
         return self.stage(leaves[0] if len(leaves) == 1 else tuple(leaves))
+
+
+class ShapeError(ValueError):
+    """Inputs of shapes an exported graph does not hold for."""
+
+
+class Shapes:
+    """The inputs an exported graph holds for, as the guard on the module torch.export makes checks them: each
+    tensor input's sizes, read off its placeholders and ranges, each one the export fixed (the forward depends on
+    it: a view to it, a branch on it being that size) or left free within a range (its default lower bound of 2
+    unchecked: sizes 0 and 1 pass, as they do there), one free size in several places equal everywhere, one derived
+    from others (2*s0) their function; a constant input its value; and the export's other guards on the input's
+    sizes (a branch on a size not being 8, on x.shape[0] % 2), kept as the code torch checks them with
+    (GUARDS). Plain data, so that it travels with its stage."""
+
+    def __init__(self, root: fx.GraphModule) -> None:
+        self.guards: tuple[str, ...] = root.meta.get(GUARDS, ())
+        self.inputs: list[Any] = []  # per input: a tuple of sizes (an int, or a free size's name) or the constant
+        for node in root.graph.find_nodes(op="placeholder"):
+            value = node.meta.get("val")
+            if isinstance(value, torch.Tensor):
+                self.inputs.append(tuple(_size(size) for size in value.shape))
+            else:
+                self.inputs.append(_size(value) if isinstance(value, torch.SymInt) else value)
+        self.ranges: dict[str, tuple[int, int | None]] = {}
+        for symbol, bounds in (getattr(root, "range_constraints", None) or {}).items():
+            if not symbol.is_Symbol:  # a size derived from free ones (2*s0): held to their values instead
+                continue
+            upper = bounds.upper  # torch's int_oo where it has none (which says is_finite)
+            self.ranges[str(symbol)] = (int(bounds.lower), int(upper) if upper.is_Integer else None)
+
+    def check(self, x: Any) -> None:
+        """Raise ShapeError, saying which size, where x (the model's input) is not an input the graph holds for."""
+        leaves = tree_leaves(((x,), {}))
+        if len(leaves) != len(self.inputs):
+            raise ShapeError(f"the input holds {len(leaves)} values, where the graph takes {len(self.inputs)}")
+        bound: dict[str, tuple[int, str]] = {}
+        derived: list[tuple[str, int, str]] = []
+        for index, (leaf, wanted) in enumerate(zip(leaves, self.inputs, strict=True)):
+            if not isinstance(wanted, tuple):
+                sizes, places = [(leaf, wanted)], [f"input {index}"]
+            elif not isinstance(leaf, torch.Tensor) or leaf.dim() != len(wanted):
+                raise ShapeError(f"input {index} is {_shown(leaf)}, where the graph takes a tensor of "
+                                 f"{len(wanted)} dimensions {_shown(wanted)}")
+            else:
+                sizes, places = list(zip(leaf.shape, wanted)), [f"input {index}'s size {dim}"
+                                                                for dim in range(leaf.dim())]
+            for (size, want), place in zip(sizes, places):
+                if isinstance(want, str) and want in self.ranges:
+                    self._bind(want, int(size), place, bound)
+                elif isinstance(want, str):
+                    derived.append((want, int(size), place))
+                elif size != want:
+                    raise ShapeError(f"{place} is {size}, and the export fixed it at {want} (the model's forward "
+                                     "depends on it)")
+        for expression, size, place in derived:
+            value = sympy.sympify(expression).subs({sympy.Symbol(name): held for name, (held, _) in bound.items()})
+            if value.is_number and int(value) != size:
+                raise ShapeError(f"{place} is {size}, and the export holds it at {expression} = {int(value)}")
+        names = {**SYMPY_INTERP, "math": math, "inf": math.inf, "L": defaultdict(lambda: x)}  # as torch's own
+        for guard in self.guards:
+            if not eval(_compiled(guard), names):
+                shapes, said = ", ".join(_shown(leaf) for leaf in leaves), re.sub(r"L\['([^']+)'\]", r"\1", guard)
+                raise ShapeError(f"the input's shapes {shapes} fail the export's guard {said} (the model's forward "
+                                 "depends on it)")
+
+    def _bind(self, symbol: str, size: int, place: str, bound: dict[str, tuple[int, str]]) -> None:
+        lower, upper = self.ranges[symbol]
+        if symbol in bound and bound[symbol][0] != size:
+            raise ShapeError(f"{place} is {size}, and the export holds it equal to {bound[symbol][1]} "
+                             f"({bound[symbol][0]})")
+        if (lower > 2 and size < lower) or (upper is not None and size > upper):
+            raise ShapeError(f"{place} is {size}, and the export holds it within {lower} to "
+                             f"{'any size' if upper is None else upper}")
+        bound[symbol] = (size, place)
+
+
+@functools.cache
+def _compiled(guard: str) -> types.CodeType:
+    """A guard's code, compiled once per process (L: the forward's argument under any name)."""
+    return compile(guard, "<torch.export guard>", "eval")
+
+
+def _size(size: Any) -> int | str:
+    """A size of an exported graph's input: an int where the export fixed it, else its expression's text."""
+    if isinstance(size, torch.SymInt) and size.node.expr.is_number:
+        return int(size.node.expr)
+    return str(size.node.expr) if isinstance(size, torch.SymInt) else int(size)
+
+
+def _shown(value: Any) -> str:
+    return str(tuple(value.shape)) if isinstance(value, torch.Tensor) else str(value)
 
 
 class Exit(_Wrapped):

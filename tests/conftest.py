@@ -117,6 +117,23 @@ class GatedNet(nn.Module):
         return self.head(x)
 
 
+class BatchBranch(nn.Module):
+    """torch.fx cannot trace it (a branch on its batch's size): torch.export fixes that size at its sample's, and
+    its graph computes another size's batch as the model does not."""
+
+    def __init__(self, width: int = 32, out: int = 4, size: int = 8, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.size = size
+        self.a = nn.Linear(width, 32)
+        self.b = nn.Linear(32, 32)
+        self.c = nn.Linear(32, out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        return self.c(torch.tanh(self.b(h * 2 if h.shape[0] == self.size else h)))
+
+
 class TiedEnds(nn.Module):
     """A chain whose last linear layer reads its first one's weight (a tie that spans packs under a small budget)
     and has a bias of its own."""

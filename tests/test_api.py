@@ -15,6 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 import harmony
 from tests.conftest import (
+    BatchBranch,
     assert_same_weights,
     clones,
     deep_mlp,
@@ -56,6 +57,48 @@ def test_an_exception_in_a_models_forward_stops_that_model_alone_with_its_last_c
     assert_same_weights(models[0], references[0])
     assert_same_weights(models[1], references[1])
     assert result.stats.steps == [4, 2] and len(result.history[1]) == 2
+
+
+class Unsized:
+    """A loader that does not say its batches' sizes ahead (neither a list nor a DataLoader)."""
+
+    def __init__(self, batches: list) -> None:
+        self.batches = batches
+
+    def __iter__(self) -> Iterator:
+        return iter(self.batches)
+
+
+def test_a_model_exported_for_its_batchs_size_trains_on_that_size_and_stops_alone_at_another(no_leaks: None
+                                                                                             ) -> None:
+    """BatchBranch does not fit whole: it is exported, its batch's size fixed at 8 (runtime.stages.Shapes). A
+    DataLoader that drops its short last batch trains it as plain PyTorch does; a loader that does not say its
+    sizes gives it a short batch at step 3: it stops there alone, with its weights of step 3 and the reason, while
+    the model beside it trains on. Unchecked, the graph ran the short batch through the branch taken for 8."""
+    generator = torch.Generator().manual_seed(3)
+    x, y = torch.randn(28, 32, generator=generator).double(), torch.randn(28, 4, generator=generator).double()
+    factory = functools.partial(torch.optim.SGD, lr=0.1)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8, drop_last=True)
+    model = BatchBranch().double()
+    reference = copy.deepcopy(model)
+    result = harmony.train(model, loader, loss_fn=nn.functional.mse_loss, optimizer=factory, device_memory=60_000,
+                           devices=1, progress=False)
+    assert len(result.packings[0].packs) > 1, "cut into packs: exported"
+    train_plain(reference, list(loader), nn.functional.mse_loss, factory)
+    assert_same_weights(model, reference, rtol=0, atol=1e-12)
+
+    batches = [(x[i : i + 8], y[i : i + 8]) for i in range(0, 28, 8)]
+    models = [BatchBranch().double(), deep_mlp(depth=2).double()]
+    references = clones(models)
+    result = harmony.train(models, [Unsized(batches), batches], loss_fn=nn.functional.mse_loss, optimizer=factory,
+                           device_memory=60_000, devices=1, progress=False)
+    assert list(result.failed) == [0] and result.failed[0]["step"] == 3
+    assert "input 0's size 0 is 4, and the export fixed it at 8" in str(result.failed[0]["reason"])
+    assert "drop_last=True" in str(result.failed[0]["reason"])
+    train_plain(references[0], batches[:3], nn.functional.mse_loss, factory)
+    train_plain(references[1], batches, nn.functional.mse_loss, factory)
+    for trained, expected in zip(models, references):
+        assert_same_weights(trained, expected, rtol=0, atol=1e-12)
 
 
 def test_an_exception_in_forward_with_fail_fast_reaches_the_user_with_model_and_traceback(no_leaks: None) -> None:

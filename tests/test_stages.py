@@ -3,6 +3,7 @@ children, with boundaries that carry one value or several."""
 
 from __future__ import annotations
 
+import re
 import sys
 
 import cloudpickle
@@ -11,7 +12,7 @@ import torch
 from torch import fx, nn
 
 from harmony.runtime.stages import FX_MESSAGE, quiet_failures, sized_by_shapes, trace_stages
-from tests.conftest import FlattenedTokens, GatedNet, MaskedSquares, ResidualBlock, ResidualNet
+from tests.conftest import BatchBranch, FlattenedTokens, GatedNet, MaskedSquares, ResidualBlock, ResidualNet
 
 
 class DataDependent(nn.Module):
@@ -242,3 +243,59 @@ def test_a_stage_that_raises_under_quiet_failures_leaves_no_message_on_stderr(ca
         print("a warning of the user's", file=sys.stderr)
         stage(wrong)
     assert capsys.readouterr().err == "a warning of the user's\n"
+
+
+class Halves(nn.Module):
+    """Its second input holds two of the first's rows for each: torch.export derives its size from the first's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 8)
+        self.b = nn.Linear(8, 2)
+
+    def forward(self, x: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        rows, pairs = x
+        if rows.shape[0] == 0:
+            return rows
+        return self.b(torch.tanh(self.a(rows) + self.a(pairs[: rows.shape[0]]) + self.a(pairs[rows.shape[0]:])))
+
+
+def test_an_exported_models_first_stage_refuses_inputs_its_graph_does_not_hold_for_and_takes_the_others() -> None:
+    """As torch's exported module checks its inputs: a size the export fixed (a branch on its being 8) must be that
+    size, a free one may be any other its guards allow (a branch on its not being 8: sizes 1 and 5, not 8), one
+    derived from another follows it. The check travels with the stage as a worker rebuilds it; without it the
+    graph ran a batch of 4 through the branch taken for 8."""
+    from harmony.runtime.skeleton import dump_skeleton, load_skeleton
+    from harmony.runtime.stages import ShapeError
+
+    torch.manual_seed(0)
+    model = BatchBranch(width=4)
+    fixed, how = trace_stages(model, sample=torch.randn(8, 4))
+    assert how.startswith("exported by torch.export")
+    entry = load_skeleton(dump_skeleton(fixed[0]))
+    params = {**dict(fixed[0].named_parameters()), **dict(fixed[0].named_buffers())}
+    x = torch.randn(8, 4)
+    torch.testing.assert_close(torch.func.functional_call(entry, params, (x,)), fixed[0](x))
+    for wrong, said in [(torch.randn(4, 4), "input 0's size 0 is 4, and the export fixed it at 8"),
+                        (torch.randn(8, 5), "input 0's size 1 is 5, and the export fixed it at 4"),
+                        (torch.randn(8), "input 0 is (8,), where the graph takes a tensor of 2 dimensions")]:
+        with pytest.raises(ShapeError, match=re.escape(said)) as raised:
+            torch.func.functional_call(entry, params, (wrong,))
+        assert "drop_last=True" in str(raised.value)
+
+    free, _ = trace_stages(model, sample=torch.randn(3, 4))
+    for size in (1, 5):
+        x = torch.randn(size, 4)
+        torch.testing.assert_close(run_chain(free, x), model(x))
+    with pytest.raises(ShapeError, match=re.escape("fail the export's guard x.size()[0] != 8")):
+        run_chain(free, torch.randn(8, 4))
+
+    halves = Halves()
+    stages, _ = trace_stages(halves, sample=(torch.randn(6, 4), torch.randn(12, 4)))
+    for rows in (3, 2):
+        pair = (torch.randn(rows, 4), torch.randn(2 * rows, 4))
+        torch.testing.assert_close(run_chain(stages, pair), halves(pair))
+    for rows, pairs in ((3, 5), (3, 3)):
+        with pytest.raises(ShapeError, match=re.escape(f"input 1's size 0 is {pairs}, and the export holds it at "
+                                                       "2*s")):
+            stages[0]((torch.randn(rows, 4), torch.randn(pairs, 4)))
