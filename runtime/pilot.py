@@ -31,7 +31,15 @@ from harmony.runtime.array import configuration
 from harmony.runtime.cache import tree_nbytes
 from harmony.runtime.halving import casts
 from harmony.runtime.hoststore import dtype_name
-from harmony.runtime.stages import CONTAINERS, ShapeError, exported_graph, quiet_failures, trace_stages, weight_bytes
+from harmony.runtime.stages import (
+    CONTAINERS,
+    ShapeError,
+    Shapes,
+    exported_graph,
+    quiet_failures,
+    trace_stages,
+    weight_bytes,
+)
 from harmony.tasks.layout import TensorSpec
 from harmony.tasks.profile import BACKWARD_RATIO, LayerProfile, ModelProfile
 
@@ -267,47 +275,62 @@ def _rebound(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
     return copied
 
 
+Kept = tuple[list[tuple[str, torch.Tensor]], fx.GraphModule, TreeSpec]  # a kept export: stand-ins, graph, output
+
+
 class Exports:
     """torch.export's graphs of one planning's modules, so that an architecture is exported once (an export takes a
     second or more): a module exported before (cut again, for another budget) takes its graph again, and one of the
     same architecture and configuration (runtime.array.configuration: what the graph bakes in), training modes and
-    inputs of the same structure, shapes and dtypes takes that graph rebound to its own weights (rebound). It holds
-    the modules it exported: keep it for one planning. kept, where given, is where the process keeps the exports of
-    its plannings for later ones (harmony.timings.EXPORTS): clear moves each there, rebound to weightless stand-ins
-    (meta tensors) for its module's parameters and buffers, so that no model's weights outlive its planning."""
+    inputs of the same structure and dtypes takes that graph rebound to its own weights (rebound), on inputs of any
+    shapes the graph's guards allow (runtime.stages.Shapes: the sizes the export left free; another batch size, an
+    uneven micro-batch, another sequence length), and is exported again on others. It holds the modules it
+    exported: keep it for one planning. kept, where given, is where the process keeps the exports of its plannings
+    for later ones (harmony.timings.EXPORTS): clear moves each there, rebound to weightless stand-ins (meta
+    tensors) for its module's parameters and buffers, so that no model's weights outlive its planning."""
 
-    def __init__(self, kept: dict[Hashable, tuple[list[tuple[str, torch.Tensor]], fx.GraphModule, TreeSpec]]
-                 | None = None) -> None:
-        self.made: dict[Hashable, tuple[nn.Module, fx.GraphModule, TreeSpec]] = {}
+    def __init__(self, kept: dict[Hashable, list[Kept]] | None = None) -> None:
+        self.made: dict[Hashable, list[tuple[nn.Module, fx.GraphModule, TreeSpec, bool]]] = {}  # bool: exported here
         self.kept = kept
 
     def clear(self) -> None:
-        """Drop every export (the planning is over), keeping each weightless where the process keeps them."""
+        """Drop every export (the planning is over), keeping each one it made weightless where the process keeps
+        them."""
         if self.kept is not None:
-            for key, (module, root, spec) in self.made.items():
-                if key not in self.kept:
-                    theirs = _tensors(module)
-                    stand_ins = [(name, torch.empty_like(tensor, device="meta")) for name, tensor in theirs]
-                    memo: dict[int, Any] = {id(tensor): meta for (_, tensor), (_, meta) in zip(theirs, stand_ins)}
-                    weightless = _rebound(root, memo)
-                    weightless.graph.owning_module = weightless  # the shared graph's owner held the weights
-                    self.kept[key] = (stand_ins, weightless, spec)
+            for key, made in self.made.items():
+                for module, root, spec, exported in made:
+                    if exported:
+                        theirs = _tensors(module)
+                        stand_ins = [(name, torch.empty_like(tensor, device="meta")) for name, tensor in theirs]
+                        memo: dict[int, Any] = {id(tensor): meta for (_, tensor), (_, meta) in zip(theirs, stand_ins)}
+                        weightless = _rebound(root, memo)
+                        weightless.graph.owning_module = weightless  # the shared graph's owner held the weights
+                        self.kept.setdefault(key, []).append((stand_ins, weightless, spec))
         self.made.clear()
 
     def __call__(self, module: nn.Module, sample: Any) -> tuple[fx.GraphModule, TreeSpec]:
         key = _export_key(module, sample)
-        if key not in self.made:
-            if self.kept is not None and key in self.kept:
-                stand_ins, weightless, spec = self.kept[key]
+        made = self.made.setdefault(key, [])
+        for source, root, spec, _ in made:
+            if _holds(root, sample):
+                return (root if _own(source) is _own(module) else rebound([root], source, module)[0]), spec
+        for stand_ins, weightless, spec in [] if self.kept is None else self.kept.get(key, []):
+            if _holds(weightless, sample):
                 root = rebound_from([weightless], stand_ins, module)[0]
-            else:
-                root, spec = exported_graph(module, sample)
-            self.made[key] = (module, root, spec)
-            return root, spec
-        source, root, spec = self.made[key]
-        if _own(source) is _own(module):
-            return root, spec
-        return rebound([root], source, module)[0], spec
+                made.append((module, root, spec, False))
+                return root, spec
+        root, spec = exported_graph(module, sample)
+        made.append((module, root, spec, True))
+        return root, spec
+
+
+def _holds(root: fx.GraphModule, sample: Any) -> bool:
+    """Whether an exported graph holds for sample (its guards allow sample's shapes)."""
+    try:
+        Shapes(root).check(sample)
+    except ShapeError:
+        return False
+    return True
 
 
 def _own(module: nn.Module) -> nn.Module:
@@ -316,9 +339,10 @@ def _own(module: nn.Module) -> nn.Module:
 
 
 def _export_key(module: nn.Module, sample: Any) -> Hashable:
-    """What two modules and their samples must share for one's export to stand for the other's (Exports): the
-    architecture, the configuration the graph bakes in, the inputs' shapes and the training modes."""
-    return (architecture(_own(module)), configuration(_own(module)), input_shapes(sample),
+    """What two modules and their samples must share for one's export to stand for the other's, where its guards
+    allow the other's shapes (Exports): the architecture, the configuration the graph bakes in, the inputs'
+    structure, ranks and dtypes, and the training modes."""
+    return (architecture(_own(module)), configuration(_own(module)), input_structure(sample),
             tuple(part.training for part in module.modules()))
 
 
@@ -329,6 +353,15 @@ def architecture(module: nn.Module) -> Hashable:
     return (type(module),
             tuple((name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in module.named_parameters()),
             tuple((name, tuple(b.shape), b.dtype) for name, b in module.named_buffers()))
+
+
+def input_structure(sample: Any) -> Hashable:
+    """A sample's structure and its leaves' ranks, dtypes and devices (a leaf that is not a tensor: its type, and
+    its value where it is a number, string or bool): input_shapes without the sizes."""
+    leaves, spec = tree_flatten(sample)
+    return str(spec), tuple((leaf.dim(), str(leaf.dtype), leaf.device.type) if isinstance(leaf, torch.Tensor)
+                            else (type(leaf).__qualname__, leaf if isinstance(leaf, (int, float, str, bool)) else None)
+                            for leaf in leaves)
 
 
 def input_shapes(sample: Any) -> Hashable:

@@ -222,6 +222,37 @@ def test_a_sweep_over_settings_that_leave_the_weights_alike_exports_each_setting
         assert_close(model, reference)
 
 
+def test_a_sweep_over_batch_sizes_and_lengths_is_exported_once_and_equals_plain_pytorch(
+    no_leaks: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GPT-2s of one configuration, larger than the device, on loaders of batches of 4, 2 and 6 sequences of 12 and
+    of 4 sequences of 8 (a sweep over the batch size and the length), in two micro-batches: the export leaves those
+    sizes free, and its guards allow every one (a micro-batch of one sequence too, as torch's own guard does), so
+    the first model's export serves them all (before, one export a shape); each model equals plain PyTorch in
+    float64."""
+    from harmony.runtime import pilot
+
+    exported = []
+    export = pilot.exported_graph
+
+    def exporting(module: torch.nn.Module, sample: dict) -> object:
+        exported.append(getattr(module, "model", module))  # a model called on keywords is wrapped (KeywordCall)
+        return export(module, sample)
+
+    monkeypatch.setattr(pilot, "exported_graph", exporting)
+    models = [gpt2(seed) for seed in range(4)]
+    references = copy.deepcopy(models)
+    loaders = [token_batches(steps=2, batch=batch) for batch in (4, 2, 6)] + [token_batches(steps=2, length=8)]
+    budget = 2 * sum(p.numel() * p.element_size() for p in models[0].parameters())  # less than training one holds
+    result = harmony.train(models, loaders, None, adam(1e-3), devices=["cpu"], device_memory=budget, fuse=False,
+                           microbatches=2, progress=False)
+    assert all(len(packing.packs) > 1 for packing in result.packings)
+    assert exported == [models[0]], "model 0's export serves every batch size and length"
+    for model, reference, batches in zip(models, references, loaders):
+        train_plain(reference, batches, adam(1e-3), keywords=True)
+        assert_close(model, reference)
+
+
 def test_later_calls_take_the_export_an_earlier_one_kept_without_its_weights_and_equal_plain_pytorch(
     no_leaks: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -268,8 +299,8 @@ def test_later_calls_take_the_export_an_earlier_one_kept_without_its_weights_and
 def test_a_sweep_of_exported_models_is_exported_once(microbatches: object, monkeypatch: pytest.MonkeyPatch) -> None:
     """Three Llamas that do not fit whole, planned: the first is exported once (cut finer from the same graph), and
     the others take its stages rebound to their own weights (exporting one takes a second or more), cut alike; with
-    microbatches="auto" too, whose search cuts each model at the counts it tries (exporting the first once a
-    micro-batch shape)."""
+    microbatches="auto" too, whose search cuts each model at the counts it tries, on micro-batches of other sizes,
+    which the graph's guards allow (it exported the first once a micro-batch shape, before)."""
     from harmony.runtime import pilot
 
     exports = []
@@ -287,8 +318,7 @@ def test_a_sweep_of_exported_models_is_exported_once(microbatches: object, monke
     forecast = harmony.plan(models, token_batches(steps=2, batch=8, length=12), None, adam(1e-3), devices=["cpu"],
                             device_memory=2 * budget, microbatches=microbatches, fuse=False)
     assert exports and all(module.model is models[0] for module in exports), "the first alone"
-    shapes = {tuple(sample["input_ids"].shape) for sample in samples}
-    assert len(exports) == len(shapes), "once a micro-batch shape"
+    assert len(exports) == 1, f"once, on {[tuple(sample['input_ids'].shape) for sample in samples]}"
     cuts = {tuple((pack.first, pack.stop) for pack in job.packing.packs) for job in forecast.plan.jobs}
     assert len(cuts) == 1 and len(forecast.plan.jobs) == 3
 

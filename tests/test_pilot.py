@@ -729,7 +729,8 @@ def test_exports_export_an_architecture_once_and_give_every_cut_and_model_of_it_
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A planning's exports: a model cut again for another budget takes its graph again, a model of its architecture
     on alike inputs takes it rebound to its own weights (computing that model bit for bit through stages cut at
-    another budget), and a model of another architecture, or the same on inputs of another shape, is exported."""
+    another budget), also on inputs of other sizes that the graph's guards allow (a shorter sequence, a smaller
+    batch), and a model of another architecture, or the same on inputs of another structure, is exported."""
     from harmony.runtime import pilot
     from harmony.runtime.pilot import Exports
     from harmony.runtime.stages import trace_stages
@@ -750,8 +751,12 @@ def test_exports_export_an_architecture_once_and_give_every_cut_and_model_of_it_
     assert how.startswith("exported by torch.export") and made == [first] and len(stages) == len(fine)
     assert_computes(stages, second, batch)
     trace_stages(KeywordCall(deeper), whole, batch, exports)
-    shorter = {"input_ids": ids[:, :8], "labels": ids[:, :8]}
-    trace_stages(KeywordCall(second), whole, shorter, exports)
+    assert made == [first, deeper]
+    shorter = {"input_ids": ids[:3, :8], "labels": ids[:3, :8]}
+    stages, _ = trace_stages(KeywordCall(second), whole // 2, shorter, exports)
+    assert made == [first, deeper], "the graph holds for 3 sequences of 8"
+    assert_computes(stages, second, shorter)
+    trace_stages(KeywordCall(second), whole, {"input_ids": ids}, exports)
     assert made == [first, deeper, second]
 
 
