@@ -89,6 +89,7 @@ def evaluation(
         tensors = {**tensors_at(weights, runtime.device_weights), **borrowed}
         if rows is not None:
             tensors = rows.views(tensors)
+        modes = [part.training for part in module.modules()]  # a layer the user put in eval mode stays in it
         module.eval()
         try:
             for batch, inputs in enumerate(batches):
@@ -117,7 +118,8 @@ def evaluation(
                                     value * count)
                         samples += count
         finally:
-            module.train()
+            for part, training in zip(module.modules(), modes):
+                part.training = training
     if last and rows is not None:
         for values in sums.values():  # figures past their pruning step, which nobody keeps
             values[[member for member in range(spec.members) if member not in evaluated]] = float("nan")

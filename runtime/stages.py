@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import io
 import math
 import operator
@@ -463,9 +464,13 @@ def _takes_apart(node: fx.Node, segments: list[list[fx.Node]]) -> bool:
 class StageTracer(fx.Tracer):
     """How a worker rebuilds a stage it unpickles (torch.fx re-traces a GraphModule's code): a buffer it reads stays
     an attribute read, as a parameter does. By default fx would compute an operation on buffers alone (a position
-    id slice) there and then, on the skeleton's meta buffers, and fold the result into the graph as a constant."""
+    id slice) there and then, on the skeleton's meta buffers, and fold the result into the graph as a constant; and
+    it would read the stage's mode (follow_mode's Mode, Counter) as the constant it is when pickled."""
 
     proxy_buffer_attributes = True
+
+    def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
+        return isinstance(module, (Mode, Counter)) or super().is_leaf_module(module, qualified_name)
 
 
 PYTHON_CALLS = {  # operators an exported graph calls that a fused array needs called as Python calls (a stage
@@ -520,9 +525,98 @@ def _stage(module: nn.Module, segment: list[fx.Node], flowing: list[fx.Node], re
     graph.output(fx.map_arg(result, lookup))
     graph._tracer_cls = StageTracer
     stage = fx.GraphModule(module, graph, class_name=f"{name}Stage")
+    follow_mode(stage)
     stage.harmony_description = _describe(segment)
     stage.harmony_inputs = tuple(value.name for value in flowing)
     return stage
+
+
+FLAGS = ("train", "training")  # an operator's argument that says whether it runs as in training
+RATES = {torch.ops.aten.scaled_dot_product_attention.default: 4,
+         nn.functional.scaled_dot_product_attention: 4}  # its dropout_p: a module's rate in training, else 0
+
+
+class Mode(nn.Module):
+    """A stage's training mode as a value its graph reads (follow_mode). A leaf to StageTracer, so that a worker's
+    re-trace keeps the read rather than the mode the stage had when pickled."""
+
+    def forward(self) -> bool:
+        return self.training
+
+
+class Counter(nn.Module):
+    """A batch norm's count of batches, one more in training only (follow_mode), a leaf to StageTracer as Mode is."""
+
+    def forward(self, count: torch.Tensor) -> torch.Tensor:
+        return count.add_(1) if self.training else count
+
+
+def follow_mode(stage: fx.GraphModule) -> None:
+    """Make the operations of stage that its trace ran as in training (a dropout, a batch norm's batch statistics
+    and its count of batches, an attention's dropout) follow the stage's own mode, so that eval() turns them off as
+    it turns off the modules they came from. A trace records the mode as a constant (True in an operator's train or
+    training argument, an attention's dropout_p, torch.export's add_ to num_batches_tracked): an evaluation ran them
+    as in training. In training mode the stage computes what it did."""
+    graph = stage.graph
+    mode: fx.Node | None = None
+
+    def training() -> fx.Node:
+        nonlocal mode
+        if mode is None:
+            stage.add_submodule("harmony_mode", Mode())
+            with graph.inserting_after(next(iter(graph.nodes))):
+                mode = graph.call_module("harmony_mode")
+        return mode
+
+    changed = False
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if _counts_batches(node):
+            if not hasattr(stage, "harmony_counter"):
+                stage.add_submodule("harmony_counter", Counter())
+            with graph.inserting_before(node):
+                node.replace_all_uses_with(graph.call_module("harmony_counter", (node.args[0],)))
+            graph.erase_node(node)
+            changed = True
+        elif node.target in RATES:
+            position = RATES[node.target]
+            rate = node.args[position] if len(node.args) > position else node.kwargs.get("dropout_p", 0.0)
+            if isinstance(rate, float) and rate > 0:
+                with graph.inserting_before(node):
+                    trained = graph.call_function(operator.mul, (rate, training()))  # rate or 0.0
+                if len(node.args) > position:
+                    node.update_arg(position, trained)
+                else:
+                    node.update_kwarg("dropout_p", trained)
+                changed = True
+        else:
+            for position, name in enumerate(_parameters(node.target)):
+                if name in FLAGS and len(node.args) > position and node.args[position] is True:
+                    node.update_arg(position, training())
+                    changed = True
+                elif name in FLAGS and node.kwargs.get(name) is True:
+                    node.update_kwarg(name, training())
+                    changed = True
+    if changed:
+        stage.recompile()
+
+
+def _parameters(target: Any) -> list[str]:
+    """The names of an operator's or a Python function's parameters, in order (none where they cannot be read)."""
+    if isinstance(target, torch._ops.OpOverload):
+        return [argument.name for argument in target._schema.arguments]
+    try:
+        return list(inspect.signature(target).parameters)
+    except (TypeError, ValueError):  # a builtin without a signature
+        return []
+
+
+def _counts_batches(node: fx.Node) -> bool:
+    """Whether node is torch.export's count of a batch norm's batches in training (add_ 1 to num_batches_tracked)."""
+    counter = node.args[0] if node.args else None
+    return (node.target is torch.ops.aten.add_.Tensor and isinstance(counter, fx.Node) and counter.op == "get_attr"
+            and str(counter.target).endswith("num_batches_tracked"))
 
 
 def _describe(segment: list[fx.Node]) -> str:

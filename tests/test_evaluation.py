@@ -95,6 +95,73 @@ def test_validation_equals_a_plain_no_grad_loop(case: str, no_leaks: None) -> No
     assert not result.failed
 
 
+class Regularized(nn.Module):
+    """torch.fx cannot trace it (a branch on a size): cut under a budget, it is exported. A dropout, a batch norm and
+    a functional dropout, which eval mode turns off (the batch norm to its running statistics)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(32, 32)
+        self.drop = nn.Dropout(0.5)
+        self.norm = nn.BatchNorm1d(32)
+        self.b = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 0:
+            return x.new_zeros(0, 4)
+        h = self.norm(self.drop(torch.tanh(self.a(x))))
+        return self.b(nn.functional.dropout(h, 0.25, training=self.training))
+
+
+def test_an_exported_model_is_evaluated_as_plain_pytorch_evaluates_the_weights_it_trained_to(no_leaks: None) -> None:
+    """Regularized, cut under the budget (exported), evaluated every 2 steps: its last validation loss is plain
+    PyTorch's eval-mode loss of the weights and running statistics it trained to, and evaluating changes none of
+    them (a run that evaluates only at its end trains the same bit for bit). Before, the exported graph ran its
+    dropouts and batch statistics in evaluation too, and counted its batches into the running statistics."""
+    batches = double(regression_batches(samples=8 * 6, batch=8))
+    val = double(regression_batches(samples=20, batch=8, seed=7))
+    trained = {}
+    for every in (2, None):
+        model = Regularized().double()
+        result = harmony.train(model, batches, nn.functional.mse_loss, sgd, devices=1, device_memory=40_000,
+                               val_loaders=val, eval_every=every, threads=1, progress=False)
+        assert len(result.packings[0].packs) > 1 and not result.homes
+        trained[every] = (model, result)
+    model, result = trained[2]
+    assert [step for step, _ in result.val_history[0]] == [2, 4, 6]
+    model.eval()
+    with torch.no_grad():
+        plain = sum(nn.functional.mse_loss(model(x), y).item() * len(x) for x, y in val) / 20
+    assert result.val_history[0][-1][1] == pytest.approx(plain, rel=1e-12, abs=0)
+    assert int(model.norm.num_batches_tracked) == 6
+    for name, value in trained[None][0].state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+
+
+def test_evaluating_leaves_each_layers_mode_as_the_user_set_it(no_leaks: None) -> None:
+    """A batch norm the user froze (eval mode: its running statistics read, not updated) stays frozen through a
+    swapped run that evaluates every 2 steps, as in plain PyTorch without evaluation; before, the first evaluation
+    put every layer of the pack back in training mode."""
+    model = normalized(0)
+    model[1].eval()
+    frozen = model[1].running_mean.clone()
+    reference = clones([model])[0]
+    batches = double(regression_batches(samples=32 * 4, batch=32))
+    result = harmony.train(model, batches, nn.functional.mse_loss, sgd, devices=1, device_memory=60_000,
+                           val_loaders=double(regression_batches(samples=16, batch=8, seed=7)), eval_every=2,
+                           progress=False)
+    assert len(result.packings[0].packs) > 2 and not result.homes
+    assert torch.equal(model[1].running_mean, frozen) and not torch.equal(model[4].running_mean, frozen)
+    optimizer = sgd(reference.parameters())
+    for x, y in batches:
+        optimizer.zero_grad()
+        nn.functional.mse_loss(reference(x), y).backward()
+        optimizer.step()
+    for (name, value), expected in zip(model.state_dict().items(), reference.state_dict().values()):
+        torch.testing.assert_close(value, expected, rtol=1e-9, atol=1e-12, msg=name)
+
+
 def test_best_is_the_model_with_the_lowest_final_validation_loss_and_carries_its_name(no_leaks: None) -> None:
     models = [nn.Linear(4, 1) for _ in range(3)]
     batches = sum_batches()

@@ -299,3 +299,55 @@ def test_an_exported_models_first_stage_refuses_inputs_its_graph_does_not_hold_f
         with pytest.raises(ShapeError, match=re.escape(f"input 1's size 0 is {pairs}, and the export holds it at "
                                                        "2*s")):
             stages[0]((torch.randn(rows, 4), torch.randn(pairs, 4)))
+
+
+class Attending(nn.Module):
+    """A dropout and an attention's dropout written as Hugging Face writes them (the functional call at the module's
+    mode, dropout_p at its rate in training only), and a batch norm: a trace records them as they ran in training.
+    exported: a branch on a size keeps torch.fx from tracing it."""
+
+    def __init__(self, exported: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.exported = exported
+        self.a = nn.Linear(8, 8)
+        self.norm = nn.BatchNorm1d(5)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.exported and x.shape[0] == 0:
+            return x
+        h = nn.functional.dropout(self.norm(self.a(x)), 0.5, training=self.training)
+        q = h.view(x.shape[0], x.shape[1], 2, 4).transpose(1, 2)
+        h = nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.5 if self.training else 0.0)
+        return self.b(h.transpose(1, 2).reshape(x.shape))
+
+
+@pytest.mark.parametrize("exported", [False, True], ids=["traced", "exported"])
+def test_stages_follow_their_mode_where_the_trace_recorded_training_as_a_constant(exported: bool) -> None:
+    """Rebuilt as a worker rebuilds them, in eval mode the stages compute the model's eval-mode output (no dropout,
+    the batch norm's running statistics, none updated nor batches counted); in training mode the model's own
+    output, its dropouts drawing the same masks. Before, a trace's stages ran as in training in eval mode too."""
+    from harmony.runtime.skeleton import dump_skeleton, load_skeleton
+
+    model = Attending(exported)
+    x = torch.randn(4, 5, 8)
+    stages, how = trace_stages(model, 10**9, x if exported else None)
+    assert how.startswith("exported by torch.export" if exported else "traced by torch.fx") and len(stages) > 1
+    chain = nn.Sequential(*stages)
+    rebuilt = load_skeleton(dump_skeleton(chain))
+    tensors = {**dict(chain.named_parameters()), **dict(chain.named_buffers())}
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    for training in (False, True):
+        model.train(training)
+        rebuilt.train(training)
+        torch.manual_seed(1)
+        with torch.no_grad():
+            got = torch.func.functional_call(rebuilt, tensors, (x,))
+        torch.manual_seed(1)
+        with torch.no_grad():
+            expected = model(x)
+        torch.testing.assert_close(got[0] if isinstance(got, tuple) else got, expected, rtol=0, atol=0)
+        if not training:
+            assert all(torch.equal(before[name], value) for name, value in model.state_dict().items())
+    assert int(model.norm.num_batches_tracked) == 2, "one count each, in training: the stages' and the model's"
