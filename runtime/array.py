@@ -285,6 +285,21 @@ def sized(module: nn.Module, members: int) -> Iterator[None]:
             layer.size = size
 
 
+@contextmanager
+def evaluating(module: nn.Module) -> Iterator[None]:
+    """Within the block, module in eval mode; after it, every part of it (an ArrayLayer's template's too, which is
+    not a submodule) in the mode it had, so that a layer the user put in eval mode stays in it."""
+    parts = [part for layer in module.modules()
+             for part in (layer, *(layer.template.modules() if isinstance(layer, ArrayLayer) else ()))]
+    modes = [part.training for part in parts]
+    module.eval()
+    try:
+        yield
+    finally:
+        for part, training in zip(parts, modes):
+            part.training = training
+
+
 def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from distributed import Client, Future
 
-from harmony.runtime.array import member_slice, sized
+from harmony.runtime.array import evaluating, member_slice, sized
 from harmony.runtime.bodies import task_body
 from harmony.runtime.data import batch_size, split_tree
 from harmony.runtime.errors import ModelFailure
@@ -89,9 +89,7 @@ def evaluation(
         tensors = {**tensors_at(weights, runtime.device_weights), **borrowed}
         if rows is not None:
             tensors = rows.views(tensors)
-        modes = [part.training for part in module.modules()]  # a layer the user put in eval mode stays in it
-        module.eval()
-        try:
+        with evaluating(module):
             for batch, inputs in enumerate(batches):
                 outputs.append([])
                 for index, microbatch in enumerate(inputs):
@@ -117,9 +115,6 @@ def evaluation(
                                 sums.setdefault(name, torch.zeros(spec.members, dtype=torch.float64))[member] += (
                                     value * count)
                         samples += count
-        finally:
-            for part, training in zip(module.modules(), modes):
-                part.training = training
     if last and rows is not None:
         for values in sums.values():  # figures past their pruning step, which nobody keeps
             values[[member for member in range(spec.members) if member not in evaluated]] = float("nan")

@@ -17,6 +17,7 @@ from harmony.runtime.array import (
     ArrayLayer,
     array_loss,
     configuration,
+    evaluating,
     layer_signature,
     narrowed,
     narrowed_bytes,
@@ -335,3 +336,21 @@ def test_an_exported_constant_every_member_has_alike_is_read_unstacked_and_one_t
     assert layer.constants == {} and len(layer.buffer_names) == 1, "each member's own, stacked"
     with pytest.raises(RuntimeError):  # vmap refuses the stacked constant in place (fusion then trains them unfused)
         layer(x)
+
+
+def test_evaluating_puts_every_part_back_in_the_mode_it_had() -> None:
+    """An evaluation's eval mode, then each part's own mode again: a batch norm a member's user froze stays frozen,
+    in an array's template too (not a submodule: its train() sets it). Before, an evaluation ended with train(),
+    which unfroze it and, in an array, ran every member's batch norm on the batch's statistics from then on."""
+    members = []
+    for _ in range(2):
+        member = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.5))
+        member[1].eval()
+        members.append(member)
+    module = nn.Sequential(ArrayLayer(members, shared_input=True), nn.Linear(4, 4))
+    array = module[0]
+    before = [part.training for part in (*module.modules(), *array.template.modules())]
+    assert not array.template[1].training and array.template[2].training
+    with evaluating(module):
+        assert not any(part.training for part in (*module.modules(), *array.template.modules()))
+    assert [part.training for part in (*module.modules(), *array.template.modules())] == before

@@ -253,6 +253,29 @@ def test_a_sweep_over_batch_sizes_and_lengths_is_exported_once_and_equals_plain_
         assert_close(model, reference)
 
 
+def test_an_exported_gpt2_with_its_dropouts_is_evaluated_as_plain_pytorch_evaluates_its_weights(no_leaks: None
+                                                                                                ) -> None:
+    """A GPT-2 with its default dropouts (0.1 in its embeddings, attention and residuals), larger than the device
+    (exported): the validation loss Harmony reports at its end is plain PyTorch's eval-mode loss of the weights it
+    trained to (before, its exported stages ran their dropouts in evaluation too)."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=16,
+                                     bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config).double()
+    assert config.attn_pdrop == config.resid_pdrop == config.embd_pdrop == 0.1
+    budget = 2 * sum(p.numel() * p.element_size() for p in model.parameters())  # less than training one holds
+    val = token_batches(steps=2)
+    result = harmony.train(model, token_batches(steps=3), None, adam(1e-3), devices=["cpu"], device_memory=budget,
+                           microbatches=2, val_loaders=val, progress=False)
+    assert len(result.packings[0].packs) > 1
+    model.eval()
+    with torch.no_grad():  # its loss is float32's (the logits upcast): each of a batch's micro-batches, as evaluated
+        plain = sum(model(**{key: value[half] for key, value in batch.items()}).loss.item() / 2
+                    for batch in val for half in (slice(0, 2), slice(2, 4))) / len(val)
+        whole = sum(model(**batch).loss.item() for batch in val) / len(val)
+    assert result.val_history[0][-1][1] == pytest.approx(plain, rel=1e-12, abs=0), (plain, whole)
+
+
 def test_later_calls_take_the_export_an_earlier_one_kept_without_its_weights_and_equal_plain_pytorch(
     no_leaks: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
