@@ -58,6 +58,23 @@ def adam(rate: float) -> functools.partial:
     return functools.partial(torch.optim.Adam, lr=rate)
 
 
+@pytest.fixture
+def exported(monkeypatch: pytest.MonkeyPatch) -> list[tuple[torch.nn.Module, dict]]:
+    """The models torch.export exports in the test (a model called on keywords unwrapped from its KeywordCall), with
+    the sample each was exported on."""
+    from harmony.runtime import pilot
+
+    made: list[tuple[torch.nn.Module, dict]] = []
+    export = pilot.exported_graph
+
+    def exporting(module: torch.nn.Module, sample: dict) -> object:
+        made.append((getattr(module, "model", module), sample))
+        return export(module, sample)
+
+    monkeypatch.setattr(pilot, "exported_graph", exporting)
+    return made
+
+
 def test_dict_batches_and_the_models_own_loss_equal_plain_pytorch(no_leaks: None) -> None:
     models = [gpt2(0), gpt2(1)]
     references = copy.deepcopy(models)
@@ -184,22 +201,12 @@ def test_causal_lms_larger_than_the_device_are_exported_cut_at_their_layers_and_
 
 
 def test_a_sweep_over_settings_that_leave_the_weights_alike_exports_each_setting_and_equals_plain_pytorch(
-    no_leaks: None, monkeypatch: pytest.MonkeyPatch
+    no_leaks: None, exported: list[tuple[torch.nn.Module, dict]]
 ) -> None:
     """GPT-2s of one shape whose activation function or layer-norm epsilon differ (a sweep over them), larger than the
     device: torch.export bakes those settings into its graph, so a model takes another's export and cut only where
     its settings are the same (before, every model trained with the first's activation and epsilon); each equals
     plain PyTorch in float64."""
-    from harmony.runtime import pilot
-
-    exported = []
-    export = pilot.exported_graph
-
-    def exporting(module: torch.nn.Module, sample: dict) -> object:
-        exported.append(getattr(module, "model", module))  # a model called on keywords is wrapped (KeywordCall)
-        return export(module, sample)
-
-    monkeypatch.setattr(pilot, "exported_graph", exporting)
 
     def variant(seed: int, activation: str, epsilon: float) -> torch.nn.Module:
         torch.manual_seed(seed)
@@ -216,30 +223,20 @@ def test_a_sweep_over_settings_that_leave_the_weights_alike_exports_each_setting
     result = harmony.train(models, batches, None, adam(1e-3), devices=["cpu"], device_memory=budget, fuse=False,
                            microbatches=2, progress=False)
     assert all(len(packing.packs) > 1 for packing in result.packings)
-    assert [models.index(module) for module in exported] == [0, 1, 2], "model 3 takes model 0's export"
+    assert [models.index(module) for module, _ in exported] == [0, 1, 2], "model 3 takes model 0's export"
     for model, reference in zip(models, references):
         train_plain(reference, batches, adam(1e-3), keywords=True)
         assert_close(model, reference)
 
 
 def test_a_sweep_over_batch_sizes_and_lengths_is_exported_once_and_equals_plain_pytorch(
-    no_leaks: None, monkeypatch: pytest.MonkeyPatch
+    no_leaks: None, exported: list[tuple[torch.nn.Module, dict]]
 ) -> None:
     """GPT-2s of one configuration, larger than the device, on loaders of batches of 4, 2 and 6 sequences of 12 and
     of 4 sequences of 8 (a sweep over the batch size and the length), in two micro-batches: the export leaves those
     sizes free, and its guards allow every one (a micro-batch of one sequence too, as torch's own guard does), so
     the first model's export serves them all (before, one export a shape); each model equals plain PyTorch in
     float64."""
-    from harmony.runtime import pilot
-
-    exported = []
-    export = pilot.exported_graph
-
-    def exporting(module: torch.nn.Module, sample: dict) -> object:
-        exported.append(getattr(module, "model", module))  # a model called on keywords is wrapped (KeywordCall)
-        return export(module, sample)
-
-    monkeypatch.setattr(pilot, "exported_graph", exporting)
     models = [gpt2(seed) for seed in range(4)]
     references = copy.deepcopy(models)
     loaders = [token_batches(steps=2, batch=batch) for batch in (4, 2, 6)] + [token_batches(steps=2, length=8)]
@@ -247,7 +244,7 @@ def test_a_sweep_over_batch_sizes_and_lengths_is_exported_once_and_equals_plain_
     result = harmony.train(models, loaders, None, adam(1e-3), devices=["cpu"], device_memory=budget, fuse=False,
                            microbatches=2, progress=False)
     assert all(len(packing.packs) > 1 for packing in result.packings)
-    assert exported == [models[0]], "model 0's export serves every batch size and length"
+    assert [module for module, _ in exported] == [models[0]], "model 0's export serves every size and length"
     for model, reference, batches in zip(models, references, loaders):
         train_plain(reference, batches, adam(1e-3), keywords=True)
         assert_close(model, reference)
@@ -277,7 +274,7 @@ def test_an_exported_gpt2_with_its_dropouts_is_evaluated_as_plain_pytorch_evalua
 
 
 def test_later_calls_take_the_export_an_earlier_one_kept_without_its_weights_and_equal_plain_pytorch(
-    no_leaks: None, monkeypatch: pytest.MonkeyPatch
+    no_leaks: None, exported: list[tuple[torch.nn.Module, dict]]
 ) -> None:
     """A notebook's harmony.plan, then train, then the cell run again with new models of the same configuration:
     the plan's export of GPT-2 (larger than the device) is kept without the planned models' weights
@@ -286,16 +283,7 @@ def test_later_calls_take_the_export_an_earlier_one_kept_without_its_weights_and
     import weakref
 
     from harmony import timings
-    from harmony.runtime import pilot
 
-    exported = []
-    export = pilot.exported_graph
-
-    def exporting(module: torch.nn.Module, sample: dict) -> object:
-        exported.append(module)
-        return export(module, sample)
-
-    monkeypatch.setattr(pilot, "exported_graph", exporting)
     batches = token_batches(steps=3)
     planned = [gpt2(0), gpt2(1)]
     budget = 2 * sum(p.numel() * p.element_size() for p in planned[0].parameters())  # less than training one holds
@@ -319,29 +307,17 @@ def test_later_calls_take_the_export_an_earlier_one_kept_without_its_weights_and
 
 
 @pytest.mark.parametrize("microbatches", [2, "auto"])
-def test_a_sweep_of_exported_models_is_exported_once(microbatches: object, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_sweep_of_exported_models_is_exported_once(microbatches: object, exported: list) -> None:
     """Three Llamas that do not fit whole, planned: the first is exported once (cut finer from the same graph), and
     the others take its stages rebound to their own weights (exporting one takes a second or more), cut alike; with
     microbatches="auto" too, whose search cuts each model at the counts it tries, on micro-batches of other sizes,
     which the graph's guards allow (it exported the first once a micro-batch shape, before)."""
-    from harmony.runtime import pilot
-
-    exports = []
-    export = pilot.exported_graph
-    samples = []
-
-    def exporting(module: torch.nn.Module, sample: dict) -> object:
-        exports.append(module)
-        samples.append(sample)
-        return export(module, sample)
-
-    monkeypatch.setattr(pilot, "exported_graph", exporting)
     models = [llama(seed, layers=4) for seed in range(3)]
     budget = sum(p.numel() * p.element_size() for p in models[0].parameters())
     forecast = harmony.plan(models, token_batches(steps=2, batch=8, length=12), None, adam(1e-3), devices=["cpu"],
                             device_memory=2 * budget, microbatches=microbatches, fuse=False)
-    assert exports and all(module.model is models[0] for module in exports), "the first alone"
-    assert len(exports) == 1, f"once, on {[tuple(sample['input_ids'].shape) for sample in samples]}"
+    assert exported and all(module is models[0] for module, _ in exported), "the first alone"
+    assert len(exported) == 1, f"once, on {[tuple(sample['input_ids'].shape) for _, sample in exported]}"
     cuts = {tuple((pack.first, pack.stop) for pack in job.packing.packs) for job in forecast.plan.jobs}
     assert len(cuts) == 1 and len(forecast.plan.jobs) == 3
 
