@@ -197,12 +197,16 @@ def _piloted(args: Arguments, index: int, budget: int, made: tuple[Decomposition
 
 def _check_exported_sizes(args: Arguments, index: int, sample: Any, first: torch.nn.Module) -> None:
     """Refuse, before work starts, a model exported whole (its first layer an Entry) whose graph does not hold for
-    a micro-batch its loader will give it (a short last batch, a batch that microbatches does not divide evenly),
-    where the loader says its batch sizes (Arguments.batch_sizes); the run checks every micro-batch besides."""
-    counted = isinstance(args.options.microbatches, int)  # else fewest_microbatches is still choosing
-    batches = args.batch_sizes(index) if isinstance(first, Entry) and counted else None
+    a micro-batch it will be given (a short last batch, a batch that microbatches does not divide evenly, a
+    validation batch of another size), where its loader says its batch sizes (Arguments.batch_sizes) and in its
+    validation batches; the run checks every micro-batch besides."""
+    if not isinstance(first, Entry) or not isinstance(args.options.microbatches, int):  # else still choosing it
+        return
+    given = dict.fromkeys(args.batch_sizes(index) or (), "its loader gives")
+    for inputs, _ in args.validation[args.validation_of[index]] if args.validation else ():
+        given.setdefault(batch_size(inputs), "its val_loaders give")
     pilot = batch_size(sample)
-    for batch in sorted(batches or ()):
+    for batch, giver in sorted(given.items()):
         for size in set(split_sizes(batch, args.options.microbatches)) - {pilot}:
             shaped = tree_map(lambda leaf, size=size: torch.empty((size, *leaf.shape[1:]), device="meta")
                               if isinstance(leaf, torch.Tensor) else leaf, sample)
@@ -212,7 +216,7 @@ def _check_exported_sizes(args: Arguments, index: int, sample: Any, first: torch
                 raise InputError(
                     f"{model_label(index, args.models[index])} does not fit the device whole, and torch.export's "
                     f"graph of it, cut into packs, holds for micro-batches of {pilot} samples but not {size} "
-                    f"(its loader gives batches of {batch}): {error}. Give it batches of one size (a DataLoader's "
+                    f"({giver} batches of {batch}): {error}. Give it batches of one size (a DataLoader's "
                     "drop_last=True drops the short last batch; a batch size that microbatches divides keeps its "
                     "micro-batches one size), or a device_memory that fits it whole") from None
 

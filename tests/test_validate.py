@@ -157,20 +157,23 @@ def test_a_forward_that_fails_in_the_pilot_pass_names_the_model() -> None:
 def test_a_model_exported_for_its_batchs_size_is_refused_a_loader_that_gives_it_another_before_work_starts() -> None:
     """BatchBranch does not fit the budget whole: it is exported, its batch's size fixed at its first micro-batch's
     (runtime.stages.Shapes). A loader that says it gives another size (a DataLoader's short last batch, a list of
-    batches of two sizes, a batch that microbatches splits unevenly) is refused, naming the model and the fix."""
+    batches of two sizes, a batch that microbatches splits unevenly) and validation batches of another size are
+    refused, naming the model and the fix."""
     x, y = torch.randn(20, 32), torch.randn(20, 4)
     short = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
-    for loader, size, said in [
-        (short, 8, "micro-batches of 8 samples but not 4 (its loader gives batches of 4)"),
-        (regression_batches(16, 8) + regression_batches(6, 6), 8,
+    for loader, size, extra, said in [
+        (short, 8, {}, "micro-batches of 8 samples but not 4 (its loader gives batches of 4)"),
+        (regression_batches(16, 8) + regression_batches(6, 6), 8, {},
          "micro-batches of 8 samples but not 6 (its loader gives batches of 6)"),
-        (regression_batches(16, 8), 3, "micro-batches of 3 samples but not 2 (its loader gives batches of 8)"),
+        (regression_batches(16, 8), 3, {"microbatches": 3},
+         "micro-batches of 3 samples but not 2 (its loader gives batches of 8)"),
+        (regression_batches(16, 8), 8, {"val_loaders": regression_batches(12, 6)},
+         "micro-batches of 8 samples but not 6 (its val_loaders give batches of 6)"),
     ]:
         with pytest.raises(InputError, match=re.escape(f"model 0 (BatchBranch) does not fit the device whole, and "
                                                        f"torch.export's graph of it, cut into packs, holds for {said}"
                                                        )) as raised:
-            call(models=[BatchBranch(size=size)], loaders=loader, device_memory=20_000, devices=1,
-                 microbatches=1 if size == 8 else 3)
+            call(models=[BatchBranch(size=size)], loaders=loader, device_memory=20_000, devices=1, **extra)
         assert "drop_last=True" in str(raised.value)
 
 
