@@ -31,7 +31,7 @@ from harmony.runtime.code import JobCode
 from harmony.runtime.data import batch_size
 from harmony.runtime.measure import update_rate
 from harmony.runtime.pilot import Decomposition, KeywordCall, architecture, decompose, rebound
-from harmony.runtime.stages import Entry, ShapeError, sized_by_shapes
+from harmony.runtime.stages import REMEDY, Entry, ShapeError, sized_by_shapes
 from harmony.tasks.amortize import even_sections, homed_task_seconds, pack_sections, runs_spans, steps_per_task
 from harmony.tasks.binding import MODES
 from harmony.tasks.hardware import Hardware
@@ -216,9 +216,7 @@ def _check_exported_sizes(args: Arguments, index: int, sample: Any, first: torch
                 raise InputError(
                     f"{model_label(index, args.models[index])} does not fit the device whole, and torch.export's "
                     f"graph of it, cut into packs, holds for micro-batches of {pilot} samples but not {size} "
-                    f"({giver} batches of {batch}): {error}. Give it batches of one size (a DataLoader's "
-                    "drop_last=True drops the short last batch; a batch size that microbatches divides keeps its "
-                    "micro-batches one size), or a device_memory that fits it whole") from None
+                    f"({giver} batches of {batch}): {error}; {REMEDY}") from None
 
 
 def _kept(args: Arguments, index: int, sample: Any) -> Hashable:

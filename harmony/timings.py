@@ -8,8 +8,8 @@ ones timed, and sizes their outputs), a trial array whose timings are kept is pr
 one that an earlier call found without room at a budget (NO_ROOM) is not built again there.
 Timings are the machine's at the moment they were taken; harmony.shutdown() forgets them with the warm cluster.
 The exports a planning made (a model torch.export cut: seconds each) are kept here too, without their models'
-weights (runtime.pilot.Exports), for later calls' models of the same architecture and configuration on inputs of
-the same shapes (harmony.plan's, and train's after it).
+weights (runtime.pilot.Exports), for later calls' models of the same architecture and configuration on inputs its
+guards allow (harmony.plan's, and train's after it).
 
 Only what a key names is shared: anything else a layer's time depends on (values, a data-dependent branch) is
 taken as its first call found it, as within one call the models of one architecture already take the first's.

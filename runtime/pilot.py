@@ -356,19 +356,20 @@ def architecture(module: nn.Module) -> Hashable:
 
 
 def input_structure(sample: Any) -> Hashable:
-    """A sample's structure and its leaves' ranks, dtypes and devices (a leaf that is not a tensor: its type, and
-    its value where it is a number, string or bool): input_shapes without the sizes."""
-    leaves, spec = tree_flatten(sample)
-    return str(spec), tuple((leaf.dim(), str(leaf.dtype), leaf.device.type) if isinstance(leaf, torch.Tensor)
-                            else (type(leaf).__qualname__, leaf if isinstance(leaf, (int, float, str, bool)) else None)
-                            for leaf in leaves)
+    """A sample's structure and its leaves' ranks, dtypes and devices: input_shapes without the sizes."""
+    return _described(sample, lambda leaf: leaf.dim())
 
 
 def input_shapes(sample: Any) -> Hashable:
     """A sample's structure and its leaves' shapes, dtypes and devices (a leaf that is not a tensor: its type, and
     its value where it is a number, string or bool)."""
+    return _described(sample, lambda leaf: tuple(leaf.shape))
+
+
+def _described(sample: Any, sizes: Callable[[torch.Tensor], Hashable]) -> Hashable:
+    """A sample's structure and its leaves, a tensor by sizes (its shape or rank), dtype and device."""
     leaves, spec = tree_flatten(sample)
-    return str(spec), tuple((tuple(leaf.shape), str(leaf.dtype), leaf.device.type) if isinstance(leaf, torch.Tensor)
+    return str(spec), tuple((sizes(leaf), str(leaf.dtype), leaf.device.type) if isinstance(leaf, torch.Tensor)
                             else (type(leaf).__qualname__, leaf if isinstance(leaf, (int, float, str, bool)) else None)
                             for leaf in leaves)
 
@@ -490,11 +491,8 @@ def _as_chained(profiles: list[LayerProfile], layers: list[nn.Module], sample: A
         return profiles
     chained = float("inf")
     for _ in range(2):
-        x = sample
         started = time.perf_counter()
-        with computing():
-            for layer in layers:
-                x = layer(x)
+        x = _through(layers, sample, computing)
         chained = min(chained, time.perf_counter() - started)
         del x
         if chained > TIMING_BUDGET:
@@ -502,6 +500,14 @@ def _as_chained(profiles: list[LayerProfile], layers: list[nn.Module], sample: A
     scale = chained / alone
     return [replace(profile, forward_seconds_per_sample=profile.forward_seconds_per_sample * scale)
             for profile in profiles]
+
+
+def _through(layers: list[nn.Module], x: Any, computing: Callable[[], AbstractContextManager[object]]) -> Any:
+    """x through the chain of layers, computing as the run does."""
+    with computing():
+        for layer in layers:
+            x = layer(x)
+    return x
 
 
 def _backward_ratio(layers: list[nn.Module], sample: Any, samples: int, profiles: list[LayerProfile],
@@ -532,18 +538,13 @@ def _backward_ratio(layers: list[nn.Module], sample: Any, samples: int, profiles
         with torch.enable_grad():
             for turn in range(4):
                 started = time.perf_counter()
-                x = warm if turn == 0 else timed
                 try:
-                    with computing():
-                        for layer in layers:
-                            x = layer(x)
+                    x = _through(layers, warm if turn == 0 else timed, computing)
                 except ShapeError:  # an export that fixed the micro-batch's size (runtime.stages.Shapes)
                     if turn > 0 or count != samples:
                         return BACKWARD_RATIO
-                    x = warm = timed  # the warm-up round on all of them
-                    with computing():
-                        for layer in layers:
-                            x = layer(x)
+                    warm = timed  # the warm-up round on all of them
+                    x = _through(layers, warm, computing)
                 middle = time.perf_counter()
                 outputs = [leaf for leaf in tree_leaves(x) if isinstance(leaf, torch.Tensor) and leaf.grad_fn]
                 if not outputs:

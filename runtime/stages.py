@@ -233,15 +233,17 @@ class Entry(_Wrapped):
             self.shapes.check(x)
         except ShapeError as error:
             raise ShapeError(f"{error}: torch.export's graph of the model holds only for inputs like those it was "
-                             "exported with; give it batches of those shapes (a DataLoader's drop_last=True drops "
-                             "a short last batch; a batch size that microbatches divides keeps micro-batches one "
-                             "size), or a device_memory that fits it whole (a model not cut runs its own forward)"
-                             ) from None
+                             f"exported with; {REMEDY}") from None
         return self.stage(leaves[0] if len(leaves) == 1 else tuple(leaves))
 
 
 class ShapeError(ValueError):
     """Inputs of shapes an exported graph does not hold for."""
+
+
+REMEDY = ("give it batches of one size (a DataLoader's drop_last=True drops a short last batch; a batch size that "
+          "microbatches divides keeps micro-batches one size), or a device_memory that fits it whole (a model not "
+          "cut runs its own forward)")  # what a user does about a ShapeError
 
 
 class Shapes:
@@ -297,8 +299,8 @@ class Shapes:
             value = sympy.sympify(expression).subs({sympy.Symbol(name): held for name, (held, _) in bound.items()})
             if value.is_number and int(value) != size:
                 raise ShapeError(f"{place} is {size}, and the export holds it at {expression} = {int(value)}")
-        names = {**SYMPY_INTERP, "math": math, "inf": math.inf, "L": defaultdict(lambda: x)}  # as torch's own
-        for guard in self.guards:
+        names = {**SYMPY_INTERP, "math": math, "inf": math.inf, "L": defaultdict(lambda: x)} if self.guards else {}
+        for guard in self.guards:  # torch's own guard code, in the names torch gives it
             if not eval(_compiled(guard), names):
                 shapes, said = ", ".join(_shown(leaf) for leaf in leaves), re.sub(r"L\['([^']+)'\]", r"\1", guard)
                 raise ShapeError(f"the input's shapes {shapes} fail the export's guard {said} (the model's forward "
@@ -323,9 +325,9 @@ def _compiled(guard: str) -> types.CodeType:
 
 def _size(size: Any) -> int | str:
     """A size of an exported graph's input: an int where the export fixed it, else its expression's text."""
-    if isinstance(size, torch.SymInt) and size.node.expr.is_number:
-        return int(size.node.expr)
-    return str(size.node.expr) if isinstance(size, torch.SymInt) else int(size)
+    if not isinstance(size, torch.SymInt):
+        return int(size)
+    return int(size.node.expr) if size.node.expr.is_number else str(size.node.expr)
 
 
 def _shown(value: Any) -> str:
@@ -532,8 +534,8 @@ def _stage(module: nn.Module, segment: list[fx.Node], flowing: list[fx.Node], re
 
 
 FLAGS = ("train", "training")  # an operator's argument that says whether it runs as in training
-RATES = {torch.ops.aten.scaled_dot_product_attention.default: 4,
-         nn.functional.scaled_dot_product_attention: 4}  # its dropout_p: a module's rate in training, else 0
+ATTENTION = {torch.ops.aten.scaled_dot_product_attention.default, nn.functional.scaled_dot_product_attention}
+DROPOUT_P = 4  # attention's dropout_p, by position: a module's rate in training, else 0
 
 
 class Mode(nn.Module):
@@ -579,14 +581,13 @@ def follow_mode(stage: fx.GraphModule) -> None:
                 node.replace_all_uses_with(graph.call_module("harmony_counter", (node.args[0],)))
             graph.erase_node(node)
             changed = True
-        elif node.target in RATES:
-            position = RATES[node.target]
-            rate = node.args[position] if len(node.args) > position else node.kwargs.get("dropout_p", 0.0)
+        elif node.target in ATTENTION:
+            rate = node.args[DROPOUT_P] if len(node.args) > DROPOUT_P else node.kwargs.get("dropout_p", 0.0)
             if isinstance(rate, float) and rate > 0:
                 with graph.inserting_before(node):
                     trained = graph.call_function(operator.mul, (rate, training()))  # rate or 0.0
-                if len(node.args) > position:
-                    node.update_arg(position, trained)
+                if len(node.args) > DROPOUT_P:
+                    node.update_arg(DROPOUT_P, trained)
                 else:
                     node.update_kwarg("dropout_p", trained)
                 changed = True
